@@ -1,0 +1,464 @@
+"""MLflow tracking that never blocks training.
+
+A `Tracker` owns one MLflow run. Metrics go into a bounded queue; one background thread drains it into
+`MlflowClient.log_batch` calls (at most 1000 metrics each), so the train loop only pays for a `queue.put`.
+Errors raised in that thread are kept and re-raised at `flush()`/`close()`, never swallowed.
+
+The default store is a sqlite file under <repo>/results/ (MLflow 3.17 refuses the plain file store). Several local
+jobs may write to the same sqlite file: writes are retried while the database is locked. A shared MLflow server
+(scripts/mlflow_server.sh) is the recommended store for SLURM jobs.
+"""
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import queue
+import socket
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+RESULTS_DIR = REPO_ROOT / "results"
+PARENT_FILE = "mlflow_parent.json"
+
+# MLflow's limits (mlflow.utils.validation); kept here so truncation happens before the request, not in an error.
+MAX_METRICS_PER_BATCH = 1000
+MAX_PARAMS_TAGS_PER_BATCH = 100
+MAX_PARAM_VAL_LENGTH = 6000
+MAX_TAG_VAL_LENGTH = 8000
+MAX_KEY_LENGTH = 250
+
+
+@dataclass
+class TrackingConfig:
+    """Where runs are recorded. uri None -> sqlite:///<repo>/results/mlflow.db (absolute path)."""
+
+    uri: Optional[str] = None
+    experiment: Optional[str] = None  # None -> the sweep name
+    queue_size: int = 100_000  # metrics waiting for the logging thread; a full queue applies back-pressure
+    flush_interval_s: float = 2.0  # the thread posts what it has at least this often
+    check_timeout_s: float = 3.0  # check_tracking's HTTP timeout
+
+    def validate(self, key: str = "tracking") -> "TrackingConfig":
+        if self.uri is not None and not isinstance(self.uri, str):
+            raise ValueError(f"{key}.uri={self.uri!r} is not allowed: expected a string or null")
+        for name in ("queue_size",):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f"{key}.{name}={v!r} is not allowed: expected an integer > 0")
+        for name in ("flush_interval_s", "check_timeout_s"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
+                raise ValueError(f"{key}.{name}={v!r} is not allowed: expected a number > 0")
+        return self
+
+
+class TrackingUnreachable(ValueError):
+    """The configured tracking store cannot be used; raised before any job starts."""
+
+
+def default_tracking_uri() -> str:
+    return f"sqlite:///{RESULTS_DIR / 'mlflow.db'}"
+
+
+def resolve_uri(uri: Optional[str]) -> str:
+    """None -> the embedded default; relative sqlite paths -> absolute (jobs may run in other folders)."""
+    if not uri:
+        return default_tracking_uri()
+    if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
+        path = Path(uri[len("sqlite:///"):])
+        if not path.is_absolute():
+            return f"sqlite:///{(Path.cwd() / path).resolve()}"
+    return uri
+
+
+def sqlite_path(uri: str) -> Optional[Path]:
+    if uri.startswith("sqlite:///"):
+        return Path("/" + uri[len("sqlite:///"):].lstrip("/"))
+    return None
+
+
+def artifact_root_for(uri: str) -> Optional[str]:
+    """Artifacts of a sqlite store live beside the db (MLflow would otherwise use ./mlruns of the cwd)."""
+    db = sqlite_path(uri)
+    if db is None:
+        return None  # a server decides (mlflow server --serve-artifacts)
+    return (db.parent / "mlartifacts").as_uri()
+
+
+def check_tracking(uri: Optional[str], timeout_s: float = 3.0) -> str:
+    """Fail fast, with a message saying what to do, when the store cannot be used. Returns the resolved uri."""
+    uri = resolve_uri(uri)
+    if uri.startswith(("http://", "https://")):
+        url = uri.rstrip("/") + "/health"
+        try:
+            with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+                if resp.status != 200:
+                    raise OSError(f"HTTP {resp.status}")
+        except (urllib.error.URLError, OSError, socket.timeout, ValueError) as e:
+            raise TrackingUnreachable(
+                f"tracking.uri={uri!r}: MLflow server unreachable ({getattr(e, 'reason', e)}; GET {url} failed "
+                f"within {timeout_s:g}s). Start it with scripts/mlflow_server.sh, or point tracking.uri at a "
+                f"running server, or drop tracking.uri to use the embedded sqlite store {default_tracking_uri()}"
+            ) from None
+        return uri
+    db = sqlite_path(uri)
+    if db is not None:
+        folder = db.parent
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise TrackingUnreachable(f"tracking.uri={uri!r}: cannot create folder {folder}: {e}") from None
+        if not os.access(folder, os.W_OK) or (db.exists() and not os.access(db, os.W_OK)):
+            raise TrackingUnreachable(f"tracking.uri={uri!r}: {db} is not writable")
+        return uri
+    if uri.startswith(("file:", "/")) or "://" not in uri:
+        raise TrackingUnreachable(
+            f"tracking.uri={uri!r} is not allowed: MLflow 3.17 refuses the file store; use sqlite:///<path>.db "
+            f"or http(s)://<server>")
+    return uri  # other database URIs (postgresql://...): MLflow reports its own connection errors
+
+
+# ----------------------------------------------------------------------------------------------- config helpers
+def flatten_config(cfg: Any, prefix: str = "") -> Dict[str, str]:
+    """Dotted keys -> string values (OmegaConf nodes, dataclasses, dicts and lists), truncated to MLflow's limits.
+    The `hydra` node is left out: it describes the launcher, not the experiment."""
+    try:
+        from omegaconf import OmegaConf
+        if OmegaConf.is_config(cfg):
+            cfg = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
+    except ImportError:
+        pass
+    if hasattr(cfg, "__dataclass_fields__"):
+        from dataclasses import asdict
+        cfg = asdict(cfg)
+    out: Dict[str, str] = {}
+
+    def walk(node, key):
+        if isinstance(node, Mapping):
+            if not node and key:
+                out[key] = "{}"
+            for k, v in node.items():
+                if not key and k == "hydra":
+                    continue
+                walk(v, f"{key}.{k}" if key else str(k))
+        elif isinstance(node, (list, tuple)) and any(isinstance(v, (Mapping, list, tuple)) for v in node):
+            if not node:
+                out[key] = "[]"
+            for i, v in enumerate(node):
+                walk(v, f"{key}.{i}")
+        else:
+            out[key] = _truncate(json.dumps(node) if isinstance(node, (list, tuple)) else str(node),
+                                 MAX_PARAM_VAL_LENGTH)
+
+    walk(cfg, prefix)
+    return {k[:MAX_KEY_LENGTH]: v for k, v in out.items()}
+
+
+def _truncate(s: str, n: int) -> str:
+    return s if len(s) <= n else s[: n - 3] + "..."
+
+
+def git_info(cwd: Path = REPO_ROOT) -> Dict[str, str]:
+    """Commit of the code that ran and whether the tree had uncommitted changes."""
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=10).stdout.strip()
+    try:
+        commit = git("rev-parse", "HEAD") or "unknown"
+        dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
+    except (OSError, subprocess.SubprocessError):
+        return {"git.commit": "unknown", "git.dirty": "unknown"}
+    return {"git.commit": commit, "git.dirty": str(dirty).lower(), "mlflow.source.git.commit": commit}
+
+
+# ---------------------------------------------------------------------------------------------- parent run
+def write_parent_file(sweep_dir: Path, tracking_uri: str, experiment_id: str, run_id: str) -> Path:
+    sweep_dir = Path(sweep_dir)
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    path = sweep_dir / PARENT_FILE
+    path.write_text(json.dumps({"tracking_uri": tracking_uri, "experiment_id": experiment_id, "run_id": run_id},
+                               indent=2))
+    return path
+
+
+def find_parent(sweep_dir: Optional[os.PathLike] = None) -> Optional[Dict[str, str]]:
+    """The sweep's parent run ({tracking_uri, experiment_id, run_id}) from <sweep dir>/mlflow_parent.json.
+    Without sweep_dir, the sweep dir comes from HydraConfig when this process is a multirun job."""
+    if sweep_dir is None:
+        try:
+            from hydra.core.hydra_config import HydraConfig
+            from hydra.types import RunMode
+            hc = HydraConfig.get()
+            if hc.mode != RunMode.MULTIRUN:
+                return None
+            sweep_dir = hc.sweep.dir
+        except (ImportError, ValueError):
+            return None
+    path = Path(sweep_dir) / PARENT_FILE
+    if not path.is_file():
+        return None
+    return json.loads(path.read_text())
+
+
+# --------------------------------------------------------------------------------------------------- retries
+def _retry(fn, *args, attempts: int = 8, **kwargs):
+    """Retry while a sqlite store is locked by another local job (MLflow retries deadlocks, not locks)."""
+    delay = 0.05
+    for i in range(attempts):
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:  # MlflowException wraps sqlalchemy's OperationalError
+            if "locked" not in str(e).lower() or i == attempts - 1:
+                raise
+            time.sleep(delay)
+            delay = min(delay * 2, 2.0)
+
+
+def get_or_create_experiment(client, name: str, tracking_uri: str) -> str:
+    exp = _retry(client.get_experiment_by_name, name)
+    if exp is not None:
+        if exp.lifecycle_stage == "deleted":
+            _retry(client.restore_experiment, exp.experiment_id)
+        return exp.experiment_id
+    root = artifact_root_for(tracking_uri)
+    try:
+        return _retry(client.create_experiment, name,
+                      artifact_location=f"{root}/{name}" if root else None)
+    except Exception:  # another job created it first
+        exp = _retry(client.get_experiment_by_name, name)
+        if exp is None:
+            raise
+        return exp.experiment_id
+
+
+def make_client(uri: str):
+    from mlflow.tracking import MlflowClient
+    return _retry(MlflowClient, tracking_uri=uri)
+
+
+# --------------------------------------------------------------------------------------------------- Tracker
+_FLUSH = object()
+_STOP = object()
+
+
+class Tracker:
+    """One MLflow run, with metrics logged from a background thread.
+
+    run_id given: continue that run (resume); metric points at a step <= the last step already logged for the
+    same key are dropped, so a resumed run's curves stay contiguous and never hold a step twice.
+    parent_run_id None and a <sweep dir>/mlflow_parent.json present (multirun): the run is nested under it.
+    enabled False: every method is a no-op (e.g. non-zero DDP ranks).
+    """
+
+    def __init__(self, cfg: TrackingConfig, run_name: str, experiment: Optional[str] = None,
+                 parent_run_id: Optional[str] = None, run_id: Optional[str] = None, enabled: bool = True,
+                 tags: Optional[Mapping[str, Any]] = None, discover_parent: bool = True):
+        self.cfg = cfg
+        self.enabled = enabled
+        self.run_id: Optional[str] = None
+        self.experiment_id: Optional[str] = None
+        self.parent_run_id = parent_run_id
+        self.uri = resolve_uri(cfg.uri)
+        self._closed = not enabled
+        self._error: Optional[BaseException] = None
+        self._last_step: Dict[str, int] = {}
+        self._dropped = 0
+        self.points_logged = 0  # metric points posted to MLflow (after duplicate removal)
+        if not enabled:
+            return
+        self.client = make_client(self.uri)
+        parent = None
+        if parent_run_id is None and run_id is None and discover_parent:
+            parent = find_parent()
+            if parent is not None and resolve_uri(parent.get("tracking_uri")) == self.uri:
+                self.parent_run_id = parent["run_id"]
+            else:
+                parent = None
+        if run_id is not None:
+            run = _retry(self.client.get_run, run_id)
+            self.run_id, self.experiment_id = run_id, run.info.experiment_id
+            self._last_step = self._last_steps(run)
+            self._params_logged = dict(run.data.params)
+            self.parent_run_id = run.data.tags.get("mlflow.parentRunId", parent_run_id)
+            _retry(self.client.update_run, run_id, status="RUNNING")
+        else:
+            if parent is not None:
+                self.experiment_id = parent["experiment_id"]
+            else:
+                self.experiment_id = get_or_create_experiment(self.client, experiment or "flash-forensics",
+                                                              self.uri)
+            run_tags = {**git_info(), **{k: _truncate(str(v), MAX_TAG_VAL_LENGTH) for k, v in (tags or {}).items()}}
+            if self.parent_run_id:
+                run_tags["mlflow.parentRunId"] = self.parent_run_id
+            run = _retry(self.client.create_run, self.experiment_id, run_name=run_name, tags=run_tags)
+            self.run_id = run.info.run_id
+            self._params_logged = {}
+        self._queue: "queue.Queue" = queue.Queue(maxsize=cfg.queue_size)
+        self._thread = threading.Thread(target=self._worker, name=f"mlflow-log-{self.run_id[:8]}", daemon=True)
+        self._thread.start()
+        atexit.register(self._atexit)
+
+    # -------------------------------------------------------------------------------------- public API
+    def log_params(self, params: Mapping[str, Any]) -> None:
+        """Flattened (dotted keys) and truncated; on resume, params already recorded are not sent again."""
+        if not self.enabled:
+            return
+        from mlflow.entities import Param
+        flat = flatten_config(dict(params))
+        todo = [Param(k, v) for k, v in flat.items() if self._params_logged.get(k) != v]
+        for i in range(0, len(todo), MAX_PARAMS_TAGS_PER_BATCH):
+            _retry(self.client.log_batch, self.run_id, params=todo[i:i + MAX_PARAMS_TAGS_PER_BATCH])
+        self._params_logged.update(flat)
+
+    def set_tags(self, tags: Mapping[str, Any]) -> None:
+        if not self.enabled:
+            return
+        from mlflow.entities import RunTag
+        todo = [RunTag(str(k)[:MAX_KEY_LENGTH], _truncate(str(v), MAX_TAG_VAL_LENGTH)) for k, v in tags.items()]
+        for i in range(0, len(todo), MAX_PARAMS_TAGS_PER_BATCH):
+            _retry(self.client.log_batch, self.run_id, tags=todo[i:i + MAX_PARAMS_TAGS_PER_BATCH])
+
+    def log_metrics(self, metrics: Mapping[str, Any], step: int) -> None:
+        """Queue the points and return at once (values may be floats or host tensors)."""
+        if self._closed:
+            if not self.enabled:
+                return
+            raise RuntimeError(f"Tracker for run {self.run_id} is closed")
+        self._raise_if_failed()
+        self._queue.put((int(step), int(time.time() * 1000), dict(metrics)))
+
+    def log_artifact(self, path: os.PathLike, artifact_path: Optional[str] = None) -> None:
+        if not self.enabled:
+            return
+        _retry(self.client.log_artifact, self.run_id, str(path), artifact_path)
+
+    def flush(self) -> None:
+        """Block until every queued point is in MLflow; re-raise an error of the logging thread."""
+        if self._closed:
+            self._raise_if_failed()
+            return
+        done = threading.Event()
+        self._queue.put((_FLUSH, done))
+        while not done.wait(0.5):
+            if not self._thread.is_alive():
+                break
+        self._raise_if_failed()
+
+    def close(self, status: str = "FINISHED") -> None:
+        """Flush, stop the thread and mark the run terminated (FINISHED | FAILED | KILLED)."""
+        if self._closed:
+            self._raise_if_failed()
+            return
+        self._closed = True
+        try:
+            self._queue.put((_STOP, None))
+            self._thread.join()
+        finally:
+            try:
+                atexit.unregister(self._atexit)
+            except Exception:
+                pass
+            _retry(self.client.set_terminated, self.run_id, status="FAILED" if self._error else status)
+        self._raise_if_failed()
+
+    @property
+    def dropped_points(self) -> int:
+        """Points not sent because their step was already logged (resume)."""
+        return self._dropped
+
+    def __enter__(self) -> "Tracker":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close("FAILED" if exc_type else "FINISHED")
+
+    # ------------------------------------------------------------------------------------------- internals
+    def _last_steps(self, run) -> Dict[str, int]:
+        """Last logged step per metric key, from the run's latest metrics (one query)."""
+        objs = getattr(run.data, "_metric_objs", None)
+        if objs is not None:
+            return {m.key: int(m.step) for m in objs}
+        out = {}
+        for key in run.data.metrics:  # fallback: one history query per key
+            hist = _retry(self.client.get_metric_history, run.info.run_id, key)
+            out[key] = max((int(m.step) for m in hist), default=-1)
+        return out
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            err = self._error
+            raise RuntimeError(f"MLflow logging for run {self.run_id} failed: {err!r}") from err
+
+    def _to_metrics(self, step: int, ts: int, values: Mapping[str, Any]) -> List:
+        from mlflow.entities import Metric
+        out = []
+        for key, value in values.items():
+            last = self._last_step.get(key)
+            if last is not None and step <= last:
+                self._dropped += 1
+                continue
+            self._last_step[key] = step
+            out.append(Metric(str(key)[:MAX_KEY_LENGTH], float(value), ts, step))
+        return out
+
+    def _post(self, batch: List) -> None:
+        for i in range(0, len(batch), MAX_METRICS_PER_BATCH):
+            chunk = batch[i:i + MAX_METRICS_PER_BATCH]
+            _retry(self.client.log_batch, self.run_id, metrics=chunk)
+            self.points_logged += len(chunk)
+
+    def _worker(self) -> None:
+        pending: List = []
+        last_post = time.monotonic()
+        while True:
+            try:
+                item = self._queue.get(timeout=self.cfg.flush_interval_s)
+            except queue.Empty:
+                item = None
+            try:
+                if item is None:
+                    pass
+                elif item[0] is _FLUSH or item[0] is _STOP:
+                    if pending and self._error is None:
+                        self._post(pending)
+                    pending = []
+                    last_post = time.monotonic()
+                    if item[0] is _FLUSH:
+                        item[1].set()
+                    else:
+                        return
+                    continue
+                elif self._error is None:
+                    pending.extend(self._to_metrics(*item))
+                due = time.monotonic() - last_post >= self.cfg.flush_interval_s
+                if pending and self._error is None and (len(pending) >= MAX_METRICS_PER_BATCH or due):
+                    self._post(pending)
+                    pending = []
+                    last_post = time.monotonic()
+            except BaseException as e:  # kept for flush/close; points after an error are not sent
+                self._error = e
+                pending = []
+                if item is not None and item[0] is _FLUSH:
+                    item[1].set()
+                if item is not None and item[0] is _STOP:
+                    return
+
+    def _atexit(self) -> None:
+        """Interpreter exit without close(): a crash or sys.exit; keep every point and mark the run."""
+        if not self._closed:
+            try:
+                self.close("FAILED")
+            except Exception as e:  # nothing left to raise to
+                print(f"[tracking] could not close run {self.run_id} at exit: {e!r}")
+
+
+__all__ = ["TrackingConfig", "Tracker", "TrackingUnreachable", "check_tracking", "resolve_uri",
+           "default_tracking_uri", "flatten_config", "git_info", "find_parent", "write_parent_file",
+           "get_or_create_experiment", "make_client", "PARENT_FILE", "RESULTS_DIR"]
