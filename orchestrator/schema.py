@@ -1,0 +1,122 @@
+"""The root structured config: every knob of a job, typed, registered in Hydra's ConfigStore.
+
+conf/config.yaml starts its defaults list with `base_config` (the `Config` below), so every group file merged on top
+of it is type-checked by OmegaConf (a string where an int belongs fails at compose time, naming the key). Ranges and
+cross-field rules live in orchestrator/validate.py.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+from hydra.core.config_store import ConfigStore
+
+from kernels.config import AttentionConfig, LayerOverride
+from models import ModelConfig
+from orchestrator.data import DataConfig
+from orchestrator.distributed import DistConfig
+from orchestrator.monitors import MonitorConfig
+from orchestrator.tracking import TrackingConfig
+from orchestrator.verdict import VerdictConfig
+
+EXPECTS = ("stable", "diverges")
+PRECISIONS = ("bf16", "fp32")
+DEVICES = ("auto", "cpu", "cuda")
+OPTIMIZERS = ("adamw", "muon")
+
+
+@dataclass
+class OptimizerConfig:
+    """AdamW (all parameters) or Muon (2-D hidden weights) + AdamW (embeddings, head, gains)."""
+
+    name: str = "adamw"
+    lr: float = 1e-3  # peak lr of the AdamW groups (warmup, then cosine to min_lr)
+    min_lr: float = 1e-5
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
+    weight_decay: float = 0.0  # never applied to gains, biases or embeddings
+    eps: float = 1e-8
+    decay_steps: Optional[int] = None  # cosine reaches min_lr here; None = train.max_steps
+    muon_lr: float = 0.02  # peak lr of the Muon group (same schedule shape)
+    muon_momentum: float = 0.95
+    ns_steps: int = 5  # Newton-Schulz iterations
+
+
+@dataclass
+class TrainConfig:
+    batch_size: int = 8  # micro-batch per rank
+    grad_accum: int = 1  # micro-batches per optimizer step, summed over ranks (global batch = batch_size * grad_accum)
+    max_steps: int = 100
+    warmup_steps: int = 10
+    grad_clip: float = 1.0  # global grad-norm clip; 0 disables
+    precision: str = "bf16"  # bf16: AMP (FP32 master weights, BF16 autocast); fp32: no autocast
+    device: str = "auto"
+    seed: int = 1337
+    eval_every: int = 50  # val loss every N steps (and at the end); 0 = only at the end
+    eval_batches: int = 4
+    ckpt_every: int = 0  # checkpoint every N steps (always at the end); 0 = only at the end
+    early_stop: bool = True  # stop verdict.early_stop_after steps after divergence
+    record_batches: bool = True  # record the batch order (replay file, logged to MLflow)
+    auto_resume: bool = True  # resume from <job dir>/checkpoints/last.pt when it exists (requeued jobs)
+
+
+@dataclass
+class DebugConfig:
+    nan_at_step: Optional[int] = None  # force a NaN loss at this step (0-based) to exercise the verdict path
+    raise_at_step: Optional[int] = None  # raise an exception at this step to exercise failure handling
+
+
+@dataclass
+class InterventionConfig:
+    """One isolation experiment: what the paper observed, where, and the attention knobs it sets.
+
+    The knobs are a typed partial (None = leave the attention config alone); `overrides` are appended to
+    attention.overrides. layer/heads are 0-based parameters that the knobs interpolate.
+    """
+
+    name: str = "baseline"
+    expect: str = "diverges"
+    paper: str = ""
+    layer: Optional[int] = None
+    heads: List[int] = field(default_factory=list)
+    impl: Optional[str] = None
+    backend: Optional[str] = None
+    recipe: Optional[str] = None
+    tiling: Optional[bool] = None
+    block_q: Optional[int] = None
+    block_k: Optional[int] = None
+    softmax: Optional[str] = None
+    beta: Optional[float] = None
+    eps: Optional[float] = None
+    delta: Optional[str] = None
+    pv_fp32: Optional[bool] = None
+    o_fp32: Optional[bool] = None
+    o_fp32_heads: Optional[List[int]] = None
+    counters: Optional[bool] = None
+    overrides: List[LayerOverride] = field(default_factory=list)
+
+
+@dataclass
+class Config:
+    name: str = "default"  # experiment preset name
+    sweep: str = "${name}"  # folder under results_dir
+    results_dir: str = "results"  # relative to the working directory
+    model: ModelConfig = field(default_factory=lambda: ModelConfig(name="tiny", n_layer=4, n_head=4, n_embd=128,
+                                                                   block_size=128))
+    data: DataConfig = field(default_factory=DataConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+    intervention: InterventionConfig = field(default_factory=InterventionConfig)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    verdict: VerdictConfig = field(default_factory=VerdictConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    resume: Optional[str] = None  # checkpoint path to continue from
+    debug: DebugConfig = field(default_factory=DebugConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+
+
+def register() -> None:
+    ConfigStore.instance().store(name="base_config", node=Config)
+
+
+register()
