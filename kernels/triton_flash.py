@@ -1,22 +1,495 @@
-"""Fused Triton flash attention (the fast path on CUDA) implementing the emulator's recipes and knobs.
+"""Fused Triton flash attention: the fast path on CUDA for the emulator's recipes and knobs.
 
-Work in progress: the public signatures below are stable; the kernels land in follow-up commits.
+Causal attention over q, k, v of shape (B, H, T, D). One kernel per pass, like Triton's fused-attention tutorial:
+forward; backward preprocess (delta); backward dK/dV (one program per key block, looping over query tiles); backward
+dQ (one program per query block, looping over key tiles). dQ gets its own pass instead of atomics so that results are
+deterministic (a replayed run must reproduce bit for bit) and so that paper_bf16 can round its accumulator in the
+emulator's tile order.
+
+Every knob is a compile-time switch (tl.constexpr), so a run pays only for what it uses. Where a block size carries
+meaning (the tile whose row max the stabilized softmax and the counters see, the tiles paper_bf16 rounds between) it
+is the knob's block_q / block_k; elsewhere the kernel picks what runs fastest. tiling=False (one block spans the
+sequence) is computed as passes over key tiles with a fixed row max and FP32 accumulators rounded once, which is the
+one-block computation up to GEMM summation order, for any T.
+
+Recipe rounding points follow kernels/emulator.py (the source of truth); `_rb` marks each BF16 storage point.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 
 from kernels.config import AttentionKnobs
 
+try:  # Triton is optional: the emulator serves machines without it
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised only where triton is missing
+    triton = None
+    tl = None
+
+RECIPE_IDS = {"fp32": 0, "fa2": 1, "paper_bf16": 2}
+DELTA_IDS = {"dO_O": 0, "dP_P": 1, "recompute_fp32": 2}
+HEAD_DIMS = (16, 32, 64, 128)
+TILE_SIZES = (16, 32, 64, 128)
+NEG_BF16 = -torch.finfo(torch.bfloat16).max  # masked score: the most negative BF16, as in the paper's code
+
+
+def _interpret() -> bool:
+    import os
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
 
 def supports(knobs: AttentionKnobs, q: torch.Tensor) -> bool:
-    """True when the Triton kernels implement these knobs for this input (CUDA, head dim 64/128)."""
-    return False
+    """True when these kernels implement `knobs` for inputs like `q` (else the caller uses the emulator)."""
+    if triton is None or knobs.impl != "flash":
+        return False
+    if not (q.is_cuda or _interpret()):
+        return False
+    if q.dim() != 4 or q.shape[-1] not in HEAD_DIMS:
+        return False
+    if q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return False
+    if knobs.tiling and (knobs.block_q not in TILE_SIZES or knobs.block_k not in TILE_SIZES):
+        return False
+    return knobs.recipe in RECIPE_IDS and knobs.delta in DELTA_IDS and knobs.softmax in ("safe", "stabilized")
+
+
+if triton is not None:
+
+    @triton.jit
+    def _rb(x):
+        """Round an FP32 value to BF16 storage (round to nearest even) and back: one emulated BF16 store."""
+        return x.to(tl.bfloat16).to(tl.float32)
+
+    @triton.jit
+    def _scores(q, k_ptrs, offs_m, offs_n, T, scale, RECIPE: tl.constexpr, GEMM_DT: tl.constexpr):
+        """S for one tile, scaled and masked (causal and past T) with the most negative BF16."""
+        kmask = offs_n < T
+        k = tl.load(k_ptrs, mask=kmask[:, None], other=0.0).to(GEMM_DT)
+        if RECIPE == 0:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        else:
+            s = tl.dot(q, tl.trans(k))
+            if RECIPE == 2:  # paper_bf16: QK^T stored in BF16, then scaled in BF16
+                s = _rb(_rb(s) * scale)
+            else:
+                s = s * scale
+        valid = (offs_n[None, :] <= offs_m[:, None]) & kmask[None, :]
+        return tl.where(valid, s, -3.3895313892515355e38), valid
+
+    @triton.jit
+    def _fwd_kernel(Q, K, V, O, LSE, REP, MAXL, OFP32,
+                    sqb, sqh, sqt, sqd, skb, skh, skt, skd, svb, svh, svt, svd, sob, soh, sot, sod,
+                    H, T, scale, beta, eps,
+                    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    RECIPE: tl.constexpr, STABILIZED: tl.constexpr, COUNTERS: tl.constexpr,
+                    PV_FP32: tl.constexpr, HAS_OFP32: tl.constexpr, ONE_BLOCK: tl.constexpr):
+        start_m = tl.program_id(0)
+        off_bh = tl.program_id(1)
+        off_b = off_bh // H
+        off_h = off_bh % H
+        GEMM_DT: tl.constexpr = tl.float32 if RECIPE == 0 else tl.bfloat16
+        offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, HEAD_DIM)
+        row_ok = offs_m < T
+        q = tl.load(Q + off_b * sqb + off_h * sqh + offs_m[:, None] * sqt + offs_d[None, :] * sqd,
+                    mask=row_ok[:, None], other=0.0).to(GEMM_DT)
+        k_base = K + off_b * skb + off_h * skh + offs_d[None, :] * skd
+        v_base = V + off_b * svb + off_h * svh + offs_d[None, :] * svd
+        # O kept in FP32 for this head (o_fp32 / o_fp32_heads): a runtime flag per program
+        o_fp32 = False
+        if HAS_OFP32:
+            o_fp32 = tl.load(OFP32 + off_h) != 0
+        hi = tl.minimum((start_m + 1) * BLOCK_M, T)
+
+        m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - 3.3895313892515355e38
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        raw_max = tl.zeros([BLOCK_M], dtype=tl.float32) - 3.3895313892515355e38
+        fired = tl.zeros([BLOCK_M], dtype=tl.int32)
+
+        if ONE_BLOCK:
+            # pass 1: the row max over the whole (causal) row, as one block would see it
+            for start_n in range(0, hi, BLOCK_N):
+                s, valid = _scores(q, k_base + (start_n + offs_n)[:, None] * skt, offs_m, start_n + offs_n, T,
+                                   scale, RECIPE, GEMM_DT)
+                m_i = tl.maximum(m_i, tl.max(s, 1))
+            raw_max = m_i
+            if STABILIZED or COUNTERS:
+                # pass 2: how many scores of the row lie within eps of its max
+                cnt = tl.zeros([BLOCK_M], dtype=tl.int32)
+                for start_n in range(0, hi, BLOCK_N):
+                    s, valid = _scores(q, k_base + (start_n + offs_n)[:, None] * skt, offs_m, start_n + offs_n, T,
+                                       scale, RECIPE, GEMM_DT)
+                    near = valid & ((m_i[:, None] - s) <= eps)
+                    cnt += tl.sum(near.to(tl.int32), 1)
+                fire = (cnt > 1) & row_ok
+                fired = fire.to(tl.int32)
+                if STABILIZED:
+                    m_s = m_i * beta
+                    if RECIPE == 2:
+                        m_s = _rb(m_s)
+                    m_i = tl.where(fire & (m_i > 0), m_s, m_i)
+                    m_i = tl.where(fire & (m_i < 0), 0.0, m_i)
+
+        for start_n in range(0, hi, BLOCK_N):
+            s, valid = _scores(q, k_base + (start_n + offs_n)[:, None] * skt, offs_m, start_n + offs_n, T,
+                               scale, RECIPE, GEMM_DT)
+            if ONE_BLOCK:
+                m_new = m_i
+                p = tl.exp(s - m_new[:, None])
+                if RECIPE == 2:
+                    p = tl.exp(_rb(s - m_new[:, None]))
+                l_i += tl.sum(p, 1)
+            else:
+                rm = tl.max(s, 1)
+                raw_max = tl.maximum(raw_max, rm)
+                if STABILIZED or COUNTERS:
+                    near = valid & ((rm[:, None] - s) <= eps)
+                    fire = (tl.sum(near.to(tl.int32), 1) > 1) & row_ok
+                    fired += fire.to(tl.int32)
+                    if STABILIZED:
+                        rm_s = rm * beta
+                        if RECIPE == 2:
+                            rm_s = _rb(rm_s)
+                        rm = tl.where(fire & (rm > 0), rm_s, rm)
+                        rm = tl.where(fire & (rm < 0), 0.0, rm)
+                m_new = tl.maximum(m_i, rm)
+                if RECIPE == 2:  # subtractions in BF16, exp in FP32
+                    alpha = tl.exp(_rb(m_i - m_new))
+                    p = tl.exp(_rb(s - m_new[:, None]))
+                    l_new = alpha * l_i + tl.sum(p, 1)
+                    if HAS_OFP32:
+                        l_i = tl.where(o_fp32, l_new, _rb(l_new))
+                    else:
+                        l_i = _rb(l_new)
+                else:
+                    alpha = tl.exp(m_i - m_new)
+                    p = tl.exp(s - m_new[:, None])
+                    l_i = alpha * l_i + tl.sum(p, 1)
+                acc = acc * alpha[:, None]
+                if RECIPE == 2:
+                    if HAS_OFP32:
+                        acc = tl.where(o_fp32, acc, _rb(acc))
+                    else:
+                        acc = _rb(acc)
+                m_i = m_new
+            kv_ok = (start_n + offs_n) < T
+            v = tl.load(v_base + (start_n + offs_n)[:, None] * svt, mask=kv_ok[:, None], other=0.0)
+            if PV_FP32 or RECIPE == 0:
+                pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(tl.bfloat16), v.to(tl.bfloat16))
+                if RECIPE == 2 and not ONE_BLOCK:  # P̄V product stored in BF16, then added in BF16
+                    pv = _rb(pv)
+            acc += pv
+            if RECIPE == 2 and not ONE_BLOCK and not PV_FP32:
+                if HAS_OFP32:
+                    acc = tl.where(o_fp32, acc, _rb(acc))
+                else:
+                    acc = _rb(acc)
+
+        if RECIPE == 2 and ONE_BLOCK:  # one block: l and the P̄V product stored once
+            if HAS_OFP32:
+                l_i = tl.where(o_fp32, l_i, _rb(l_i))
+                if not PV_FP32:
+                    acc = _rb(acc)
+            else:
+                l_i = _rb(l_i)
+                if not PV_FP32:
+                    acc = _rb(acc)
+        o = acc / l_i[:, None]
+        if RECIPE != 0:
+            if HAS_OFP32:
+                o = tl.where(o_fp32, o, _rb(o))
+            else:
+                o = _rb(o)
+        lse = m_i + tl.log(l_i)
+        tl.store(O + off_b * sob + off_h * soh + offs_m[:, None] * sot + offs_d[None, :] * sod,
+                 o.to(O.dtype.element_ty), mask=row_ok[:, None])
+        tl.store(LSE + off_bh * T + offs_m, lse, mask=row_ok)
+        if COUNTERS:
+            tl.atomic_add(REP + off_h, tl.sum(fired, 0).to(tl.int64))
+            tl.atomic_max(MAXL, tl.max(tl.where(row_ok, raw_max, -3.3895313892515355e38), 0))
+
+    @triton.jit
+    def _bwd_delta_kernel(Q, K, V, O, DO, LSE, DELTA,
+                          sqb, sqh, sqt, sqd, skb, skh, skt, skd, svb, svh, svt, svd,
+                          sob, soh, sot, sod, sdb, sdh, sdt, sdd,
+                          H, T, scale,
+                          HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          RECIPE: tl.constexpr, DELTA_MODE: tl.constexpr):
+        """delta = rowsum(dO*O) | rowsum(dP*P) | rowsum(dO*(PV in FP32))."""
+        start_m = tl.program_id(0)
+        off_bh = tl.program_id(1)
+        off_b = off_bh // H
+        off_h = off_bh % H
+        offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, HEAD_DIM)
+        row_ok = offs_m < T
+        do = tl.load(DO + off_b * sdb + off_h * sdh + offs_m[:, None] * sdt + offs_d[None, :] * sdd,
+                     mask=row_ok[:, None], other=0.0).to(tl.float32)
+        if DELTA_MODE == 0:
+            o = tl.load(O + off_b * sob + off_h * soh + offs_m[:, None] * sot + offs_d[None, :] * sod,
+                        mask=row_ok[:, None], other=0.0).to(tl.float32)
+            delta = tl.sum(do * o, 1)
+        else:
+            GEMM_DT: tl.constexpr = tl.float32 if RECIPE == 0 else tl.bfloat16
+            offs_n = tl.arange(0, BLOCK_N)
+            q = tl.load(Q + off_b * sqb + off_h * sqh + offs_m[:, None] * sqt + offs_d[None, :] * sqd,
+                        mask=row_ok[:, None], other=0.0).to(GEMM_DT)
+            lse = tl.load(LSE + off_bh * T + offs_m, mask=row_ok, other=0.0)
+            k_base = K + off_b * skb + off_h * skh + offs_d[None, :] * skd
+            v_base = V + off_b * svb + off_h * svh + offs_d[None, :] * svd
+            hi = tl.minimum((start_m + 1) * BLOCK_M, T)
+            acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+            dsum = tl.zeros([BLOCK_M], dtype=tl.float32)
+            for start_n in range(0, hi, BLOCK_N):
+                s, valid = _scores(q, k_base + (start_n + offs_n)[:, None] * skt, offs_m, start_n + offs_n, T,
+                                   scale, RECIPE, GEMM_DT)
+                p = tl.where(valid, tl.exp(s - lse[:, None]), 0.0)
+                v = tl.load(v_base + (start_n + offs_n)[:, None] * svt,
+                            mask=((start_n + offs_n) < T)[:, None], other=0.0).to(tl.float32)
+                if DELTA_MODE == 1:  # dP = dO V^T, FP32
+                    dp = tl.dot(do, tl.trans(v), input_precision="ieee")
+                    dsum += tl.sum(dp * p, 1)
+                else:  # O recomputed as P V in FP32
+                    acc += tl.dot(p, v, input_precision="ieee")
+            if DELTA_MODE == 1:
+                delta = dsum
+            else:
+                delta = tl.sum(do * acc, 1)
+        tl.store(DELTA + off_bh * T + offs_m, delta, mask=row_ok)
+
+    @triton.jit
+    def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
+                         sqb, sqh, sqt, sqd, skb, skh, skt, skd, svb, svh, svt, svd, sdb, sdh, sdt, sdd,
+                         sgb, sgh, sgt, sgd,
+                         H, T, scale,
+                         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         RECIPE: tl.constexpr, ONE_BLOCK: tl.constexpr):
+        """dK, dV for BLOCK_N keys, looping over query tiles of BLOCK_M (= block_q where rounding is emulated)."""
+        start_n = tl.program_id(0)
+        off_bh = tl.program_id(1)
+        off_b = off_bh // H
+        off_h = off_bh % H
+        GEMM_DT: tl.constexpr = tl.float32 if RECIPE == 0 else tl.bfloat16
+        offs_n = start_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_m0 = tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, HEAD_DIM)
+        col_ok = offs_n < T
+        k = tl.load(K + off_b * skb + off_h * skh + offs_n[:, None] * skt + offs_d[None, :] * skd,
+                    mask=col_ok[:, None], other=0.0).to(GEMM_DT)
+        v = tl.load(V + off_b * svb + off_h * svh + offs_n[:, None] * svt + offs_d[None, :] * svd,
+                    mask=col_ok[:, None], other=0.0).to(GEMM_DT)
+        dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+        dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+        q_base = Q + off_b * sqb + off_h * sqh + offs_d[None, :] * sqd
+        do_base = DO + off_b * sdb + off_h * sdh + offs_d[None, :] * sdd
+        lo = (start_n * BLOCK_N) // BLOCK_M * BLOCK_M  # first query tile touching the diagonal
+        for start_m in range(lo, T, BLOCK_M):
+            offs_m = start_m + offs_m0
+            m_ok = offs_m < T
+            q = tl.load(q_base + offs_m[:, None] * sqt, mask=m_ok[:, None], other=0.0).to(GEMM_DT)
+            do = tl.load(do_base + offs_m[:, None] * sdt, mask=m_ok[:, None], other=0.0).to(GEMM_DT)
+            lse = tl.load(LSE + off_bh * T + offs_m, mask=m_ok, other=0.0)
+            delta = tl.load(DELTA + off_bh * T + offs_m, mask=m_ok, other=0.0)
+            if RECIPE == 0:
+                sT = tl.dot(k, tl.trans(q), input_precision="ieee") * scale
+            else:
+                sT = tl.dot(k, tl.trans(q))
+                if RECIPE == 2:
+                    sT = _rb(_rb(sT) * scale)
+                else:
+                    sT = sT * scale
+            validT = (offs_n[:, None] <= offs_m[None, :]) & m_ok[None, :] & col_ok[:, None]
+            pT = tl.where(validT, tl.exp(sT - lse[None, :]), 0.0)
+            if RECIPE == 0:
+                dv_c = tl.dot(pT, do, input_precision="ieee")
+                dpT = tl.dot(v, tl.trans(do), input_precision="ieee")
+            else:
+                dv_c = tl.dot(pT.to(tl.bfloat16), do)
+                dpT = tl.dot(v, tl.trans(do))
+                if RECIPE == 2:
+                    dpT = _rb(dpT)
+            dsT = pT * scale * (dpT - delta[None, :])
+            if RECIPE == 0:
+                dk_c = tl.dot(dsT, q, input_precision="ieee")
+            else:
+                dk_c = tl.dot(dsT.to(tl.bfloat16), q)
+            if RECIPE == 2 and not ONE_BLOCK:  # chunk products and accumulators stored in BF16
+                dv = _rb(dv + _rb(dv_c))
+                dk = _rb(dk + _rb(dk_c))
+            else:
+                dv += dv_c
+                dk += dk_c
+        g = off_b * sgb + off_h * sgh + offs_n[:, None] * sgt + offs_d[None, :] * sgd
+        tl.store(DK + g, dk.to(DK.dtype.element_ty), mask=col_ok[:, None])
+        tl.store(DV + g, dv.to(DV.dtype.element_ty), mask=col_ok[:, None])
+
+    @triton.jit
+    def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
+                       sqb, sqh, sqt, sqd, skb, skh, skt, skd, svb, svh, svt, svd, sdb, sdh, sdt, sdd,
+                       sgb, sgh, sgt, sgd,
+                       H, T, scale,
+                       HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       RECIPE: tl.constexpr, ONE_BLOCK: tl.constexpr):
+        """dQ for BLOCK_M queries, looping over key tiles of BLOCK_N (= block_k where rounding is emulated)."""
+        start_m = tl.program_id(0)
+        off_bh = tl.program_id(1)
+        off_b = off_bh // H
+        off_h = off_bh % H
+        GEMM_DT: tl.constexpr = tl.float32 if RECIPE == 0 else tl.bfloat16
+        offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n0 = tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, HEAD_DIM)
+        row_ok = offs_m < T
+        q = tl.load(Q + off_b * sqb + off_h * sqh + offs_m[:, None] * sqt + offs_d[None, :] * sqd,
+                    mask=row_ok[:, None], other=0.0).to(GEMM_DT)
+        do = tl.load(DO + off_b * sdb + off_h * sdh + offs_m[:, None] * sdt + offs_d[None, :] * sdd,
+                     mask=row_ok[:, None], other=0.0).to(GEMM_DT)
+        lse = tl.load(LSE + off_bh * T + offs_m, mask=row_ok, other=0.0)
+        delta = tl.load(DELTA + off_bh * T + offs_m, mask=row_ok, other=0.0)
+        k_base = K + off_b * skb + off_h * skh + offs_d[None, :] * skd
+        v_base = V + off_b * svb + off_h * svh + offs_d[None, :] * svd
+        dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        hi = tl.minimum((start_m + 1) * BLOCK_M, T)
+        for start_n in range(0, hi, BLOCK_N):
+            offs_n = start_n + offs_n0
+            s, valid = _scores(q, k_base + offs_n[:, None] * skt, offs_m, offs_n, T, scale, RECIPE, GEMM_DT)
+            p = tl.where(valid, tl.exp(s - lse[:, None]), 0.0)
+            v = tl.load(v_base + offs_n[:, None] * svt, mask=(offs_n < T)[:, None], other=0.0).to(GEMM_DT)
+            k = tl.load(k_base + offs_n[:, None] * skt, mask=(offs_n < T)[:, None], other=0.0).to(GEMM_DT)
+            if RECIPE == 0:
+                dp = tl.dot(do, tl.trans(v), input_precision="ieee")
+            else:
+                dp = tl.dot(do, tl.trans(v))
+                if RECIPE == 2:
+                    dp = _rb(dp)
+            ds = p * scale * (dp - delta[:, None])
+            if RECIPE == 0:
+                dq_c = tl.dot(ds, k, input_precision="ieee")
+            else:
+                dq_c = tl.dot(ds.to(tl.bfloat16), k)
+            if RECIPE == 2 and not ONE_BLOCK:
+                dq = _rb(dq + _rb(dq_c))
+            else:
+                dq += dq_c
+        tl.store(DQ + off_b * sgb + off_h * sgh + offs_m[:, None] * sgt + offs_d[None, :] * sgd,
+                 dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Launch configuration: block sizes that carry meaning come from the knobs; the rest is chosen for speed.
+
+def _fwd_blocks(knobs: AttentionKnobs, D: int):
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the forward."""
+    free_n = knobs.recipe != "paper_bf16" and knobs.softmax == "safe" and not knobs.counters
+    if not knobs.tiling:
+        block_n = 64
+    elif free_n:
+        block_n = 64
+    else:
+        block_n = knobs.block_k
+    block_m = 128 if D <= 64 else 64
+    if _interpret():
+        block_m = 16
+        block_n = block_n if (knobs.tiling and not free_n) else 16
+    return block_m, block_n, (4 if D <= 64 else 8), 3
+
+
+def _bwd_blocks(knobs: AttentionKnobs, D: int):
+    """((dkdv BLOCK_M, BLOCK_N), (dq BLOCK_M, BLOCK_N), num_warps, num_stages) of the backward passes."""
+    exact = knobs.recipe == "paper_bf16" and knobs.tiling  # BF16 accumulators rounded per emulator tile
+    m1 = knobs.block_q if exact else 64
+    n2 = knobs.block_k if exact else 64
+    n1, m2 = 128, 128
+    if _interpret():
+        n1, m2 = 16, 16
+        m1 = m1 if exact else 16
+        n2 = n2 if exact else 16
+    return (m1, n1), (m2, n2), (8 if D >= 128 else 4), (2 if D >= 128 else 3)
+
+
+def _strides(x):
+    return tuple(x.stride())
+
+
+class _TritonFlash(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, knobs, rep, maxl):
+        B, H, T, D = q.shape
+        recipe = RECIPE_IDS[knobs.recipe]
+        fp32_heads = knobs.fp32_o_heads(H)
+        has_ofp32 = recipe != 0 and len(fp32_heads) > 0
+        o_dtype = torch.float32 if (recipe == 0 or has_ofp32) else torch.bfloat16
+        o = torch.empty((B, H, T, D), device=q.device, dtype=o_dtype)
+        lse = torch.empty((B, H, T), device=q.device, dtype=torch.float32)
+        ofp32 = torch.zeros(H, device=q.device, dtype=torch.int32)
+        if has_ofp32:
+            ofp32[fp32_heads] = 1
+        counters = rep is not None
+        if not counters:  # unused pointers still need a tensor
+            rep = torch.zeros(1, device=q.device, dtype=torch.int64)
+            maxl = torch.zeros(1, device=q.device, dtype=torch.float32)
+        scale = 1.0 / math.sqrt(D)
+        bm, bn, warps, stages = _fwd_blocks(knobs, D)
+        grid = (triton.cdiv(T, bm), B * H)
+        _fwd_kernel[grid](q, k, v, o, lse, rep, maxl, ofp32,
+                          *_strides(q), *_strides(k), *_strides(v), *_strides(o),
+                          H, T, scale, float(knobs.beta), float(knobs.eps),
+                          HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, RECIPE=recipe,
+                          STABILIZED=knobs.softmax == "stabilized", COUNTERS=counters,
+                          PV_FP32=bool(knobs.pv_fp32), HAS_OFP32=has_ofp32, ONE_BLOCK=not knobs.tiling,
+                          num_warps=warps, num_stages=stages)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.knobs = knobs
+        ctx.scale = scale
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse = ctx.saved_tensors
+        knobs = ctx.knobs
+        B, H, T, D = q.shape
+        recipe = RECIPE_IDS[knobs.recipe]
+        (m1, n1), (m2, n2), warps, stages = _bwd_blocks(knobs, D)
+        delta = torch.empty_like(lse)
+        gdt = torch.float32 if recipe == 0 else torch.bfloat16
+        dq = torch.empty((B, H, T, D), device=q.device, dtype=gdt)
+        dk = torch.empty_like(dq)
+        dv = torch.empty_like(dq)
+        dbm, dbn = (16, 16) if _interpret() else (64, 64)
+        _bwd_delta_kernel[(triton.cdiv(T, dbm), B * H)](
+            q, k, v, o, do, lse, delta,
+            *_strides(q), *_strides(k), *_strides(v), *_strides(o), *_strides(do),
+            H, T, ctx.scale, HEAD_DIM=D, BLOCK_M=dbm, BLOCK_N=dbn, RECIPE=recipe,
+            DELTA_MODE=DELTA_IDS[knobs.delta], num_warps=4)
+        common = (*_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq), H, T, ctx.scale)
+        _bwd_dkdv_kernel[(triton.cdiv(T, n1), B * H)](
+            q, k, v, do, lse, delta, dk, dv, *common, HEAD_DIM=D, BLOCK_M=m1, BLOCK_N=n1, RECIPE=recipe,
+            ONE_BLOCK=not knobs.tiling, num_warps=warps, num_stages=stages)
+        _bwd_dq_kernel[(triton.cdiv(T, m2), B * H)](
+            q, k, v, do, lse, delta, dq, *common, HEAD_DIM=D, BLOCK_M=m2, BLOCK_N=n2, RECIPE=recipe,
+            ONE_BLOCK=not knobs.tiling, num_warps=warps, num_stages=stages)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
 def flash_attention_triton(q, k, v, knobs: AttentionKnobs, stats=None):
-    """Causal attention O for q, k, v of shape (B, H, T, D); autograd-capable; updates `stats` on the device."""
-    raise NotImplementedError("Triton flash attention is not implemented yet")
+    """Causal attention O for q, k, v of shape (B, H, T, D); autograd-capable; updates `stats` on the device.
+
+    stats (an AttnStats) gains, per head, the number of (row, key tile) pairs where the SFA condition fires
+    (repeated maxima within eps) and the running max of the scaled scores; nothing is synced to the host.
+    """
+    if triton is None:
+        raise RuntimeError("flash_attention_triton needs triton; use the emulator (backend=emulator)")
+    rep = maxl = None
+    if stats is not None and knobs.counters:
+        rep, maxl = stats.repeated_max_rows, stats.max_logit
+    return _TritonFlash.apply(q, k, v, knobs, rep, maxl)
 
 
-__all__ = ["supports", "flash_attention_triton"]
+__all__ = ["supports", "flash_attention_triton", "RECIPE_IDS", "DELTA_IDS"]
