@@ -1,0 +1,395 @@
+"""The sweep report: one row per run, compared with the sweep's baseline, its fp32 reference and the paper.
+
+`SweepReport` is a Hydra callback. At multirun start it opens the MLflow parent run and writes
+<sweep dir>/mlflow_parent.json (each job's Tracker nests under it). At multirun end it reads every job's
+result.json (a job that died without one is reported as failed), pulls metric histories from MLflow, and writes
+results/<sweep>/verdicts.md, verdicts.json and plots/, logs them to the parent run and prints the table.
+`write_report(rows, out_dir, tracking_uri)` and `write_run_report(result, sweep, ...)` do the same without Hydra.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+import os
+import platform
+import shlex
+import sys
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+from hydra.experimental.callback import Callback
+
+from orchestrator import plots
+from orchestrator.tracking import (PARENT_FILE, RESULTS_DIR, _retry, find_parent, get_or_create_experiment,
+                                   git_info, make_client, resolve_uri, write_parent_file)
+
+BASELINE, REFERENCE = "baseline", "fp32"
+HISTORY_PREFIXES = ("train/loss", "val/loss", "wq_sigma/", "rmax_rows/", "max_logit/")
+ROW_KEYS = ("job", "intervention", "overrides", "expected", "observed", "matches_paper", "divergence_step",
+            "final_loss", "min_loss", "peak_wq_norm", "peak_wq_where", "steps_done", "wall_s", "vs_baseline",
+            "mlflow_run_id", "error", "job_dir")
+
+
+# ---------------------------------------------------------------------------------------------------- rows
+def _num(x) -> Optional[float]:
+    try:
+        x = float(x)
+    except (TypeError, ValueError):
+        return None
+    return x
+
+
+def row_from_result(result: Dict[str, Any], job: Optional[str] = None, job_dir: Optional[Path] = None) -> Dict:
+    """A report row from a job's result.json (see the orchestrator contract)."""
+    observed = result.get("observed") or "failed"
+    expected = result.get("expected")
+    row = {k: result.get(k) for k in ROW_KEYS if k in result}
+    row.update(job=job, intervention=result.get("intervention"), overrides=list(result.get("overrides") or []),
+               expected=expected, observed=observed, error=result.get("error"),
+               job_dir=str(job_dir) if job_dir else result.get("job_dir"))
+    row["matches_paper"] = matches_paper(expected, observed)
+    for k in ROW_KEYS:
+        row.setdefault(k, None)
+    return row
+
+
+def matches_paper(expected: Optional[str], observed: str) -> bool:
+    return (expected, observed) in (("diverges", "diverged"), ("stable", "stable"))
+
+
+def collect_rows(sweep_dir: Path) -> List[Dict]:
+    """Rows for every job folder of a sweep (those holding result.json or Hydra's .hydra/), in job order."""
+    sweep_dir = Path(sweep_dir)
+    jobs = {p.parent for p in sweep_dir.rglob("result.json")} | {p.parent for p in sweep_dir.rglob(".hydra")}
+    jobs.discard(sweep_dir)
+
+    def order(p: Path):
+        rel = p.relative_to(sweep_dir).parts
+        return [(0, int(x), "") if x.isdigit() else (1, 0, x) for x in rel]
+
+    rows = []
+    for job_dir in sorted(jobs, key=order):
+        name = str(job_dir.relative_to(sweep_dir))
+        rfile = job_dir / "result.json"
+        if rfile.is_file():
+            try:
+                rows.append(row_from_result(json.loads(rfile.read_text()), name, job_dir))
+                continue
+            except (OSError, ValueError) as e:
+                err = f"unreadable result.json: {e}"
+        else:
+            err = "no result.json: the job was killed before it could write one (timeout, OOM, preemption?)"
+        overrides = _hydra_overrides(job_dir)
+        intervention = next((o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0].lstrip("+~")
+                             == "intervention"), None)
+        rows.append(row_from_result({"intervention": intervention, "overrides": overrides, "observed": "failed",
+                                     "error": err}, name, job_dir))
+    return rows
+
+
+def _hydra_overrides(job_dir: Path) -> List[str]:
+    f = job_dir / ".hydra" / "overrides.yaml"
+    if not f.is_file():
+        return []
+    try:
+        import yaml
+        return [str(o) for o in (yaml.safe_load(f.read_text()) or [])]
+    except Exception:
+        return []
+
+
+def _other_overrides(row) -> set:
+    return {o for o in row.get("overrides") or [] if o.split("=", 1)[0].lstrip("+~") != "intervention"}
+
+
+def _peer(row: Dict, rows: Sequence[Dict], name: str) -> Optional[Dict]:
+    """The `name` run closest to `row`: same other overrides (e.g. same seed) first, else the first one."""
+    cands = [r for r in rows if r.get("intervention") == name and r is not row]
+    if not cands:
+        return None
+    mine = _other_overrides(row)
+    return max(cands, key=lambda r: len(_other_overrides(r) & mine) - len(_other_overrides(r) ^ mine))
+
+
+def compare(rows: List[Dict]) -> List[Dict]:
+    """Fill matches_paper and a `vs_baseline` note (vs the baseline's divergence and the fp32 final loss)."""
+    for row in rows:
+        notes = []
+        name, obs = row.get("intervention"), row["observed"]
+        if obs == "failed":
+            notes.append("failed: " + (str(row.get("error") or "unknown error").splitlines() or ["?"])[0][:160])
+        base = _peer(row, rows, BASELINE) if name != BASELINE else None
+        ref = _peer(row, rows, REFERENCE) if name != REFERENCE else None
+        if name == BASELINE:
+            notes.append("the baseline" + ("" if obs != "stable" else " did not diverge: run longer or check "
+                                           "the recipe; comparisons with it are void"))
+        elif name == REFERENCE:
+            notes.append("the fp32 reference")
+        if base is not None and obs != "failed":
+            bd = base.get("divergence_step")
+            if base["observed"] == "diverged" and obs == "stable":
+                notes.append(f"stable where the baseline diverged at step {bd}")
+            elif base["observed"] == "diverged" and obs == "diverged":
+                d = row.get("divergence_step")
+                delta = f" ({d - bd:+d} steps)" if d is not None and bd is not None else ""
+                notes.append(f"diverged at step {d}; baseline at {bd}{delta}")
+            elif base["observed"] == "stable" and obs == "diverged":
+                notes.append(f"diverged at step {row.get('divergence_step')} while the baseline did not")
+        fl, rl = _num(row.get("final_loss")), _num(ref.get("final_loss")) if ref else None
+        if fl is not None and rl is not None and math.isfinite(fl) and math.isfinite(rl) and obs == "stable":
+            notes.append(f"final loss {fl - rl:+.3f} vs fp32")
+        row["vs_baseline"] = "; ".join(notes)
+        row["matches_paper"] = matches_paper(row.get("expected"), obs)
+    return rows
+
+
+# --------------------------------------------------------------------------------------------- histories
+def load_histories(tracking_uri: str, rows: Sequence[Dict], prefixes=HISTORY_PREFIXES) -> Dict[str, Dict]:
+    """{mlflow_run_id: {metric: [(step, value)]}} for the report's plots (runs MLflow no longer has are skipped)."""
+    out: Dict[str, Dict] = {}
+    ids = [r["mlflow_run_id"] for r in rows if r.get("mlflow_run_id")]
+    if not ids:
+        return out
+    client = make_client(resolve_uri(tracking_uri))
+    for rid in ids:
+        try:
+            run = _retry(client.get_run, rid)
+        except Exception as e:
+            print(f"[report] MLflow run {rid} not readable: {e}")
+            continue
+        hist = {}
+        for key in run.data.metrics:
+            if key.startswith(prefixes):
+                pts = _retry(client.get_metric_history, rid, key)
+                hist[key] = sorted((int(m.step), float(m.value)) for m in pts)
+        out[rid] = hist
+    return out
+
+
+def _label(row: Dict) -> str:
+    extra = sorted(_other_overrides(row))
+    tail = (" " + " ".join(extra)) if extra else ""
+    return f"{row.get('job') or ''}:{row.get('intervention')}{tail}"[:70]
+
+
+# ------------------------------------------------------------------------------------------------ writing
+def run_meta(tracking_uri: Optional[str] = None, **extra) -> Dict[str, Any]:
+    """Command, commit, hardware, versions and time: what a reader needs to reproduce the table."""
+    import torch
+    versions = {"python": platform.python_version(), "torch": torch.__version__}
+    for mod in ("mlflow", "hydra", "omegaconf"):
+        try:
+            versions[mod] = __import__(mod).__version__
+        except Exception:
+            pass
+    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+    return {"command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
+            "git": git_info(), "time_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "hardware": {"platform": platform.platform(), "cpu": platform.processor() or platform.machine(),
+                         "cpu_count": os.cpu_count(), "gpus": gpus},
+            "versions": versions, "tracking_uri": tracking_uri, **extra}
+
+
+def _fmt(x, nd=3) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, bool):
+        return "yes" if x else "NO"
+    if isinstance(x, float):
+        return f"{x:.{nd}f}" if math.isfinite(x) else str(x)
+    return str(x)
+
+
+def _table(rows: Sequence[Dict]) -> List[List[str]]:
+    head = ["job", "intervention", "overrides", "expected", "observed", "div. step", "final loss",
+            "peak σ(W_Q)", "matches paper", "vs baseline", "MLflow run"]
+    body = []
+    for r in rows:
+        peak = _fmt(_num(r.get("peak_wq_norm")), 2) + (f" ({r['peak_wq_where']})" if r.get("peak_wq_where") else "")
+        body.append([_fmt(r.get("job")), _fmt(r.get("intervention")), " ".join(sorted(_other_overrides(r))) or "-",
+                     _fmt(r.get("expected")), _fmt(r.get("observed")), _fmt(r.get("divergence_step")),
+                     _fmt(_num(r.get("final_loss"))), peak, _fmt(r.get("matches_paper")),
+                     r.get("vs_baseline") or "-", (r.get("mlflow_run_id") or "-")[:12]])
+    return [head] + body
+
+
+def format_table(rows: Sequence[Dict]) -> str:
+    """Plain-text table for the terminal."""
+    t = _table(rows)
+    cols = [c for c in range(len(t[0])) if c != 9]  # the note goes on its own line
+    widths = {c: max(len(r[c]) for r in t) for c in cols}
+    lines = ["  ".join(r[c].ljust(widths[c]) for c in cols) for r in t]
+    out = [lines[0], "-" * len(lines[0])]
+    for line, r in zip(lines[1:], t[1:]):
+        out.append(line)
+        if r[9] != "-":
+            out.append("    " + r[9])
+    return "\n".join(out)
+
+
+def _markdown(rows, meta, plot_paths, out_dir: Path, sweep: str) -> str:
+    t = _table(rows)
+    esc = lambda s: s.replace("|", "\\|")  # noqa: E731
+    n_match = sum(1 for r in rows if r["matches_paper"])
+    failed = [r for r in rows if r["observed"] == "failed"]
+    git = meta.get("git", {})
+    md = [f"# Verdicts: {sweep}", "",
+          f"{len(rows)} runs; {n_match} match the paper; {len(failed)} failed.", "",
+          f"- command: `{meta.get('command')}`",
+          f"- commit: `{git.get('git.commit')}` (dirty: {git.get('git.dirty')})",
+          f"- time (UTC): {meta.get('time_utc')}",
+          f"- hardware: {meta['hardware']['platform']}, {meta['hardware']['cpu_count']} CPUs, "
+          f"GPUs: {', '.join(meta['hardware']['gpus']) or 'none'}",
+          f"- versions: " + ", ".join(f"{k} {v}" for k, v in meta.get("versions", {}).items()), "",
+          "| " + " | ".join(t[0]) + " |", "|" + "---|" * len(t[0])]
+    md += ["| " + " | ".join(esc(c) for c in r) + " |" for r in t[1:]]
+    if failed:
+        md += ["", "## Failed runs", ""]
+        for r in failed:
+            md.append(f"- job {r.get('job')} ({r.get('intervention')}): `{(r.get('error') or '?').strip()[:2000]}`")
+    if plot_paths:
+        md += ["", "## Plots", ""]
+        for name, p in plot_paths.items():
+            md.append(f"![{name}]({os.path.relpath(p, out_dir)})")
+    if meta.get("tracking_uri"):
+        md += ["", "## MLflow", "", f"`mlflow ui --backend-store-uri {meta['tracking_uri']}`"]
+        if meta.get("parent_run_id"):
+            md.append(f"(parent run `{meta['parent_run_id']}`, experiment `{meta.get('experiment_id')}`)")
+    return "\n".join(md) + "\n"
+
+
+def write_report(rows: List[Dict], out_dir: os.PathLike, tracking_uri: Optional[str] = None,
+                 meta: Optional[Dict] = None, parent_run_id: Optional[str] = None, sweep: Optional[str] = None,
+                 histories: Optional[Dict[str, Dict]] = None, echo: bool = True) -> Dict[str, Path]:
+    """Write verdicts.md, verdicts.json and plots/*.png into out_dir; log them to the parent run if given.
+    Returns {'md', 'json', <plot name>...: path}."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    sweep = sweep or out_dir.name
+    uri = resolve_uri(tracking_uri) if tracking_uri is not None or any(r.get("mlflow_run_id") for r in rows) \
+        else None
+    rows = compare([dict(r) for r in rows])
+    meta = {**run_meta(uri), **(meta or {})}
+    if parent_run_id:
+        meta["parent_run_id"] = parent_run_id
+    if histories is None:
+        try:
+            histories = load_histories(uri, rows) if uri else {}
+        except Exception as e:  # the table is still worth writing without curves
+            print(f"[report] could not read metric histories from {uri}: {e!r}")
+            histories = {}
+    labelled = [(_label(r), histories.get(r.get("mlflow_run_id"), {})) for r in rows]
+    div = {_label(r): r.get("divergence_step") for r in rows}
+    pdir = out_dir / "plots"
+    plot_paths = {name: p for name, p in (
+        ("loss_curves", plots.loss_curves(labelled, pdir / "loss_curves.png", div)),
+        ("wq_spectral_norm", plots.wq_spectral_norms(labelled, pdir / "wq_spectral_norm.png")),
+        ("repeated_maxima", plots.repeated_maxima(labelled, pdir / "repeated_maxima.png"))) if p is not None}
+    paths = {"md": out_dir / "verdicts.md", "json": out_dir / "verdicts.json", **plot_paths}
+    doc = {"sweep": sweep, "meta": meta, "runs": [{k: r.get(k) for k in ROW_KEYS} for r in rows],
+           "summary": {"runs": len(rows), "matches_paper": sum(1 for r in rows if r["matches_paper"]),
+                       "failed": sum(1 for r in rows if r["observed"] == "failed")},
+           "plots": {k: str(p) for k, p in plot_paths.items()}}
+    paths["json"].write_text(json.dumps(doc, indent=2, default=_json_default))
+    paths["md"].write_text(_markdown(rows, meta, plot_paths, out_dir, sweep))
+    if parent_run_id and uri:
+        client = make_client(uri)
+        for name, p in paths.items():
+            _retry(client.log_artifact, parent_run_id, str(p), "report" if name in ("md", "json") else "plots")
+        _retry(client.log_batch, parent_run_id, tags=_summary_tags(doc["summary"]))
+    if echo:
+        print(format_table(rows))
+        print(f"\nReport: {paths['md']}")
+        if uri:
+            print(f"MLflow: mlflow ui --backend-store-uri {uri}")
+    return paths
+
+
+def _summary_tags(summary):
+    from mlflow.entities import RunTag
+    return [RunTag(f"sweep.{k}", str(v)) for k, v in summary.items()]
+
+
+def _json_default(x):
+    if isinstance(x, float):
+        return None if not math.isfinite(x) else x
+    return str(x)
+
+
+def write_run_report(result: Dict[str, Any], sweep: str, tracking_uri: Optional[str] = None,
+                     job_dir: Optional[os.PathLike] = None, out_dir: Optional[os.PathLike] = None,
+                     echo: bool = True) -> Dict[str, Path]:
+    """The report of a single (non-multirun) run: results/<sweep>/verdicts.{md,json} with one row."""
+    row = row_from_result(result, job=Path(job_dir).name if job_dir else "run", job_dir=job_dir)
+    return write_report([row], out_dir or RESULTS_DIR / sweep, tracking_uri, sweep=sweep, echo=echo)
+
+
+# ------------------------------------------------------------------------------------------ Hydra callback
+def _sweep_name(config) -> str:
+    for key in ("sweep", "name"):
+        v = config.get(key) if hasattr(config, "get") else None
+        if v:
+            return str(v)
+    return "sweep"
+
+
+def _tracking_cfg(config):
+    t = config.get("tracking") if hasattr(config, "get") else None
+    uri = t.get("uri") if t is not None else None
+    exp = t.get("experiment") if t is not None else None
+    return resolve_uri(uri), exp
+
+
+class SweepReport(Callback):
+    """Hydra callback: MLflow parent run at multirun start, verdict report at multirun end.
+
+    out_dir: where verdicts.{md,json} and plots/ go (default results/<sweep>); a copy of the md/json also lands
+    in the timestamped sweep dir so older sweeps keep their own table.
+    """
+
+    def __init__(self, out_dir: Optional[str] = None, tracking: bool = True):
+        self.out_dir = out_dir
+        self.tracking = tracking
+        self.parent: Optional[Dict[str, str]] = None
+
+    def on_multirun_start(self, config, **kwargs) -> None:
+        sweep_dir = Path(str(config.hydra.sweep.dir))
+        if not self.tracking:
+            return
+        uri, exp_name = _tracking_cfg(config)
+        sweep = _sweep_name(config)
+        client = make_client(uri)
+        exp_id = get_or_create_experiment(client, exp_name or sweep, uri)
+        tags = {**git_info(), "sweep": sweep, "sweep_dir": str(sweep_dir), "role": "sweep",
+                "command": "python " + " ".join(shlex.quote(a) for a in sys.argv)}
+        run = _retry(client.create_run, exp_id, run_name=f"{sweep}@{sweep_dir.name}", tags=tags)
+        write_parent_file(sweep_dir, uri, exp_id, run.info.run_id)
+        self.parent = {"tracking_uri": uri, "experiment_id": exp_id, "run_id": run.info.run_id}
+        print(f"[report] MLflow parent run {run.info.run_id} (experiment {exp_name or sweep}) in {uri}")
+
+    def on_multirun_end(self, config, **kwargs) -> None:
+        sweep_dir = Path(str(config.hydra.sweep.dir))
+        sweep = _sweep_name(config)
+        parent = self.parent or find_parent(sweep_dir)
+        uri = parent["tracking_uri"] if parent else (_tracking_cfg(config)[0] if self.tracking else None)
+        out_dir = Path(self.out_dir) if self.out_dir else RESULTS_DIR / sweep
+        rows = collect_rows(sweep_dir)
+        status = "FINISHED"
+        try:
+            paths = write_report(rows, out_dir, uri, sweep=sweep,
+                                 meta={"sweep_dir": str(sweep_dir),
+                                       "experiment_id": parent["experiment_id"] if parent else None},
+                                 parent_run_id=parent["run_id"] if parent else None)
+            for key in ("md", "json"):  # history per sweep beside its jobs
+                (sweep_dir / paths[key].name).write_text(paths[key].read_text())
+        except BaseException:
+            status = "FAILED"
+            raise
+        finally:
+            if parent:
+                _retry(make_client(parent["tracking_uri"]).set_terminated, parent["run_id"], status=status)
+
+
+__all__ = ["SweepReport", "write_report", "write_run_report", "collect_rows", "row_from_result", "compare",
+           "load_histories", "format_table", "run_meta", "matches_paper"]
