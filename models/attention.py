@@ -1,0 +1,214 @@
+"""Per-layer attention routing: which implementation computes a layer, at which precision, and its counters.
+
+`attend(q, k, v, knobs, stats, probe)` is what a GPT layer calls with that layer's knobs
+(`AttentionConfig.for_layer(i)`). Three implementations:
+
+- `flash`: the tiled kernels (`kernels.flash_attention`, the plain-PyTorch emulator; or `kernels.triton_flash` on CUDA),
+  every knob of kernels/config.py applies.
+- `standard`: materialised softmax attention, the paper's "standard attention" (nanoGPT's manual path under CUDA
+  autocast, with every dtype written out so the CPU computes the same thing). Knobs that apply: recipe, pv_fp32,
+  o_fp32 / o_fp32_heads (the PV product in FP32 for those heads), counters, eps. Tiling, softmax, delta and backend are
+  flash-only (the softmax is normalised in FP32 and its backward is autograd's, i.e. delta = rowsum(dP * P)).
+- `sdpa`: torch's scaled_dot_product_attention (what nanoGPT trains with). No counters (stats stay zero); max_logit only
+  on probe steps, from an extra QK^T pass without grad.
+
+Every implementation runs with autocast disabled and casts q, k, v itself: CUDA autocast would run the softmax in
+FP32 and CPU autocast in BF16, so relying on it would make the numerics depend on the device.
+"""
+from __future__ import annotations
+
+import importlib
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from kernels.config import AttentionKnobs
+
+BF16 = torch.bfloat16
+FP32 = torch.float32
+
+
+# --------------------------------------------------------------------------------------------------- kernels access
+def _kernels():
+    """The kernels package, imported at call time so tests can monkeypatch `kernels.flash_attention`."""
+    return importlib.import_module("kernels")
+
+
+def _triton_module():
+    """kernels.triton_flash when it exists and exposes the fast-path API, else None."""
+    try:
+        mod = importlib.import_module("kernels.triton_flash")
+    except ImportError:
+        return None
+    if hasattr(mod, "supports") and hasattr(mod, "flash_attention_triton"):
+        return mod
+    return None
+
+
+class _InterimStats:
+    """Stand-in with kernels.AttnStats' contract, used only until kernels exports AttnStats."""
+
+    def __init__(self, n_head: int, device):
+        self.repeated_max_rows = torch.zeros(n_head, dtype=torch.int64, device=device)
+        self.max_logit = torch.full((), float("-inf"), dtype=torch.float32, device=device)
+
+    def reset(self) -> None:
+        self.repeated_max_rows.zero_()
+        self.max_logit.fill_(float("-inf"))
+
+
+def new_stats(n_head: int, device) -> "object":
+    """An AttnStats for one layer (kernels' class: repeated_max_rows (H,) int64, max_logit () float32)."""
+    cls = getattr(_kernels(), "AttnStats", _InterimStats)
+    return cls(n_head, device)
+
+
+def compute_dtype(knobs: AttentionKnobs) -> torch.dtype:
+    """The dtype q, k, v are cast to: FP32 for the fp32 recipe, BF16 otherwise."""
+    return FP32 if knobs.recipe == "fp32" else BF16
+
+
+def _example_q(knobs: AttentionKnobs, device, n_head: int, seq_len: int, head_dim: int) -> torch.Tensor:
+    return torch.empty((1, n_head, seq_len, head_dim), device=torch.device(device), dtype=compute_dtype(knobs))
+
+
+# ----------------------------------------------------------------------------------------------------- routing
+def resolve_backend(knobs: AttentionKnobs, device, *, q: Optional[torch.Tensor] = None, n_head: int = 1,
+                    seq_len: int = 64, head_dim: int = 64, key: str = "attention.backend") -> str:
+    """Which code computes a `flash` layer on `device`: 'emulator' or 'triton'.
+
+    auto: triton when on CUDA and kernels.triton_flash supports the knobs for this input shape, else the emulator.
+    triton: a ValueError (naming key, value, why) when unsupported, so the orchestrator can refuse before training.
+    Non-flash impls return their own name. `q` (or n_head/seq_len/head_dim) is the input the decision is made for.
+    """
+    if knobs.impl != "flash":
+        return knobs.impl
+    if knobs.backend == "emulator":
+        return "emulator"
+    dev = torch.device(device if q is None else q.device)
+    mod = _triton_module()
+    ok = False
+    if dev.type == "cuda" and mod is not None:
+        ok = bool(mod.supports(knobs, q if q is not None else _example_q(knobs, dev, n_head, seq_len, head_dim)))
+    if ok:
+        return "triton"
+    if knobs.backend == "triton":
+        why = ("needs a CUDA device" if dev.type != "cuda" else
+               "kernels.triton_flash is not importable" if mod is None else
+               "kernels.triton_flash does not support these knobs for this input")
+        raise ValueError(f"{key}='triton' is not allowed here: {why} (device {dev}, recipe {knobs.recipe!r}, "
+                         f"head_dim {head_dim if q is None else q.shape[-1]}); use backend=auto or emulator")
+    return "emulator"
+
+
+def route_name(knobs: AttentionKnobs, backend: str) -> str:
+    """A short, parameter-friendly description of what computes a layer, e.g. 'flash/emulator/paper_bf16+sfa(2)'."""
+    if knobs.impl == "flash":
+        base = f"flash/{backend}/{knobs.recipe}"
+        mods = []
+        if not knobs.tiling:
+            mods.append("untiled")
+        elif (knobs.block_q, knobs.block_k) != (64, 64):
+            mods.append(f"blocks{knobs.block_q}x{knobs.block_k}")
+        if knobs.softmax == "stabilized":
+            mods.append(f"sfa(beta={knobs.beta:g})")
+        if knobs.delta != "dO_O":
+            mods.append(f"delta={knobs.delta}")
+    elif knobs.impl == "standard":
+        base, mods = f"standard/{knobs.recipe}", []
+    else:
+        return f"sdpa/{'fp32' if knobs.recipe == 'fp32' else 'bf16'}/no-counters"
+    if knobs.pv_fp32:
+        mods.append("pv_fp32")
+    if knobs.o_fp32:
+        mods.append("o_fp32")
+    elif knobs.o_fp32_heads:
+        mods.append("o_fp32_heads=" + ",".join(str(h) for h in sorted(set(knobs.o_fp32_heads))))
+    if not knobs.counters:
+        mods.append("no-counters")
+    return "+".join([base] + mods)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, knobs: AttentionKnobs, stats=None,
+           probe: bool = False) -> torch.Tensor:
+    """Causal attention for q, k, v of shape (B, H, T, D) as `knobs` says; returns O (B, H, T, D)."""
+    with torch.autocast(device_type=q.device.type, enabled=False):
+        if knobs.impl == "flash":
+            backend = resolve_backend(knobs, q.device, q=q)
+            if backend == "triton":
+                return _triton_module().flash_attention_triton(q, k, v, knobs, stats)
+            return _kernels().flash_attention(q, k, v, knobs, stats)
+        if knobs.impl == "standard":
+            return standard_attention(q, k, v, knobs, stats)
+        if knobs.impl == "sdpa":
+            return sdpa_attention(q, k, v, knobs, stats, probe)
+    raise ValueError(f"attention.impl={knobs.impl!r} is not allowed: expected one of flash, standard, sdpa")
+
+
+# ---------------------------------------------------------------------------------------------- implementations
+def _causal_mask(T: int, device) -> torch.Tensor:
+    return torch.ones(T, T, dtype=torch.bool, device=device).tril()
+
+
+@torch.no_grad()
+def _update_stats(s: torch.Tensor, valid: torch.Tensor, knobs: AttentionKnobs, stats, count: bool) -> None:
+    """Accumulate max_logit and (if `count`) rows whose max is attained more than once within eps, per head.
+
+    s: scaled scores (B, H, T, T) with masked entries at -inf. Stays on the device: no .item(), no host sync.
+    """
+    s = s.detach().float()
+    stats.max_logit.copy_(torch.maximum(stats.max_logit, s.amax()))
+    if count:
+        rm = s.amax(dim=-1, keepdim=True)
+        ties = ((rm - s <= knobs.eps) & valid).sum(dim=-1)  # (B, H, T); masked entries are -inf, never within eps
+        stats.repeated_max_rows.add_((ties > 1).sum(dim=(0, 2)).to(stats.repeated_max_rows.dtype))
+
+
+def standard_attention(q, k, v, knobs: AttentionKnobs, stats=None) -> torch.Tensor:
+    """Materialised softmax attention with explicit dtypes.
+
+    fp32 recipe: everything FP32. Otherwise (paper_bf16, fa2 alike): S = QK^T in BF16, scaled in BF16, masked, softmax
+    in FP32 (CUDA autocast's choice, written out), P cast to BF16, PV in BF16 (FP32 accumulation inside the GEMM).
+    pv_fp32 / o_fp32 / o_fp32_heads: P and V stay FP32 for the PV product of those heads (O returned in FP32 then).
+    """
+    dt = compute_dtype(knobs)
+    q, k, v = q.to(dt), k.to(dt), v.to(dt)
+    B, H, T, D = q.shape
+    scale = 1.0 / math.sqrt(D)
+    s = (q @ k.transpose(-2, -1)) * scale  # BF16 (or FP32) GEMM output, scaled in the same dtype
+    valid = _causal_mask(T, q.device)
+    s = s.masked_fill(~valid, float("-inf"))
+    if stats is not None:
+        _update_stats(s, valid, knobs, stats, knobs.counters)
+    p = torch.softmax(s.float(), dim=-1)  # FP32 softmax
+    fp32_heads = list(range(H)) if knobs.pv_fp32 else knobs.fp32_o_heads(H)
+    if dt == FP32 or not fp32_heads:
+        return p.to(dt) @ v
+    if len(fp32_heads) == H:
+        return p @ v.float()
+    # Mixed: the named heads' PV in FP32, the others in BF16; O is FP32 (BF16-rounded values for the other heads).
+    hp = torch.zeros(H, dtype=torch.bool)
+    hp[fp32_heads] = True
+    hp = hp.to(q.device)
+    o_lp = (p.to(BF16) @ v).float()
+    o_hp = p @ v.float()
+    return torch.where(hp.view(1, H, 1, 1), o_hp, o_lp)
+
+
+def sdpa_attention(q, k, v, knobs: AttentionKnobs, stats=None, probe: bool = False) -> torch.Tensor:
+    """torch SDPA (causal) in BF16, or FP32 for the fp32 recipe. Counters unavailable; max_logit on probe steps."""
+    dt = compute_dtype(knobs)
+    q, k, v = q.to(dt), k.to(dt), v.to(dt)
+    if probe and stats is not None:
+        with torch.no_grad():  # extra QK^T pass, only on the steps that ask for it
+            T = q.shape[-2]
+            s = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))
+            valid = _causal_mask(T, q.device)
+            _update_stats(s.masked_fill(~valid, float("-inf")), valid, knobs, stats, count=False)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+__all__ = ["attend", "resolve_backend", "route_name", "standard_attention", "sdpa_attention", "compute_dtype",
+           "new_stats"]
