@@ -1,0 +1,275 @@
+"""Reference tiled flash attention in plain PyTorch: FlashAttention-2 forward (Algorithm 1) and backward (Algorithm 2).
+
+The source of truth for the recipes of kernels/recipes.py (read its docstring for the exact rounding points). Runs on
+CPU and CUDA, causal, vectorised over batch and heads; the only Python loops are over tiles, and tiles wholly above
+the diagonal are skipped. Autocast is disabled inside so that every intermediate's dtype comes from the recipe.
+Nothing here reads a value back to the host: counters go to AttnStats as device tensors.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from kernels.config import AttentionKnobs
+from kernels.recipes import Recipe, resolve, round_to
+from kernels.stats import AttnStats
+
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+
+@dataclass
+class _Plan:
+    """Everything the tile loops need, decided once per call from the knobs and the input."""
+
+    rc: Recipe
+    bq: int
+    bk: int
+    scale: float
+    stabilized: bool
+    beta: float
+    eps: float
+    delta: str
+    pv_keep: Optional[torch.Tensor]  # (1, H, 1, 1) bool: heads whose P̄V path skips rounding; None: none skip
+    pv_all: bool  # pv_fp32: every head skips
+    o_keep: Optional[torch.Tensor]  # (1, H, 1, 1) bool: heads whose stored O stays in `math`
+
+    def r_pv(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Round on the P̄V path (P̄ fed to the GEMM, PV, O accumulator) unless pv_fp32 / o_fp32 lifts it."""
+        return x if self.pv_all else round_to(x, dtype, self.pv_keep)
+
+
+def _plan(knobs: AttentionKnobs, q: torch.Tensor) -> _Plan:
+    B, H, T, D = q.shape
+    rc = resolve(knobs.recipe, q.dtype)
+    bq, bk = (knobs.block_q, knobs.block_k) if knobs.tiling else (T, T)
+    heads = knobs.fp32_o_heads(H)
+    o_keep = None
+    if heads:
+        o_keep = torch.zeros(1, H, 1, 1, dtype=torch.bool, device=q.device)
+        o_keep[0, heads] = True
+    return _Plan(rc=rc, bq=min(bq, T), bk=min(bk, T), scale=D ** -0.5, stabilized=knobs.softmax == "stabilized",
+                 beta=float(knobs.beta), eps=float(knobs.eps), delta=knobs.delta, pv_keep=o_keep,
+                 pv_all=bool(knobs.pv_fp32), o_keep=o_keep)
+
+
+def _causal_mask(qs: int, qe: int, ks: int, ke: int, device) -> Optional[torch.Tensor]:
+    """(rows, cols) True above the diagonal; None when the tile has no masked entry."""
+    if ke - 1 <= qs:
+        return None
+    return torch.arange(ks, ke, device=device)[None, :] > torch.arange(qs, qe, device=device)[:, None]
+
+
+def _scores(p: _Plan, qi: torch.Tensor, kj: torch.Tensor, mask, fill: float) -> torch.Tensor:
+    rc = p.rc
+    s = round_to(qi @ kj.transpose(-1, -2), rc.scores)
+    s = round_to(s * p.scale, rc.scores)
+    return s if mask is None else s.masked_fill(mask, fill)
+
+
+def _tile_max(p: _Plan, s: torch.Tensor, mask, count: bool):
+    """Row max of a tile and Algorithm 3's shifted max; `rep` (rows where the max repeats) when needed."""
+    rc = p.rc
+    rm = s.amax(dim=-1, keepdim=True)
+    rep = None
+    if p.stabilized or count:
+        close = s >= round_to(rm - p.eps, rc.scores)
+        if mask is not None:
+            close = close & ~mask
+        rep = close.sum(dim=-1, keepdim=True) > 1
+    if not p.stabilized:
+        return rm, rm, rep
+    mt = torch.where(rep & (rm > 0), round_to(rm * p.beta, rc.scores), rm)
+    mt = torch.where(rep & (mt < 0), torch.zeros_like(mt), mt)
+    return rm, mt, rep
+
+
+def forward(q, k, v, knobs: AttentionKnobs, stats: Optional[AttnStats] = None, capture: Optional[dict] = None):
+    """One forward pass without autograd. Returns (O returned, O stored for delta, lse), all (B, H, T, ...).
+
+    `capture`, if a dict, receives debug copies: "tiles" = list of dicts (qs, ks, p_bar, rep) per visited tile,
+    "o_bar" = the O accumulator before the division (B, H, T, D), "l", "m" (B, H, T, 1).
+    """
+    B, H, T, D = q.shape
+    p = _plan(knobs, q)
+    rc, w = p.rc, p.rc.work
+    dev = q.device
+    count = stats is not None and knobs.counters
+    qw, kw, vw = (round_to(x.to(w), rc.gemm_in) for x in (q, k, v))
+    fill = -torch.finfo(rc.scores).max
+    m_init = -torch.finfo(rc.stats).max
+    o_saved = torch.empty(B, H, T, D, dtype=w, device=dev)
+    lse = torch.empty(B, H, T, 1, dtype=w, device=dev)
+    if capture is not None:
+        capture.update(tiles=[], o_bar=torch.empty_like(o_saved), l=torch.empty_like(lse), m=torch.empty_like(lse))
+    for qs in range(0, T, p.bq):
+        qe = min(qs + p.bq, T)
+        qi = qw[:, :, qs:qe]
+        m = torch.full((B, H, qe - qs, 1), m_init, dtype=w, device=dev)
+        l = torch.zeros_like(m)
+        acc = torch.zeros(B, H, qe - qs, D, dtype=w, device=dev)
+        for ks in range(0, qe, p.bk):  # key tiles past the last query row are wholly masked: skipped
+            ke = min(ks + p.bk, T)
+            mask = _causal_mask(qs, qe, ks, ke, dev)
+            s = _scores(p, qi, kw[:, :, ks:ke], mask, fill)
+            rm, mt, rep = _tile_max(p, s, mask, count or capture is not None)
+            if count:
+                stats.update(rep, rm)
+            m_new = round_to(torch.maximum(m, mt), rc.stats)
+            pbar = torch.exp(round_to(s - m_new, rc.shift))
+            alpha = torch.exp(round_to(m - m_new, rc.shift))
+            rowsum = pbar.sum(dim=-1, keepdim=True)
+            if rc.rowsum_floor:
+                rowsum = rowsum.clamp_min(rc.rowsum_floor)
+            l = round_to(alpha * l + rowsum, rc.stats)
+            pv = p.r_pv(p.r_pv(pbar, rc.gemm_in) @ vw[:, :, ks:ke], rc.pv_out)
+            acc = p.r_pv(p.r_pv(acc * alpha, rc.acc) + pv, rc.acc)
+            m = m_new
+            if capture is not None:
+                capture["tiles"].append(dict(qs=qs, ks=ks, p_bar=pbar.clone(), rep=rep, mask=mask))
+        o_saved[:, :, qs:qe] = round_to(acc / l, rc.o_store, p.o_keep)
+        lse[:, :, qs:qe] = torch.log(l) + m
+        if capture is not None:
+            capture["o_bar"][:, :, qs:qe] = acc
+            capture["l"][:, :, qs:qe] = l
+            capture["m"][:, :, qs:qe] = m
+    return o_saved.to(rc.out), o_saved, lse
+
+
+def backward(q, k, v, o_saved, lse, do, knobs: AttentionKnobs):
+    """Gradients (dq, dk, dv) in the inputs' dtypes, from the forward's stored O and lse."""
+    B, H, T, D = q.shape
+    p = _plan(knobs, q)
+    rc, w = p.rc, p.rc.work
+    dev = q.device
+    qw, kw, vw, dow = (round_to(x.to(w), rc.gemm_in) for x in (q, k, v, do))
+    dq = torch.zeros(B, H, T, D, dtype=w, device=dev)
+    dk = torch.zeros_like(dq)
+    dv = torch.zeros_like(dq)
+
+    def probs(qi, qs, qe, ks, ke, lse_i):
+        mask = _causal_mask(qs, qe, ks, ke, dev)
+        s = _scores(p, qi, kw[:, :, ks:ke], mask, float("-inf"))
+        return torch.exp(s - lse_i)  # masked: exp(-inf) = 0
+
+    for qs in range(0, T, p.bq):
+        qe = min(qs + p.bq, T)
+        qi, doi, lse_i = qw[:, :, qs:qe], dow[:, :, qs:qe], lse[:, :, qs:qe]
+        if p.delta == "dO_O":
+            delta = round_to(doi * o_saved[:, :, qs:qe], rc.delta_prod, p.o_keep).sum(dim=-1, keepdim=True)
+        else:  # a first pass over the key tiles builds delta from P (FP32) before any gradient uses it
+            delta = torch.zeros(B, H, qe - qs, 1, dtype=w, device=dev)
+            o_hp = torch.zeros(B, H, qe - qs, D, dtype=w, device=dev)
+            for ks in range(0, qe, p.bk):
+                ke = min(ks + p.bk, T)
+                pt = probs(qi, qs, qe, ks, ke, lse_i)
+                if p.delta == "dP_P":
+                    dp = round_to(doi @ vw[:, :, ks:ke].transpose(-1, -2), rc.bwd_out)
+                    delta = delta + (dp * pt).sum(dim=-1, keepdim=True)
+                else:  # recompute_fp32: O = P V with nothing rounded
+                    o_hp = o_hp + pt @ vw[:, :, ks:ke]
+            if p.delta == "recompute_fp32":
+                delta = (doi * o_hp).sum(dim=-1, keepdim=True)
+        dq_i = torch.zeros(B, H, qe - qs, D, dtype=w, device=dev)
+        for ks in range(0, qe, p.bk):
+            ke = min(ks + p.bk, T)
+            kj, vj = kw[:, :, ks:ke], vw[:, :, ks:ke]
+            pt = probs(qi, qs, qe, ks, ke, lse_i)
+            dv_c = round_to(round_to(pt, rc.gemm_in).transpose(-1, -2) @ doi, rc.bwd_out)
+            dv[:, :, ks:ke] = round_to(dv[:, :, ks:ke] + dv_c, rc.grad_acc)
+            dp = round_to(doi @ vj.transpose(-1, -2), rc.bwd_out)
+            ds = round_to((pt * p.scale) * (dp - delta), rc.gemm_in)
+            dq_i = round_to(dq_i + round_to(ds @ kj, rc.bwd_out), rc.grad_acc)
+            dk[:, :, ks:ke] = round_to(dk[:, :, ks:ke] + round_to(ds.transpose(-1, -2) @ qi, rc.bwd_out), rc.grad_acc)
+        dq[:, :, qs:qe] = dq_i
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+class _FlashAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, knobs, stats):
+        with torch.autocast(device_type=q.device.type, enabled=False):
+            o, o_saved, lse = forward(q, k, v, knobs, stats)
+        ctx.knobs = knobs
+        ctx.save_for_backward(q, k, v, o_saved, lse)
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o_saved, lse = ctx.saved_tensors
+        with torch.autocast(device_type=q.device.type, enabled=False):
+            dq, dk, dv = backward(q, k, v, o_saved, lse, do, ctx.knobs)
+        return dq, dk, dv, None, None
+
+
+def check_inputs(q, k, v, cfg, stats=None) -> AttentionKnobs:
+    """Validate before computing: ValueError naming the argument or key, the value and what is allowed."""
+    if not isinstance(cfg, AttentionKnobs):
+        raise ValueError(f"cfg={type(cfg).__name__} is not allowed: expected kernels.config.AttentionKnobs "
+                         "or AttentionConfig")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor):
+            raise ValueError(f"{name}={type(x).__name__} is not allowed: expected a torch.Tensor")
+        if x.dim() != 4:
+            raise ValueError(f"{name}.shape={tuple(x.shape)} is not allowed: expected 4 dims (B, H, T, D)")
+        if x.dtype not in _DTYPES:
+            raise ValueError(f"{name}.dtype={x.dtype} is not allowed: expected one of {_DTYPES}")
+    if any(n == 0 for n in q.shape):
+        raise ValueError(f"q.shape={tuple(q.shape)} is not allowed: expected every dim > 0")
+    for name, x in (("k", k), ("v", v)):
+        if x.shape != q.shape:
+            raise ValueError(f"{name}.shape={tuple(x.shape)} is not allowed: expected q's shape {tuple(q.shape)} "
+                             "(causal self-attention)")
+        if x.dtype != q.dtype:
+            raise ValueError(f"{name}.dtype={x.dtype} is not allowed: expected q's dtype {q.dtype}")
+        if x.device != q.device:
+            raise ValueError(f"{name}.device={x.device} is not allowed: expected q's device {q.device}")
+    cfg.validate(n_head=q.shape[1])
+    if stats is not None:
+        if not isinstance(stats, AttnStats):
+            raise ValueError(f"stats={type(stats).__name__} is not allowed: expected kernels.AttnStats or None")
+        if stats.n_head != q.shape[1] or stats.device != q.device:
+            raise ValueError(f"stats=AttnStats(n_head={stats.n_head}, device={stats.device}) is not allowed: "
+                             f"expected n_head={q.shape[1]} on {q.device}")
+    return cfg
+
+
+def flash_attention(q, k, v, cfg: AttentionKnobs, stats: Optional[AttnStats] = None) -> torch.Tensor:
+    """Causal flash attention O = softmax(QK^T / sqrt(D)) V with the recipe and knobs of `cfg`; differentiable.
+
+    q, k, v: (B, H, T, D), same dtype and device. Returns O (B, H, T, D) in the recipe's output dtype (BF16 for
+    paper_bf16 / fa2; the working dtype for fp32); gradients come back in the inputs' dtypes. `stats`, if given,
+    accumulates repeated-maxima counts and the max logit on the device (when cfg.counters).
+    """
+    knobs = check_inputs(q, k, v, cfg, stats)
+    return _FlashAttention.apply(q, k, v, knobs, stats)
+
+
+def reference_attention(q, k, v, cfg: AttentionKnobs, do: Optional[torch.Tensor] = None):
+    """Pure function for testing other kernels against: (O, lse, dq, dk, dv); gradients None without `do`.
+
+    O is the returned O (recipe's `out` dtype), lse (B, H, T) in the working dtype.
+    """
+    knobs = check_inputs(q, k, v, cfg)
+    with torch.no_grad(), torch.autocast(device_type=q.device.type, enabled=False):
+        o, o_saved, lse = forward(q, k, v, knobs)
+        grads = backward(q, k, v, o_saved, lse, do, knobs) if do is not None else (None, None, None)
+    return (o, lse.squeeze(-1), *grads)
+
+
+def capture_forward(q, k, v, cfg: AttentionKnobs, stats: Optional[AttnStats] = None) -> dict:
+    """One forward with its internals captured (debug hook): a dict with "o", "o_saved", "lse" and the P̄ tiles.
+
+    "tiles": list of dict(qs, ks, p_bar (B, H, rows, cols) in the working dtype, rep (B, H, rows, 1) bool or None,
+    mask (rows, cols) bool or None); "o_bar": the O accumulator before the division by l; "l", "m".
+    """
+    knobs = check_inputs(q, k, v, cfg, stats)
+    cap: dict = {}
+    with torch.no_grad(), torch.autocast(device_type=q.device.type, enabled=False):
+        o, o_saved, lse = forward(q, k, v, knobs, stats, capture=cap)
+    cap.update(o=o, o_saved=o_saved, lse=lse)
+    return cap
+
+
+__all__ = ["flash_attention", "reference_attention", "capture_forward", "forward", "backward", "check_inputs"]

@@ -1,0 +1,151 @@
+"""Precision recipes: the dtype of every attention intermediate, named once.
+
+A recipe lists where a value is *stored* (rounded). The emulator keeps every tensor in a working dtype (FP32, or FP64
+for the fp32 recipe on FP64 inputs) and rounds at each storage point with `round_to` (x.to(dtype).to(work)), which is
+what PyTorch's own BF16 ops do on CUDA: compute in FP32, round the result once. GEMMs take inputs rounded to
+`gemm_in` and accumulate in the working dtype (BF16 x BF16 products are exact in FP32), then round their output.
+
+Semantics of one forward tile (query tile i, key tile j; Algorithm 1 of FlashAttention-2), `r(x, f)` = round x to
+the recipe's field f, P̄ the unnormalised probabilities, alpha the rescale of the running state:
+
+    S      = r(r(Q_i K_j^T, scores) * scale, scores)         masked (causal) -> -max finite value of `scores`
+    rm     = rowmax(S)                                       (exact: a max of stored values)
+    Algorithm 3 (softmax="stabilized", and the counters; masked entries never count):
+           rs = rowsum(S >= r(rm - eps, scores)); rep = rs > 1
+           m' = where(rep & rm > 0, r(beta * rm, scores), rm); m_t = where(rep & m' < 0, 0, m')   (safe: m_t = rm)
+    m_new  = r(max(m, m_t), stats)
+    P̄      = exp(r(S - m_new, shift))        exp in `math` (FP32)
+    alpha  = exp(r(m - m_new, shift))
+    l      = r(alpha * l + max(rowsum(P̄), rowsum_floor), stats)      rowsum in `math`
+    PV     = r(r(P̄, gemm_in) @ V_j, pv_out)
+    O_acc  = r(r(O_acc * alpha, acc) + PV, acc)
+  after the last key tile:  O = r(O_acc / l, o_store); lse = log(l) + m (in `math`); returned O = O.to(out).
+
+Backward (Algorithm 2; loops: query tiles outer, key tiles inner, the paper's order, so BF16 accumulators round in
+the same sequence), with D the row term delta:
+
+    S as in the forward; P = exp(S - lse) in `math` (masked -> 0)
+    dV_j += r(r(P, gemm_in)^T dO_i, bwd_out)        accumulated in `grad_acc`
+    dP    = r(dO_i V_j^T, bwd_out)
+    dS    = (P * scale) * (dP - D)                   in `math`
+    dQ_i += r(r(dS, gemm_in) K_j, bwd_out); dK_j += r(r(dS, gemm_in)^T Q_i, bwd_out)    accumulated in `grad_acc`
+    delta="dO_O":           D = rowsum(r(dO * O_stored, delta_prod))      sum in `math`
+    delta="dP_P":           D = sum_j rowsum(dP_ij * P_ij)                in `math` (a first pass over key tiles)
+    delta="recompute_fp32": D = rowsum(dO * (sum_j P_ij V_j))             P, V, product and sum in `math`
+
+Knobs that override a recipe (kernels/config.py):
+- pv_fp32: P̄ enters the P̄V GEMM unrounded, PV and O_acc stay in `math` (no rounding at `gemm_in` for P̄, `pv_out`,
+  `acc`); O is still rounded to `o_store` after the division, so delta still sees the BF16 O.
+- o_fp32 / o_fp32_heads: for those heads, everything pv_fp32 lifts *and* O_stored stays in `math`, so delta
+  (dO_O) uses the FP32 O (and the dO*O product is not rounded, as BF16 * FP32 promotes to FP32 in PyTorch). The
+  returned O is still `out` (BF16): the next layer sees the same dtype. Other heads are bit-identical.
+- tiling=False: one tile spans the sequence (block_q = block_k = T).
+
+Recipes:
+- paper_bf16: the paper's plain-PyTorch FA2 (ucker/why-low-precision-training-fails, attention.py) under CUDA
+  autocast with BF16 q, k, v. Read op by op: einsum -> BF16 GEMM (FP32 accumulate, BF16 out); `* scale` on a BF16
+  tensor -> BF16; m, l, O buffers are `zeros_like(q)`/BF16 and updated in place (`copy_`, `mul_`, `add_`, `div_`
+  round into BF16); `exp`, `sum`, `log` are on autocast's FP32 list; `alpha * l + rowsum` promotes to FP32 and is
+  rounded by `copy_` into the BF16 l. Its backward runs the same way: P = exp(S_bf16 - lse_fp32) promotes to FP32
+  (the subtraction is FP32 there, BF16 in the forward); einsums round inputs to BF16 and return BF16; the
+  dq/dk/dv buffers are `zeros_like` BF16 accumulated with `add_`; D = (dO * O).sum(-1): the product is a BF16 op
+  (rounded), the sum runs in FP32.
+  Differences between that code and the design sketch, and how the emulator resolves them:
+    * The sketch says nothing about the product in delta; the code rounds dO*O to BF16 before the FP32 sum
+      (`delta_prod` = BF16). Followed.
+    * The code clamps each tile's row sum at 1e-10 (`rowsum_floor`). Followed (paper_bf16 only).
+    * The code's eps test is `S >= rm - 1e-3` with `rm - 1e-3` a BF16 op: for |rm| >= 0.5 that rounds back to rm,
+      so "within eps" means "equal". Followed (for every recipe the threshold is computed in `scores`).
+    * The code does not skip causal tiles wholly above the diagonal: it fills them with -max BF16. Under safe
+      softmax that adds exp(-huge) = 0 and a clamped row sum of 1e-10 (absorbed by l >= 1 in BF16). Under STABLE=1
+      such a tile counts as "every entry equals the max, max < 0", sets its tile max to 0 and raises the running max
+      of those rows to max(m, 0). The emulator skips those tiles (as the brief asks and as fused kernels do) and
+      excludes masked entries from the repeated-max test, so stabilized rows whose max is negative keep m < 0.
+      Equal in exact arithmetic; differs by BF16 rounding of the extra rescale.
+    * The code's backward has no autocast decorator (custom_bwd). In eager mode the backward runs without autocast
+      and its first mixed-dtype einsum (FP32 P with BF16 dO) raises; their train.py compiles the model
+      (compile=True), where the backward is traced under the forward's autocast. We follow the autocast reading.
+      Under torch.compile, inductor may also fuse element-wise chains and skip intermediate BF16 roundings
+      (e.g. round bf16(O*alpha + PV) once); the emulator keeps eager-mode roundings, the ones the paper analyses.
+    * Their public code hard-codes beta = 2 and eps = 1e-3; here they are knobs.
+- fa2: fused CUDA kernels (FlashAttention-2): S, m, l, O accumulator in FP32; P̄ rounded to BF16 for P̄V (FP32
+  accumulate); O rounded to BF16 once at the end (that BF16 O is also what delta sees). Backward in FP32 with BF16
+  GEMM inputs and FP32 outputs and accumulators.
+- fp32: everything in the working dtype = the inputs' precision if it is >= FP32 (FP64 inputs compute in FP64: the
+  float64 tests and gradcheck), else FP32. Output in that dtype.
+Gradients are returned in the inputs' dtypes.
+
+`resolve(name, input_dtype)` gives the concrete Recipe; `reference_attention` in kernels.emulator is the pure
+function other kernels test against.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from kernels.config import RECIPES
+
+BF16 = torch.bfloat16
+F32 = torch.float32
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """Storage dtype of each attention intermediate (see the module docstring for where each one applies)."""
+
+    name: str
+    work: torch.dtype  # the dtype every tensor lives in between roundings (FP32, or FP64 for fp32 on FP64 input)
+    gemm_in: torch.dtype  # Q, K, V, dO, P̄, P, dS rounded to this before a GEMM
+    scores: torch.dtype  # S = QK^T and S * scale; also beta * rm and rm - eps
+    shift: torch.dtype  # S - m and m_old - m_new, the arguments of exp in the forward
+    stats: torch.dtype  # running max m and running sum l
+    pv_out: torch.dtype  # the P̄V GEMM output
+    acc: torch.dtype  # the O accumulator
+    o_store: torch.dtype  # O after the division by l: saved for the backward (delta)
+    out: torch.dtype  # the returned O
+    math: torch.dtype  # exp, row sums, log/lse, dS, backward P (the ops CUDA autocast runs in FP32)
+    bwd_out: torch.dtype  # backward GEMM outputs (dP and the dQ/dK/dV chunks)
+    grad_acc: torch.dtype  # dQ/dK/dV accumulators
+    delta_prod: torch.dtype  # dO * O before the row sum of delta (dO_O)
+    rowsum_floor: float = 0.0  # each tile's row sum is clamped at this (paper_bf16: 1e-10, as in its code)
+
+    def describe(self) -> dict:
+        """Field -> dtype name, for MLflow params and reports."""
+        return {f.name: (str(getattr(self, f.name)).replace("torch.", "") if f.name != "name" else self.name)
+                for f in fields(self)}
+
+
+def work_dtype(name: str, input_dtype: torch.dtype) -> torch.dtype:
+    """FP64 for the fp32 recipe on FP64 inputs ("the input's precision if it is >= FP32"), else FP32."""
+    return torch.float64 if (name == "fp32" and input_dtype == torch.float64) else F32
+
+
+def resolve(name: str, input_dtype: torch.dtype = BF16) -> Recipe:
+    """The concrete Recipe for `name` and inputs of `input_dtype`."""
+    if name not in RECIPES:
+        raise ValueError(f"attention.recipe={name!r} is not allowed: expected one of {', '.join(RECIPES)}")
+    w = work_dtype(name, input_dtype)
+    if name == "paper_bf16":
+        return Recipe(name, work=w, gemm_in=BF16, scores=BF16, shift=BF16, stats=BF16, pv_out=BF16, acc=BF16,
+                      o_store=BF16, out=BF16, math=F32, bwd_out=BF16, grad_acc=BF16, delta_prod=BF16,
+                      rowsum_floor=1e-10)
+    if name == "fa2":
+        return Recipe(name, work=w, gemm_in=BF16, scores=F32, shift=F32, stats=F32, pv_out=F32, acc=F32,
+                      o_store=BF16, out=BF16, math=F32, bwd_out=F32, grad_acc=F32, delta_prod=F32)
+    return Recipe(name, work=w, gemm_in=w, scores=w, shift=w, stats=w, pv_out=w, acc=w, o_store=w, out=w, math=w,
+                  bwd_out=w, grad_acc=w, delta_prod=w)
+
+
+def round_to(x: torch.Tensor, dtype: torch.dtype, keep: torch.Tensor | None = None) -> torch.Tensor:
+    """x rounded (nearest even) to `dtype` and returned in x's dtype; where `keep` is True, x unchanged.
+
+    `keep` broadcasts against x (e.g. (1, H, 1, 1) for heads whose values stay in the working precision).
+    """
+    if dtype == x.dtype or torch.finfo(dtype).bits >= torch.finfo(x.dtype).bits:
+        return x
+    y = x.to(dtype).to(x.dtype)
+    return y if keep is None else torch.where(keep, x, y)
+
+
+__all__ = ["Recipe", "resolve", "round_to", "work_dtype"]
