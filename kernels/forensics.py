@@ -1,0 +1,372 @@
+"""BF16 forensics: explain one rounding bit by bit, and trace where a P̄V row's error comes from (the paper's Sec. 3.3.2).
+
+    python -m kernels.forensics add -2.4071154594421387 -2.296875
+    python -m kernels.forensics pv-trace --out results/forensics/pv_trace.png
+    python -m kernels.forensics pv-trace --input row.pt      # {"p": P̄ row, "v": V column} or a (2, T) tensor
+
+`add`: the exact sum of two FP32 operands (integer arithmetic on their significands), rounded once to BF16 with
+round-to-nearest-even, every step printed. In the paper's example the first operand is an FP32 partial sum of P̄V
+(not a BF16 value: its low 16 bits are set), the second a BF16 V entry added with P̄ = 1.
+`pv-trace`: the paper's Fig. 6: cumulative error of one row's P̄V along key positions, low precision minus FP64,
+with the positions where P̄ = 1 marked, and how much of the error those positions carry.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import struct
+import sys
+from dataclasses import asdict, dataclass
+from fractions import Fraction
+from pathlib import Path
+
+import numpy as np
+import torch
+
+F32_FRAC, BF16_FRAC = 23, 7
+
+
+# --------------------------------------------------------------------------------------------------- bit helpers
+def f32_bits(x: float) -> int:
+    return struct.unpack(">I", struct.pack(">f", x))[0]
+
+
+def f32_from_bits(b: int) -> float:
+    return struct.unpack(">f", struct.pack(">I", b))[0]
+
+
+def parse_operand(text: str) -> float:
+    """A decimal number, or 32 binary digits (FP32 bits, as the paper prints them), or 0x-hex FP32 bits."""
+    t = text.strip().replace("_", "").replace(" ", "")
+    if len(t) == 32 and set(t) <= {"0", "1"}:
+        return f32_from_bits(int(t, 2))
+    if t.lower().startswith("0x"):
+        return f32_from_bits(int(t, 16))
+    return float(t)
+
+
+def split_bits(bits: int, frac: int) -> str:
+    """'s | exponent | fraction' for a 32-bit (frac=23) or 16-bit (frac=7) pattern."""
+    s = format(bits, f"0{frac + 9}b")
+    return f"{s[0]} | {s[1:9]} | {s[9:]}"
+
+
+def to_bf16(x: float) -> float:
+    return torch.tensor(x, dtype=torch.float64).to(torch.bfloat16).item()
+
+
+def bf16_bits(x: float) -> int:
+    return torch.tensor(x, dtype=torch.float32).to(torch.bfloat16).view(torch.int16).item() & 0xFFFF
+
+
+def _decompose(x: float):
+    """FP32 x -> (sign, unbiased exponent e, 24-bit significand M) with |x| = M * 2**(e - 23); zero -> (s, None, 0)."""
+    b = f32_bits(x)
+    sign, ebits, frac = b >> 31, (b >> 23) & 0xFF, b & ((1 << 23) - 1)
+    if ebits == 0xFF:
+        raise ValueError(f"operand={x!r} is not allowed: expected a finite number")
+    if ebits == 0:
+        return sign, (None if frac == 0 else -126), frac  # zero or subnormal (no implicit 1)
+    return sign, ebits - 127, frac | (1 << 23)
+
+
+# --------------------------------------------------------------------------------------------------- add
+@dataclass
+class AddExplanation:
+    a: float  # operands as FP32 values
+    b: float
+    a_bits: str
+    b_bits: str
+    a_bf16_bits: str  # each operand rounded to BF16 (shows whether it was a BF16 value)
+    b_bf16_bits: str
+    a_is_bf16: bool
+    b_is_bf16: bool
+    shift: int  # exponent alignment: the smaller operand's significand moves right by this many bits
+    aligned_a: str
+    aligned_b: str
+    significand_sum: str  # binary, point after the larger operand's leading bit position
+    overflow_shift: int  # right shifts to renormalise (1 when two same-sign significands carry out)
+    exponent: int  # unbiased exponent of the exact result
+    normalized: str  # 1.xxxxxxx|g r s...: kept BF16 significand, then the bits rounding looks at
+    guard: int
+    round: int
+    sticky: int
+    decision: str
+    exact: float  # the exact sum (as a Python float; exact_is_float says whether that conversion was exact)
+    exact_is_float: bool
+    bf16: float
+    bf16_bits: str
+    bf16_bits_raw: str
+    error: float  # bf16 - exact
+    torch_fp32_then_bf16: float  # cross-checks: torch's own rounding
+    torch_exact_to_bf16: float
+
+
+def explain_add(a: float, b: float) -> AddExplanation:
+    """The BF16 result of a + b (a, b FP32 values), computed exactly and rounded once, step by step."""
+    a, b = f32_from_bits(f32_bits(a)), f32_from_bits(f32_bits(b))  # as the FP32 values the hardware sees
+    (sa, ea, ma), (sb, eb, mb) = _decompose(a), _decompose(b)
+    exact = Fraction(a) + Fraction(b)
+    # Alignment: work at the smaller exponent so that nothing shifted out is lost (the sticky bit remembers it).
+    ea_, eb_ = (ea if ea is not None else -10**9), (eb if eb is not None else -10**9)
+    e_hi = max(ea_, eb_)
+    shift = abs(ea_ - eb_) if ea is not None and eb is not None else 0
+    e_lo = min(e for e in (ea, eb) if e is not None) if (ea is not None or eb is not None) else 0
+    ia = ma << ((ea - e_lo) if ea is not None else 0)
+    ib = mb << ((eb - e_lo) if eb is not None else 0)
+    total = (-ia if sa else ia) + (-ib if sb else ib)  # exact sum = total * 2**(e_lo - 23)
+    frac_bits = F32_FRAC + shift
+
+    def fixed(n: int) -> str:  # binary with the point placed for exponent e_hi
+        s = format(abs(n), "b").rjust(frac_bits + 1, "0")
+        return ("-" if n < 0 else "") + s[:-frac_bits] + "." + s[-frac_bits:]
+
+    aligned_a, aligned_b = fixed(-ia if sa else ia), fixed(-ib if sb else ib)
+    mag = abs(total)
+    if mag == 0:
+        e_res, normalized, g, r, st, decision, kept_mag, e_out = 0, "0", 0, 0, 0, "exact zero", 0, 0
+        overflow_shift = 0
+    else:
+        nbits = mag.bit_length()
+        e_res = (e_lo - 23) + nbits - 1  # |sum| in [2**e_res, 2**(e_res+1))
+        overflow_shift = max(e_res - e_hi, 0)
+        drop = nbits - (BF16_FRAC + 1)  # bits below the kept 8-bit significand
+        if e_res < -126:  # BF16 subnormal: fewer kept bits
+            drop += -126 - e_res
+        if drop > 0:
+            kept = mag >> drop
+            rest = mag & ((1 << drop) - 1)
+            g = (rest >> (drop - 1)) & 1
+            r = (rest >> (drop - 2)) & 1 if drop >= 2 else 0
+            st = int(rest & ((1 << max(drop - 2, 0)) - 1) != 0)
+            lsb = kept & 1
+            up = g and (r or st or lsb)
+            if not g:
+                decision = "guard 0: below halfway -> truncate (magnitude kept)"
+            elif r or st:
+                decision = "guard 1 and round/sticky set: above halfway -> round up (magnitude + 1 ulp)"
+            else:
+                decision = f"exact tie: ties to even (last kept bit {lsb}) -> " + ("round up" if up else "truncate")
+            kept_mag = kept + (1 if up else 0)
+            bits = format(mag, "b")
+            normalized = f"{bits[0]}.{bits[1:BF16_FRAC + 1]} | g={g} r={r} s={st} | dropped {bits[BF16_FRAC + 1:]}"
+            e_out = e_lo - 23 + drop
+        else:
+            kept_mag, g, r, st, e_out = mag, 0, 0, 0, e_lo - 23
+            decision = "fits in BF16: no rounding"
+            bits = format(mag, "b")
+            normalized = f"{bits[0]}.{bits[1:]}"
+    bf = Fraction(kept_mag) * (Fraction(2) ** e_out) if mag else Fraction(0)
+    bf = -bf if total < 0 else bf
+    bf16 = float(bf) if abs(float(bf)) <= torch.finfo(torch.bfloat16).max else math.copysign(math.inf, float(bf))
+    t32 = (torch.tensor(a, dtype=torch.float32) + torch.tensor(b, dtype=torch.float32)).to(torch.bfloat16).item()
+    t64 = torch.tensor(float(exact), dtype=torch.float64).to(torch.bfloat16).item()
+    raw = format(bf16_bits(bf16), "016b")
+    return AddExplanation(
+        a=a, b=b, a_bits=split_bits(f32_bits(a), 23), b_bits=split_bits(f32_bits(b), 23),
+        a_bf16_bits=split_bits(bf16_bits(a), 7), b_bf16_bits=split_bits(bf16_bits(b), 7),
+        a_is_bf16=to_bf16(a) == a, b_is_bf16=to_bf16(b) == b, shift=shift, aligned_a=aligned_a,
+        aligned_b=aligned_b, significand_sum=fixed(total), overflow_shift=overflow_shift, exponent=e_res,
+        normalized=normalized, guard=g, round=r, sticky=st, decision=decision, exact=float(exact),
+        exact_is_float=Fraction(float(exact)) == exact, bf16=bf16, bf16_bits=split_bits(int(raw, 2), 7),
+        bf16_bits_raw=raw, error=float(Fraction(bf16) - exact) if math.isfinite(bf16) else math.inf,
+        torch_fp32_then_bf16=t32, torch_exact_to_bf16=t64)
+
+
+def format_add(x: AddExplanation) -> str:
+    lines = [
+        f"A = {x.a!r}", f"  FP32 bits  {x.a_bits}",
+        f"  as BF16    {x.a_bf16_bits}   ({'A is a BF16 value' if x.a_is_bf16 else 'A is not a BF16 value: an FP32 accumulator (low 16 bits set)'})",
+        f"B = {x.b!r}", f"  FP32 bits  {x.b_bits}",
+        f"  as BF16    {x.b_bf16_bits}   ({'B is a BF16 value' if x.b_is_bf16 else 'B is not a BF16 value'})",
+        f"1. align exponents: shift the smaller operand's significand right by {x.shift} bit(s) (nothing is lost yet)",
+        f"     A  {x.aligned_a}", f"     B  {x.aligned_b}",
+        f"2. add significands:  {x.significand_sum}",
+        (f"3. significand overflow: carry out of the leading bit -> shift right by {x.overflow_shift}, exponent + "
+         f"{x.overflow_shift}" if x.overflow_shift else "3. no significand overflow (no right shift)"),
+        f"   normalised: {x.normalized}  x 2^{x.exponent}",
+        f"4. round to BF16 (8-bit significand, 7 stored): guard={x.guard} round={x.round} sticky={x.sticky}",
+        f"   round-to-nearest-even: {x.decision}",
+        f"exact sum   {x.exact!r}" + ("" if x.exact_is_float else "  (nearest double; the exact sum needs more bits)"),
+        f"BF16 result {x.bf16!r} = {x.bf16_bits_raw}  ({x.bf16_bits})",
+        f"error (BF16 - exact) {x.error!r}",
+        f"cross-check: torch bf16(exact) = {x.torch_exact_to_bf16!r}; torch bf16(fp32(A + B)) = "
+        f"{x.torch_fp32_then_bf16!r}" + ("" if x.torch_fp32_then_bf16 == x.bf16 else
+                                         "  (differs: double rounding through FP32)"),
+    ]
+    if x.error < 0 < abs(x.exact) and x.exact < 0:
+        lines.append("the rounding made a negative sum more negative: a negative error, the bias of claim 3")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------------- pv-trace
+@dataclass
+class PVTrace:
+    """One row of P̄V along key positions t: err[t] = lp(sum_{t'<=t} P̄ V) - fp64(sum_{t'<=t} P̄ V)."""
+
+    err: np.ndarray  # (T,) cumulative error
+    step: np.ndarray  # (T,) err[t] - err[t-1]: what position t added
+    is_one: np.ndarray  # (T,) bool, P̄[t] == 1
+    accumulate: str
+
+    def summary(self) -> dict:
+        ones, rest = self.step[self.is_one], self.step[~self.is_one]
+        total = float(self.err[-1]) if len(self.err) else 0.0
+        s1, s0 = float(ones.sum()), float(rest.sum())
+        return dict(
+            accumulate=self.accumulate, positions=int(len(self.err)), total_error=total,
+            ones_sum=s1, ones_count=int(ones.size), ones_mean=float(ones.mean()) if ones.size else 0.0,
+            others_sum=s0, others_count=int(rest.size), others_mean=float(rest.mean()) if rest.size else 0.0,
+            ones_share=(s1 / total) if total else float("nan"))
+
+
+def pv_trace(p_row, v_col, accumulate: str = "fp32") -> PVTrace:
+    """Cumulative error of one row's P̄V (P̄ rounded to BF16 as the GEMM input; V as given, taken to be BF16).
+
+    accumulate="fp32": the paper's definition: an FP32 running sum (tensor-core accumulation), each partial sum
+    rounded to BF16 (the (.)_lp of Sec. 3.3.2). accumulate="bf16": the running sum itself is stored in BF16 after
+    every addition (a BF16 accumulator, as paper_bf16's O accumulator between tiles), so errors compound.
+    The reference is the FP64 running sum of P̄ V with P̄ unrounded.
+    """
+    if accumulate not in ("fp32", "bf16"):
+        raise ValueError(f"accumulate={accumulate!r} is not allowed: expected fp32 or bf16")
+    p = torch.as_tensor(np.asarray(p_row), dtype=torch.float64).flatten()
+    v = torch.as_tensor(np.asarray(v_col), dtype=torch.float64).flatten()
+    if p.shape != v.shape or p.numel() == 0:
+        raise ValueError(f"p_row/v_col shapes {tuple(p.shape)}/{tuple(v.shape)} are not allowed: expected two "
+                         "non-empty vectors of one length")
+    terms = (p.to(torch.bfloat16).to(torch.float32) * v.to(torch.float32)).numpy()  # exact BF16 x BF16 in FP32
+    acc, lp = np.float32(0.0), np.empty(len(terms), dtype=np.float64)
+    for t, x in enumerate(terms):  # sequential, as one dot-product lane accumulates
+        acc = np.float32(acc + x)
+        if accumulate == "bf16":
+            acc = np.float32(to_bf16(float(acc)))
+        lp[t] = to_bf16(float(acc))
+    hp = np.cumsum((p * v).numpy())
+    err = lp - hp
+    step = np.diff(err, prepend=0.0)
+    return PVTrace(err=err, step=step, is_one=(p == 1.0).numpy(), accumulate=accumulate)
+
+
+def example_row(length: int = 1024, ones: int = 16, seed: int = 0):
+    """A row like the failing head's: several P̄ = 1 (repeated maxima), the rest small, V mostly negative.
+
+    Scores: `ones` positions at the row max, the others 7-14 below it (P̄ = exp(S - max) <= 9e-4); V in BF16,
+    85% negative, the P̄ = 1 entries around -2.2 (same binade, so their sums overflow the significand).
+    """
+    g = torch.Generator().manual_seed(seed)
+    gap = 7.0 + 7.0 * torch.rand(length, generator=g, dtype=torch.float64)
+    idx = torch.randperm(length, generator=g)[:ones]
+    gap[idx] = 0.0
+    p = torch.exp(-gap)
+    sign = torch.where(torch.rand(length, generator=g) < 0.85, -1.0, 1.0).double()
+    v = sign * (0.2 + 2.3 * torch.rand(length, generator=g, dtype=torch.float64))
+    v[idx] = -(2.0 + 0.5 * torch.rand(ones, generator=g, dtype=torch.float64))
+    return p, v.to(torch.bfloat16).double()
+
+
+def load_row(path: str, p_key: str = "p", v_key: str = "v"):
+    """P̄ row and V column from .pt ({p_key, v_key} dict or a (2, T) tensor), .npy ((2, T)) or .npz (keys)."""
+    f = Path(path)
+    if f.suffix == ".pt":
+        obj = torch.load(f, map_location="cpu", weights_only=True)
+        if isinstance(obj, dict):
+            return obj[p_key], obj[v_key]
+        return obj[0], obj[1]
+    if f.suffix == ".npz":
+        z = np.load(f)
+        return z[p_key], z[v_key]
+    if f.suffix == ".npy":
+        a = np.load(f)
+        return a[0], a[1]
+    raise ValueError(f"--input={path!r} is not allowed: expected a .pt, .npy or .npz file")
+
+
+def plot_trace(tr: PVTrace, out: str, title: str = "") -> Path:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_p = Path(out)
+    out_p.parent.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(9, 4))
+    t = np.arange(len(tr.err))
+    ax.plot(t, tr.err, lw=1.0, label=f"cumulative error (BF16 of {tr.accumulate} sum) - FP64")
+    ax.scatter(t[tr.is_one], tr.err[tr.is_one], color="red", s=14, zorder=3, label="P̄ = 1")
+    ax.axhline(0.0, color="grey", lw=0.5)
+    ax.set_xlabel("key position t")
+    ax.set_ylabel("error")
+    ax.set_title(title or "P̄V cumulative error along key positions (cf. paper Fig. 6)")
+    ax.legend(loc="best", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out_p, dpi=120)
+    plt.close(fig)
+    return out_p
+
+
+# --------------------------------------------------------------------------------------------------- CLI
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="python -m kernels.forensics",
+        description="BF16 forensics for flash attention (Qiu & Yao, Sec. 3.3.2).",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="examples:\n  python -m kernels.forensics add -2.4071154594421387 -2.296875\n"
+               "  python -m kernels.forensics add 11000000000110100000111000101110 11000000000100110000000000000000\n"
+               "  python -m kernels.forensics pv-trace --out results/forensics/pv_trace.png")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    a = sub.add_parser("add", help="explain one addition rounded to BF16, bit by bit",
+                       description="Exact sum of two FP32 operands rounded once to BF16 (round to nearest even), "
+                                   "with alignment, significand overflow, guard/round/sticky bits and the error.")
+    a.add_argument("a", help="first operand: decimal, 32 binary digits (FP32 bits) or 0x-hex FP32 bits")
+    a.add_argument("b", help="second operand, same forms")
+    a.add_argument("--json", action="store_true", help="print the explanation as JSON")
+    t = sub.add_parser("pv-trace", help="cumulative P̄V error of one row along key positions (paper Fig. 6)",
+                       description="Cumulative error of one row's P̄V (low precision minus FP64) along key "
+                                   "positions, P̄ = 1 positions marked; writes a PNG and prints a summary. Without "
+                                   "--input a seeded example row is generated.")
+    t.add_argument("--input", help=".pt (dict with P̄ row and V column, or a (2, T) tensor), .npy (2, T) or .npz")
+    t.add_argument("--p-key", default="p", help="key of the P̄ row in a .pt dict / .npz (default: p)")
+    t.add_argument("--v-key", default="v", help="key of the V column in a .pt dict / .npz (default: v)")
+    t.add_argument("--length", type=int, default=1024, help="generated example: key positions (default 1024)")
+    t.add_argument("--ones", type=int, default=16, help="generated example: positions with P̄ = 1 (default 16)")
+    t.add_argument("--seed", type=int, default=0, help="generated example: seed (default 0)")
+    t.add_argument("--accumulate", choices=("fp32", "bf16"), default="fp32",
+                   help="fp32: FP32 running sum, each partial sum rounded to BF16 (the paper's definition); "
+                        "bf16: the running sum stored in BF16 after each addition")
+    t.add_argument("--out", default="results/forensics/pv_trace.png", help="PNG path (default: %(default)s)")
+    t.add_argument("--json", action="store_true", help="print the summary as JSON")
+    return ap
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    if args.cmd == "add":
+        x = explain_add(parse_operand(args.a), parse_operand(args.b))
+        print(json.dumps(asdict(x), indent=2) if args.json else format_add(x))
+        return 0
+    if args.input:
+        p, v = load_row(args.input, args.p_key, args.v_key)
+        title = f"P̄V cumulative error: {args.input}"
+    else:
+        if args.length <= 0 or not 0 <= args.ones <= args.length:
+            raise SystemExit(f"--length={args.length} --ones={args.ones}: expected length > 0 and 0 <= ones <= length")
+        p, v = example_row(args.length, args.ones, args.seed)
+        title = f"P̄V cumulative error: generated row (seed {args.seed}, {args.ones} x P̄ = 1)"
+    tr = pv_trace(p, v, args.accumulate)
+    png = plot_trace(tr, args.out, title)
+    s = dict(tr.summary(), png=str(png))
+    if args.json:
+        print(json.dumps(s, indent=2))
+    else:
+        print(f"positions {s['positions']}, accumulation {s['accumulate']}, total error {s['total_error']!r}")
+        print(f"{'':12s}{'sum':>14s}{'count':>8s}{'mean':>14s}")
+        print(f"{'P̄ = 1':12s}{s['ones_sum']:>14.6g}{s['ones_count']:>8d}{s['ones_mean']:>14.6g}")
+        print(f"{'others':12s}{s['others_sum']:>14.6g}{s['others_count']:>8d}{s['others_mean']:>14.6g}")
+        print(f"share of the error at P̄ = 1 positions: {s['ones_share']:.3f}")
+        print(f"plot: {png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
