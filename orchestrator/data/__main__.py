@@ -1,0 +1,90 @@
+"""python -m orchestrator.data prepare [overrides] [--force] | fetch | tokenizer [--from PATH]
+
+Overrides are Hydra's, composed from conf/data like the runs are: `data=text_files 'data.files=[a.txt]'`,
+`data.root=/scratch/data`; a bare DataConfig field (`val_fraction=0.1`) means data.<field>.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass, field, fields
+from typing import Any, List
+
+from orchestrator.data.config import REPO_ROOT, DataConfig, DataError
+
+
+@dataclass
+class PrepareRoot:
+    defaults: List[Any] = field(default_factory=lambda: ["_self_", {"data": "default"}])
+    data: DataConfig = field(default_factory=DataConfig)
+
+
+def compose_data(overrides: List[str]) -> DataConfig:
+    from hydra import compose, initialize_config_dir
+    from hydra.core.config_store import ConfigStore
+    from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import OmegaConf
+
+    names = {f.name for f in fields(DataConfig)}
+    overrides = [f"data.{o}" if o.split("=", 1)[0].lstrip("+~") in names else o for o in overrides]
+    ConfigStore.instance().store(name="ff_data_prepare", node=PrepareRoot)
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(version_base=None, config_dir=str(REPO_ROOT / "conf")):
+            cfg = compose(config_name="ff_data_prepare", overrides=overrides)
+    except Exception as e:  # Hydra's messages name the group/key and the options; keep them, drop the trace
+        raise DataError(f"config: {e}") from e
+    return OmegaConf.to_object(cfg.data).validate()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m orchestrator.data", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("prepare", help="tokenize a corpus into train.bin/val.bin + manifest.json")
+    p.add_argument("overrides", nargs="*")
+    p.add_argument("--force", action="store_true", help="prepare again even if the folder exists")
+    p.add_argument("--vocab-size", type=int, default=50304, help="model vocab size the ids must fit (50304)")
+    sub.add_parser("fetch", help="fill the user cache (GPT-2 BPE + default corpus) for offline use")
+    t = sub.add_parser("tokenizer", help="install the GPT-2 BPE ranks into the cache")
+    t.add_argument("--from", dest="source", help="gpt2.tiktoken file or openai-whisper sdist (.tar.gz)")
+    args = ap.parse_args(argv)
+    try:
+        if args.cmd == "prepare":
+            from orchestrator.data.prepare import ensure_prepared
+
+            cfg = compose_data(args.overrides)
+            folder = ensure_prepared(cfg, args.vocab_size, force=args.force)
+            m = json.loads((folder / "manifest.json").read_text())
+            print(f"{folder}\n  tokens: train {m['tokens']['train']:,}  val {m['tokens']['val']:,}  max id "
+                  f"{m['max_id']}\n  prepared in {m['prepare_seconds']} s ({m['tokens_per_s']:,} tokens/s, "
+                  f"{m['threads']} threads)")
+        elif args.cmd == "fetch":
+            from orchestrator.data.corpora import kjv_path
+            from orchestrator.data.tokenizer import gpt2_encoding, ranks_path
+
+            gpt2_encoding()
+            print(f"GPT-2 BPE ranks: {ranks_path()}\ndefault corpus:  {kjv_path()}")
+        else:
+            from orchestrator.data.tokenizer import gpt2_encoding, install_ranks
+
+            path = install_ranks(args.source) if args.source else (gpt2_encoding(), None)[1]
+            from orchestrator.data.tokenizer import ranks_path
+
+            print(f"GPT-2 BPE ranks verified at {path or ranks_path()}")
+    except DataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:
+        from orchestrator.data.tokenizer import TokenizerUnavailable
+
+        if isinstance(e, TokenizerUnavailable):
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        raise
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
