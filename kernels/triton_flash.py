@@ -17,6 +17,7 @@ Recipe rounding points follow kernels/emulator.py (the source of truth); `_rb` m
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
@@ -36,9 +37,11 @@ TILE_SIZES = (16, 32, 64, 128)
 NEG_BF16 = -torch.finfo(torch.bfloat16).max  # masked score: the most negative BF16, as in the paper's code
 
 
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # read at import: the kernels were built for it
+
+
 def _interpret() -> bool:
-    import os
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return _INTERPRET
 
 
 def supports(knobs: AttentionKnobs, q: torch.Tensor) -> bool:
@@ -64,6 +67,16 @@ if triton is not None:
         return x.to(tl.bfloat16).to(tl.float32)
 
     @triton.jit
+    def _rpv(x, keep, PV_FP32: tl.constexpr, HAS_OFP32: tl.constexpr):
+        """A BF16 store on the P̄V path, lifted by pv_fp32 (all heads) or o_fp32 (heads where `keep`)."""
+        if PV_FP32:
+            return x
+        elif HAS_OFP32:
+            return tl.where(keep, x, _rb(x))
+        else:
+            return _rb(x)
+
+    @triton.jit
     def _scores(q, k_ptrs, offs_m, offs_n, T, scale, RECIPE: tl.constexpr, GEMM_DT: tl.constexpr):
         """S for one tile, scaled and masked (causal and past T) with the most negative BF16."""
         kmask = offs_n < T
@@ -80,12 +93,13 @@ if triton is not None:
         return tl.where(valid, s, -3.3895313892515355e38), valid
 
     @triton.jit
-    def _fwd_kernel(Q, K, V, O, LSE, REP, MAXL, OFP32,
+    def _fwd_kernel(Q, K, V, O, LSE, REP, MAXL, OFP32, PMAX, FIRED,
                     sqb, sqh, sqt, sqd, skb, skh, skt, skd, svb, svh, svt, svd, sob, soh, sot, sod,
                     H, T, scale, beta, eps,
                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     RECIPE: tl.constexpr, STABILIZED: tl.constexpr, COUNTERS: tl.constexpr,
-                    PV_FP32: tl.constexpr, HAS_OFP32: tl.constexpr, ONE_BLOCK: tl.constexpr):
+                    PV_FP32: tl.constexpr, HAS_OFP32: tl.constexpr, ONE_BLOCK: tl.constexpr,
+                    PROBE: tl.constexpr):
         start_m = tl.program_id(0)
         off_bh = tl.program_id(1)
         off_b = off_bh // H
@@ -110,6 +124,8 @@ if triton is not None:
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
         raw_max = tl.zeros([BLOCK_M], dtype=tl.float32) - 3.3895313892515355e38
         fired = tl.zeros([BLOCK_M], dtype=tl.int32)
+        pmax = tl.zeros([BLOCK_M], dtype=tl.float32)  # PROBE: largest P̄ in a tile where the SFA condition fired
+        NEED_REP: tl.constexpr = STABILIZED or COUNTERS or PROBE
 
         if ONE_BLOCK:
             # pass 1: the row max over the whole (causal) row, as one block would see it
@@ -118,14 +134,16 @@ if triton is not None:
                                    scale, RECIPE, GEMM_DT)
                 m_i = tl.maximum(m_i, tl.max(s, 1))
             raw_max = m_i
-            if STABILIZED or COUNTERS:
-                # pass 2: how many scores of the row lie within eps of its max
+            if NEED_REP:
+                # pass 2: how many scores of the row reach its max - eps (threshold stored like the scores)
+                thr = m_i - eps
+                if RECIPE == 2:
+                    thr = _rb(thr)
                 cnt = tl.zeros([BLOCK_M], dtype=tl.int32)
                 for start_n in range(0, hi, BLOCK_N):
                     s, valid = _scores(q, k_base + (start_n + offs_n)[:, None] * skt, offs_m, start_n + offs_n, T,
                                        scale, RECIPE, GEMM_DT)
-                    near = valid & ((m_i[:, None] - s) <= eps)
-                    cnt += tl.sum(near.to(tl.int32), 1)
+                    cnt += tl.sum((valid & (s >= thr[:, None])).to(tl.int32), 1)
                 fire = (cnt > 1) & row_ok
                 fired = fire.to(tl.int32)
                 if STABILIZED:
@@ -139,17 +157,21 @@ if triton is not None:
             s, valid = _scores(q, k_base + (start_n + offs_n)[:, None] * skt, offs_m, start_n + offs_n, T,
                                scale, RECIPE, GEMM_DT)
             if ONE_BLOCK:
-                m_new = m_i
-                p = tl.exp(s - m_new[:, None])
                 if RECIPE == 2:
-                    p = tl.exp(_rb(s - m_new[:, None]))
+                    p = tl.exp(_rb(s - m_i[:, None]))
+                else:
+                    p = tl.exp(s - m_i[:, None])
                 l_i += tl.sum(p, 1)
+                if PROBE:
+                    pmax = tl.where(fired > 0, tl.maximum(pmax, tl.max(p, 1)), pmax)
             else:
                 rm = tl.max(s, 1)
                 raw_max = tl.maximum(raw_max, rm)
-                if STABILIZED or COUNTERS:
-                    near = valid & ((rm[:, None] - s) <= eps)
-                    fire = (tl.sum(near.to(tl.int32), 1) > 1) & row_ok
+                if NEED_REP:  # Algorithm 3 on this key tile (masked entries never count)
+                    thr = rm - eps
+                    if RECIPE == 2:
+                        thr = _rb(thr)
+                    fire = (tl.sum((valid & (s >= thr[:, None])).to(tl.int32), 1) > 1) & row_ok
                     fired += fire.to(tl.int32)
                     if STABILIZED:
                         rm_s = rm * beta
@@ -158,51 +180,41 @@ if triton is not None:
                         rm = tl.where(fire & (rm > 0), rm_s, rm)
                         rm = tl.where(fire & (rm < 0), 0.0, rm)
                 m_new = tl.maximum(m_i, rm)
-                if RECIPE == 2:  # subtractions in BF16, exp in FP32
+                if RECIPE == 2:  # subtractions stored in BF16, exp and row sum in FP32, l stored in BF16
                     alpha = tl.exp(_rb(m_i - m_new))
                     p = tl.exp(_rb(s - m_new[:, None]))
-                    l_new = alpha * l_i + tl.sum(p, 1)
-                    if HAS_OFP32:
-                        l_i = tl.where(o_fp32, l_new, _rb(l_new))
-                    else:
-                        l_i = _rb(l_new)
+                    l_i = _rb(alpha * l_i + tl.maximum(tl.sum(p, 1), 1e-10))
                 else:
                     alpha = tl.exp(m_i - m_new)
                     p = tl.exp(s - m_new[:, None])
                     l_i = alpha * l_i + tl.sum(p, 1)
+                if PROBE:
+                    pmax = tl.where(fire, tl.maximum(pmax, tl.max(p, 1)), pmax)
                 acc = acc * alpha[:, None]
                 if RECIPE == 2:
-                    if HAS_OFP32:
-                        acc = tl.where(o_fp32, acc, _rb(acc))
-                    else:
-                        acc = _rb(acc)
+                    acc = _rpv(acc, o_fp32, PV_FP32, HAS_OFP32)
                 m_i = m_new
             kv_ok = (start_n + offs_n) < T
-            v = tl.load(v_base + (start_n + offs_n)[:, None] * svt, mask=kv_ok[:, None], other=0.0)
-            if PV_FP32 or RECIPE == 0:
+            v = tl.load(v_base + (start_n + offs_n)[:, None] * svt, mask=kv_ok[:, None], other=0.0).to(GEMM_DT)
+            if RECIPE == 0:
+                pv = tl.dot(p, v, input_precision="ieee")
+            elif PV_FP32:  # P̄ unrounded, FP32 GEMM
                 pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+            elif HAS_OFP32:  # heads with FP32 O skip P̄'s rounding; FP32 GEMM on BF16-exact values elsewhere
+                pv = tl.dot(tl.where(o_fp32, p, _rb(p)), v.to(tl.float32), input_precision="ieee")
             else:
-                pv = tl.dot(p.to(tl.bfloat16), v.to(tl.bfloat16))
-                if RECIPE == 2 and not ONE_BLOCK:  # P̄V product stored in BF16, then added in BF16
-                    pv = _rb(pv)
-            acc += pv
-            if RECIPE == 2 and not ONE_BLOCK and not PV_FP32:
-                if HAS_OFP32:
-                    acc = tl.where(o_fp32, acc, _rb(acc))
-                else:
-                    acc = _rb(acc)
+                pv = tl.dot(p.to(tl.bfloat16), v)
+            if RECIPE == 2 and not ONE_BLOCK:  # P̄V stored in BF16, then O_acc = r(r(O_acc * alpha) + P̄V)
+                acc = _rpv(acc + _rpv(pv, o_fp32, PV_FP32, HAS_OFP32), o_fp32, PV_FP32, HAS_OFP32)
+            else:
+                acc += pv
 
-        if RECIPE == 2 and ONE_BLOCK:  # one block: l and the P̄V product stored once
-            if HAS_OFP32:
-                l_i = tl.where(o_fp32, l_i, _rb(l_i))
-                if not PV_FP32:
-                    acc = _rb(acc)
-            else:
-                l_i = _rb(l_i)
-                if not PV_FP32:
-                    acc = _rb(acc)
+        if ONE_BLOCK:
+            if RECIPE == 2:  # one tile: l and the P̄V product stored once
+                l_i = _rb(tl.maximum(l_i, 1e-10))
+                acc = _rpv(acc, o_fp32, PV_FP32, HAS_OFP32)
         o = acc / l_i[:, None]
-        if RECIPE != 0:
+        if RECIPE != 0:  # O stored in BF16 unless this head keeps an FP32 O
             if HAS_OFP32:
                 o = tl.where(o_fp32, o, _rb(o))
             else:
@@ -211,33 +223,42 @@ if triton is not None:
         tl.store(O + off_b * sob + off_h * soh + offs_m[:, None] * sot + offs_d[None, :] * sod,
                  o.to(O.dtype.element_ty), mask=row_ok[:, None])
         tl.store(LSE + off_bh * T + offs_m, lse, mask=row_ok)
+        if PROBE:
+            tl.store(PMAX + off_bh * T + offs_m, pmax, mask=row_ok)
+            tl.store(FIRED + off_bh * T + offs_m, fired, mask=row_ok)
         if COUNTERS:
             tl.atomic_add(REP + off_h, tl.sum(fired, 0).to(tl.int64))
             tl.atomic_max(MAXL, tl.max(tl.where(row_ok, raw_max, -3.3895313892515355e38), 0))
 
     @triton.jit
-    def _bwd_delta_kernel(Q, K, V, O, DO, LSE, DELTA,
+    def _bwd_delta_kernel(Q, K, V, O, DO, LSE, DELTA, OFP32,
                           sqb, sqh, sqt, sqd, skb, skh, skt, skd, svb, svh, svt, svd,
                           sob, soh, sot, sod, sdb, sdh, sdt, sdd,
                           H, T, scale,
                           HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          RECIPE: tl.constexpr, DELTA_MODE: tl.constexpr):
-        """delta = rowsum(dO*O) | rowsum(dP*P) | rowsum(dO*(PV in FP32))."""
+                          RECIPE: tl.constexpr, DELTA_MODE: tl.constexpr, HAS_OFP32: tl.constexpr):
+        """delta = rowsum(r(dO*O)) | sum_j rowsum(dP_j*P_j) | rowsum(dO*(sum_j P_j V_j in FP32))."""
         start_m = tl.program_id(0)
         off_bh = tl.program_id(1)
         off_b = off_bh // H
         off_h = off_bh % H
+        GEMM_DT: tl.constexpr = tl.float32 if RECIPE == 0 else tl.bfloat16
         offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, HEAD_DIM)
         row_ok = offs_m < T
         do = tl.load(DO + off_b * sdb + off_h * sdh + offs_m[:, None] * sdt + offs_d[None, :] * sdd,
-                     mask=row_ok[:, None], other=0.0).to(tl.float32)
+                     mask=row_ok[:, None], other=0.0).to(GEMM_DT)
         if DELTA_MODE == 0:
             o = tl.load(O + off_b * sob + off_h * soh + offs_m[:, None] * sot + offs_d[None, :] * sod,
                         mask=row_ok[:, None], other=0.0).to(tl.float32)
-            delta = tl.sum(do * o, 1)
+            prod = do.to(tl.float32) * o
+            if RECIPE == 2:  # the product is a BF16 op (FP32 for heads whose stored O is FP32)
+                if HAS_OFP32:
+                    prod = tl.where(tl.load(OFP32 + off_h) != 0, prod, _rb(prod))
+                else:
+                    prod = _rb(prod)
+            delta = tl.sum(prod, 1)
         else:
-            GEMM_DT: tl.constexpr = tl.float32 if RECIPE == 0 else tl.bfloat16
             offs_n = tl.arange(0, BLOCK_N)
             q = tl.load(Q + off_b * sqb + off_h * sqh + offs_m[:, None] * sqt + offs_d[None, :] * sqd,
                         mask=row_ok[:, None], other=0.0).to(GEMM_DT)
@@ -252,16 +273,21 @@ if triton is not None:
                                    scale, RECIPE, GEMM_DT)
                 p = tl.where(valid, tl.exp(s - lse[:, None]), 0.0)
                 v = tl.load(v_base + (start_n + offs_n)[:, None] * svt,
-                            mask=((start_n + offs_n) < T)[:, None], other=0.0).to(tl.float32)
-                if DELTA_MODE == 1:  # dP = dO V^T, FP32
-                    dp = tl.dot(do, tl.trans(v), input_precision="ieee")
+                            mask=((start_n + offs_n) < T)[:, None], other=0.0).to(GEMM_DT)
+                if DELTA_MODE == 1:  # dP as the backward computes it (stored like its GEMM outputs)
+                    if RECIPE == 0:
+                        dp = tl.dot(do, tl.trans(v), input_precision="ieee")
+                    else:
+                        dp = tl.dot(do, tl.trans(v))
+                        if RECIPE == 2:
+                            dp = _rb(dp)
                     dsum += tl.sum(dp * p, 1)
-                else:  # O recomputed as P V in FP32
-                    acc += tl.dot(p, v, input_precision="ieee")
+                else:  # O recomputed as P V with nothing rounded
+                    acc += tl.dot(p, v.to(tl.float32), input_precision="ieee")
             if DELTA_MODE == 1:
                 delta = dsum
             else:
-                delta = tl.sum(do * acc, 1)
+                delta = tl.sum(do.to(tl.float32) * acc, 1)
         tl.store(DELTA + off_bh * T + offs_m, delta, mask=row_ok)
 
     @triton.jit
@@ -418,78 +444,122 @@ def _strides(x):
     return tuple(x.stride())
 
 
+_DEVICE_CACHE: dict = {}
+
+
+def _cached(key, make):
+    """Small per-device constants (head masks, dummy pointers), made once: no host-to-device copy per call."""
+    t = _DEVICE_CACHE.get(key)
+    if t is None:
+        t = _DEVICE_CACHE[key] = make()
+    return t
+
+
+def _rows_per_head(T: int, knobs: AttentionKnobs) -> int:
+    """(query row, key tile) pairs one head visits per batch element, as AttnStats.rows_seen counts them."""
+    if not knobs.tiling:
+        return T
+    bq, bk = min(knobs.block_q, T), min(knobs.block_k, T)
+    return sum((min(qs + bq, T) - qs) * -(-min(qs + bq, T) // bk) for qs in range(0, T, bq))
+
+
+def _forward(q, k, v, knobs: AttentionKnobs, stats=None, probe: bool = False):
+    """Launch the forward: (O stored for delta, lse, per-head FP32-O flags, pmax, fired); pmax/fired only if probe."""
+    B, H, T, D = q.shape
+    dev = q.device
+    recipe = RECIPE_IDS[knobs.recipe]
+    fp32_heads = tuple(knobs.fp32_o_heads(H))
+    has_ofp32 = recipe != 0 and len(fp32_heads) > 0
+    o_dtype = torch.float32 if (recipe == 0 or has_ofp32) else torch.bfloat16
+    o = torch.empty((B, H, T, D), device=dev, dtype=o_dtype)
+    lse = torch.empty((B, H, T), device=dev, dtype=torch.float32)
+    ofp32 = _cached(("ofp32", str(dev), H, fp32_heads), lambda: torch.tensor(
+        [int(h in fp32_heads) for h in range(H)], dtype=torch.int32).to(dev))
+    counters = stats is not None and knobs.counters
+    if counters:
+        rep, maxl = stats.repeated_max_rows, stats.max_logit
+    else:  # unused pointers still need a tensor
+        rep = _cached(("rep", str(dev)), lambda: torch.zeros(1, device=dev, dtype=torch.int64))
+        maxl = _cached(("maxl", str(dev)), lambda: torch.zeros(1, device=dev, dtype=torch.float32))
+    if probe:
+        pmax = torch.zeros((B, H, T), device=dev, dtype=torch.float32)
+        fired = torch.zeros((B, H, T), device=dev, dtype=torch.int32)
+    else:
+        pmax = fired = lse
+    bm, bn, warps, stages = _fwd_blocks(knobs, D)
+    grid = (triton.cdiv(T, bm), B * H)
+    _fwd_kernel[grid](q, k, v, o, lse, rep, maxl, ofp32, pmax, fired,
+                      *_strides(q), *_strides(k), *_strides(v), *_strides(o),
+                      H, T, 1.0 / math.sqrt(D), float(knobs.beta), float(knobs.eps),
+                      HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, RECIPE=recipe,
+                      STABILIZED=knobs.softmax == "stabilized", COUNTERS=counters,
+                      PV_FP32=bool(knobs.pv_fp32), HAS_OFP32=has_ofp32, ONE_BLOCK=not knobs.tiling,
+                      PROBE=probe, num_warps=warps, num_stages=stages)
+    if counters and getattr(stats, "rows_seen", None) is not None:
+        stats.rows_seen.add_(B * _rows_per_head(T, knobs))  # a Python int: no host sync
+    return o, lse, ofp32, (pmax if probe else None), (fired if probe else None)
+
+
+def fired_pbar_max(q, k, v, knobs: AttentionKnobs):
+    """Probe for tests: per row (B, H, T), the largest FP32 P̄ in key tiles where the SFA condition fired, and
+    whether it fired in any tile. Safe softmax gives P̄ = 1 there; the stabilized softmax must not."""
+    with torch.no_grad():
+        _, _, _, pmax, fired = _forward(q, k, v, knobs, probe=True)
+    return pmax, fired.bool()
+
+
 class _TritonFlash(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, knobs, rep, maxl):
-        B, H, T, D = q.shape
-        recipe = RECIPE_IDS[knobs.recipe]
-        fp32_heads = knobs.fp32_o_heads(H)
-        has_ofp32 = recipe != 0 and len(fp32_heads) > 0
-        o_dtype = torch.float32 if (recipe == 0 or has_ofp32) else torch.bfloat16
-        o = torch.empty((B, H, T, D), device=q.device, dtype=o_dtype)
-        lse = torch.empty((B, H, T), device=q.device, dtype=torch.float32)
-        ofp32 = torch.zeros(H, device=q.device, dtype=torch.int32)
-        if has_ofp32:
-            ofp32[fp32_heads] = 1
-        counters = rep is not None
-        if not counters:  # unused pointers still need a tensor
-            rep = torch.zeros(1, device=q.device, dtype=torch.int64)
-            maxl = torch.zeros(1, device=q.device, dtype=torch.float32)
-        scale = 1.0 / math.sqrt(D)
-        bm, bn, warps, stages = _fwd_blocks(knobs, D)
-        grid = (triton.cdiv(T, bm), B * H)
-        _fwd_kernel[grid](q, k, v, o, lse, rep, maxl, ofp32,
-                          *_strides(q), *_strides(k), *_strides(v), *_strides(o),
-                          H, T, scale, float(knobs.beta), float(knobs.eps),
-                          HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, RECIPE=recipe,
-                          STABILIZED=knobs.softmax == "stabilized", COUNTERS=counters,
-                          PV_FP32=bool(knobs.pv_fp32), HAS_OFP32=has_ofp32, ONE_BLOCK=not knobs.tiling,
-                          num_warps=warps, num_stages=stages)
-        ctx.save_for_backward(q, k, v, o, lse)
+    def forward(ctx, q, k, v, knobs, stats):
+        o_saved, lse, ofp32, _, _ = _forward(q, k, v, knobs, stats)
+        ctx.save_for_backward(q, k, v, o_saved, lse, ofp32)
         ctx.knobs = knobs
-        ctx.scale = scale
-        return o
+        # returned O: BF16 for paper_bf16 / fa2 (also for heads whose stored O is FP32), FP32 for fp32
+        out_dtype = torch.float32 if knobs.recipe == "fp32" else torch.bfloat16
+        return o_saved if o_saved.dtype == out_dtype else o_saved.to(out_dtype)
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, o, lse = ctx.saved_tensors
+        q, k, v, o, lse, ofp32 = ctx.saved_tensors
         knobs = ctx.knobs
         B, H, T, D = q.shape
         recipe = RECIPE_IDS[knobs.recipe]
+        scale = 1.0 / math.sqrt(D)
+        has_ofp32 = recipe != 0 and len(knobs.fp32_o_heads(H)) > 0
         (m1, n1), (m2, n2), warps, stages = _bwd_blocks(knobs, D)
         delta = torch.empty_like(lse)
-        gdt = torch.float32 if recipe == 0 else torch.bfloat16
-        dq = torch.empty((B, H, T, D), device=q.device, dtype=gdt)
-        dk = torch.empty_like(dq)
-        dv = torch.empty_like(dq)
+        dq = torch.empty((B, H, T, D), device=q.device, dtype=q.dtype)  # gradients in the inputs' dtypes
+        dk = torch.empty((B, H, T, D), device=q.device, dtype=k.dtype)
+        dv = torch.empty((B, H, T, D), device=q.device, dtype=v.dtype)
         dbm, dbn = (16, 16) if _interpret() else (64, 64)
         _bwd_delta_kernel[(triton.cdiv(T, dbm), B * H)](
-            q, k, v, o, do, lse, delta,
+            q, k, v, o, do, lse, delta, ofp32,
             *_strides(q), *_strides(k), *_strides(v), *_strides(o), *_strides(do),
-            H, T, ctx.scale, HEAD_DIM=D, BLOCK_M=dbm, BLOCK_N=dbn, RECIPE=recipe,
-            DELTA_MODE=DELTA_IDS[knobs.delta], num_warps=4)
-        common = (*_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq), H, T, ctx.scale)
+            H, T, scale, HEAD_DIM=D, BLOCK_M=dbm, BLOCK_N=dbn, RECIPE=recipe,
+            DELTA_MODE=DELTA_IDS[knobs.delta], HAS_OFP32=has_ofp32, num_warps=4)
         _bwd_dkdv_kernel[(triton.cdiv(T, n1), B * H)](
-            q, k, v, do, lse, delta, dk, dv, *common, HEAD_DIM=D, BLOCK_M=m1, BLOCK_N=n1, RECIPE=recipe,
+            q, k, v, do, lse, delta, dk, dv,
+            *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk), H, T, scale,
+            HEAD_DIM=D, BLOCK_M=m1, BLOCK_N=n1, RECIPE=recipe,
             ONE_BLOCK=not knobs.tiling, num_warps=warps, num_stages=stages)
         _bwd_dq_kernel[(triton.cdiv(T, m2), B * H)](
-            q, k, v, do, lse, delta, dq, *common, HEAD_DIM=D, BLOCK_M=m2, BLOCK_N=n2, RECIPE=recipe,
+            q, k, v, do, lse, delta, dq,
+            *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq), H, T, scale,
+            HEAD_DIM=D, BLOCK_M=m2, BLOCK_N=n2, RECIPE=recipe,
             ONE_BLOCK=not knobs.tiling, num_warps=warps, num_stages=stages)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+        return dq, dk, dv, None, None
 
 
 def flash_attention_triton(q, k, v, knobs: AttentionKnobs, stats=None):
     """Causal attention O for q, k, v of shape (B, H, T, D); autograd-capable; updates `stats` on the device.
 
-    stats (an AttnStats) gains, per head, the number of (row, key tile) pairs where the SFA condition fires
-    (repeated maxima within eps) and the running max of the scaled scores; nothing is synced to the host.
+    Same contract as kernels.flash_attention (the emulator): O in BF16 for paper_bf16 / fa2 and FP32 for fp32,
+    gradients in the inputs' dtypes; `stats` (AttnStats) gains, per head, the (row, key tile) pairs where the SFA
+    condition fires, the pairs seen, and the running max of the scaled scores. Nothing is synced to the host.
     """
     if triton is None:
         raise RuntimeError("flash_attention_triton needs triton; use the emulator (backend=emulator)")
-    rep = maxl = None
-    if stats is not None and knobs.counters:
-        rep, maxl = stats.repeated_max_rows, stats.max_logit
-    return _TritonFlash.apply(q, k, v, knobs, rep, maxl)
+    return _TritonFlash.apply(q, k, v, knobs, stats)
 
 
-__all__ = ["supports", "flash_attention_triton", "RECIPE_IDS", "DELTA_IDS"]
+__all__ = ["supports", "flash_attention_triton", "fired_pbar_max", "RECIPE_IDS", "DELTA_IDS"]
