@@ -373,7 +373,8 @@ class SweepReport(Callback):
         sweep = _sweep_name(config)
         parent = self.parent or find_parent(sweep_dir)
         uri = parent["tracking_uri"] if parent else (_tracking_cfg(config)[0] if self.tracking else None)
-        out_dir = Path(self.out_dir) if self.out_dir else RESULTS_DIR / sweep
+        root = config.get("results_dir") if hasattr(config, "get") else None
+        out_dir = Path(self.out_dir) if self.out_dir else (Path(str(root)).resolve() if root else RESULTS_DIR) / sweep
         rows = collect_rows(sweep_dir)
         status = "FINISHED"
         try:

@@ -400,11 +400,10 @@ class Tracker:
         from mlflow.entities import Metric
         out = []
         for key, value in values.items():
-            last = self._last_step.get(key)
+            last = self._last_step.get(key)  # only steps recorded before this resume are filtered
             if last is not None and step <= last:
                 self._dropped += 1
                 continue
-            self._last_step[key] = step
             out.append(Metric(str(key)[:MAX_KEY_LENGTH], float(value), ts, step))
         return out
 
