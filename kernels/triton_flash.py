@@ -77,10 +77,13 @@ if triton is not None:
             return _rb(x)
 
     @triton.jit
-    def _scores(q, k_ptrs, offs_m, offs_n, T, scale, RECIPE: tl.constexpr, GEMM_DT: tl.constexpr):
-        """S for one tile, scaled and masked (causal and past T) with the most negative BF16."""
-        kmask = offs_n < T
-        k = tl.load(k_ptrs, mask=kmask[:, None], other=0.0).to(GEMM_DT)
+    def _scores(q, k_ptrs, offs_m, offs_n, T, scale, RECIPE: tl.constexpr, GEMM_DT: tl.constexpr,
+                MASKED: tl.constexpr):
+        """S for one tile, scaled; MASKED: causal and past-T entries set to the most negative BF16."""
+        if MASKED:
+            k = tl.load(k_ptrs, mask=(offs_n < T)[:, None], other=0.0).to(GEMM_DT)
+        else:  # a tile wholly below the diagonal: every key exists and is visible
+            k = tl.load(k_ptrs).to(GEMM_DT)
         if RECIPE == 0:
             s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
         else:
@@ -89,8 +92,83 @@ if triton is not None:
                 s = _rb(_rb(s) * scale)
             else:
                 s = s * scale
-        valid = (offs_n[None, :] <= offs_m[:, None]) & kmask[None, :]
-        return tl.where(valid, s, -3.3895313892515355e38), valid
+        if MASKED:
+            s = tl.where((offs_n[None, :] <= offs_m[:, None]) & (offs_n < T)[None, :], s, -3.3895313892515355e38)
+        return s
+
+    @triton.jit
+    def _valid(offs_m, offs_n, T, MASKED: tl.constexpr):
+        if MASKED:
+            return (offs_n[None, :] <= offs_m[:, None]) & (offs_n < T)[None, :]
+        else:
+            return offs_n[None, :] >= 0
+
+    @triton.jit
+    def _fwd_inner(acc, l_i, m_i, raw_max, fired, pmax, q, k_base, v_base, skt, svt, offs_m, offs_n, row_ok,
+                   lo, hi, T, scale, beta, eps, o_fp32,
+                   BLOCK_N: tl.constexpr, RECIPE: tl.constexpr, GEMM_DT: tl.constexpr, STABILIZED: tl.constexpr,
+                   NEED_REP: tl.constexpr, PROBE: tl.constexpr, PV_FP32: tl.constexpr, HAS_OFP32: tl.constexpr,
+                   ONE_BLOCK: tl.constexpr, MASKED: tl.constexpr):
+        """The forward over key tiles [lo, hi): online softmax (or, ONE_BLOCK, a fixed row max) and P̄V."""
+        for start_n in range(lo, hi, BLOCK_N):
+            cols = start_n + offs_n
+            s = _scores(q, k_base + cols[:, None] * skt, offs_m, cols, T, scale, RECIPE, GEMM_DT, MASKED)
+            if ONE_BLOCK:
+                if RECIPE == 2:
+                    p = tl.exp(_rb(s - m_i[:, None]))
+                else:
+                    p = tl.exp(s - m_i[:, None])
+                l_i += tl.sum(p, 1)
+                if PROBE:
+                    pmax = tl.where(fired > 0, tl.maximum(pmax, tl.max(p, 1)), pmax)
+            else:
+                rm = tl.max(s, 1)
+                raw_max = tl.maximum(raw_max, rm)
+                if NEED_REP:  # Algorithm 3 on this key tile (masked entries never count)
+                    thr = rm - eps
+                    if RECIPE == 2:
+                        thr = _rb(thr)
+                    near = _valid(offs_m, cols, T, MASKED) & (s >= thr[:, None])
+                    fire = (tl.sum(near.to(tl.int32), 1) > 1) & row_ok
+                    fired += fire.to(tl.int32)
+                    if STABILIZED:
+                        rm_s = rm * beta
+                        if RECIPE == 2:
+                            rm_s = _rb(rm_s)
+                        rm = tl.where(fire & (rm > 0), rm_s, rm)
+                        rm = tl.where(fire & (rm < 0), 0.0, rm)
+                m_new = tl.maximum(m_i, rm)
+                if RECIPE == 2:  # subtractions stored in BF16, exp and row sum in FP32, l stored in BF16
+                    alpha = tl.exp(_rb(m_i - m_new))
+                    p = tl.exp(_rb(s - m_new[:, None]))
+                    l_i = _rb(alpha * l_i + tl.maximum(tl.sum(p, 1), 1e-10))
+                else:
+                    alpha = tl.exp(m_i - m_new)
+                    p = tl.exp(s - m_new[:, None])
+                    l_i = alpha * l_i + tl.sum(p, 1)
+                if PROBE:
+                    pmax = tl.where(fire, tl.maximum(pmax, tl.max(p, 1)), pmax)
+                acc = acc * alpha[:, None]
+                if RECIPE == 2:
+                    acc = _rpv(acc, o_fp32, PV_FP32, HAS_OFP32)
+                m_i = m_new
+            if MASKED:
+                v = tl.load(v_base + cols[:, None] * svt, mask=(cols < T)[:, None], other=0.0).to(GEMM_DT)
+            else:
+                v = tl.load(v_base + cols[:, None] * svt).to(GEMM_DT)
+            if RECIPE == 0:
+                pv = tl.dot(p, v, input_precision="ieee")
+            elif PV_FP32:  # P̄ unrounded, FP32 GEMM
+                pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+            elif HAS_OFP32:  # heads with FP32 O skip P̄'s rounding; FP32 GEMM on BF16-exact values elsewhere
+                pv = tl.dot(tl.where(o_fp32, p, _rb(p)), v.to(tl.float32), input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(tl.bfloat16), v)
+            if RECIPE == 2 and not ONE_BLOCK:  # P̄V stored in BF16, then O_acc = r(r(O_acc * alpha) + P̄V)
+                acc = _rpv(acc + _rpv(pv, o_fp32, PV_FP32, HAS_OFP32), o_fp32, PV_FP32, HAS_OFP32)
+            else:
+                acc += pv
+        return acc, l_i, m_i, raw_max, fired, pmax
 
     @triton.jit
     def _fwd_kernel(Q, K, V, O, LSE, REP, MAXL, OFP32, PMAX, FIRED,
@@ -130,8 +208,8 @@ if triton is not None:
         if ONE_BLOCK:
             # pass 1: the row max over the whole (causal) row, as one block would see it
             for start_n in range(0, hi, BLOCK_N):
-                s, valid = _scores(q, k_base + (start_n + offs_n)[:, None] * skt, offs_m, start_n + offs_n, T,
-                                   scale, RECIPE, GEMM_DT)
+                s = _scores(q, k_base + (start_n + offs_n)[:, None] * skt, offs_m, start_n + offs_n, T,
+                            scale, RECIPE, GEMM_DT, True)
                 m_i = tl.maximum(m_i, tl.max(s, 1))
             raw_max = m_i
             if NEED_REP:
@@ -141,9 +219,10 @@ if triton is not None:
                     thr = _rb(thr)
                 cnt = tl.zeros([BLOCK_M], dtype=tl.int32)
                 for start_n in range(0, hi, BLOCK_N):
-                    s, valid = _scores(q, k_base + (start_n + offs_n)[:, None] * skt, offs_m, start_n + offs_n, T,
-                                       scale, RECIPE, GEMM_DT)
-                    cnt += tl.sum((valid & (s >= thr[:, None])).to(tl.int32), 1)
+                    s = _scores(q, k_base + (start_n + offs_n)[:, None] * skt, offs_m, start_n + offs_n, T,
+                                scale, RECIPE, GEMM_DT, True)
+                    near = _valid(offs_m, start_n + offs_n, T, True) & (s >= thr[:, None])
+                    cnt += tl.sum(near.to(tl.int32), 1)
                 fire = (cnt > 1) & row_ok
                 fired = fire.to(tl.int32)
                 if STABILIZED:
@@ -153,61 +232,16 @@ if triton is not None:
                     m_i = tl.where(fire & (m_i > 0), m_s, m_i)
                     m_i = tl.where(fire & (m_i < 0), 0.0, m_i)
 
-        for start_n in range(0, hi, BLOCK_N):
-            s, valid = _scores(q, k_base + (start_n + offs_n)[:, None] * skt, offs_m, start_n + offs_n, T,
-                               scale, RECIPE, GEMM_DT)
-            if ONE_BLOCK:
-                if RECIPE == 2:
-                    p = tl.exp(_rb(s - m_i[:, None]))
-                else:
-                    p = tl.exp(s - m_i[:, None])
-                l_i += tl.sum(p, 1)
-                if PROBE:
-                    pmax = tl.where(fired > 0, tl.maximum(pmax, tl.max(p, 1)), pmax)
-            else:
-                rm = tl.max(s, 1)
-                raw_max = tl.maximum(raw_max, rm)
-                if NEED_REP:  # Algorithm 3 on this key tile (masked entries never count)
-                    thr = rm - eps
-                    if RECIPE == 2:
-                        thr = _rb(thr)
-                    fire = (tl.sum((valid & (s >= thr[:, None])).to(tl.int32), 1) > 1) & row_ok
-                    fired += fire.to(tl.int32)
-                    if STABILIZED:
-                        rm_s = rm * beta
-                        if RECIPE == 2:
-                            rm_s = _rb(rm_s)
-                        rm = tl.where(fire & (rm > 0), rm_s, rm)
-                        rm = tl.where(fire & (rm < 0), 0.0, rm)
-                m_new = tl.maximum(m_i, rm)
-                if RECIPE == 2:  # subtractions stored in BF16, exp and row sum in FP32, l stored in BF16
-                    alpha = tl.exp(_rb(m_i - m_new))
-                    p = tl.exp(_rb(s - m_new[:, None]))
-                    l_i = _rb(alpha * l_i + tl.maximum(tl.sum(p, 1), 1e-10))
-                else:
-                    alpha = tl.exp(m_i - m_new)
-                    p = tl.exp(s - m_new[:, None])
-                    l_i = alpha * l_i + tl.sum(p, 1)
-                if PROBE:
-                    pmax = tl.where(fire, tl.maximum(pmax, tl.max(p, 1)), pmax)
-                acc = acc * alpha[:, None]
-                if RECIPE == 2:
-                    acc = _rpv(acc, o_fp32, PV_FP32, HAS_OFP32)
-                m_i = m_new
-            kv_ok = (start_n + offs_n) < T
-            v = tl.load(v_base + (start_n + offs_n)[:, None] * svt, mask=kv_ok[:, None], other=0.0).to(GEMM_DT)
-            if RECIPE == 0:
-                pv = tl.dot(p, v, input_precision="ieee")
-            elif PV_FP32:  # P̄ unrounded, FP32 GEMM
-                pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-            elif HAS_OFP32:  # heads with FP32 O skip P̄'s rounding; FP32 GEMM on BF16-exact values elsewhere
-                pv = tl.dot(tl.where(o_fp32, p, _rb(p)), v.to(tl.float32), input_precision="ieee")
-            else:
-                pv = tl.dot(p.to(tl.bfloat16), v)
-            if RECIPE == 2 and not ONE_BLOCK:  # P̄V stored in BF16, then O_acc = r(r(O_acc * alpha) + P̄V)
-                acc = _rpv(acc + _rpv(pv, o_fp32, PV_FP32, HAS_OFP32), o_fp32, PV_FP32, HAS_OFP32)
-            else:
-                acc += pv
+        # key tiles wholly below this query block's diagonal need no mask; the rest do
+        mid = (start_m * BLOCK_M) // BLOCK_N * BLOCK_N
+        acc, l_i, m_i, raw_max, fired, pmax = _fwd_inner(
+            acc, l_i, m_i, raw_max, fired, pmax, q, k_base, v_base, skt, svt, offs_m, offs_n, row_ok, 0, mid, T,
+            scale, beta, eps, o_fp32, BLOCK_N, RECIPE, GEMM_DT, STABILIZED, NEED_REP, PROBE, PV_FP32, HAS_OFP32,
+            ONE_BLOCK, False)
+        acc, l_i, m_i, raw_max, fired, pmax = _fwd_inner(
+            acc, l_i, m_i, raw_max, fired, pmax, q, k_base, v_base, skt, svt, offs_m, offs_n, row_ok, mid, hi, T,
+            scale, beta, eps, o_fp32, BLOCK_N, RECIPE, GEMM_DT, STABILIZED, NEED_REP, PROBE, PV_FP32, HAS_OFP32,
+            ONE_BLOCK, True)
 
         if ONE_BLOCK:
             if RECIPE == 2:  # one tile: l and the P̄V product stored once
@@ -269,9 +303,9 @@ if triton is not None:
             acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
             dsum = tl.zeros([BLOCK_M], dtype=tl.float32)
             for start_n in range(0, hi, BLOCK_N):
-                s, valid = _scores(q, k_base + (start_n + offs_n)[:, None] * skt, offs_m, start_n + offs_n, T,
-                                   scale, RECIPE, GEMM_DT)
-                p = tl.where(valid, tl.exp(s - lse[:, None]), 0.0)
+                s = _scores(q, k_base + (start_n + offs_n)[:, None] * skt, offs_m, start_n + offs_n, T,
+                            scale, RECIPE, GEMM_DT, True)
+                p = tl.where(_valid(offs_m, start_n + offs_n, T, True), tl.exp(s - lse[:, None]), 0.0)
                 v = tl.load(v_base + (start_n + offs_n)[:, None] * svt,
                             mask=((start_n + offs_n) < T)[:, None], other=0.0).to(GEMM_DT)
                 if DELTA_MODE == 1:  # dP as the backward computes it (stored like its GEMM outputs)
@@ -289,6 +323,50 @@ if triton is not None:
             else:
                 delta = tl.sum(do.to(tl.float32) * acc, 1)
         tl.store(DELTA + off_bh * T + offs_m, delta, mask=row_ok)
+
+    @triton.jit
+    def _dkdv_inner(dk, dv, k, v, q_base, do_base, sqt, sdt, LSE, DELTA, off_bh, offs_n, offs_m0, lo, hi, T, scale,
+                    BLOCK_M: tl.constexpr, RECIPE: tl.constexpr, GEMM_DT: tl.constexpr, ONE_BLOCK: tl.constexpr,
+                    MASKED: tl.constexpr):
+        """dK, dV of one key block over query tiles [lo, hi) (paper_bf16: chunks and accumulators in BF16)."""
+        for start_m in range(lo, hi, BLOCK_M):
+            offs_m = start_m + offs_m0
+            m_ok = offs_m < T  # rows past T load as zeros and contribute nothing
+            q = tl.load(q_base + offs_m[:, None] * sqt, mask=m_ok[:, None], other=0.0).to(GEMM_DT)
+            do = tl.load(do_base + offs_m[:, None] * sdt, mask=m_ok[:, None], other=0.0).to(GEMM_DT)
+            lse = tl.load(LSE + off_bh * T + offs_m, mask=m_ok, other=0.0)
+            delta = tl.load(DELTA + off_bh * T + offs_m, mask=m_ok, other=0.0)
+            if RECIPE == 0:
+                sT = tl.dot(k, tl.trans(q), input_precision="ieee") * scale
+            else:
+                sT = tl.dot(k, tl.trans(q))
+                if RECIPE == 2:
+                    sT = _rb(_rb(sT) * scale)
+                else:
+                    sT = sT * scale
+            pT = tl.exp(sT - lse[None, :])
+            if MASKED:
+                pT = tl.where((offs_n[:, None] <= offs_m[None, :]) & m_ok[None, :], pT, 0.0)
+            if RECIPE == 0:
+                dv_c = tl.dot(pT, do, input_precision="ieee")
+                dpT = tl.dot(v, tl.trans(do), input_precision="ieee")
+            else:
+                dv_c = tl.dot(pT.to(tl.bfloat16), do)
+                dpT = tl.dot(v, tl.trans(do))
+                if RECIPE == 2:
+                    dpT = _rb(dpT)
+            dsT = (pT * scale) * (dpT - delta[None, :])
+            if RECIPE == 0:
+                dk_c = tl.dot(dsT, q, input_precision="ieee")
+            else:
+                dk_c = tl.dot(dsT.to(tl.bfloat16), q)
+            if RECIPE == 2 and not ONE_BLOCK:  # chunk products and accumulators stored in BF16
+                dv = _rb(dv + _rb(dv_c))
+                dk = _rb(dk + _rb(dk_c))
+            else:
+                dv += dv_c
+                dk += dk_c
+        return dk, dv
 
     @triton.jit
     def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
@@ -315,46 +393,49 @@ if triton is not None:
         dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
         q_base = Q + off_b * sqb + off_h * sqh + offs_d[None, :] * sqd
         do_base = DO + off_b * sdb + off_h * sdh + offs_d[None, :] * sdd
-        lo = (start_n * BLOCK_N) // BLOCK_M * BLOCK_M  # first query tile touching the diagonal
-        for start_m in range(lo, T, BLOCK_M):
-            offs_m = start_m + offs_m0
-            m_ok = offs_m < T
-            q = tl.load(q_base + offs_m[:, None] * sqt, mask=m_ok[:, None], other=0.0).to(GEMM_DT)
-            do = tl.load(do_base + offs_m[:, None] * sdt, mask=m_ok[:, None], other=0.0).to(GEMM_DT)
-            lse = tl.load(LSE + off_bh * T + offs_m, mask=m_ok, other=0.0)
-            delta = tl.load(DELTA + off_bh * T + offs_m, mask=m_ok, other=0.0)
-            if RECIPE == 0:
-                sT = tl.dot(k, tl.trans(q), input_precision="ieee") * scale
-            else:
-                sT = tl.dot(k, tl.trans(q))
-                if RECIPE == 2:
-                    sT = _rb(_rb(sT) * scale)
-                else:
-                    sT = sT * scale
-            validT = (offs_n[:, None] <= offs_m[None, :]) & m_ok[None, :] & col_ok[:, None]
-            pT = tl.where(validT, tl.exp(sT - lse[None, :]), 0.0)
-            if RECIPE == 0:
-                dv_c = tl.dot(pT, do, input_precision="ieee")
-                dpT = tl.dot(v, tl.trans(do), input_precision="ieee")
-            else:
-                dv_c = tl.dot(pT.to(tl.bfloat16), do)
-                dpT = tl.dot(v, tl.trans(do))
-                if RECIPE == 2:
-                    dpT = _rb(dpT)
-            dsT = pT * scale * (dpT - delta[None, :])
-            if RECIPE == 0:
-                dk_c = tl.dot(dsT, q, input_precision="ieee")
-            else:
-                dk_c = tl.dot(dsT.to(tl.bfloat16), q)
-            if RECIPE == 2 and not ONE_BLOCK:  # chunk products and accumulators stored in BF16
-                dv = _rb(dv + _rb(dv_c))
-                dk = _rb(dk + _rb(dk_c))
-            else:
-                dv += dv_c
-                dk += dk_c
+        lo = (start_n * BLOCK_N) // BLOCK_M * BLOCK_M  # first query tile touching this key block
+        # query tiles starting at or past this block's last key see every key of it: no mask there
+        mid = tl.minimum(tl.cdiv((start_n + 1) * BLOCK_N - 1, BLOCK_M) * BLOCK_M, T)
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, sqt, sdt, LSE, DELTA, off_bh, offs_n, offs_m0, lo, mid, T,
+                             scale, BLOCK_M, RECIPE, GEMM_DT, ONE_BLOCK, True)
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, sqt, sdt, LSE, DELTA, off_bh, offs_n, offs_m0, mid, T, T,
+                             scale, BLOCK_M, RECIPE, GEMM_DT, ONE_BLOCK, False)
         g = off_b * sgb + off_h * sgh + offs_n[:, None] * sgt + offs_d[None, :] * sgd
         tl.store(DK + g, dk.to(DK.dtype.element_ty), mask=col_ok[:, None])
         tl.store(DV + g, dv.to(DV.dtype.element_ty), mask=col_ok[:, None])
+
+    @triton.jit
+    def _dq_inner(dq, q, do, lse, delta, k_base, v_base, skt, svt, offs_m, offs_n0, lo, hi, T, scale,
+                  BLOCK_N: tl.constexpr, RECIPE: tl.constexpr, GEMM_DT: tl.constexpr, ONE_BLOCK: tl.constexpr,
+                  MASKED: tl.constexpr):
+        """dQ of one query block over key tiles [lo, hi) (paper_bf16: chunks and accumulator in BF16)."""
+        for start_n in range(lo, hi, BLOCK_N):
+            offs_n = start_n + offs_n0
+            s = _scores(q, k_base + offs_n[:, None] * skt, offs_m, offs_n, T, scale, RECIPE, GEMM_DT, MASKED)
+            p = tl.exp(s - lse[:, None])
+            if MASKED:
+                p = tl.where(_valid(offs_m, offs_n, T, True), p, 0.0)
+                v = tl.load(v_base + offs_n[:, None] * svt, mask=(offs_n < T)[:, None], other=0.0).to(GEMM_DT)
+                k = tl.load(k_base + offs_n[:, None] * skt, mask=(offs_n < T)[:, None], other=0.0).to(GEMM_DT)
+            else:
+                v = tl.load(v_base + offs_n[:, None] * svt).to(GEMM_DT)
+                k = tl.load(k_base + offs_n[:, None] * skt).to(GEMM_DT)
+            if RECIPE == 0:
+                dp = tl.dot(do, tl.trans(v), input_precision="ieee")
+            else:
+                dp = tl.dot(do, tl.trans(v))
+                if RECIPE == 2:
+                    dp = _rb(dp)
+            ds = (p * scale) * (dp - delta[:, None])
+            if RECIPE == 0:
+                dq_c = tl.dot(ds, k, input_precision="ieee")
+            else:
+                dq_c = tl.dot(ds.to(tl.bfloat16), k)
+            if RECIPE == 2 and not ONE_BLOCK:
+                dq = _rb(dq + _rb(dq_c))
+            else:
+                dq += dq_c
+        return dq
 
     @triton.jit
     def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
@@ -383,27 +464,11 @@ if triton is not None:
         v_base = V + off_b * svb + off_h * svh + offs_d[None, :] * svd
         dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
         hi = tl.minimum((start_m + 1) * BLOCK_M, T)
-        for start_n in range(0, hi, BLOCK_N):
-            offs_n = start_n + offs_n0
-            s, valid = _scores(q, k_base + offs_n[:, None] * skt, offs_m, offs_n, T, scale, RECIPE, GEMM_DT)
-            p = tl.where(valid, tl.exp(s - lse[:, None]), 0.0)
-            v = tl.load(v_base + offs_n[:, None] * svt, mask=(offs_n < T)[:, None], other=0.0).to(GEMM_DT)
-            k = tl.load(k_base + offs_n[:, None] * skt, mask=(offs_n < T)[:, None], other=0.0).to(GEMM_DT)
-            if RECIPE == 0:
-                dp = tl.dot(do, tl.trans(v), input_precision="ieee")
-            else:
-                dp = tl.dot(do, tl.trans(v))
-                if RECIPE == 2:
-                    dp = _rb(dp)
-            ds = p * scale * (dp - delta[:, None])
-            if RECIPE == 0:
-                dq_c = tl.dot(ds, k, input_precision="ieee")
-            else:
-                dq_c = tl.dot(ds.to(tl.bfloat16), k)
-            if RECIPE == 2 and not ONE_BLOCK:
-                dq = _rb(dq + _rb(dq_c))
-            else:
-                dq += dq_c
+        mid = (start_m * BLOCK_M) // BLOCK_N * BLOCK_N  # key tiles before mid lie wholly below the diagonal
+        dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, skt, svt, offs_m, offs_n0, 0, mid, T, scale,
+                       BLOCK_N, RECIPE, GEMM_DT, ONE_BLOCK, False)
+        dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, skt, svt, offs_m, offs_n0, mid, hi, T, scale,
+                       BLOCK_N, RECIPE, GEMM_DT, ONE_BLOCK, True)
         tl.store(DQ + off_b * sgb + off_h * sgh + offs_m[:, None] * sgt + offs_d[None, :] * sgd,
                  dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
 
