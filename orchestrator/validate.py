@@ -1,0 +1,289 @@
+"""Validation before anything runs: every bad value is reported with its key, the value and what is allowed.
+
+Types are enforced by the structured config (orchestrator/schema.py) at compose time; this module checks ranges,
+cross-field rules (layer/head indices against the model, knobs that cannot hold together, an intervention against
+explicit user overrides, two interventions against each other), the resume checkpoint and the tracking store.
+It also builds the job's effective attention config (conf attention + the intervention's knobs).
+"""
+from __future__ import annotations
+
+from dataclasses import fields
+from pathlib import Path
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+from omegaconf import DictConfig, OmegaConf
+
+from kernels.config import AttentionConfig, AttentionKnobs, LayerOverride
+
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+KNOBS = tuple(f.name for f in fields(AttentionKnobs))
+# knobs only the tiled flash kernels implement (models/attention.py): setting them on another impl is a contradiction
+FLASH_ONLY = {"standard": ("tiling", "softmax", "delta"),
+              "sdpa": ("tiling", "softmax", "delta", "pv_fp32", "o_fp32", "o_fp32_heads")}
+KNOB_DEFAULTS = {f.name: f.default for f in fields(AttentionKnobs) if f.name != "o_fp32_heads"} | {"o_fp32_heads": []}
+
+
+class ConfigError(ValueError):
+    """A configuration that must not run; the message names the key, the value and what is allowed."""
+
+
+def _bad(key: str, value, allowed: str) -> ConfigError:
+    return ConfigError(f"{key}={value!r} is not allowed: expected {allowed}")
+
+
+def _int(key: str, value, low: int, high: Optional[int] = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+        raise _bad(key, value, f"an integer >= {low}" + (f" and <= {high}" if high is not None else ""))
+
+
+def _num(key: str, value, low: float, strict: bool = True) -> None:
+    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and (value > low if strict else value >= low)
+    if not ok:
+        raise _bad(key, value, f"a number {'>' if strict else '>='} {low}")
+
+
+# ------------------------------------------------------------------------------------------------ to objects
+def to_object(cfg):
+    """DictConfig (composed by Hydra, maybe with the hydra node) -> schema.Config dataclass instance."""
+    from orchestrator.schema import Config
+
+    if isinstance(cfg, Config):
+        return cfg
+    if isinstance(cfg, DictConfig):
+        node = cfg.copy()
+        with _open(node):
+            node.pop("hydra", None)
+        try:
+            return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), node))
+        except Exception as e:  # OmegaConf names the full key and the offending value
+            raise ConfigError(str(e).strip().splitlines()[0] + _where(e)) from None
+    raise TypeError(f"cannot validate a {type(cfg).__name__}")
+
+
+class _open:
+    def __init__(self, node):
+        self.node = node
+
+    def __enter__(self):
+        self._flag = self.node._get_flag("struct")
+        OmegaConf.set_struct(self.node, False)
+
+    def __exit__(self, *exc):
+        OmegaConf.set_struct(self.node, self._flag)
+
+
+def _where(e) -> str:
+    key = getattr(e, "full_key", None)
+    return f" (key: {key})" if key else ""
+
+
+# ------------------------------------------------------------------------------------------- interventions
+def intervention_knobs(iv) -> Dict[str, object]:
+    """The attention knobs an intervention sets (None = not set)."""
+    return {k: getattr(iv, k) for k in KNOBS if getattr(iv, k, None) is not None}
+
+
+def effective_attention(cfg) -> AttentionConfig:
+    """conf attention with the intervention's knobs applied and its per-layer overrides appended."""
+    att, iv = cfg.attention, cfg.intervention
+    base = {k: getattr(att, k) for k in KNOBS}
+    base.update(intervention_knobs(iv))
+    base["o_fp32_heads"] = list(base["o_fp32_heads"])
+    overrides = [LayerOverride(**{f.name: getattr(o, f.name) for f in fields(LayerOverride)})
+                 for o in list(att.overrides) + list(iv.overrides)]
+    for o in overrides:
+        o.layers = list(o.layers)
+        if o.o_fp32_heads is not None:
+            o.o_fp32_heads = list(o.o_fp32_heads)
+    return AttentionConfig(**base, overrides=overrides)
+
+
+def _parse(overrides: Sequence[str]):
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    return OverridesParser.create().parse_overrides(list(overrides))
+
+
+def selected_interventions(overrides: Sequence[str]) -> List[str]:
+    """Intervention names chosen on the command line (`intervention=[a,b]` selects several)."""
+    for o in _parse(overrides):
+        if o.key_or_group == "intervention" and not o.is_delete():
+            value = o.value()
+            return [str(v) for v in value] if isinstance(value, list) else [str(value)]
+    return []
+
+
+def _load_intervention(name: str, base) -> object:
+    """One intervention file on its own, resolved against the run's layer/heads (for the combination check)."""
+    from orchestrator.schema import InterventionConfig
+
+    path = CONF_DIR / "intervention" / f"{name}.yaml"
+    node = OmegaConf.merge(OmegaConf.structured(InterventionConfig), OmegaConf.load(path),
+                           {"layer": base.layer, "heads": list(base.heads)})
+    return OmegaConf.to_object(OmegaConf.create({"intervention": node}).intervention)
+
+
+def _knob_sites(iv) -> Dict[Tuple[str, Optional[int]], object]:
+    """(knob, layer or None for all layers) -> value, for the combination check."""
+    sites = {(k, None): v for k, v in intervention_knobs(iv).items()}
+    for o in iv.overrides:
+        for layer in o.layers:
+            for k, v in o.set_knobs().items():
+                sites[(k, layer)] = v
+    return sites
+
+
+def check_combination(names: Sequence[str], base) -> None:
+    """Two interventions that set one knob (at one layer) to different values contradict each other."""
+    owners: Dict[Tuple[str, Optional[int]], Tuple[str, object]] = {}
+    for name in names:
+        for site, value in _knob_sites(_load_intervention(name, base)).items():
+            if site in owners and owners[site][1] != value:
+                other, ov = owners[site]
+                where = f"attention.{site[0]}" + (f" in layer {site[1]}" if site[1] is not None else "")
+                raise ConfigError(
+                    f"intervention={list(names)}: {other} sets {where}={ov!r} but {name} sets it to {value!r}; "
+                    f"allowed: interventions that set different knobs (or the same values)")
+            owners[site] = (name, value)
+
+
+def check_user_overrides(iv, overrides: Sequence[str]) -> None:
+    """An explicit `attention.<knob>=v` on the command line that the intervention sets otherwise is a contradiction."""
+    owned = intervention_knobs(iv)
+    for o in _parse(overrides):
+        key = o.key_or_group
+        if not key.startswith("attention.") or o.is_sweep_override():
+            continue
+        knob = key.split(".", 1)[1]
+        if knob in owned:
+            value = o.value()
+            if value != owned[knob] and not (isinstance(value, (int, float)) and value == owned[knob]):
+                raise ConfigError(
+                    f"{key}={value!r} contradicts intervention={iv.name}, which sets {key}={owned[knob]!r}; "
+                    f"allowed: drop the override or pick an intervention that leaves {knob} alone")
+
+
+def check_knob_combos(att: AttentionConfig, n_layer: int, key: str = "attention") -> None:
+    """Per layer: knobs that only the flash kernels implement cannot be asked of standard/sdpa."""
+    for layer in range(n_layer):
+        k = att.for_layer(layer)
+        for knob in FLASH_ONLY.get(k.impl, ()):
+            value = getattr(k, knob)
+            if list(value) if knob == "o_fp32_heads" else value != KNOB_DEFAULTS[knob]:
+                raise ConfigError(
+                    f"{key}.impl={k.impl!r} (layer {layer}) cannot hold with {key}.{knob}={value!r}: only impl=flash "
+                    f"implements {knob}; allowed: impl=flash for that layer, or {knob}={KNOB_DEFAULTS[knob]!r}")
+
+
+# ----------------------------------------------------------------------------------------------- the sections
+def check_optimizer(o) -> None:
+    from orchestrator.schema import OPTIMIZERS
+
+    if o.name not in OPTIMIZERS:
+        raise _bad("optimizer.name", o.name, "one of " + ", ".join(OPTIMIZERS))
+    _num("optimizer.lr", o.lr, 0)
+    _num("optimizer.min_lr", o.min_lr, 0, strict=False)
+    if o.min_lr > o.lr:
+        raise _bad("optimizer.min_lr", o.min_lr, f"a number <= optimizer.lr={o.lr}")
+    if len(o.betas) != 2 or not all(0 <= b < 1 for b in o.betas):
+        raise _bad("optimizer.betas", list(o.betas), "two numbers in [0, 1)")
+    _num("optimizer.weight_decay", o.weight_decay, 0, strict=False)
+    _num("optimizer.eps", o.eps, 0)
+    _num("optimizer.muon_lr", o.muon_lr, 0)
+    if not 0 <= o.muon_momentum < 1:
+        raise _bad("optimizer.muon_momentum", o.muon_momentum, "a number in [0, 1)")
+    _int("optimizer.ns_steps", o.ns_steps, 1)
+    if o.decay_steps is not None:
+        _int("optimizer.decay_steps", o.decay_steps, 1)
+
+
+def check_train(t) -> None:
+    from orchestrator.schema import DEVICES, PRECISIONS
+
+    for name in ("batch_size", "grad_accum", "max_steps", "eval_batches"):
+        _int(f"train.{name}", getattr(t, name), 1)
+    for name in ("eval_every", "ckpt_every", "seed"):
+        _int(f"train.{name}", getattr(t, name), 0)
+    _int("train.warmup_steps", t.warmup_steps, 0, t.max_steps)
+    _num("train.grad_clip", t.grad_clip, 0, strict=False)
+    if t.precision not in PRECISIONS:
+        raise _bad("train.precision", t.precision, "one of " + ", ".join(PRECISIONS))
+    if t.device not in DEVICES:
+        raise _bad("train.device", t.device, "one of " + ", ".join(DEVICES))
+    if t.device == "cuda":
+        import torch
+        if not torch.cuda.is_available():
+            raise _bad("train.device", t.device, "auto or cpu on a machine without a CUDA GPU")
+
+
+def check_intervention(iv, model) -> None:
+    from orchestrator.schema import EXPECTS
+
+    if iv.expect not in EXPECTS:
+        raise _bad("intervention.expect", iv.expect, "one of " + ", ".join(EXPECTS))
+    if iv.layer is not None:
+        _int("intervention.layer", iv.layer, 0, model.n_layer - 1)
+    for h in iv.heads:
+        if isinstance(h, bool) or not isinstance(h, int) or not 0 <= h < model.n_head:
+            raise _bad("intervention.heads", list(iv.heads), f"head indices in 0..{model.n_head - 1} "
+                                                            f"(model.n_head={model.n_head})")
+    if iv.beta is not None and not iv.beta > 1:
+        raise _bad("intervention.beta", iv.beta, "a number > 1 (beta = 1 is the safe softmax)")
+
+
+def check_debug(d, t) -> None:
+    for name in ("nan_at_step", "raise_at_step"):
+        v = getattr(d, name)
+        if v is not None:
+            _int(f"debug.{name}", v, 0, t.max_steps - 1)
+
+
+def validate_config(cfg, overrides: Sequence[str] = (), check_resume: bool = True,
+                    check_store: bool = True):
+    """Check a composed job config; return (Config object, effective AttentionConfig) or raise ConfigError.
+
+    overrides: the job's task overrides (for contradictions with the intervention and for `intervention=[a,b]`).
+    """
+    obj = to_object(cfg)
+    for section, fn in (("model", lambda: obj.model.validate(key="model")),
+                        ("data", lambda: obj.data.validate(key="data")),
+                        ("monitor", lambda: obj.monitor.validate(key="monitor")),
+                        ("verdict", lambda: obj.verdict.validate(key="verdict")),
+                        ("tracking", lambda: obj.tracking.validate(key="tracking")),
+                        ("optimizer", lambda: check_optimizer(obj.optimizer)),
+                        ("train", lambda: check_train(obj.train)),
+                        ("debug", lambda: check_debug(obj.debug, obj.train)),
+                        ("intervention", lambda: check_intervention(obj.intervention, obj.model))):
+        try:
+            fn()
+        except ConfigError:
+            raise
+        except ValueError as e:  # the other modules' validate(): same message shape
+            raise ConfigError(str(e)) from None
+    names = selected_interventions(overrides)
+    if len(names) > 1:
+        check_combination(names, obj.intervention)
+    check_user_overrides(obj.intervention, overrides)
+    att = effective_attention(obj)
+    try:
+        att.validate(obj.model.n_head, key="attention", n_layer=obj.model.n_layer)
+    except ValueError as e:
+        raise ConfigError(f"{e} (attention with intervention={obj.intervention.name})") from None
+    check_knob_combos(att, obj.model.n_layer)
+    if check_resume and obj.resume is not None:
+        from orchestrator.checkpoint import check_compatible
+        try:
+            check_compatible(obj.resume, obj.model)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    if check_store:
+        from orchestrator.tracking import check_tracking
+        try:
+            check_tracking(obj.tracking.uri, timeout_s=obj.tracking.check_timeout_s)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    return obj, att
+
+
+__all__ = ["ConfigError", "validate_config", "effective_attention", "to_object", "selected_interventions",
+           "check_combination", "check_user_overrides", "check_knob_combos"]
