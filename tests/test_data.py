@@ -215,6 +215,8 @@ def test_corpus_shorter_than_context(tmp_path):
 
 
 def test_offline_without_cache_says_what_to_do(tmp_path, monkeypatch, offline):
+    good = tok.ranks_path()  # the filled cache, wherever the environment puts it
+    monkeypatch.setattr(tok.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))  # tiktoken's own cache
     monkeypatch.setenv("FLASH_FORENSICS_CACHE", str(tmp_path / "empty-cache"))
     monkeypatch.delenv("TIKTOKEN_CACHE_DIR", raising=False)
     tok.gpt2_encoding.cache_clear()
@@ -227,12 +229,15 @@ def test_offline_without_cache_says_what_to_do(tmp_path, monkeypatch, offline):
     with pytest.raises(tok.TokenizerUnavailable, match="sha256"):
         tok.install_ranks(wrong)
     assert not tok.ranks_path().exists()
-    monkeypatch.delenv("FLASH_FORENSICS_CACHE")
-    good = tok.ranks_path()
-    monkeypatch.setenv("FLASH_FORENSICS_CACHE", str(tmp_path / "empty-cache"))
-    tok.install_ranks(good)
+    assert tok.install_ranks(good) == tok.ranks_path() and str(tmp_path) in str(tok.ranks_path())
     tok.gpt2_encoding.cache_clear()
     assert tok.gpt2_encoding().encode_ordinary("hello world") == [31373, 995]
+    # a copy already in tiktoken's default cache is picked up (and hash-checked)
+    monkeypatch.setenv("FLASH_FORENSICS_CACHE", str(tmp_path / "cache2"))
+    (tmp_path / "tmp" / "data-gym-cache").mkdir(parents=True)
+    shutil.copy(good, tmp_path / "tmp" / "data-gym-cache" / good.name)
+    tok.gpt2_encoding.cache_clear()
+    assert tok.gpt2_encoding().n_vocab == 50257 and tok.ranks_path().is_file()
 
 
 # ------------------------------------------------------------------ batches: order, record, replay, resume

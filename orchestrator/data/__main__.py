@@ -67,12 +67,12 @@ def main(argv=None) -> int:
             gpt2_encoding()
             print(f"GPT-2 BPE ranks: {ranks_path()}\ndefault corpus:  {kjv_path()}")
         else:
-            from orchestrator.data.tokenizer import gpt2_encoding, install_ranks
+            from orchestrator.data.tokenizer import gpt2_encoding, install_ranks, ranks_path
 
-            path = install_ranks(args.source) if args.source else (gpt2_encoding(), None)[1]
-            from orchestrator.data.tokenizer import ranks_path
-
-            print(f"GPT-2 BPE ranks verified at {path or ranks_path()}")
+            if args.source:
+                install_ranks(args.source)
+            gpt2_encoding()
+            print(f"GPT-2 BPE ranks verified at {ranks_path()}")
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

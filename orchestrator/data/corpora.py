@@ -145,9 +145,19 @@ def _parquet_docs(path: Path, text_key: str) -> Iterator[str]:
                 yield doc
 
 
+HASH_INPUT_MAX_BYTES = 256 << 20  # bigger inputs are identified by size + mtime (hashing GBs per job is too slow)
+
+
+def _file_identity(p: Path) -> dict:
+    st = p.stat()
+    if st.st_size <= HASH_INPUT_MAX_BYTES:
+        return {"path": str(p), "bytes": st.st_size, "sha256": sha256_file(p)}
+    return {"path": str(p), "bytes": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
 def text_files_corpus(cfg: DataConfig) -> Corpus:
     files = resolve_files(list(cfg.files))
-    listing = [{"path": str(p), "bytes": p.stat().st_size, "sha256": sha256_file(p)} for p in files]
+    listing = [_file_identity(p) for p in files]
     source = {"kind": "text_files", "files": listing, "text_key": cfg.text_key, "format_version": 1}
 
     def docs() -> Iterator[str]:

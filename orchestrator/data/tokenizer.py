@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import tempfile
 from pathlib import Path
 from typing import Optional
 
@@ -82,6 +83,10 @@ def gpt2_encoding(fetch: bool = True):
 
     path = ranks_path()
     errors = []
+    if not _has_valid_ranks(path):  # tiktoken's own default cache may already hold it (hash checked on copy)
+        stray = Path(tempfile.gettempdir()) / "data-gym-cache" / path.name
+        if _has_valid_ranks(stray):
+            atomic_write(path, stray.read_bytes())
     if not _has_valid_ranks(path) and fetch:
         try:
             install_ranks()
