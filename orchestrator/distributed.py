@@ -52,7 +52,7 @@ class DistInfo:
     world_size: int = 1
     device: torch.device = torch.device("cpu")
     backend: Optional[str] = None  # None when no process group was created (world_size 1)
-    source: str = "single"  # single | torchrun | slurm
+    source: str = "single"  # single | torchrun | slurm | submitit_local
     cpu_group: object = None  # a gloo group for small host-side agreements (preemption flag) without device syncs
 
     @property
@@ -79,6 +79,10 @@ def detect_env() -> dict:
         # inside an srun step (submitit runs every task through srun); the batch script itself is not a rank
         return {"rank": _env_int("SLURM_PROCID"), "local_rank": _env_int("SLURM_LOCALID") or 0,
                 "world_size": ntasks, "source": "slurm"}
+    ntasks = _env_int("SUBMITIT_LOCAL_NTASKS")
+    if ntasks is not None and ntasks > 1:  # hydra/launcher=local with tasks_per_node > 1: one node, N processes
+        return {"rank": _env_int("SUBMITIT_LOCAL_GLOBALID") or 0, "local_rank": _env_int("SUBMITIT_LOCAL_LOCALID") or 0,
+                "world_size": ntasks, "source": "submitit_local"}
     return {"rank": 0, "local_rank": 0, "world_size": 1, "source": "single"}
 
 
@@ -138,6 +142,8 @@ def init_distributed(cfg: Optional[DistConfig] = None, device: str = "auto") -> 
         os.environ["MASTER_PORT"] = str(cfg.master_port)
     elif env["source"] == "slurm":
         os.environ.setdefault("MASTER_PORT", str(slurm_master_port()))
+    elif env["source"] == "submitit_local":
+        os.environ.setdefault("MASTER_PORT", str(slurm_master_port(os.environ.get("SUBMITIT_LOCAL_JOB_ID"))))
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
