@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.config import AttentionKnobs
+from kernels.stats import AttnStats
 
 BF16 = torch.bfloat16
 FP32 = torch.float32
@@ -47,22 +48,9 @@ def _triton_module():
     return None
 
 
-class _InterimStats:
-    """Stand-in with kernels.AttnStats' contract, used only until kernels exports AttnStats."""
-
-    def __init__(self, n_head: int, device):
-        self.repeated_max_rows = torch.zeros(n_head, dtype=torch.int64, device=device)
-        self.max_logit = torch.full((), float("-inf"), dtype=torch.float32, device=device)
-
-    def reset(self) -> None:
-        self.repeated_max_rows.zero_()
-        self.max_logit.fill_(float("-inf"))
-
-
-def new_stats(n_head: int, device) -> "object":
-    """An AttnStats for one layer (kernels' class: repeated_max_rows (H,) int64, max_logit () float32)."""
-    cls = getattr(_kernels(), "AttnStats", _InterimStats)
-    return cls(n_head, device)
+def new_stats(n_head: int, device) -> AttnStats:
+    """An AttnStats for one layer: repeated_max_rows / rows_seen (H,) int64, max_logit () float32, on `device`."""
+    return AttnStats(n_head, device)
 
 
 def compute_dtype(knobs: AttentionKnobs) -> torch.dtype:
@@ -90,7 +78,7 @@ def resolve_backend(knobs: AttentionKnobs, device, *, q: Optional[torch.Tensor] 
     dev = torch.device(device if q is None else q.device)
     mod = _triton_module()
     ok = False
-    if dev.type == "cuda" and mod is not None:
+    if mod is not None and (dev.type == "cuda" or knobs.backend == "triton"):  # explicit triton: ask it (interpreter)
         ok = bool(mod.supports(knobs, q if q is not None else _example_q(knobs, dev, n_head, seq_len, head_dim)))
     if ok:
         return "triton"
@@ -136,6 +124,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, knobs: AttentionKn
     """Causal attention for q, k, v of shape (B, H, T, D) as `knobs` says; returns O (B, H, T, D)."""
     with torch.autocast(device_type=q.device.type, enabled=False):
         if knobs.impl == "flash":
+            if not q.dtype == k.dtype == v.dtype:  # e.g. FP32 q, k from QK-norm beside a BF16 v: promote (exact)
+                dt = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
+                q, k, v = q.to(dt), k.to(dt), v.to(dt)
             backend = resolve_backend(knobs, q.device, q=q)
             if backend == "triton":
                 return _triton_module().flash_attention_triton(q, k, v, knobs, stats)
@@ -153,17 +144,19 @@ def _causal_mask(T: int, device) -> torch.Tensor:
 
 
 @torch.no_grad()
-def _update_stats(s: torch.Tensor, valid: torch.Tensor, knobs: AttentionKnobs, stats, count: bool) -> None:
-    """Accumulate max_logit and (if `count`) rows whose max is attained more than once within eps, per head.
+def _update_stats(s: torch.Tensor, valid: torch.Tensor, knobs: AttentionKnobs, stats: AttnStats, count: bool) -> None:
+    """Fold one call into the layer's stats: max_logit, and (if `count`) rows whose max is attained more than once
+    within eps, per head, over the full row (the kernels count per key tile; untiled they agree).
 
-    s: scaled scores (B, H, T, T) with masked entries at -inf. Stays on the device: no .item(), no host sync.
+    s: scaled scores (B, H, T, T), masked entries at -inf (never within eps). On the device: no .item(), no sync.
     """
     s = s.detach().float()
-    stats.max_logit.copy_(torch.maximum(stats.max_logit, s.amax()))
     if count:
         rm = s.amax(dim=-1, keepdim=True)
-        ties = ((rm - s <= knobs.eps) & valid).sum(dim=-1)  # (B, H, T); masked entries are -inf, never within eps
-        stats.repeated_max_rows.add_((ties > 1).sum(dim=(0, 2)).to(stats.repeated_max_rows.dtype))
+        ties = ((s >= rm - knobs.eps) & valid).sum(dim=-1, keepdim=True)  # (B, H, T, 1), as in kernels/recipes.py
+        stats.update(ties > 1, rm)
+    else:
+        torch.maximum(stats.max_logit, s.amax(), out=stats.max_logit)
 
 
 def standard_attention(q, k, v, knobs: AttentionKnobs, stats=None) -> torch.Tensor:
