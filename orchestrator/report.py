@@ -8,6 +8,7 @@ results/<sweep>/verdicts.md, verdicts.json and plots/, logs them to the parent r
 """
 from __future__ import annotations
 
+import atexit
 import datetime as _dt
 import json
 import math
@@ -291,7 +292,7 @@ def write_report(rows: List[Dict], out_dir: os.PathLike, tracking_uri: Optional[
            "summary": {"runs": len(rows), "matches_paper": sum(1 for r in rows if r["matches_paper"]),
                        "failed": sum(1 for r in rows if r["observed"] == "failed")},
            "plots": {k: str(p) for k, p in plot_paths.items()}}
-    paths["json"].write_text(json.dumps(doc, indent=2, default=_json_default))
+    paths["json"].write_text(json.dumps(_finite(doc), indent=2, default=str, allow_nan=False))
     paths["md"].write_text(_markdown(rows, meta, plot_paths, out_dir, sweep))
     if parent_run_id and uri:
         client = make_client(uri)
@@ -311,10 +312,15 @@ def _summary_tags(summary):
     return [RunTag(f"sweep.{k}", str(v)) for k, v in summary.items()]
 
 
-def _json_default(x):
+def _finite(x):
+    """NaN/Inf (a diverged run's final loss) become null: verdicts.json stays strict JSON."""
     if isinstance(x, float):
-        return None if not math.isfinite(x) else x
-    return str(x)
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return x
 
 
 def write_run_report(result: Dict[str, Any], sweep: str, tracking_uri: Optional[str] = None,
@@ -355,6 +361,9 @@ class SweepReport(Callback):
 
     def on_multirun_start(self, config, **kwargs) -> None:
         sweep_dir = Path(str(config.hydra.sweep.dir))
+        # Hydra skips on_multirun_end when a job raises out of the sweep: still write the report at exit
+        self._pending = config
+        atexit.register(self._at_exit)
         if not self.tracking:
             return
         uri, exp_name = _tracking_cfg(config)
@@ -368,7 +377,21 @@ class SweepReport(Callback):
         self.parent = {"tracking_uri": uri, "experiment_id": exp_id, "run_id": run.info.run_id}
         print(f"[report] MLflow parent run {run.info.run_id} (experiment {exp_name or sweep}) in {uri}")
 
+    def _at_exit(self) -> None:
+        config, self._pending = getattr(self, "_pending", None), None
+        if config is not None and not (Path(str(config.hydra.sweep.dir)) / "verdicts.json").exists():
+            print("[report] the sweep ended without on_multirun_end (a job raised?): writing the report anyway")
+            self._write(config, status="FAILED")
+
     def on_multirun_end(self, config, **kwargs) -> None:
+        self._write(config, status="FINISHED")
+
+    def _write(self, config, status: str) -> None:
+        self._pending = None
+        try:
+            atexit.unregister(self._at_exit)
+        except Exception:
+            pass
         sweep_dir = Path(str(config.hydra.sweep.dir))
         sweep = _sweep_name(config)
         parent = self.parent or find_parent(sweep_dir)
@@ -376,7 +399,6 @@ class SweepReport(Callback):
         root = config.get("results_dir") if hasattr(config, "get") else None
         out_dir = Path(self.out_dir) if self.out_dir else (Path(str(root)).resolve() if root else RESULTS_DIR) / sweep
         rows = collect_rows(sweep_dir)
-        status = "FINISHED"
         try:
             paths = write_report(rows, out_dir, uri, sweep=sweep,
                                  meta={"sweep_dir": str(sweep_dir),
