@@ -88,7 +88,7 @@ def _tile_max(p: _Plan, s: torch.Tensor, mask, count: bool):
 def forward(q, k, v, knobs: AttentionKnobs, stats: Optional[AttnStats] = None, capture: Optional[dict] = None):
     """One forward pass without autograd. Returns (O returned, O stored for delta, lse), all (B, H, T, ...).
 
-    `capture`, if a dict, receives debug copies: "tiles" = list of dicts (qs, ks, p_bar, rep) per visited tile,
+    `capture`, if a dict, receives debug copies: "tiles" = list of dicts (qs, ks, p_bar, rep, mask, rm, m) per tile,
     "o_bar" = the O accumulator before the division (B, H, T, D), "l", "m" (B, H, T, 1).
     """
     B, H, T, D = q.shape
@@ -127,7 +127,7 @@ def forward(q, k, v, knobs: AttentionKnobs, stats: Optional[AttnStats] = None, c
             acc = p.r_pv(p.r_pv(acc * alpha, rc.acc) + pv, rc.acc)
             m = m_new
             if capture is not None:
-                capture["tiles"].append(dict(qs=qs, ks=ks, p_bar=pbar.clone(), rep=rep, mask=mask))
+                capture["tiles"].append(dict(qs=qs, ks=ks, p_bar=pbar.clone(), rep=rep, mask=mask, rm=rm, m=m_new))
         o_saved[:, :, qs:qe] = round_to(acc / l, rc.o_store, p.o_keep)
         lse[:, :, qs:qe] = torch.log(l) + m
         if capture is not None:
@@ -261,8 +261,9 @@ def reference_attention(q, k, v, cfg: AttentionKnobs, do: Optional[torch.Tensor]
 def capture_forward(q, k, v, cfg: AttentionKnobs, stats: Optional[AttnStats] = None) -> dict:
     """One forward with its internals captured (debug hook): a dict with "o", "o_saved", "lse" and the P̄ tiles.
 
-    "tiles": list of dict(qs, ks, p_bar (B, H, rows, cols) in the working dtype, rep (B, H, rows, 1) bool or None,
-    mask (rows, cols) bool or None); "o_bar": the O accumulator before the division by l; "l", "m".
+    "tiles": list of dict(qs, ks, p_bar (B, H, rows, cols) in the working dtype, rep (B, H, rows, 1) bool (rows
+    where the tile max repeats), mask (rows, cols) bool or None, rm the tile row max, m the running max after the
+    tile); "o_bar": the O accumulator before the division by l; "l", "m".
     """
     knobs = check_inputs(q, k, v, cfg, stats)
     cap: dict = {}
