@@ -22,6 +22,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
     ensure_prepared(DataConfig(root=tempfile.mkdtemp(prefix="ff-bench-warm-")), 50304)  # fill the cache first
+    load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     rows = []
     for threads in args.threads:
         best = None
@@ -42,11 +43,15 @@ def main() -> None:
     for r in rows:
         print(f"{r['threads']:>7} {r['tokens']:>10,} {r['tokenize_s']:>10.3f} {r['tokenize_tokens_per_s']:>12,} "
               f"{r['ensure_prepared_s']:>18.3f} {r['end_to_end_tokens_per_s']:>12,}")
+    load_after = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    print(f"1-min load average before/after: {load_before} / {load_after} on {os.cpu_count()} cores "
+          "(other work on the machine slows and blurs these numbers)")
     out = Path(__file__).resolve().parents[1] / "results" / "bench" / "data_prepare.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"command": "python benchmarks/bench_data_prepare.py " + " ".join(sys.argv[1:]),
                                "corpus": "default (KJV)", "cpu_count": os.cpu_count(),
-                               "machine": platform.platform(), "best_of": args.repeats, "rows": rows}, indent=2) + "\n")
+                               "machine": platform.platform(), "best_of": args.repeats,
+                               "load_average_1min": [load_before, load_after], "rows": rows}, indent=2) + "\n")
     print(f"wrote {out}")
 
 

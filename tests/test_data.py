@@ -178,6 +178,17 @@ def test_compose_uses_conf_data(tmp_path):
     assert compose_data([]).corpus == "default"
 
 
+def test_cli_prepare_text_files(tmp_path, offline, capsys):
+    f = _write(tmp_path / "a.txt", "The quick brown fox. " * 100)
+    assert cli_main(["prepare", "data=text_files", f"files=[{f}]", f"data.root={tmp_path}/d"]) == 0
+    out = capsys.readouterr().out
+    folder = Path(out.splitlines()[0])
+    assert folder.parent == tmp_path / "d" and "tokens: train" in out
+    check_prepared(folder, VOCAB)
+    assert cli_main(["prepare", "val_fraction=2", f"data.root={tmp_path}/d"]) == 2
+    assert "data.val_fraction=2.0 is not allowed" in capsys.readouterr().err
+
+
 def test_ids_beyond_vocab_odd_bytes_and_tampering_are_caught(default_dir, tmp_path):
     with pytest.raises(DataError, match="token id 50256.*vocab_size is 50000"):
         check_prepared(default_dir, 50000)
