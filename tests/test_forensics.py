@@ -1,0 +1,93 @@
+"""kernels.forensics: the paper's worked BF16 addition, exact rounding against torch, and the P̄V error trace."""
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from kernels import forensics as fx
+
+A_BITS = "11000000000110100000111000101110"
+B_BITS = "11000000000100110000000000000000"
+
+
+def test_paper_worked_example_exactly():
+    x = fx.explain_add(-2.4071154594421387, -2.296875)
+    assert x.a_bits.replace(" | ", "") == A_BITS and x.b_bits.replace(" | ", "") == B_BITS
+    assert not x.a_is_bf16 and x.b_is_bf16  # A is an FP32 partial sum, B a BF16 value of V
+    assert x.shift == 0 and x.overflow_shift == 1 and x.exponent == 2
+    assert x.significand_sum == "-10.01011010000111000101110"
+    assert (x.guard, x.round, x.sticky) == (1, 0, 1)
+    assert x.exact == -4.703990459442139 and x.exact_is_float
+    assert x.bf16 == -4.71875 and x.bf16_bits_raw == "1100000010010111"
+    assert x.error == -0.014759540557861328
+    assert x.torch_exact_to_bf16 == x.bf16 == x.torch_fp32_then_bf16
+
+
+def test_operands_as_fp32_bits(capsys):
+    assert fx.parse_operand(A_BITS) == -2.4071154594421387
+    assert fx.parse_operand("0xC0130000") == -2.296875
+    assert fx.main(["add", A_BITS, B_BITS]) == 0
+    out = capsys.readouterr().out
+    assert "-4.71875 = 1100000010010111" in out and "-0.014759540557861328" in out and "sticky=1" in out
+
+
+def test_rounding_matches_torch_on_random_pairs():
+    rng = random.Random(0)
+    for _ in range(400):
+        a = fx.f32_from_bits(rng.getrandbits(32) & 0xBFFFFFFF | 0x30000000)  # finite, moderate exponents
+        b = rng.choice([a * rng.uniform(-3, 3), rng.uniform(-8, 8), -a, 0.0])
+        b = fx.f32_from_bits(fx.f32_bits(b))
+        x = fx.explain_add(a, b)
+        assert x.bf16 == x.torch_exact_to_bf16, (a, b)
+        if x.bf16 != 0:
+            assert abs(x.error) <= abs(x.bf16) * 2.0 ** -8  # at most half a BF16 ulp
+    tie = fx.explain_add(1.0, 2.0 ** -8)  # exactly halfway: ties to even keeps 1.0
+    assert tie.guard == 1 and tie.round == 0 and tie.sticky == 0 and tie.bf16 == 1.0
+    assert fx.explain_add(1.0078125, 2.0 ** -8).bf16 == 1.015625  # odd last bit: tie rounds up
+
+
+def test_pv_trace_math_on_a_hand_made_row():
+    # t=0: -2.296875 (exact in BF16); t=1: + 1e-3 * 1.0 (FP32 keeps it); t=2: + the paper's second operand
+    p = np.array([1.0, 1e-3, 1.0])
+    v = np.array([-2.296875, 1.0, -2.296875])
+    tr = fx.pv_trace(p, v)
+    p_fed = float(torch.tensor(1e-3).to(torch.bfloat16))
+    acc = np.float32(np.float32(-2.296875) + np.float32(p_fed))
+    lp1 = fx.to_bf16(float(acc))
+    lp2 = fx.to_bf16(float(np.float32(acc + np.float32(-2.296875))))
+    hp = np.cumsum(p * v)
+    assert np.allclose(tr.err, [0.0, lp1 - hp[1], lp2 - hp[2]], rtol=0, atol=1e-15)
+    assert tr.is_one.tolist() == [True, False, True]
+    s = tr.summary()
+    assert s["ones_count"] == 2 and s["others_count"] == 1
+    assert s["ones_sum"] + s["others_sum"] == pytest.approx(s["total_error"], abs=1e-15)
+    with pytest.raises(ValueError, match="accumulate"):
+        fx.pv_trace(p, v, accumulate="fp16")
+
+
+def test_pv_trace_cli_on_generated_example(tmp_path, capsys):
+    png = tmp_path / "trace.png"
+    assert fx.main(["pv-trace", "--out", str(png), "--json"]) == 0
+    assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
+    import json
+    s = json.loads(capsys.readouterr().out)
+    assert s["ones_count"] == 16 and s["positions"] == 1024
+    assert abs(s["ones_mean"]) > 10 * abs(s["others_mean"])  # the error arrives at the P̄ = 1 positions
+
+
+def test_pv_trace_from_file(tmp_path, capsys):
+    p, v = fx.example_row(length=64, ones=4, seed=3)
+    torch.save({"p": p, "v": v}, tmp_path / "row.pt")
+    np.save(tmp_path / "row.npy", np.stack([p.numpy(), v.numpy()]))
+    for name in ("row.pt", "row.npy"):
+        assert fx.main(["pv-trace", "--input", str(tmp_path / name), "--out", str(tmp_path / "t.png")]) == 0
+        out = capsys.readouterr().out
+        assert "share of the error at P̄ = 1 positions" in out and "positions 64" in out
+
+
+def test_help_is_clear(capsys):
+    with pytest.raises(SystemExit):
+        fx.main(["pv-trace", "--help"])
+    out = capsys.readouterr().out
+    assert "--input" in out and "--accumulate" in out and "P̄ = 1" in out
