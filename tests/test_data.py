@@ -178,6 +178,14 @@ def test_compose_uses_conf_data(tmp_path):
     assert compose_data([]).corpus == "default"
 
 
+def test_compose_with_root_config_overrides():
+    from orchestrator.data.config import REPO_ROOT
+
+    if not (REPO_ROOT / "conf" / "experiment" / "gpt2s_paper.yaml").is_file():
+        pytest.skip("conf/experiment/gpt2s_paper.yaml is not there")
+    assert compose_data(["experiment=gpt2s_paper"]).corpus == "openwebtext"
+
+
 def test_cli_prepare_text_files(tmp_path, offline, capsys):
     f = _write(tmp_path / "a.txt", "The quick brown fox. " * 100)
     assert cli_main(["prepare", "data=text_files", f"files=[{f}]", f"data.root={tmp_path}/d"]) == 0

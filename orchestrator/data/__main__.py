@@ -20,6 +20,10 @@ class PrepareRoot:
     data: DataConfig = field(default_factory=DataConfig)
 
 
+def _key(override: str) -> str:
+    return override.split("=", 1)[0].lstrip("+~")
+
+
 def compose_data(overrides: List[str]) -> DataConfig:
     from hydra import compose, initialize_config_dir
     from hydra.core.config_store import ConfigStore
@@ -27,12 +31,18 @@ def compose_data(overrides: List[str]) -> DataConfig:
     from omegaconf import OmegaConf
 
     names = {f.name for f in fields(DataConfig)}
-    overrides = [f"data.{o}" if o.split("=", 1)[0].lstrip("+~") in names else o for o in overrides]
+    overrides = [f"data.{o}" if _key(o) in names else o for o in overrides]
+    # data-only overrides compose conf/data alone; others (experiment=gpt2s_paper) need the project's root config
+    root_name = "ff_data_prepare"
+    if any(_key(o) != "data" and not _key(o).startswith("data.") for o in overrides):
+        import orchestrator.schema  # noqa: F401  registers base_config, the schema conf/config.yaml builds on
+
+        root_name = "config"
     ConfigStore.instance().store(name="ff_data_prepare", node=PrepareRoot)
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(version_base=None, config_dir=str(REPO_ROOT / "conf")):
-            cfg = compose(config_name="ff_data_prepare", overrides=overrides)
+            cfg = compose(config_name=root_name, overrides=overrides)
     except Exception as e:  # Hydra's messages name the group/key and the options; keep them, drop the trace
         raise DataError(f"config: {e}") from e
     return OmegaConf.to_object(cfg.data).validate()
