@@ -192,9 +192,7 @@ if triton is not None:
         k_base = K + off_b * skb + off_h * skh + offs_d[None, :] * skd
         v_base = V + off_b * svb + off_h * svh + offs_d[None, :] * svd
         # O kept in FP32 for this head (o_fp32 / o_fp32_heads): a runtime flag per program
-        o_fp32 = False
-        if HAS_OFP32:
-            o_fp32 = tl.load(OFP32 + off_h) != 0
+        o_fp32 = tl.load(OFP32 + off_h) != 0  # used only where HAS_OFP32
         hi = tl.minimum((start_m + 1) * BLOCK_M, T)
 
         m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - 3.3895313892515355e38
@@ -476,33 +474,37 @@ if triton is not None:
 # ----------------------------------------------------------------------------------------------------------------------
 # Launch configuration: block sizes that carry meaning come from the knobs; the rest is chosen for speed.
 
+# Speed-only launch choices per head dim (benchmarks/attention.py --tune measures alternatives):
+#   forward (BLOCK_M, num_warps, num_stages); backward (dkdv BLOCK_M, dkdv BLOCK_N, dq BLOCK_M, dq BLOCK_N,
+#   num_warps, num_stages). Block sizes that carry meaning (block_k in the forward under SFA / counters /
+#   paper_bf16; block_q / block_k in paper_bf16's backward) override these.
+FWD_CONFIG = {16: (64, 4, 3), 32: (64, 4, 3), 64: (128, 4, 3), 128: (64, 8, 3)}
+BWD_CONFIG = {16: (32, 64, 64, 32, 4, 3), 32: (32, 64, 64, 32, 4, 3), 64: (64, 128, 128, 64, 4, 3),
+              128: (32, 128, 128, 32, 8, 2)}
+FWD_FREE_BLOCK_N = {16: 64, 32: 64, 64: 64, 128: 64}
+
+
 def _fwd_blocks(knobs: AttentionKnobs, D: int):
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the forward."""
-    free_n = knobs.recipe != "paper_bf16" and knobs.softmax == "safe" and not knobs.counters
-    if not knobs.tiling:
-        block_n = 64
-    elif free_n:
-        block_n = 64
-    else:
-        block_n = knobs.block_k
-    block_m = 128 if D <= 64 else 64
+    block_m, warps, stages = FWD_CONFIG[D]
+    # the key tile is the unit Algorithm 3, the counters and paper_bf16's rescaling roundings see
+    exact_n = knobs.tiling and (knobs.recipe == "paper_bf16" or knobs.softmax == "stabilized" or knobs.counters)
+    block_n = knobs.block_k if exact_n else FWD_FREE_BLOCK_N[D]
     if _interpret():
-        block_m = 16
-        block_n = block_n if (knobs.tiling and not free_n) else 16
-    return block_m, block_n, (4 if D <= 64 else 8), 3
+        block_m, block_n = 16, (block_n if exact_n else 16)
+    return block_m, block_n, warps, stages
 
 
 def _bwd_blocks(knobs: AttentionKnobs, D: int):
     """((dkdv BLOCK_M, BLOCK_N), (dq BLOCK_M, BLOCK_N), num_warps, num_stages) of the backward passes."""
-    exact = knobs.recipe == "paper_bf16" and knobs.tiling  # BF16 accumulators rounded per emulator tile
-    m1 = knobs.block_q if exact else 64
-    n2 = knobs.block_k if exact else 64
-    n1, m2 = 128, 128
+    m1, n1, m2, n2, warps, stages = BWD_CONFIG[D]
+    if knobs.recipe == "paper_bf16" and knobs.tiling:  # BF16 accumulators rounded per emulator tile
+        m1, n2 = knobs.block_q, knobs.block_k
+    elif _interpret():
+        m1, n2 = 16, 16
     if _interpret():
         n1, m2 = 16, 16
-        m1 = m1 if exact else 16
-        n2 = n2 if exact else 16
-    return (m1, n1), (m2, n2), (8 if D >= 128 else 4), (2 if D >= 128 else 3)
+    return (m1, n1), (m2, n2), warps, stages
 
 
 def _strides(x):

@@ -211,10 +211,15 @@ def _rel(a, b):
     return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-12)).item()
 
 
+GPU_PARAMS = [(r, c, 64) for r, c in GPU_CASES] + [
+    ("fp32", {}, 128), ("fa2", {}, 128), ("fa2", dict(softmax="stabilized"), 128), ("paper_bf16", {}, 128),
+    ("paper_bf16", dict(softmax="stabilized", delta="dP_P"), 128), ("paper_bf16", dict(o_fp32_heads=[0]), 128)]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("D", [64, 128])
-@pytest.mark.parametrize("recipe,case", GPU_CASES, ids=[f"{r}-{','.join(f'{k}={v}' for k, v in c.items()) or 'default'}"
-                                                        for r, c in GPU_CASES])
+@pytest.mark.parametrize("recipe,case,D", GPU_PARAMS,
+                         ids=[f"{r}-{','.join(f'{k}={v}' for k, v in c.items()) or 'default'}-D{d}"
+                              for r, c, d in GPU_PARAMS])
 def test_gpu_matches_emulator_and_fp64(recipe, case, D):
     from kernels import triton_flash as tf
     flash_attention, AttnStats = _emulator()
@@ -241,6 +246,7 @@ def test_gpu_matches_emulator_and_fp64(recipe, case, D):
     # counters: exact on FP32 scores; BF16 scores may flip a near-tie where GEMM summation order differs
     ct, ce = st_t.repeated_max_rows, st_e.repeated_max_rows
     assert ce.sum() > 0
+    assert torch.equal(st_t.rows_seen, st_e.rows_seen)
     if recipe == "fp32":
         assert torch.equal(ct, ce)
     else:
