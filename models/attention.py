@@ -182,9 +182,8 @@ def standard_attention(q, k, v, knobs: AttentionKnobs, stats=None) -> torch.Tens
     if len(fp32_heads) == H:
         return p @ v.float()
     # Mixed: the named heads' PV in FP32, the others in BF16; O is FP32 (BF16-rounded values for the other heads).
-    hp = torch.zeros(H, dtype=torch.bool)
-    hp[fp32_heads] = True
-    hp = hp.to(q.device)
+    head = torch.arange(H, device=q.device)
+    hp = torch.stack([head == h for h in fp32_heads]).any(dim=0)  # built on the device: no host-to-device copy
     o_lp = (p.to(BF16) @ v).float()
     o_hp = p @ v.float()
     return torch.where(hp.view(1, H, 1, 1), o_hp, o_lp)

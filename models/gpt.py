@@ -248,6 +248,10 @@ class GPT(nn.Module):
         top = _trace(a @ g) / _trace(a).clamp_min(tiny)
         return top.clamp_min(0).sqrt().view(cfg.n_layer, cfg.n_head)
 
+    def layer_knobs(self) -> List[AttentionKnobs]:
+        """The resolved knobs of each layer (AttentionConfig.for_layer applied), e.g. for the run's parameters."""
+        return [b.attn.knobs for b in self.transformer.h]
+
     def attention_routes(self, device=None) -> List[str]:
         """Per layer, what computes attention on `device` (default: the parameters'), e.g. 'flash/emulator/paper_bf16'.
 
