@@ -141,6 +141,9 @@ def main(argv=None):
         log("tuning triton fa2 launch configs (GPT-2S shape)")
         out["tuning"] = tune(dev, log)
         log(f"chosen: fwd {out['tuning']['fwd']} bwd {out['tuning']['bwd']}")
+    from kernels import triton_flash as tf
+    out["launch_d64"] = dict(fwd=list(tf.FWD_CONFIG[64]), bwd=list(tf.BWD_CONFIG[64]),
+                             fields="fwd (BLOCK_M, warps, stages); bwd (dkdv BM, dkdv BN, dq BM, dq BN, warps, stages)")
     skip = set(filter(None, args.skip.split(",")))
     todo = [(s, m) for s in args.shapes.split(",") for m in methods(1, 1, 1, 64, dev) if m not in skip]
     for shape_name, name in tqdm(todo, desc="attention fwd+bwd", file=sys.stdout):

@@ -39,7 +39,7 @@ def run_variant(name, knobs, batch, steps, warmup, dev):
     T = cfg.block_size
     g = torch.Generator(device=dev).manual_seed(0)
     x = torch.randint(0, 50257, (batch, T + 1), device=dev, generator=g)
-    idx, tgt = x[:, :-1], x[:, 1:]
+    idx, tgt = x[:, :-1].contiguous(), x[:, 1:].contiguous()
     times, losses = [], []
     for i in range(warmup + steps):
         torch.cuda.synchronize()

@@ -478,8 +478,8 @@ if triton is not None:
 #   forward (BLOCK_M, num_warps, num_stages); backward (dkdv BLOCK_M, dkdv BLOCK_N, dq BLOCK_M, dq BLOCK_N,
 #   num_warps, num_stages). Block sizes that carry meaning (block_k in the forward under SFA / counters /
 #   paper_bf16; block_q / block_k in paper_bf16's backward) override these.
-FWD_CONFIG = {16: (64, 4, 3), 32: (64, 4, 3), 64: (128, 4, 3), 128: (64, 8, 3)}
-BWD_CONFIG = {16: (32, 64, 64, 32, 4, 3), 32: (32, 64, 64, 32, 4, 3), 64: (64, 128, 128, 64, 4, 3),
+FWD_CONFIG = {16: (64, 4, 3), 32: (64, 4, 3), 64: (64, 4, 3), 128: (64, 8, 3)}  # D=64: --tune on an H200
+BWD_CONFIG = {16: (32, 64, 64, 32, 4, 3), 32: (32, 64, 64, 32, 4, 3), 64: (64, 64, 64, 64, 4, 3),
               128: (32, 128, 128, 32, 8, 2)}
 FWD_FREE_BLOCK_N = {16: 64, 32: 64, 64: 64, 128: 64}
 
