@@ -80,13 +80,15 @@ def _tile_max(p: _Plan, s: torch.Tensor, mask, count: bool):
         rep = close.sum(dim=-1, keepdim=True) > 1
     if not p.stabilized:
         return rm, rm, rep
+    # A repeated max of exactly 0 is left alone by Algorithm 3 (neither > 0 nor < 0): P̄ = exp(0) = 1 survives there.
     mt = torch.where(rep & (rm > 0), round_to(rm * p.beta, rc.scores), rm)
     mt = torch.where(rep & (mt < 0), torch.zeros_like(mt), mt)
     return rm, mt, rep
 
 
 def forward(q, k, v, knobs: AttentionKnobs, stats: Optional[AttnStats] = None, capture: Optional[dict] = None):
-    """One forward pass without autograd. Returns (O returned, O stored for delta, lse), all (B, H, T, ...).
+    """One forward pass without autograd. Returns (O returned, O stored for delta, lse (B, H, T, 1) in the working
+    dtype).
 
     `capture`, if a dict, receives debug copies: "tiles" = list of dicts (qs, ks, p_bar, rep, mask, rm, m) per tile,
     "o_bar" = the O accumulator before the division (B, H, T, D), "l", "m" (B, H, T, 1).
@@ -134,7 +136,8 @@ def forward(q, k, v, knobs: AttentionKnobs, stats: Optional[AttnStats] = None, c
             capture["o_bar"][:, :, qs:qe] = acc
             capture["l"][:, :, qs:qe] = l
             capture["m"][:, :, qs:qe] = m
-    return o_saved.to(rc.out), o_saved, lse
+    # Saved for the backward in its storage dtype (BF16 for paper_bf16 / fa2), unless some heads keep FP32.
+    return o_saved.to(rc.out), (o_saved if p.o_keep is not None else o_saved.to(rc.o_store)), lse
 
 
 def backward(q, k, v, o_saved, lse, do, knobs: AttentionKnobs):
@@ -157,7 +160,8 @@ def backward(q, k, v, o_saved, lse, do, knobs: AttentionKnobs):
         qe = min(qs + p.bq, T)
         qi, doi, lse_i = qw[:, :, qs:qe], dow[:, :, qs:qe], lse[:, :, qs:qe]
         if p.delta == "dO_O":
-            delta = round_to(doi * o_saved[:, :, qs:qe], rc.delta_prod, p.o_keep).sum(dim=-1, keepdim=True)
+            o_i = o_saved[:, :, qs:qe].to(w)
+            delta = round_to(doi * o_i, rc.delta_prod, p.o_keep).sum(dim=-1, keepdim=True)
         else:  # a first pass over the key tiles builds delta from P (FP32) before any gradient uses it
             delta = torch.zeros(B, H, qe - qs, 1, dtype=w, device=dev)
             o_hp = torch.zeros(B, H, qe - qs, D, dtype=w, device=dev)
@@ -240,7 +244,8 @@ def flash_attention(q, k, v, cfg: AttentionKnobs, stats: Optional[AttnStats] = N
 
     q, k, v: (B, H, T, D), same dtype and device. Returns O (B, H, T, D) in the recipe's output dtype (BF16 for
     paper_bf16 / fa2; the working dtype for fp32); gradients come back in the inputs' dtypes. `stats`, if given,
-    accumulates repeated-maxima counts and the max logit on the device (when cfg.counters).
+    accumulates repeated-maxima counts and the max logit on the device (when cfg.counters). This is always the
+    tiled (flash) computation: cfg.impl and cfg.backend are routing decisions made by models/ before calling here.
     """
     knobs = check_inputs(q, k, v, cfg, stats)
     return _FlashAttention.apply(q, k, v, knobs, stats)
@@ -269,7 +274,7 @@ def capture_forward(q, k, v, cfg: AttentionKnobs, stats: Optional[AttnStats] = N
     cap: dict = {}
     with torch.no_grad(), torch.autocast(device_type=q.device.type, enabled=False):
         o, o_saved, lse = forward(q, k, v, knobs, stats, capture=cap)
-    cap.update(o=o, o_saved=o_saved, lse=lse)
+    cap.update(o=o, o_saved=o_saved.to(lse.dtype), lse=lse)
     return cap
 
 
