@@ -49,10 +49,13 @@ def main() -> None:
     ap.add_argument("--block", type=int, default=64, help="flash block_q = block_k")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", default=str(ROOT / "results" / "bench" / "models_step.json"))
     args = ap.parse_args()
     device = torch.device(args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     cfg = ModelConfig.preset(args.preset)
     g = torch.Generator().manual_seed(0)
     idx = torch.randint(0, 50257, (args.batch, cfg.block_size), generator=g).to(device)

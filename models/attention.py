@@ -150,10 +150,11 @@ def _update_stats(s: torch.Tensor, valid: torch.Tensor, knobs: AttentionKnobs, s
 
     s: scaled scores (B, H, T, T), masked entries at -inf (never within eps). On the device: no .item(), no sync.
     """
-    s = s.detach().float()
+    dt, s = s.dtype, s.detach().float()
     if count:
         rm = s.amax(dim=-1, keepdim=True)
-        ties = ((s >= rm - knobs.eps) & valid).sum(dim=-1, keepdim=True)  # (B, H, T, 1), as in kernels/recipes.py
+        thr = (rm - knobs.eps).to(dt).float()  # threshold rounded to the scores' dtype, as in kernels/recipes.py
+        ties = ((s >= thr) & valid).sum(dim=-1, keepdim=True)  # (B, H, T, 1)
         stats.update(ties > 1, rm)
     else:
         torch.maximum(stats.max_logit, s.amax(), out=stats.max_logit)

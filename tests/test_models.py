@@ -147,6 +147,24 @@ def test_standard_counts_repeated_maxima_on_full_rows():
         assert torch.isfinite(s.max_logit)
 
 
+@pytest.mark.parametrize("recipe", ["paper_bf16", "fp32"])
+def test_standard_counts_agree_with_untiled_flash(recipe):
+    # Keys repeated along the sequence give exact ties; small random perturbations give near-ties within eps.
+    torch.manual_seed(2)
+    B, H, T, D = 2, 4, 48, 32
+    q = torch.randn(B, H, T, D)
+    k = torch.randn(B, H, T // 4, D).repeat_interleave(4, dim=2) + 1e-4 * torch.randn(B, H, T, D)
+    v = torch.randn(B, H, T, D)
+    knobs = AttentionConfig(recipe=recipe, tiling=False)
+    s_std, s_flash = routing.new_stats(H, "cpu"), routing.new_stats(H, "cpu")
+    routing.standard_attention(q, k, v, knobs, s_std)
+    kernels.flash_attention(q, k, v, knobs, s_flash)
+    assert s_std.repeated_max_rows.sum() > B * H * 5  # the input does produce ties
+    assert s_std.repeated_max_rows.tolist() == s_flash.repeated_max_rows.tolist()
+    assert s_std.rows_seen.tolist() == s_flash.rows_seen.tolist() == [B * T] * H
+    assert s_std.max_logit.item() == pytest.approx(s_flash.max_logit.item(), rel=1e-6)
+
+
 def test_o_fp32_heads_reach_only_the_named_layer(monkeypatch):
     cfg = ModelConfig(name="wide_heads", n_layer=4, n_head=12, n_embd=384, block_size=32, vocab_size=512)
     att = AttentionConfig(impl="flash", overrides=[LayerOverride(layers=[2], o_fp32_heads=[1, 7, 8])])
