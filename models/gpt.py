@@ -10,7 +10,7 @@ The model runs under the caller's autocast (AMP: FP32 master weights, BF16 forwa
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import List, Optional
 
 import torch
@@ -83,7 +83,11 @@ class ModelConfig:
                 cfg = OmegaConf.to_container(cfg, resolve=True)
         except ImportError:
             pass
-        return cls(**dict(cfg))
+        data = dict(cfg)
+        allowed = {f.name for f in fields(cls)}
+        if set(data) - allowed:
+            raise ValueError(f"model: unknown keys {sorted(set(data) - allowed)}; allowed: {sorted(allowed)}")
+        return cls(**data)
 
 
 class LayerNorm(nn.Module):

@@ -319,6 +319,8 @@ def test_model_config_is_a_structured_config():
     node.n_layer = 2
     model = GPT(node, {"impl": "sdpa"})
     assert model.config.n_layer == 2 and len(model.attention_routes()) == 2
+    with pytest.raises(ValueError, match="unknown keys.*n_layers"):
+        GPT({**vars(ModelConfig.preset("tiny")), "n_layers": 2}, {"impl": "sdpa"})
 
 
 def test_backend_resolution():
