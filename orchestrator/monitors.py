@@ -73,7 +73,9 @@ class Monitors:
                 wq = self.model.wq_spectral_norms().detach().float()  # (n_layer, n_head)
             self._wq_heads = wq.shape[-1]
             self._wq.append((int(step), wq))
-        if step % self.cfg.log_every == 0 or len(self._steps) >= self.cfg.log_every:
+        # steps are 0-based: flushing after step log_every-1, 2*log_every-1, ... lines up with checkpoints taken
+        # when (step + 1) % ckpt_every == 0; W_Q is probed at step 0 (the initial weights) and every wq_every
+        if (step + 1) % self.cfg.log_every == 0 or len(self._steps) >= self.cfg.log_every:
             return self.flush()
         return []
 

@@ -311,7 +311,7 @@ class Tracker:
         if not self.enabled:
             return
         from mlflow.entities import Param
-        flat = flatten_config(dict(params))
+        flat = flatten_config(params)
         todo = [Param(k, v) for k, v in flat.items() if self._params_logged.get(k) != v]
         for i in range(0, len(todo), MAX_PARAMS_TAGS_PER_BATCH):
             _retry(self.client.log_batch, self.run_id, params=todo[i:i + MAX_PARAMS_TAGS_PER_BATCH])

@@ -230,32 +230,34 @@ def test_monitors_buffer_on_device_and_flush_in_one_transfer(tiny_gpt, monkeypat
     monkeypatch.setattr(torch.Tensor, "item", lambda self: syncs.append("item") or real_item(self))
     idx = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
     host_losses, syncs_per_step = [], []
-    for step in range(1, 13):
+    for step in range(12):  # 0-based like the train loop
         _, loss = tiny_gpt(idx, idx)
         opt.zero_grad()
         loss.backward()
         gn = torch.nn.utils.clip_grad_norm_(tiny_gpt.parameters(), 1.0)
         opt.step()
+        if step == 6:  # sigma_max of layer 1, head 1's W_Q block when the monitors probe it
+            w = tiny_gpt.transformer.h[1].attn.c_attn.weight[:32][16:32].detach()
+            expected_sigma = torch.linalg.svdvals(w)[0].item()
         n = len(syncs)
         host_losses += mon.step_end(step, loss, gn, lr=1e-3 * step, tokens=32)
         syncs_per_step.append(syncs[n:])
     # inside step_end: one .cpu() per flush, no other host sync
-    assert syncs_per_step == [["cpu"] if s % 4 == 0 else [] for s in range(1, 13)]
-    assert [s for s, _ in host_losses] == list(range(1, 13))
+    assert syncs_per_step == [["cpu"] if s in (3, 7, 11) else [] for s in range(12)]
+    assert [s for s, _ in host_losses] == list(range(12))
     assert all(isinstance(v, float) and 0 < v < 10 for _, v in host_losses)
     p = tracker.points
-    assert [s for s, _ in p["train/loss"]] == list(range(1, 13))
-    assert [v for _, v in p["train/lr"]] == pytest.approx([1e-3 * s for s in range(1, 13)])
-    assert [s for s, _ in p["train/grad_norm"]] == list(range(1, 13))
-    assert [s for s, _ in p["perf/tokens_per_s"]] == [4, 8, 12] and all(v > 0 for _, v in p["perf/tokens_per_s"])
+    assert [s for s, _ in p["train/loss"]] == list(range(12))
+    assert [v for _, v in p["train/lr"]] == pytest.approx([1e-3 * s for s in range(12)])
+    assert [s for s, _ in p["train/grad_norm"]] == list(range(12))
+    assert [s for s, _ in p["perf/tokens_per_s"]] == [3, 7, 11] and all(v > 0 for _, v in p["perf/tokens_per_s"])
     for layer in range(2):
-        assert [s for s, _ in p[f"max_logit/L{layer}"]] == [4, 8, 12]
+        assert [s for s, _ in p[f"max_logit/L{layer}"]] == [3, 7, 11]
         for h in range(2):
-            assert [s for s, _ in p[f"wq_sigma/L{layer}.H{h}"]] == [6, 12]
-            assert [s for s, _ in p[f"rmax_rows/L{layer}.H{h}"]] == [4, 8, 12]
+            assert [s for s, _ in p[f"wq_sigma/L{layer}.H{h}"]] == [0, 6]
+            assert [s for s, _ in p[f"rmax_rows/L{layer}.H{h}"]] == [3, 7, 11]
     # the W_Q sigma is the top singular value of the head's block of c_attn
-    w = tiny_gpt.transformer.h[1].attn.c_attn.weight[:32][16:32].detach()
-    assert p["wq_sigma/L1.H1"][-1][1] == pytest.approx(torch.linalg.matrix_norm(w, ord=2).item(), rel=1e-3)
+    assert p["wq_sigma/L1.H1"][-1] == (6, pytest.approx(expected_sigma, rel=1e-3))
     assert mon.peak_wq == max(v for k, pts in p.items() if k.startswith("wq_sigma") for _, v in pts)
     # counters are reset at each flush: the interval counts, not a running total
     stats = tiny_gpt.attention_stats()
@@ -280,8 +282,10 @@ def test_monitors_counters_count_repeated_maxima_per_interval(monkeypatch):
     for step in (1, 2, 3, 4):
         model.stats[1].repeated_max_rows += torch.tensor([0, step, 0])
         mon.step_end(step, torch.tensor(2.0), torch.tensor(1.0), 0.1, 10)
-    assert tracker.points["rmax_rows/L1.H1"] == [(2, 3.0), (4, 7.0)]
-    assert tracker.points["rmax_rows/L0.H2"] == [(2, 0.0), (4, 0.0)]
+    assert tracker.points["rmax_rows/L1.H1"] == [(1, 1.0), (3, 5.0)]  # 0-based steps: flush after 1, 3
+    assert tracker.points["rmax_rows/L0.H2"] == [(1, 0.0), (3, 0.0)]
+    mon.flush()  # step 4 was still buffered
+    assert tracker.points["rmax_rows/L1.H1"][-1] == (4, 4.0)
     assert not any(k.startswith("max_logit") for k in tracker.points)
     assert "wq_sigma/L0.H0" not in tracker.points  # step 100 never reached
     mon.log_val(4, torch.tensor(2.5))
