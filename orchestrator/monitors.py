@@ -149,8 +149,9 @@ class Monitors:
                 if self.cfg.counters:
                     for h, c in enumerate(values[f"rmax@{layer}"]):
                         flushed[f"rmax_rows/L{layer}.H{h}"] = c
-                if self.cfg.max_logit:
-                    flushed[f"max_logit/L{layer}"] = values[f"logit@{layer}"][0]
+                logit = values[f"logit@{layer}"][0] if self.cfg.max_logit else -math.inf
+                if logit != -math.inf:  # -inf: nothing measured this interval (sdpa without probe)
+                    flushed[f"max_logit/L{layer}"] = logit
             self.tracker.log_metrics(flushed, step=last)
         for wstep in wq_steps:
             self.tracker.log_metrics(self._wq_metrics(values[f"wq@{wstep}"]), step=wstep)

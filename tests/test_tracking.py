@@ -290,3 +290,21 @@ def test_monitors_counters_count_repeated_maxima_per_interval(monkeypatch):
     assert "wq_sigma/L0.H0" not in tracker.points  # step 100 never reached
     mon.log_val(4, torch.tensor(2.5))
     assert tracker.points["val/loss"] == [(4, 2.5)]
+
+
+def test_max_logit_logged_only_where_measured():
+    from kernels.stats import AttnStats
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stats = [AttnStats(2), AttnStats(2)]
+
+        def attention_stats(self):
+            return self.stats
+    model, tracker = Model(), FakeTracker()
+    mon = Monitors(model, MonitorConfig(log_every=1, wq_every=10), tracker)
+    model.stats[0].max_logit.fill_(3.5)  # layer 1 never ran a measuring kernel (e.g. sdpa without probe)
+    mon.step_end(0, torch.tensor(2.0), torch.tensor(1.0), 0.1, 10)
+    assert tracker.points["max_logit/L0"] == [(0, 3.5)] and "max_logit/L1" not in tracker.points
+    assert float(model.stats[0].max_logit) == -float("inf")  # reset for the next interval
