@@ -20,7 +20,7 @@ if [[ " $STAGES " == *" tests "* ]]; then
     -o addopts="-ra" 2>&1 | tee "$OUT/pytest_gpu.log" | tail -40 || rc=1
 fi
 if [[ " $STAGES " == *" bench "* ]]; then
-  timeout ${BENCH_TIMEOUT:-200} $PY benchmarks/attention.py ${BENCH_ARGS---tune} --out results/bench/attention-h200.json \
+  timeout ${BENCH_TIMEOUT:-200} $PY benchmarks/attention.py ${BENCH_ARGS-} --out results/bench/attention-h200.json \
     2>&1 | tee "$OUT/bench_attention.log" || rc=1
   cp results/bench/attention-h200.json "$OUT/" 2>/dev/null
 fi
