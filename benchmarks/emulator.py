@@ -40,6 +40,8 @@ def cpu_name() -> str:
 
 def hardware(dev: torch.device) -> dict:
     hw = dict(cpu=cpu_name(), cpu_count=os.cpu_count(), torch_threads=torch.get_num_threads())
+    if hasattr(os, "getloadavg"):  # other work on the machine skews CPU timings: record it
+        hw["load_avg_1_5_15"] = [round(x, 2) for x in os.getloadavg()]
     if dev.type == "cuda":
         hw["gpu"] = torch.cuda.get_device_name(dev)
     return hw
