@@ -7,7 +7,6 @@ are checked by the `gpu` tests on CUDA.
 """
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
 import subprocess
