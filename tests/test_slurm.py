@@ -1,9 +1,10 @@
 """The cluster path on the local one-node SLURM (scripts/slurm_local.sh): a sweep through hydra/launcher=slurm,
 a job preempted mid-run and requeued, and the checks that refuse a sweep before anything is submitted.
 
-One 3-job sweep serves both integration tests (2 cores): jobs 1 and 2 are the same fp32 run; job 2 is signalled
-(USR2, as SLURM does before a time limit or on preemption), checkpoints, is requeued by submitit, resumes, and must
-end with exactly job 1's loss curve, in the same MLflow run, with no missing or duplicated steps.
+One 3-job sweep serves both integration tests (2 cores): every job is 2-rank DDP (2 SLURM tasks, gloo); jobs 1 and
+2 are the same fp32 run; job 2 is signalled (USR2, as SLURM does before a time limit or on preemption), its ranks
+agree on a step, checkpoint, submitit requeues it, it resumes, and must end with exactly job 1's loss curve, in the
+same MLflow run, with no missing or duplicated steps.
 """
 import json
 import os
@@ -66,7 +67,7 @@ def preempted_sweep(tmp_path_factory):
     args = ["-m", "hydra/launcher=slurm", "experiment=smoke", "intervention=baseline,fp32,fp32", "name=slurm_ci",
             f"results_dir={out}", f"tracking.uri=sqlite:///{db}", f"train.max_steps={STEPS}",
             f"monitor.log_every={LOG_EVERY}", "tracking.flush_interval_s=0.2", "train.ckpt_every=0",
-            "hydra.launcher.cpus_per_task=1", "hydra.launcher.timeout_min=20"]
+            "hydra.launcher.cpus_per_task=1", "hydra.launcher.timeout_min=20", "hydra.launcher.tasks_per_node=2"]
     proc = subprocess.Popen([sys.executable, "run.py", *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     info = {"out": out, "db": db, "events": []}
@@ -135,7 +136,10 @@ def test_sweep_through_slurm_reaches_mlflow_with_verdicts_and_report(preempted_s
     assert all(row["observed"] in ("stable", "diverged") for row in verdicts["runs"])
     assert (info["out"] / "slurm_ci" / "verdicts.md").is_file()
     # the jobs really went through SLURM: submitit's per-job folders and logs
-    assert len(list(info["sweep_dir"].glob(".submitit/*_[0-2]/*_log.out"))) >= 3
+    assert len(list(info["sweep_dir"].glob(".submitit/*_[0-2]/*_0_log.out"))) == 3
+    for log in info["sweep_dir"].glob(".submitit/*_[0-2]/*_1_log.out"):  # ... as 2 ranks each
+        assert "global_rank=1(2)" in log.read_text()
+    assert len(list(info["sweep_dir"].glob(".submitit/*_[0-2]/*_1_log.out"))) == 3
 
 
 @needs_slurm
