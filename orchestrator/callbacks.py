@@ -59,11 +59,11 @@ def _check_launcher(config: DictConfig) -> None:
     if "slurm" not in target.lower():
         return
     try:
-        from orchestrator.cluster import check_slurm
+        from orchestrator.cluster import check_launcher
     except ImportError:
         return
     try:
-        check_slurm()
+        check_launcher(config)  # controller up (sbatch, scontrol ping); grad_accum splits over tasks x nodes
     except Exception as e:
         raise ConfigError(str(e)) from None
 

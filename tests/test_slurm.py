@@ -227,3 +227,13 @@ def test_sweep_refused_when_tracking_server_unreachable(tmp_path):
     assert res.returncode != 0
     assert "unreachable" in res.stderr + res.stdout
     assert not list(tmp_path.rglob(".submitit")) and _n_jobs() == before
+
+
+@needs_slurm
+def test_sweep_refused_when_ranks_do_not_split_the_global_batch(tmp_path):
+    before = _n_jobs()
+    res = _run_py(["-m", "hydra/launcher=slurm", "experiment=smoke", "intervention=fp32",
+                   "hydra.launcher.tasks_per_node=3", f"results_dir={tmp_path}", f"tracking.uri=sqlite:///{tmp_path}/m.db"])
+    assert res.returncode != 0
+    assert "train.grad_accum=2 is not allowed with hydra.launcher.tasks_per_node=3" in res.stderr + res.stdout
+    assert not list(tmp_path.rglob(".submitit")) and _n_jobs() == before
