@@ -44,6 +44,7 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--tag", default=None, help="output name: results/bench/ddp-<tag>.json (default from hardware)")
     p.add_argument("--workdir", default=None, help="where the runs write (default: a temp dir)")
+    p.add_argument("--no-write", action="store_true", help="print only; no results/bench file (tests)")
     p.add_argument("overrides", nargs="*", help="extra Hydra overrides for both runs")
     return p.parse_args(argv)
 
@@ -145,10 +146,11 @@ def main(argv=None) -> dict:
     print(f"max |loss diff| over {len(steps)} steps: {result['max_abs_loss_diff']:.3g} (first 10%: "
           f"{result['max_abs_loss_diff_first_10pct']:.3g}, mean {result['mean_abs_loss_diff']:.3g}); "
           f"speedup {result['speedup']:.2f}x ({result['scaling_efficiency']:.0%} of linear)")
-    out = ROOT / "results" / "bench" / f"ddp-{tag}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {out}")
+    if not a.no_write:
+        out = ROOT / "results" / "bench" / f"ddp-{tag}.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2))
+        print(f"wrote {out}")
     return result
 
 

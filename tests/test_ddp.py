@@ -146,3 +146,19 @@ def test_two_rank_ddp_equals_one_rank_with_grad_accum(tmp_path):
     n_runs = con.execute("SELECT count(*) FROM runs").fetchone()[0]
     con.close()
     assert n_runs == 2
+
+
+@pytest.mark.gpu
+def test_two_gpu_ddp_matches_grad_accum_to_bf16_noise(tmp_path):
+    """On 2 GPUs, BF16 AMP: same curve as 1 GPU with grad accumulation, up to BF16 rounding noise."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA GPUs")
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_ddp", ROOT / "benchmarks" / "ddp.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    res = bench.main(["--steps", "40", "--workdir", str(tmp_path), "--no-write"])
+    assert res["steps_compared"] == 40 and not res["steps_missing"]
+    assert res["max_abs_loss_diff_first_10pct"] < 0.02, res
+    assert res["max_abs_loss_diff"] < 0.1, res
