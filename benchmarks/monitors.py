@@ -7,7 +7,8 @@ Each chunk ends with a device synchronize, so the GPU work is counted, and the n
 
     python benchmarks/monitors.py                       # CPU, tiny model (a smoke run of the benchmark)
     python benchmarks/monitors.py --model gpt2_s        # on a GPU: the <= 2% target of issue 4
-    python benchmarks/monitors.py --model gpt2_s --impl flash   # the emulator path with kernel counters
+    python benchmarks/monitors.py --model gpt2_s --impl flash   # fused kernels (triton on CUDA) with counters
+    python benchmarks/monitors.py --host-only --model gpt2_s   # no training: host cost of monitors + logging
 
 Prints a table and writes results/bench/monitors-<device>.json (overhead_fraction per setting, command, hardware).
 """
@@ -37,6 +38,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="tiny", choices=["tiny", "gpt2_s", "gpt2_m"])
     p.add_argument("--impl", default="sdpa", choices=["sdpa", "flash"], help="attention impl (flash: emulator)")
+    p.add_argument("--backend", default="auto", help="flash backend: auto (triton on CUDA) | emulator | triton")
     p.add_argument("--device", default="auto")
     p.add_argument("--batch", type=int, default=None, help="micro-batch (default: 8 on GPU, 4 on CPU)")
     p.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's block_size)")
@@ -113,8 +115,8 @@ def main(argv=None):
         return main_host_only(args, mcfg)
     seq = args.seq or mcfg.block_size
     torch.manual_seed(0)
-    model = GPT(mcfg, {"impl": args.impl, "backend": "emulator" if args.impl == "flash" else "auto",
-                       "recipe": "paper_bf16"}).to(device)
+    model = GPT(mcfg, {"impl": args.impl, "backend": args.backend, "recipe": "paper_bf16"}).to(device)
+    routes = model.attention_routes()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), fused=gpu)
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if gpu else torch.autocast("cpu", enabled=False)
     gen = torch.Generator(device="cpu").manual_seed(1)
@@ -187,7 +189,7 @@ def main(argv=None):
            "git": git_info(), "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
            "hardware": {"device": slug, "platform": platform.platform(), "torch": torch.__version__,
                         "cuda": torch.version.cuda if gpu else None},
-           "config": {"model": args.model, "impl": args.impl, "batch": batch, "seq": seq, "chunk": chunk,
+           "config": {"model": args.model, "impl": args.impl, "routes": sorted(set(routes)), "batch": batch, "seq": seq, "chunk": chunk,
                       "rounds": rounds, "wq_every": args.wq_every, "tracking": "sqlite (temp)" if not
                       args.tracking_uri else args.tracking_uri, "n_layer": mcfg.n_layer, "n_head": mcfg.n_head},
            "target_overhead_fraction": 0.02,

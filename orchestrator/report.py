@@ -168,8 +168,15 @@ def load_histories(tracking_uri: str, rows: Sequence[Dict], prefixes=HISTORY_PRE
     return out
 
 
-def _label(row: Dict) -> str:
-    extra = sorted(_other_overrides(row))
+def _common_overrides(rows: Sequence[Dict]) -> set:
+    """Overrides every run shares (experiment=..., tracking.uri=...): left out of tables and legends."""
+    if len(rows) < 2:
+        return set()
+    return set.intersection(*(_other_overrides(r) for r in rows))
+
+
+def _label(row: Dict, common: set = frozenset()) -> str:
+    extra = sorted(_other_overrides(row) - common)
     tail = (" " + " ".join(extra)) if extra else ""
     return f"{row.get('job') or ''}:{row.get('intervention')}{tail}"[:70]
 
@@ -206,9 +213,10 @@ def _table(rows: Sequence[Dict]) -> List[List[str]]:
     head = ["job", "intervention", "overrides", "expected", "observed", "div. step", "final loss",
             "peak σ(W_Q)", "matches paper", "vs baseline", "MLflow run"]
     body = []
+    common = _common_overrides(rows)
     for r in rows:
         peak = _fmt(_num(r.get("peak_wq_norm")), 2) + (f" ({r['peak_wq_where']})" if r.get("peak_wq_where") else "")
-        body.append([_fmt(r.get("job")), _fmt(r.get("intervention")), " ".join(sorted(_other_overrides(r))) or "-",
+        body.append([_fmt(r.get("job")), _fmt(r.get("intervention")), " ".join(sorted(_other_overrides(r) - common)) or "-",
                      _fmt(r.get("expected")), _fmt(r.get("observed")), _fmt(r.get("divergence_step")),
                      _fmt(_num(r.get("final_loss"))), peak, _fmt(r.get("matches_paper")),
                      r.get("vs_baseline") or "-", (r.get("mlflow_run_id") or "-")[:12]])
@@ -235,8 +243,10 @@ def _markdown(rows, meta, plot_paths, out_dir: Path, sweep: str) -> str:
     n_match = sum(1 for r in rows if r["matches_paper"])
     failed = [r for r in rows if r["observed"] == "failed"]
     git = meta.get("git", {})
+    common = sorted(_common_overrides(rows))
     md = [f"# Verdicts: {sweep}", "",
           f"{len(rows)} runs; {n_match} match the paper; {len(failed)} failed.", "",
+          f"- overrides shared by every run: `{' '.join(common)}`" if common else "- no shared overrides",
           f"- command: `{meta.get('command')}`",
           f"- commit: `{git.get('git.commit')}` (dirty: {git.get('git.dirty')})",
           f"- time (UTC): {meta.get('time_utc')}",
@@ -280,8 +290,9 @@ def write_report(rows: List[Dict], out_dir: os.PathLike, tracking_uri: Optional[
         except Exception as e:  # the table is still worth writing without curves
             print(f"[report] could not read metric histories from {uri}: {e!r}")
             histories = {}
-    labelled = [(_label(r), histories.get(r.get("mlflow_run_id"), {})) for r in rows]
-    div = {_label(r): r.get("divergence_step") for r in rows}
+    common = _common_overrides(rows)
+    labelled = [(_label(r, common), histories.get(r.get("mlflow_run_id"), {})) for r in rows]
+    div = {_label(r, common): r.get("divergence_step") for r in rows}
     pdir = out_dir / "plots"
     plot_paths = {name: p for name, p in (
         ("loss_curves", plots.loss_curves(labelled, pdir / "loss_curves.png", div)),

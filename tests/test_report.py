@@ -80,7 +80,8 @@ def test_report_from_synthetic_results_and_real_store(sweep, capsys):
     assert doc["summary"] == {"runs": 6, "matches_paper": 3, "failed": 2}
     assert doc["meta"]["git"]["git.commit"] and doc["meta"]["command"].startswith("python")
     md = (out / "verdicts.md").read_text()
-    assert "| 3 | tiling_off |" in md and "## Failed runs" in md and "CUDA out of memory" in md
+    assert "| 3 | tiling_off | - |" in md and "## Failed runs" in md and "CUDA out of memory" in md
+    assert "overrides shared by every run: `seed=1`" in md
     assert f"mlflow ui --backend-store-uri {uri}" in md
     for png in ("loss_curves", "wq_spectral_norm", "repeated_maxima"):
         p = out / "plots" / f"{png}.png"

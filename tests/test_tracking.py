@@ -308,3 +308,26 @@ def test_max_logit_logged_only_where_measured():
     mon.step_end(0, torch.tensor(2.0), torch.tensor(1.0), 0.1, 10)
     assert tracker.points["max_logit/L0"] == [(0, 3.5)] and "max_logit/L1" not in tracker.points
     assert float(model.stats[0].max_logit) == -float("inf")  # reset for the next interval
+
+
+@pytest.mark.gpu
+def test_monitors_never_sync_between_flushes_on_cuda():
+    from models import GPT, ModelConfig
+    model = GPT(ModelConfig(name="t", n_layer=2, n_head=2, n_embd=64, block_size=64, vocab_size=128),
+                {"impl": "flash"}).cuda()
+    mon = Monitors(model, MonitorConfig(log_every=4, wq_every=3), FakeTracker())
+    idx = torch.randint(0, 128, (2, 64), device="cuda")
+    flushed = []
+    for step in range(8):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            _, loss = model(idx, idx)
+        loss.backward()
+        gn = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        model.zero_grad(set_to_none=True)
+        if (step + 1) % 4:
+            torch.cuda.set_sync_debug_mode("error")  # any host sync inside step_end raises
+        try:
+            flushed += mon.step_end(step, loss, gn, 1e-3, 128)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert [s for s, _ in flushed] == list(range(8))
