@@ -147,9 +147,10 @@ def check_combination(names: Sequence[str], base) -> None:
             owners[site] = (name, value)
 
 
-def check_user_overrides(iv, overrides: Sequence[str]) -> None:
+def check_user_overrides(iv, overrides: Sequence[str], label: Optional[str] = None) -> None:
     """An explicit `attention.<knob>=v` on the command line that the intervention sets otherwise is a contradiction."""
     owned = intervention_knobs(iv)
+    label = label or iv.name
     for o in _parse(overrides):
         key = o.key_or_group
         if not key.startswith("attention.") or o.is_sweep_override():
@@ -159,7 +160,7 @@ def check_user_overrides(iv, overrides: Sequence[str]) -> None:
             value = o.value()
             if value != owned[knob] and not (isinstance(value, (int, float)) and value == owned[knob]):
                 raise ConfigError(
-                    f"{key}={value!r} contradicts intervention={iv.name}, which sets {key}={owned[knob]!r}; "
+                    f"{key}={value!r} contradicts intervention={label}, which sets {key}={owned[knob]!r}; "
                     f"allowed: drop the override or pick an intervention that leaves {knob} alone")
 
 
@@ -263,7 +264,7 @@ def validate_config(cfg, overrides: Sequence[str] = (), check_resume: bool = Tru
     names = selected_interventions(overrides)
     if len(names) > 1:
         check_combination(names, obj.intervention)
-    check_user_overrides(obj.intervention, overrides)
+    check_user_overrides(obj.intervention, overrides, label="[" + ",".join(names) + "]" if len(names) > 1 else None)
     att = effective_attention(obj)
     try:
         att.validate(obj.model.n_head, key="attention", n_layer=obj.model.n_layer)
