@@ -54,9 +54,9 @@ def validate_sweep(config: DictConfig) -> int:
 
 
 def _check_launcher(config: DictConfig) -> None:
-    """A SLURM launcher needs a reachable controller (orchestrator.cluster, when present)."""
+    """A submitit launcher: SLURM controller up, ranks split the batch, hard-killed jobs fail alone (orchestrator.cluster)."""
     target = OmegaConf.select(config, "hydra.launcher._target_") or ""
-    if "slurm" not in target.lower():
+    if "submitit" not in target.lower():
         return
     try:
         from orchestrator.cluster import check_launcher

@@ -60,15 +60,53 @@ def check_tasks(tasks_per_node: int, nodes: int, grad_accum: int, gpus_per_node:
 
 
 def check_launcher(config) -> None:
-    """Everything above for a composed job config (an OmegaConf node with `hydra.launcher`)."""
+    """Everything above for a composed job config (an OmegaConf node with `hydra.launcher`); then lets a job that
+    dies hard fail alone (tolerate_dead_jobs)."""
     from omegaconf import OmegaConf
 
     target = OmegaConf.select(config, "hydra.launcher._target_") or ""
-    if "submitit" not in target:
+    if not target.endswith(("SlurmLauncher", "LocalLauncher")):  # basic launcher: nothing to check
         return
-    if "Slurm" in target:
+    if target.endswith("SlurmLauncher"):
         check_slurm()
+    tolerate_dead_jobs()
     tasks = OmegaConf.select(config, "hydra.launcher.tasks_per_node") or 1
     nodes = OmegaConf.select(config, "hydra.launcher.nodes") or 1
     accum = OmegaConf.select(config, "train.grad_accum") or 1
     check_tasks(int(tasks), int(nodes), int(accum), OmegaConf.select(config, "hydra.launcher.gpus_per_node"))
+
+
+# ------------------------------------------------------------------------------------------ dead jobs
+# hydra-submitit-launcher collects `job.results()` for every job of the array; a job that died without a result
+# (OOM kill, scancel, node failure, timed out too often) raises there and Hydra's sweep stops before the report.
+# Our jobs record their own failures in result.json and return normally, so only hard deaths reach this point.
+# Hydra only accepts launchers from the hydra_plugins package, so instead of a launcher subclass the launching
+# process (ValidateSweep -> check_launcher) makes submitit's Job.results turn such a death into a result row
+# ('failed', with submitit's reason): the sweep finishes and its report lists the job as failed.
+_tolerant = False
+
+
+def tolerate_dead_jobs() -> None:
+    """Idempotent; affects this (launching) process only."""
+    global _tolerant
+    if _tolerant:
+        return
+    import submitit
+    from hydra.core.utils import JobReturn, JobStatus
+    from submitit.core.utils import UncompletedJobError
+
+    original = submitit.core.core.Job.results
+
+    def results(job):
+        try:
+            return original(job)
+        except UncompletedJobError as e:
+            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            ret = JobReturn()
+            ret.status = JobStatus.COMPLETED  # Hydra's sweeper aborts on FAILED; the report shows it as failed
+            ret.return_value = {"observed": "failed", "error": f"job {job.job_id} died without a result: {reason}"}
+            print(f"[cluster] job {job.job_id} died without a result; the sweep goes on ({reason})", flush=True)
+            return [ret]
+
+    submitit.core.core.Job.results = results
+    _tolerant = True

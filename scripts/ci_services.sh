@@ -12,6 +12,6 @@ fi
 if ! command -v slurmctld >/dev/null || ! command -v munged >/dev/null || ! command -v sbatch >/dev/null; then
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -qq
-  apt-get install -y -qq --no-install-recommends slurm-wlm munge >/dev/null
+  apt-get install -y -qq slurm-wlm munge >/dev/null
 fi
 bash scripts/slurm_local.sh start

@@ -55,12 +55,23 @@ ReturnToService=2
 SlurmdParameters=config_overrides
 MpiDefault=none
 KillWait=10
-MinJobAge=300
+MinJobAge=3600  # completed jobs stay visible to scontrol (and sacct_local.sh) for an hour
 InactiveLimit=0
 Waittime=0
 NodeName=$NODE CPUs=$CPUS RealMemory=$MEM_MB State=UNKNOWN
 PartitionName=debug Nodes=$NODE Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO
 EOF
+}
+
+SHIM=/usr/local/bin/sacct
+SHIM_MARK="# sacct for the one-node SLURM of scripts/slurm_local.sh"
+install_sacct_shim() {
+  # no accounting database here: submitit's watcher asks sacct for job states; answer it from scontrol
+  if [ -e "$SHIM" ] && ! grep -qF "$SHIM_MARK" "$SHIM"; then
+    echo "slurm_local: $SHIM exists and is not ours; leaving it (hard-killed jobs may stall a submitit sweep)" >&2
+    return 0
+  fi
+  install -m 0755 "$(dirname "$0")/sacct_local.sh" "$SHIM"
 }
 
 munge_up() { pgrep -x munged >/dev/null; }
@@ -76,6 +87,7 @@ start() {
     chmod 0700 /etc/munge; chmod 0400 /etc/munge/munge.key
     runuser -u munge -- munged || munged --force
   fi
+  install_sacct_shim
   ctld_up || slurmctld
   slurmd_up || slurmd
   # wait until the controller answers and the node is usable
@@ -102,6 +114,7 @@ stop() {
       rm -f /run/slurm-local/$f.pid
     fi
   done
+  if [ -e "$SHIM" ] && grep -qF "$SHIM_MARK" "$SHIM"; then rm -f "$SHIM"; fi
   echo "slurm_local: stopped (munged left running)"
 }
 
