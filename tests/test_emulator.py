@@ -338,3 +338,25 @@ def test_cuda_matches_cpu_up_to_accumulation_order():
         o.backward(do.cuda().to(o.dtype))
         for a, b in zip(cpu, (o, qc.grad, kc.grad, vc.grad)):
             assert rel(b.detach().cpu(), a) < 1e-2
+
+
+def autocast_transcription(q, k, v):
+    """The paper's untiled forward written op by op with native BF16 tensors, each op in the dtype CUDA autocast
+    gives it (GEMMs BF16 in/out, exp and sum FP32, in-place buffers BF16): an independent check of the emulator."""
+    T = q.shape[-2]
+    s = torch.matmul(q, k.transpose(-1, -2)) * q.shape[-1] ** -0.5  # BF16 GEMM, then a BF16 op
+    s = s.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), -torch.finfo(torch.bfloat16).max)
+    m = s.amax(-1, keepdim=True)
+    p = torch.exp((s - m).float())  # BF16 subtraction, exp on autocast's FP32 list
+    l = p.sum(-1, keepdim=True).clamp(min=1e-10).bfloat16()  # FP32 sum copied into the BF16 row-sum buffer
+    o = torch.matmul(p.bfloat16(), v)  # autocast casts P̄ to BF16 for the GEMM
+    return o / l
+
+
+def test_paper_bf16_matches_an_op_by_op_autocast_transcription():
+    q, k, v = rand_qkv(B=2, H=2, T=96, D=64, dtype=torch.bfloat16, seed=10, scale=1.5)
+    ours = flash_attention(q, k, v, AttentionKnobs(recipe="paper_bf16", tiling=False))
+    ref = autocast_transcription(q, k, v)
+    same = (ours == ref).double().mean().item()
+    ulp = (ours.float() - ref.float()).abs() / ref.float().abs().clamp_min(1e-30)
+    assert same > 0.98 and ulp.max().item() <= 2 ** -7 + 1e-9  # equal up to GEMM summation order (<= 1 ulp)
