@@ -119,6 +119,9 @@ def _loss_curve(db: Path, run_id: str):
 
 def test_two_rank_ddp_equals_one_rank_with_grad_accum(tmp_path):
     """torchrun --nproc_per_node 2 (gloo) vs one process, grad_accum 2, FP32: the same loss curve."""
+    from orchestrator.data import DataConfig, ensure_prepared
+
+    ensure_prepared(DataConfig(), 50304)  # once, before two ranks start
     db = tmp_path / "m.db"
     common = ["experiment=smoke", "intervention=fp32", "train.precision=fp32", "train.max_steps=8",
               "train.grad_accum=2", "train.eval_every=0", "train.ckpt_every=0", "monitor.log_every=4",

@@ -61,6 +61,9 @@ def _run_of(db: Path, job_num: int):
 @pytest.fixture(scope="module")
 def preempted_sweep(tmp_path_factory):
     check_slurm()  # CI: a clear error when the cluster is not up
+    from orchestrator.data import DataConfig, ensure_prepared
+
+    ensure_prepared(DataConfig(), 50304)  # once, here: 8 ranks of a fresh checkout would all prepare it at once
     out = tmp_path_factory.mktemp("slurm-sweep")
     db = out / "mlflow.db"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}  # sbatch exports the env to the jobs
