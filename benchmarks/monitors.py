@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import shlex
 import statistics
@@ -111,6 +112,7 @@ def main(argv=None):
     chunk = args.chunk or (20 if gpu else 5)
     rounds = args.rounds or (8 if gpu else 3)
     mcfg = ModelConfig.preset(args.model)
+    load0 = os.getloadavg()[0]  # other work on the machine skews CPU timings: recorded with them
     if args.host_only:
         return main_host_only(args, mcfg)
     seq = args.seq or mcfg.block_size
@@ -188,7 +190,8 @@ def main(argv=None):
     doc = {"benchmark": "monitors", "command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
            "git": git_info(), "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
            "hardware": {"device": slug, "platform": platform.platform(), "torch": torch.__version__,
-                        "cuda": torch.version.cuda if gpu else None},
+                        "cuda": torch.version.cuda if gpu else None, "cpus": os.cpu_count(),
+                        "load_avg_1m_before_after": [load0, os.getloadavg()[0]]},
            "config": {"model": args.model, "impl": args.impl, "routes": sorted(set(routes)), "batch": batch, "seq": seq, "chunk": chunk,
                       "rounds": rounds, "wq_every": args.wq_every, "tracking": "sqlite (temp)" if not
                       args.tracking_uri else args.tracking_uri, "n_layer": mcfg.n_layer, "n_head": mcfg.n_head},
@@ -215,8 +218,8 @@ def main_host_only(args, mcfg):
     out.parent.mkdir(parents=True, exist_ok=True)
     doc = {"benchmark": "monitors-host", "command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
            "git": git_info(), "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-           "hardware": {"platform": platform.platform(), "cpus": __import__("os").cpu_count(),
-                        "torch": torch.__version__},
+           "hardware": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
+                        "load_avg_1m_after": os.getloadavg()[0]},
            "config": {"model": args.model, "steps": args.host_steps, "wq_every": args.wq_every}, "rows": rows}
     out.write_text(json.dumps(doc, indent=2))
     print(f"\nwrote {out}")
