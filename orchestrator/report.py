@@ -153,7 +153,8 @@ def load_histories(tracking_uri: str, rows: Sequence[Dict], prefixes=HISTORY_PRE
     if not ids:
         return out
     client = make_client(resolve_uri(tracking_uri))
-    for rid in ids:
+    from tqdm import tqdm
+    for rid in tqdm(ids, desc="report: metric histories", disable=len(ids) < 4, leave=False):
         try:
             run = _retry(client.get_run, rid)
         except Exception as e:
@@ -351,6 +352,14 @@ def _sweep_name(config) -> str:
     return "sweep"
 
 
+def _task_overrides(config) -> List[str]:
+    """The command line's overrides (e.g. intervention=baseline,fp32) plus a sweep file's sweeper params."""
+    from omegaconf import OmegaConf
+    task = OmegaConf.select(config, "hydra.overrides.task", default=None) or []
+    params = OmegaConf.select(config, "hydra.sweeper.params", default=None) or {}
+    return [str(o) for o in task] + [f"{k}={v}" for k, v in dict(params).items()]
+
+
 def _tracking_cfg(config):
     t = config.get("tracking") if hasattr(config, "get") else None
     uri = t.get("uri") if t is not None else None
@@ -382,7 +391,8 @@ class SweepReport(Callback):
         client = make_client(uri)
         exp_id = get_or_create_experiment(client, exp_name or sweep, uri)
         tags = {**git_info(), "sweep": sweep, "sweep_dir": str(sweep_dir), "role": "sweep",
-                "command": "python " + " ".join(shlex.quote(a) for a in sys.argv)}
+                "command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
+                "sweep.overrides": " ".join(_task_overrides(config))}
         run = _retry(client.create_run, exp_id, run_name=f"{sweep}@{sweep_dir.name}", tags=tags)
         write_parent_file(sweep_dir, uri, exp_id, run.info.run_id)
         self.parent = {"tracking_uri": uri, "experiment_id": exp_id, "run_id": run.info.run_id}

@@ -186,5 +186,6 @@ def test_hydra_multirun_nests_runs_and_writes_report(tmp_path):
     client = make_client(uri)
     for r in doc["runs"][:2]:  # each job's Tracker found the parent through HydraConfig
         assert client.get_run(r["mlflow_run_id"]).data.tags["mlflow.parentRunId"] == parent["run_id"]
-    assert client.get_run(parent["run_id"]).info.status == "FAILED"
+    prun = client.get_run(parent["run_id"])
+    assert prun.info.status == "FAILED" and "intervention=baseline,fp32,crash" in prun.data.tags["sweep.overrides"]
     assert (out / "plots" / "loss_curves.png").is_file()
