@@ -331,3 +331,19 @@ def test_monitors_never_sync_between_flushes_on_cuda():
         finally:
             torch.cuda.set_sync_debug_mode("default")
     assert [s for s, _ in flushed] == list(range(8))
+
+
+def test_crash_without_close_keeps_every_point(uri):
+    code = ("import sys; sys.path.insert(0, %r)\n"
+            "from orchestrator.tracking import Tracker, TrackingConfig\n"
+            "t = Tracker(TrackingConfig(uri=%r, flush_interval_s=60), 'crash', experiment='t-crash')\n"
+            "print(t.run_id, flush=True)\n"
+            "for s in range(500): t.log_metrics({'train/loss': s}, step=s)\n"
+            "raise RuntimeError('boom')\n") % (str(ROOT), uri)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "boom" in proc.stderr
+    probe = Tracker(TrackingConfig(uri=uri), "probe", experiment="t-crash")
+    rid = proc.stdout.split()[0]
+    assert [s for s, _ in history(probe, rid, "train/loss")] == list(range(500))  # flushed at exit
+    assert probe.client.get_run(rid).info.status == "FAILED"
+    probe.close()
