@@ -129,8 +129,9 @@ class Combined:
 def _adamw(groups, cfg, device: torch.device) -> torch.optim.AdamW:
     for g in groups:
         g["base_lr"] = cfg.lr
-    fused = device.type == "cuda"  # one kernel per step on the GPU; foreach elsewhere
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=fused)
+    fused = device.type == "cuda"  # one kernel per step on the GPU; foreach (few big ops) elsewhere
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=fused or None,
+                             foreach=None if fused else True)
 
 
 def build_optimizer(model: nn.Module, cfg, device: torch.device | str = "cpu"):

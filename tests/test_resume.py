@@ -13,7 +13,8 @@ CONF = str(Path(__file__).resolve().parents[1] / "conf")
 
 
 def job(tmp_path, name, *overrides):
-    overrides = ["experiment=smoke", "intervention=baseline", "optimizer.decay_steps=20", *overrides,
+    overrides = ["experiment=smoke", "intervention=baseline", "optimizer.decay_steps=14", "train.eval_every=7",
+                 "train.ckpt_every=7", *overrides,
                  f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", f"results_dir={tmp_path}/results"]
     GlobalHydra.instance().clear()
     with initialize_config_dir(CONF, version_base="1.3"):
@@ -29,21 +30,21 @@ def history(tmp_path, run_id, key):
 
 
 def test_resume_reproduces_the_uninterrupted_run(tmp_path):
-    full = job(tmp_path, "full", "train.max_steps=20")
-    first = job(tmp_path, "first", "train.max_steps=10")
+    full = job(tmp_path, "full", "train.max_steps=14")
+    first = job(tmp_path, "first", "train.max_steps=7")
     ckpt = tmp_path / "first" / "checkpoints" / "last.pt"
-    second = job(tmp_path, "second", "train.max_steps=20", f"resume={ckpt}")
+    second = job(tmp_path, "second", "train.max_steps=14", f"resume={ckpt}")
     for r in (full, first, second):
         assert r["error"] is None, r["error"]
     assert second["mlflow_run_id"] == first["mlflow_run_id"] != full["mlflow_run_id"]
-    assert second["resumed_from"] == str(ckpt) and second["steps_done"] == 20
+    assert second["resumed_from"] == str(ckpt) and second["steps_done"] == 14
     for key in ("train/loss", "train/grad_norm", "train/lr", "val/loss", "wq_sigma/L1.H2", "rmax_rows/L1.H0",
                 "max_logit/L0"):
         a = history(tmp_path, full["mlflow_run_id"], key)
         b = history(tmp_path, first["mlflow_run_id"], key)
         assert [s for s, _ in b] == sorted(set(s for s, _ in b)), f"{key}: duplicated steps"
         assert a == b, key  # same steps, bit-identical values
-    assert [s for s, _ in history(tmp_path, first["mlflow_run_id"], "train/loss")] == list(range(20))
+    assert [s for s, _ in history(tmp_path, first["mlflow_run_id"], "train/loss")] == list(range(14))
     assert second["final_loss"] == full["final_loss"] and second["val_loss"] == full["val_loss"]
     # the replayed batch order is the same file content
     assert (tmp_path / "second" / "batch_order.bin").read_bytes() == (tmp_path / "full" / "batch_order.bin").read_bytes()
