@@ -74,6 +74,10 @@ def run_job(cfg: DictConfig, job_dir: Optional[Path] = None, overrides: Optional
         (job_dir / "error.txt").parent.mkdir(parents=True, exist_ok=True)
         (job_dir / "error.txt").write_text(traceback.format_exc())
         print(f"[job] {name} failed: {result['error']} (traceback in {job_dir / 'error.txt'})")
+    except BaseException as e:  # preempted (requeue) or interrupted: the requeued job rewrites result.json
+        result = job.result if job is not None else result
+        result["error"] = f"interrupted ({type(e).__name__}); a requeued job resumes from its last checkpoint"
+        raise
     finally:
         if job is None or job.is_main:
             write_result(job_dir, result)

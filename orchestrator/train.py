@@ -98,8 +98,8 @@ class Job:
     def _resume_state(self) -> Optional[Dict[str, Any]]:
         cfg = self.cfg
         path = cfg.resume
-        if path is None and cfg.train.auto_resume:
-            path = checkpoint.latest(self.job_dir)  # a requeued job continues where it stopped
+        if cfg.train.auto_resume and checkpoint.latest(self.job_dir) is not None:
+            path = checkpoint.latest(self.job_dir)  # a requeued job continues where it stopped (even after resume=)
         if path is None:
             return None
         state = checkpoint.check_compatible(path, cfg.model)
