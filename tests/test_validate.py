@@ -51,7 +51,7 @@ def test_every_intervention_and_sweep_validates(sweep):
     n, cfg = sweep("experiment=smoke", "+sweep=beta_sweep")
     assert n == 4
     assert sorted(j for job in sweep_jobs(cfg) for j in job if j.startswith("intervention.beta")) == [
-        "intervention.beta=1.5", "intervention.beta=2", "intervention.beta=4", "intervention.beta=8"]
+        "intervention.beta=1.05", "intervention.beta=2", "intervention.beta=4", "intervention.beta=8"]
     n, _ = sweep("+sweep=seeds")
     assert n == 8
     n, _ = sweep("experiment=gpt2s_paper", "train.device=auto", "intervention=head_upcast,flash_only_layer")
