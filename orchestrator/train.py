@@ -64,8 +64,12 @@ def _finite_params(model) -> bool:
     return all(torch.isfinite(p).all() for p in model.parameters())  # crash path only: syncing is fine here
 
 
+_NOT_IN_NAME = ("intervention=", "tracking.", "results_dir=", "hydra", "experiment=", "name=", "sweep=", "+sweep=")
+
+
 def _run_name(iv_name: str, overrides: List[str]) -> str:
-    extra = [o for o in overrides if not o.startswith("intervention=")]
+    """The intervention plus the overrides that tell jobs apart (not where they log or which preset they use)."""
+    extra = [o for o in overrides if not o.startswith(_NOT_IN_NAME)]
     return (iv_name + (" " + " ".join(extra) if extra else ""))[:250]
 
 
