@@ -7,6 +7,7 @@ cross-field rules live in orchestrator/validate.py.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import List, Optional
 
 from hydra.core.config_store import ConfigStore
@@ -19,6 +20,7 @@ from orchestrator.monitors import MonitorConfig
 from orchestrator.tracking import TrackingConfig
 from orchestrator.verdict import VerdictConfig
 
+RESULTS_DIR = str(Path(__file__).resolve().parents[1] / "results")  # beside the default MLflow store
 EXPECTS = ("stable", "diverges")
 PRECISIONS = ("bf16", "fp32")
 DEVICES = ("auto", "cpu", "cuda")
@@ -99,7 +101,7 @@ class InterventionConfig:
 class Config:
     name: str = "default"  # experiment preset name
     sweep: str = "${name}"  # folder under results_dir
-    results_dir: str = "results"  # relative to the working directory
+    results_dir: str = RESULTS_DIR  # <repo>/results wherever run.py is started from; relative = to the cwd
     model: ModelConfig = field(default_factory=lambda: ModelConfig(name="tiny", n_layer=4, n_head=4, n_embd=128,
                                                                    block_size=128))
     data: DataConfig = field(default_factory=DataConfig)
