@@ -170,7 +170,8 @@ def check_knob_combos(att: AttentionConfig, n_layer: int, key: str = "attention"
         k = att.for_layer(layer)
         for knob in FLASH_ONLY.get(k.impl, ()):
             value = getattr(k, knob)
-            if list(value) if knob == "o_fp32_heads" else value != KNOB_DEFAULTS[knob]:
+            changed = bool(list(value)) if knob == "o_fp32_heads" else value != KNOB_DEFAULTS[knob]
+            if changed:
                 raise ConfigError(
                     f"{key}.impl={k.impl!r} (layer {layer}) cannot hold with {key}.{knob}={value!r}: only impl=flash "
                     f"implements {knob}; allowed: impl=flash for that layer, or {knob}={KNOB_DEFAULTS[knob]!r}")
