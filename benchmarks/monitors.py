@@ -44,6 +44,7 @@ def parse_args(argv=None):
     p.add_argument("--batch", type=int, default=None, help="micro-batch (default: 8 on GPU, 4 on CPU)")
     p.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's block_size)")
     p.add_argument("--log-every", default="1,10", help="monitor settings to compare (comma list)")
+    p.add_argument("--writers", default="thread,process", help="tracking.writer values to compare (comma list)")
     p.add_argument("--wq-every", type=int, default=MonitorConfig.wq_every)
     p.add_argument("--chunk", type=int, default=None, help="steps per timed chunk (default: 20 GPU, 10 CPU)")
     p.add_argument("--rounds", type=int, default=None, help="round-robin rounds (default: 8 GPU, 3 CPU)")
@@ -72,12 +73,12 @@ class _ShapeOnly(torch.nn.Module):
         return self.w.abs()
 
 
-def host_cost(mcfg, log_everys, wq_every, steps, uri):
+def host_cost(mcfg, log_everys, wq_every, steps, uri, writers=("thread",)):
     """Milliseconds per step spent in Monitors.step_end (incl. flushes and queueing for MLflow), CPU tensors."""
     rows = []
-    for le in log_everys:
-        tr = Tracker(TrackingConfig(uri=uri), f"host-log_every={le}", experiment="bench-monitors-host",
-                     discover_parent=False)
+    for writer, le in [(w, le) for w in writers for le in log_everys]:
+        tr = Tracker(TrackingConfig(uri=uri, writer=writer), f"host-log_every={le}-{writer}",
+                     experiment="bench-monitors-host", discover_parent=False)
         mon = Monitors(_ShapeOnly(mcfg), MonitorConfig(log_every=le, wq_every=wq_every), tr)
         loss, gn = torch.tensor(3.0), torch.tensor(1.0)
         t0 = time.perf_counter()
@@ -87,7 +88,7 @@ def host_cost(mcfg, log_everys, wq_every, steps, uri):
         dt = time.perf_counter() - t0
         t1 = time.perf_counter()
         tr.close()  # what the logging thread still had to post
-        rows.append({"setting": f"log_every={le}", "host_ms_per_step": 1e3 * dt / steps,
+        rows.append({"setting": f"log_every={le}/{writer}", "host_ms_per_step": 1e3 * dt / steps,
                      "drain_ms_per_step": 1e3 * (time.perf_counter() - t1) / steps,
                      "points_per_step": tr.points_logged / steps})
     return rows
@@ -140,11 +141,13 @@ def main(argv=None):
     log_everys = [int(v) for v in args.log_every.split(",") if v]
     settings = {"none": None}
     trackers = []
-    for le in log_everys:
-        tr = Tracker(TrackingConfig(uri=uri), f"bench-log_every={le}", experiment="bench-monitors",
-                     discover_parent=False)
-        trackers.append(tr)
-        settings[f"log_every={le}"] = Monitors(model, MonitorConfig(log_every=le, wq_every=args.wq_every), tr)
+    for writer in [w for w in args.writers.split(",") if w]:
+        for le in log_everys:
+            tr = Tracker(TrackingConfig(uri=uri, writer=writer), f"bench-log_every={le}-{writer}",
+                         experiment="bench-monitors", discover_parent=False)
+            trackers.append(tr)
+            settings[f"log_every={le}/{writer}"] = Monitors(model, MonitorConfig(log_every=le,
+                                                                                 wq_every=args.wq_every), tr)
 
     step = {name: 0 for name in settings}
 
@@ -180,9 +183,9 @@ def main(argv=None):
                      "overhead_fraction": statistics.median(ratios) - 1.0,
                      "overhead_min": min(ratios) - 1.0, "overhead_max": max(ratios) - 1.0,
                      "tokens_per_s": tokens * chunk / statistics.median(ts)})
-    print(f"\n{'setting':<14} {'ms/step':>9} {'overhead':>9} {'(min..max over rounds)':>24} {'tokens/s':>10}")
+    print(f"\n{'setting':<22} {'ms/step':>9} {'overhead':>9} {'(min..max over rounds)':>24} {'tokens/s':>10}")
     for r in rows:
-        print(f"{r['setting']:<14} {r['ms_per_step']:>9.2f} {100 * r['overhead_fraction']:>8.2f}% "
+        print(f"{r['setting']:<22} {r['ms_per_step']:>9.2f} {100 * r['overhead_fraction']:>8.2f}% "
               f"{100 * r['overhead_min']:>10.2f}% ..{100 * r['overhead_max']:>8.2f}% {r['tokens_per_s']:>10.0f}")
     slug = device_slug(device)
     out = Path(args.out) if args.out else ROOT / "results" / "bench" / f"monitors-{slug}.json"
@@ -208,11 +211,12 @@ def main_host_only(args, mcfg):
     with tempfile.TemporaryDirectory(prefix="bench-monitors-") as tmp:
         uri = args.tracking_uri or f"sqlite:///{tmp}/mlflow.db"
         log_everys = [int(v) for v in args.log_every.split(",") if v]
-        rows = host_cost(mcfg, log_everys, args.wq_every, args.host_steps, uri)
+        rows = host_cost(mcfg, log_everys, args.wq_every, args.host_steps, uri,
+                         [w for w in args.writers.split(",") if w])
     print(f"\nhost cost of the monitors at {args.model} shape ({mcfg.n_layer} layers x {mcfg.n_head} heads)")
-    print(f"{'setting':<14} {'host ms/step':>12} {'drain ms/step':>14} {'points/step':>12}")
+    print(f"{'setting':<22} {'host ms/step':>12} {'drain ms/step':>14} {'points/step':>12}")
     for r in rows:
-        print(f"{r['setting']:<14} {r['host_ms_per_step']:>12.3f} {r['drain_ms_per_step']:>14.3f} "
+        print(f"{r['setting']:<22} {r['host_ms_per_step']:>12.3f} {r['drain_ms_per_step']:>14.3f} "
               f"{r['points_per_step']:>12.1f}")
     out = Path(args.out) if args.out else ROOT / "results" / "bench" / f"monitors-host-{args.model}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -45,6 +45,7 @@ class TrackingConfig:
     queue_size: int = 100_000  # metrics waiting for the logging thread; a full queue applies back-pressure
     flush_interval_s: float = 2.0  # the thread posts what it has at least this often
     check_timeout_s: float = 3.0  # check_tracking's HTTP timeout
+    writer: str = "thread"  # thread | process (MLflow's Python work off the training process's GIL)
 
     def validate(self, key: str = "tracking") -> "TrackingConfig":
         if self.uri is not None and not isinstance(self.uri, str):
@@ -53,6 +54,8 @@ class TrackingConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"{key}.{name}={v!r} is not allowed: expected an integer > 0")
+        if self.writer not in ("thread", "process"):
+            raise ValueError(f"{key}.writer={self.writer!r} is not allowed: expected one of thread, process")
         for name in ("flush_interval_s", "check_timeout_s"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
@@ -243,9 +246,85 @@ def make_client(uri: str):
     return _retry(MlflowClient, tracking_uri=uri)
 
 
-# --------------------------------------------------------------------------------------------------- Tracker
-_FLUSH = object()
-_STOP = object()
+# ---------------------------------------------------------------------------------------------- the writer
+_FLUSH, _STOP = "__flush__", "__stop__"  # control items: (_FLUSH | _STOP, token); data items: (step, ts, values)
+
+
+class _Sink:
+    """Turns queued points into MLflow Metric batches for one run; drops steps recorded before a resume."""
+
+    def __init__(self, client, run_id: str, last_step: Dict[str, int]):
+        self.client, self.run_id, self.last_step = client, run_id, dict(last_step)
+        self.points_logged = 0
+        self.dropped = 0
+
+    def to_metrics(self, step: int, ts: int, values: Mapping[str, Any]) -> List:
+        from mlflow.entities import Metric
+        out = []
+        for key, value in values.items():
+            last = self.last_step.get(key)  # only steps recorded before this resume are filtered
+            if last is not None and step <= last:
+                self.dropped += 1
+                continue
+            out.append(Metric(str(key)[:MAX_KEY_LENGTH], float(value), ts, step))
+        return out
+
+    def post(self, batch: List) -> None:
+        for i in range(0, len(batch), MAX_METRICS_PER_BATCH):
+            chunk = batch[i:i + MAX_METRICS_PER_BATCH]
+            _retry(self.client.log_batch, self.run_id, metrics=chunk)
+            self.points_logged += len(chunk)
+
+
+def _drain(get, sink: _Sink, interval: float, ack, fail) -> None:
+    """The writer loop (thread or process): batch points, post at most every `interval` s or per 1000 points,
+    post everything on a flush/stop and acknowledge it. After an error, points are discarded (not retried) and
+    the error is reported through `fail`, once."""
+    pending: List = []
+    last_post = time.monotonic()
+    failed = False
+    while True:
+        try:
+            item = get(interval)
+        except queue.Empty:
+            item = None
+        try:
+            if item is not None and isinstance(item[0], str):  # flush or stop
+                if pending and not failed:
+                    sink.post(pending)
+                pending = []
+                last_post = time.monotonic()
+                ack(item[1])
+                if item[0] == _STOP:
+                    return
+                continue
+            if item is not None and not failed:
+                pending.extend(sink.to_metrics(*item))
+            due = time.monotonic() - last_post >= interval
+            if pending and not failed and (len(pending) >= MAX_METRICS_PER_BATCH or due):
+                sink.post(pending)
+                pending = []
+                last_post = time.monotonic()
+        except BaseException as e:  # surfaced at flush/close
+            if not failed:
+                fail(e)
+            failed, pending = True, []
+            if item is not None and isinstance(item[0], str):
+                ack(item[1])
+                if item[0] == _STOP:
+                    return
+
+
+def _writer_process(uri: str, run_id: str, last_step: Dict[str, int], interval: float, q, acks) -> None:
+    """Entry point of writer='process': MLflow's Python work runs here, off the training process's GIL."""
+    try:
+        sink = _Sink(make_client(uri), run_id, last_step)
+    except BaseException as e:
+        acks.put(("error", f"{type(e).__name__}: {e}"))
+        return
+    _drain(lambda t: q.get(timeout=t), sink, interval,
+           ack=lambda token: acks.put(("ack", token, sink.points_logged, sink.dropped)),
+           fail=lambda e: acks.put(("error", f"{type(e).__name__}: {e}")))
 
 
 class Tracker:
@@ -269,8 +348,6 @@ class Tracker:
         self._closed = not enabled
         self._error: Optional[BaseException] = None
         self._last_step: Dict[str, int] = {}
-        self._dropped = 0
-        self.points_logged = 0  # metric points posted to MLflow (after duplicate removal)
         if not enabled:
             return
         self.client = make_client(self.uri)
@@ -300,9 +377,23 @@ class Tracker:
             run = _retry(self.client.create_run, self.experiment_id, run_name=run_name, tags=run_tags)
             self.run_id = run.info.run_id
             self._params_logged = {}
-        self._queue: "queue.Queue" = queue.Queue(maxsize=cfg.queue_size)
-        self._thread = threading.Thread(target=self._worker, name=f"mlflow-log-{self.run_id[:8]}", daemon=True)
-        self._thread.start()
+        self._tokens = 0
+        if cfg.writer == "process":
+            import multiprocessing as mp
+            ctx = mp.get_context("spawn")  # no fork of a CUDA process
+            self._queue = ctx.Queue(maxsize=cfg.queue_size)
+            self._acks = ctx.Queue()
+            self._worker = ctx.Process(target=_writer_process, name=f"mlflow-log-{self.run_id[:8]}", daemon=True,
+                                       args=(self.uri, self.run_id, self._last_step, cfg.flush_interval_s,
+                                             self._queue, self._acks))
+        else:
+            self._queue = queue.Queue(maxsize=cfg.queue_size)
+            self._sink = _Sink(self.client, self.run_id, self._last_step)
+            self._worker = threading.Thread(
+                target=_drain, name=f"mlflow-log-{self.run_id[:8]}", daemon=True,
+                args=(lambda t: self._queue.get(timeout=t), self._sink, cfg.flush_interval_s,
+                      lambda event: event.set(), lambda e: setattr(self, "_error", e)))
+        self._worker.start()
         atexit.register(self._atexit)
 
     # -------------------------------------------------------------------------------------- public API
@@ -332,6 +423,8 @@ class Tracker:
                 return
             raise RuntimeError(f"Tracker for run {self.run_id} is closed")
         self._raise_if_failed()
+        if self.cfg.writer == "process":  # host floats pickle cheaply; tensors would not
+            metrics = {k: float(v) for k, v in metrics.items()}
         self._queue.put((int(step), int(time.time() * 1000), dict(metrics)))
 
     def log_artifact(self, path: os.PathLike, artifact_path: Optional[str] = None) -> None:
@@ -340,38 +433,78 @@ class Tracker:
         _retry(self.client.log_artifact, self.run_id, str(path), artifact_path)
 
     def flush(self) -> None:
-        """Block until every queued point is in MLflow; re-raise an error of the logging thread."""
+        """Block until every queued point is in MLflow; re-raise an error of the writer."""
         if self._closed:
             self._raise_if_failed()
             return
-        done = threading.Event()
-        self._queue.put((_FLUSH, done))
-        while not done.wait(0.5):
-            if not self._thread.is_alive():
-                break
+        self._control(_FLUSH)
         self._raise_if_failed()
 
     def close(self, status: str = "FINISHED") -> None:
-        """Flush, stop the thread and mark the run terminated (FINISHED | FAILED | KILLED)."""
+        """Flush, stop the writer and mark the run terminated (FINISHED | FAILED | KILLED)."""
         if self._closed:
             self._raise_if_failed()
             return
         self._closed = True
         try:
-            self._queue.put((_STOP, None))
-            self._thread.join()
+            self._control(_STOP)
+            self._worker.join(timeout=30)
+            if self.cfg.writer == "process":
+                self._queue.cancel_join_thread()  # the writer read everything it will ever read
         finally:
             try:
                 atexit.unregister(self._atexit)
             except Exception:
                 pass
-            _retry(self.client.set_terminated, self.run_id, status="FAILED" if self._error else status)
+            try:
+                _retry(self.client.set_terminated, self.run_id, status="FAILED" if self._error else status)
+            except Exception as e:  # the writer's error, if any, is the one worth reporting
+                self._error = self._error or e
         self._raise_if_failed()
+
+    def _control(self, kind: str) -> None:
+        """Send flush/stop and wait for the writer's acknowledgement (or its death)."""
+        if self.cfg.writer != "process":
+            done = threading.Event()
+            self._queue.put((kind, done))
+            while not done.wait(0.5):
+                if not self._worker.is_alive():
+                    break
+            return
+        self._tokens += 1
+        token = self._tokens
+        self._queue.put((kind, token))
+        while True:
+            try:
+                msg = self._acks.get(timeout=0.5)
+            except queue.Empty:
+                if not self._worker.is_alive():
+                    self._error = self._error or RuntimeError(
+                        f"MLflow writer process exited with code {self._worker.exitcode} (a script using "
+                        f"tracking.writer=process needs an `if __name__ == '__main__':` guard)")
+                    self._queue.cancel_join_thread()  # nobody reads the pipe: do not hang at exit
+                    return
+                continue
+            if msg[0] == "error":
+                self._error = self._error or RuntimeError(msg[1])
+                continue
+            _, got, self._proc_logged, self._proc_dropped = msg
+            if got == token:
+                return
+
+    @property
+    def points_logged(self) -> int:
+        """Metric points posted to MLflow (after duplicate removal); process writer: as of the last flush."""
+        if not self.enabled:
+            return 0
+        return self._sink.points_logged if self.cfg.writer != "process" else getattr(self, "_proc_logged", 0)
 
     @property
     def dropped_points(self) -> int:
         """Points not sent because their step was already logged (resume)."""
-        return self._dropped
+        if not self.enabled:
+            return 0
+        return self._sink.dropped if self.cfg.writer != "process" else getattr(self, "_proc_dropped", 0)
 
     def __enter__(self) -> "Tracker":
         return self
@@ -395,59 +528,6 @@ class Tracker:
         if self._error is not None:
             err = self._error
             raise RuntimeError(f"MLflow logging for run {self.run_id} failed: {err!r}") from err
-
-    def _to_metrics(self, step: int, ts: int, values: Mapping[str, Any]) -> List:
-        from mlflow.entities import Metric
-        out = []
-        for key, value in values.items():
-            last = self._last_step.get(key)  # only steps recorded before this resume are filtered
-            if last is not None and step <= last:
-                self._dropped += 1
-                continue
-            out.append(Metric(str(key)[:MAX_KEY_LENGTH], float(value), ts, step))
-        return out
-
-    def _post(self, batch: List) -> None:
-        for i in range(0, len(batch), MAX_METRICS_PER_BATCH):
-            chunk = batch[i:i + MAX_METRICS_PER_BATCH]
-            _retry(self.client.log_batch, self.run_id, metrics=chunk)
-            self.points_logged += len(chunk)
-
-    def _worker(self) -> None:
-        pending: List = []
-        last_post = time.monotonic()
-        while True:
-            try:
-                item = self._queue.get(timeout=self.cfg.flush_interval_s)
-            except queue.Empty:
-                item = None
-            try:
-                if item is None:
-                    pass
-                elif item[0] is _FLUSH or item[0] is _STOP:
-                    if pending and self._error is None:
-                        self._post(pending)
-                    pending = []
-                    last_post = time.monotonic()
-                    if item[0] is _FLUSH:
-                        item[1].set()
-                    else:
-                        return
-                    continue
-                elif self._error is None:
-                    pending.extend(self._to_metrics(*item))
-                due = time.monotonic() - last_post >= self.cfg.flush_interval_s
-                if pending and self._error is None and (len(pending) >= MAX_METRICS_PER_BATCH or due):
-                    self._post(pending)
-                    pending = []
-                    last_post = time.monotonic()
-            except BaseException as e:  # kept for flush/close; points after an error are not sent
-                self._error = e
-                pending = []
-                if item is not None and item[0] is _FLUSH:
-                    item[1].set()
-                if item is not None and item[0] is _STOP:
-                    return
 
     def _atexit(self) -> None:
         """Interpreter exit without close(): a crash or sys.exit; keep every point and mark the run."""

@@ -35,7 +35,7 @@ def test_many_threads_all_points_arrive_exactly_once_in_batches(uri):
     def spy(run_id, metrics=(), **kw):
         calls.append(len(metrics))
         return real(run_id, metrics=metrics, **kw)
-    tr.client.log_batch = spy
+    tr.client.log_batch = spy  # the thread writer shares this client
     n_threads, n_steps = 8, 300
 
     def work(i):
@@ -347,3 +347,32 @@ def test_crash_without_close_keeps_every_point(uri):
     assert [s for s, _ in history(probe, rid, "train/loss")] == list(range(500))  # flushed at exit
     assert probe.client.get_run(rid).info.status == "FAILED"
     probe.close()
+
+
+def test_process_writer_delivers_exactly_once_and_resumes(uri):
+    """writer=process: MLflow's work in a spawned process (off the trainer's GIL), same guarantees."""
+    cfg = TrackingConfig(uri=uri, flush_interval_s=0.1, writer="process")
+    tr = Tracker(cfg, "proc", experiment="t-proc")
+    for s in range(700):
+        tr.log_metrics({"train/loss": float(s), "rmax_rows/L0.H0": torch.tensor(2.0)}, step=s)
+    tr.flush()
+    assert tr.points_logged == 1400
+    tr.close("KILLED")
+    again = Tracker(cfg, "proc", run_id=tr.run_id)
+    for s in range(650, 720):
+        again.log_metrics({"train/loss": -1.0}, step=s)
+    again.close()
+    assert again.dropped_points == 50
+    loss = history(again, tr.run_id, "train/loss")
+    assert [s for s, _ in loss] == list(range(720)) and loss[699] == (699, 699.0) and loss[700] == (700, -1.0)
+    assert again.client.get_run(tr.run_id).info.status == "FINISHED"
+
+
+def test_process_writer_surfaces_errors(tmp_path):
+    uri = f"sqlite:///{tmp_path / 'm.db'}"
+    tr = Tracker(TrackingConfig(uri=uri, writer="process"), "gone", experiment="t-proc-err")
+    tr.log_metrics({"x": float("nan"), "k" * 300: 1.0}, step=0)  # NaN is fine; this key is truncated, fine
+    tr.client.delete_run(tr.run_id)  # logging to a deleted run fails inside the writer process
+    tr.log_metrics({"x": 1.0}, step=1)
+    with pytest.raises(RuntimeError, match="(?i)deleted|active"):
+        tr.close()
