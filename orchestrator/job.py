@@ -91,8 +91,8 @@ def _single_run_report(cfg, result, job_dir: Path) -> None:
     try:
         from orchestrator.report import write_run_report
         from orchestrator.tracking import resolve_uri
-        write_run_report(result, str(cfg.sweep), resolve_uri(cfg.tracking.uri), job_dir=job_dir,
-                         out_dir=Path(str(cfg.results_dir)) / str(cfg.sweep))
+        write_run_report(result, str(cfg.sweep_name), resolve_uri(cfg.tracking.uri), job_dir=job_dir,
+                         out_dir=Path(str(cfg.results_dir)) / str(cfg.sweep_name))
     except Exception as e:  # the run itself is recorded; a report failure must not hide that
         print(f"[job] report not written: {type(e).__name__}: {e}")
 

@@ -345,7 +345,7 @@ def write_run_report(result: Dict[str, Any], sweep: str, tracking_uri: Optional[
 
 # ------------------------------------------------------------------------------------------ Hydra callback
 def _sweep_name(config) -> str:
-    for key in ("sweep", "name"):
+    for key in ("sweep_name", "name"):
         v = config.get(key) if hasattr(config, "get") else None
         if v:
             return str(v)

@@ -12,7 +12,7 @@ from typing import List, Optional
 
 from hydra.core.config_store import ConfigStore
 
-from kernels.config import AttentionConfig, LayerOverride
+from kernels.config import AttentionConfig, KnobPatch, LayerOverride
 from models import ModelConfig
 from orchestrator.data import DataConfig
 from orchestrator.distributed import DistConfig
@@ -68,7 +68,7 @@ class DebugConfig:
 
 
 @dataclass
-class InterventionConfig:
+class InterventionConfig(KnobPatch):
     """One isolation experiment: what the paper observed, where, and the attention knobs it sets.
 
     The knobs are a typed partial (None = leave the attention config alone); `overrides` are appended to
@@ -80,27 +80,13 @@ class InterventionConfig:
     paper: str = ""
     layer: Optional[int] = None
     heads: List[int] = field(default_factory=list)
-    impl: Optional[str] = None
-    backend: Optional[str] = None
-    recipe: Optional[str] = None
-    tiling: Optional[bool] = None
-    block_q: Optional[int] = None
-    block_k: Optional[int] = None
-    softmax: Optional[str] = None
-    beta: Optional[float] = None
-    eps: Optional[float] = None
-    delta: Optional[str] = None
-    pv_fp32: Optional[bool] = None
-    o_fp32: Optional[bool] = None
-    o_fp32_heads: Optional[List[int]] = None
-    counters: Optional[bool] = None
     overrides: List[LayerOverride] = field(default_factory=list)
 
 
 @dataclass
 class Config:
     name: str = "default"  # experiment preset name
-    sweep: str = "${name}"  # folder under results_dir
+    sweep_name: str = "${name}"  # folder under results_dir (not `sweep`: that is the config group of sweeps/)
     results_dir: str = RESULTS_DIR  # <repo>/results wherever run.py is started from; relative = to the cwd
     model: ModelConfig = field(default_factory=lambda: ModelConfig(name="tiny", n_layer=4, n_head=4, n_embd=128,
                                                                    block_size=128))

@@ -46,7 +46,7 @@ def evaluate(model, batches, device, precision) -> torch.Tensor:
     """Mean val loss over fixed batches, as a device scalar. Kernel counters are saved and restored around it so
     the monitors only ever count training rows."""
     stats = model.attention_stats()
-    saved = [(s.repeated_max_rows.clone(), s.max_logit.clone()) for s in stats]
+    saved = [(s.repeated_max_rows.clone(), s.rows_seen.clone(), s.max_logit.clone()) for s in stats]
     model.eval()
     losses = []
     for x, y in batches:
@@ -54,8 +54,9 @@ def evaluate(model, batches, device, precision) -> torch.Tensor:
             _, loss = model(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
         losses.append(loss.float())
     model.train()
-    for s, (rows, logit) in zip(stats, saved):
+    for s, (rows, seen, logit) in zip(stats, saved):
         s.repeated_max_rows.copy_(rows)
+        s.rows_seen.copy_(seen)
         s.max_logit.copy_(logit)
     return torch.stack(losses).mean()
 
@@ -64,7 +65,7 @@ def _finite_params(model) -> bool:
     return all(torch.isfinite(p).all() for p in model.parameters())  # crash path only: syncing is fine here
 
 
-_NOT_IN_NAME = ("intervention=", "tracking.", "results_dir=", "hydra", "experiment=", "name=", "sweep=", "+sweep=")
+_NOT_IN_NAME = ("intervention=", "tracking.", "results_dir=", "hydra", "experiment=", "name=", "sweep_name=", "+sweep=")
 
 
 def _run_name(iv_name: str, overrides: List[str]) -> str:
@@ -174,12 +175,12 @@ class Job:
         val = val_batches(data_dir / "val.bin", cfg.model.block_size, tc.batch_size, tc.eval_batches, seed=0)
 
         iv = cfg.intervention
-        sweep_tags = {"intervention": iv.name, "expect": iv.expect, "paper": iv.paper, "sweep": cfg.sweep,
+        sweep_tags = {"intervention": iv.name, "expect": iv.expect, "paper": iv.paper, "sweep": cfg.sweep_name,
                       "experiment": cfg.name, "job_dir": str(self.job_dir),
                       "overrides": " ".join(self.overrides), "attention_routes": ",".join(
                           self.result["attention_routes"])}
         self.tracker = Tracker(cfg.tracking, _run_name(iv.name, self.overrides),
-                               experiment=cfg.tracking.experiment or cfg.sweep,
+                               experiment=cfg.tracking.experiment or cfg.sweep_name,
                                run_id=state.get("mlflow_run_id") if state else None, enabled=self.is_main,
                                tags=sweep_tags)
         self.result["mlflow_run_id"] = self.tracker.run_id

@@ -39,7 +39,7 @@ def fake_run(uri, parent, name, observed, div):
 def sweep(tmp_path):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     sweep_dir = tmp_path / "results" / "synthetic" / "2026-01-01_00-00-00"
-    cfg = OmegaConf.create({"sweep": "synthetic", "results_dir": str(tmp_path / "results"),
+    cfg = OmegaConf.create({"sweep_name": "synthetic", "results_dir": str(tmp_path / "results"),
                             "tracking": {"uri": uri, "experiment": None},
                             "hydra": {"sweep": {"dir": str(sweep_dir)}}})
     return cfg, sweep_dir, uri
@@ -133,7 +133,7 @@ from orchestrator.tracking import Tracker, TrackingConfig
 def main(cfg):
     if cfg.intervention == "crash":
         raise SystemExit("hard crash before result.json")  # escapes Hydra's job: on_multirun_end is skipped
-    tr = Tracker(TrackingConfig(uri=cfg.tracking.uri), cfg.intervention, experiment=cfg.sweep)
+    tr = Tracker(TrackingConfig(uri=cfg.tracking.uri), cfg.intervention, experiment=cfg.sweep_name)
     div = 6 if cfg.intervention == "baseline" else None
     for s in range(10):
         tr.log_metrics({{"train/loss": 5.0 - 0.1 * s + (10.0 if div is not None and s >= div else 0.0)}}, step=s)
@@ -148,14 +148,14 @@ main()
 '''
 
 CFG = '''
-sweep: hydra_sweep
+sweep_name: hydra_sweep
 results_dir: {results}
 intervention: baseline
 tracking:
   uri: {uri}
 hydra:
   sweep:
-    dir: ${{results_dir}}/${{sweep}}/${{now:%H-%M-%S-%f}}
+    dir: ${{results_dir}}/${{sweep_name}}/${{now:%H-%M-%S-%f}}
     subdir: ${{hydra.job.num}}
   callbacks:
     report:
