@@ -68,10 +68,9 @@ _KNOB_NAMES = tuple(f.name for f in fields(AttentionKnobs))
 
 
 @dataclass
-class LayerOverride:
-    """Knobs for some layers only; None inherits the run's value. E.g. flash only in layer 2."""
+class KnobPatch:
+    """A partial set of knobs: None leaves the value it is applied to alone."""
 
-    layers: List[int] = field(default_factory=list)
     impl: Optional[str] = None
     backend: Optional[str] = None
     recipe: Optional[str] = None
@@ -89,6 +88,13 @@ class LayerOverride:
 
     def set_knobs(self) -> dict:
         return {n: getattr(self, n) for n in _KNOB_NAMES if getattr(self, n) is not None}
+
+
+@dataclass
+class LayerOverride(KnobPatch):
+    """Knobs for some layers only; None inherits the run's value. E.g. flash only in layer 2."""
+
+    layers: List[int] = field(default_factory=list)
 
 
 @dataclass
@@ -139,5 +145,5 @@ class AttentionConfig(AttentionKnobs):
         return cls(**data, overrides=overrides)
 
 
-__all__ = ["AttentionKnobs", "AttentionConfig", "LayerOverride", "IMPLS", "BACKENDS", "RECIPES", "SOFTMAXES",
+__all__ = ["AttentionKnobs", "AttentionConfig", "KnobPatch", "LayerOverride", "IMPLS", "BACKENDS", "RECIPES", "SOFTMAXES",
            "DELTAS", "replace"]
