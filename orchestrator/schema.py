@@ -59,6 +59,7 @@ class TrainConfig:
     early_stop: bool = True  # stop verdict.early_stop_after steps after divergence
     record_batches: bool = True  # record the batch order (replay file, logged to MLflow)
     auto_resume: bool = True  # resume from <job dir>/checkpoints/last.pt when it exists (requeued jobs)
+    keep_checkpoints: int = 3  # step_<k>.pt files kept (newest, plus the last one before a divergence); 0 = all
 
 
 @dataclass
@@ -98,7 +99,10 @@ class Config:
     verdict: VerdictConfig = field(default_factory=VerdictConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
-    resume: Optional[str] = None  # checkpoint path to continue from
+    resume: Optional[str] = None  # checkpoint path to continue from (the same run, same MLflow run)
+    # checkpoint path to FORK from: weights, optimizer, RNG and step k of another run, this config's attention and
+    # intervention from step k on, the source run's batch order, a new MLflow run (orchestrator/fork.py)
+    from_checkpoint: Optional[str] = None
     debug: DebugConfig = field(default_factory=DebugConfig)
     dist: DistConfig = field(default_factory=DistConfig)
 

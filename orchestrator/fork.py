@@ -1,0 +1,179 @@
+"""Fork: replay an intervention from a checkpoint shortly before the divergence, with the source run's batches.
+
+`python run.py -m from_checkpoint=PATH intervention=baseline,fp32,pv_fp32` loads the weights, optimizer state, RNG
+states and step k of PATH (a step_<k>.pt or last.pt of any job) and trains the *current* config's attention and
+intervention from step k to train.max_steps: a new MLflow run per job, tagged forked_from / fork_step /
+forked_from_run, metrics at steps k, k+1, ... (0-based optimizer steps, as a resumed run logs them). The batches are
+the source run's: its recorded batch_order.bin (named in the checkpoint, else beside its checkpoints/ folder), or
+data.replay when given. Unless optimizer.decay_steps is set, the fork keeps the source's lr schedule (its
+decay_steps, else its max_steps), so a fork that stops early still sees the learning rates the source saw.
+
+Finding a checkpoint:
+    python -m orchestrator.fork list <job_dir>                           # checkpoints and their steps
+    python -m orchestrator.fork pick <job_dir> [--before STEP] [--margin N]
+`pick` prints the newest checkpoint at least N steps before STEP (default: the job's divergence step from its
+result.json).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+from orchestrator import checkpoint
+
+CKPT_DIR = "checkpoints"
+ORDER_FILE = "batch_order.bin"
+
+
+class ForkError(ValueError):
+    """A fork that cannot run (no such checkpoint, no batch order, ...): the message says which key and why."""
+
+
+# --------------------------------------------------------------------------------------------- the source
+def order_candidates(ckpt_path: Path, state: Dict[str, Any]) -> List[Path]:
+    """Where the source run's batch order may be: as the checkpoint records it, then the source job folder's."""
+    out = []
+    if state.get("batch_order"):
+        out.append(Path(state["batch_order"]))
+    ckpt_path = Path(ckpt_path).resolve()
+    out.append(ckpt_path.parent.parent / ORDER_FILE)  # <job dir>/checkpoints/<file> -> <job dir>/batch_order.bin
+    if state.get("job_dir"):
+        out.append(Path(state["job_dir"]) / ORDER_FILE)
+    return list(dict.fromkeys(out))
+
+
+def resolve_order(ckpt_path, state: Dict[str, Any], replay: Optional[str] = None) -> Path:
+    """The batch-order file a fork replays: data.replay when given, else the source run's."""
+    if replay is not None:
+        return Path(replay)
+    cands = order_candidates(Path(ckpt_path), state)
+    for p in cands:
+        if p.is_file():
+            return p
+    raise ForkError(f"from_checkpoint={str(ckpt_path)!r}: the source run's batch order was not found (looked for "
+                    f"{', '.join(str(p) for p in cands)}); allowed: a checkpoint of a run that recorded its batch "
+                    f"order (train.record_batches=true), or data.replay=<its batch_order.bin>")
+
+
+def source_decay(state: Dict[str, Any]) -> Optional[int]:
+    """The step at which the source's cosine lr reached min_lr (its decay_steps, else its max_steps)."""
+    if state.get("fork", {}).get("decay_steps"):  # a fork of a fork keeps the first source's schedule
+        return int(state["fork"]["decay_steps"])
+    cfg = state.get("config") or {}
+    opt, train = cfg.get("optimizer") or {}, cfg.get("train") or {}
+    value = opt.get("decay_steps") or train.get("max_steps")
+    return int(value) if value else None
+
+
+def fork_info(path, state: Dict[str, Any], decay_steps: Optional[int]) -> Dict[str, Any]:
+    """What a fork records (result.json, MLflow tags, its own checkpoints, so a requeued fork still knows)."""
+    return {"forked_from": str(path), "fork_step": int(state["step"]),
+            "source_run_id": state.get("mlflow_run_id"), "decay_steps": decay_steps}
+
+
+def check_fork(obj) -> Dict[str, Any]:
+    """Validate cfg.from_checkpoint before launch; returns the checkpoint state. Raises ForkError / CheckpointError."""
+    path = obj.from_checkpoint
+    if obj.resume is not None:
+        raise ForkError(f"resume={obj.resume!r} and from_checkpoint={path!r} are both set; allowed: one of them "
+                        f"(resume continues the same run, from_checkpoint forks a new run from it)")
+    state = checkpoint.check_compatible(path, obj.model, key="from_checkpoint")
+    k = int(state["step"])
+    if obj.train.max_steps <= k:
+        raise ForkError(f"train.max_steps={obj.train.max_steps} is not allowed with from_checkpoint={path!r}: "
+                        f"expected an integer > {k}, the checkpoint's step")
+    src_opt = ((state.get("config") or {}).get("optimizer") or {}).get("name")
+    if src_opt is not None and src_opt != obj.optimizer.name:
+        raise ForkError(f"optimizer.name={obj.optimizer.name!r} cannot load the optimizer state of "
+                        f"from_checkpoint={path!r}; allowed: {src_opt!r}, the source run's optimizer")
+    order = resolve_order(path, state, obj.data.replay)
+    check_order(order, obj, "data.replay" if obj.data.replay is not None else f"batch order of {path}")
+    return state
+
+
+def check_order(order: Path, obj, what: str) -> None:
+    """The order file exists, was recorded for this run shape, and covers train.max_steps steps."""
+    from orchestrator.data.config import DataError
+    from orchestrator.data.replay import OrderHeader, OrderReader, read_header
+
+    t = obj.train
+    try:
+        have = read_header(order)
+        want = OrderHeader(obj.model.block_size, t.batch_size, t.grad_accum, 1, 0, obj.data.seed, have.n_tokens)
+        OrderReader(order, want).check_covers(t.max_steps)
+    except FileNotFoundError:
+        raise ForkError(f"{what}: {order} does not exist") from None
+    except DataError as e:
+        raise ForkError(f"{what}: {e}; allowed: train.max_steps <= the steps it holds, with the source's "
+                        f"block_size, batch_size and grad_accum") from None
+
+
+# ------------------------------------------------------------------------------------------ list and pick
+def checkpoints(job_dir) -> List[Tuple[int, Path]]:
+    """(step, path) of a job's checkpoints, oldest first: step_<k>.pt files, and last.pt when it is not one of them."""
+    d = Path(job_dir) / CKPT_DIR
+    if not d.is_dir():
+        raise ForkError(f"{job_dir}: no {CKPT_DIR}/ folder (is it a job output folder?)")
+    found = {s: p for s, p in checkpoint.step_files(d).items()}
+    last = d / "last.pt"
+    if last.is_file():
+        step = int(checkpoint.load(last, key="last.pt")["step"])
+        found.setdefault(step, last)
+    return sorted(found.items())
+
+
+def divergence_step(job_dir) -> Optional[int]:
+    path = Path(job_dir) / "result.json"
+    if not path.is_file():
+        return None
+    return json.loads(path.read_text()).get("divergence_step")
+
+
+def pick(job_dir, before: Optional[int] = None, margin: int = 0) -> Path:
+    """The newest checkpoint with step <= before - margin (before: the job's divergence step by default)."""
+    if before is None:
+        before = divergence_step(job_dir)
+        if before is None:
+            raise ForkError(f"{job_dir}: no divergence step in result.json (the run did not diverge, or has no "
+                            f"result yet); give --before STEP")
+    limit = int(before) - int(margin)
+    ok = [(s, p) for s, p in checkpoints(job_dir) if s <= limit]
+    if not ok:
+        raise ForkError(f"{job_dir}: no checkpoint at step <= {limit} (before {before}, margin {margin}); have "
+                        f"{[s for s, _ in checkpoints(job_dir)]}. Keep more (train.ckpt_every, "
+                        f"train.keep_checkpoints=0) or lower --margin")
+    return ok[-1][1]
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m orchestrator.fork", description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    ls = sub.add_parser("list", help="print a job's checkpoints with their steps")
+    ls.add_argument("job_dir")
+    pk = sub.add_parser("pick", help="print the newest checkpoint at least --margin steps before --before")
+    pk.add_argument("job_dir")
+    pk.add_argument("--before", type=int, default=None, help="a step (default: the job's divergence step)")
+    pk.add_argument("--margin", type=int, default=0, help="steps between the checkpoint and --before (default 0)")
+    args = ap.parse_args(argv)
+    try:
+        if args.cmd == "list":
+            div = divergence_step(args.job_dir)
+            for step, path in checkpoints(args.job_dir):
+                note = "  (before the divergence)" if div is not None and step <= div else ""
+                print(f"{step:>8}  {path}{note}")
+        else:
+            print(pick(args.job_dir, args.before, args.margin))
+    except ValueError as e:
+        print(f"Error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
+
+__all__ = ["ForkError", "check_fork", "resolve_order", "source_decay", "fork_info", "checkpoints", "pick", "main"]
