@@ -60,7 +60,7 @@ def resolve_order(ckpt_path, state: Dict[str, Any], replay: Optional[str] = None
 
 def source_decay(state: Dict[str, Any]) -> Optional[int]:
     """The step at which the source's cosine lr reached min_lr (its decay_steps, else its max_steps)."""
-    if state.get("fork", {}).get("decay_steps"):  # a fork of a fork keeps the first source's schedule
+    if (state.get("fork") or {}).get("decay_steps"):  # a fork of a fork keeps the first source's schedule
         return int(state["fork"]["decay_steps"])
     cfg = state.get("config") or {}
     opt, train = cfg.get("optimizer") or {}, cfg.get("train") or {}

@@ -2,8 +2,10 @@
 
 AMP as in the paper (FP32 master weights, BF16 autocast; attention picks its own dtypes per recipe), cosine lr with
 warmup, global grad clipping, gradient accumulation (global count, split over DDP ranks), seeded everything, a
-recorded (or replayed) batch order, checkpoints every `train.ckpt_every` steps and at the end, resume. The hot path
-never syncs the host: losses, grad norms and kernel counters stay on the device until the monitors flush them.
+recorded (or replayed) batch order, checkpoints every `train.ckpt_every` steps and at the end, resume, and forks
+(from_checkpoint: another run's state and batches, this config's attention, a new MLflow run; orchestrator/fork.py).
+The hot path never syncs the host: losses, grad norms and kernel counters stay on the device until the monitors
+flush them.
 
 Steps are 0-based: metrics of optimizer step s are logged at step s; a checkpoint holds `step` = steps done, i.e.
 the step a resumed run starts with.
@@ -65,7 +67,8 @@ def _finite_params(model) -> bool:
     return all(torch.isfinite(p).all() for p in model.parameters())  # crash path only: syncing is fine here
 
 
-_NOT_IN_NAME = ("intervention=", "tracking.", "results_dir=", "hydra", "experiment=", "name=", "sweep_name=", "+sweep=")
+_NOT_IN_NAME = ("intervention=", "tracking.", "results_dir=", "hydra", "experiment=", "name=", "sweep_name=", "+sweep=",
+                "from_checkpoint=", "+from_checkpoint=", "++from_checkpoint=")
 
 
 def _run_name(iv_name: str, overrides: List[str]) -> str:
@@ -85,7 +88,11 @@ class Job:
             "intervention": iv.name, "overrides": self.overrides, "expected": iv.expect, "observed": "failed",
             "divergence_step": None, "final_loss": None, "min_loss": None, "val_loss": None, "peak_wq_norm": None,
             "peak_wq_where": None, "mlflow_run_id": None, "steps_done": 0, "early_stopped": False, "error": None,
-            "wall_s": None, "attention_routes": None, "resumed_from": None, "checkpoint": None}
+            "wall_s": None, "attention_routes": None, "resumed_from": None, "checkpoint": None,
+            "forked_from": None, "fork_step": None, "source_run_id": None}
+        self.fork: Optional[Dict[str, Any]] = None  # fork_info() when this run is (or resumes) a fork
+        self.forking = False  # this process starts the fork (new MLflow run, fresh detector/monitors)
+        self.order_path: Optional[Path] = None
         self.tracker = None
         self.monitors = None
         self.detector = None
@@ -105,25 +112,48 @@ class Job:
         path = cfg.resume
         if cfg.train.auto_resume and checkpoint.latest(self.job_dir) is not None:
             path = checkpoint.latest(self.job_dir)  # a requeued job continues where it stopped (even after resume=)
+        if path is None and cfg.from_checkpoint is not None:
+            from orchestrator.fork import fork_info, resolve_order, source_decay
+            state = checkpoint.check_compatible(cfg.from_checkpoint, cfg.model, key="from_checkpoint")
+            self.forking = True
+            info = fork_info(cfg.from_checkpoint, state, cfg.optimizer.decay_steps or source_decay(state))
+            info["batch_order"] = str(resolve_order(cfg.from_checkpoint, state, cfg.data.replay))
+            self._set_fork(info)
+            return state
         if path is None:
             return None
         state = checkpoint.check_compatible(path, cfg.model)
         self.result["resumed_from"] = str(path)
+        if state.get("fork"):  # a requeued fork resumes its own run and still knows where it came from
+            self._set_fork(state["fork"])
         return state
+
+    def _set_fork(self, info: Dict[str, Any]) -> None:
+        self.fork = dict(info)
+        self.result.update({k: info.get(k) for k in ("forked_from", "fork_step", "source_run_id")})
+        if self.cfg.optimizer.decay_steps is None and info.get("decay_steps"):
+            self.cfg.optimizer.decay_steps = int(info["decay_steps"])  # the source's lr schedule
 
     def _stream(self, data_dir: Path, start: int):
         from orchestrator.data import BatchStream
 
         cfg, world = self.cfg, self.dist.world_size
-        record = (self.job_dir / ORDER_FILE) if (cfg.train.record_batches and cfg.data.replay is None
-                                                and self.is_main) else None
+        replay = cfg.data.replay
+        mine = self.job_dir / ORDER_FILE
+        if self.fork:  # a fork (or its resume) replays the source's batches ...
+            replay = self.fork["batch_order"]
+        # ... and records them too (the steps before the fork are filled from the replayed file), so the fork's
+        # batch_order.bin equals the source's and a fork can be forked again
+        record = mine if (cfg.train.record_batches and self.is_main and (cfg.data.replay is None or self.fork) and
+                          (replay is None or Path(replay).resolve() != mine.resolve())) else None
         # one world-size-independent order (rank 0's stream over the global micro-batches): DDP ranks take their
         # share, so an N-GPU run sees the batches of the 1-GPU run with the same global batch, and a recorded
         # order replays on any number of ranks
         stream = BatchStream(data_dir / "train.bin", cfg.model.block_size, cfg.train.batch_size, cfg.data.seed,
-                             rank=0, world_size=1, record_path=record, replay_path=cfg.data.replay,
+                             rank=0, world_size=1, record_path=record, replay_path=replay,
                              grad_accum=cfg.train.grad_accum, start_step=start)
         stream.check_covers(cfg.train.max_steps)
+        self.order_path = stream.paths[0] if stream.paths else None
         return stream
 
     def _batches(self, stream, step: int):
@@ -162,6 +192,7 @@ class Job:
         optimizer = build_optimizer(model, cfg.optimizer, device)
         state = self._resume_state()
         start = int(state["step"]) if state else 0
+        resuming = bool(state) and not self.forking  # a fork starts a new run: fresh MLflow run, detector, monitors
         if state:
             model.load_state_dict(state["model"])
             optimizer.load_state_dict(state["optimizer"])
@@ -175,20 +206,27 @@ class Job:
         val = val_batches(data_dir / "val.bin", cfg.model.block_size, tc.batch_size, tc.eval_batches, seed=0)
 
         iv = cfg.intervention
-        sweep_tags = {"intervention": iv.name, "expect": iv.expect, "paper": iv.paper, "sweep": cfg.sweep_name,
-                      "experiment": cfg.name, "job_dir": str(self.job_dir),
+        if self.fork:
+            fork_tags = {"forked_from": self.fork["forked_from"], "fork_step": self.fork["fork_step"]}
+            if self.fork.get("source_run_id"):
+                fork_tags["forked_from_run"] = self.fork["source_run_id"]
+        else:
+            fork_tags = {}
+        sweep_tags = {**fork_tags, "intervention": iv.name, "expect": iv.expect, "paper": iv.paper,
+                      "sweep": cfg.sweep_name, "experiment": cfg.name, "job_dir": str(self.job_dir),
                       "overrides": " ".join(self.overrides), "attention_routes": ",".join(
                           self.result["attention_routes"])}
-        self.tracker = Tracker(cfg.tracking, _run_name(iv.name, self.overrides),
+        run_name = _run_name(iv.name, self.overrides) + (f" fork@{self.fork['fork_step']}" if self.fork else "")
+        self.tracker = Tracker(cfg.tracking, run_name[:250],
                                experiment=cfg.tracking.experiment or cfg.sweep_name,
-                               run_id=state.get("mlflow_run_id") if state else None, enabled=self.is_main,
+                               run_id=state.get("mlflow_run_id") if resuming else None, enabled=self.is_main,
                                tags=sweep_tags)
         self.result["mlflow_run_id"] = self.tracker.run_id
         if self.is_main:
             resolved = self.job_dir / "config_resolved.yaml"
             resolved.parent.mkdir(parents=True, exist_ok=True)
             OmegaConf.save(OmegaConf.structured(cfg), resolved)
-            if not state:
+            if not resuming:
                 self.tracker.log_params({**OmegaConf.to_container(OmegaConf.structured(cfg)),
                                          "attention_effective": OmegaConf.to_container(
                                              OmegaConf.structured(self.attention))})
@@ -197,11 +235,12 @@ class Job:
 
         self.monitors = Monitors(model, cfg.monitor, self.tracker)
         self.detector = DivergenceDetector(cfg.verdict)
-        if state:
+        if resuming:
             self.detector.load_state_dict(state["detector"])
             mon = state.get("monitor", {})
             if mon.get("peak_wq") is not None:
                 self.monitors.peak_wq, self.monitors.peak_wq_where = mon["peak_wq"], mon["peak_wq_where"]
+        if state:
             checkpoint.set_rng_state(state["rng"])  # last: model building above consumed the RNG
 
         guard = self._guard()
@@ -253,7 +292,7 @@ class Job:
                     self._log_val(model, val, device, step)
                     val_done_at = step
                 if (tc.ckpt_every and done % tc.ckpt_every == 0) or last:
-                    self._save(model, optimizer, done, "last.pt")
+                    self._save(model, optimizer, done, "last.pt", keep_step=True)
                 if tc.early_stop and self.detector.should_stop(step):
                     self.result["early_stopped"] = True
                     break
@@ -264,7 +303,7 @@ class Job:
             if self.result["early_stopped"]:
                 if val_done_at != done - 1:
                     self._log_val(model, val, device, done - 1)
-                self._save(model, optimizer, done, "last.pt")
+                self._save(model, optimizer, done, "last.pt", keep_step=True)
             self._finish(stream, done, status="FINISHED")
         except Exception as e:
             self.result["error"] = f"{type(e).__name__}: {e}"
@@ -297,20 +336,28 @@ class Job:
         if host:
             self.detector.update(host)
 
-    def _save(self, model, optimizer, done: int, name: str) -> Optional[Path]:
-        """Flush the monitors first so the checkpoint's detector state and MLflow agree on the last step."""
+    def _save(self, model, optimizer, done: int, name: str, keep_step: bool = False) -> Optional[Path]:
+        """Flush the monitors first so the checkpoint's detector state and MLflow agree on the last step.
+        keep_step: also keep it as step_<done>.pt (periodic and final checkpoints: what a fork starts from)."""
         self._sync_monitors()
         if not self.is_main:
             return None
         path = self.job_dir / CKPT_DIR / name
-        checkpoint.save(path, {
+        state = {
             "step": done, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
             "rng": checkpoint.rng_state(), "detector": self.detector.state_dict(),
             "monitor": {"peak_wq": self.monitors.peak_wq if math.isfinite(self.monitors.peak_wq) else None,
                         "peak_wq_where": self.monitors.peak_wq_where},
             "mlflow_run_id": self.tracker.run_id if self.tracker else None,
             "model_shape": checkpoint.model_shape(self.cfg.model),
-            "config": OmegaConf.to_container(OmegaConf.structured(self.cfg))})
+            "config": OmegaConf.to_container(OmegaConf.structured(self.cfg)),
+            "batch_order": str(self.order_path) if self.order_path else None, "job_dir": str(self.job_dir),
+            "fork": self.fork}
+        if keep_step:
+            checkpoint.save_step(path.parent, done, state, keep=self.cfg.train.keep_checkpoints,
+                                 protect_before=self.detector.divergence_step, last=name)
+        else:
+            checkpoint.save(path, state)
         self.result["checkpoint"] = str(path)
         return path
 

@@ -2,7 +2,7 @@
 
 Types are enforced by the structured config (orchestrator/schema.py) at compose time; this module checks ranges,
 cross-field rules (layer/head indices against the model, knobs that cannot hold together, an intervention against
-explicit user overrides, two interventions against each other), the resume checkpoint and the tracking store.
+explicit user overrides, two interventions against each other), the resume / fork checkpoint and the tracking store.
 It also builds the job's effective attention config (conf attention + the intervention's knobs).
 """
 from __future__ import annotations
@@ -204,7 +204,7 @@ def check_train(t) -> None:
 
     for name in ("batch_size", "grad_accum", "max_steps", "eval_batches"):
         _int(f"train.{name}", getattr(t, name), 1)
-    for name in ("eval_every", "ckpt_every", "seed"):
+    for name in ("eval_every", "ckpt_every", "seed", "keep_checkpoints"):
         _int(f"train.{name}", getattr(t, name), 0)
     _int("train.warmup_steps", t.warmup_steps, 0, t.max_steps)
     _num("train.grad_clip", t.grad_clip, 0, strict=False)
@@ -272,7 +272,13 @@ def validate_config(cfg, overrides: Sequence[str] = (), check_resume: bool = Tru
     except ValueError as e:
         raise ConfigError(f"{e} (attention with intervention={obj.intervention.name})") from None
     check_knob_combos(att, obj.model.n_layer)
-    if check_resume and obj.resume is not None:
+    if check_resume and obj.from_checkpoint is not None:
+        from orchestrator.fork import check_fork
+        try:
+            check_fork(obj)  # resume + from_checkpoint, shape, step < max_steps, batch order found and long enough
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    elif check_resume and obj.resume is not None:
         from orchestrator.checkpoint import check_compatible
         try:
             check_compatible(obj.resume, obj.model)
