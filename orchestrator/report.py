@@ -29,7 +29,7 @@ BASELINE, REFERENCE = "baseline", "fp32"
 HISTORY_PREFIXES = ("train/loss", "val/loss", "wq_sigma/", "rmax_rows/", "max_logit/")
 ROW_KEYS = ("job", "intervention", "overrides", "expected", "observed", "matches_paper", "divergence_step",
             "final_loss", "min_loss", "peak_wq_norm", "peak_wq_where", "steps_done", "wall_s", "vs_baseline",
-            "mlflow_run_id", "error", "job_dir")
+            "mlflow_run_id", "error", "job_dir", "fork_step", "forked_from")
 
 
 # ---------------------------------------------------------------------------------------------------- rows
@@ -248,6 +248,7 @@ def _markdown(rows, meta, plot_paths, out_dir: Path, sweep: str) -> str:
     md = [f"# Verdicts: {sweep}", "",
           f"{len(rows)} runs; {n_match} match the paper; {len(failed)} failed.", "",
           f"- overrides shared by every run: `{' '.join(common)}`" if common else "- no shared overrides",
+          *_fork_lines(rows),
           f"- command: `{meta.get('command')}`",
           f"- commit: `{git.get('git.commit')}` (dirty: {git.get('git.dirty')})",
           f"- time (UTC): {meta.get('time_utc')}",
@@ -269,6 +270,13 @@ def _markdown(rows, meta, plot_paths, out_dir: Path, sweep: str) -> str:
         if meta.get("parent_run_id"):
             md.append(f"(parent run `{meta['parent_run_id']}`, experiment `{meta.get('experiment_id')}`)")
     return "\n".join(md) + "\n"
+
+
+def _fork_lines(rows) -> List[str]:
+    """Forked runs (orchestrator/fork.py) start at their checkpoint's step: say so, once per source checkpoint."""
+    forks = sorted({(r.get("forked_from"), r.get("fork_step")) for r in rows if r.get("fork_step") is not None},
+                   key=str)
+    return [f"- forked from `{path}` at step {step}: metrics and verdicts from step {step} on" for path, step in forks]
 
 
 def write_report(rows: List[Dict], out_dir: os.PathLike, tracking_uri: Optional[str] = None,

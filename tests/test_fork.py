@@ -72,6 +72,17 @@ def test_checkpoints_are_kept_per_step(source):
         fork.pick(tmp / "source", before=10)
 
 
+def test_pruning_keeps_the_last_checkpoint_before_a_divergence(tmp_path):
+    d = tmp_path / "checkpoints"
+    for step in range(5, 45, 5):  # a run that diverged at step 17 and kept training
+        checkpoint.save_step(d, step, {"step": step}, keep=2, protect_before=17 if step > 17 else None)
+    assert sorted(checkpoint.step_files(d)) == [15, 35, 40]
+    assert checkpoint.load(d / "last.pt")["step"] == 40
+    assert sorted(p.name for p in d.iterdir()) == ["last.pt", "step_15.pt", "step_35.pt", "step_40.pt"]  # no temps
+    checkpoint.save_step(d, 45, {"step": 45}, keep=0)  # 0 = keep all
+    assert sorted(checkpoint.step_files(d)) == [15, 35, 40, 45]
+
+
 def test_pick_cli_defaults_to_the_divergence_step(source, tmp_path, capsys):
     tmp, _ = source
     job_dir = tmp_path / "copy"
