@@ -229,7 +229,10 @@ class Job:
             if not resuming:
                 self.tracker.log_params({**OmegaConf.to_container(OmegaConf.structured(cfg)),
                                          "attention_effective": OmegaConf.to_container(
-                                             OmegaConf.structured(self.attention))})
+                                             OmegaConf.structured(self.attention)),
+                                         # which code computes each layer (triton | emulator | standard | sdpa)
+                                         "attention_route": {f"L{i}": r for i, r in
+                                                             enumerate(self.result["attention_routes"])}})
                 self.tracker.log_artifact(resolved)
             self.tracker.set_tags({**sweep_tags, "verdict": "running"})
 

@@ -62,6 +62,8 @@ def test_multirun_three_interventions(tmp_path):
         assert all(math.isfinite(m.value) for m in hist)
     sfa = next(r for r in children if r.data.tags["intervention"] == "sfa")
     assert "stabilized" in sfa.data.params["attention_effective.softmax"]
+    # which code computed each layer is a param (CPU: the emulator)
+    assert [sfa.data.params[f"attention_route.L{i}"] for i in range(2)] == ["flash/emulator/paper_bf16+sfa(beta=2)"] * 2
     # the report: one row per run
     report = tmp_path / "results" / "smoke"
     doc = json.loads((report / "verdicts.json").read_text())
