@@ -98,33 +98,26 @@ def tune(dev, log):
     knobs = AttentionKnobs(recipe="fa2", counters=False)
     f = fwd_bwd(lambda a, b, c: tf.flash_attention_triton(a, b, c, knobs), q, k, v, do)
     tried = []
-    best_f = tf.FWD_CONFIG[D]
-    best_t = None
-    for cfg in [(128, 4, 3), (128, 8, 3), (64, 4, 3)]:
-        tf.FWD_CONFIG[D] = cfg
-        try:
-            t = bench(f, (q, k, v), 200)
-        except Exception as e:  # a config that does not fit (shared memory) is skipped
-            log(f"  fwd {cfg}: failed {type(e).__name__}")
-            continue
-        tried.append(dict(kind="fwd", config=list(cfg), ms=t))
-        log(f"  fwd {cfg}: {t:.3f} ms (fwd+bwd)")
-        if best_t is None or t < best_t:
-            best_t, best_f = t, cfg
-    tf.FWD_CONFIG[D] = best_f
-    best_b, best_t = tf.BWD_CONFIG[D], None
-    for cfg in [(64, 128, 128, 64, 4, 3), (32, 128, 128, 32, 4, 3), (64, 64, 64, 64, 4, 3)]:
-        tf.BWD_CONFIG[D] = cfg
-        try:
-            t = bench(f, (q, k, v), 200)
-        except Exception as e:
-            log(f"  bwd {cfg}: failed {type(e).__name__}")
-            continue
-        tried.append(dict(kind="bwd", config=list(cfg), ms=t))
-        log(f"  bwd {cfg}: {t:.3f} ms (fwd+bwd)")
-        if best_t is None or t < best_t:
-            best_t, best_b = t, cfg
-    tf.BWD_CONFIG[D] = best_b
+
+    def pick(table, kind, candidates):
+        """Time each candidate launch config in `table[D]`; leave the fastest there and return it."""
+        best, best_t = table[D], None
+        for cfg in candidates:
+            table[D] = cfg
+            try:
+                t = bench(f, (q, k, v), 200)
+            except Exception as e:  # a config that does not fit (shared memory) is skipped
+                log(f"  {kind} {cfg}: failed {type(e).__name__}")
+                continue
+            tried.append(dict(kind=kind, config=list(cfg), ms=t))
+            log(f"  {kind} {cfg}: {t:.3f} ms (fwd+bwd)")
+            if best_t is None or t < best_t:
+                best_t, best = t, cfg
+        table[D] = best
+        return best
+
+    best_f = pick(tf.FWD_CONFIG, "fwd", [(128, 4, 3), (128, 8, 3), (64, 4, 3)])
+    best_b = pick(tf.BWD_CONFIG, "bwd", [(64, 128, 128, 64, 4, 3), (32, 128, 128, 32, 4, 3), (64, 64, 64, 64, 4, 3)])
     return dict(fwd=list(best_f), bwd=list(best_b), tried=tried)
 
 
