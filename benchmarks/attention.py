@@ -6,7 +6,8 @@ Rows: per shape (GPT-2S: B=16, H=12, T=1024, D=64; and T=4096) and method, the m
 (causal FLOPs: 2*B*H*T^2*D forward, 2.5x that backward, 7*B*H*T^2*D in all; the fastest of --rounds
 round-robin medians). Methods: sdpa (flash backend, BF16),
 triton_fa2 (counters off), triton_fa2_sfa_counters (stabilized softmax + repeated-maxima counters), triton_paper_bf16
-(counters on, as a run uses it), emulator_paper_bf16 (kernels.flash_attention, the plain-PyTorch source of truth).
+(counters on, as a run uses it), emulator_paper_bf16 (kernels.flash_attention, the plain-PyTorch source of truth),
+triton_fp32 (the FP32 reference recipe, counters on) and sdpa_fp32 (torch SDPA on FP32 inputs).
 The JSON's `summary` (at the GPT-2S shape): fa2_vs_sdpa, sfa_counters_overhead, paper_vs_emulator_speedup.
 """
 from __future__ import annotations
@@ -27,7 +28,8 @@ import torch.nn.functional as F  # noqa: E402
 
 from kernels.config import AttentionKnobs  # noqa: E402
 
-SHAPES = {"gpt2s_T1024": (16, 12, 1024, 64), "T4096": (4, 12, 4096, 64)}
+SHAPES = {"gpt2s_T1024": (16, 12, 1024, 64), "T4096": (4, 12, 4096, 64),
+          "mini": (32, 12, 256, 64)}  # mini: experiment=mini_repro
 TARGETS = {"fa2_vs_sdpa": (">=", 0.85), "sfa_counters_overhead": ("<=", 0.05), "paper_vs_emulator_speedup": (">=", 10)}
 
 
@@ -60,7 +62,8 @@ def methods(B, H, T, D, dev):
     sfa = AttentionKnobs(recipe="fa2", backend="triton", softmax="stabilized", counters=True)
     paper = AttentionKnobs(recipe="paper_bf16", backend="triton", counters=True)
     paper_emu = AttentionKnobs(recipe="paper_bf16", backend="emulator", counters=True)
-    s_sfa, s_paper, s_emu = stats(), stats(), stats()
+    fp32 = AttentionKnobs(recipe="fp32", backend="triton", counters=True)
+    s_sfa, s_paper, s_emu, s_fp32 = stats(), stats(), stats(), stats()
 
     def sdpa(q, k, v):
         from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -73,6 +76,9 @@ def methods(B, H, T, D, dev):
         "triton_fa2_sfa_counters": lambda q, k, v: flash_attention_triton(q, k, v, sfa, s_sfa),
         "triton_paper_bf16": lambda q, k, v: flash_attention_triton(q, k, v, paper, s_paper),
         "emulator_paper_bf16": lambda q, k, v: kernels.flash_attention(q, k, v, paper_emu, s_emu),
+        # the FP32 reference as a run computes it (inputs cast to FP32 first, counters on) and torch's FP32 SDPA
+        "triton_fp32": lambda q, k, v: flash_attention_triton(q.float(), k.float(), v.float(), fp32, s_fp32),
+        "sdpa_fp32": lambda q, k, v: F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True),
     }
 
 
@@ -90,13 +96,26 @@ def fwd_bwd(f, q, k, v, do):
     return run
 
 
-def tune(dev, log):
-    """Try a few speed-only launch configs for triton fa2 at the GPT-2S shape; keep the fastest."""
+TUNE_CANDIDATES = {  # speed-only launch configs tried per recipe family (kernels/triton_flash.py: launch_tables)
+    "fa2": ([(128, 4, 3), (128, 8, 3), (64, 4, 3)],
+            [(64, 128, 128, 64, 4, 3), (32, 128, 128, 32, 4, 3), (64, 64, 64, 64, 4, 3)]),
+    "fp32": ([(32, 4, 2), (16, 4, 2), (64, 4, 2), (64, 8, 3)],
+             [(32, 32, 32, 32, 4, 2), (16, 32, 32, 16, 4, 2), (32, 64, 64, 32, 4, 2), (16, 16, 16, 16, 2, 2),
+              (64, 64, 64, 64, 4, 3)]),
+}
+
+
+def tune(dev, log, recipe="fa2", shape="gpt2s_T1024"):
+    """Try a few speed-only launch configs for `recipe` (counters on, as a run uses it) at `shape`; keep the
+    fastest in the module's tables for the rest of this process and return them with every timing."""
     from kernels import triton_flash as tf
-    B, H, T, D = SHAPES["gpt2s_T1024"]
+    B, H, T, D = SHAPES[shape]
     q, k, v, do = make_inputs(B, H, T, D, dev)
-    knobs = AttentionKnobs(recipe="fa2", counters=False)
-    f = fwd_bwd(lambda a, b, c: tf.flash_attention_triton(a, b, c, knobs), q, k, v, do)
+    knobs = AttentionKnobs(recipe=recipe, counters=recipe == "fp32")
+    stats = __import__("kernels").AttnStats(H, dev) if knobs.counters else None
+    f = fwd_bwd(lambda a, b, c: tf.flash_attention_triton(a, b, c, knobs, stats), q, k, v, do)
+    fwd_table, bwd_table, _ = tf.launch_tables(recipe)
+    fwd_cands, bwd_cands = TUNE_CANDIDATES["fp32" if recipe == "fp32" else "fa2"]
     tried = []
 
     def pick(table, kind, candidates):
@@ -116,9 +135,9 @@ def tune(dev, log):
         table[D] = best
         return best
 
-    best_f = pick(tf.FWD_CONFIG, "fwd", [(128, 4, 3), (128, 8, 3), (64, 4, 3)])
-    best_b = pick(tf.BWD_CONFIG, "bwd", [(64, 128, 128, 64, 4, 3), (32, 128, 128, 32, 4, 3), (64, 64, 64, 64, 4, 3)])
-    return dict(fwd=list(best_f), bwd=list(best_b), tried=tried)
+    best_f = pick(fwd_table, "fwd", fwd_cands)
+    best_b = pick(bwd_table, "bwd", bwd_cands)
+    return dict(recipe=recipe, shape=[B, H, T, D], fwd=list(best_f), bwd=list(best_b), tried=tried)
 
 
 def _write(out, path):
@@ -131,6 +150,9 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.path.join(ROOT, "results", "bench", "attention-h200.json"))
     ap.add_argument("--tune", action="store_true", help="try speed-only launch configs first and keep the fastest")
+    ap.add_argument("--tune-recipe", default="fa2", choices=("fa2", "fp32"),
+                    help="which launch tables --tune tunes (fa2: the BF16 recipes' tables; fp32: the fp32 recipe's)")
+    ap.add_argument("--tune-shape", default="gpt2s_T1024", choices=tuple(SHAPES), help="the shape --tune times")
     ap.add_argument("--shapes", default=",".join(SHAPES), help="comma list of: " + ", ".join(SHAPES))
     ap.add_argument("--skip", default="", help="comma list of methods to skip")
     ap.add_argument("--rounds", type=int, default=3, help="timing rounds over all methods (min of medians)")
@@ -146,11 +168,12 @@ def main(argv=None):
                cuda=torch.version.cuda, python=platform.python_version(),
                time=time.strftime("%Y-%m-%dT%H:%M:%S"), flops="7*B*H*T^2*D per fwd+bwd (causal)", rows=[])
     if args.tune:
-        log("tuning triton fa2 launch configs (GPT-2S shape)")
-        out["tuning"] = tune(dev, log)
+        log(f"tuning triton {args.tune_recipe} launch configs ({args.tune_shape} shape)")
+        out["tuning"] = tune(dev, log, args.tune_recipe, args.tune_shape)
         log(f"chosen: fwd {out['tuning']['fwd']} bwd {out['tuning']['bwd']}")
     from kernels import triton_flash as tf
     out["launch_d64"] = dict(fwd=list(tf.FWD_CONFIG[64]), bwd=list(tf.BWD_CONFIG[64]),
+                             fp32_fwd=list(tf.FP32_FWD_CONFIG[64]), fp32_bwd=list(tf.FP32_BWD_CONFIG[64]),
                              fields="fwd (BLOCK_M, warps, stages); bwd (dkdv BM, dkdv BN, dq BM, dq BN, warps, stages)")
     skip = set(filter(None, args.skip.split(",")))
     shapes = args.shapes.split(",")

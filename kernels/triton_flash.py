@@ -482,14 +482,28 @@ FWD_CONFIG = {16: (64, 4, 3), 32: (64, 4, 3), 64: (64, 4, 3), 128: (64, 8, 3)}  
 BWD_CONFIG = {16: (32, 64, 64, 32, 4, 3), 32: (32, 64, 64, 32, 4, 3), 64: (64, 64, 64, 64, 4, 3),
               128: (32, 128, 128, 32, 8, 2)}
 FWD_FREE_BLOCK_N = {16: 64, 32: 64, 64: 64, 128: 64}
+# The fp32 recipe's IEEE FP32 dots run on the CUDA cores (no tensor cores), with operands and accumulators in
+# registers: the BF16 tables' 64-row tiles with 3 stages spill there. Its own, smaller tiles (--tune-recipe fp32).
+FP32_FWD_CONFIG = {16: (32, 4, 2), 32: (32, 4, 2), 64: (32, 4, 2), 128: (32, 4, 1)}
+FP32_BWD_CONFIG = {16: (32, 32, 32, 32, 4, 2), 32: (32, 32, 32, 32, 4, 2), 64: (32, 32, 32, 32, 4, 2),
+                   128: (16, 32, 32, 16, 4, 1)}
+FP32_FREE_BLOCK_N = {16: 32, 32: 32, 64: 32, 128: 32}
+
+
+def launch_tables(recipe: str):
+    """(forward table, backward table, free forward BLOCK_N) for a recipe: fp32 has its own (see above)."""
+    if recipe == "fp32":
+        return FP32_FWD_CONFIG, FP32_BWD_CONFIG, FP32_FREE_BLOCK_N
+    return FWD_CONFIG, BWD_CONFIG, FWD_FREE_BLOCK_N
 
 
 def _fwd_blocks(knobs: AttentionKnobs, D: int):
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the forward."""
-    block_m, warps, stages = FWD_CONFIG[D]
+    fwd, _, free_n = launch_tables(knobs.recipe)
+    block_m, warps, stages = fwd[D]
     # the key tile is the unit Algorithm 3, the counters and paper_bf16's rescaling roundings see
     exact_n = knobs.tiling and (knobs.recipe == "paper_bf16" or knobs.softmax == "stabilized" or knobs.counters)
-    block_n = knobs.block_k if exact_n else FWD_FREE_BLOCK_N[D]
+    block_n = knobs.block_k if exact_n else free_n[D]
     if _interpret():
         block_m, block_n = 16, (block_n if exact_n else 16)
     return block_m, block_n, warps, stages
@@ -497,7 +511,7 @@ def _fwd_blocks(knobs: AttentionKnobs, D: int):
 
 def _bwd_blocks(knobs: AttentionKnobs, D: int):
     """((dkdv BLOCK_M, BLOCK_N), (dq BLOCK_M, BLOCK_N), num_warps, num_stages) of the backward passes."""
-    m1, n1, m2, n2, warps, stages = BWD_CONFIG[D]
+    m1, n1, m2, n2, warps, stages = launch_tables(knobs.recipe)[1][D]
     if knobs.recipe == "paper_bf16" and knobs.tiling:  # BF16 accumulators rounded per emulator tile
         m1, n2 = knobs.block_q, knobs.block_k
     elif _interpret():
@@ -598,7 +612,7 @@ class _TritonFlash(torch.autograd.Function):
         dq = torch.empty((B, H, T, D), device=q.device, dtype=q.dtype)  # gradients in the inputs' dtypes
         dk = torch.empty((B, H, T, D), device=q.device, dtype=k.dtype)
         dv = torch.empty((B, H, T, D), device=q.device, dtype=v.dtype)
-        dbm, dbn = (16, 16) if _interpret() else (64, 64)
+        dbm, dbn = (16, 16) if _interpret() else (32, 32) if recipe == 0 else (64, 64)  # fp32: see FP32_*
         _bwd_delta_kernel[(triton.cdiv(T, dbm), B * H)](
             q, k, v, o, do, lse, delta, ofp32,
             *_strides(q), *_strides(k), *_strides(v), *_strides(o), *_strides(do),
