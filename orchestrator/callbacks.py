@@ -58,6 +58,12 @@ def _check_launcher(config: DictConfig) -> None:
     target = OmegaConf.select(config, "hydra.launcher._target_") or ""
     if "submitit" not in target.lower():
         return
+    device = str(OmegaConf.select(config, "train.device") or "auto")
+    gpus = OmegaConf.select(config, "hydra.launcher.gpus_per_node")
+    if target.endswith("LocalLauncher") and device.startswith("cuda") and not gpus:
+        raise ConfigError(f"hydra.launcher.gpus_per_node={gpus!r} is not allowed with train.device={device!r}: "
+                          f"submitit's local executor then hides every GPU from the jobs; expected >= 1 (the "
+                          f"default ${{ff_gpu_count:}} gives each job all of this machine's GPUs)")
     try:
         from orchestrator.cluster import check_launcher
     except ImportError:

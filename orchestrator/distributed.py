@@ -119,15 +119,19 @@ def resolve_device(device: str, local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank % torch.cuda.device_count())
 
 
-def init_distributed(cfg: Optional[DistConfig] = None, device: str = "auto") -> DistInfo:
-    """Find rank/world from torchrun or SLURM env, pick the device, create the process group when world_size > 1."""
+def init_distributed(cfg: Optional[DistConfig] = None, device: str = "auto", slot: int = 0) -> DistInfo:
+    """Find rank/world from torchrun or SLURM env, pick the device, create the process group when world_size > 1.
+
+    slot: for a single-process job, which of the visible GPUs `cuda`/`auto` means (slot % count); the job passes
+    its Hydra job number, so the local launcher's concurrent jobs spread over a machine's GPUs.
+    """
     cfg = (cfg or DistConfig())
     if not isinstance(cfg, DistConfig):  # an OmegaConf node or a dict
         cfg = DistConfig(**{k: cfg[k] for k in ("backend", "master_port", "timeout_s", "preempt_check_every")
                             if k in cfg})
     cfg.validate()
     env = detect_env()
-    dev = resolve_device(device, env["local_rank"])
+    dev = resolve_device(device, env["local_rank"] if env["world_size"] > 1 else int(slot))
     if env["world_size"] == 1:
         return DistInfo(device=dev, source=env["source"])
 

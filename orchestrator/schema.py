@@ -21,6 +21,20 @@ from orchestrator.tracking import TrackingConfig
 from orchestrator.verdict import VerdictConfig
 
 RESULTS_DIR = str(Path(__file__).resolve().parents[1] / "results")  # beside the default MLflow store
+
+
+def _gpu_count() -> int:
+    """`${ff_gpu_count:}`: the CUDA GPUs this process sees (0 without any). The local launcher gives every job all of
+    them; a single-process job then takes GPU (job number % count), so concurrent jobs spread over the machine."""
+    import torch
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+try:
+    from omegaconf import OmegaConf
+    OmegaConf.register_new_resolver("ff_gpu_count", _gpu_count, use_cache=True)
+except ValueError:  # already registered (module reloaded)
+    pass
 EXPECTS = ("stable", "diverges")
 PRECISIONS = ("bf16", "fp32")
 DEVICES = ("auto", "cpu", "cuda")

@@ -37,6 +37,15 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)  # also seeds every CUDA device
 
 
+def _job_slot() -> int:
+    """This job's number in a Hydra multirun (0 otherwise): concurrent local jobs take GPUs round-robin."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+        return int(HydraConfig.get().job.num or 0)
+    except Exception:  # not under Hydra, or a single run whose job.num is unset
+        return 0
+
+
 def _autocast(device: torch.device, precision: str):
     if precision == "bf16":  # FP32 master weights, BF16 matmuls; attention casts q/k/v itself per recipe
         return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
@@ -103,7 +112,7 @@ class Job:
     def _init_dist(self):
         from orchestrator.distributed import init_distributed
 
-        self.dist = init_distributed(self.cfg.dist, device=self.cfg.train.device)
+        self.dist = init_distributed(self.cfg.dist, device=self.cfg.train.device, slot=_job_slot())
         self.is_main = self.dist.is_main
         return self.dist.device
 
