@@ -139,9 +139,33 @@ class Localization:
                 out[name] = f"intervention={name} intervention.layer={self.layer} 'intervention.heads=[{heads}]'"
         return out
 
+    def target(self) -> Tuple[Optional[int], List[int], str]:
+        """(layer, heads, why) for a sweep that must name a layer: the one that stands out, else the top-ranked
+        candidate; its outlier heads, else the upper half of its heads by the end-of-window W_Q sigma."""
+        if not self.layers:
+            return None, [], "nothing to localize"
+        layer = self.layer if self.layer is not None else self.layers[0].layer
+        why = "stands out" if self.layer is not None else "best guess: no layer stands out, the top-ranked one"
+        heads = list(self.outlier_heads) if self.layer is not None else []
+        if not heads:
+            hs = sorted((h for h in self.heads if h.layer == layer and h.sigma_end is not None),
+                        key=lambda h: -h.sigma_end)
+            heads = sorted(h.head for h in hs[:max(1, len(hs) // 2)])
+            why += "; heads: no outliers, the upper half by end-of-window W_Q sigma"
+        return layer, heads, why
+
+    def sweep_overrides(self) -> List[str]:
+        """Hydra overrides that point a whole isolation sweep's layer/head interventions at target()."""
+        layer, heads, _ = self.target()
+        if layer is None:
+            return []
+        return [f"intervention.layer={layer}", "intervention.heads=[" + ",".join(map(str, heads)) + "]"]
+
     def to_dict(self) -> Dict:
         d = asdict(self)
         d["overrides"] = self.overrides()
+        d["target"] = dict(zip(("layer", "heads", "why"), self.target()))
+        d["sweep_overrides"] = self.sweep_overrides()
         return _json_safe(d)
 
     def format(self) -> str:
@@ -594,6 +618,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--out", type=Path, help="write the localization as JSON here")
     p.add_argument("--plot", type=Path, nargs="?", const=True,
                    help="write a PNG (default: beside --out, else localize.png)")
+    p.add_argument("--sweep-overrides", action="store_true",
+                   help="print only the overrides that point an isolation sweep at the target layer/heads on stdout "
+                        "(the report goes to stderr), for scripts")
     a = p.parse_args(argv)
     try:
         src = resolve_source(a.source, a.tracking_uri, a.job)
@@ -606,16 +633,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"localize: {e}", file=sys.stderr)
         return 2
     loc.source = src
-    print(f"run {src['run_id']}" + (f" ({src['intervention']})" if src.get("intervention") else "")
-          + (f", job {src['job_dir']}" if src.get("job_dir") else ""))
-    print(loc.format())
+    say = (lambda *m: print(*m, file=sys.stderr)) if a.sweep_overrides else print
+    say(f"run {src['run_id']}" + (f" ({src['intervention']})" if src.get("intervention") else "")
+        + (f", job {src['job_dir']}" if src.get("job_dir") else ""))
+    say(loc.format())
+    layer, heads, why = loc.target()
+    say(f"\nsweep target: layer {layer}, heads {heads} ({why})")
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps(loc.to_dict(), indent=2))
-        print(f"\nwrote {a.out}")
+        say(f"\nwrote {a.out}")
     if a.plot:
         png = a.plot if a.plot is not True else (a.out.with_suffix(".png") if a.out else Path("localize.png"))
-        print(f"wrote {plot(loc, history, png)}")
+        say(f"wrote {plot(loc, history, png)}")
+    if a.sweep_overrides:
+        print(" ".join(loc.sweep_overrides()))
     return 0
 
 

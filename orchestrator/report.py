@@ -443,5 +443,49 @@ class SweepReport(Callback):
                 _retry(make_client(parent["tracking_uri"]).set_terminated, parent["run_id"], status=status)
 
 
+# ------------------------------------------------------------------------------------------------------ CLI
+def rows_from_dirs(dirs: Sequence[os.PathLike]) -> List[Dict]:
+    """Rows from several places at once: a job dir (holding result.json) gives its row, a sweep dir its jobs'."""
+    rows: List[Dict] = []
+    for d in map(Path, dirs):
+        if (d / "result.json").is_file():
+            rows.append(row_from_result(json.loads((d / "result.json").read_text()), d.name, d))
+        elif d.is_dir():
+            found = collect_rows(d)
+            if not found:
+                raise ValueError(f"{d}: no job folders (result.json or .hydra/) under it")
+            rows.extend(dict(r, job=f"{d.name}/{r['job']}") for r in found)
+        else:
+            raise ValueError(f"{d}: not a directory")
+    return rows
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """`python -m orchestrator.report --out DIR [--sweep NAME] [--tracking-uri URI] JOB_OR_SWEEP_DIR...`: one
+    table over runs from several sweeps (e.g. a baseline run, its forked isolation sweep and a beta sweep)."""
+    import argparse
+    ap = argparse.ArgumentParser(prog="python -m orchestrator.report", description=main.__doc__.split(":")[0])
+    ap.add_argument("dirs", nargs="+", help="job dirs (with result.json) and/or sweep dirs")
+    ap.add_argument("--out", required=True, help="where verdicts.{md,json} and plots/ go")
+    ap.add_argument("--sweep", default=None, help="the report's name (default: the --out folder's name)")
+    ap.add_argument("--tracking-uri", default=None, help="MLflow store with the runs' histories (plots)")
+    ap.add_argument("--meta", action="append", default=[], metavar="KEY=VALUE",
+                    help="extra lines for the report's meta block (e.g. command=..., repeatable)")
+    args = ap.parse_args(argv)
+    try:
+        rows = rows_from_dirs(args.dirs)
+        meta = dict(m.split("=", 1) for m in args.meta if "=" in m)
+        meta["sources"] = [str(Path(d)) for d in args.dirs]
+        write_report(rows, args.out, args.tracking_uri, meta=meta, sweep=args.sweep)
+    except ValueError as e:
+        print(f"Error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
+
 __all__ = ["SweepReport", "write_report", "write_run_report", "collect_rows", "row_from_result", "compare",
-           "load_histories", "format_table", "run_meta", "matches_paper"]
+           "load_histories", "format_table", "run_meta", "matches_paper", "rows_from_dirs", "main"]
