@@ -10,9 +10,10 @@ decay_steps, else its max_steps), so a fork that stops early still sees the lear
 
 Finding a checkpoint:
     python -m orchestrator.fork list <job_dir>                           # checkpoints and their steps
-    python -m orchestrator.fork pick <job_dir> [--before STEP] [--margin N]
+    python -m orchestrator.fork pick <job_dir> [--before STEP] [--margin N] [--at-min]
+    python -m orchestrator.fork jobs paper_isolation beta_sweep          # a sweep file's jobs, one per line
 `pick` prints the newest checkpoint at least N steps before STEP (default: the job's divergence step from its
-result.json).
+result.json; with --at-min the step of its lowest loss before the divergence).
 """
 from __future__ import annotations
 
@@ -125,20 +126,29 @@ def checkpoints(job_dir) -> List[Tuple[int, Path]]:
     return sorted(found.items())
 
 
-def divergence_step(job_dir) -> Optional[int]:
+def _result_field(job_dir, key: str) -> Optional[int]:
     path = Path(job_dir) / "result.json"
     if not path.is_file():
         return None
-    return json.loads(path.read_text()).get("divergence_step")
+    return json.loads(path.read_text()).get(key)
 
 
-def pick(job_dir, before: Optional[int] = None, margin: int = 0) -> Path:
-    """The newest checkpoint with step <= before - margin (before: the job's divergence step by default)."""
+def divergence_step(job_dir) -> Optional[int]:
+    return _result_field(job_dir, "divergence_step")
+
+
+def pick(job_dir, before: Optional[int] = None, margin: int = 0, at_min: bool = False) -> Path:
+    """The newest checkpoint with step <= before - margin. before: the job's divergence step by default; with
+    at_min, the step of its lowest loss before the divergence (where training was last at its best)."""
     if before is None:
-        before = divergence_step(job_dir)
-        if before is None:
+        key = "min_loss_step" if at_min else "divergence_step"
+        if _result_field(job_dir, "divergence_step") is None:
             raise ForkError(f"{job_dir}: no divergence step in result.json (the run did not diverge, or has no "
                             f"result yet); give --before STEP")
+        before = _result_field(job_dir, key)
+        if before is None:
+            raise ForkError(f"{job_dir}: result.json has no {key} (a run from before it was recorded); give "
+                            f"--before STEP")
     limit = int(before) - int(margin)
     ok = [(s, p) for s, p in checkpoints(job_dir) if s <= limit]
     if not ok:
@@ -146,6 +156,27 @@ def pick(job_dir, before: Optional[int] = None, margin: int = 0) -> Path:
                         f"{[s for s, _ in checkpoints(job_dir)]}. Keep more (train.ckpt_every, "
                         f"train.keep_checkpoints=0) or lower --margin")
     return ok[-1][1]
+
+
+def sweep_file_jobs(names, root: Optional[Path] = None) -> List[Tuple[str, List[str]]]:
+    """The jobs a sweep file's hydra.sweeper.params expand to (Hydra's cartesian product of comma lists), as
+    (name-index, overrides): to launch a sweep's jobs as separate runs (scripts/paper_isolation.sh)."""
+    import itertools
+
+    import yaml
+    root = Path(root) if root is not None else Path(__file__).resolve().parents[1] / "sweeps"
+    out = []
+    for name in names:
+        path = root / f"{name}.yaml"
+        if not path.is_file():
+            raise ForkError(f"sweep {name!r}: no {path}; allowed: "
+                            f"{', '.join(sorted(p.stem for p in root.glob('*.yaml')))}")
+        params = ((yaml.safe_load(path.read_text()) or {}).get("hydra", {}).get("sweeper", {}).get("params") or {})
+        keys = list(params)
+        values = [[v.strip() for v in str(params[k]).split(",")] for k in keys]
+        for i, combo in enumerate(itertools.product(*values)):
+            out.append((f"{name}-{i}", [f"{k}={v}" for k, v in zip(keys, combo)]))
+    return out
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -157,6 +188,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     pk.add_argument("job_dir")
     pk.add_argument("--before", type=int, default=None, help="a step (default: the job's divergence step)")
     pk.add_argument("--margin", type=int, default=0, help="steps between the checkpoint and --before (default 0)")
+    pk.add_argument("--at-min", action="store_true",
+                    help="--before defaults to the step of the lowest loss before the divergence, not the divergence")
+    jb = sub.add_parser("jobs", help="print the jobs of sweep files (sweeps/NAME.yaml), one per line: "
+                                     "NAME-INDEX<TAB>overrides")
+    jb.add_argument("sweeps", nargs="+")
     args = ap.parse_args(argv)
     try:
         if args.cmd == "list":
@@ -164,8 +200,11 @@ def main(argv: Optional[List[str]] = None) -> int:
             for step, path in checkpoints(args.job_dir):
                 note = "  (before the divergence)" if div is not None and step <= div else ""
                 print(f"{step:>8}  {path}{note}")
+        elif args.cmd == "jobs":
+            for name, overrides in sweep_file_jobs(args.sweeps):
+                print(name + "\t" + " ".join(overrides))
         else:
-            print(pick(args.job_dir, args.before, args.margin))
+            print(pick(args.job_dir, args.before, args.margin, args.at_min))
     except ValueError as e:
         print(f"Error: {e}", file=sys.stderr)
         return 1
@@ -176,4 +215,5 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
-__all__ = ["ForkError", "check_fork", "resolve_order", "source_decay", "fork_info", "checkpoints", "pick", "main"]
+__all__ = ["ForkError", "check_fork", "resolve_order", "source_decay", "fork_info", "checkpoints", "pick",
+           "sweep_file_jobs", "main"]

@@ -147,11 +147,16 @@ class Localization:
         layer = self.layer if self.layer is not None else self.layers[0].layer
         why = "stands out" if self.layer is not None else "best guess: no layer stands out, the top-ranked one"
         heads = list(self.outlier_heads) if self.layer is not None else []
-        if not heads:
-            hs = sorted((h for h in self.heads if h.layer == layer and h.sigma_end is not None),
-                        key=lambda h: -h.sigma_end)
-            heads = sorted(h.head for h in hs[:max(1, len(hs) // 2)])
-            why += "; heads: no outliers, the upper half by end-of-window W_Q sigma"
+        if not heads:  # the upper half by W_Q sigma, else (no W_Q metrics) by repeated-maxima rows
+            for attr, what in (("sigma_end", "end-of-window W_Q sigma"), ("rmax_total", "repeated-maxima rows")):
+                hs = sorted((h for h in self.heads if h.layer == layer and getattr(h, attr) is not None),
+                            key=lambda h: -getattr(h, attr))
+                if hs:
+                    heads = sorted(h.head for h in hs[:max(1, len(hs) // 2)])
+                    why += f"; heads: no outliers, the upper half by {what}"
+                    break
+            else:
+                why += "; heads: none (no per-head metrics)"
         return layer, heads, why
 
     def sweep_overrides(self) -> List[str]:
@@ -159,7 +164,8 @@ class Localization:
         layer, heads, _ = self.target()
         if layer is None:
             return []
-        return [f"intervention.layer={layer}", "intervention.heads=[" + ",".join(map(str, heads)) + "]"]
+        return [f"intervention.layer={layer}"] + (["intervention.heads=[" + ",".join(map(str, heads)) + "]"]
+                                                  if heads else [])
 
     def to_dict(self) -> Dict:
         d = asdict(self)

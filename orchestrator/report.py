@@ -14,6 +14,7 @@ import json
 import math
 import os
 import platform
+import re
 import shlex
 import sys
 from pathlib import Path
@@ -65,9 +66,9 @@ def collect_rows(sweep_dir: Path) -> List[Dict]:
     jobs = {p.parent for p in sweep_dir.rglob("result.json")} | {p.parent for p in sweep_dir.rglob(".hydra")}
     jobs.discard(sweep_dir)
 
-    def order(p: Path):
+    def order(p: Path):  # natural order: job 2 before job 10, paper_isolation-2 before paper_isolation-10
         rel = p.relative_to(sweep_dir).parts
-        return [(0, int(x), "") if x.isdigit() else (1, 0, x) for x in rel]
+        return [[(0, int(t), "") if t.isdigit() else (1, 0, t) for t in re.split(r"(\d+)", x) if t] for x in rel]
 
     rows = []
     for job_dir in sorted(jobs, key=order):
@@ -447,9 +448,13 @@ class SweepReport(Callback):
 def rows_from_dirs(dirs: Sequence[os.PathLike]) -> List[Dict]:
     """Rows from several places at once: a job dir (holding result.json) gives its row, a sweep dir its jobs'."""
     rows: List[Dict] = []
-    for d in map(Path, dirs):
+    for d in (Path(x).resolve() for x in dirs):  # resolved: "." gets its folder's name
         if (d / "result.json").is_file():
-            rows.append(row_from_result(json.loads((d / "result.json").read_text()), d.name, d))
+            try:
+                rows.append(row_from_result(json.loads((d / "result.json").read_text()), d.name, d))
+            except (OSError, ValueError) as e:  # a job killed while writing it: a failed row, not a lost table
+                rows.append(row_from_result({"observed": "failed", "error": f"unreadable {d / 'result.json'}: {e}",
+                                             "overrides": _hydra_overrides(d)}, d.name, d))
         elif d.is_dir():
             found = collect_rows(d)
             if not found:

@@ -376,7 +376,8 @@ class Job:
     def _fill_verdict(self, done: int) -> None:
         d, m = self.detector, self.monitors
         self.result.update(observed=d.observed, divergence_step=d.divergence_step, final_loss=d.final_loss,
-                           min_loss=d.min_loss if math.isfinite(d.min_loss) else None, steps_done=done,
+                           min_loss=d.min_loss if math.isfinite(d.min_loss) else None,
+                           min_loss_step=d.min_loss_step, steps_done=done,
                            peak_wq_norm=m.peak_wq if math.isfinite(m.peak_wq) else None,
                            peak_wq_where=m.peak_wq_where)
 

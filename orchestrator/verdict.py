@@ -36,6 +36,7 @@ class DivergenceDetector:
         self.divergence_step: Optional[int] = None
         self.reason: Optional[str] = None  # 'non-finite' | 'spike'
         self.min_loss = math.inf
+        self.min_loss_step: Optional[int] = None  # where training was at its best before any divergence
         self.final_loss: Optional[float] = None
         self.last_step: Optional[int] = None
         self._up_start: Optional[int] = None  # first step of the current run of "up" steps
@@ -70,7 +71,8 @@ class DivergenceDetector:
                     self.divergence_step, self.reason = self._up_start, "spike"
             else:
                 self._up_count, self._up_start = 0, None
-                self.min_loss = min(self.min_loss, loss)
+                if loss < self.min_loss:
+                    self.min_loss, self.min_loss_step = loss, step
         return self.diverged
 
     def should_stop(self, step: int) -> bool:
@@ -79,6 +81,7 @@ class DivergenceDetector:
 
     def state_dict(self) -> dict:
         return {"divergence_step": self.divergence_step, "reason": self.reason, "min_loss": self.min_loss,
+                "min_loss_step": self.min_loss_step,
                 "final_loss": self.final_loss, "last_step": self.last_step, "up_start": self._up_start,
                 "up_count": self._up_count}
 
@@ -86,6 +89,7 @@ class DivergenceDetector:
         self.divergence_step = state["divergence_step"]
         self.reason = state["reason"]
         self.min_loss = float(state["min_loss"])
+        self.min_loss_step = state.get("min_loss_step")  # absent in checkpoints written before it existed
         self.final_loss = state["final_loss"]
         self.last_step = state["last_step"]
         self._up_start = state["up_start"]

@@ -1,52 +1,69 @@
 #!/usr/bin/env bash
 # The paper's isolation experiments on the miniature, end to end (issue 7), one command:
 #   bash scripts/paper_isolation.sh [hydra overrides for every run, e.g. train.seed=2]
-# 1. the BF16 flash baseline (experiment=mini_repro): batch order recorded, every checkpoint kept;
-# 2. the newest checkpoint at least MARGIN steps before its divergence (python -m orchestrator.fork pick);
-# 3. every intervention of sweeps/paper_isolation and sweeps/beta_sweep forked from it on the same batches for
-#    FORK_STEPS steps, all at once through the submitit local launcher, spread over the GPUs;
-# 4. one table over all of it: results/paper_isolation/verdicts.{md,json} + plots (python -m orchestrator.report).
-# Env: ROOT (run folder), MARGIN (default 200), FORK_STEPS (default 600), OUT (report folder), LAUNCHER (local).
+# 1. the BF16 flash baseline (experiment=mini_repro): batch order recorded, every checkpoint kept, no early stop;
+# 2. the newest checkpoint at or before its lowest loss preceding the divergence (python -m orchestrator.fork pick
+#    --at-min): the last point where training was still at its best;
+# 3. the layer and heads its own W_Q growth and repeated maxima point at (python -m orchestrator.localize);
+# 4. every job of sweeps/paper_isolation.yaml and sweeps/beta_sweep.yaml forked from that checkpoint on the same
+#    batches to the baseline's last step (or FORK_STEPS steps), each as its own run, PER_GPU at a time per GPU;
+# 5. one table over all of it: $OUT/verdicts.{md,json} + plots (python -m orchestrator.report).
+# Env: ROOT (run folder), ISOLATION_OUT (report folder, default results/paper_isolation), FORK_STEPS, MARGIN
+# (steps before the picked step, default 0), PER_GPU (forks at once per GPU; default GPU memory / 16 GiB: each
+# mini_repro fork holds ~12.5 GiB), URI (MLflow store).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=${ROOT:-results/runs/paper_isolation/$(date +%Y-%m-%d_%H-%M-%S)}
-MARGIN=${MARGIN:-200}
-FORK_STEPS=${FORK_STEPS:-600}
-OUT=${OUT:-results/paper_isolation}
-LAUNCHER=${LAUNCHER:-local}
+OUT=${ISOLATION_OUT:-results/paper_isolation}
+FORK_STEPS=${FORK_STEPS:-0}  # 0: to the end of the baseline's recorded batches
+MARGIN=${MARGIN:-0}
 URI=${URI:-sqlite:///$PWD/results/mlflow.db}
 t0=$(date +%s)
-mkdir -p "$ROOT"
-echo "[paper_isolation] 1/4 baseline -> $ROOT/baseline"
+mkdir -p "$ROOT/forks" "$OUT"
+say() { echo "[paper_isolation $(( $(date +%s) - t0 ))s] $*"; }
+say "1/5 baseline -> $ROOT/baseline"
 # no early stop: the forks replay its recorded batches, so it records as many steps as they may need
 python run.py experiment=mini_repro intervention=baseline "$@" train.keep_checkpoints=0 train.early_stop=false \
-  tracking.uri="$URI" sweep_name=paper_isolation_baseline hydra.run.dir="$ROOT/baseline"
-CKPT=$(python -m orchestrator.fork pick "$ROOT/baseline" --margin "$MARGIN")
+  tracking.uri="$URI" tracking.experiment=paper_isolation sweep_name=paper_isolation_runs/baseline \
+  hydra.run.dir="$ROOT/baseline"
+CKPT=$(python -m orchestrator.fork pick "$ROOT/baseline" --at-min --margin "$MARGIN")
 read -r STEP DONE < <(python - "$CKPT" "$ROOT/baseline/result.json" <<'PY'
 import json, sys, torch
 print(int(torch.load(sys.argv[1], map_location="cpu", weights_only=False)["step"]),
       int(json.load(open(sys.argv[2]))["steps_done"]))
 PY
 )
-END=$(( STEP + FORK_STEPS < DONE ? STEP + FORK_STEPS : DONE ))
-echo "[paper_isolation] 2/4 fork from $CKPT (step $STEP) to step $END"
-mkdir -p "$OUT"
-# the layer and heads the baseline's own W_Q growth and repeated maxima point at (not the paper's indices)
+END=$(( FORK_STEPS > 0 && STEP + FORK_STEPS < DONE ? STEP + FORK_STEPS : DONE ))
+say "2/5 fork from $CKPT (step $STEP) to step $END"
 LOC=$(python -m orchestrator.localize "$ROOT/baseline" --tracking-uri "$URI" --out "$OUT/localize.json" --plot \
   --sweep-overrides)
-echo "[paper_isolation] localized: $LOC (details: $OUT/localize.json)"
-pids=()
-for sweep in paper_isolation beta_sweep; do  # both at once (with the local launcher: every fork at once)
-  echo "[paper_isolation] 3/4 +sweep=$sweep (log: $ROOT/$sweep.log)"
-  # shellcheck disable=SC2086  # $LOC: several overrides
-  python run.py +sweep=$sweep experiment=mini_repro hydra/launcher="$LAUNCHER" "$@" from_checkpoint="$CKPT" \
-    train.max_steps=$END train.ckpt_every=0 tracking.uri="$URI" sweep_name=${sweep}_fork \
-    hydra.sweep.dir="$ROOT/$sweep" $([ "$sweep" = paper_isolation ] && echo "$LOC") > "$ROOT/$sweep.log" 2>&1 &
-  pids+=($!)
+say "3/5 localized: $LOC (details: $OUT/localize.json)"
+NGPU=$(python -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)")
+PER_GPU=${PER_GPU:-$(python -c "import torch; print(max(1, torch.cuda.get_device_properties(0).total_memory // 2**34) if torch.cuda.is_available() else 1)")}
+SLOTS=$(( NGPU > 0 ? NGPU * PER_GPU : PER_GPU ))
+VIS=(); [ "$NGPU" -gt 0 ] && IFS=, read -r -a VIS <<< "${CUDA_VISIBLE_DEVICES:-$(seq -s, 0 $(( NGPU - 1 )))}"
+mapfile -t JOBS < <(python -m orchestrator.fork jobs paper_isolation beta_sweep)
+say "4/5 ${#JOBS[@]} forks, $SLOTS at a time ($NGPU GPU(s) x $PER_GPU); logs: $ROOT/forks/<job>.log"
+fork() {  # fork <index> <job name> <overrides...>: one run; a failure is the report's to show, not fatal here
+  local i=$1 name=$2; shift 2
+  local env=(); [ "$NGPU" -gt 0 ] && env=(CUDA_VISIBLE_DEVICES="${VIS[$(( i % NGPU ))]}")  # round-robin, visible GPUs
+  env "${env[@]}" python run.py experiment=mini_repro "$@" from_checkpoint="$CKPT" train.max_steps=$END \
+    train.ckpt_every=0 tracking.uri="$URI" tracking.experiment=paper_isolation \
+    sweep_name="paper_isolation_runs/$name" hydra.run.dir="$ROOT/forks/$name" > "$ROOT/forks/$name.log" 2>&1 \
+    && say "  $name done" || say "  $name FAILED (exit $?): $ROOT/forks/$name.log"
+}
+i=0
+for line in "${JOBS[@]}"; do
+  while [ "$(jobs -rp | wc -l)" -ge "$SLOTS" ]; do wait -n || true; done
+  name=${line%%$'\t'*}
+  read -r -a ov <<< "${line#*$'\t'}"
+  extra=(); [[ $name == paper_isolation-* ]] && read -r -a extra <<< "$LOC"
+  fork "$i" "$name" "${ov[@]}" "${extra[@]}" "$@" &
+  i=$(( i + 1 ))
 done
-for p in "${pids[@]}"; do wait "$p" || echo "[paper_isolation] a sweep exited with an error: see $ROOT/*.log"; done
-echo "[paper_isolation] 4/4 report -> $OUT"
+wait
+say "5/5 report -> $OUT"
 python -m orchestrator.report --out "$OUT" --sweep paper_isolation --tracking-uri "$URI" \
-  --meta "command=bash scripts/paper_isolation.sh $*" --meta "fork_checkpoint=$CKPT" \
-  --meta "wall_s=$(( $(date +%s) - t0 ))" "$ROOT/baseline" "$ROOT/paper_isolation" "$ROOT/beta_sweep"
-echo "[paper_isolation] done in $(( $(date +%s) - t0 )) s"
+  --meta "command=bash scripts/paper_isolation.sh $*" --meta "fork_checkpoint=$CKPT" --meta "fork_step=$STEP" \
+  --meta "localized=$LOC" --meta "wall_s=$(( $(date +%s) - t0 ))" "$ROOT/baseline" "$ROOT/forks"
+say "done: the full table in $(( $(date +%s) - t0 )) s"
