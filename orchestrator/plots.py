@@ -42,23 +42,46 @@ def loss_curves(runs: Sequence[Tuple[str, History]], path: Path,
     runs = [(label, h) for label, h in runs if h.get("train/loss")]
     if not runs:
         return None
-    fig, ax = plt.subplots(figsize=(8, 4.8))
-    for label, h in runs:
+    many = len(runs) > 6  # a tangle of noisy per-step curves otherwise: smooth, distinct colours, legend outside
+    fig, ax = plt.subplots(figsize=(11, 5.4) if many else (8, 4.8))
+    colors = plt.get_cmap("tab20").colors
+    for i, (label, h) in enumerate(runs):
         pts = [(s, v) for s, v in h["train/loss"] if math.isfinite(v) and v > 0]
         if not pts:
             continue
-        line, = ax.plot([s for s, _ in pts], [v for _, v in pts], lw=1.2, label=label)
+        if many:
+            pts = _moving_average(pts, SMOOTH)
         d = (divergence or {}).get(label)
+        line, = ax.plot([s for s, _ in pts], [v for _, v in pts], lw=1.3, label=label,
+                        color=colors[i % len(colors)], ls="--" if many and d is not None else "-")
         if d is not None:
             near = min(pts, key=lambda p: abs(p[0] - d))
             ax.plot([near[0]], [near[1]], "o", color=line.get_color(), ms=6)
     ax.set_yscale("log")
     ax.set_xlabel("step")
     ax.set_ylabel("train loss (log)")
-    ax.set_title("Training loss (dot: divergence step)")
+    ax.set_title("Training loss (dot: divergence step)" + (f"; moving average of {SMOOTH} steps, dashed: diverged"
+                                                           if many else ""))
     ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=8)
+    if many:
+        ax.legend(fontsize=7.5, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    else:
+        ax.legend(fontsize=8)
     return _save(fig, Path(path))
+
+
+SMOOTH = 25  # steps in the loss plot's moving average when it overlays many runs
+
+
+def _moving_average(pts: List[Tuple[int, float]], n: int) -> List[Tuple[int, float]]:
+    """Trailing mean over the last n points (fewer at the start): the step axis is unchanged."""
+    out, acc = [], 0.0
+    for i, (s, v) in enumerate(pts):
+        acc += v
+        if i >= n:
+            acc -= pts[i - n][1]
+        out.append((s, acc / min(i + 1, n)))
+    return out
 
 
 def _per_head(h: History, prefix: str) -> Dict[Tuple[int, int], List[Tuple[int, float]]]:

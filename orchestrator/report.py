@@ -18,7 +18,7 @@ import re
 import shlex
 import sys
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from hydra.experimental.callback import Callback
 
@@ -177,8 +177,14 @@ def _common_overrides(rows: Sequence[Dict]) -> set:
     return set.intersection(*(_other_overrides(r) for r in rows))
 
 
+# overrides that say where and how long a run ran, not what it computes: left out of plot legends
+_PLUMBING = ("from_checkpoint=", "sweep_name=", "hydra.", "tracking.", "train.ckpt_every=", "train.max_steps=",
+             "train.keep_checkpoints=", "train.early_stop=", "results_dir=", "+sweep=")
+
+
 def _label(row: Dict, common: set = frozenset()) -> str:
-    extra = sorted(_other_overrides(row) - common)
+    extra = sorted(o for o in _other_overrides(row) - common if not o.lstrip("+~").startswith(_PLUMBING)
+                   and not o.startswith("+sweep="))
     tail = (" " + " ".join(extra)) if extra else ""
     return f"{row.get('job') or ''}:{row.get('intervention')}{tail}"[:70]
 
@@ -239,12 +245,22 @@ def format_table(rows: Sequence[Dict]) -> str:
     return "\n".join(out)
 
 
+_META_SHOWN = ("command", "git", "time_utc", "hardware", "versions", "tracking_uri", "parent_run_id", "experiment_id")
+
+
 def _markdown(rows, meta, plot_paths, out_dir: Path, sweep: str) -> str:
     t = _table(rows)
     esc = lambda s: s.replace("|", "\\|")  # noqa: E731
     n_match = sum(1 for r in rows if r["matches_paper"])
     failed = [r for r in rows if r["observed"] == "failed"]
     git = meta.get("git", {})
+    if not isinstance(git, dict):  # given as text (--meta git=...), e.g. for a run made on another machine
+        git = {"git.commit": git, "git.dirty": "see commit"}
+    hw = meta.get("hardware", {})
+    hw_line = (hw if isinstance(hw, str) else
+               f"{hw.get('platform')}, {hw.get('cpu_count')} CPUs, GPUs: {', '.join(hw.get('gpus') or []) or 'none'}")
+    versions = meta.get("versions", {})
+    v_line = versions if isinstance(versions, str) else ", ".join(f"{k} {v}" for k, v in versions.items())
     common = sorted(_common_overrides(rows))
     md = [f"# Verdicts: {sweep}", "",
           f"{len(rows)} runs; {n_match} match the paper; {len(failed)} failed.", "",
@@ -253,9 +269,10 @@ def _markdown(rows, meta, plot_paths, out_dir: Path, sweep: str) -> str:
           f"- command: `{meta.get('command')}`",
           f"- commit: `{git.get('git.commit')}` (dirty: {git.get('git.dirty')})",
           f"- time (UTC): {meta.get('time_utc')}",
-          f"- hardware: {meta['hardware']['platform']}, {meta['hardware']['cpu_count']} CPUs, "
-          f"GPUs: {', '.join(meta['hardware']['gpus']) or 'none'}",
-          f"- versions: " + ", ".join(f"{k} {v}" for k, v in meta.get("versions", {}).items()), "",
+          f"- hardware: {hw_line}",
+          f"- versions: {v_line}",
+          *[f"- {k}: {v}" for k, v in meta.items() if k not in _META_SHOWN and isinstance(v, (str, int, float))],
+          "",
           "| " + " | ".join(t[0]) + " |", "|" + "---|" * len(t[0])]
     md += ["| " + " | ".join(esc(c) for c in r) + " |" for r in t[1:]]
     if failed:
@@ -465,12 +482,62 @@ def rows_from_dirs(dirs: Sequence[os.PathLike]) -> List[Dict]:
     return rows
 
 
+def rows_from_mlflow(tracking_uri: str, experiment: str) -> Tuple[List[Dict], Dict[str, Dict]]:
+    """(rows, histories) rebuilt from an MLflow experiment's runs alone (their tags and metric histories), for when
+    the job folders are gone (a lost machine, a copy of the store only). A run without a final verdict tag is a
+    failed row that says where it stopped."""
+    from tqdm import tqdm
+    uri = resolve_uri(tracking_uri)
+    client = make_client(uri)
+    exp = _retry(client.get_experiment_by_name, experiment)
+    if exp is None:
+        raise ValueError(f"--from-mlflow {experiment!r}: no such experiment in {uri}")
+    runs = [r for r in _retry(client.search_runs, [exp.experiment_id], max_results=5000)
+            if r.data.tags.get("role") != "sweep"]  # sweep parent runs hold no training
+    rows, histories = [], {}
+    for run in tqdm(runs, desc="report: runs from MLflow", disable=len(runs) < 4, leave=False):
+        t, rid = run.data.tags, run.info.run_id
+        hist = {k: sorted((int(m.step), float(m.value)) for m in _retry(client.get_metric_history, rid, k))
+                for k in run.data.metrics if k.startswith(HISTORY_PREFIXES)}
+        histories[rid] = hist
+        losses = hist.get("train/loss", [])
+        wq = [(v, k.split("/", 1)[1]) for k, pts in hist.items() if k.startswith("wq_sigma/") for _, v in pts]
+        verdict = t.get("verdict")
+        last = losses[-1][0] if losses else None
+        result = {"intervention": t.get("intervention"), "expected": t.get("expect"),
+                  "overrides": (t.get("overrides") or "").split(), "mlflow_run_id": rid, "job_dir": t.get("job_dir"),
+                  "observed": verdict if verdict in ("stable", "diverged") else "failed",
+                  "divergence_step": int(t["divergence_step"]) if str(t.get("divergence_step", "")).isdigit()
+                  else None,
+                  "final_loss": losses[-1][1] if losses else None, "min_loss": min(v for _, v in losses)
+                  if losses else None, "steps_done": last + 1 if last is not None else 0,
+                  "peak_wq_norm": max(wq)[0] if wq else None, "peak_wq_where": max(wq)[1] if wq else None,
+                  "fork_step": int(t["fork_step"]) if str(t.get("fork_step", "")).isdigit() else None,
+                  "forked_from": t.get("forked_from"),
+                  "error": t.get("error") or (None if verdict in ("stable", "diverged") else
+                                              f"no final verdict in MLflow (tag verdict={verdict!r}): the run stopped "
+                                              f"at step {last} (killed, timed out or still running)")}
+        name = (t.get("sweep") or "").rsplit("/", 1)[-1] or run.info.run_name
+        rows.append((run.info.start_time or 0, row_from_result(result, name)))
+    # sources before forks; job groups ("paper_isolation-3" -> "paper_isolation") in launch order, jobs by number
+    group = lambda r: re.sub(r"-?\d+$", "", r.get("job") or "")  # noqa: E731
+    first = {}
+    for t0, r in sorted(rows, key=lambda tr: tr[0]):
+        first.setdefault(group(r), t0)
+    num = lambda r: int(m.group(1)) if (m := re.search(r"(\d+)$", r.get("job") or "")) else -1  # noqa: E731
+    rows.sort(key=lambda tr: (tr[1].get("fork_step") is not None, first[group(tr[1])], num(tr[1]), tr[0]))
+    return [r for _, r in rows], histories
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """`python -m orchestrator.report --out DIR [--sweep NAME] [--tracking-uri URI] JOB_OR_SWEEP_DIR...`: one
     table over runs from several sweeps (e.g. a baseline run, its forked isolation sweep and a beta sweep)."""
     import argparse
     ap = argparse.ArgumentParser(prog="python -m orchestrator.report", description=main.__doc__.split(":")[0])
-    ap.add_argument("dirs", nargs="+", help="job dirs (with result.json) and/or sweep dirs")
+    ap.add_argument("dirs", nargs="*", help="job dirs (with result.json) and/or sweep dirs")
+    ap.add_argument("--from-mlflow", metavar="EXPERIMENT", default=None,
+                    help="rows from this MLflow experiment's runs (tags + histories) in --tracking-uri, for when "
+                         "the job folders are gone")
     ap.add_argument("--out", required=True, help="where verdicts.{md,json} and plots/ go")
     ap.add_argument("--sweep", default=None, help="the report's name (default: the --out folder's name)")
     ap.add_argument("--tracking-uri", default=None, help="MLflow store with the runs' histories (plots)")
@@ -478,10 +545,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     help="extra lines for the report's meta block (e.g. command=..., repeatable)")
     args = ap.parse_args(argv)
     try:
-        rows = rows_from_dirs(args.dirs)
+        if not args.dirs and not args.from_mlflow:
+            raise ValueError("nothing to report: give job/sweep dirs and/or --from-mlflow EXPERIMENT")
+        if args.from_mlflow and not args.tracking_uri:
+            raise ValueError("--from-mlflow needs --tracking-uri (the store that holds the experiment)")
+        rows, histories = rows_from_mlflow(args.tracking_uri, args.from_mlflow) if args.from_mlflow else ([], None)
+        rows += rows_from_dirs(args.dirs)
         meta = dict(m.split("=", 1) for m in args.meta if "=" in m)
-        meta["sources"] = [str(Path(d)) for d in args.dirs]
-        write_report(rows, args.out, args.tracking_uri, meta=meta, sweep=args.sweep)
+        meta["sources"] = [str(Path(d)) for d in args.dirs] + ([f"mlflow experiment {args.from_mlflow}"]
+                                                              if args.from_mlflow else [])
+        if histories is not None and args.dirs:
+            histories = None  # mixed sources: load every run's histories the usual way
+        write_report(rows, args.out, args.tracking_uri, meta=meta, sweep=args.sweep, histories=histories)
     except ValueError as e:
         print(f"Error: {e}", file=sys.stderr)
         return 1
@@ -493,4 +568,4 @@ if __name__ == "__main__":
 
 
 __all__ = ["SweepReport", "write_report", "write_run_report", "collect_rows", "row_from_result", "compare",
-           "load_histories", "format_table", "run_meta", "matches_paper", "rows_from_dirs", "main"]
+           "load_histories", "format_table", "run_meta", "matches_paper", "rows_from_dirs", "rows_from_mlflow", "main"]

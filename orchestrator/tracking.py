@@ -11,6 +11,7 @@ jobs may write to the same sqlite file: writes are retried while the database is
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import queue
@@ -241,9 +242,34 @@ def get_or_create_experiment(client, name: str, tracking_uri: str) -> str:
         return exp.experiment_id
 
 
+@contextlib.contextmanager
+def _store_lock(db: Path):
+    """An exclusive lock on <db>.lock: two processes that open a new sqlite store at once both run MLflow's table
+    creation and schema migration, and one fails (alembic 'expected to match one row', '_alembic_tmp_* already
+    exists'; seen with two runs started together on a fresh store)."""
+    try:
+        import fcntl
+    except ImportError:  # no flock (Windows): unserialized, as MLflow itself
+        yield
+        return
+    db.parent.mkdir(parents=True, exist_ok=True)
+    with open(db.with_name(db.name + ".lock"), "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def make_client(uri: str):
     from mlflow.tracking import MlflowClient
-    return _retry(MlflowClient, tracking_uri=uri)
+    db = sqlite_path(uri)
+    if db is None:
+        return _retry(MlflowClient, tracking_uri=uri)
+    with _store_lock(db):
+        client = _retry(MlflowClient, tracking_uri=uri)
+        _retry(client.search_experiments, max_results=1)  # opens (creates, migrates) the store under the lock
+    return client
 
 
 # ---------------------------------------------------------------------------------------------- the writer
