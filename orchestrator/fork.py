@@ -90,6 +90,15 @@ def check_fork(obj) -> Dict[str, Any]:
     if src_opt is not None and src_opt != obj.optimizer.name:
         raise ForkError(f"optimizer.name={obj.optimizer.name!r} cannot load the optimizer state of "
                         f"from_checkpoint={path!r}; allowed: {src_opt!r}, the source run's optimizer")
+    if obj.verdict.fork_baseline == "source":
+        det = state.get("detector")
+        if not det:
+            raise ForkError(f"verdict.fork_baseline='source' is not allowed with from_checkpoint={path!r}: the "
+                            f"checkpoint holds no detector state; allowed: fresh")
+        if det.get("divergence_step") is not None:
+            raise ForkError(f"verdict.fork_baseline='source' is not allowed with from_checkpoint={path!r}: the "
+                            f"source had already diverged at step {det['divergence_step']}, before the fork step "
+                            f"{k}; allowed: fresh, or a checkpoint before the divergence")
     order = resolve_order(path, state, obj.data.replay)
     check_order(order, obj, "data.replay" if obj.data.replay is not None else f"batch order of {path}")
     return state

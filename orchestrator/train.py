@@ -247,7 +247,7 @@ class Job:
 
         self.monitors = Monitors(model, cfg.monitor, self.tracker)
         self.detector = DivergenceDetector(cfg.verdict)
-        if resuming:
+        if resuming or (self.forking and cfg.verdict.fork_baseline == "source"):  # checked by fork.check_fork
             self.detector.load_state_dict(state["detector"])
             mon = state.get("monitor", {})
             if mon.get("peak_wq") is not None:

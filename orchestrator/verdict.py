@@ -12,13 +12,23 @@ from dataclasses import dataclass
 from typing import Iterable, Optional, Tuple
 
 
+FORK_BASELINES = ("fresh", "source")
+
+
 @dataclass
 class VerdictConfig:
     margin: float = 1.0  # nats above the running minimum that count as "up"
     window: int = 20  # consecutive "up" steps that make a divergence
     early_stop_after: int = 20  # with train.early_stop: steps still recorded after the divergence step
+    # a fork's detector: "fresh" (its running minimum starts at the fork step) or "source" (it continues the source
+    # run's detector at the checkpoint: the verdict a run gets that switched the intervention on at the fork step;
+    # a fork from a checkpoint taken after the loss began to rise is then not judged against the raised loss)
+    fork_baseline: str = "fresh"
 
     def validate(self, key: str = "verdict") -> "VerdictConfig":
+        if self.fork_baseline not in FORK_BASELINES:
+            raise ValueError(f"{key}.fork_baseline={self.fork_baseline!r} is not allowed: expected one of "
+                             f"{', '.join(FORK_BASELINES)}")
         if isinstance(self.margin, bool) or not isinstance(self.margin, (int, float)) or not self.margin > 0:
             raise ValueError(f"{key}.margin={self.margin!r} is not allowed: expected a number > 0")
         for name, low in (("window", 1), ("early_stop_after", 0)):

@@ -145,6 +145,37 @@ def test_fork_shorter_run_keeps_the_source_schedule(source):
     assert a == b
 
 
+def test_fork_verdict_baseline_source_continues_the_source_detector(source, tmp_path):
+    """verdict.fork_baseline=source: the fork's detector continues the source's at the checkpoint (its running
+    minimum, pending up-steps), so the fork is judged as a run that switched the intervention on at the fork step;
+    fresh starts the running minimum at the fork step."""
+    tmp, src = source
+    state = checkpoint.load(tmp / "source" / "checkpoints" / "step_12.pt")
+    assert state["detector"]["divergence_step"] is None
+    state["detector"]["min_loss"] = 0.5  # a source that was once far better than anything the fork will reach
+    ckpt = tmp_path / "low" / "checkpoints" / "step_12.pt"
+    checkpoint.save(ckpt, state)
+    replay = f"data.replay={tmp / 'source' / 'batch_order.bin'}"
+    tight = ["verdict.margin=1.0", "verdict.window=2", "train.early_stop=false", replay, f"from_checkpoint={ckpt}"]
+    fresh = job(tmp_path, "v_fresh", "intervention=baseline", *tight)
+    cont = job(tmp_path, "v_source", "intervention=baseline", *tight, "verdict.fork_baseline=source")
+    assert fresh["error"] is None and cont["error"] is None, (fresh["error"], cont["error"])
+    assert fresh["final_loss"] == cont["final_loss"] == src["final_loss"]  # one curve, two judgements
+    assert fresh["observed"] == "stable" and fresh["min_loss"] > 0.5
+    assert cont["observed"] == "diverged" and cont["divergence_step"] == 12 and cont["min_loss"] == 0.5
+    # refused before launch when the checkpoint's detector had already diverged, and for an unknown value
+    state["detector"]["divergence_step"] = 3
+    checkpoint.save(tmp_path / "gone" / "checkpoints" / "step_12.pt", state)
+    cfg, overrides = compose_cfg(tmp_path, "intervention=baseline", "verdict.fork_baseline=source", replay,
+                                 f"from_checkpoint={tmp_path}/gone/checkpoints/step_12.pt")
+    with pytest.raises(ConfigError, match="verdict.fork_baseline='source' is not allowed.*already diverged at step 3"):
+        validate_config(cfg, overrides, check_store=False)
+    cfg, overrides = compose_cfg(tmp_path, "intervention=baseline", "verdict.fork_baseline=sauce")
+    with pytest.raises(ConfigError, match="verdict.fork_baseline='sauce' is not allowed: expected one of fresh, "
+                                          "source"):
+        validate_config(cfg, overrides, check_store=False)
+
+
 @pytest.mark.parametrize("case", ["missing", "shape", "max_steps", "resume", "no_order", "short_order"])
 def test_bad_fork_is_rejected(source, tmp_path, case):
     tmp, _ = source
