@@ -313,44 +313,97 @@ def test_mini_repro_seeds_sweep(hydra_conf, tmp_path):
 
 
 # ---------------------------------------------------------------------------------- the whole pipeline
+def _sweep_values(name: str, key: str):
+    """A sweep file's comma list for key, read with yaml (not through orchestrator.fork, which the script uses)."""
+    import yaml
+    params = yaml.safe_load((ROOT / "sweeps" / f"{name}.yaml").read_text())["hydra"]["sweeper"]["params"]
+    return [v.strip() for v in str(params[key]).split(",")]
+
+
+def _max_overlap(intervals):
+    events = sorted([(a, 1) for a, _ in intervals] + [(b, -1) for _, b in intervals], key=lambda e: (e[0], e[1]))
+    now = peak = 0
+    for _, d in events:
+        now += d
+        peak = max(peak, now)
+    return peak
+
+
 def test_paper_isolation_script_end_to_end(tmp_path):
-    """baseline (NaN at step 25) -> fork from step 10 -> localize -> 11 + 4 forks for 20 steps -> one report."""
+    """baseline (NaN at step 25, a checkpoint every 5 steps) -> fork from the newest checkpoint <= its lowest-loss
+    step (not the one at the divergence) -> localize -> 11 + 4 forks as separate runs, 3 at a time, 15 steps each
+    (FORK_STEPS ends them before the baseline's last step) -> one report over the baseline and the forks folder."""
+    from orchestrator.fork import checkpoints
     root, out = tmp_path / "root", tmp_path / "out"
-    env = {**os.environ, "ROOT": str(root), "OUT": str(out), "LAUNCHER": "basic", "MARGIN": "10",
-           "FORK_STEPS": "20", "URI": f"sqlite:///{tmp_path}/m.db"}
+    env = {k: v for k, v in os.environ.items() if k not in ("OUT", "LAUNCHER", "MARGIN", "CUDA_VISIBLE_DEVICES")}
+    env.update(ROOT=str(root), ISOLATION_OUT=str(out), PER_GPU="3", FORK_STEPS="15", URI=f"sqlite:///{tmp_path}/m.db",
+               OUT=str(tmp_path / "not_the_report"))  # OUT is no longer read: the report must not land there
     overrides = ["model.n_layer=2", "model.n_head=2", "model.n_embd=64", "model.block_size=64",
                  "train.batch_size=4", "train.device=cpu", "tracking.writer=thread", "train.max_steps=40",
-                 "train.warmup_steps=5", "train.ckpt_every=10", "debug.nan_at_step=25", "train.eval_every=0",
+                 "train.warmup_steps=5", "train.ckpt_every=5", "debug.nan_at_step=25", "train.eval_every=0",
                  "monitor.wq_every=10", f"results_dir={tmp_path}/results"]
     r = subprocess.run(["bash", "scripts/paper_isolation.sh", *overrides], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=900)
-    logs = "".join(f"\n--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(root.glob("*.log")))
+    logs = "".join(f"\n--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted((root / "forks").glob("*.log")))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:] + logs
-    assert "a sweep exited with an error" not in r.stdout, r.stdout[-3000:] + logs
+    assert "FAILED" not in r.stdout, r.stdout[-3000:] + logs
+    assert not (tmp_path / "not_the_report").exists()
+
+    # the baseline and the checkpoint the forks start from: newest <= the step of its lowest loss before NaN
+    res = json.loads((root / "baseline" / "result.json").read_text())
+    assert res["observed"] == "diverged" and res["divergence_step"] == 25
+    mls = res["min_loss_step"]
+    assert isinstance(mls, int) and 0 <= mls < 25
+    ckpts = checkpoints(root / "baseline")
+    assert {5, 10, 15, 20, 25} <= {s for s, _ in ckpts}, ckpts
+    fork_step = max(s for s, _ in ckpts if s <= mls)
+    assert fork_step < 25  # the divergence step's own checkpoint exists: --at-min must not pick it
+    end = fork_step + 15
+    assert end < res["steps_done"] == 40  # FORK_STEPS, not the baseline's end, stops the forks
 
     doc = json.loads((out / "verdicts.json").read_text())
     runs = doc["runs"]
-    assert len(runs) == 1 + 11 + 4, [r["job"] for r in runs]
     jobs = [r["job"] for r in runs]
-    assert jobs[0] == "baseline"
-    assert sum(j.startswith("paper_isolation/") for j in jobs) == 11
-    assert sum(j.startswith("beta_sweep/") for j in jobs) == 4
-    base = runs[0]
-    assert base["intervention"] == "baseline" and base["observed"] == "diverged", base
-    assert base["divergence_step"] == 25
-    forks = runs[1:]
+    iso_names = _sweep_values("paper_isolation", "intervention")
+    betas = _sweep_values("beta_sweep", "intervention.beta")
+    want = {f"forks/paper_isolation-{i}" for i in range(len(iso_names))} | \
+        {f"forks/beta_sweep-{i}" for i in range(len(betas))}
+    assert jobs[0] == "baseline" and set(jobs[1:]) == want and len(jobs) == 1 + 11 + 4, jobs
+    # natural order inside a group: -2 before -10
+    assert jobs.index("forks/paper_isolation-2") < jobs.index("forks/paper_isolation-10")
     assert all(r["observed"] != "failed" for r in runs), [(r["job"], r["error"]) for r in runs]
-    assert all(r["fork_step"] == 10 for r in forks), [(r["job"], r["fork_step"]) for r in forks]
-    assert base["fork_step"] is None
-    assert sorted(r["intervention"] for r in forks if r["job"].startswith("beta_sweep/")) == ["sfa"] * 4
+    base = runs[0]
+    assert base["intervention"] == "baseline" and base["observed"] == "diverged" and base["fork_step"] is None
+    forks = {r["job"]: r for r in runs[1:]}
+    for name, row in forks.items():
+        assert row["fork_step"] == fork_step, (name, row["fork_step"], mls, ckpts)
+        assert row["forked_from"] and Path(row["forked_from"]).name == dict(ckpts)[fork_step].name
+        fres = json.loads((root / name / "result.json").read_text())
+        assert fres["steps_done"] == end, (name, fres["steps_done"], end)
+        assert (root / f"{name}.log").is_file()
+    # each job name runs its own sweep entry
+    for i, iv in enumerate(iso_names):
+        assert forks[f"forks/paper_isolation-{i}"]["intervention"] == iv
+    for i, b in enumerate(betas):
+        row = forks[f"forks/beta_sweep-{i}"]
+        assert row["intervention"] == "sfa" and f"intervention.beta={b}" in row["overrides"], row["overrides"]
+        assert not any(o.startswith("intervention.layer=") for o in row["overrides"])  # localization: isolation only
+    assert doc["meta"]["fork_step"] == str(fork_step) and doc["meta"]["fork_checkpoint"].endswith(".pt")
 
+    # localization's target reaches the layer/head-specific isolation forks
     loc = json.loads((out / "localize.json").read_text())
     layer = loc["target"]["layer"]
     assert layer in (0, 1) and loc["sweep_overrides"][0] == f"intervention.layer={layer}"
-    iso = {r["intervention"]: r for r in forks if r["job"].startswith("paper_isolation/")}
-    assert len(iso) == 11
+    iso = {r["intervention"]: r for n, r in forks.items() if n.startswith("forks/paper_isolation-")}
     for name in ("flash_only_layer", "standard_layer", "head_upcast"):
         assert f"intervention.layer={layer}" in iso[name]["overrides"], (name, iso[name]["overrides"])
     heads = "intervention.heads=[" + ",".join(map(str, loc["target"]["heads"])) + "]"
     assert heads in iso["head_upcast"]["overrides"], iso["head_upcast"]["overrides"]
-    assert (out / "verdicts.md").is_file() and doc["meta"]["fork_checkpoint"].endswith(".pt")
+    assert (out / "verdicts.md").is_file()
+
+    # PER_GPU=3 on CPU: never more than 3 forks alive at once (each job's folder is made after its process starts
+    # and its result.json written before it ends, so these spans lie inside the processes' lifetimes)
+    spans = [((root / n / ".hydra" / "config.yaml").stat().st_mtime, (root / n / "result.json").stat().st_mtime)
+             for n in forks]
+    assert 2 <= _max_overlap(spans) <= 3, spans
+    assert "3 at a time" in r.stdout, r.stdout[-2000:]
