@@ -168,24 +168,43 @@ def pick(job_dir, before: Optional[int] = None, margin: int = 0, at_min: bool = 
 
 
 def sweep_file_jobs(names, root: Optional[Path] = None) -> List[Tuple[str, List[str]]]:
-    """The jobs a sweep file's hydra.sweeper.params expand to (Hydra's cartesian product of comma lists), as
-    (name-index, overrides): to launch a sweep's jobs as separate runs (scripts/paper_isolation.sh)."""
-    import itertools
-
+    """The jobs of sweep files as (name-index, overrides), to launch them as separate runs
+    (scripts/paper_isolation.sh): hydra.sweeper.params expanded by Hydra's own parser and BasicSweeper (lists,
+    range(), glob(), ...), each job also carrying the file's other settings (e.g. data.seed: ${train.seed}) as
+    overrides; sweep_name is left to the caller."""
     import yaml
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import OmegaConf
+
     root = Path(root) if root is not None else Path(__file__).resolve().parents[1] / "sweeps"
+    parser = OverridesParser.create()
     out = []
     for name in names:
         path = root / f"{name}.yaml"
         if not path.is_file():
             raise ForkError(f"sweep {name!r}: no {path}; allowed: "
                             f"{', '.join(sorted(p.stem for p in root.glob('*.yaml')))}")
-        params = ((yaml.safe_load(path.read_text()) or {}).get("hydra", {}).get("sweeper", {}).get("params") or {})
-        keys = list(params)
-        values = [[v.strip() for v in str(params[k]).split(",")] for k in keys]
-        for i, combo in enumerate(itertools.product(*values)):
-            out.append((f"{name}-{i}", [f"{k}={v}" for k, v in zip(keys, combo)]))
+        doc = yaml.safe_load(path.read_text()) or {}
+        params = (doc.get("hydra") or {}).get("sweeper", {}).get("params") or {}
+        rest = {k: v for k, v in doc.items() if k not in ("hydra", "sweep_name", "defaults")}
+        fixed = [f"{k}={v}" for k, v in _flat(OmegaConf.to_container(OmegaConf.create(rest), resolve=False))]
+        parsed = parser.parse_overrides([f"{k}={v}" for k, v in params.items()])
+        jobs = [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
+        out += [(f"{name}-{i}", list(job) + fixed) for i, job in enumerate(jobs)]
     return out
+
+
+def _flat(d, prefix: str = ""):
+    """Nested settings -> (dotted key, value) pairs, values as Hydra override text."""
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            yield from _flat(v, key + ".")
+        elif isinstance(v, str) and "${" in v:
+            yield key, f"'{v}'"  # an interpolation: quoted so that Hydra keeps it as one
+        else:
+            yield key, json.dumps(v) if isinstance(v, (list, bool)) or v is None else v
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -482,11 +482,15 @@ def rows_from_dirs(dirs: Sequence[os.PathLike]) -> List[Dict]:
     return rows
 
 
-def rows_from_mlflow(tracking_uri: str, experiment: str) -> Tuple[List[Dict], Dict[str, Dict]]:
+def rows_from_mlflow(tracking_uri: str, experiment: str, source_run: Optional[str] = None
+                     ) -> Tuple[List[Dict], Dict[str, Dict]]:
     """(rows, histories) rebuilt from an MLflow experiment's runs alone (their tags and metric histories), for when
     the job folders are gone (a lost machine, a copy of the store only). A run without a final verdict tag is a
-    failed row that says where it stopped."""
+    failed row that says where it stopped. source_run: only that run and the forks of it (an experiment that holds
+    several runs of scripts/paper_isolation.sh); without it, more than one source run is an error."""
     from tqdm import tqdm
+
+    from orchestrator.verdict import DivergenceDetector, VerdictConfig
     uri = resolve_uri(tracking_uri)
     client = make_client(uri)
     exp = _retry(client.get_experiment_by_name, experiment)
@@ -494,6 +498,15 @@ def rows_from_mlflow(tracking_uri: str, experiment: str) -> Tuple[List[Dict], Di
         raise ValueError(f"--from-mlflow {experiment!r}: no such experiment in {uri}")
     runs = [r for r in _retry(client.search_runs, [exp.experiment_id], max_results=5000)
             if r.data.tags.get("role") != "sweep"]  # sweep parent runs hold no training
+    sources = [r.info.run_id for r in runs if "fork_step" not in r.data.tags]
+    if source_run is not None:
+        if source_run not in sources:
+            raise ValueError(f"--source-run {source_run!r}: not a source run of experiment {experiment!r}; "
+                             f"allowed: {', '.join(sources) or 'none'}")
+        runs = [r for r in runs if source_run in (r.info.run_id, r.data.tags.get("forked_from_run"))]
+    elif len(sources) > 1:
+        raise ValueError(f"--from-mlflow {experiment!r} holds {len(sources)} source runs ({', '.join(sources)}): "
+                         f"one table per source; give --source-run RUN_ID")
     rows, histories = [], {}
     for run in tqdm(runs, desc="report: runs from MLflow", disable=len(runs) < 4, leave=False):
         t, rid = run.data.tags, run.info.run_id
@@ -504,13 +517,18 @@ def rows_from_mlflow(tracking_uri: str, experiment: str) -> Tuple[List[Dict], Di
         wq = [(v, k.split("/", 1)[1]) for k, pts in hist.items() if k.startswith("wq_sigma/") for _, v in pts]
         verdict = t.get("verdict")
         last = losses[-1][0] if losses else None
+        p = run.data.params  # min_loss as the run's own detector saw it: before any divergence, up-steps excluded
+        det = DivergenceDetector(VerdictConfig(margin=float(p.get("verdict.margin", 1.0)),
+                                               window=int(p.get("verdict.window", 20))))
+        det.update(losses)
         result = {"intervention": t.get("intervention"), "expected": t.get("expect"),
                   "overrides": (t.get("overrides") or "").split(), "mlflow_run_id": rid, "job_dir": t.get("job_dir"),
                   "observed": verdict if verdict in ("stable", "diverged") else "failed",
                   "divergence_step": int(t["divergence_step"]) if str(t.get("divergence_step", "")).isdigit()
                   else None,
-                  "final_loss": losses[-1][1] if losses else None, "min_loss": min(v for _, v in losses)
-                  if losses else None, "steps_done": last + 1 if last is not None else 0,
+                  "final_loss": losses[-1][1] if losses else None,
+                  "min_loss": det.min_loss if math.isfinite(det.min_loss) else None,
+                  "steps_done": last + 1 if last is not None else 0,
                   "peak_wq_norm": max(wq)[0] if wq else None, "peak_wq_where": max(wq)[1] if wq else None,
                   "fork_step": int(t["fork_step"]) if str(t.get("fork_step", "")).isdigit() else None,
                   "forked_from": t.get("forked_from"),
@@ -541,6 +559,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--out", required=True, help="where verdicts.{md,json} and plots/ go")
     ap.add_argument("--sweep", default=None, help="the report's name (default: the --out folder's name)")
     ap.add_argument("--tracking-uri", default=None, help="MLflow store with the runs' histories (plots)")
+    ap.add_argument("--source-run", default=None, metavar="RUN_ID",
+                    help="with --from-mlflow: only this source run and its forks")
     ap.add_argument("--meta", action="append", default=[], metavar="KEY=VALUE",
                     help="extra lines for the report's meta block (e.g. command=..., repeatable)")
     args = ap.parse_args(argv)
@@ -549,7 +569,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             raise ValueError("nothing to report: give job/sweep dirs and/or --from-mlflow EXPERIMENT")
         if args.from_mlflow and not args.tracking_uri:
             raise ValueError("--from-mlflow needs --tracking-uri (the store that holds the experiment)")
-        rows, histories = rows_from_mlflow(args.tracking_uri, args.from_mlflow) if args.from_mlflow else ([], None)
+        rows, histories = (rows_from_mlflow(args.tracking_uri, args.from_mlflow, args.source_run)
+                           if args.from_mlflow else ([], None))
         rows += rows_from_dirs(args.dirs)
         meta = dict(m.split("=", 1) for m in args.meta if "=" in m)
         meta["sources"] = [str(Path(d)) for d in args.dirs] + ([f"mlflow experiment {args.from_mlflow}"]

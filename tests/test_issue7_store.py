@@ -110,10 +110,30 @@ def _hydra_jobs(path: Path):
 
 @pytest.mark.parametrize("sweep", sorted(p.stem for p in SWEEPS.glob("*.yaml")))
 def test_sweep_file_jobs_match_hydra(sweep):
+    """Hydra's expansion of the params, then the file's other settings (the same for every job)."""
     jobs = sweep_file_jobs([sweep])
     want = _hydra_jobs(SWEEPS / f"{sweep}.yaml")
     assert [n for n, _ in jobs] == [f"{sweep}-{i}" for i in range(len(want))]
-    assert [ov for _, ov in jobs] == want
+    assert [ov[:len(w)] for (_, ov), w in zip(jobs, want)] == want
+    assert len({tuple(ov[len(w):]) for (_, ov), w in zip(jobs, want)}) == 1
+
+
+def test_sweep_file_jobs_carry_the_files_other_settings():
+    """mini_repro_seeds ties data.seed to train.seed outside its params: each job, run on its own, must too."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    import orchestrator.schema  # noqa: F401  registers base_config
+    jobs = sweep_file_jobs(["mini_repro_seeds"])
+    assert len(jobs) == 6
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(str(SWEEPS.parent / "conf"), version_base="1.3"):
+            for _, ov in jobs:
+                cfg = compose("config", overrides=["experiment=smoke", *ov])
+                assert cfg.data.seed == cfg.train.seed in (1, 2, 3)
+    finally:
+        GlobalHydra.instance().clear()
 
 
 def test_sweep_file_jobs_several_files_and_cli(tmp_path, capsys):
@@ -212,7 +232,7 @@ def _store(tmp_path):
         return {"intervention": iv, "expect": expect, "verdict": verdict, "divergence_step": "None",
                 "overrides": f"intervention={iv}{extra} from_checkpoint=/jobs/baseline/checkpoints/step_20.pt",
                 "job_dir": f"/jobs/forks/{name}", "sweep": f"paper_isolation_runs/{name}", "fork_step": "20",
-                "forked_from": "/jobs/baseline/checkpoints/step_20.pt"}
+                "forked_from": "/jobs/baseline/checkpoints/step_20.pt", "forked_from_run": made["baseline"]}
 
     # launch order: paper_isolation-1 first, then -0, beta_sweep-0, the killed -2, then -10 (numeric, not lexical)
     run("paper_isolation-1", 2, fork_tags("paper_isolation-1", "fp32", "stable", "stable"),
@@ -261,6 +281,26 @@ def test_rows_from_mlflow(tmp_path):
     assert set(hist[made["baseline"]]) == {"train/loss", "wq_sigma/L0.H1", "wq_sigma/L1.H0"}
     with pytest.raises(ValueError, match="no such experiment"):
         report.rows_from_mlflow(uri, "y")
+
+
+def test_rows_from_mlflow_one_table_per_source_run(tmp_path):
+    """Two runs of the script in one store: refused without --source-run; with it, one source and its forks."""
+    from mlflow.tracking import MlflowClient
+    uri, made = _store(tmp_path)
+    c = MlflowClient(tracking_uri=uri)
+    exp = c.get_experiment_by_name("x").experiment_id
+    other = c.create_run(exp, tags={"intervention": "baseline", "expect": "diverges", "verdict": "stable",
+                                    "sweep": "x/baseline"}).info.run_id
+    c.create_run(exp, tags={"intervention": "fp32", "expect": "stable", "verdict": "stable", "fork_step": "5",
+                            "forked_from_run": other, "sweep": "x/paper_isolation-1"})
+    with pytest.raises(ValueError, match="holds 2 source runs.*--source-run"):
+        report.rows_from_mlflow(uri, "x")
+    rows, _ = report.rows_from_mlflow(uri, "x", source_run=made["baseline"])
+    assert len(rows) == 9 and rows[0]["mlflow_run_id"] == made["baseline"]
+    rows, _ = report.rows_from_mlflow(uri, "x", source_run=other)
+    assert [(r["intervention"], r["fork_step"]) for r in rows] == [("baseline", None), ("fp32", 5)]
+    with pytest.raises(ValueError, match="--source-run 'nope': not a source run"):
+        report.rows_from_mlflow(uri, "x", source_run="nope")
 
 
 def test_report_cli_from_mlflow(tmp_path, capsys):
