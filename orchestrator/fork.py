@@ -149,6 +149,11 @@ def divergence_step(job_dir) -> Optional[int]:
 def pick(job_dir, before: Optional[int] = None, margin: int = 0, at_min: bool = False) -> Path:
     """The newest checkpoint with step <= before - margin. before: the job's divergence step by default; with
     at_min, the step of its lowest loss before the divergence (where training was last at its best)."""
+    return pick_step(job_dir, before, margin, at_min)[1]
+
+
+def pick_step(job_dir, before: Optional[int] = None, margin: int = 0, at_min: bool = False) -> Tuple[int, Path]:
+    """pick(), with the checkpoint's step: (step, path)."""
     if before is None:
         key = "min_loss_step" if at_min else "divergence_step"
         if _result_field(job_dir, "divergence_step") is None:
@@ -164,7 +169,7 @@ def pick(job_dir, before: Optional[int] = None, margin: int = 0, at_min: bool = 
         raise ForkError(f"{job_dir}: no checkpoint at step <= {limit} (before {before}, margin {margin}); have "
                         f"{[s for s, _ in checkpoints(job_dir)]}. Keep more (train.ckpt_every, "
                         f"train.keep_checkpoints=0) or lower --margin")
-    return ok[-1][1]
+    return ok[-1]
 
 
 def sweep_file_jobs(names, root: Optional[Path] = None) -> List[Tuple[str, List[str]]]:
@@ -216,6 +221,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     pk.add_argument("job_dir")
     pk.add_argument("--before", type=int, default=None, help="a step (default: the job's divergence step)")
     pk.add_argument("--margin", type=int, default=0, help="steps between the checkpoint and --before (default 0)")
+    pk.add_argument("--with-step", action="store_true", help="print STEP<TAB>PATH (for scripts)")
     pk.add_argument("--at-min", action="store_true",
                     help="--before defaults to the step of the lowest loss before the divergence, not the divergence")
     jb = sub.add_parser("jobs", help="print the jobs of sweep files (sweeps/NAME.yaml), one per line: "
@@ -232,7 +238,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             for name, overrides in sweep_file_jobs(args.sweeps):
                 print(name + "\t" + " ".join(overrides))
         else:
-            print(pick(args.job_dir, args.before, args.margin, args.at_min))
+            step, path = pick_step(args.job_dir, args.before, args.margin, args.at_min)
+            print(f"{step}\t{path}" if args.with_step else path)
     except ValueError as e:
         print(f"Error: {e}", file=sys.stderr)
         return 1
@@ -243,5 +250,5 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
-__all__ = ["ForkError", "check_fork", "resolve_order", "source_decay", "fork_info", "checkpoints", "pick",
+__all__ = ["ForkError", "check_fork", "resolve_order", "source_decay", "fork_info", "checkpoints", "pick", "pick_step",
            "sweep_file_jobs", "main"]

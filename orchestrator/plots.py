@@ -94,10 +94,15 @@ def _per_head(h: History, prefix: str) -> Dict[Tuple[int, int], List[Tuple[int, 
     return out
 
 
+def _per_head_runs(runs: Sequence[Tuple[str, History]], prefix: str):
+    """(label, {(layer, head): points}) for the runs that logged `prefix` metrics."""
+    out = [(label, _per_head(h, prefix)) for label, h in runs]
+    return [(label, heads) for label, heads in out if heads]
+
+
 def wq_spectral_norms(runs: Sequence[Tuple[str, History]], path: Path) -> Optional[Path]:
     """One panel per run: sigma_max(W_Q) of every (layer, head); the head with the largest peak is highlighted."""
-    runs = [(label, _per_head(h, "wq_sigma/")) for label, h in runs]
-    runs = [(label, heads) for label, heads in runs if heads]
+    runs = _per_head_runs(runs, "wq_sigma/")
     if not runs:
         return None
     fig, axes = _grid(len(runs))
@@ -119,8 +124,7 @@ def wq_spectral_norms(runs: Sequence[Tuple[str, History]], path: Path) -> Option
 def repeated_maxima(runs: Sequence[Tuple[str, History]], path: Path) -> Optional[Path]:
     """One panel per run: rows with repeated maxima per logging interval, summed over heads per layer;
     the busiest head is drawn dashed."""
-    runs = [(label, _per_head(h, "rmax_rows/")) for label, h in runs]
-    runs = [(label, heads) for label, heads in runs if heads]
+    runs = _per_head_runs(runs, "rmax_rows/")
     if not runs:
         return None
     fig, axes = _grid(len(runs))

@@ -26,20 +26,19 @@ say "1/5 baseline -> $ROOT/baseline"
 python run.py experiment=mini_repro intervention=baseline "$@" train.keep_checkpoints=0 train.early_stop=false \
   tracking.uri="$URI" tracking.experiment=paper_isolation sweep_name=paper_isolation_runs/baseline \
   hydra.run.dir="$ROOT/baseline"
-CKPT=$(python -m orchestrator.fork pick "$ROOT/baseline" --at-min --margin "$MARGIN")
-read -r STEP DONE < <(python - "$CKPT" "$ROOT/baseline/result.json" <<'PY'
-import json, sys, torch
-print(int(torch.load(sys.argv[1], map_location="cpu", weights_only=False)["step"]),
-      int(json.load(open(sys.argv[2]))["steps_done"]))
-PY
-)
+IFS=$'\t' read -r STEP CKPT < <(python -m orchestrator.fork pick "$ROOT/baseline" --at-min --margin "$MARGIN" \
+  --with-step)
+[ -n "$CKPT" ] || { echo "[paper_isolation] no checkpoint to fork from (see the error above)" >&2; exit 1; }
+DONE=$(python -c "import json, sys; print(json.load(open(sys.argv[1]))['steps_done'])" "$ROOT/baseline/result.json")
 END=$(( FORK_STEPS > 0 && STEP + FORK_STEPS < DONE ? STEP + FORK_STEPS : DONE ))
 say "2/5 fork from $CKPT (step $STEP) to step $END"
 LOC=$(python -m orchestrator.localize "$ROOT/baseline" --tracking-uri "$URI" --out "$OUT/localize.json" --plot \
   --sweep-overrides)
 say "3/5 localized: $LOC (details: $OUT/localize.json)"
-NGPU=$(python -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)")
-PER_GPU=${PER_GPU:-$(python -c "import torch; print(max(1, torch.cuda.get_device_properties(0).total_memory // 2**34) if torch.cuda.is_available() else 1)")}
+# visible GPUs, and forks per GPU by memory (one mini_repro fork holds ~12.5 GiB; 1 at a time without a GPU)
+read -r NGPU MEM_SLOTS < <(python -c "import torch; ok = torch.cuda.is_available(); print(torch.cuda.device_count()
+  if ok else 0, max(1, torch.cuda.get_device_properties(0).total_memory // 2**34) if ok else 1)")
+PER_GPU=${PER_GPU:-$MEM_SLOTS}
 SLOTS=$(( NGPU > 0 ? NGPU * PER_GPU : PER_GPU ))
 VIS=(); [ "$NGPU" -gt 0 ] && IFS=, read -r -a VIS <<< "${CUDA_VISIBLE_DEVICES:-$(seq -s, 0 $(( NGPU - 1 )))}"
 mapfile -t JOBS < <(python -m orchestrator.fork jobs paper_isolation beta_sweep)
