@@ -497,7 +497,7 @@ def launch_tables(recipe: str):
     return FWD_CONFIG, BWD_CONFIG, FWD_FREE_BLOCK_N
 
 
-def _fwd_blocks(knobs: AttentionKnobs, D: int):
+def _fwd_blocks(knobs: AttentionKnobs, D: int, T: int = 1024):
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the forward."""
     fwd, _, free_n = launch_tables(knobs.recipe)
     block_m, warps, stages = fwd[D]
@@ -509,7 +509,7 @@ def _fwd_blocks(knobs: AttentionKnobs, D: int):
     return block_m, block_n, warps, stages
 
 
-def _bwd_blocks(knobs: AttentionKnobs, D: int):
+def _bwd_blocks(knobs: AttentionKnobs, D: int, T: int = 1024):
     """((dkdv BLOCK_M, BLOCK_N), (dq BLOCK_M, BLOCK_N), num_warps, num_stages) of the backward passes."""
     m1, n1, m2, n2, warps, stages = launch_tables(knobs.recipe)[1][D]
     if knobs.recipe == "paper_bf16" and knobs.tiling:  # BF16 accumulators rounded per emulator tile
@@ -544,22 +544,19 @@ def _rows_per_head(T: int, knobs: AttentionKnobs) -> int:
     return sum((min(qs + bq, T) - qs) * -(-min(qs + bq, T) // bk) for qs in range(0, T, bq))
 
 
-def _forward(q, k, v, knobs: AttentionKnobs, stats=None, probe: bool = False):
-    """Launch the forward: (O stored for delta, lse, per-head FP32-O flags, pmax, fired); pmax/fired only if probe."""
+def _forward(q, k, v, knobs: AttentionKnobs, rep=None, maxl=None, probe: bool = False):
+    """Launch the forward: (O stored for delta, lse, pmax, fired); pmax/fired only if probe.
+
+    rep (H,) int64 / maxl () float32: the counters the kernel adds into (atomics, one per program); None: off."""
     B, H, T, D = q.shape
     dev = q.device
     recipe = RECIPE_IDS[knobs.recipe]
-    fp32_heads = tuple(knobs.fp32_o_heads(H))
-    has_ofp32 = recipe != 0 and len(fp32_heads) > 0
+    ofp32, has_ofp32 = _ofp32_flags(knobs, H, dev)
     o_dtype = torch.float32 if (recipe == 0 or has_ofp32) else torch.bfloat16
     o = torch.empty((B, H, T, D), device=dev, dtype=o_dtype)
     lse = torch.empty((B, H, T), device=dev, dtype=torch.float32)
-    ofp32 = _cached(("ofp32", str(dev), H, fp32_heads), lambda: torch.tensor(
-        [int(h in fp32_heads) for h in range(H)], dtype=torch.int32).to(dev))
-    counters = stats is not None and knobs.counters
-    if counters:
-        rep, maxl = stats.repeated_max_rows, stats.max_logit
-    else:  # unused pointers still need a tensor
+    counters = rep is not None
+    if not counters:  # unused pointers still need a tensor
         rep = _cached(("rep", str(dev)), lambda: torch.zeros(1, device=dev, dtype=torch.int64))
         maxl = _cached(("maxl", str(dev)), lambda: torch.zeros(1, device=dev, dtype=torch.float32))
     if probe:
@@ -567,7 +564,7 @@ def _forward(q, k, v, knobs: AttentionKnobs, stats=None, probe: bool = False):
         fired = torch.zeros((B, H, T), device=dev, dtype=torch.int32)
     else:
         pmax = fired = lse
-    bm, bn, warps, stages = _fwd_blocks(knobs, D)
+    bm, bn, warps, stages = _fwd_blocks(knobs, D, T)
     grid = (triton.cdiv(T, bm), B * H)
     _fwd_kernel[grid](q, k, v, o, lse, rep, maxl, ofp32, pmax, fired,
                       *_strides(q), *_strides(k), *_strides(v), *_strides(o),
@@ -576,59 +573,53 @@ def _forward(q, k, v, knobs: AttentionKnobs, stats=None, probe: bool = False):
                       STABILIZED=knobs.softmax == "stabilized", COUNTERS=counters,
                       PV_FP32=bool(knobs.pv_fp32), HAS_OFP32=has_ofp32, ONE_BLOCK=not knobs.tiling,
                       PROBE=probe, num_warps=warps, num_stages=stages)
-    if counters and getattr(stats, "rows_seen", None) is not None:
-        stats.rows_seen.add_(B * _rows_per_head(T, knobs))  # a Python int: no host sync
-    return o, lse, ofp32, (pmax if probe else None), (fired if probe else None)
+    return o, lse, (pmax if probe else None), (fired if probe else None)
+
+
+def _ofp32_flags(knobs: AttentionKnobs, H: int, dev):
+    """(per-head int32 flags of heads whose stored O is FP32, whether any is), made once per device."""
+    fp32_heads = tuple(knobs.fp32_o_heads(H))
+    ofp32 = _cached(("ofp32", str(dev), H, fp32_heads), lambda: torch.tensor(
+        [int(h in fp32_heads) for h in range(H)], dtype=torch.int32).to(dev))
+    return ofp32, RECIPE_IDS[knobs.recipe] != 0 and len(fp32_heads) > 0
+
+
+def _backward(do, q, k, v, o, lse, knobs: AttentionKnobs):
+    """Launch the backward (delta, dK/dV, dQ): (dq, dk, dv) in the inputs' dtypes."""
+    B, H, T, D = q.shape
+    recipe = RECIPE_IDS[knobs.recipe]
+    scale = 1.0 / math.sqrt(D)
+    ofp32, has_ofp32 = _ofp32_flags(knobs, H, q.device)
+    (m1, n1), (m2, n2), warps, stages = _bwd_blocks(knobs, D, T)
+    delta = torch.empty_like(lse)
+    dq = torch.empty((B, H, T, D), device=q.device, dtype=q.dtype)  # gradients in the inputs' dtypes
+    dk = torch.empty((B, H, T, D), device=q.device, dtype=k.dtype)
+    dv = torch.empty((B, H, T, D), device=q.device, dtype=v.dtype)
+    dbm, dbn = (16, 16) if _interpret() else (32, 32) if recipe == 0 else (64, 64)  # fp32: see FP32_*
+    _bwd_delta_kernel[(triton.cdiv(T, dbm), B * H)](
+        q, k, v, o, do, lse, delta, ofp32,
+        *_strides(q), *_strides(k), *_strides(v), *_strides(o), *_strides(do),
+        H, T, scale, HEAD_DIM=D, BLOCK_M=dbm, BLOCK_N=dbn, RECIPE=recipe,
+        DELTA_MODE=DELTA_IDS[knobs.delta], HAS_OFP32=has_ofp32, num_warps=4)
+    _bwd_dkdv_kernel[(triton.cdiv(T, n1), B * H)](
+        q, k, v, do, lse, delta, dk, dv,
+        *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk), H, T, scale,
+        HEAD_DIM=D, BLOCK_M=m1, BLOCK_N=n1, RECIPE=recipe,
+        ONE_BLOCK=not knobs.tiling, num_warps=warps, num_stages=stages)
+    _bwd_dq_kernel[(triton.cdiv(T, m2), B * H)](
+        q, k, v, do, lse, delta, dq,
+        *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq), H, T, scale,
+        HEAD_DIM=D, BLOCK_M=m2, BLOCK_N=n2, RECIPE=recipe,
+        ONE_BLOCK=not knobs.tiling, num_warps=warps, num_stages=stages)
+    return dq, dk, dv
 
 
 def fired_pbar_max(q, k, v, knobs: AttentionKnobs):
     """Probe for tests: per row (B, H, T), the largest FP32 P̄ in key tiles where the SFA condition fired, and
     whether it fired in any tile. Safe softmax gives P̄ = 1 there; the stabilized softmax must not."""
     with torch.no_grad():
-        _, _, _, pmax, fired = _forward(q, k, v, knobs, probe=True)
+        _, _, pmax, fired = _forward(q, k, v, knobs, probe=True)
     return pmax, fired.bool()
-
-
-class _TritonFlash(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, knobs, stats):
-        o_saved, lse, ofp32, _, _ = _forward(q, k, v, knobs, stats)
-        ctx.save_for_backward(q, k, v, o_saved, lse, ofp32)
-        ctx.knobs = knobs
-        # returned O: BF16 for paper_bf16 / fa2 (also for heads whose stored O is FP32), FP32 for fp32
-        out_dtype = torch.float32 if knobs.recipe == "fp32" else torch.bfloat16
-        return o_saved if o_saved.dtype == out_dtype else o_saved.to(out_dtype)
-
-    @staticmethod
-    def backward(ctx, do):
-        q, k, v, o, lse, ofp32 = ctx.saved_tensors
-        knobs = ctx.knobs
-        B, H, T, D = q.shape
-        recipe = RECIPE_IDS[knobs.recipe]
-        scale = 1.0 / math.sqrt(D)
-        has_ofp32 = recipe != 0 and len(knobs.fp32_o_heads(H)) > 0
-        (m1, n1), (m2, n2), warps, stages = _bwd_blocks(knobs, D)
-        delta = torch.empty_like(lse)
-        dq = torch.empty((B, H, T, D), device=q.device, dtype=q.dtype)  # gradients in the inputs' dtypes
-        dk = torch.empty((B, H, T, D), device=q.device, dtype=k.dtype)
-        dv = torch.empty((B, H, T, D), device=q.device, dtype=v.dtype)
-        dbm, dbn = (16, 16) if _interpret() else (32, 32) if recipe == 0 else (64, 64)  # fp32: see FP32_*
-        _bwd_delta_kernel[(triton.cdiv(T, dbm), B * H)](
-            q, k, v, o, do, lse, delta, ofp32,
-            *_strides(q), *_strides(k), *_strides(v), *_strides(o), *_strides(do),
-            H, T, scale, HEAD_DIM=D, BLOCK_M=dbm, BLOCK_N=dbn, RECIPE=recipe,
-            DELTA_MODE=DELTA_IDS[knobs.delta], HAS_OFP32=has_ofp32, num_warps=4)
-        _bwd_dkdv_kernel[(triton.cdiv(T, n1), B * H)](
-            q, k, v, do, lse, delta, dk, dv,
-            *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk), H, T, scale,
-            HEAD_DIM=D, BLOCK_M=m1, BLOCK_N=n1, RECIPE=recipe,
-            ONE_BLOCK=not knobs.tiling, num_warps=warps, num_stages=stages)
-        _bwd_dq_kernel[(triton.cdiv(T, m2), B * H)](
-            q, k, v, do, lse, delta, dq,
-            *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq), H, T, scale,
-            HEAD_DIM=D, BLOCK_M=m2, BLOCK_N=n2, RECIPE=recipe,
-            ONE_BLOCK=not knobs.tiling, num_warps=warps, num_stages=stages)
-        return dq, dk, dv, None, None
 
 
 def flash_attention_triton(q, k, v, knobs: AttentionKnobs, stats=None):
@@ -637,10 +628,13 @@ def flash_attention_triton(q, k, v, knobs: AttentionKnobs, stats=None):
     Same contract as kernels.flash_attention (the emulator): O in BF16 for paper_bf16 / fa2 and FP32 for fp32,
     gradients in the inputs' dtypes; `stats` (AttnStats) gains, per head, the (row, key tile) pairs where the SFA
     condition fires, the pairs seen, and the running max of the scaled scores. Nothing is synced to the host.
+    Runs through the torch.library operators of kernels/ops.py, so torch.compile traces it without a graph break.
     """
     if triton is None:
         raise RuntimeError("flash_attention_triton needs triton; use the emulator (backend=emulator)")
-    return _TritonFlash.apply(q, k, v, knobs, stats)
+    return _ops.flash_attention(q, k, v, knobs, stats)
 
 
 __all__ = ["supports", "flash_attention_triton", "fired_pbar_max", "RECIPE_IDS", "DELTA_IDS"]
+
+from kernels import ops as _ops  # noqa: E402  (last: kernels/ops.py imports the launchers above)

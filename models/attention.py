@@ -17,7 +17,6 @@ FP32 and CPU autocast in BF16, so relying on it would make the numerics depend o
 """
 from __future__ import annotations
 
-import importlib
 import math
 from typing import Optional
 
@@ -32,18 +31,25 @@ FP32 = torch.float32
 
 
 # --------------------------------------------------------------------------------------------------- kernels access
+# Imported once at module load, not per call: torch.compile (dynamo) refuses importlib.import_module (a graph break
+# per layer). Attributes are still looked up at call time, so tests can monkeypatch `kernels.flash_attention`.
+import kernels as _kernels_pkg  # noqa: E402
+
+try:
+    import kernels.triton_flash as _triton_flash  # noqa: E402
+except ImportError:  # pragma: no cover - the module is part of kernels/; kept optional like triton itself
+    _triton_flash = None
+
+
 def _kernels():
-    """The kernels package, imported at call time so tests can monkeypatch `kernels.flash_attention`."""
-    return importlib.import_module("kernels")
+    """The kernels package (its attributes read at call time so tests can monkeypatch `kernels.flash_attention`)."""
+    return _kernels_pkg
 
 
 def _triton_module():
     """kernels.triton_flash when it exists and exposes the fast-path API, else None."""
-    try:
-        mod = importlib.import_module("kernels.triton_flash")
-    except ImportError:
-        return None
-    if hasattr(mod, "supports") and hasattr(mod, "flash_attention_triton"):
+    mod = _triton_flash
+    if mod is not None and hasattr(mod, "supports") and hasattr(mod, "flash_attention_triton"):
         return mod
     return None
 

@@ -46,6 +46,12 @@ def _job_slot() -> int:
         return 0
 
 
+def compile_enabled(setting, device: torch.device) -> bool:
+    """train.compile: auto compiles on CUDA only (inductor on a 2-core CPU costs more than it saves); true | false."""
+    setting = str(setting).lower()
+    return device.type == "cuda" if setting == "auto" else setting == "true"
+
+
 def _autocast(device: torch.device, precision: str):
     if precision == "bf16":  # FP32 master weights, BF16 matmuls; attention casts q/k/v itself per recipe
         return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
@@ -205,10 +211,12 @@ class Job:
         if state:
             model.load_state_dict(state["model"])
             optimizer.load_state_dict(state["optimizer"])
-        train_model = model
+        # the compiled module shares its parameters with `model` (checkpoints, eval and monitors use `model`); the
+        # Triton attention is an opaque torch.library op there (kernels/ops.py): same kernels, same bits
+        train_model = torch.compile(model) if compile_enabled(tc.compile, device) else model
         if world > 1:
             from torch.nn.parallel import DistributedDataParallel as DDP
-            train_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+            train_model = DDP(train_model, device_ids=[device.index] if device.type == "cuda" else None)
 
         data_dir = ensure_prepared(cfg.data, cfg.model.vocab_size)
         stream = self._stream(data_dir, start)
@@ -263,6 +271,8 @@ class Job:
         min_ratio = cfg.optimizer.min_lr / cfg.optimizer.lr
         clip = tc.grad_clip if tc.grad_clip > 0 else math.inf
         nan = torch.tensor(float("nan"), device=device)
+        # sdpa layers have no free max logit: they pay an extra QK^T pass, only on the steps the monitors flush
+        probe_sdpa = cfg.monitor.max_logit and any(k.impl == "sdpa" for k in model.layer_knobs())
         done = start
         val_done_at = None
         bar = tqdm(total=tc.max_steps, initial=start, disable=not self.is_main, desc=iv.name, dynamic_ncols=True,
@@ -275,6 +285,8 @@ class Job:
                 lr_f = lr_factor(step, tc.warmup_steps, decay, min_ratio)
                 set_lr(optimizer, lr_f)
                 loss_sum = torch.zeros((), device=device)
+                if probe_sdpa:
+                    model.probe = (step + 1) % cfg.monitor.log_every == 0
                 for i, (x, y) in enumerate(self._batches(stream, step)):
                     x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
                     sync = (train_model.no_sync() if world > 1 and i < accum_local - 1 else contextlib.nullcontext())
@@ -432,4 +444,4 @@ def train(cfg, attention, job_dir: Path, overrides: List[str]) -> Dict[str, Any]
     return Job(cfg, attention, job_dir, overrides).run()
 
 
-__all__ = ["Job", "train", "evaluate", "seed_everything", "CKPT_DIR", "ORDER_FILE"]
+__all__ = ["Job", "train", "evaluate", "seed_everything", "compile_enabled", "CKPT_DIR", "ORDER_FILE"]

@@ -200,7 +200,7 @@ def check_optimizer(o) -> None:
 
 
 def check_train(t) -> None:
-    from orchestrator.schema import DEVICES, PRECISIONS
+    from orchestrator.schema import COMPILES, DEVICES, PRECISIONS
 
     for name in ("batch_size", "grad_accum", "max_steps", "eval_batches"):
         _int(f"train.{name}", getattr(t, name), 1)
@@ -212,6 +212,8 @@ def check_train(t) -> None:
         raise _bad("train.precision", t.precision, "one of " + ", ".join(PRECISIONS))
     if t.device not in DEVICES:
         raise _bad("train.device", t.device, "one of " + ", ".join(DEVICES))
+    if str(t.compile).lower() not in COMPILES:  # Hydra reads `train.compile=true` as a bool: "True" here
+        raise _bad("train.compile", t.compile, "one of " + ", ".join(COMPILES))
     if t.device == "cuda":
         import torch
         if not torch.cuda.is_available():
