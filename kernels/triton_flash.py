@@ -473,37 +473,52 @@ if triton is not None:
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Launch configuration: block sizes that carry meaning come from the knobs; the rest is chosen for speed.
+#
+# A launch family per forward: fa2 (key tile free), fa2_exact (SFA / counters: the key tile is block_k, the unit
+# Algorithm 3 and the counters see), paper_bf16 (block_k: its rescaling roundings), fp32 (IEEE FP32 dots on the CUDA
+# cores, operands and accumulators in registers: smaller tiles). The backward's family is the recipe.
+#   forward (BLOCK_M, free BLOCK_N, num_warps, num_stages); BLOCK_M never changes a row's arithmetic
+#   backward (dkdv BLOCK_M, dkdv BLOCK_N, dq BLOCK_M, dq BLOCK_N, num_warps, num_stages); paper_bf16 overrides
+#   dkdv BLOCK_M = block_q and dq BLOCK_N = block_k (its BF16 accumulators round per emulator tile).
+# FWD_TABLE / BWD_TABLE are the defaults per head dim; SHAPE_TABLE holds per-(family, D, length class) choices that
+# benchmarks/tune.py measured (`python benchmarks/attention.py --tune` prints them). Fixed tables, not run-time
+# autotuning: the same knobs launch the same configuration in every process, so a replayed fa2 run is bit-identical.
+FWD_TABLE = {
+    "fa2": {16: (64, 64, 4, 3), 32: (64, 64, 4, 3), 64: (64, 64, 4, 3), 128: (64, 64, 8, 3)},
+    "fa2_exact": {16: (64, 64, 4, 3), 32: (64, 64, 4, 3), 64: (64, 64, 4, 3), 128: (64, 64, 8, 3)},
+    "paper_bf16": {16: (64, 64, 4, 3), 32: (64, 64, 4, 3), 64: (64, 64, 4, 3), 128: (64, 64, 8, 3)},
+    "fp32": {16: (32, 32, 4, 2), 32: (32, 32, 4, 2), 64: (32, 32, 4, 2), 128: (32, 32, 4, 1)},
+}
+BWD_TABLE = {
+    "fa2": {16: (32, 64, 64, 32, 4, 3), 32: (32, 64, 64, 32, 4, 3), 64: (64, 64, 64, 64, 4, 3),
+            128: (32, 128, 128, 32, 8, 2)},
+    "paper_bf16": {16: (32, 64, 64, 32, 4, 3), 32: (32, 64, 64, 32, 4, 3), 64: (64, 64, 64, 64, 4, 3),
+                   128: (32, 128, 128, 32, 8, 2)},
+    "fp32": {16: (32, 32, 32, 32, 4, 2), 32: (32, 32, 32, 32, 4, 2), 64: (32, 32, 32, 32, 4, 2),
+             128: (16, 32, 32, 16, 4, 1)},
+}
+SHAPE_TABLE: dict = {}  # ("fwd" | "bwd", family, D, length class) -> config tuple, as above
 
-# Speed-only launch choices per head dim (benchmarks/attention.py --tune measures alternatives):
-#   forward (BLOCK_M, num_warps, num_stages); backward (dkdv BLOCK_M, dkdv BLOCK_N, dq BLOCK_M, dq BLOCK_N,
-#   num_warps, num_stages). Block sizes that carry meaning (block_k in the forward under SFA / counters /
-#   paper_bf16; block_q / block_k in paper_bf16's backward) override these.
-FWD_CONFIG = {16: (64, 4, 3), 32: (64, 4, 3), 64: (64, 4, 3), 128: (64, 8, 3)}  # D=64: --tune on an H200
-BWD_CONFIG = {16: (32, 64, 64, 32, 4, 3), 32: (32, 64, 64, 32, 4, 3), 64: (64, 64, 64, 64, 4, 3),
-              128: (32, 128, 128, 32, 8, 2)}
-FWD_FREE_BLOCK_N = {16: 64, 32: 64, 64: 64, 128: 64}
-# The fp32 recipe's IEEE FP32 dots run on the CUDA cores (no tensor cores), with operands and accumulators in
-# registers: the BF16 tables' 64-row tiles with 3 stages spill there. Its own, smaller tiles (--tune-recipe fp32).
-FP32_FWD_CONFIG = {16: (32, 4, 2), 32: (32, 4, 2), 64: (32, 4, 2), 128: (32, 4, 1)}
-FP32_BWD_CONFIG = {16: (32, 32, 32, 32, 4, 2), 32: (32, 32, 32, 32, 4, 2), 64: (32, 32, 32, 32, 4, 2),
-                   128: (16, 32, 32, 16, 4, 1)}
-FP32_FREE_BLOCK_N = {16: 32, 32: 32, 64: 32, 128: 32}
+
+def length_class(T: int) -> str:
+    """Short sequences (mini_repro's 256) fill the GPU with fewer, smaller programs: tuned apart from long ones."""
+    return "short" if T <= 256 else "long"
 
 
-def launch_tables(recipe: str):
-    """(forward table, backward table, free forward BLOCK_N) for a recipe: fp32 has its own (see above)."""
-    if recipe == "fp32":
-        return FP32_FWD_CONFIG, FP32_BWD_CONFIG, FP32_FREE_BLOCK_N
-    return FWD_CONFIG, BWD_CONFIG, FWD_FREE_BLOCK_N
+def fwd_family(knobs: AttentionKnobs) -> str:
+    if knobs.recipe in ("fp32", "paper_bf16"):
+        return knobs.recipe
+    exact_n = knobs.tiling and (knobs.softmax == "stabilized" or knobs.counters)
+    return "fa2_exact" if exact_n else "fa2"
 
 
 def _fwd_blocks(knobs: AttentionKnobs, D: int, T: int = 1024):
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the forward."""
-    fwd, _, free_n = launch_tables(knobs.recipe)
-    block_m, warps, stages = fwd[D]
+    fam = fwd_family(knobs)
+    block_m, free_n, warps, stages = SHAPE_TABLE.get(("fwd", fam, D, length_class(T))) or FWD_TABLE[fam][D]
     # the key tile is the unit Algorithm 3, the counters and paper_bf16's rescaling roundings see
-    exact_n = knobs.tiling and (knobs.recipe == "paper_bf16" or knobs.softmax == "stabilized" or knobs.counters)
-    block_n = knobs.block_k if exact_n else free_n[D]
+    exact_n = knobs.tiling and (fam in ("fa2_exact", "paper_bf16") or knobs.counters)
+    block_n = knobs.block_k if exact_n else free_n
     if _interpret():
         block_m, block_n = 16, (block_n if exact_n else 16)
     return block_m, block_n, warps, stages
@@ -511,7 +526,7 @@ def _fwd_blocks(knobs: AttentionKnobs, D: int, T: int = 1024):
 
 def _bwd_blocks(knobs: AttentionKnobs, D: int, T: int = 1024):
     """((dkdv BLOCK_M, BLOCK_N), (dq BLOCK_M, BLOCK_N), num_warps, num_stages) of the backward passes."""
-    m1, n1, m2, n2, warps, stages = launch_tables(knobs.recipe)[1][D]
+    m1, n1, m2, n2, warps, stages = SHAPE_TABLE.get(("bwd", knobs.recipe, D, length_class(T))) or BWD_TABLE[knobs.recipe][D]
     if knobs.recipe == "paper_bf16" and knobs.tiling:  # BF16 accumulators rounded per emulator tile
         m1, n2 = knobs.block_q, knobs.block_k
     elif _interpret():
@@ -519,6 +534,14 @@ def _bwd_blocks(knobs: AttentionKnobs, D: int, T: int = 1024):
     if _interpret():
         n1, m2 = 16, 16
     return (m1, n1), (m2, n2), warps, stages
+
+
+def launch_config(knobs: AttentionKnobs, D: int, T: int) -> dict:
+    """What the kernels launch for these knobs at head dim D, length T (benchmarks record it)."""
+    bm, bn, fw, fs = _fwd_blocks(knobs, D, T)
+    (m1, n1), (m2, n2), bw, bs = _bwd_blocks(knobs, D, T)
+    return dict(fwd=dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=fw, num_stages=fs),
+                bwd=dict(dkdv=[m1, n1], dq=[m2, n2], num_warps=bw, num_stages=bs))
 
 
 def _strides(x):
