@@ -54,7 +54,7 @@ def run_variant(name, batch, T, steps, warmup, dev):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            _, loss = fwd(x[:, :-1], x[:, 1:])
+            _, loss = fwd(x[:, :-1].contiguous(), x[:, 1:].contiguous())
         loss.backward()
         gn = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()

@@ -483,21 +483,23 @@ if triton is not None:
 # FWD_TABLE / BWD_TABLE are the defaults per head dim; SHAPE_TABLE holds per-(family, D, length class) choices that
 # benchmarks/tune.py measured (`python benchmarks/attention.py --tune` prints them). Fixed tables, not run-time
 # autotuning: the same knobs launch the same configuration in every process, so a replayed fa2 run is bit-identical.
-FWD_TABLE = {
-    "fa2": {16: (64, 64, 4, 3), 32: (64, 64, 4, 3), 64: (64, 64, 4, 3), 128: (64, 64, 8, 3)},
-    "fa2_exact": {16: (64, 64, 4, 3), 32: (64, 64, 4, 3), 64: (64, 64, 4, 3), 128: (64, 64, 8, 3)},
-    "paper_bf16": {16: (64, 64, 4, 3), 32: (64, 64, 4, 3), 64: (64, 64, 4, 3), 128: (64, 64, 8, 3)},
-    "fp32": {16: (32, 32, 4, 2), 32: (32, 32, 4, 2), 64: (32, 32, 4, 2), 128: (32, 32, 4, 1)},
+FWD_TABLE = {  # D=64 and D=128: measured by benchmarks/tune.py on an H200 (results/bench/tune-h200.json)
+    "fa2": {16: (64, 64, 4, 3), 32: (64, 64, 4, 3), 64: (64, 64, 4, 3), 128: (64, 64, 4, 3)},
+    "fa2_exact": {16: (64, 64, 4, 3), 32: (64, 64, 4, 3), 64: (64, 64, 4, 3), 128: (64, 64, 4, 3)},
+    "paper_bf16": {16: (64, 64, 4, 3), 32: (64, 64, 4, 3), 64: (64, 64, 4, 3), 128: (64, 64, 4, 3)},
+    "fp32": {16: (32, 32, 4, 2), 32: (32, 32, 4, 2), 64: (32, 32, 4, 2), 128: (32, 32, 8, 2)},
 }
 BWD_TABLE = {
-    "fa2": {16: (32, 64, 64, 32, 4, 3), 32: (32, 64, 64, 32, 4, 3), 64: (64, 64, 64, 64, 4, 3),
-            128: (32, 128, 128, 32, 8, 2)},
+    "fa2": {16: (32, 64, 64, 32, 4, 3), 32: (32, 64, 64, 32, 4, 3), 64: (32, 64, 64, 32, 4, 3),
+            128: (64, 64, 64, 64, 4, 2)},
     "paper_bf16": {16: (32, 64, 64, 32, 4, 3), 32: (32, 64, 64, 32, 4, 3), 64: (64, 64, 64, 64, 4, 3),
-                   128: (32, 128, 128, 32, 8, 2)},
+                   128: (64, 64, 64, 64, 4, 2)},
     "fp32": {16: (32, 32, 32, 32, 4, 2), 32: (32, 32, 32, 32, 4, 2), 64: (32, 32, 32, 32, 4, 2),
-             128: (16, 32, 32, 16, 4, 1)},
+             128: (32, 32, 32, 32, 8, 2)},
 }
-SHAPE_TABLE: dict = {}  # ("fwd" | "bwd", family, D, length class) -> config tuple, as above
+SHAPE_TABLE: dict = {  # ("fwd" | "bwd", family, D, length class) -> config tuple, as above
+    ("fwd", "fp32", 64, "short"): (16, 32, 4, 2),
+}
 
 
 def length_class(T: int) -> str:

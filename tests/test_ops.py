@@ -191,7 +191,8 @@ def test_gpu_compiled_gpt_trains_like_eager(recipe):
     cfg = ModelConfig(n_layer=2, n_head=4, n_embd=256, block_size=256)
     att = AttentionConfig(impl="flash", backend="triton", recipe=recipe)
     x = torch.randint(0, 50257, (4, 257), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
-    explained = torch._dynamo.explain(GPT(cfg, att).cuda())(x[:, :-1], x[:, 1:])
+    idx, tgt = x[:, :-1].contiguous(), x[:, 1:].contiguous()
+    explained = torch._dynamo.explain(GPT(cfg, att).cuda())(idx, tgt)
     assert explained.graph_break_count == 0, [str(r.reason)[:300] for r in explained.break_reasons]
     losses = []
     for compiled in (False, True):
@@ -202,7 +203,7 @@ def test_gpu_compiled_gpt_trains_like_eager(recipe):
         run = []
         for _ in range(5):
             with torch.autocast("cuda", dtype=torch.bfloat16):
-                _, loss = fwd(x[:, :-1], x[:, 1:])
+                _, loss = fwd(idx, tgt)
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
