@@ -225,8 +225,8 @@ def test_gpu_launch_configs_keep_paper_bf16_bits():
         saved = dict(tf.SHAPE_TABLE)
         try:
             if fwd:
-                tf.SHAPE_TABLE[("fwd", "paper_bf16", 64, 512)] = fwd
-                tf.SHAPE_TABLE[("bwd", "paper_bf16", 64, 512)] = bwd
+                tf.SHAPE_TABLE[("fwd", "paper_bf16", 64, tf.length_class(512))] = fwd
+                tf.SHAPE_TABLE[("bwd", "paper_bf16", 64, tf.length_class(512))] = bwd
             o = tf.flash_attention_triton(q, k, v, knobs)
             results.append((tf.launch_config(knobs, 64, 512), o, *torch.autograd.grad(o, (q, k, v), g)))
         finally:
