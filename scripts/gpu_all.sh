@@ -23,9 +23,9 @@ if has tests; then
   tail -15 "$OUT/pytest_gpu.log"
 fi
 if has bench; then
-  timeout 200 $PY benchmarks/attention.py --rounds 3 --out results/bench/attention-h200.json > "$OUT/bench_attention.log" 2>&1 || rc=1
-  tail -25 "$OUT/bench_attention.log"
-  timeout 120 $PY benchmarks/train_step.py --batch 16 --steps 15 --out results/bench/train-step-h200.json > "$OUT/bench_train.log" 2>&1 || rc=1
+  timeout 200 $PY benchmarks/attention.py --rounds 3 --out "$OUT/attention.json" > "$OUT/bench_attention.log" 2>&1 || rc=1
+  grep -E "^\|" "$OUT/bench_attention.log"
+  timeout 300 $PY benchmarks/train_step.py --shapes 16x1024 --steps 12 --out "$OUT/train-step.json" > "$OUT/bench_train.log" 2>&1 || rc=1
   tail -8 "$OUT/bench_train.log"
   timeout 120 $PY benchmarks/emulator.py --device cuda --reps 3 > "$OUT/bench_emulator.log" 2>&1 || rc=1
   tail -8 "$OUT/bench_emulator.log"
