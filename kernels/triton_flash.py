@@ -13,6 +13,8 @@ sequence) is computed as passes over key tiles with a fixed row max and FP32 acc
 one-block computation up to GEMM summation order, for any T.
 
 Recipe rounding points follow kernels/emulator.py (the source of truth); `_rb` marks each BF16 storage point.
+Over 400 lines because the four kernels share their jit helpers and launch tables; the torch.library operators
+around them are kernels/ops.py.
 """
 from __future__ import annotations
 
