@@ -555,6 +555,11 @@ def _strides(x):
 _DEVICE_CACHE: dict = {}
 
 
+def _cdiv(a: int, b: int) -> int:
+    """Host-side ceil division (triton.cdiv is a jit function: ~10 us a call through its dispatch on the host)."""
+    return -(-a // b)
+
+
 def _cached(key, make):
     """Small per-device constants (head masks, dummy pointers), made once: no host-to-device copy per call."""
     t = _DEVICE_CACHE.get(key)
@@ -584,15 +589,15 @@ def _forward(q, k, v, knobs: AttentionKnobs, rep=None, maxl=None, probe: bool = 
     lse = torch.empty((B, H, T), device=dev, dtype=torch.float32)
     counters = rep is not None
     if not counters:  # unused pointers still need a tensor
-        rep = _cached(("rep", str(dev)), lambda: torch.zeros(1, device=dev, dtype=torch.int64))
-        maxl = _cached(("maxl", str(dev)), lambda: torch.zeros(1, device=dev, dtype=torch.float32))
+        rep = _cached(("rep", dev), lambda: torch.zeros(1, device=dev, dtype=torch.int64))
+        maxl = _cached(("maxl", dev), lambda: torch.zeros(1, device=dev, dtype=torch.float32))
     if probe:
         pmax = torch.zeros((B, H, T), device=dev, dtype=torch.float32)
         fired = torch.zeros((B, H, T), device=dev, dtype=torch.int32)
     else:
         pmax = fired = lse
     bm, bn, warps, stages = _fwd_blocks(knobs, D, T)
-    grid = (triton.cdiv(T, bm), B * H)
+    grid = (_cdiv(T, bm), B * H)
     _fwd_kernel[grid](q, k, v, o, lse, rep, maxl, ofp32, pmax, fired,
                       *_strides(q), *_strides(k), *_strides(v), *_strides(o),
                       H, T, 1.0 / math.sqrt(D), float(knobs.beta), float(knobs.eps),
@@ -604,11 +609,16 @@ def _forward(q, k, v, knobs: AttentionKnobs, rep=None, maxl=None, probe: bool = 
 
 
 def _ofp32_flags(knobs: AttentionKnobs, H: int, dev):
-    """(per-head int32 flags of heads whose stored O is FP32, whether any is), made once per device."""
-    fp32_heads = tuple(knobs.fp32_o_heads(H))
-    ofp32 = _cached(("ofp32", str(dev), H, fp32_heads), lambda: torch.tensor(
-        [int(h in fp32_heads) for h in range(H)], dtype=torch.int32).to(dev))
-    return ofp32, RECIPE_IDS[knobs.recipe] != 0 and len(fp32_heads) > 0
+    """(per-head int32 flags of heads whose stored O is FP32, whether any is), made once per device and knobs.
+
+    Per call this is a dict lookup: the host work per launch is what bounds the kernels at T <= 1024."""
+    key = ("ofp32", dev, H, knobs.recipe, knobs.o_fp32, tuple(knobs.o_fp32_heads))
+    hit = _DEVICE_CACHE.get(key)
+    if hit is None:
+        fp32_heads = tuple(knobs.fp32_o_heads(H))
+        flags = torch.tensor([int(h in fp32_heads) for h in range(H)], dtype=torch.int32).to(dev)
+        hit = _DEVICE_CACHE[key] = (flags, RECIPE_IDS[knobs.recipe] != 0 and len(fp32_heads) > 0)
+    return hit
 
 
 def _backward(do, q, k, v, o, lse, knobs: AttentionKnobs):
@@ -623,17 +633,17 @@ def _backward(do, q, k, v, o, lse, knobs: AttentionKnobs):
     dk = torch.empty((B, H, T, D), device=q.device, dtype=k.dtype)
     dv = torch.empty((B, H, T, D), device=q.device, dtype=v.dtype)
     dbm, dbn = (16, 16) if _interpret() else (32, 32) if recipe == 0 else (64, 64)  # fp32: see FP32_*
-    _bwd_delta_kernel[(triton.cdiv(T, dbm), B * H)](
+    _bwd_delta_kernel[(_cdiv(T, dbm), B * H)](
         q, k, v, o, do, lse, delta, ofp32,
         *_strides(q), *_strides(k), *_strides(v), *_strides(o), *_strides(do),
         H, T, scale, HEAD_DIM=D, BLOCK_M=dbm, BLOCK_N=dbn, RECIPE=recipe,
         DELTA_MODE=DELTA_IDS[knobs.delta], HAS_OFP32=has_ofp32, num_warps=4)
-    _bwd_dkdv_kernel[(triton.cdiv(T, n1), B * H)](
+    _bwd_dkdv_kernel[(_cdiv(T, n1), B * H)](
         q, k, v, do, lse, delta, dk, dv,
         *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk), H, T, scale,
         HEAD_DIM=D, BLOCK_M=m1, BLOCK_N=n1, RECIPE=recipe,
         ONE_BLOCK=not knobs.tiling, num_warps=warps, num_stages=stages)
-    _bwd_dq_kernel[(triton.cdiv(T, m2), B * H)](
+    _bwd_dq_kernel[(_cdiv(T, m2), B * H)](
         q, k, v, do, lse, delta, dq,
         *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq), H, T, scale,
         HEAD_DIM=D, BLOCK_M=m2, BLOCK_N=n2, RECIPE=recipe,
