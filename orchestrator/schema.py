@@ -75,7 +75,7 @@ class TrainConfig:
     record_batches: bool = True  # record the batch order (replay file, logged to MLflow)
     auto_resume: bool = True  # resume from <job dir>/checkpoints/last.pt when it exists (requeued jobs)
     keep_checkpoints: int = 3  # step_<k>.pt files kept (newest, plus the last one before a divergence); 0 = all
-    compile: str = "auto"  # torch.compile the model: auto (on for CUDA, off on CPU) | true | false
+    compile: str = "auto"  # torch.compile the model: auto (CUDA without emulator layers) | true | false
 
 
 @dataclass

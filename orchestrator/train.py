@@ -46,10 +46,22 @@ def _job_slot() -> int:
         return 0
 
 
-def compile_enabled(setting, device: torch.device) -> bool:
-    """train.compile: auto compiles on CUDA only (inductor on a 2-core CPU costs more than it saves); true | false."""
+def compile_enabled(setting, device: torch.device, routes=()) -> bool:
+    """train.compile: true | false, or auto: on CUDA when no layer runs the emulator (inductor on a 2-core CPU costs
+    more than it saves, and the emulator's Python tile loops unroll into a graph that takes minutes to compile)."""
     setting = str(setting).lower()
-    return device.type == "cuda" if setting == "auto" else setting == "true"
+    if setting == "auto":
+        return device.type == "cuda" and not any("/emulator/" in r for r in routes)
+    return setting == "true"
+
+
+def compile_model(model):
+    """torch.compile with casts rounded as eager rounds them: inductor otherwise keeps a fused chain's BF16
+    intermediates in FP32, which would change what the emulator and the standard attention compute."""
+    import torch._inductor.config as inductor_config
+    if hasattr(inductor_config, "emulate_precision_casts"):
+        inductor_config.emulate_precision_casts = True
+    return torch.compile(model)
 
 
 def _autocast(device: torch.device, precision: str):
@@ -213,7 +225,8 @@ class Job:
             optimizer.load_state_dict(state["optimizer"])
         # the compiled module shares its parameters with `model` (checkpoints, eval and monitors use `model`); the
         # Triton attention is an opaque torch.library op there (kernels/ops.py): same kernels, same bits
-        train_model = torch.compile(model) if compile_enabled(tc.compile, device) else model
+        compiled = compile_enabled(tc.compile, device, self.result["attention_routes"])
+        train_model = compile_model(model) if compiled else model
         if world > 1:
             from torch.nn.parallel import DistributedDataParallel as DDP
             train_model = DDP(train_model, device_ids=[device.index] if device.type == "cuda" else None)

@@ -88,6 +88,8 @@ def test_train_compile_is_validated():
         check_train(TrainConfig(compile="sometimes"))
     assert compile_enabled("auto", torch.device("cuda")) and not compile_enabled("auto", torch.device("cpu"))
     assert compile_enabled("True", torch.device("cpu")) and not compile_enabled(False, torch.device("cuda"))
+    assert not compile_enabled("auto", torch.device("cuda"), ["flash/triton/fa2", "flash/emulator/paper_bf16"])
+    assert compile_enabled("auto", torch.device("cuda"), ["flash/triton/fa2", "sdpa/bf16/no-counters"])
 
 
 # ----------------------------------------------------------------------------------- CPU: interpreter (FP32 logic)
