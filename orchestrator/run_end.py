@@ -35,6 +35,9 @@ def finish(job, stream, done: int, status: str = "FINISHED") -> None:
         job.tracker.set_tags({"verdict": r["observed"], "divergence_step": r["divergence_step"],
                               "matches_expect": (r["observed"] == "diverged") == (r["expected"] == "diverges"),
                               "early_stopped": r["early_stopped"]})
+        hook_metrics = job.hooks.final_metrics() if getattr(job, "hooks", None) else {}
+        if hook_metrics:  # e.g. how often QK-clip fired: counted, never silent
+            job.tracker.log_metrics(hook_metrics, step=max(done - 1, 0))
         for p in stream.paths:
             if p.exists():
                 job.tracker.log_artifact(p)

@@ -49,7 +49,10 @@ def set_fork(job, info: Dict[str, Any]) -> None:
 
 def restore_run_state(job, state: Dict[str, Any], resuming: bool) -> None:
     """Detector and monitor peaks of the same run (a resume), or of the source when a fork continues its detector
-    (verdict.fork_baseline=source, checked by fork.check_fork). Weights and optimizer are loaded by the job."""
+    (verdict.fork_baseline=source, checked by fork.check_fork); the train hooks' state on a resume (a fork starts
+    its own hooks fresh). Weights and optimizer are loaded by the job."""
+    if resuming:
+        job.hooks.load_state_dict(state.get("hooks") or [])
     if resuming or (job.forking and job.cfg.verdict.fork_baseline == "source"):
         job.detector.load_state_dict(state["detector"])
         mon = state.get("monitor", {})
@@ -69,7 +72,7 @@ def job_state(job, model, optimizer, done: int) -> Dict[str, Any]:
         "model_shape": checkpoint.model_shape(job.cfg.model),
         "config": OmegaConf.to_container(OmegaConf.structured(job.cfg)),
         "batch_order": str(job.order_path) if job.order_path else None, "job_dir": str(job.job_dir),
-        "fork": job.fork}
+        "fork": job.fork, "hooks": job.hooks.state_dict()}
 
 
 def save(job, model, optimizer, done: int, name: str, keep_step: bool = False) -> Optional[Path]:

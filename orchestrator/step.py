@@ -1,4 +1,6 @@
-"""One optimizer step of the job: learning rate, micro-batches, backward, global grad clip, optimizer step.
+"""One optimizer step of the job: learning rate, micro-batches, backward, global grad clip, optimizer step, and
+then the intervention's train hooks: `hooks.after_optimizer_step(step, model, {"loss", "grad_norm"})` is the one
+place the loop calls them (orchestrator/interventions/hooks.py).
 
 The hot path: nothing here syncs the host. The loss and grad norm come back as device scalars for the monitors.
 Under DDP every micro-batch but the last skips the gradient all-reduce (`no_sync`), and the logged loss is averaged
@@ -25,8 +27,9 @@ def autocast(device: torch.device, precision: str):
 class TrainStep:
     """`step(k, batches) -> (loss, grad_norm, lr)`: optimizer step k on this rank's micro-batches."""
 
-    def __init__(self, cfg, model, train_model, optimizer, device: torch.device, world: int):
+    def __init__(self, cfg, model, train_model, optimizer, device: torch.device, world: int, hooks=None):
         tc = cfg.train
+        self.hooks = hooks
         self.cfg, self.model, self.train_model, self.optimizer = cfg, model, train_model, optimizer
         self.device, self.world = device, world
         self.accum_local = tc.grad_accum // world
@@ -59,6 +62,8 @@ class TrainStep:
         if self.world > 1:  # the logged loss is the global batch's, like the single-process run
             import torch.distributed as tdist
             tdist.all_reduce(loss_sum, op=tdist.ReduceOp.AVG)
+        if self.hooks:
+            self.hooks.after_optimizer_step(step, self.model, {"loss": loss_sum, "grad_norm": grad_norm})
         return loss_sum, grad_norm, cfg.optimizer.lr * lr_f
 
 

@@ -26,6 +26,7 @@ from omegaconf import OmegaConf
 from tqdm import tqdm
 
 from orchestrator import checkpoint, run_end, snapshot
+from orchestrator.interventions import build_hooks
 from orchestrator.optim import build_optimizer
 from orchestrator.snapshot import CKPT_DIR
 from orchestrator.step import TrainStep, autocast
@@ -88,6 +89,7 @@ class Job:
     def __init__(self, cfg, attention, job_dir: Path, overrides: List[str]):
         self.cfg, self.attention, self.job_dir, self.overrides = cfg, attention, Path(job_dir), list(overrides)
         self.result: Dict[str, Any] = run_end.new_result(cfg.intervention, self.overrides)
+        self.hooks = build_hooks(cfg.intervention.hooks)  # the intervention's train hooks (checked by validation)
         self.fork: Optional[Dict[str, Any]] = None  # fork_info() when this run is (or resumes) a fork
         self.forking = False  # this process starts the fork (new MLflow run, fresh detector/monitors)
         self.order_path: Optional[Path] = None
@@ -117,6 +119,7 @@ class Job:
         seed_everything(self.cfg.train.seed)
         model = GPT(self.cfg.model, self.attention).to(device)
         self.result["attention_routes"] = model.attention_routes()
+        self.hooks.attach(model)
         optimizer = build_optimizer(model, self.cfg.optimizer, device)
         state = snapshot.start_state(self)
         if state:
@@ -212,7 +215,7 @@ class Job:
         if state:
             snapshot.restore_run_state(self, state, resuming)
             checkpoint.set_rng_state(state["rng"])  # last: model building above consumed the RNG
-        step_fn = TrainStep(cfg, model, train_model, optimizer, device, self.dist.world_size)
+        step_fn = TrainStep(cfg, model, train_model, optimizer, device, self.dist.world_size, self.hooks)
         return model, optimizer, step_fn, stream, val, start, device
 
     # ------------------------------------------------------------------------------------------------ run
