@@ -293,12 +293,14 @@ def _validate(cfg, overrides: Sequence[str] = (), check_resume: bool = True, che
         raise ConfigError(f"{e} (attention with intervention={obj.intervention.name})") from None
     check_knob_combos(att, obj.model.n_layer)
     if check_resume and (obj.from_checkpoint is not None or obj.resume is not None):
-        from orchestrator.fork import check_fork, check_model, source_header
+        from orchestrator.fork import check_fork, check_model, check_resume_hooks, source_header
         try:
             if obj.from_checkpoint is not None:
                 check_fork(obj)  # resume + from_checkpoint, model, optimizer, step < max_steps, batch order
-            else:  # the checkpoint's header (read once per process), the model against it
-                check_model(source_header(obj.resume, key="resume"), obj, key="resume", path=obj.resume)
+            else:  # the checkpoint's header (read once per process): the model and the train hooks against it
+                header = source_header(obj.resume, key="resume")
+                check_model(header, obj, key="resume", path=obj.resume)
+                check_resume_hooks(header, obj, obj.resume)
         except ValueError as e:
             raise ConfigError(str(e)) from None
     if check_store:
