@@ -22,6 +22,7 @@ import os
 import torch
 
 from kernels.config import AttentionKnobs
+from kernels.knobs import unsupported
 
 try:  # Triton is optional: the emulator serves machines without it
     import triton
@@ -45,8 +46,12 @@ def _interpret() -> bool:
 
 
 def supports(knobs: AttentionKnobs, q: torch.Tensor) -> bool:
-    """True when these kernels implement `knobs` for inputs like `q` (else the caller uses the emulator)."""
-    if triton is None or knobs.impl != "flash":
+    """True when these kernels implement `knobs` for inputs like `q` (else the caller uses the emulator).
+
+    Which knobs they compute is the knob table's (kernels/knobs.py: rows naming `triton`); what is checked here is
+    only this file's own limits: device, head dim, dtype, tile sizes and the recipe/delta ids it was built for.
+    """
+    if triton is None or knobs.impl != "flash" or unsupported(knobs, "triton"):
         return False
     if not (q.is_cuda or _interpret()):
         return False
