@@ -92,8 +92,8 @@ def _clamped(p: _Plan, pbar: torch.Tensor, rep: Optional[torch.Tensor]) -> Optio
     """pbar_clamp, the clamp-only ablation: where P̄ = 1 in a row whose tile max repeats (`rep`, the rows Algorithm 3
     and the counters call repeated), the P̄ fed to P̄V is PBAR_CLAMP, the largest BF16 value below 1. Returns that mask
     (None when the knob is off). m, l and lse are not changed: every other P̄ entry, and the softmax statistics the
-    backward reads, are bit-identical to the unclamped run. l sums the unclamped P̄, so a row's weights sum to
-    1 - (1 - PBAR_CLAMP) * (clamped entries) / l: only P̄V sees the clamp, as the ablation asks."""
+    backward reads, are bit-identical to the unclamped run. l sums the unclamped P̄, so a row's weights sum to 1
+    less (1 - PBAR_CLAMP) times the softmax weights of its clamped entries: only P̄V sees the clamp."""
     return (rep & (pbar == 1)) if p.clamp else None
 
 
