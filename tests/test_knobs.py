@@ -54,8 +54,24 @@ def test_generated_classes_are_structured_configs():
     with pytest.raises(ValidationError, match="pbar_clamp"):
         OmegaConf.merge(node, {"overrides": [{"layers": [0], "pbar_clamp": "maybe"}]})
     assert pickle.loads(pickle.dumps(att)) == att
+
+
+
+def test_generated_classes_compose_through_hydra_configstore():
+    from hydra import compose, initialize
     from hydra.core.config_store import ConfigStore
-    ConfigStore.instance().store(name="knobs_test_attention", node=AttentionConfig)  # Hydra takes it as a schema
+    from hydra.core.global_hydra import GlobalHydra
+
+    ConfigStore.instance().store(name="knobs_test_attention", node=AttentionConfig)
+    GlobalHydra.instance().clear()
+    try:
+        with initialize(version_base="1.3", config_path=None):
+            att = OmegaConf.to_object(compose("knobs_test_attention", overrides=["pbar_clamp=true", "block_k=32"]))
+            assert type(att) is AttentionConfig and att.pbar_clamp and att.block_k == 32
+            with pytest.raises(Exception, match="block_q"):
+                compose("knobs_test_attention", overrides=["block_q=big"])
+    finally:
+        GlobalHydra.instance().clear()
 
 
 def test_intervention_composes_with_the_table_knob(tmp_path):
