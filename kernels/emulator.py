@@ -88,6 +88,13 @@ def _tile_max(p: _Plan, s: torch.Tensor, mask, count: bool):
     return rm, mt, rep
 
 
+def _tile_shift(p: _Plan, s: torch.Tensor, m: torch.Tensor, mask, want_rep: bool):
+    """(tile row max, `rep`, running max after the tile): P̄ = exp(S - m) of the tile uses the last. One function for
+    the forward and for pbar_clamp's backward, which must rebuild the forward's m exactly."""
+    rm, mt, rep = _tile_max(p, s, mask, want_rep)
+    return rm, rep, round_to(torch.maximum(m, mt), p.rc.stats)
+
+
 def _clamped(p: _Plan, pbar: torch.Tensor, rep: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     """pbar_clamp, the clamp-only ablation: where P̄ = 1 in a row whose tile max repeats (`rep`, the rows Algorithm 3
     and the counters call repeated), the P̄ fed to P̄V is PBAR_CLAMP, the largest BF16 value below 1. Returns that mask
@@ -126,10 +133,9 @@ def forward(q, k, v, knobs: AttentionKnobs, stats: Optional[AttnStats] = None, c
             ke = min(ks + p.bk, T)
             mask = _causal_mask(qs, qe, ks, ke, dev)
             s = _scores(p, qi, kw[:, :, ks:ke], mask, fill)
-            rm, mt, rep = _tile_max(p, s, mask, count or capture is not None or p.clamp)
+            rm, rep, m_new = _tile_shift(p, s, m, mask, count or capture is not None or p.clamp)
             if count:
                 stats.update(rep, rm)
-            m_new = round_to(torch.maximum(m, mt), rc.stats)
             pbar = torch.exp(round_to(s - m_new, rc.shift))
             alpha = torch.exp(round_to(m - m_new, rc.shift))
             rowsum = pbar.sum(dim=-1, keepdim=True)
@@ -165,8 +171,7 @@ def _key_tiles(p: _Plan, qi, kw, qs: int, qe: int, lse_i, dev):
         s = _scores(p, qi, kw[:, :, ks:ke], mask, float("-inf"))
         tie = None
         if p.clamp:  # masked scores are -inf here (-max there): neither moves m, nor is P̄ = 1 at them
-            _, mt, rep = _tile_max(p, s, mask, True)
-            m = round_to(torch.maximum(m, mt), p.rc.stats)
+            _, rep, m = _tile_shift(p, s, m, mask, True)
             tie = _clamped(p, torch.exp(round_to(s - m, p.rc.shift)), rep)
         yield ks, ke, torch.exp(s - lse_i), tie  # masked: exp(-inf) = 0
 
@@ -298,8 +303,9 @@ def capture_forward(q, k, v, cfg: AttentionKnobs, stats: Optional[AttnStats] = N
     """One forward with its internals captured (debug hook): a dict with "o", "o_saved", "lse" and the P̄ tiles.
 
     "tiles": list of dict(qs, ks, p_bar (B, H, rows, cols) in the working dtype, p_bar_pv the P̄ fed to P̄V (p_bar
-    unless pbar_clamp), rep (B, H, rows, 1) bool (rows where the tile max repeats), mask (rows, cols) bool or None, rm the tile row max, m the running max after the
-    tile); "o_bar": the O accumulator before the division by l; "l", "m".
+    unless pbar_clamp), rep (B, H, rows, 1) bool (rows where the tile max repeats), mask (rows, cols) bool or None,
+    rm the tile row max, m the running max after the tile); "o_bar": the O accumulator before the division by l; "l",
+    "m".
     """
     knobs = check_inputs(q, k, v, cfg, stats)
     cap: dict = {}

@@ -9,15 +9,16 @@ Implementations: `emulator` and `triton` compute impl=flash (kernels/emulator.py
 `backend`), `standard` and `sdpa` are models/attention.py's other two.
 
 It fails closed. `computed_by` and `off` have no default, so a new row must say where it runs. A knob is *set* when
-its value is not `off`. A set knob is refused before launch on an implementation outside its `computed_by`, unless
-the row lists that implementation in `ignored_by` and says why it means nothing there. backend=auto sends a layer to
-the emulator when Triton does not compute one of its set knobs, and the route label says so.
+its value is not `off`. A set knob is refused before launch on an implementation that does not compute it, unless
+the row lists that implementation in `ignored_by` and says why it means nothing there. A knob with `choices` says,
+per implementation, which values it computes: a new choice is computed nowhere until listed. backend=auto sends a
+layer to the emulator when Triton does not compute one of its set knobs, and the route label says so.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping
 from dataclasses import KW_ONLY, dataclass, replace
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 from kernels.checks import is_int, is_num
 
@@ -48,7 +49,8 @@ class Knob:
     default: Any
     meaning: str
     _: KW_ONLY
-    computed_by: Tuple[str, ...]  # required: where it is computed
+    # required: where it is computed: implementations (every value), or {implementation: the set values it computes}
+    computed_by: Union[Tuple[str, ...], Dict[str, Tuple]]
     off: Any  # required: the value that asks nothing of an implementation
     ignored_by: Tuple[str, ...] = ()  # implementations where it means nothing (the meaning says why)
     choices: Tuple[str, ...] = ()
@@ -63,10 +65,17 @@ class Knob:
                                  f"{', '.join(IMPLEMENTATIONS)}")
         if set(self.computed_by) & set(self.ignored_by):
             raise ValueError(f"knob {self.name}: an implementation cannot both compute and ignore it")
+        if self.choices and not isinstance(self.computed_by, Mapping):
+            raise ValueError(f"knob {self.name}: a knob with choices gives computed_by as {{implementation: values}}, "
+                             "so that a new choice is computed nowhere until listed")
         for what, value in (("default", self.default), ("off", self.off)):
             why = self.problem(value)
             if why:
                 raise ValueError(f"knob {self.name}: {what}={value!r} is not allowed: expected {why}")
+        for impl, values in (self.computed_by.items() if isinstance(self.computed_by, Mapping) else ()):
+            bad_values = [v for v in values if self.problem(v)]
+            if bad_values:
+                raise ValueError(f"knob {self.name}: computed_by[{impl!r}] lists {bad_values!r}, not allowed values")
 
     def problem(self, value, n_head: Optional[int] = None) -> Optional[str]:
         """None when `value` is allowed, else what is allowed, in words."""
@@ -81,6 +90,18 @@ class Knob:
     def is_set(self, value) -> bool:
         return _plain(value) != _plain(self.off)
 
+    def computes(self, impl: str, value) -> bool:
+        """Whether `impl` computes this knob at `value` (off asks nothing: every implementation computes it)."""
+        if not self.is_set(value):
+            return True
+        if isinstance(self.computed_by, Mapping):
+            return any(_plain(value) == _plain(v) for v in self.computed_by.get(impl, ()))
+        return impl in self.computed_by
+
+    def computed_where(self, value) -> List[str]:
+        """The implementations that compute this knob at `value`."""
+        return [impl for impl in IMPLEMENTATIONS if self.computes(impl, value)]
+
     def route_label(self, knobs) -> Optional[str]:
         if self.label is not None:
             return self.label(knobs)
@@ -93,7 +114,8 @@ class Knob:
 
 
 def _plain(value):
-    return list(value) if isinstance(value, Sequence) and not isinstance(value, str) else value
+    # list/tuple, not collections.abc.Sequence: routing calls this per forward, and torch.compile traces plain checks
+    return list(value) if isinstance(value, (list, tuple)) else value
 
 
 def _elsewhere(_knobs) -> None:
@@ -115,7 +137,7 @@ def _positive(value, _n_head) -> Optional[str]:
 
 def _heads(value, n_head) -> Optional[str]:
     top = None if n_head is None else n_head - 1
-    ok = isinstance(value, Sequence) and not isinstance(value, str) and all(is_int(h, 0, top) for h in value)
+    ok = not isinstance(value, (str, Mapping)) and hasattr(value, "__iter__") and all(is_int(h, 0, top) for h in value)
     return None if ok else f"head indices in {'>= 0' if top is None else f'0..{top}'}"
 
 
@@ -129,11 +151,14 @@ _BQ = "no tiles there: they compute each row whole, which is what any block size
 # The table. Its order is the field order of AttentionKnobs and the order of the route label's parts.
 KNOBS: Tuple[Knob, ...] = (
     Knob("impl", str, "flash", "what computes the layer: tiled flash kernels, materialised softmax or torch SDPA",
-         computed_by=ALL, off="flash", choices=IMPLS, label=_elsewhere),
-    Knob("backend", str, "auto", "which code computes impl=flash (a choice among flash kernels; others ignore it)",
-         computed_by=ALL, off="auto", choices=BACKENDS, label=_elsewhere),
+         computed_by={"emulator": ("flash",), "triton": ("flash",), "standard": ("standard",), "sdpa": ("sdpa",)},
+         off="flash", choices=IMPLS, label=_elsewhere),
+    Knob("backend", str, "auto", "which code computes impl=flash; standard and sdpa are no flash kernel",
+         computed_by={"emulator": ("emulator",), "triton": ("triton",)}, off="auto", ignored_by=("standard", "sdpa"),
+         choices=BACKENDS, label=_elsewhere),
     Knob("recipe", str, "paper_bf16", "the dtype of every attention intermediate (kernels/recipes.py)",
-         computed_by=ALL, off="paper_bf16", choices=RECIPES, label=_elsewhere),
+         computed_by={"emulator": ("fa2", "fp32"), "triton": ("fa2", "fp32"), "standard": ("fa2", "fp32"),
+                      "sdpa": ("fa2", "fp32")}, off="paper_bf16", choices=RECIPES, label=_elsewhere),
     Knob("tiling", bool, True, "False: one block spans the whole sequence (block size = T)",
          computed_by=FLASH, off=True, label=lambda k: None if k.tiling else "untiled"),
     Knob("block_q", int, BLOCK, f"query tile size; {_BQ}", computed_by=FLASH, off=BLOCK,
@@ -143,14 +168,15 @@ KNOBS: Tuple[Knob, ...] = (
     Knob("block_k", int, BLOCK, f"key tile size (the tile whose max Algorithm 3 and the counters see); {_BQ}",
          computed_by=FLASH, off=BLOCK, ignored_by=("standard", "sdpa"), check=_positive_int, label=_elsewhere),
     Knob("softmax", str, "safe", "stabilized: Algorithm 3 (shift by beta * rowmax where the row max repeats)",
-         computed_by=FLASH, off="safe", choices=SOFTMAXES,
+         computed_by={"emulator": ("stabilized",), "triton": ("stabilized",)}, off="safe", choices=SOFTMAXES,
          label=lambda k: f"sfa(beta={k.beta:g})" if k.softmax == "stabilized" else None),
     Knob("beta", float, 2.0, "Algorithm 3's shift factor; read only by softmax=stabilized, which standard and "
          "sdpa refuse", computed_by=FLASH, off=2.0, ignored_by=("standard", "sdpa"), check=_beta, label=_elsewhere),
     Knob("eps", float, EPS, "tolerance of 'repeated' for Algorithm 3 and the counters; sdpa has neither",
          computed_by=("emulator", "triton", "standard"), off=EPS, ignored_by=("sdpa",), check=_positive),
     Knob("delta", str, "dO_O", "delta = rowsum(dO*O) | rowsum(dP*P) | rowsum(dO*O) with O recomputed as PV in FP32",
-         computed_by=FLASH, off="dO_O", choices=DELTAS),
+         computed_by={"emulator": ("dP_P", "recompute_fp32"), "triton": ("dP_P", "recompute_fp32")}, off="dO_O",
+         choices=DELTAS),
     Knob("pv_fp32", bool, False, "the P̄V product (and the O accumulator it feeds) in FP32",
          computed_by=("emulator", "triton", "standard"), off=False),
     Knob("o_fp32", bool, False, "O in FP32 in the forward for every head",
@@ -181,13 +207,12 @@ def implementation(knobs, backend: Optional[str] = None) -> str:
 
 def unsupported(knobs, impl: str) -> List[Knob]:
     """The set knobs that `impl` neither computes nor declares meaningless: a route through it would drop them."""
-    return [r for r in rows(knobs) if impl not in r.computed_by and impl not in r.ignored_by
-            and r.is_set(getattr(knobs, r.name))]
+    return [r for r in rows(knobs) if impl not in r.ignored_by and not r.computes(impl, getattr(knobs, r.name))]
 
 
 def as_computed(knobs, impl: str):
-    """The knobs as `impl` computes them: a knob it does not compute reads as off."""
-    off = {r.name: _plain(r.off) for r in rows(knobs) if impl not in r.computed_by}
+    """The knobs as `impl` computes them: a knob it does not compute (at that value) reads as off."""
+    off = {r.name: _plain(r.off) for r in rows(knobs) if not r.computes(impl, getattr(knobs, r.name))}
     return replace(knobs, **off) if off else knobs
 
 
@@ -197,8 +222,9 @@ def route_labels(knobs, impl: str) -> List[str]:
     return [lab for lab in (r.route_label(k) for r in rows(knobs)) if lab]
 
 
-def computed_by_words(row: Knob) -> str:
-    return ", ".join(row.computed_by) or "no implementation"
+def computed_by_words(row: Knob, value) -> str:
+    """Where `row` at `value` is computed, in words."""
+    return ", ".join(row.computed_where(value)) or "no implementation"
 
 
 __all__ = ["Knob", "KNOBS", "IMPLEMENTATIONS", "IMPLS", "BACKENDS", "RECIPES", "SOFTMAXES", "DELTAS", "PBAR_CLAMP",

@@ -183,8 +183,8 @@ def check_knob_combos(att: AttentionConfig, n_layer: int, key: str = "attention"
             value = getattr(k, row.name)
             raise ConfigError(
                 f"{src[row.name]} (layer {layer}): {row.name}={value!r} is not computed by {_route_words(k, src)}; "
-                f"computed by: {knob_table.computed_by_words(row)}; allowed: {row.name}={row.off!r} in that layer, "
-                f"or an impl/backend that computes it")
+                f"computed by: {knob_table.computed_by_words(row, value)}; allowed: {row.name}={row.off!r} in that "
+                f"layer, or an impl/backend that computes it")
 
 
 # ----------------------------------------------------------------------------------------------- the sections

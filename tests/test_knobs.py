@@ -113,6 +113,24 @@ def test_a_row_must_state_where_it_runs_and_its_off_value():
         Knob("toy", int, 3, "an int without a check", computed_by=("emulator",), off=3)
     with pytest.raises(ValueError, match="twice"):
         build(KNOBS + (KNOBS[-1],))
+    with pytest.raises(ValueError, match="a knob with choices gives computed_by as"):
+        Knob("toy", str, "a", "choices need values per implementation", computed_by=("emulator",), off="a",
+             choices=("a", "b"))
+
+
+def test_a_new_choice_is_computed_nowhere_until_listed():
+    """A value added to a knob's choices (as a new softmax would be) runs only where a row lists it."""
+    softmax = next(r for r in KNOBS if r.name == "softmax")
+    forgot = replace(softmax, choices=softmax.choices + ("toy_softmax",))
+    listed = replace(forgot, computed_by={"emulator": ("stabilized", "toy_softmax"), "triton": ("stabilized",)})
+    for row, where in ((forgot, "no implementation"), (listed, "emulator")):
+        Knobs, _, _, Config = build(tuple(row if r.name == "softmax" else r for r in KNOBS))
+        with pytest.raises(ConfigError, match=f"softmax='toy_softmax' is not computed by attention.backend='triton'"
+                                              f"; computed by: {where};"):
+            check_knob_combos(Config(backend="triton", softmax="toy_softmax"), n_layer=1)
+        assert [r.name for r in table.unsupported(Knobs(softmax="toy_softmax"), "triton")] == ["softmax"]
+        assert bool(table.unsupported(Knobs(softmax="toy_softmax"), "emulator")) == (row is forgot)
+    assert route_name(Knobs(softmax="toy_softmax"), "emulator").startswith("flash/emulator (triton lacks: softmax)/")
 
 
 def test_shared_checks():
