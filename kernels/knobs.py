@@ -24,7 +24,6 @@ from kernels.checks import is_int, is_num
 
 IMPLEMENTATIONS = ("emulator", "triton", "standard", "sdpa")
 FLASH = ("emulator", "triton")  # the tiled kernels (impl=flash)
-ALL = IMPLEMENTATIONS
 IMPLS = ("flash", "standard", "sdpa")  # flash: tiled kernels; standard: materialised softmax; sdpa: torch
 BACKENDS = ("auto", "emulator", "triton")  # auto: triton on CUDA when it computes every set knob, else the emulator
 RECIPES = ("paper_bf16", "fa2", "fp32")
