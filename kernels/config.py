@@ -11,7 +11,7 @@ from typing import List, Optional
 IMPLS = ("flash", "standard", "sdpa")  # flash: tiled kernels below; standard: materialised softmax; sdpa: torch
 BACKENDS = ("auto", "emulator", "triton")  # auto: triton on CUDA when it supports the knobs, else the emulator
 RECIPES = ("paper_bf16", "fa2", "fp32")
-SOFTMAXES = ("safe", "stabilized")
+SOFTMAXES = ("safe", "stabilized", "stabilized_guarded")  # kernels/emulator.py: the two stabilized variants
 DELTAS = ("dO_O", "dP_P", "recompute_fp32")
 
 
@@ -29,7 +29,7 @@ class AttentionKnobs:
     tiling: bool = True  # False: one block spans the whole sequence (block size = T)
     block_q: int = 64
     block_k: int = 64
-    softmax: str = "safe"  # stabilized = Algorithm 3 (beta, eps)
+    softmax: str = "safe"  # stabilized = Algorithm 3 (beta, eps); stabilized_guarded = its bounded shift (emulator)
     beta: float = 2.0
     eps: float = 1e-3  # also the tolerance of the repeated-maxima counters
     delta: str = "dO_O"  # delta = rowsum(dO*O) | rowsum(dP*P) | rowsum(dO*O) with O recomputed as PV in FP32

@@ -100,8 +100,8 @@ def route_name(knobs: AttentionKnobs, backend: str) -> str:
             mods.append("untiled")
         elif (knobs.block_q, knobs.block_k) != (64, 64):
             mods.append(f"blocks{knobs.block_q}x{knobs.block_k}")
-        if knobs.softmax == "stabilized":
-            mods.append(f"sfa(beta={knobs.beta:g})")
+        if knobs.softmax in ("stabilized", "stabilized_guarded"):
+            mods.append(f"sfa{'_guarded' if knobs.softmax.endswith('guarded') else ''}(beta={knobs.beta:g})")
         if knobs.delta != "dO_O":
             mods.append(f"delta={knobs.delta}")
     elif knobs.impl == "standard":

@@ -56,8 +56,8 @@ def _autocast(device: torch.device, precision: str):
 def evaluate(model, batches, device, precision) -> torch.Tensor:
     """Mean val loss over fixed batches, as a device scalar. Kernel counters are saved and restored around it so
     the monitors only ever count training rows."""
-    stats = model.attention_stats()
-    saved = [(s.repeated_max_rows.clone(), s.rows_seen.clone(), s.max_logit.clone()) for s in stats]
+    stats = [s for s in model.attention_stats() if s is not None]
+    saved = [s.snapshot() for s in stats]
     model.eval()
     losses = []
     for x, y in batches:
@@ -65,10 +65,8 @@ def evaluate(model, batches, device, precision) -> torch.Tensor:
             _, loss = model(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
         losses.append(loss.float())
     model.train()
-    for s, (rows, seen, logit) in zip(stats, saved):
-        s.repeated_max_rows.copy_(rows)
-        s.rows_seen.copy_(seen)
-        s.max_logit.copy_(logit)
+    for s, snap in zip(stats, saved):
+        s.restore(snap)
     return torch.stack(losses).mean()
 
 
@@ -252,6 +250,7 @@ class Job:
             mon = state.get("monitor", {})
             if mon.get("peak_wq") is not None:
                 self.monitors.peak_wq, self.monitors.peak_wq_where = mon["peak_wq"], mon["peak_wq_where"]
+            self.monitors.numerics.update(mon.get("numerics") or {})
         if state:
             checkpoint.set_rng_state(state["rng"])  # last: model building above consumed the RNG
 
@@ -359,7 +358,7 @@ class Job:
             "step": done, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
             "rng": checkpoint.rng_state(), "detector": self.detector.state_dict(),
             "monitor": {"peak_wq": self.monitors.peak_wq if math.isfinite(self.monitors.peak_wq) else None,
-                        "peak_wq_where": self.monitors.peak_wq_where},
+                        "peak_wq_where": self.monitors.peak_wq_where, "numerics": dict(self.monitors.numerics)},
             "mlflow_run_id": self.tracker.run_id if self.tracker else None,
             "model_shape": checkpoint.model_shape(self.cfg.model),
             "config": OmegaConf.to_container(OmegaConf.structured(self.cfg)),
@@ -387,6 +386,12 @@ class Job:
         stream.close()
         if self.is_main:
             r = self.result
+            warning = self.monitors.numerics_warning()
+            if warning:  # counted numerical failures: a tag on the run and a line in result.json, never silent
+                r["warnings"] = [*r.get("warnings", []), warning]
+                self.tracker.set_tags({"warning": warning, **{f"numerics.{k}": v for k, v in
+                                                              self.monitors.numerics.items()}})
+                print(f"[job] warning: {warning}")
             self.tracker.set_tags({"verdict": r["observed"], "divergence_step": r["divergence_step"],
                                    "matches_expect": (r["observed"] == "diverged") == (r["expected"] == "diverges"),
                                    "early_stopped": r["early_stopped"]})
