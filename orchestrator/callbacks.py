@@ -97,4 +97,19 @@ class ValidateSweep(Callback):
             _reject(e)
 
 
-__all__ = ["ValidateSweep", "validate_sweep", "sweep_jobs"]
+class CloseDeadJobs(Callback):
+    """Hydra callback, listed after the report callback (Hydra runs end callbacks in reverse order, so this runs
+    first): a job of the sweep that died without a result (kill -9, OOM, node lost) gets its MLflow run marked KILLED
+    with the reason and a result.json (observed failed, its intervention and overrides) before the report reads
+    them (orchestrator.job.close_dead_jobs)."""
+
+    def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
+        from pathlib import Path
+
+        from orchestrator.job import close_dead_jobs
+        sweep_dir = OmegaConf.select(config, "hydra.sweep.dir")
+        if sweep_dir and Path(sweep_dir).is_dir():
+            close_dead_jobs(Path(sweep_dir))
+
+
+__all__ = ["ValidateSweep", "CloseDeadJobs", "validate_sweep", "sweep_jobs"]

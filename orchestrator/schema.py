@@ -80,6 +80,8 @@ class TrainConfig:
 class DebugConfig:
     nan_at_step: Optional[int] = None  # force a NaN loss at this step (0-based) to exercise the verdict path
     raise_at_step: Optional[int] = None  # raise an exception at this step to exercise failure handling
+    kill_at_step: Optional[int] = None  # SIGKILL the job at this step (fault-injection tests), at kill_where:
+    kill_where: str = "step"  # step_start | step (after the batch is read) | after_checkpoint | checkpoint_write
 
 
 @dataclass

@@ -29,6 +29,7 @@ from orchestrator.optim import build_optimizer, lr_factor, set_lr
 
 CKPT_DIR = "checkpoints"
 ORDER_FILE = "batch_order.bin"
+SPOOL_FILE = "mlflow_spool.jsonl"  # metric points waiting for a failed MLflow store (orchestrator/tracking.py)
 
 
 def seed_everything(seed: int) -> None:
@@ -117,8 +118,9 @@ class Job:
     def _resume_state(self) -> Optional[Dict[str, Any]]:
         cfg = self.cfg
         path = cfg.resume
-        if cfg.train.auto_resume and checkpoint.latest(self.job_dir) is not None:
-            path = checkpoint.latest(self.job_dir)  # a requeued job continues where it stopped (even after resume=)
+        found = checkpoint.latest(self.job_dir) if cfg.train.auto_resume else None  # newest intact one, said so
+        if found is not None:
+            path = found  # a requeued job continues where it stopped (even after resume=)
         if path is None and cfg.from_checkpoint is not None:
             from orchestrator.fork import fork_info, resolve_order, source_decay
             state = checkpoint.check_compatible(cfg.from_checkpoint, cfg.model, key="from_checkpoint")
@@ -130,6 +132,17 @@ class Job:
         if path is None:
             return None
         state = checkpoint.check_compatible(path, cfg.model)
+        if cfg.from_checkpoint is not None and found is not None and not state.get("fork"):
+            # this folder holds the checkpoints of a run that is not a fork (e.g. the source's own folder): resuming
+            # them would reopen that run in MLflow and rewrite its verdict
+            raise checkpoint.CheckpointError(
+                f"from_checkpoint={str(cfg.from_checkpoint)!r}: the job folder {self.job_dir} already holds the "
+                f"checkpoints of another run ({path}, MLflow run {state.get('mlflow_run_id')}); a fork never writes "
+                f"to another run: give the fork its own folder (hydra.run.dir=...)")
+        fork = state.get("fork") or {}
+        if fork.get("source_run_id") and fork.get("source_run_id") == state.get("mlflow_run_id"):
+            raise checkpoint.CheckpointError(f"resume={str(path)!r}: this fork checkpoint names its source's MLflow "
+                                             f"run {state['mlflow_run_id']}; a fork never writes to its source's run")
         self.result["resumed_from"] = str(path)
         if state.get("fork"):  # a requeued fork resumes its own run and still knows where it came from
             self._set_fork(state["fork"])
@@ -197,6 +210,11 @@ class Job:
         model = GPT(cfg.model, self.attention).to(device)
         self.result["attention_routes"] = model.attention_routes()
         optimizer = build_optimizer(model, cfg.optimizer, device)
+        if self.is_main:  # what a kill -9 mid-write left behind
+            from orchestrator.faults import remove_stale_temps
+            for folder in (self.job_dir / CKPT_DIR, self.job_dir):
+                for p in remove_stale_temps(folder):
+                    print(f"[job] removed {p}, a temp file of a killed job")
         state = self._resume_state()
         start = int(state["step"]) if state else 0
         resuming = bool(state) and not self.forking  # a fork starts a new run: fresh MLflow run, detector, monitors
@@ -227,8 +245,11 @@ class Job:
         self.tracker = Tracker(cfg.tracking, run_name[:250],
                                experiment=cfg.tracking.experiment or cfg.sweep_name,
                                run_id=state.get("mlflow_run_id") if resuming else None, enabled=self.is_main,
-                               tags=sweep_tags)
+                               tags=sweep_tags, spool=self.job_dir / SPOOL_FILE)
         self.result["mlflow_run_id"] = self.tracker.run_id
+        if self.is_main:  # what the launcher needs to close this run if the job dies without a result
+            from orchestrator.job import write_job_start
+            write_job_start(self.job_dir, mlflow_run_id=self.tracker.run_id, tracking_uri=self.tracker.uri)
         if self.is_main:
             resolved = self.job_dir / "config_resolved.yaml"
             resolved.parent.mkdir(parents=True, exist_ok=True)
@@ -271,10 +292,13 @@ class Job:
             for step in range(start, tc.max_steps):
                 if cfg.debug.raise_at_step == step:
                     raise RuntimeError(f"debug.raise_at_step={step}: forced failure")
+                self._maybe_kill(step, "step_start")
                 lr_f = lr_factor(step, tc.warmup_steps, decay, min_ratio)
                 set_lr(optimizer, lr_f)
                 loss_sum = torch.zeros((), device=device)
                 for i, (x, y) in enumerate(self._batches(stream, step)):
+                    if i == 0:
+                        self._maybe_kill(step, "step")
                     x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
                     sync = (train_model.no_sync() if world > 1 and i < accum_local - 1 else contextlib.nullcontext())
                     with sync:
@@ -303,7 +327,8 @@ class Job:
                     self._log_val(model, val, device, step)
                     val_done_at = step
                 if (tc.ckpt_every and done % tc.ckpt_every == 0) or last:
-                    self._save(model, optimizer, done, "last.pt", keep_step=True)
+                    self._save(model, optimizer, done, "last.pt", keep_step=True, kill_step=step)
+                    self._maybe_kill(step, "after_checkpoint")
                 if tc.early_stop and self.detector.should_stop(step):
                     self.result["early_stopped"] = True
                     break
@@ -320,7 +345,15 @@ class Job:
             self.result["error"] = f"{type(e).__name__}: {e}"
             self._crash(model, optimizer, done, stream)
             raise
-        except BaseException:  # preemption (SystemExit) or ^C: the checkpoint is saved; leave the run open
+        except BaseException as e:  # preemption (SystemExit) or ^C: the checkpoint is saved
+            try:
+                self._sync_monitors()
+                self._fill_verdict(done)  # result.json counts the steps done, not 0
+            except Exception:
+                pass
+            self.result["observed"] = "failed"
+            self.result["error"] = (f"stopped by {guard_signal(guard) or type(e).__name__} after {done} steps; the "
+                                    f"checkpoint is saved: rerun the same job (auto-resume) or resume=<its last.pt>")
             self._close_quietly(stream, "KILLED")
             raise
         finally:
@@ -337,6 +370,14 @@ class Job:
             return None
         return PreemptionGuard(dist_info=self.dist, check_every=self.cfg.dist.preempt_check_every).install()
 
+    def _maybe_kill(self, step: int, where: str) -> None:
+        """debug.kill_at_step / kill_where: SIGKILL this process there (the fault-injection tests)."""
+        d = self.cfg.debug
+        if d.kill_at_step == step and d.kill_where == where:
+            import os
+            import signal
+            os.kill(os.getpid(), signal.SIGKILL)
+
     def _log_val(self, model, val, device, step: int) -> None:
         v = float(evaluate(model, val, device, self.cfg.train.precision))  # one sync per eval, not per step
         self.result["val_loss"] = v
@@ -347,12 +388,16 @@ class Job:
         if host:
             self.detector.update(host)
 
-    def _save(self, model, optimizer, done: int, name: str, keep_step: bool = False) -> Optional[Path]:
-        """Flush the monitors first so the checkpoint's detector state and MLflow agree on the last step.
-        keep_step: also keep it as step_<done>.pt (periodic and final checkpoints: what a fork starts from)."""
+    def _save(self, model, optimizer, done: int, name: str, keep_step: bool = False,
+              kill_step: Optional[int] = None) -> Optional[Path]:
+        """Flush the monitors and the tracker first: a checkpoint is committed only once every metric point of the
+        steps it covers is in the store or the spool (a kill -9 right after it loses none), and its detector state
+        and MLflow agree on the last step. keep_step: also keep it as step_<done>.pt (periodic and final
+        checkpoints: what a fork starts from)."""
         self._sync_monitors()
         if not self.is_main:
             return None
+        self.tracker.flush()
         path = self.job_dir / CKPT_DIR / name
         state = {
             "step": done, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
@@ -364,6 +409,9 @@ class Job:
             "config": OmegaConf.to_container(OmegaConf.structured(self.cfg)),
             "batch_order": str(self.order_path) if self.order_path else None, "job_dir": str(self.job_dir),
             "fork": self.fork}
+        if kill_step is not None and self.cfg.debug.kill_at_step == kill_step and \
+                self.cfg.debug.kill_where == "checkpoint_write":
+            checkpoint.KILL_AFTER_BYTES = 1 << 20  # debug: SIGKILL once 1 MiB of the checkpoint is written
         if keep_step:
             checkpoint.save_step(path.parent, done, state, keep=self.cfg.train.keep_checkpoints,
                                  protect_before=self.detector.divergence_step, last=name)
@@ -399,6 +447,8 @@ class Job:
                 if p.exists():
                     self.tracker.log_artifact(p)
         self.tracker.close(status)
+        if self.is_main and self.tracker.store_error:  # training went on; the points wait in the spool
+            self.result["warnings"] = [*self.result.get("warnings", []), self.tracker.store_error]
 
     def _crash(self, model, optimizer, done: int, stream) -> None:
         """Record what is known: monitors flushed, verdict 'failed', a crash checkpoint when the weights are sane."""
@@ -431,6 +481,14 @@ class Job:
                 self.tracker.close(status)
             except Exception:
                 pass
+
+
+def guard_signal(guard) -> Optional[str]:
+    """The name of the signal the preemption guard caught, if any."""
+    import signal
+    if guard is None or guard.signum is None:
+        return None
+    return signal.Signals(guard.signum).name
 
 
 def train(cfg, attention, job_dir: Path, overrides: List[str]) -> Dict[str, Any]:

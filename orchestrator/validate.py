@@ -233,8 +233,13 @@ def check_intervention(iv, model) -> None:
         raise _bad("intervention.beta", iv.beta, "a number > 1 (beta = 1 is the safe softmax)")
 
 
+KILL_WHERE = ("step_start", "step", "after_checkpoint", "checkpoint_write")
+
+
 def check_debug(d, t) -> None:
-    for name in ("nan_at_step", "raise_at_step"):
+    if d.kill_where not in KILL_WHERE:
+        raise _bad("debug.kill_where", d.kill_where, "one of " + ", ".join(KILL_WHERE))
+    for name in ("nan_at_step", "raise_at_step", "kill_at_step"):
         v = getattr(d, name)
         if v is not None:
             _int(f"debug.{name}", v, 0, t.max_steps - 1)
