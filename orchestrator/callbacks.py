@@ -91,6 +91,11 @@ class ValidateSweep(Callback):
             print(f"[validate] {n} job(s) checked")
 
     def on_run_start(self, config: DictConfig, **kwargs) -> None:
+        launcher = [o for o in (list(config.hydra.overrides.hydra) + list(config.hydra.overrides.task))
+                    if o.lstrip("+~").startswith("hydra/launcher=")]
+        if launcher:  # Hydra only launches through a launcher in multirun mode: it would train here, silently
+            _reject(ConfigError(f"{launcher[0]} is not allowed without -m: Hydra uses a launcher only for a multirun; "
+                                f"add -m (python run.py -m {launcher[0]} ...) to launch through it"))
         try:
             validate_config(config, list(config.hydra.overrides.task))
         except (ConfigError, ValueError) as e:

@@ -74,6 +74,7 @@ class TrainConfig:
     record_batches: bool = True  # record the batch order (replay file, logged to MLflow)
     auto_resume: bool = True  # resume from <job dir>/checkpoints/last.pt when it exists (requeued jobs)
     keep_checkpoints: int = 3  # step_<k>.pt files kept (newest, plus the last one before a divergence); 0 = all
+    keep_last: bool = True  # false: a finished run drops last.pt (a copy of its final step_<k>.pt): half the disk
 
 
 @dataclass

@@ -341,6 +341,10 @@ class Job:
                     self._log_val(model, val, device, done - 1)
                 self._save(model, optimizer, done, "last.pt", keep_step=True)
             self._finish(stream, done, status="FINISHED")
+            final = checkpoint.step_path(self.job_dir / CKPT_DIR, done)
+            if not tc.keep_last and self.is_main and final.is_file():  # auto-resume finds step_<done>.pt itself
+                (self.job_dir / CKPT_DIR / "last.pt").unlink(missing_ok=True)
+                self.result["checkpoint"] = str(final)
         except Exception as e:
             self.result["error"] = f"{type(e).__name__}: {e}"
             self._crash(model, optimizer, done, stream)
