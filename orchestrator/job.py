@@ -103,16 +103,8 @@ def close_dead_jobs(root: Path, reason: str = "the job died without writing a re
                   "mlflow_run_id": info.get("mlflow_run_id"), "steps_done": _steps_logged(info),
                   "error": reason, "wall_s": None, "attention_routes": None}
         if info.get("mlflow_run_id") and info.get("tracking_uri"):
-            try:
-                from orchestrator.tracking import _retry, make_client
-                c = make_client(info["tracking_uri"])
-                run = _retry(c.get_run, info["mlflow_run_id"])
-                if run.info.status == "RUNNING":
-                    _retry(c.set_tag, run.info.run_id, "verdict", "failed")
-                    _retry(c.set_tag, run.info.run_id, "error", reason)
-                    _retry(c.set_terminated, run.info.run_id, status="KILLED")
-            except Exception as e:
-                print(f"[job] could not mark MLflow run {info['mlflow_run_id']} of {job_dir} KILLED: {e}")
+            from orchestrator.tracking import mark_terminated
+            mark_terminated(info["tracking_uri"], info["mlflow_run_id"], "KILLED", reason)
         write_result(job_dir, result)
         print(f"[job] {job_dir}: {reason}; marked failed (MLflow run KILLED)")
         closed.append(job_dir)
@@ -179,7 +171,8 @@ def run_job(cfg: DictConfig, job_dir: Optional[Path] = None, overrides: Optional
         print(f"[job] {name} failed: {result['error']}{where}")
     except BaseException as e:  # preempted (requeue) or interrupted: the requeued job rewrites result.json
         result = job.result if job is not None else result
-        result["error"] = f"interrupted ({type(e).__name__}); a requeued job resumes from its last checkpoint"
+        result["error"] = result.get("error") or (f"interrupted ({type(e).__name__}); a requeued job resumes from "
+                                                  f"its last checkpoint")
         raise
     finally:
         if job is None or job.is_main:

@@ -331,7 +331,8 @@ class _Sink:
 
     def _store_failed(self, e: BaseException) -> None:
         first = self.store_error is None
-        self.store_error = (f"the MLflow store {self.uri} cannot be written ({store_cause(self.uri, e)}); the metric "
+        self.store_cause = store_cause(self.uri, e)
+        self.store_error = (f"the MLflow store {self.uri} cannot be written ({self.store_cause}); the metric "
                             f"points are kept in {self.spool} and logged when the store is back")
         self._next_try = time.monotonic() + self.retry_s
         if first:
@@ -346,8 +347,9 @@ class _Sink:
                 os.fsync(f.fileno())
         except OSError as e:
             from orchestrator.faults import WriteError, sentence
-            raise WriteError(e.errno, sentence("the metric spool", self.spool, e) +
-                             f" and the MLflow store failed too ({self.store_error}): the points cannot be kept") from e
+            raise WriteError(e.errno, sentence("the metric spool", self.spool, e) + f", and the MLflow store {self.uri} "
+                             f"cannot be written ({getattr(self, 'store_cause', '?')}): the points cannot be kept") \
+                from e
         self.spooled += len(batch)
 
     def replay(self, force: bool = False) -> bool:
@@ -464,6 +466,23 @@ def _writer_process(uri: str, run_id: str, last_step: Dict[str, int], interval: 
            fail=lambda e: acks.put(("error", f"{type(e).__name__}: {e}")))
 
 
+def mark_terminated(uri: str, run_id: str, status: str, reason: str, client=None) -> bool:
+    """A run left RUNNING by a dead job: tags verdict=failed and error=reason, then status (KILLED | FAILED).
+    Returns whether it was marked; a store that cannot be reached is said, not raised."""
+    try:
+        c = client or make_client(uri)
+        run = _retry(c.get_run, run_id)
+        if run.info.status != "RUNNING":
+            return False
+        _retry(c.set_tag, run_id, "verdict", "failed")
+        _retry(c.set_tag, run_id, "error", _truncate(reason, MAX_TAG_VAL_LENGTH))
+        _retry(c.set_terminated, run_id, status=status)
+        return True
+    except Exception as e:
+        print(f"[tracking] could not mark run {run_id} {status} in {uri}: {e}", flush=True)
+        return False
+
+
 class Tracker:
     """One MLflow run, with metrics logged from a background thread.
 
@@ -569,6 +588,11 @@ class Tracker:
         if lost:
             self._tags_lost = {}
             self.set_tags({k: v for k, v in lost.items() if k not in tags})
+
+    def close_other(self, run_id: str, status: str, reason: str) -> None:
+        """Mark another run of this store (a dead job's, still RUNNING) terminated, with the reason as tags."""
+        if self.enabled:
+            mark_terminated(self.uri, run_id, status, reason, client=self.client)
 
     def log_metrics(self, metrics: Mapping[str, Any], step: int) -> None:
         """Queue the points and return at once (values may be floats or host tensors)."""
@@ -713,4 +737,4 @@ class Tracker:
 
 __all__ = ["TrackingConfig", "Tracker", "TrackingUnreachable", "check_tracking", "resolve_uri",
            "default_tracking_uri", "flatten_config", "git_info", "find_parent", "write_parent_file",
-           "get_or_create_experiment", "make_client", "PARENT_FILE", "RESULTS_DIR", "spooled_last_steps", "store_cause"]
+           "get_or_create_experiment", "make_client", "PARENT_FILE", "RESULTS_DIR", "spooled_last_steps", "store_cause", "mark_terminated"]

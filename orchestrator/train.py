@@ -248,7 +248,11 @@ class Job:
                                tags=sweep_tags, spool=self.job_dir / SPOOL_FILE)
         self.result["mlflow_run_id"] = self.tracker.run_id
         if self.is_main:  # what the launcher needs to close this run if the job dies without a result
-            from orchestrator.job import write_job_start
+            from orchestrator.job import read_job_start, write_job_start
+            old = (read_job_start(self.job_dir) or {}).get("mlflow_run_id")
+            if old and old != self.tracker.run_id:  # this folder's earlier run died before any checkpoint
+                self.tracker.close_other(old, "KILLED", "the job died before its first checkpoint and was started "
+                                                        f"again from step 0 (new MLflow run {self.tracker.run_id})")
             write_job_start(self.job_dir, mlflow_run_id=self.tracker.run_id, tracking_uri=self.tracker.uri)
         if self.is_main:
             resolved = self.job_dir / "config_resolved.yaml"

@@ -86,6 +86,10 @@ def test_kill9_then_resume_gives_the_uninterrupted_curve(ref, step, where):
     print(f"\nFAULT | kill -9 at step {step} ({where}) | lost {lost} | duplicated {dup} | curves equal {equal}")
     assert (lost, dup, equal) == (0, 0, True)
     assert mlrun.info.status == "FINISHED"
+    from mlflow.tracking import MlflowClient
+    runs = MlflowClient(tracking_uri=f"sqlite:///{tmp}/mlflow.db").search_runs(
+        [mlrun.info.experiment_id], filter_string=f"tags.job_dir = '{tmp / name}'")
+    assert all(r.info.status in ("FINISHED", "KILLED") for r in runs)  # no run of this folder left RUNNING
     assert res["final_loss"] == ref_res["final_loss"]
     assert not list((tmp / name).rglob(".*.tmp")), "temp files left behind"
 
@@ -111,7 +115,8 @@ def test_corrupted_checkpoint_is_refused_and_auto_resume_falls_back(ref, tmp_pat
     # a single run resumed from the damaged file: refused before launch, exit status 1, the path named
     p = run(tmp, "bad_resume", f"resume={d / 'last.pt'}", check=False)
     assert p.returncode == 1 and "is damaged" in p.stderr and str(d / "last.pt") in p.stderr
-    TABLE.append(("corrupted checkpoint (4 KiB random)", 0, 0, True))
+    TABLE.append(("corrupted checkpoint (4 KiB random in last.pt)", "-", "-",
+                  "refused naming the path; auto-resume falls back to step_20.pt; resume= exits 1"))
 
 
 def test_corrupted_batch_order_is_refused_before_step_0(ref, tmp_path):
@@ -135,7 +140,8 @@ def test_corrupted_batch_order_is_refused_before_step_0(ref, tmp_path):
         OrderReader(past, h)
     p = run(tmp, "bad_replay", f"data.replay={wrong}", check=False)
     assert p.returncode == 1 and "damaged" in (p.stdout + p.stderr)
-    TABLE.append(("corrupted batch order (valid offsets / past the end)", 0, 0, True))
+    TABLE.append(("corrupted batch order (valid offsets / past the end)", "-", "-",
+                  "refused before step 0 (checksum / range check); data.replay= exits 1"))
 
 
 def test_disk_full_during_a_checkpoint_is_one_sentence_and_leaves_no_temp(tmp_path, monkeypatch):
@@ -198,9 +204,12 @@ def test_lost_store_mid_run_spools_and_training_goes_on(tmp_path):
     t.close()
     from mlflow.tracking import MlflowClient
     hist = MlflowClient(tracking_uri=f"sqlite:///{db}").get_metric_history(t.run_id, "train/loss")
-    assert sorted(m.step for m in hist) == list(range(12))
+    steps = [m.step for m in hist]
+    lost, dup = len(set(range(12)) - set(steps)), len(steps) - len(set(steps))
+    TABLE.append(("MLflow store failing mid-run (spooled, replayed)", lost, dup, dict((m.step, m.value) for m in hist)
+                  == {s: float(s) for s in range(12)}))
+    assert (lost, dup) == (0, 0) and sorted(steps) == list(range(12))
     assert not spool.exists()
-    TABLE.append(("MLflow store failing mid-run (spooled, replayed)", 0, 0, True))
 
 
 def test_spool_that_cannot_be_written_stops_with_one_sentence(tmp_path):
@@ -221,7 +230,7 @@ def test_zz_fault_table():
     """Print the fault table (pytest -s shows it)."""
     print("\n| scenario | points lost | duplicated | curves equal |\n|---|---|---|---|")
     for row in TABLE:
-        print("| %s | %d | %d | %s |" % row)
+        print("| %s | %s | %s | %s |" % row)
 
 
 def test_pv_trace_shares_are_shares():
@@ -233,3 +242,50 @@ def test_pv_trace_shares_are_shares():
     assert 0.0 <= s["ones_share"] <= 1.0 and s["ones_share"] == pytest.approx(3.0 / 5.1)
     assert -1.0 <= s["ones_share_signed"] <= 1.0 and s["ones_share_signed"] == pytest.approx(3.0 / 4.1)
     assert s["ones_sum"] / s["total_error"] > 1  # the old definition
+
+
+def test_dead_job_is_closed_with_its_intervention_and_overrides(tmp_path):
+    """A job killed without a result: close_dead_jobs (the launcher side, callbacks.CloseDeadJobs at multirun end)
+    marks its MLflow run KILLED with the reason and writes result.json keeping intervention and overrides."""
+    from mlflow.tracking import MlflowClient
+    from orchestrator.job import close_dead_jobs
+    p = run(tmp_path, "dead", "debug.kill_at_step=3", check=False)
+    assert p.returncode == -9
+    job = json.loads((tmp_path / "dead" / "job.json").read_text())
+    c = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
+    assert c.get_run(job["mlflow_run_id"]).info.status == "RUNNING"
+    assert close_dead_jobs(tmp_path) == [tmp_path / "dead"]
+    run_ = c.get_run(job["mlflow_run_id"])
+    assert run_.info.status == "KILLED" and run_.data.tags["verdict"] == "failed"
+    assert "died without writing a result" in run_.data.tags["error"]
+    res = json.loads((tmp_path / "dead" / "result.json").read_text())
+    assert res["intervention"] == "baseline" and "debug.kill_at_step=3" in res["overrides"]
+    assert res["observed"] == "failed" and res["mlflow_run_id"] == job["mlflow_run_id"]
+    assert close_dead_jobs(tmp_path) == []  # once
+
+
+def test_failed_single_run_exits_nonzero(tmp_path):
+    p = run(tmp_path, "boom", "debug.raise_at_step=2", "train.max_steps=4", check=False)
+    assert p.returncode == 1, p.stderr[-2000:]
+    assert json.loads((tmp_path / "boom" / "result.json").read_text())["observed"] == "failed"
+
+
+def test_sigterm_outside_slurm_counts_the_steps_done(tmp_path):
+    import signal
+    import time
+    cmd = [sys.executable, "run.py", *BASE, "train.max_steps=2000", "train.ckpt_every=0",
+           f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", f"results_dir={tmp_path}/results",
+           f"hydra.run.dir={tmp_path}/term"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SUBMITIT_"))}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    order = tmp_path / "term" / "batch_order.bin"
+    deadline = time.time() + 300
+    while time.time() < deadline and (not order.is_file() or order.stat().st_size < 64 + 5 * 4 * 4):
+        time.sleep(0.5)  # a few steps recorded
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 3, err[-2000:]  # REQUEUE_EXIT_CODE: checkpoint saved, not finished
+    res = json.loads((tmp_path / "term" / "result.json").read_text())
+    state = checkpoint.load(tmp_path / "term" / "checkpoints" / "last.pt")
+    assert res["steps_done"] == state["step"] > 0
+    assert "SIGTERM" in res["error"]
