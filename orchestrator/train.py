@@ -9,11 +9,12 @@ flush them.
 
 Steps are 0-based: metrics of optimizer step s are logged at step s; a checkpoint holds `step` = steps done, i.e.
 the step a resumed run starts with.
+
+This module is the Job's setup and step loop; one optimizer step is orchestrator/step.py, checkpointing
+orchestrator/snapshot.py, the end-of-run bookkeeping orchestrator/run_end.py.
 """
 from __future__ import annotations
 
-import contextlib
-import math
 import random
 import time
 from pathlib import Path
@@ -24,10 +25,11 @@ import torch
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
-from orchestrator import checkpoint
-from orchestrator.optim import build_optimizer, lr_factor, set_lr
-
-CKPT_DIR = "checkpoints"
+from orchestrator import checkpoint, run_end, snapshot
+from orchestrator.interventions import build_hooks
+from orchestrator.optim import build_optimizer
+from orchestrator.snapshot import CKPT_DIR
+from orchestrator.step import TrainStep, autocast
 ORDER_FILE = "batch_order.bin"
 SPOOL_FILE = "mlflow_spool.jsonl"  # metric points waiting for a failed MLflow store (orchestrator/tracking.py)
 
@@ -47,12 +49,6 @@ def _job_slot() -> int:
         return 0
 
 
-def _autocast(device: torch.device, precision: str):
-    if precision == "bf16":  # FP32 master weights, BF16 matmuls; attention casts q/k/v itself per recipe
-        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
-
-
 @torch.no_grad()
 def evaluate(model, batches, device, precision) -> torch.Tensor:
     """Mean val loss over fixed batches, as a device scalar. Kernel counters are saved and restored around it so
@@ -62,17 +58,13 @@ def evaluate(model, batches, device, precision) -> torch.Tensor:
     model.eval()
     losses = []
     for x, y in batches:
-        with _autocast(device, precision):
+        with autocast(device, precision):
             _, loss = model(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
         losses.append(loss.float())
     model.train()
     for s, snap in zip(stats, saved):
         s.restore(snap)
     return torch.stack(losses).mean()
-
-
-def _finite_params(model) -> bool:
-    return all(torch.isfinite(p).all() for p in model.parameters())  # crash path only: syncing is fine here
 
 
 _NOT_IN_NAME = ("intervention=", "tracking.", "results_dir=", "hydra", "experiment=", "name=", "sweep_name=", "+sweep=",
@@ -87,17 +79,16 @@ def _run_name(iv_name: str, overrides: List[str]) -> str:
 
 class Job:
     """One training run. `run()` returns the result dict (the contract's result.json) and fills `self.result` as
-    it goes, so the caller can still write what is known when something fails."""
+    it goes, so the caller can still write what is known when something fails.
+
+    The pieces, one job each: `_setup` builds the model, optimizer, start state, data and the MLflow run; `_loop`
+    runs the steps (orchestrator/step.py is one optimizer step); orchestrator/snapshot.py writes and restores
+    checkpoints; orchestrator/run_end.py does the end-of-run bookkeeping (verdict, tags, crash path)."""
 
     def __init__(self, cfg, attention, job_dir: Path, overrides: List[str]):
         self.cfg, self.attention, self.job_dir, self.overrides = cfg, attention, Path(job_dir), list(overrides)
-        iv = cfg.intervention
-        self.result: Dict[str, Any] = {
-            "intervention": iv.name, "overrides": self.overrides, "expected": iv.expect, "observed": "failed",
-            "divergence_step": None, "final_loss": None, "min_loss": None, "val_loss": None, "peak_wq_norm": None,
-            "peak_wq_where": None, "mlflow_run_id": None, "steps_done": 0, "early_stopped": False, "error": None,
-            "wall_s": None, "attention_routes": None, "resumed_from": None, "checkpoint": None,
-            "forked_from": None, "fork_step": None, "source_run_id": None}
+        self.result: Dict[str, Any] = run_end.new_result(cfg.intervention, self.overrides)
+        self.hooks = build_hooks(cfg.intervention.hooks)  # the intervention's train hooks (checked by validation)
         self.fork: Optional[Dict[str, Any]] = None  # fork_info() when this run is (or resumes) a fork
         self.forking = False  # this process starts the fork (new MLflow run, fresh detector/monitors)
         self.order_path: Optional[Path] = None
@@ -106,6 +97,7 @@ class Job:
         self.detector = None
         self.dist = None
         self.is_main = True
+        self._done = 0  # steps done so far (the crash path records them)
 
     # ---------------------------------------------------------------------------------------------- setup
     def _init_dist(self):
@@ -113,51 +105,40 @@ class Job:
 
         self.dist = init_distributed(self.cfg.dist, device=self.cfg.train.device, slot=_job_slot())
         self.is_main = self.dist.is_main
+        if self.cfg.train.grad_accum % self.dist.world_size:
+            from orchestrator.validate import ConfigError
+            raise ConfigError(f"train.grad_accum={self.cfg.train.grad_accum} is not allowed with "
+                              f"{self.dist.world_size} ranks: expected a multiple of the world size")
         return self.dist.device
 
-    def _resume_state(self) -> Optional[Dict[str, Any]]:
-        cfg = self.cfg
-        path = cfg.resume
-        found = checkpoint.latest(self.job_dir) if cfg.train.auto_resume else None  # newest intact one, said so
-        if found is not None:
-            path = found  # a requeued job continues where it stopped (even after resume=)
-        if path is None and cfg.from_checkpoint is not None:
-            from orchestrator.fork import fork_info, resolve_order, source_decay
-            state = checkpoint.check_compatible(cfg.from_checkpoint, cfg.model, key="from_checkpoint")
-            self.forking = True
-            info = fork_info(cfg.from_checkpoint, state, cfg.optimizer.decay_steps or source_decay(state))
-            info["batch_order"] = str(resolve_order(cfg.from_checkpoint, state, cfg.data.replay))
-            self._set_fork(info)
-            return state
-        if path is None:
-            return None
-        state = checkpoint.check_compatible(path, cfg.model)
-        if cfg.from_checkpoint is not None and found is not None and not state.get("fork"):
-            # this folder holds the checkpoints of a run that is not a fork (e.g. the source's own folder): resuming
-            # them would reopen that run in MLflow and rewrite its verdict
-            raise checkpoint.CheckpointError(
-                f"from_checkpoint={str(cfg.from_checkpoint)!r}: the job folder {self.job_dir} already holds the "
-                f"checkpoints of another run ({path}, MLflow run {state.get('mlflow_run_id')}); a fork never writes "
-                f"to another run: give the fork its own folder (hydra.run.dir=...)")
-        fork = state.get("fork") or {}
-        if fork.get("source_run_id") and fork.get("source_run_id") == state.get("mlflow_run_id"):
-            raise checkpoint.CheckpointError(f"resume={str(path)!r}: this fork checkpoint names its source's MLflow "
-                                             f"run {state['mlflow_run_id']}; a fork never writes to its source's run")
-        self.result["resumed_from"] = str(path)
-        if state.get("fork"):  # a requeued fork resumes its own run and still knows where it came from
-            self._set_fork(state["fork"])
-        return state
+    def _build_model(self, device):
+        """Model and optimizer, then the start state's weights and optimizer state (resume or fork)."""
+        from models import GPT
 
-    def _set_fork(self, info: Dict[str, Any]) -> None:
-        self.fork = dict(info)
-        self.result.update({k: info.get(k) for k in ("forked_from", "fork_step", "source_run_id")})
-        if self.cfg.optimizer.decay_steps is None and info.get("decay_steps"):
-            self.cfg.optimizer.decay_steps = int(info["decay_steps"])  # the source's lr schedule
+        seed_everything(self.cfg.train.seed)
+        model = GPT(self.cfg.model, self.attention).to(device)
+        self.result["attention_routes"] = model.attention_routes()
+        self.hooks.attach(model)
+        optimizer = build_optimizer(model, self.cfg.optimizer, device)
+        if self.is_main:  # what a kill -9 mid-write left behind
+            from orchestrator.faults import remove_stale_temps
+            for folder in (self.job_dir / CKPT_DIR, self.job_dir):
+                for p in remove_stale_temps(folder):
+                    print(f"[job] removed {p}, a temp file of a killed job")
+        state = snapshot.start_state(self)
+        if state:
+            model.load_state_dict(state["model"])
+            optimizer.load_state_dict(state["optimizer"])
+        train_model = model
+        if self.dist.world_size > 1:
+            from torch.nn.parallel import DistributedDataParallel as DDP
+            train_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+        return model, train_model, optimizer, state
 
     def _stream(self, data_dir: Path, start: int):
         from orchestrator.data import BatchStream
 
-        cfg, world = self.cfg, self.dist.world_size
+        cfg = self.cfg
         replay = cfg.data.replay
         mine = self.job_dir / ORDER_FILE
         if self.fork:  # a fork (or its resume) replays the source's batches ...
@@ -184,59 +165,16 @@ class Job:
                     if m % world == rank]
         return [stream.get(step, m) for m in mine]
 
-    # ------------------------------------------------------------------------------------------------ run
-    def run(self) -> Dict[str, Any]:
-        t_start = time.perf_counter()
-        try:
-            return self._run()
-        finally:
-            self.result["wall_s"] = round(time.perf_counter() - t_start, 3)
-
-    def _run(self) -> Dict[str, Any]:
-        from models import GPT
-        from orchestrator.data import ensure_prepared, val_batches
-        from orchestrator.monitors import Monitors
+    def _open_run(self, state, resuming: bool) -> None:
+        """The MLflow run (the same one on resume, a new one for a fork), its params, tags and resolved config."""
         from orchestrator.tracking import Tracker
-        from orchestrator.verdict import DivergenceDetector
 
-        cfg, tc = self.cfg, self.cfg.train
-        device = self._init_dist()
-        world = self.dist.world_size
-        if tc.grad_accum % world:
-            from orchestrator.validate import ConfigError
-            raise ConfigError(f"train.grad_accum={tc.grad_accum} is not allowed with {world} ranks: expected a "
-                              f"multiple of the world size")
-        seed_everything(tc.seed)
-        model = GPT(cfg.model, self.attention).to(device)
-        self.result["attention_routes"] = model.attention_routes()
-        optimizer = build_optimizer(model, cfg.optimizer, device)
-        if self.is_main:  # what a kill -9 mid-write left behind
-            from orchestrator.faults import remove_stale_temps
-            for folder in (self.job_dir / CKPT_DIR, self.job_dir):
-                for p in remove_stale_temps(folder):
-                    print(f"[job] removed {p}, a temp file of a killed job")
-        state = self._resume_state()
-        start = int(state["step"]) if state else 0
-        resuming = bool(state) and not self.forking  # a fork starts a new run: fresh MLflow run, detector, monitors
-        if state:
-            model.load_state_dict(state["model"])
-            optimizer.load_state_dict(state["optimizer"])
-        train_model = model
-        if world > 1:
-            from torch.nn.parallel import DistributedDataParallel as DDP
-            train_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-
-        data_dir = ensure_prepared(cfg.data, cfg.model.vocab_size)
-        stream = self._stream(data_dir, start)
-        val = val_batches(data_dir / "val.bin", cfg.model.block_size, tc.batch_size, tc.eval_batches, seed=0)
-
-        iv = cfg.intervention
+        cfg, iv = self.cfg, self.cfg.intervention
+        fork_tags = {}
         if self.fork:
             fork_tags = {"forked_from": self.fork["forked_from"], "fork_step": self.fork["fork_step"]}
             if self.fork.get("source_run_id"):
                 fork_tags["forked_from_run"] = self.fork["source_run_id"]
-        else:
-            fork_tags = {}
         sweep_tags = {**fork_tags, "intervention": iv.name, "expect": iv.expect, "paper": iv.paper,
                       "sweep": cfg.sweep_name, "experiment": cfg.name, "job_dir": str(self.job_dir),
                       "overrides": " ".join(self.overrides), "attention_routes": ",".join(
@@ -247,128 +185,126 @@ class Job:
                                run_id=state.get("mlflow_run_id") if resuming else None, enabled=self.is_main,
                                tags=sweep_tags, spool=self.job_dir / SPOOL_FILE)
         self.result["mlflow_run_id"] = self.tracker.run_id
-        if self.is_main:  # what the launcher needs to close this run if the job dies without a result
-            from orchestrator.job import read_job_start, write_job_start
-            old = (read_job_start(self.job_dir) or {}).get("mlflow_run_id")
-            if old and old != self.tracker.run_id:  # this folder's earlier run died before any checkpoint
-                self.tracker.close_other(old, "KILLED", "the job died before its first checkpoint and was started "
-                                                        f"again from step 0 (new MLflow run {self.tracker.run_id})")
-            write_job_start(self.job_dir, mlflow_run_id=self.tracker.run_id, tracking_uri=self.tracker.uri)
-        if self.is_main:
-            resolved = self.job_dir / "config_resolved.yaml"
-            resolved.parent.mkdir(parents=True, exist_ok=True)
-            OmegaConf.save(OmegaConf.structured(cfg), resolved)
-            if not resuming:
-                self.tracker.log_params({**OmegaConf.to_container(OmegaConf.structured(cfg)),
-                                         "attention_effective": OmegaConf.to_container(
-                                             OmegaConf.structured(self.attention)),
-                                         # which code computes each layer (triton | emulator | standard | sdpa)
-                                         "attention_route": {f"L{i}": r for i, r in
-                                                             enumerate(self.result["attention_routes"])}})
-                self.tracker.log_artifact(resolved)
-            self.tracker.set_tags({**sweep_tags, "verdict": "running"})
+        if not self.is_main:
+            return
+        # what the launcher needs to close this run if the job dies without a result (orchestrator/job.py)
+        from orchestrator.job import read_job_start, write_job_start
+        old = (read_job_start(self.job_dir) or {}).get("mlflow_run_id")
+        if old and old != self.tracker.run_id:  # this folder's earlier run died before any checkpoint
+            self.tracker.close_other(old, "KILLED", "the job died before its first checkpoint and was started again "
+                                                    f"from step 0 (new MLflow run {self.tracker.run_id})")
+        write_job_start(self.job_dir, mlflow_run_id=self.tracker.run_id, tracking_uri=self.tracker.uri)
+        resolved = self.job_dir / "config_resolved.yaml"
+        resolved.parent.mkdir(parents=True, exist_ok=True)
+        OmegaConf.save(OmegaConf.structured(cfg), resolved)
+        if not resuming:
+            self.tracker.log_params({**OmegaConf.to_container(OmegaConf.structured(cfg)),
+                                     "attention_effective": OmegaConf.to_container(
+                                         OmegaConf.structured(self.attention)),
+                                     # which code computes each layer (triton | emulator | standard | sdpa)
+                                     "attention_route": {f"L{i}": r for i, r in
+                                                         enumerate(self.result["attention_routes"])}})
+            self.tracker.log_artifact(resolved)
+        self.tracker.set_tags({**sweep_tags, "verdict": "running"})
 
+    def _setup(self):
+        from orchestrator.data import ensure_prepared, val_batches
+        from orchestrator.monitors import Monitors
+        from orchestrator.verdict import DivergenceDetector
+
+        cfg, tc = self.cfg, self.cfg.train
+        device = self._init_dist()
+        model, train_model, optimizer, state = self._build_model(device)
+        start = int(state["step"]) if state else 0
+        resuming = bool(state) and not self.forking  # a fork starts a new run: fresh MLflow run, detector, monitors
+        data_dir = ensure_prepared(cfg.data, cfg.model.vocab_size)
+        stream = self._stream(data_dir, start)
+        val = val_batches(data_dir / "val.bin", cfg.model.block_size, tc.batch_size, tc.eval_batches, seed=0)
+        self._open_run(state, resuming)
         self.monitors = Monitors(model, cfg.monitor, self.tracker)
         self.detector = DivergenceDetector(cfg.verdict)
-        if resuming or (self.forking and cfg.verdict.fork_baseline == "source"):  # checked by fork.check_fork
-            self.detector.load_state_dict(state["detector"])
-            mon = state.get("monitor", {})
-            if mon.get("peak_wq") is not None:
-                self.monitors.peak_wq, self.monitors.peak_wq_where = mon["peak_wq"], mon["peak_wq_where"]
-            self.monitors.numerics.update(mon.get("numerics") or {})
         if state:
+            snapshot.restore_run_state(self, state, resuming)
             checkpoint.set_rng_state(state["rng"])  # last: model building above consumed the RNG
+        step_fn = TrainStep(cfg, model, train_model, optimizer, device, self.dist.world_size, self.hooks)
+        return model, optimizer, step_fn, stream, val, start, device
 
+    # ------------------------------------------------------------------------------------------------ run
+    def run(self) -> Dict[str, Any]:
+        t_start = time.perf_counter()
+        try:
+            return self._run()
+        finally:
+            self.result["wall_s"] = round(time.perf_counter() - t_start, 3)
+
+    def _run(self) -> Dict[str, Any]:
+        model, optimizer, step_fn, stream, val, start, device = self._setup()
         guard = self._guard()
-        autocast = _autocast(device, tc.precision)
-        accum_local = tc.grad_accum // world
-        tokens_per_step = tc.batch_size * cfg.model.block_size * tc.grad_accum
-        decay = cfg.optimizer.decay_steps or tc.max_steps
-        min_ratio = cfg.optimizer.min_lr / cfg.optimizer.lr
-        clip = tc.grad_clip if tc.grad_clip > 0 else math.inf
-        nan = torch.tensor(float("nan"), device=device)
-        done = start
-        val_done_at = None
-        bar = tqdm(total=tc.max_steps, initial=start, disable=not self.is_main, desc=iv.name, dynamic_ncols=True,
-                   mininterval=1.0)
+        self._done = start
+        bar = tqdm(total=self.cfg.train.max_steps, initial=start, disable=not self.is_main,
+                   desc=self.cfg.intervention.name, dynamic_ncols=True, mininterval=1.0)
         self.monitors.reset_clock()
         try:
-            for step in range(start, tc.max_steps):
-                if cfg.debug.raise_at_step == step:
-                    raise RuntimeError(f"debug.raise_at_step={step}: forced failure")
-                self._maybe_kill(step, "step_start")
-                lr_f = lr_factor(step, tc.warmup_steps, decay, min_ratio)
-                set_lr(optimizer, lr_f)
-                loss_sum = torch.zeros((), device=device)
-                for i, (x, y) in enumerate(self._batches(stream, step)):
-                    if i == 0:
-                        self._maybe_kill(step, "step")
-                    x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-                    sync = (train_model.no_sync() if world > 1 and i < accum_local - 1 else contextlib.nullcontext())
-                    with sync:
-                        with autocast:
-                            _, loss = train_model(x, y)
-                        loss = loss / accum_local
-                        if cfg.debug.nan_at_step == step:
-                            loss = loss * nan  # poisons the grads too, as a real overflow would
-                        loss.backward()
-                    loss_sum += loss.detach()
-                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-                done = step + 1
-                if world > 1:  # the logged loss is the global batch's, like the single-process run
-                    import torch.distributed as tdist
-                    tdist.all_reduce(loss_sum, op=tdist.ReduceOp.AVG)
-                host = self.monitors.step_end(step, loss_sum, grad_norm, cfg.optimizer.lr * lr_f, tokens_per_step)
-                if host:
-                    self.detector.update(host)
-                    tps = self.monitors.last_tokens_per_s
-                    bar.set_postfix(loss=f"{host[-1][1]:.4f}", tok_s=f"{tps:,.0f}" if tps else "-", refresh=False)
-                bar.update(1)
-                last = done == tc.max_steps
-                if (tc.eval_every and done % tc.eval_every == 0) or last:
-                    self._log_val(model, val, device, step)
-                    val_done_at = step
-                if (tc.ckpt_every and done % tc.ckpt_every == 0) or last:
-                    self._save(model, optimizer, done, "last.pt", keep_step=True, kill_step=step)
-                    self._maybe_kill(step, "after_checkpoint")
-                if tc.early_stop and self.detector.should_stop(step):
-                    self.result["early_stopped"] = True
-                    break
-                if guard is not None and guard.should_stop(step):
-                    self._save(model, optimizer, done, "last.pt")
-                    self.tracker.flush()
-                    guard.exit_for_requeue(f"step {done}")
-            if self.result["early_stopped"]:
-                if val_done_at != done - 1:
-                    self._log_val(model, val, device, done - 1)
-                self._save(model, optimizer, done, "last.pt", keep_step=True)
-            self._finish(stream, done, status="FINISHED")
+            done = self._loop(model, optimizer, step_fn, stream, val, start, device, guard, bar)
+            run_end.finish(self, stream, done, status="FINISHED")
             final = checkpoint.step_path(self.job_dir / CKPT_DIR, done)
-            if not tc.keep_last and self.is_main and final.is_file():  # auto-resume finds step_<done>.pt itself
+            if not self.cfg.train.keep_last and self.is_main and final.is_file():  # auto-resume finds step_<k>.pt
                 (self.job_dir / CKPT_DIR / "last.pt").unlink(missing_ok=True)
                 self.result["checkpoint"] = str(final)
         except Exception as e:
             self.result["error"] = f"{type(e).__name__}: {e}"
-            self._crash(model, optimizer, done, stream)
+            run_end.crash(self, model, optimizer, self._done, stream)
             raise
         except BaseException as e:  # preemption (SystemExit) or ^C: the checkpoint is saved
-            try:
-                self._sync_monitors()
-                self._fill_verdict(done)  # result.json counts the steps done, not 0
-            except Exception:
-                pass
-            self.result["observed"] = "failed"
-            self.result["error"] = (f"stopped by {guard_signal(guard) or type(e).__name__} after {done} steps; the "
-                                    f"checkpoint is saved: rerun the same job (auto-resume) or resume=<its last.pt>")
-            self._close_quietly(stream, "KILLED")
+            run_end.interrupted(self, stream, self._done, guard_signal(guard) or type(e).__name__)
             raise
         finally:
             bar.close()
             if guard is not None:
                 guard.uninstall()
         return self.result
+
+    def _loop(self, model, optimizer, step_fn, stream, val, start: int, device, guard, bar) -> int:
+        """Steps start .. train.max_steps: eval, checkpoints, early stop and preemption at step boundaries.
+        Returns the steps done (also kept in self._done for the crash path)."""
+        cfg, tc = self.cfg, self.cfg.train
+        tokens_per_step = tc.batch_size * cfg.model.block_size * tc.grad_accum
+        self._done = done = start
+        val_done_at = None
+        for step in range(start, tc.max_steps):
+            if cfg.debug.raise_at_step == step:
+                raise RuntimeError(f"debug.raise_at_step={step}: forced failure")
+            self._maybe_kill(step, "step_start")
+            loss_sum, grad_norm, lr = step_fn(step, self._batches(stream, step))
+            self._maybe_kill(step, "step")  # mid-step: the update is done, its metrics are not logged yet
+            self._done = done = step + 1
+            host = self.monitors.step_end(step, loss_sum, grad_norm, lr, tokens_per_step)
+            if host:
+                self.detector.update(host)
+                tps = self.monitors.last_tokens_per_s
+                bar.set_postfix(loss=f"{host[-1][1]:.4f}", tok_s=f"{tps:,.0f}" if tps else "-", refresh=False)
+            bar.update(1)
+            last = done == tc.max_steps
+            if (tc.eval_every and done % tc.eval_every == 0) or last:
+                self._log_val(model, val, device, step)
+                val_done_at = step
+            if (tc.ckpt_every and done % tc.ckpt_every == 0) or last:
+                snapshot.save(self, model, optimizer, done, "last.pt", keep_step=True,
+                              kill_mid_write=cfg.debug.kill_at_step == step and
+                              cfg.debug.kill_where == "checkpoint_write")
+                self._maybe_kill(step, "after_checkpoint")
+            if tc.early_stop and self.detector.should_stop(step):
+                self.result["early_stopped"] = True
+                break
+            if guard is not None and guard.should_stop(step):
+                snapshot.save(self, model, optimizer, done, "last.pt")
+                self.tracker.flush()
+                guard.exit_for_requeue(f"step {done}")
+        if self.result["early_stopped"]:
+            if val_done_at != done - 1:
+                self._log_val(model, val, device, done - 1)
+            snapshot.save(self, model, optimizer, done, "last.pt", keep_step=True)
+        return done
 
     # -------------------------------------------------------------------------------------------- pieces
     def _guard(self):
@@ -391,104 +327,11 @@ class Job:
         self.result["val_loss"] = v
         self.monitors.log_val(step, v)
 
-    def _sync_monitors(self) -> None:
+    def sync_monitors(self) -> None:
+        """Flush the monitors' buffered steps into MLflow and the detector."""
         host = self.monitors.flush()
         if host:
             self.detector.update(host)
-
-    def _save(self, model, optimizer, done: int, name: str, keep_step: bool = False,
-              kill_step: Optional[int] = None) -> Optional[Path]:
-        """Flush the monitors and the tracker first: a checkpoint is committed only once every metric point of the
-        steps it covers is in the store or the spool (a kill -9 right after it loses none), and its detector state
-        and MLflow agree on the last step. keep_step: also keep it as step_<done>.pt (periodic and final
-        checkpoints: what a fork starts from)."""
-        self._sync_monitors()
-        if not self.is_main:
-            return None
-        self.tracker.flush()
-        path = self.job_dir / CKPT_DIR / name
-        state = {
-            "step": done, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-            "rng": checkpoint.rng_state(), "detector": self.detector.state_dict(),
-            "monitor": {"peak_wq": self.monitors.peak_wq if math.isfinite(self.monitors.peak_wq) else None,
-                        "peak_wq_where": self.monitors.peak_wq_where, "numerics": dict(self.monitors.numerics)},
-            "mlflow_run_id": self.tracker.run_id if self.tracker else None,
-            "model_shape": checkpoint.model_shape(self.cfg.model),
-            "config": OmegaConf.to_container(OmegaConf.structured(self.cfg)),
-            "batch_order": str(self.order_path) if self.order_path else None, "job_dir": str(self.job_dir),
-            "fork": self.fork}
-        if kill_step is not None and self.cfg.debug.kill_at_step == kill_step and \
-                self.cfg.debug.kill_where == "checkpoint_write":
-            checkpoint.KILL_AFTER_BYTES = 1 << 20  # debug: SIGKILL once 1 MiB of the checkpoint is written
-        if keep_step:
-            checkpoint.save_step(path.parent, done, state, keep=self.cfg.train.keep_checkpoints,
-                                 protect_before=self.detector.divergence_step, last=name)
-        else:
-            checkpoint.save(path, state)
-        self.result["checkpoint"] = str(path)
-        return path
-
-    def _fill_verdict(self, done: int) -> None:
-        d, m = self.detector, self.monitors
-        self.result.update(observed=d.observed, divergence_step=d.divergence_step, final_loss=d.final_loss,
-                           min_loss=d.min_loss if math.isfinite(d.min_loss) else None,
-                           min_loss_step=d.min_loss_step, steps_done=done,
-                           peak_wq_norm=m.peak_wq if math.isfinite(m.peak_wq) else None,
-                           peak_wq_where=m.peak_wq_where)
-
-    def _finish(self, stream, done: int, status: str) -> None:
-        self._sync_monitors()
-        self._fill_verdict(done)
-        stream.close()
-        if self.is_main:
-            r = self.result
-            warning = self.monitors.numerics_warning()
-            if warning:  # counted numerical failures: a tag on the run and a line in result.json, never silent
-                r["warnings"] = [*r.get("warnings", []), warning]
-                self.tracker.set_tags({"warning": warning, **{f"numerics.{k}": v for k, v in
-                                                              self.monitors.numerics.items()}})
-                print(f"[job] warning: {warning}")
-            self.tracker.set_tags({"verdict": r["observed"], "divergence_step": r["divergence_step"],
-                                   "matches_expect": (r["observed"] == "diverged") == (r["expected"] == "diverges"),
-                                   "early_stopped": r["early_stopped"]})
-            for p in stream.paths:
-                if p.exists():
-                    self.tracker.log_artifact(p)
-        self.tracker.close(status)
-        if self.is_main and self.tracker.store_error:  # training went on; the points wait in the spool
-            self.result["warnings"] = [*self.result.get("warnings", []), self.tracker.store_error]
-
-    def _crash(self, model, optimizer, done: int, stream) -> None:
-        """Record what is known: monitors flushed, verdict 'failed', a crash checkpoint when the weights are sane."""
-        if self.monitors is not None:
-            try:
-                self._sync_monitors()
-                self._fill_verdict(done)
-            except Exception:
-                pass
-        self.result["observed"] = "failed"
-        try:
-            if self.detector is not None and done > 0 and _finite_params(model):
-                self._save(model, optimizer, done, "crash.pt")
-        except Exception:
-            pass
-        if self.tracker is not None:
-            try:
-                self.tracker.set_tags({"verdict": "failed", "error": self.result["error"]})
-            except Exception:
-                pass
-        self._close_quietly(stream, "FAILED")
-
-    def _close_quietly(self, stream, status: str) -> None:
-        try:
-            stream.close()
-        except Exception:
-            pass
-        if self.tracker is not None:
-            try:
-                self.tracker.close(status)
-            except Exception:
-                pass
 
 
 def guard_signal(guard) -> Optional[str]:
@@ -503,4 +346,4 @@ def train(cfg, attention, job_dir: Path, overrides: List[str]) -> Dict[str, Any]
     return Job(cfg, attention, job_dir, overrides).run()
 
 
-__all__ = ["Job", "train", "evaluate", "seed_everything", "CKPT_DIR", "ORDER_FILE"]
+__all__ = ["Job", "train", "evaluate", "seed_everything", "CKPT_DIR", "ORDER_FILE", "SPOOL_FILE"]

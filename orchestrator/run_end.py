@@ -1,0 +1,108 @@
+"""The end of a job's run: the verdict into the result, MLflow tags and artifacts, and the crash path (record what
+is known, a crash checkpoint when the weights are sane, the MLflow run closed as FAILED)."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def new_result(iv, overrides) -> dict:
+    """The result dict (result.json) before anything ran: observed 'failed' until the run says otherwise."""
+    return {
+        "intervention": iv.name, "overrides": list(overrides), "expected": iv.expect, "observed": "failed",
+        "divergence_step": None, "final_loss": None, "min_loss": None, "val_loss": None, "peak_wq_norm": None,
+        "peak_wq_where": None, "mlflow_run_id": None, "steps_done": 0, "early_stopped": False, "error": None,
+        "wall_s": None, "attention_routes": None, "resumed_from": None, "checkpoint": None,
+        "forked_from": None, "fork_step": None, "source_run_id": None}
+
+
+def fill_verdict(job, done: int) -> None:
+    d, m = job.detector, job.monitors
+    job.result.update(observed=d.observed, divergence_step=d.divergence_step, final_loss=d.final_loss,
+                      min_loss=d.min_loss if math.isfinite(d.min_loss) else None,
+                      min_loss_step=d.min_loss_step, steps_done=done,
+                      peak_wq_norm=m.peak_wq if math.isfinite(m.peak_wq) else None,
+                      peak_wq_where=m.peak_wq_where)
+
+
+def finish(job, stream, done: int, status: str = "FINISHED") -> None:
+    job.sync_monitors()
+    fill_verdict(job, done)
+    stream.close()
+    if job.is_main:
+        r = job.result
+        warning = job.monitors.numerics_warning()
+        if warning:  # counted numerical failures: a tag on the run and a line in result.json, never silent
+            r["warnings"] = [*r.get("warnings", []), warning]
+            job.tracker.set_tags({"warning": warning, **{f"numerics.{k}": v for k, v in job.monitors.numerics.items()}})
+            print(f"[job] warning: {warning}")
+        job.tracker.set_tags({"verdict": r["observed"], "divergence_step": r["divergence_step"],
+                              "matches_expect": (r["observed"] == "diverged") == (r["expected"] == "diverges"),
+                              "early_stopped": r["early_stopped"]})
+        hook_metrics = job.hooks.final_metrics() if getattr(job, "hooks", None) else {}
+        if hook_metrics:  # e.g. how often QK-clip fired: counted, never silent
+            job.tracker.log_metrics(hook_metrics, step=max(done - 1, 0))
+        for p in stream.paths:
+            if p.exists():
+                job.tracker.log_artifact(p)
+    job.tracker.close(status)
+    if job.is_main and job.tracker.store_error:  # training went on; the points wait in the spool
+        job.result["warnings"] = [*job.result.get("warnings", []), job.tracker.store_error]
+
+
+def interrupted(job, stream, done: int, by: str) -> None:
+    """Preemption signal (SystemExit after the checkpoint) or ^C: result.json counts the steps done."""
+    try:
+        job.sync_monitors()
+        fill_verdict(job, done)
+    except Exception:
+        pass
+    job.result["observed"] = "failed"
+    job.result["error"] = (f"stopped by {by} after {done} steps; the checkpoint is saved: rerun the same job "
+                           f"(auto-resume) or resume=<its last.pt>")
+    close_quietly(job, stream, "KILLED")
+
+
+def _finite_params(model) -> bool:
+    return all(torch.isfinite(p).all() for p in model.parameters())  # crash path only: syncing is fine here
+
+
+def crash(job, model, optimizer, done: int, stream) -> None:
+    """Record what is known: monitors flushed, verdict 'failed', a crash checkpoint when the weights are sane."""
+    from orchestrator import snapshot
+
+    if job.monitors is not None:
+        try:
+            job.sync_monitors()
+            fill_verdict(job, done)
+        except Exception:
+            pass
+    job.result["observed"] = "failed"
+    try:
+        if job.detector is not None and done > 0 and _finite_params(model):
+            snapshot.save(job, model, optimizer, done, "crash.pt")
+    except Exception:
+        pass
+    if job.tracker is not None:
+        try:
+            job.tracker.set_tags({"verdict": "failed", "error": job.result["error"]})
+        except Exception:
+            pass
+    close_quietly(job, stream, "FAILED")
+
+
+def close_quietly(job, stream, status: str) -> None:
+    try:
+        if stream is not None:
+            stream.close()
+    except Exception:
+        pass
+    if job.tracker is not None:
+        try:
+            job.tracker.close(status)
+        except Exception:
+            pass
+
+
+__all__ = ["new_result", "fill_verdict", "finish", "crash", "close_quietly", "interrupted"]
