@@ -8,6 +8,7 @@ It also builds the job's effective attention config (conf attention + the interv
 from __future__ import annotations
 
 from dataclasses import fields
+from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 from omegaconf import DictConfig, OmegaConf
