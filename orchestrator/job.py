@@ -111,6 +111,27 @@ def close_dead_jobs(root: Path, reason: str = "the job died without writing a re
     return closed
 
 
+def _foreign_folder(cfg, job_dir: Path) -> Optional[str]:
+    """A fork (from_checkpoint) whose job folder already holds the checkpoints of a run that is not a fork (e.g.
+    the source's own folder): auto-resume would reopen that run and rewrite its verdict. The sentence, or None."""
+    if cfg.get("from_checkpoint") is None or not cfg.train.get("auto_resume", True):
+        return None
+    from orchestrator import checkpoint
+    d = Path(job_dir) / "checkpoints"
+    files = ([d / "last.pt"] if (d / "last.pt").is_file() else []) + list(checkpoint.step_files(d).values())[::-1]
+    for p in files:
+        try:
+            head = checkpoint.read_header(p, key="auto-resume")
+        except checkpoint.CheckpointError:
+            continue
+        if head.get("fork"):
+            return None  # this fork's own checkpoint: a requeued fork resumes it
+        return (f"from_checkpoint={str(cfg.from_checkpoint)!r}: the job folder {job_dir} holds the checkpoints of "
+                f"another run ({p}, MLflow run {head.get('mlflow_run_id')}); a fork never writes to another run: "
+                f"give the fork its own folder (hydra.run.dir=...)")
+    return None
+
+
 def _steps_logged(info) -> int:
     """Steps of a dead job: those its MLflow run holds (0 when unknown)."""
     try:
@@ -145,6 +166,11 @@ def run_job(cfg: DictConfig, job_dir: Optional[Path] = None, overrides: Optional
                               "peak_wq_where": None, "mlflow_run_id": None, "steps_done": 0, "error": None,
                               "wall_s": None, "attention_routes": None}
     job = None
+    foreign = _foreign_folder(cfg, job_dir)
+    if foreign:  # write nothing into another run's folder (its result.json, job.json, MLflow run stay as they are)
+        print(f"[job] {name} refused: {foreign}")
+        result["error"] = foreign
+        return result
     try:
         import os
         write_job_start(job_dir, intervention=name, overrides=overrides, expected=result["expected"],

@@ -289,3 +289,19 @@ def test_sigterm_outside_slurm_counts_the_steps_done(tmp_path):
     state = checkpoint.load(tmp_path / "term" / "checkpoints" / "last.pt")
     assert res["steps_done"] == state["step"] > 0
     assert "SIGTERM" in res["error"]
+
+
+def test_fork_never_writes_to_its_source_run(ref):
+    """A fork pointed at its source's own folder (auto-resume would reopen the source's run) is refused, writing
+    nothing: the source's MLflow run, result.json and job.json stay as they were."""
+    from mlflow.tracking import MlflowClient
+    tmp, ref_res, _ = ref
+    c = MlflowClient(tracking_uri=f"sqlite:///{tmp}/mlflow.db")
+    before = c.get_run(ref_res["mlflow_run_id"])
+    files = {n: (tmp / "ref" / n).read_bytes() for n in ("result.json", "job.json")}
+    p = run(tmp, "ref", f"from_checkpoint={tmp / 'ref' / 'checkpoints' / 'step_15.pt'}", "intervention=fp32",
+            check=False)
+    assert p.returncode == 1 and "a fork never writes to another run" in p.stdout, p.stdout[-2000:]
+    after = c.get_run(ref_res["mlflow_run_id"])
+    assert after.data.tags == before.data.tags and after.info.status == before.info.status
+    assert {n: (tmp / "ref" / n).read_bytes() for n in files} == files
