@@ -1,17 +1,24 @@
 """flash-forensics: `python run.py` trains a tiny GPT on the CPU with the BF16 flash baseline and the FP32
 reference and prints the verdicts. Everything is a Hydra override: see README.md and conf/."""
+import sys
+
 import hydra
 from omegaconf import DictConfig
 
 import orchestrator.schema  # noqa: F401  registers the structured config `base_config`
-from orchestrator.job import run_job
+from orchestrator.job import exit_status, is_multirun, run_job
+
+_status = 0
 
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig):
+    global _status
     result = run_job(cfg)
+    _status = max(_status, exit_status(result, is_multirun()))  # a failed single run exits 1
     return result
 
 
 if __name__ == "__main__":
     main()
+    sys.exit(_status)

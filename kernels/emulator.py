@@ -4,6 +4,21 @@ The source of truth for the recipes of kernels/recipes.py (read its docstring fo
 CPU and CUDA, causal, vectorised over batch and heads; the only Python loops are over tiles, and tiles wholly above
 the diagonal are skipped. Autocast is disabled inside so that every intermediate's dtype comes from the recipe.
 Nothing here reads a value back to the host: counters go to AttnStats as device tensors.
+
+Two stabilized softmaxes (the tile max m_t of a tile whose row max rm repeats within eps):
+- `stabilized`: the paper's Algorithm 3 as written: m_t = beta * rm (rm > 0) or 0 (rm < 0). Kept for fidelity. It
+  underflows: exp(rm - beta * rm) is 0 in FP32 from (beta - 1) * rm ~ 104 on (rm = 200, beta = 2), so l = 0 (NaN
+  rows in fa2 / fp32) or the 1e-10 floor (zero rows in paper_bf16); a tile-local repeated max below the running max
+  still raises m for the rest of the row; and beta = 1.0001 rounds back to P̄ = 1 in BF16.
+- `stabilized_guarded`: m_t = rm + d with d = clamp((beta - 1) * |rm|, SFA_GUARD_LO, SFA_GUARD_HI), rounded to the
+  stats dtype; when that rounding gives back rm (BF16 m near rm = 1000 has a spacing of 4), the next representable
+  value above rm. exp(-d) is then strictly below 1 in BF16 (d >= 2^-6 > one BF16 ulp below 1) and never below
+  exp(-8) (no underflow, far above the 1e-10 floor). It fires only when the tile's repeated max reaches the running
+  max (rm + SFA_GUARD_LO > m): a repeated max below it already gives P̄ < 1 and must not raise m. Where even the next
+  representable value lies more than SFA_GUARD_HI above rm (|rm| >= 2048 in BF16) it does not fire, and the row is
+  counted (AttnStats.sfa_p1_rows) instead of underflowing.
+Both are counted, not silent (with counters on): rows whose row sum fell under the floor (AttnStats.underflow_rows)
+and (row, tile) pairs where the shift fired but P̄ still rounded to 1 (AttnStats.sfa_p1_rows).
 """
 from __future__ import annotations
 
@@ -18,6 +33,8 @@ from kernels.recipes import Recipe, resolve, round_to
 from kernels.stats import AttnStats
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+SFA_GUARD_LO = 2.0 ** -6  # smallest shift above rm: exp(-2^-6) = 0.9845 rounds to 0.984375 in BF16, not to 1
+SFA_GUARD_HI = 8.0  # largest: exp(-8) = 3.4e-4, far from FP32/BF16 underflow and from paper_bf16's 1e-10 floor
 
 
 @dataclass
@@ -28,7 +45,8 @@ class _Plan:
     bq: int
     bk: int
     scale: float
-    stabilized: bool
+    stabilized: bool  # Algorithm 3, exact or guarded
+    guarded: bool  # the guarded variant (module docstring)
     beta: float
     eps: float
     delta: str
@@ -51,9 +69,11 @@ def _plan(knobs: AttentionKnobs, q: torch.Tensor) -> _Plan:
     if heads:
         o_keep = torch.zeros(1, H, 1, 1, dtype=torch.bool, device=q.device)
         o_keep[0, heads] = True
-    return _Plan(rc=rc, bq=min(bq, T), bk=min(bk, T), scale=D ** -0.5, stabilized=knobs.softmax == "stabilized",
-                 beta=float(knobs.beta), eps=float(knobs.eps), delta=knobs.delta, pv_keep=o_keep,
-                 pv_all=bool(knobs.pv_fp32), o_keep=o_keep, clamp=bool(knobs.pbar_clamp))
+    return _Plan(rc=rc, bq=min(bq, T), bk=min(bk, T), scale=D ** -0.5,
+                 stabilized=knobs.softmax in ("stabilized", "stabilized_guarded"),
+                 guarded=knobs.softmax == "stabilized_guarded", beta=float(knobs.beta), eps=float(knobs.eps),
+                 delta=knobs.delta, pv_keep=o_keep, pv_all=bool(knobs.pv_fp32), o_keep=o_keep,
+                 clamp=bool(knobs.pbar_clamp))
 
 
 def _causal_mask(qs: int, qe: int, ks: int, ke: int, device) -> Optional[torch.Tensor]:
@@ -80,7 +100,7 @@ def _tile_max(p: _Plan, s: torch.Tensor, mask, count: bool):
         if mask is not None:
             close = close & ~mask
         rep = close.sum(dim=-1, keepdim=True) > 1
-    if not p.stabilized:
+    if not p.stabilized or p.guarded:
         return rm, rm, rep
     # A repeated max of exactly 0 is left alone by Algorithm 3 (neither > 0 nor < 0): P̄ = exp(0) = 1 survives there.
     mt = torch.where(rep & (rm > 0), round_to(rm * p.beta, rc.scores), rm)
@@ -88,11 +108,29 @@ def _tile_max(p: _Plan, s: torch.Tensor, mask, count: bool):
     return rm, mt, rep
 
 
+def _new_max(p: _Plan, m: torch.Tensor, rm: torch.Tensor, mt: torch.Tensor, rep):
+    """(running max after the tile, rows where the stabilized shift fired (None: safe softmax))."""
+    rc = p.rc
+    if not p.stabilized:
+        return round_to(torch.maximum(m, mt), rc.stats), None
+    # `fired`: rows where Algorithm 3 is meant to act (a repeated max; guarded: one that reaches the running max)
+    if not p.guarded:
+        return round_to(torch.maximum(m, mt), rc.stats), rep
+    d = ((p.beta - 1.0) * rm.abs()).clamp(SFA_GUARD_LO, SFA_GUARD_HI)
+    shifted = round_to(rm + d, rc.stats)
+    up = torch.nextafter(rm.to(rc.stats), torch.full_like(rm, float("inf"), dtype=rc.stats)).to(rm.dtype)
+    shifted = torch.where(shifted > rm, shifted, up)
+    fire = rep & (rm + SFA_GUARD_LO > m) & (shifted - rm <= SFA_GUARD_HI)
+    return round_to(torch.maximum(m, torch.where(fire, shifted, rm)), rc.stats), rep & (rm + SFA_GUARD_LO > m)
+
+
 def _tile_shift(p: _Plan, s: torch.Tensor, m: torch.Tensor, mask, want_rep: bool):
-    """(tile row max, `rep`, running max after the tile): P̄ = exp(S - m) of the tile uses the last. One function for
-    the forward and for pbar_clamp's backward, which must rebuild the forward's m exactly."""
+    """(tile row max, `rep`, running max after the tile, rows where the stabilized shift fired): P̄ = exp(S - m) of
+    the tile uses the running max. One function for the forward and for pbar_clamp's backward, which must rebuild
+    the forward's m exactly."""
     rm, mt, rep = _tile_max(p, s, mask, want_rep)
-    return rm, rep, round_to(torch.maximum(m, mt), p.rc.stats)
+    m_new, fired = _new_max(p, m, rm, mt, rep)
+    return rm, rep, m_new, fired
 
 
 def _clamped(p: _Plan, pbar: torch.Tensor, rep: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -129,27 +167,34 @@ def forward(q, k, v, knobs: AttentionKnobs, stats: Optional[AttnStats] = None, c
         m = torch.full((B, H, qe - qs, 1), m_init, dtype=w, device=dev)
         l = torch.zeros_like(m)
         acc = torch.zeros(B, H, qe - qs, D, dtype=w, device=dev)
+        l_raw = torch.zeros_like(m) if count else None
         for ks in range(0, qe, p.bk):  # key tiles past the last query row are wholly masked: skipped
             ke = min(ks + p.bk, T)
             mask = _causal_mask(qs, qe, ks, ke, dev)
             s = _scores(p, qi, kw[:, :, ks:ke], mask, fill)
-            rm, rep, m_new = _tile_shift(p, s, m, mask, count or capture is not None or p.clamp)
-            if count:
-                stats.update(rep, rm)
+            rm, rep, m_new, fired = _tile_shift(p, s, m, mask, count or capture is not None or p.clamp)
             pbar = torch.exp(round_to(s - m_new, rc.shift))
             alpha = torch.exp(round_to(m - m_new, rc.shift))
             rowsum = pbar.sum(dim=-1, keepdim=True)
+            if count:  # the unfloored row sum: what tells an underflowed row from a small tile contribution
+                l_raw = alpha * l_raw + rowsum
             if rc.rowsum_floor:
                 rowsum = rowsum.clamp_min(rc.rowsum_floor)
             l = round_to(alpha * l + rowsum, rc.stats)
             tie = _clamped(p, pbar, rep)
             pbar_pv = pbar if tie is None else torch.where(tie, PBAR_CLAMP, pbar)  # l above: the unclamped P̄
-            pv = p.r_pv(p.r_pv(pbar_pv, rc.gemm_in) @ vw[:, :, ks:ke], rc.pv_out)
+            pbar_in = p.r_pv(pbar_pv, rc.gemm_in)
+            if count:
+                p1 = None if fired is None else fired & (pbar_in >= 1).any(dim=-1, keepdim=True)
+                stats.update(rep, rm, sfa_p1=p1)
+            pv = p.r_pv(pbar_in @ vw[:, :, ks:ke], rc.pv_out)
             acc = p.r_pv(p.r_pv(acc * alpha, rc.acc) + pv, rc.acc)
             m = m_new
             if capture is not None:
                 capture["tiles"].append(dict(qs=qs, ks=ks, p_bar=pbar.clone(), p_bar_pv=pbar_pv.clone(), rep=rep,
                                              mask=mask, rm=rm, m=m_new))
+        if count:  # row sum under the floor (or NaN): the row's P̄ all underflowed (exact Algorithm 3)
+            stats.update_underflow(~(l_raw >= (rc.rowsum_floor or torch.finfo(w).tiny)))
         o_saved[:, :, qs:qe] = round_to(acc / l, rc.o_store, p.o_keep)
         lse[:, :, qs:qe] = torch.log(l) + m
         if capture is not None:
@@ -171,7 +216,7 @@ def _key_tiles(p: _Plan, qi, kw, qs: int, qe: int, lse_i, dev):
         s = _scores(p, qi, kw[:, :, ks:ke], mask, float("-inf"))
         tie = None
         if p.clamp:  # masked scores are -inf here (-max there): neither moves m, nor is P̄ = 1 at them
-            _, rep, m = _tile_shift(p, s, m, mask, True)
+            _, rep, m, _ = _tile_shift(p, s, m, mask, True)
             tie = _clamped(p, torch.exp(round_to(s - m, p.rc.shift)), rep)
         yield ks, ke, torch.exp(s - lse_i), tie  # masked: exp(-inf) = 0
 

@@ -214,11 +214,16 @@ class PVTrace:
         ones, rest = self.step[self.is_one], self.step[~self.is_one]
         total = float(self.err[-1]) if len(self.err) else 0.0
         s1, s0 = float(ones.sum()), float(rest.sum())
+        a1, a_all = float(np.abs(ones).sum()), float(np.abs(self.step).sum())
+        # shares: ones_share = |error| added at P̄ = 1 positions / |error| added anywhere, in [0, 1];
+        # ones_share_signed = s1 / (|s1| + |s0|), in [-1, 1] (negative: the P̄ = 1 positions pulled the other way).
+        # s1 / total is no share: when the others' error has the opposite sign it exceeds 1 (1.895 was printed).
         return dict(
             accumulate=self.accumulate, positions=int(len(self.err)), total_error=total,
             ones_sum=s1, ones_count=int(ones.size), ones_mean=float(ones.mean()) if ones.size else 0.0,
             others_sum=s0, others_count=int(rest.size), others_mean=float(rest.mean()) if rest.size else 0.0,
-            ones_share=(s1 / total) if total else float("nan"))
+            ones_share=(a1 / a_all) if a_all else float("nan"),
+            ones_share_signed=(s1 / (abs(s1) + abs(s0))) if (s1 or s0) else float("nan"))
 
 
 def pv_trace(p_row, v_col, accumulate: str = "fp32") -> PVTrace:
@@ -363,7 +368,9 @@ def main(argv=None) -> int:
         print(f"{'':12s}{'sum':>14s}{'count':>8s}{'mean':>14s}")
         print(f"{'P̄ = 1':12s}{s['ones_sum']:>14.6g}{s['ones_count']:>8d}{s['ones_mean']:>14.6g}")
         print(f"{'others':12s}{s['others_sum']:>14.6g}{s['others_count']:>8d}{s['others_mean']:>14.6g}")
-        print(f"share of the error at P̄ = 1 positions: {s['ones_share']:.3f}")
+        print(f"share of the error at P̄ = 1 positions: {s['ones_share']:.3f} (|error| added there / |error| added "
+              f"anywhere, in [0, 1]); signed share {s['ones_share_signed']:+.3f} (sum there / (|sum there| + |sum "
+              f"elsewhere|), in [-1, 1])")
         print(f"plot: {png}")
     return 0
 

@@ -27,7 +27,7 @@ FLASH = ("emulator", "triton")  # the tiled kernels (impl=flash)
 IMPLS = ("flash", "standard", "sdpa")  # flash: tiled kernels; standard: materialised softmax; sdpa: torch
 BACKENDS = ("auto", "emulator", "triton")  # auto: triton on CUDA when it computes every set knob, else the emulator
 RECIPES = ("paper_bf16", "fa2", "fp32")
-SOFTMAXES = ("safe", "stabilized")
+SOFTMAXES = ("safe", "stabilized", "stabilized_guarded")  # guarded: bounded shift (emulator only)
 DELTAS = ("dO_O", "dP_P", "recompute_fp32")
 BLOCK = 64  # default block_q = block_k (the route label names other sizes)
 EPS = 1e-3
@@ -166,9 +166,12 @@ KNOBS: Tuple[Knob, ...] = (
          else None),
     Knob("block_k", int, BLOCK, f"key tile size (the tile whose max Algorithm 3 and the counters see); {_BQ}",
          computed_by=FLASH, off=BLOCK, ignored_by=("standard", "sdpa"), check=_positive_int, label=_elsewhere),
-    Knob("softmax", str, "safe", "stabilized: Algorithm 3 (shift by beta * rowmax where the row max repeats)",
-         computed_by={"emulator": ("stabilized",), "triton": ("stabilized",)}, off="safe", choices=SOFTMAXES,
-         label=lambda k: f"sfa(beta={k.beta:g})" if k.softmax == "stabilized" else None),
+    Knob("softmax", str, "safe", "stabilized: Algorithm 3 (shift by beta * rowmax where the row max repeats); "
+         "stabilized_guarded: its shift bounded so P̄ < 1 without underflow (kernels/emulator.py)",
+         computed_by={"emulator": ("stabilized", "stabilized_guarded"), "triton": ("stabilized",)}, off="safe",
+         choices=SOFTMAXES,
+         label=lambda k: {"stabilized": f"sfa(beta={k.beta:g})",
+                          "stabilized_guarded": f"sfa_guarded(beta={k.beta:g})"}.get(k.softmax)),
     Knob("beta", float, 2.0, "Algorithm 3's shift factor; read only by softmax=stabilized, which standard and "
          "sdpa refuse", computed_by=FLASH, off=2.0, ignored_by=("standard", "sdpa"), check=_beta, label=_elsewhere),
     Knob("eps", float, EPS, "tolerance of 'repeated' for Algorithm 3 and the counters; sdpa has neither",

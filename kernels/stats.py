@@ -1,7 +1,11 @@
 """Per-layer attention statistics kept on the device (read them only when logging: no host sync here)."""
 from __future__ import annotations
 
+from typing import Optional, Tuple
+
 import torch
+
+COUNTERS = ("repeated_max_rows", "rows_seen", "underflow_rows", "sfa_p1_rows")  # (H,) int64 each
 
 
 class AttnStats:
@@ -11,6 +15,11 @@ class AttnStats:
         within eps (masked entries excluded): the condition under which the stabilized softmax (Algorithm 3) fires.
         With tiling off, one tile spans the row, so this is the number of rows with repeated maxima.
     rows_seen: (H,) int64, number of (query row, key tile) pairs examined, the denominator of a rate.
+    underflow_rows: (H,) int64, query rows whose row sum l (before paper_bf16's floor) ended below the floor (1e-10
+        for paper_bf16, the smallest normal number otherwise) or NaN: every P̄ of the row underflowed, as the exact
+        Algorithm 3 does for large repeated maxima. Such a row returns NaN (fa2, fp32) or zeros (paper_bf16).
+    sfa_p1_rows: (H,) int64, (query row, key tile) pairs where the stabilized shift fired (or, guarded, should have)
+        but some P̄ fed to the P̄V GEMM still rounded to 1 (e.g. beta = 1.0001 in BF16): the shift did nothing there.
     max_logit: () float32, running max of the scaled scores S = QK^T / sqrt(D) (masked entries excluded).
     """
 
@@ -18,8 +27,8 @@ class AttnStats:
         if isinstance(n_head, bool) or not isinstance(n_head, int) or n_head <= 0:
             raise ValueError(f"n_head={n_head!r} is not allowed: expected an integer > 0")
         self.n_head = n_head
-        self.repeated_max_rows = torch.zeros(n_head, dtype=torch.int64, device=device)
-        self.rows_seen = torch.zeros(n_head, dtype=torch.int64, device=device)
+        for name in COUNTERS:
+            setattr(self, name, torch.zeros(n_head, dtype=torch.int64, device=device))
         self.max_logit = torch.full((), float("-inf"), dtype=torch.float32, device=device)
 
     @property
@@ -27,15 +36,30 @@ class AttnStats:
         return self.repeated_max_rows.device
 
     def reset(self) -> None:
-        self.repeated_max_rows.zero_()
-        self.rows_seen.zero_()
+        for name in COUNTERS:
+            getattr(self, name).zero_()
         self.max_logit.fill_(float("-inf"))
 
-    def update(self, repeated: torch.Tensor, tile_max: torch.Tensor) -> None:
-        """Fold one tile in: `repeated` (B, H, rows, 1) bool, `tile_max` any-shape scores' max. In place, no sync."""
+    def snapshot(self) -> Tuple[torch.Tensor, ...]:
+        """Device copies of every counter (e.g. around an evaluation that must not count)."""
+        return tuple(getattr(self, n).clone() for n in COUNTERS) + (self.max_logit.clone(),)
+
+    def restore(self, snap: Tuple[torch.Tensor, ...]) -> None:
+        for name, t in zip(COUNTERS + ("max_logit",), snap):
+            getattr(self, name).copy_(t)
+
+    def update(self, repeated: torch.Tensor, tile_max: torch.Tensor, sfa_p1: Optional[torch.Tensor] = None) -> None:
+        """Fold one tile in: `repeated` (B, H, rows, 1) bool, `tile_max` any-shape scores' max, `sfa_p1` (B, H, rows,
+        1) bool rows where the shift fired but P̄ = 1 survived. In place, no sync."""
         self.repeated_max_rows.add_(repeated.sum(dim=(0, 2, 3)))
         self.rows_seen.add_(repeated.shape[0] * repeated.shape[2])
         torch.maximum(self.max_logit, tile_max.max().to(torch.float32), out=self.max_logit)
+        if sfa_p1 is not None:
+            self.sfa_p1_rows.add_(sfa_p1.sum(dim=(0, 2, 3)))
+
+    def update_underflow(self, under: torch.Tensor) -> None:
+        """`under` (B, H, rows, 1) bool: rows of one query tile whose final row sum is under the floor."""
+        self.underflow_rows.add_(under.sum(dim=(0, 2, 3)))
 
     def __repr__(self) -> str:  # shows device tensors without forcing a sync on creation
         return f"AttnStats(n_head={self.n_head}, device={self.device})"

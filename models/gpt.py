@@ -47,8 +47,9 @@ class ModelConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise _bad(f"{key}.{name}", value, "an integer > 0")
-        if self.n_embd % self.n_head:
-            raise _bad(f"{key}.n_embd", self.n_embd, f"a multiple of {key}.n_head={self.n_head}")
+        if self.n_embd % self.n_head:  # name both: the user may have typed either
+            raise _bad(f"{key}.n_head", self.n_head, f"a divisor of {key}.n_embd={self.n_embd} (or change "
+                                                     f"{key}.n_embd to a multiple of {key}.n_head)")
         if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) or not 0 <= self.dropout < 1:
             raise _bad(f"{key}.dropout", self.dropout, "a number in [0, 1)")
         for name in ("bias", "qk_norm"):

@@ -91,10 +91,30 @@ class ValidateSweep(Callback):
             print(f"[validate] {n} job(s) checked")
 
     def on_run_start(self, config: DictConfig, **kwargs) -> None:
+        launcher = [o for o in (list(config.hydra.overrides.hydra) + list(config.hydra.overrides.task))
+                    if o.lstrip("+~").startswith("hydra/launcher=")]
+        if launcher:  # Hydra only launches through a launcher in multirun mode: it would train here, silently
+            _reject(ConfigError(f"{launcher[0]} is not allowed without -m: Hydra uses a launcher only for a multirun; "
+                                f"add -m (python run.py -m {launcher[0]} ...) to launch through it"))
         try:
             validate_config(config, list(config.hydra.overrides.task))
         except (ConfigError, ValueError) as e:
             _reject(e)
 
 
-__all__ = ["ValidateSweep", "validate_sweep", "sweep_jobs"]
+class CloseDeadJobs(Callback):
+    """Hydra callback, listed after the report callback (Hydra runs end callbacks in reverse order, so this runs
+    first): a job of the sweep that died without a result (kill -9, OOM, node lost) gets its MLflow run marked KILLED
+    with the reason and a result.json (observed failed, its intervention and overrides) before the report reads
+    them (orchestrator.job.close_dead_jobs)."""
+
+    def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
+        from pathlib import Path
+
+        from orchestrator.job import close_dead_jobs
+        sweep_dir = OmegaConf.select(config, "hydra.sweep.dir")
+        if sweep_dir and Path(sweep_dir).is_dir():
+            close_dead_jobs(Path(sweep_dir))
+
+
+__all__ = ["ValidateSweep", "CloseDeadJobs", "validate_sweep", "sweep_jobs"]

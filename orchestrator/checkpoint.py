@@ -3,21 +3,31 @@
 A checkpoint holds the model, the optimizer, every RNG state, the next step, the detector and monitor state, the
 MLflow run id, the model shape (checked on resume), the batch-order file and the resolved config. Writes are atomic
 (temp file in the same folder + os.replace), so a crash or preemption mid-write leaves the previous checkpoint intact.
-Periodic checkpoints are kept as step_<k>.pt (train.keep_checkpoints of them); last.pt, the resume target, is linked
-to the newest. A fork (orchestrator/fork.py) starts another intervention from any of them.
+Each file carries the sha256 of its content as its zip comment, checked on every load: a damaged file is a clear
+error naming it, and auto-resume (`latest`) falls back to the newest intact checkpoint and says so. Periodic
+checkpoints are kept as step_<k>.pt (train.keep_checkpoints of them); last.pt, the resume target, is a separate copy
+of the newest (a hard link would share one damage). A fork (orchestrator/fork.py) starts another intervention from
+any of them.
 """
 from __future__ import annotations
 
+import hashlib
+import logging
 import os
 import random
 import re
 import shutil
-import tempfile
+import struct
+import sys
 from pathlib import Path
 from typing import Any, Dict, Optional
 
 import numpy as np
 import torch
+
+from orchestrator import faults
+
+log = logging.getLogger(__name__)
 
 FORMAT = 1
 SHAPE_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")
@@ -46,33 +56,123 @@ def set_rng_state(state: Dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+CHECKSUM_PREFIX = b"ff-sha256:"  # the zip archive's comment: sha256 of the archive as torch.save wrote it
+_COMMENT_LEN = len(CHECKSUM_PREFIX) + 64
+_EOCD = b"PK\x05\x06"  # zip end-of-central-directory record (22 bytes + comment); torch.save writes no comment
+
+
+KILL_AFTER_BYTES: Optional[int] = None  # debug (fault tests): SIGKILL this process once so many bytes are written
+
+
+class _HashingWriter:
+    """The file object torch.save writes to: hashes what passes and keeps the OSError (ENOSPC, ...) that torch
+    would otherwise turn into '[enforce fail at inline_container.cc] unexpected pos'."""
+
+    def __init__(self, f):
+        self.f, self.sha, self.error = f, hashlib.sha256(), None
+
+    def write(self, b) -> int:
+        try:
+            n = self.f.write(b)
+        except OSError as e:
+            self.error = self.error or e
+            raise
+        self.sha.update(b)
+        if KILL_AFTER_BYTES is not None and self.f.tell() >= KILL_AFTER_BYTES:
+            import signal
+            self.f.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return n
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
 def save(path: os.PathLike, state: Dict[str, Any]) -> Path:
-    """Atomically write `state` (plus the format version) to path."""
+    """Atomically write `state` (plus the format version) to path, with its checksum as the zip comment.
+
+    A temp file in the same folder (named with our pid, so a later start removes it after a kill -9) + fsync +
+    os.replace: a crash mid-write leaves the previous file intact. OSError (disk full, read-only folder) becomes a
+    faults.WriteError whose message is one plain sentence naming the path and the cause; no temp file is left."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    tmp = faults.temp_name(path)
+    w = None
     try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save({"format": FORMAT, **state}, f)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "w+b") as f:
+            w = _HashingWriter(f)
+            torch.save({"format": FORMAT, **state}, w)
+            f.flush()
+            size = f.tell()
+            f.seek(size - 22)
+            if f.read(22)[:4] != _EOCD:
+                raise RuntimeError(f"torch.save wrote {tmp} without a plain zip end record: cannot add a checksum")
+            f.seek(size - 2)
+            f.write(struct.pack("<H", _COMMENT_LEN))  # the comment's length (the hash covers it as 0)
+            f.write(CHECKSUM_PREFIX + w.sha.hexdigest().encode())
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    except BaseException as e:
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+        err = (w.error if w is not None else None) or (e if isinstance(e, OSError) else None)
+        if err is not None:
+            raise faults.WriteError(err.errno, faults.sentence("checkpoint", path, err)) from e
         raise
     return path
 
 
+def verify(path: os.PathLike, key: str = "resume") -> bool:
+    """Check the checksum of the checkpoint at path: True when it matches, False when the file has none (written
+    before checksums); CheckpointError (naming the path) when the file is not a checkpoint or does not match."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(4)
+            if head != b"PK\x03\x04":
+                raise CheckpointError(f"{key}={str(path)!r} is not a readable checkpoint: a flash-forensics checkpoint is a "
+                                      f"torch.save archive (zip); this file starts with {head!r}")
+            f.seek(max(0, size - 22 - _COMMENT_LEN))
+            tail = f.read()
+            if len(tail) < 22 + _COMMENT_LEN or tail[:4] != _EOCD or not tail[22:].startswith(CHECKSUM_PREFIX):
+                return False
+            want = tail[22 + len(CHECKSUM_PREFIX):].decode("ascii", "replace")
+            sha = hashlib.sha256()
+            f.seek(0)
+            left = size - _COMMENT_LEN - 2
+            while left > 0:
+                chunk = f.read(min(left, 1 << 22))
+                if not chunk:
+                    break
+                sha.update(chunk)
+                left -= len(chunk)
+            sha.update(b"\0\0")  # the comment length as torch.save wrote it
+    except OSError as e:
+        raise CheckpointError(f"{key}={str(path)!r}: cannot read the checkpoint: {faults.cause(e)}") from None
+    if sha.hexdigest() != want:
+        raise CheckpointError(f"{key}={str(path)!r} is damaged: its content does not match the checksum written with "
+                              f"it (sha256 {sha.hexdigest()[:16]}... vs {want[:16]}...); use an older checkpoint of "
+                              f"the job (python -m orchestrator.fork list <job dir>)")
+    return True
+
+
 def load(path: os.PathLike, map_location="cpu", key: str = "resume") -> Dict[str, Any]:
+    """Verify the checksum, then load. Every failure is a CheckpointError naming the key and the path."""
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"{key}={str(path)!r}: no such checkpoint file")
+    if not verify(path, key):
+        log.warning("%s=%s: the checkpoint has no checksum (written before checksums): loaded unverified", key, path)
     try:
         # our own files: they hold RNG states (numpy arrays, tuples) that weights_only refuses
         state = torch.load(path, map_location=map_location, weights_only=False, mmap=True)
     except Exception as e:
-        raise CheckpointError(f"{key}={str(path)!r}: not a readable checkpoint ({e})") from None
+        raise CheckpointError(f"{key}={str(path)!r} is not a readable checkpoint ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0][:200] if str(e) else ''})") from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise CheckpointError(f"{key}={str(path)!r}: not a flash-forensics checkpoint (format {FORMAT})")
     return state
@@ -111,23 +211,21 @@ def step_files(ckpt_dir: os.PathLike) -> Dict[int, Path]:
 
 def save_step(ckpt_dir: os.PathLike, step: int, state: Dict[str, Any], keep: int = 0,
               protect_before: Optional[int] = None, last: str = "last.pt") -> Path:
-    """Write step_<step>.pt, point `last` (the resume target) at the same bytes, and prune old step files.
+    """Write step_<step>.pt, copy it to `last` (the resume target, a separate file), and prune old step files.
 
-    `last` becomes a hard link to the step file (atomically, via a temp link + os.replace; a copy where links are
-    not supported), so a periodic checkpoint costs one write. Pruning keeps the `keep` newest step files (0 = all)
+    Pruning keeps the `keep` newest step files (0 = all)
     and, when protect_before is given (a divergence step), the newest one at or before it: the checkpoint a fork
     would start from is never pruned by the steps that follow a divergence."""
     path = save(step_path(ckpt_dir, step), state)
     target = Path(ckpt_dir) / last
-    tmp = target.with_name(f".{last}.{os.getpid()}.link")
+    tmp = faults.temp_name(target)
     try:
-        if tmp.exists():
-            tmp.unlink()
-        try:
-            os.link(path, tmp)
-        except OSError:
-            shutil.copyfile(path, tmp)
+        shutil.copyfile(path, tmp)  # a separate file: damage to one never reaches the other
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
         os.replace(tmp, target)
+    except OSError as e:
+        raise faults.WriteError(e.errno, faults.sentence("checkpoint", target, e)) from e
     finally:
         if tmp.exists():
             tmp.unlink()
@@ -144,14 +242,31 @@ def save_step(ckpt_dir: os.PathLike, step: int, state: Dict[str, Any], keep: int
     return path
 
 
-def latest(job_dir: os.PathLike) -> Optional[Path]:
-    """<job dir>/checkpoints/last.pt when it exists (auto-resume of a requeued job)."""
-    path = Path(job_dir) / "checkpoints" / "last.pt"
-    return path if path.is_file() else None
+def latest(job_dir: os.PathLike, key: str = "auto-resume") -> Optional[Path]:
+    """The newest intact checkpoint of <job dir>/checkpoints (auto-resume of a requeued job): last.pt when it
+    verifies, else the newest step_<k>.pt that does (said on stderr, with why last.pt was passed over). None when
+    there is none at all; CheckpointError when every one is damaged."""
+    d = Path(job_dir) / "checkpoints"
+    cands = [d / "last.pt"] if (d / "last.pt").is_file() else []
+    cands += [p for _, p in sorted(step_files(d).items(), reverse=True)]
+    problems = []
+    for p in cands:
+        try:
+            verify(p, key)
+        except CheckpointError as e:
+            problems.append(str(e))
+            continue
+        if problems:
+            print(f"[checkpoint] {key}: resuming from {p}, the newest intact checkpoint ({'; '.join(problems)})",
+                  file=sys.stderr, flush=True)
+        return p
+    if problems:
+        raise CheckpointError(f"{key}: every checkpoint in {d} is damaged ({'; '.join(problems)})")
+    return None
 
 
 __all__ = ["CheckpointError", "model_shape", "rng_state", "set_rng_state", "save", "load", "check_compatible",
-           "latest", "SHAPE_KEYS", "save_step", "step_files", "step_path"]
+           "latest", "SHAPE_KEYS", "save_step", "step_files", "step_path", "verify"]
 
 
 def read_header(path: os.PathLike, key: str = "resume") -> Dict[str, Any]:

@@ -2,8 +2,10 @@
 
 Per step: train loss, grad norm, lr (kept as 0-d device tensors / floats). Every `wq_every` steps: the top singular
 value of W_Q per (layer, head) (the paper's Fig. 2 signal). At each flush (every `log_every` steps): the kernels'
-repeated-maxima row counts per (layer, head) and the max attention logit per layer, accumulated since the last
-flush and then reset. Everything is stacked into one device tensor and copied to the host once, so the hot path
+repeated-maxima row counts per (layer, head), the numerical-failure counts per (layer, head) (rows whose softmax
+row sum underflowed, rows where the stabilized softmax fired but P̄ still rounded to 1; kernels/stats.py) and the max
+attention logit per layer, accumulated since the last flush and then reset. The failure counts are also summed over
+the run on the host (`numerics`, checkpointed) so the job can turn them into a warning tag. Everything is stacked into one device tensor and copied to the host once, so the hot path
 never waits on the GPU except at that single copy.
 """
 from __future__ import annotations
@@ -31,6 +33,9 @@ class MonitorConfig:
         return self
 
 
+NUMERICS = ("underflow_rows", "sfa_p1_rows")  # AttnStats counters of numerical failures, logged per (layer, head)
+
+
 def _unwrap(model):
     return getattr(model, "module", model)  # DDP / compiled wrappers keep the GPT in .module
 
@@ -53,6 +58,7 @@ class Monitors:
         self.peak_wq: float = -math.inf  # largest W_Q sigma seen, and where (for result.json)
         self.peak_wq_where: Optional[str] = None
         self.flushes = 0
+        self.numerics = {name: 0 for name in NUMERICS}  # run totals of the failure counters (host ints)
 
     def reset_clock(self) -> None:
         """Call right before the first step (after compile/warm-up) so tokens/s measures training only."""
@@ -108,6 +114,8 @@ class Monitors:
         if self.cfg.counters:
             for layer, s in enumerate(stats):
                 add(f"rmax@{layer}", s.repeated_max_rows)
+                for name in NUMERICS:
+                    add(f"{name}@{layer}", getattr(s, name))
         if self.cfg.max_logit:
             for layer, s in enumerate(stats):
                 add(f"logit@{layer}", s.max_logit)
@@ -134,6 +142,10 @@ class Monitors:
             self.last_tokens_per_s = tokens / elapsed
         for wstep in wq_steps:
             self._track_peak_wq(values[f"wq@{wstep}"])
+        if self.cfg.counters:
+            for layer in range(len(stats)):
+                for name in NUMERICS:
+                    self.numerics[name] += int(sum(values[f"{name}@{layer}"]))
         if self.tracker is None:
             return losses
         for k, step in enumerate(steps):
@@ -149,6 +161,9 @@ class Monitors:
                 if self.cfg.counters:
                     for h, c in enumerate(values[f"rmax@{layer}"]):
                         flushed[f"rmax_rows/L{layer}.H{h}"] = c
+                    for name in NUMERICS:
+                        for h, c in enumerate(values[f"{name}@{layer}"]):
+                            flushed[f"{name}/L{layer}.H{h}"] = c
                 logit = values[f"logit@{layer}"][0] if self.cfg.max_logit else -math.inf
                 if logit != -math.inf:  # -inf: nothing measured this interval (sdpa without probe)
                     flushed[f"max_logit/L{layer}"] = logit
@@ -156,6 +171,19 @@ class Monitors:
         for wstep in wq_steps:
             self.tracker.log_metrics(self._wq_metrics(values[f"wq@{wstep}"]), step=wstep)
         return losses
+
+    def numerics_warning(self) -> Optional[str]:
+        """One sentence when a numerical failure was counted during the run, else None."""
+        uf, p1 = self.numerics["underflow_rows"], self.numerics["sfa_p1_rows"]
+        parts = []
+        if uf:
+            parts.append(f"{uf} attention rows whose softmax row sum underflowed (NaN or zero rows; metric "
+                         f"underflow_rows/L*.H*): the exact Algorithm 3 shift is too large, use "
+                         f"softmax=stabilized_guarded or a smaller beta")
+        if p1:
+            parts.append(f"{p1} (row, tile) pairs where the stabilized softmax fired but P̄ still rounded to 1 "
+                         f"(metric sfa_p1_rows/L*.H*)")
+        return "; ".join(parts) or None
 
     def _n_head(self) -> int:
         if getattr(self, "_wq_heads", None):

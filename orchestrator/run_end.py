@@ -32,6 +32,11 @@ def finish(job, stream, done: int, status: str = "FINISHED") -> None:
     stream.close()
     if job.is_main:
         r = job.result
+        warning = job.monitors.numerics_warning()
+        if warning:  # counted numerical failures: a tag on the run and a line in result.json, never silent
+            r["warnings"] = [*r.get("warnings", []), warning]
+            job.tracker.set_tags({"warning": warning, **{f"numerics.{k}": v for k, v in job.monitors.numerics.items()}})
+            print(f"[job] warning: {warning}")
         job.tracker.set_tags({"verdict": r["observed"], "divergence_step": r["divergence_step"],
                               "matches_expect": (r["observed"] == "diverged") == (r["expected"] == "diverges"),
                               "early_stopped": r["early_stopped"]})
@@ -42,6 +47,21 @@ def finish(job, stream, done: int, status: str = "FINISHED") -> None:
             if p.exists():
                 job.tracker.log_artifact(p)
     job.tracker.close(status)
+    if job.is_main and job.tracker.store_error:  # training went on; the points wait in the spool
+        job.result["warnings"] = [*job.result.get("warnings", []), job.tracker.store_error]
+
+
+def interrupted(job, stream, done: int, by: str) -> None:
+    """Preemption signal (SystemExit after the checkpoint) or ^C: result.json counts the steps done."""
+    try:
+        job.sync_monitors()
+        fill_verdict(job, done)
+    except Exception:
+        pass
+    job.result["observed"] = "failed"
+    job.result["error"] = (f"stopped by {by} after {done} steps; the checkpoint is saved: rerun the same job "
+                           f"(auto-resume) or resume=<its last.pt>")
+    close_quietly(job, stream, "KILLED")
 
 
 def _finite_params(model) -> bool:
@@ -85,4 +105,4 @@ def close_quietly(job, stream, status: str) -> None:
             pass
 
 
-__all__ = ["new_result", "fill_verdict", "finish", "crash", "close_quietly"]
+__all__ = ["new_result", "fill_verdict", "finish", "crash", "close_quietly", "interrupted"]

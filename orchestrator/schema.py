@@ -77,12 +77,15 @@ class TrainConfig:
     auto_resume: bool = True  # resume from <job dir>/checkpoints/last.pt when it exists (requeued jobs)
     keep_checkpoints: int = 3  # step_<k>.pt files kept (newest, plus the last one before a divergence); 0 = all
     compile: str = "auto"  # torch.compile the model: auto (CUDA without emulator layers) | true | false
+    keep_last: bool = True  # false: a finished run drops last.pt (a copy of its final step_<k>.pt): half the disk
 
 
 @dataclass
 class DebugConfig:
     nan_at_step: Optional[int] = None  # force a NaN loss at this step (0-based) to exercise the verdict path
     raise_at_step: Optional[int] = None  # raise an exception at this step to exercise failure handling
+    kill_at_step: Optional[int] = None  # SIGKILL the job at this step (fault-injection tests), at kill_where:
+    kill_where: str = "step"  # step_start | step (after the batch is read) | after_checkpoint | checkpoint_write
 
 
 @dataclass

@@ -21,8 +21,9 @@ def start_state(job) -> Optional[Dict[str, Any]]:
     last.pt (even after resume=); a fork loads from_checkpoint and records where it came from (job.fork)."""
     cfg = job.cfg
     path = cfg.resume
-    if cfg.train.auto_resume and checkpoint.latest(job.job_dir) is not None:
-        path = checkpoint.latest(job.job_dir)
+    found = checkpoint.latest(job.job_dir) if cfg.train.auto_resume else None  # the newest intact one, said so
+    if found is not None:
+        path = found
     if path is None and cfg.from_checkpoint is not None:
         from orchestrator.fork import fork_info, resolve_order, source_decay
         state = checkpoint.check_compatible(cfg.from_checkpoint, cfg.model, key="from_checkpoint")
@@ -34,6 +35,17 @@ def start_state(job) -> Optional[Dict[str, Any]]:
     if path is None:
         return None
     state = checkpoint.check_compatible(path, cfg.model)
+    if cfg.from_checkpoint is not None and found is not None and not state.get("fork"):
+        # this folder holds the checkpoints of a run that is not a fork (e.g. the source's own folder): resuming them
+        # would reopen that run in MLflow and rewrite its verdict
+        raise checkpoint.CheckpointError(
+            f"from_checkpoint={str(cfg.from_checkpoint)!r}: the job folder {job.job_dir} already holds the checkpoints "
+            f"of another run ({path}, MLflow run {state.get('mlflow_run_id')}); a fork never writes to another run: "
+            f"give the fork its own folder (hydra.run.dir=...)")
+    fork = state.get("fork") or {}
+    if fork.get("source_run_id") and fork.get("source_run_id") == state.get("mlflow_run_id"):
+        raise checkpoint.CheckpointError(f"resume={str(path)!r}: this fork checkpoint names its source's MLflow run "
+                                         f"{state['mlflow_run_id']}; a fork never writes to its source's run")
     job.result["resumed_from"] = str(path)
     if state.get("fork"):  # a requeued fork resumes its own run and still knows where it came from
         set_fork(job, state["fork"])
@@ -58,6 +70,7 @@ def restore_run_state(job, state: Dict[str, Any], resuming: bool) -> None:
         mon = state.get("monitor", {})
         if mon.get("peak_wq") is not None:
             job.monitors.peak_wq, job.monitors.peak_wq_where = mon["peak_wq"], mon["peak_wq_where"]
+        job.monitors.numerics.update(mon.get("numerics") or {})
 
 
 def job_state(job, model, optimizer, done: int) -> Dict[str, Any]:
@@ -67,7 +80,7 @@ def job_state(job, model, optimizer, done: int) -> Dict[str, Any]:
         "step": done, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
         "rng": checkpoint.rng_state(), "detector": job.detector.state_dict(),
         "monitor": {"peak_wq": mon.peak_wq if math.isfinite(mon.peak_wq) else None,
-                    "peak_wq_where": mon.peak_wq_where},
+                    "peak_wq_where": mon.peak_wq_where, "numerics": dict(mon.numerics)},
         "mlflow_run_id": job.tracker.run_id if job.tracker else None,
         "model_shape": checkpoint.model_shape(job.cfg.model),
         "config": OmegaConf.to_container(OmegaConf.structured(job.cfg)),
@@ -75,14 +88,20 @@ def job_state(job, model, optimizer, done: int) -> Dict[str, Any]:
         "fork": job.fork, "hooks": job.hooks.state_dict()}
 
 
-def save(job, model, optimizer, done: int, name: str, keep_step: bool = False) -> Optional[Path]:
-    """Flush the monitors first so the checkpoint's detector state and MLflow agree on the last step.
-    keep_step: also keep it as step_<done>.pt (periodic and final checkpoints: what a fork starts from)."""
+def save(job, model, optimizer, done: int, name: str, keep_step: bool = False,
+         kill_mid_write: bool = False) -> Optional[Path]:
+    """Flush the monitors and the tracker first: a checkpoint is committed only once every metric point of the
+    steps it covers is in the store or the spool (a kill -9 right after it loses none), and its detector state and
+    MLflow agree on the last step. keep_step: also keep it as step_<done>.pt (periodic and final checkpoints: what a
+    fork starts from). kill_mid_write: debug (fault tests), SIGKILL once 1 MiB of the file is written."""
     job.sync_monitors()
     if not job.is_main:
         return None
+    job.tracker.flush()
     path = job.job_dir / CKPT_DIR / name
     state = job_state(job, model, optimizer, done)
+    if kill_mid_write:
+        checkpoint.KILL_AFTER_BYTES = 1 << 20
     if keep_step:
         checkpoint.save_step(path.parent, done, state, keep=job.cfg.train.keep_checkpoints,
                              protect_before=job.detector.divergence_step, last=name)

@@ -277,12 +277,25 @@ _FLUSH, _STOP = "__flush__", "__stop__"  # control items: (_FLUSH | _STOP, token
 
 
 class _Sink:
-    """Turns queued points into MLflow Metric batches for one run; drops steps recorded before a resume."""
+    """Turns queued points into MLflow Metric batches for one run; drops steps recorded before a resume.
 
-    def __init__(self, client, run_id: str, last_step: Dict[str, int]):
+    With a spool file (the job's mlflow_spool.jsonl): when the store fails (deleted sqlite file, server down, disk
+    full there), the points are appended to the spool (fsynced) instead, training goes on, and every later point
+    follows them there until a replay moves the spool into the store (retried every `retry_s`, at each flush and at
+    close; a resumed job replays it first). The store therefore always holds a prefix of each curve, so a replay
+    that filters by the store's last step per key never duplicates a point. Only a spool that cannot be written
+    (points that cannot be kept) is an error."""
+
+    def __init__(self, client, run_id: str, last_step: Dict[str, int], spool: Optional[os.PathLike] = None,
+                 uri: str = "", retry_s: float = 10.0):
         self.client, self.run_id, self.last_step = client, run_id, dict(last_step)
         self.points_logged = 0
         self.dropped = 0
+        self.spool = Path(spool) if spool else None
+        self.uri, self.retry_s = uri, retry_s
+        self.store_error: Optional[str] = None  # the plain sentence of the last store failure (a warning)
+        self._next_try = 0.0
+        self.spooled = 0
 
     def to_metrics(self, step: int, ts: int, values: Mapping[str, Any]) -> List:
         from mlflow.entities import Metric
@@ -295,11 +308,107 @@ class _Sink:
             out.append(Metric(str(key)[:MAX_KEY_LENGTH], float(value), ts, step))
         return out
 
-    def post(self, batch: List) -> None:
+    @property
+    def pending(self) -> bool:
+        """Points wait in the spool."""
+        return self.spool is not None and self.spool.is_file() and self.spool.stat().st_size > 0
+
+    def post(self, batch: List, force: bool = False) -> None:
+        if self.pending and not self.replay(force):
+            self._append(batch)
+            return
         for i in range(0, len(batch), MAX_METRICS_PER_BATCH):
             chunk = batch[i:i + MAX_METRICS_PER_BATCH]
-            _retry(self.client.log_batch, self.run_id, metrics=chunk)
+            try:
+                _retry(self.client.log_batch, self.run_id, metrics=chunk)
+            except Exception as e:
+                if self.spool is None:
+                    raise
+                self._store_failed(e)
+                self._append(batch[i:])
+                return
             self.points_logged += len(chunk)
+
+    def _store_failed(self, e: BaseException) -> None:
+        first = self.store_error is None
+        self.store_cause = store_cause(self.uri, e)
+        self.store_error = (f"the MLflow store {self.uri} cannot be written ({self.store_cause}); the metric "
+                            f"points are kept in {self.spool} and logged when the store is back")
+        self._next_try = time.monotonic() + self.retry_s
+        if first:
+            print(f"[tracking] {self.store_error}", flush=True)
+
+    def _append(self, batch: List) -> None:
+        lines = "".join(json.dumps({"k": m.key, "v": m.value, "t": m.timestamp, "s": m.step}) + "\n" for m in batch)
+        try:
+            with open(self.spool, "a") as f:
+                f.write(lines)
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as e:
+            from orchestrator.faults import WriteError, sentence
+            raise WriteError(e.errno, sentence("the metric spool", self.spool, e) + f", and the MLflow store {self.uri} "
+                             f"cannot be written ({getattr(self, 'store_cause', '?')}): the points cannot be kept") \
+                from e
+        self.spooled += len(batch)
+
+    def replay(self, force: bool = False) -> bool:
+        """Move the spool into the store; True when it is empty afterwards."""
+        if not self.pending:
+            return True
+        if not force and time.monotonic() < self._next_try:
+            return False
+        from mlflow.entities import Metric
+        try:
+            run = _retry(self.client.get_run, self.run_id)
+            have = {m.key: int(m.step) for m in getattr(run.data, "_metric_objs", [])}
+            todo = []
+            for line in self.spool.read_text().splitlines():
+                if not line.strip():
+                    continue
+                d = json.loads(line)
+                if d["s"] > have.get(d["k"], -1):
+                    todo.append(Metric(d["k"], float(d["v"]), int(d["t"]), int(d["s"])))
+            for i in range(0, len(todo), MAX_METRICS_PER_BATCH):
+                _retry(self.client.log_batch, self.run_id, metrics=todo[i:i + MAX_METRICS_PER_BATCH])
+                self.points_logged += len(todo[i:i + MAX_METRICS_PER_BATCH])
+        except json.JSONDecodeError:
+            raise
+        except Exception as e:
+            self._store_failed(e)
+            return False
+        self.spool.unlink()
+        if self.store_error:
+            print(f"[tracking] the MLflow store {self.uri} is back: {len(todo)} spooled points logged", flush=True)
+        self.store_error = None
+        return True
+
+
+def spooled_last_steps(spool: Optional[os.PathLike]) -> Dict[str, int]:
+    """Last step per key in a spool file (a resumed job must not log those steps again)."""
+    out: Dict[str, int] = {}
+    if spool and Path(spool).is_file():
+        for line in Path(spool).read_text().splitlines():
+            if line.strip():
+                try:
+                    d = json.loads(line)
+                except json.JSONDecodeError:  # a line cut by a kill -9: its points were never acknowledged
+                    continue
+                out[d["k"]] = max(out.get(d["k"], -1), int(d["s"]))
+    return out
+
+
+def store_cause(uri: str, e: BaseException) -> str:
+    """Why the store failed, in words (a deleted sqlite file shows up as 'attempt to write a readonly database')."""
+    db = sqlite_path(uri)
+    if db is not None and not db.exists():
+        return f"the database file {db} was deleted or moved"
+    text = str(e).splitlines()[0] if str(e) else type(e).__name__
+    if "readonly" in text.lower() or "read-only" in text.lower():
+        return f"{db or uri} is read-only"
+    if "disk" in text.lower() and "full" in text.lower():
+        return f"the disk of {db or uri} is full"
+    return text[:300]
 
 
 def _drain(get, sink: _Sink, interval: float, ack, fail) -> None:
@@ -315,9 +424,12 @@ def _drain(get, sink: _Sink, interval: float, ack, fail) -> None:
         except queue.Empty:
             item = None
         try:
-            if item is not None and isinstance(item[0], str):  # flush or stop
-                if pending and not failed:
-                    sink.post(pending)
+            if item is not None and isinstance(item[0], str):  # flush or stop: in the store or in the spool
+                if not failed:
+                    if pending:
+                        sink.post(pending, force=True)
+                    else:
+                        sink.replay(force=True)
                 pending = []
                 last_post = time.monotonic()
                 ack(item[1])
@@ -341,16 +453,34 @@ def _drain(get, sink: _Sink, interval: float, ack, fail) -> None:
                     return
 
 
-def _writer_process(uri: str, run_id: str, last_step: Dict[str, int], interval: float, q, acks) -> None:
+def _writer_process(uri: str, run_id: str, last_step: Dict[str, int], interval: float, q, acks,
+                    spool: Optional[str] = None) -> None:
     """Entry point of writer='process': MLflow's Python work runs here, off the training process's GIL."""
     try:
-        sink = _Sink(make_client(uri), run_id, last_step)
+        sink = _Sink(make_client(uri), run_id, last_step, spool, uri)
     except BaseException as e:
         acks.put(("error", f"{type(e).__name__}: {e}"))
         return
     _drain(lambda t: q.get(timeout=t), sink, interval,
-           ack=lambda token: acks.put(("ack", token, sink.points_logged, sink.dropped)),
+           ack=lambda token: acks.put(("ack", token, sink.points_logged, sink.dropped, sink.store_error)),
            fail=lambda e: acks.put(("error", f"{type(e).__name__}: {e}")))
+
+
+def mark_terminated(uri: str, run_id: str, status: str, reason: str, client=None) -> bool:
+    """A run left RUNNING by a dead job: tags verdict=failed and error=reason, then status (KILLED | FAILED).
+    Returns whether it was marked; a store that cannot be reached is said, not raised."""
+    try:
+        c = client or make_client(uri)
+        run = _retry(c.get_run, run_id)
+        if run.info.status != "RUNNING":
+            return False
+        _retry(c.set_tag, run_id, "verdict", "failed")
+        _retry(c.set_tag, run_id, "error", _truncate(reason, MAX_TAG_VAL_LENGTH))
+        _retry(c.set_terminated, run_id, status=status)
+        return True
+    except Exception as e:
+        print(f"[tracking] could not mark run {run_id} {status} in {uri}: {e}", flush=True)
+        return False
 
 
 class Tracker:
@@ -364,8 +494,10 @@ class Tracker:
 
     def __init__(self, cfg: TrackingConfig, run_name: str, experiment: Optional[str] = None,
                  parent_run_id: Optional[str] = None, run_id: Optional[str] = None, enabled: bool = True,
-                 tags: Optional[Mapping[str, Any]] = None, discover_parent: bool = True):
+                 tags: Optional[Mapping[str, Any]] = None, discover_parent: bool = True,
+                 spool: Optional[os.PathLike] = None):
         self.cfg = cfg
+        self.spool = Path(spool) if spool else None
         self.enabled = enabled
         self.run_id: Optional[str] = None
         self.experiment_id: Optional[str] = None
@@ -388,6 +520,8 @@ class Tracker:
             run = _retry(self.client.get_run, run_id)
             self.run_id, self.experiment_id = run_id, run.info.experiment_id
             self._last_step = self._last_steps(run)
+            for k, v in spooled_last_steps(self.spool).items():  # spooled before a kill: logged by the replay
+                self._last_step[k] = max(self._last_step.get(k, -1), v)
             self._params_logged = dict(run.data.params)
             self.parent_run_id = run.data.tags.get("mlflow.parentRunId", parent_run_id)
             _retry(self.client.update_run, run_id, status="RUNNING")
@@ -411,10 +545,10 @@ class Tracker:
             self._acks = ctx.Queue()
             self._worker = ctx.Process(target=_writer_process, name=f"mlflow-log-{self.run_id[:8]}", daemon=True,
                                        args=(self.uri, self.run_id, self._last_step, cfg.flush_interval_s,
-                                             self._queue, self._acks))
+                                             self._queue, self._acks, str(self.spool) if self.spool else None))
         else:
             self._queue = queue.Queue(maxsize=cfg.queue_size)
-            self._sink = _Sink(self.client, self.run_id, self._last_step)
+            self._sink = _Sink(self.client, self.run_id, self._last_step, self.spool, self.uri)
             self._worker = threading.Thread(
                 target=_drain, name=f"mlflow-log-{self.run_id[:8]}", daemon=True,
                 args=(lambda t: self._queue.get(timeout=t), self._sink, cfg.flush_interval_s,
@@ -439,8 +573,26 @@ class Tracker:
             return
         from mlflow.entities import RunTag
         todo = [RunTag(str(k)[:MAX_KEY_LENGTH], _truncate(str(v), MAX_TAG_VAL_LENGTH)) for k, v in tags.items()]
-        for i in range(0, len(todo), MAX_PARAMS_TAGS_PER_BATCH):
-            _retry(self.client.log_batch, self.run_id, tags=todo[i:i + MAX_PARAMS_TAGS_PER_BATCH])
+        try:
+            for i in range(0, len(todo), MAX_PARAMS_TAGS_PER_BATCH):
+                _retry(self.client.log_batch, self.run_id, tags=todo[i:i + MAX_PARAMS_TAGS_PER_BATCH])
+        except Exception as e:
+            if self.spool is None:
+                raise
+            # the store is gone: the run's tags wait with its points (written again at the next set_tags)
+            self._tags_lost = {**getattr(self, "_tags_lost", {}), **{t.key: t.value for t in todo}}
+            print(f"[tracking] tags not recorded: the MLflow store {self.uri} cannot be written "
+                  f"({store_cause(self.uri, e)})", flush=True)
+            return
+        lost = getattr(self, "_tags_lost", None)
+        if lost:
+            self._tags_lost = {}
+            self.set_tags({k: v for k, v in lost.items() if k not in tags})
+
+    def close_other(self, run_id: str, status: str, reason: str) -> None:
+        """Mark another run of this store (a dead job's, still RUNNING) terminated, with the reason as tags."""
+        if self.enabled:
+            mark_terminated(self.uri, run_id, status, reason, client=self.client)
 
     def log_metrics(self, metrics: Mapping[str, Any], step: int) -> None:
         """Queue the points and return at once (values may be floats or host tensors)."""
@@ -456,7 +608,13 @@ class Tracker:
     def log_artifact(self, path: os.PathLike, artifact_path: Optional[str] = None) -> None:
         if not self.enabled:
             return
-        _retry(self.client.log_artifact, self.run_id, str(path), artifact_path)
+        try:
+            _retry(self.client.log_artifact, self.run_id, str(path), artifact_path)
+        except Exception as e:
+            if self.spool is None:
+                raise
+            print(f"[tracking] artifact {path} not recorded: the MLflow store {self.uri} cannot be written "
+                  f"({store_cause(self.uri, e)})", flush=True)
 
     def flush(self) -> None:
         """Block until every queued point is in MLflow; re-raise an error of the writer."""
@@ -485,7 +643,11 @@ class Tracker:
             try:
                 _retry(self.client.set_terminated, self.run_id, status="FAILED" if self._error else status)
             except Exception as e:  # the writer's error, if any, is the one worth reporting
-                self._error = self._error or e
+                if self.spool is None or self._error is not None:
+                    self._error = self._error or e
+                else:
+                    print(f"[tracking] run {self.run_id} not marked {status}: the MLflow store {self.uri} cannot be "
+                          f"written ({store_cause(self.uri, e)})", flush=True)
         self._raise_if_failed()
 
     def _control(self, kind: str) -> None:
@@ -514,7 +676,7 @@ class Tracker:
             if msg[0] == "error":
                 self._error = self._error or RuntimeError(msg[1])
                 continue
-            _, got, self._proc_logged, self._proc_dropped = msg
+            _, got, self._proc_logged, self._proc_dropped, self._proc_store_error = msg
             if got == token:
                 return
 
@@ -524,6 +686,15 @@ class Tracker:
         if not self.enabled:
             return 0
         return self._sink.points_logged if self.cfg.writer != "process" else getattr(self, "_proc_logged", 0)
+
+    @property
+    def store_error(self) -> Optional[str]:
+        """The plain sentence of a store failure whose points wait in the spool (as of the last flush), or None."""
+        if not self.enabled:
+            return None
+        if self.cfg.writer != "process":
+            return self._sink.store_error if self._sink.pending else None
+        return getattr(self, "_proc_store_error", None)
 
     @property
     def dropped_points(self) -> int:
@@ -566,4 +737,4 @@ class Tracker:
 
 __all__ = ["TrackingConfig", "Tracker", "TrackingUnreachable", "check_tracking", "resolve_uri",
            "default_tracking_uri", "flatten_config", "git_info", "find_parent", "write_parent_file",
-           "get_or_create_experiment", "make_client", "PARENT_FILE", "RESULTS_DIR"]
+           "get_or_create_experiment", "make_client", "PARENT_FILE", "RESULTS_DIR", "spooled_last_steps", "store_cause", "mark_terminated"]

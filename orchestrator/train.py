@@ -31,6 +31,7 @@ from orchestrator.optim import build_optimizer
 from orchestrator.snapshot import CKPT_DIR
 from orchestrator.step import TrainStep, autocast
 ORDER_FILE = "batch_order.bin"
+SPOOL_FILE = "mlflow_spool.jsonl"  # metric points waiting for a failed MLflow store (orchestrator/tracking.py)
 
 
 def seed_everything(seed: int) -> None:
@@ -70,8 +71,8 @@ def compile_model(model):
 def evaluate(model, batches, device, precision) -> torch.Tensor:
     """Mean val loss over fixed batches, as a device scalar. Kernel counters are saved and restored around it so
     the monitors only ever count training rows."""
-    stats = model.attention_stats()
-    saved = [(s.repeated_max_rows.clone(), s.rows_seen.clone(), s.max_logit.clone()) for s in stats]
+    stats = [s for s in model.attention_stats() if s is not None]
+    saved = [s.snapshot() for s in stats]
     model.eval()
     losses = []
     for x, y in batches:
@@ -79,10 +80,8 @@ def evaluate(model, batches, device, precision) -> torch.Tensor:
             _, loss = model(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
         losses.append(loss.float())
     model.train()
-    for s, (rows, seen, logit) in zip(stats, saved):
-        s.repeated_max_rows.copy_(rows)
-        s.rows_seen.copy_(seen)
-        s.max_logit.copy_(logit)
+    for s, snap in zip(stats, saved):
+        s.restore(snap)
     return torch.stack(losses).mean()
 
 
@@ -139,6 +138,11 @@ class Job:
         self.result["attention_routes"] = model.attention_routes()
         self.hooks.attach(model)
         optimizer = build_optimizer(model, self.cfg.optimizer, device)
+        if self.is_main:  # what a kill -9 mid-write left behind
+            from orchestrator.faults import remove_stale_temps
+            for folder in (self.job_dir / CKPT_DIR, self.job_dir):
+                for p in remove_stale_temps(folder):
+                    print(f"[job] removed {p}, a temp file of a killed job")
         state = snapshot.start_state(self)
         if state:
             model.load_state_dict(state["model"])
@@ -200,10 +204,17 @@ class Job:
         self.tracker = Tracker(cfg.tracking, run_name[:250],
                                experiment=cfg.tracking.experiment or cfg.sweep_name,
                                run_id=state.get("mlflow_run_id") if resuming else None, enabled=self.is_main,
-                               tags=sweep_tags)
+                               tags=sweep_tags, spool=self.job_dir / SPOOL_FILE)
         self.result["mlflow_run_id"] = self.tracker.run_id
         if not self.is_main:
             return
+        # what the launcher needs to close this run if the job dies without a result (orchestrator/job.py)
+        from orchestrator.job import read_job_start, write_job_start
+        old = (read_job_start(self.job_dir) or {}).get("mlflow_run_id")
+        if old and old != self.tracker.run_id:  # this folder's earlier run died before any checkpoint
+            self.tracker.close_other(old, "KILLED", "the job died before its first checkpoint and was started again "
+                                                    f"from step 0 (new MLflow run {self.tracker.run_id})")
+        write_job_start(self.job_dir, mlflow_run_id=self.tracker.run_id, tracking_uri=self.tracker.uri)
         resolved = self.job_dir / "config_resolved.yaml"
         resolved.parent.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(OmegaConf.structured(cfg), resolved)
@@ -257,12 +268,16 @@ class Job:
         try:
             done = self._loop(model, optimizer, step_fn, stream, val, start, device, guard, bar)
             run_end.finish(self, stream, done, status="FINISHED")
+            final = checkpoint.step_path(self.job_dir / CKPT_DIR, done)
+            if not self.cfg.train.keep_last and self.is_main and final.is_file():  # auto-resume finds step_<k>.pt
+                (self.job_dir / CKPT_DIR / "last.pt").unlink(missing_ok=True)
+                self.result["checkpoint"] = str(final)
         except Exception as e:
             self.result["error"] = f"{type(e).__name__}: {e}"
             run_end.crash(self, model, optimizer, self._done, stream)
             raise
-        except BaseException:  # preemption (SystemExit) or ^C: the checkpoint is saved; leave the run open
-            run_end.close_quietly(self, stream, "KILLED")
+        except BaseException as e:  # preemption (SystemExit) or ^C: the checkpoint is saved
+            run_end.interrupted(self, stream, self._done, guard_signal(guard) or type(e).__name__)
             raise
         finally:
             bar.close()
@@ -282,9 +297,11 @@ class Job:
         for step in range(start, tc.max_steps):
             if cfg.debug.raise_at_step == step:
                 raise RuntimeError(f"debug.raise_at_step={step}: forced failure")
+            self._maybe_kill(step, "step_start")
             if probe_sdpa:
                 model.probe = (step + 1) % cfg.monitor.log_every == 0
             loss_sum, grad_norm, lr = step_fn(step, self._batches(stream, step))
+            self._maybe_kill(step, "step")  # mid-step: the update is done, its metrics are not logged yet
             self._done = done = step + 1
             host = self.monitors.step_end(step, loss_sum, grad_norm, lr, tokens_per_step)
             if host:
@@ -297,7 +314,10 @@ class Job:
                 self._log_val(model, val, device, step)
                 val_done_at = step
             if (tc.ckpt_every and done % tc.ckpt_every == 0) or last:
-                snapshot.save(self, model, optimizer, done, "last.pt", keep_step=True)
+                snapshot.save(self, model, optimizer, done, "last.pt", keep_step=True,
+                              kill_mid_write=cfg.debug.kill_at_step == step and
+                              cfg.debug.kill_where == "checkpoint_write")
+                self._maybe_kill(step, "after_checkpoint")
             if tc.early_stop and self.detector.should_stop(step):
                 self.result["early_stopped"] = True
                 break
@@ -319,6 +339,14 @@ class Job:
             return None
         return PreemptionGuard(dist_info=self.dist, check_every=self.cfg.dist.preempt_check_every).install()
 
+    def _maybe_kill(self, step: int, where: str) -> None:
+        """debug.kill_at_step / kill_where: SIGKILL this process there (the fault-injection tests)."""
+        d = self.cfg.debug
+        if d.kill_at_step == step and d.kill_where == where:
+            import os
+            import signal
+            os.kill(os.getpid(), signal.SIGKILL)
+
     def _log_val(self, model, val, device, step: int) -> None:
         v = float(evaluate(model, val, device, self.cfg.train.precision))  # one sync per eval, not per step
         self.result["val_loss"] = v
@@ -331,9 +359,17 @@ class Job:
             self.detector.update(host)
 
 
+def guard_signal(guard) -> Optional[str]:
+    """The name of the signal the preemption guard caught, if any."""
+    import signal
+    if guard is None or guard.signum is None:
+        return None
+    return signal.Signals(guard.signum).name
+
+
 def train(cfg, attention, job_dir: Path, overrides: List[str]) -> Dict[str, Any]:
     return Job(cfg, attention, job_dir, overrides).run()
 
 
 __all__ = ["Job", "train", "evaluate", "seed_everything", "compile_enabled", "compile_model", "CKPT_DIR",
-           "ORDER_FILE"]
+           "ORDER_FILE", "SPOOL_FILE"]

@@ -8,6 +8,7 @@ It also builds the job's effective attention config (conf attention + the interv
 from __future__ import annotations
 
 from dataclasses import fields
+from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 from omegaconf import DictConfig, OmegaConf
@@ -243,6 +244,63 @@ def check_intervention(iv, model) -> None:
                                                             f"(model.n_head={model.n_head})")
     if iv.beta is not None and not iv.beta > 1:
         raise _bad("intervention.beta", iv.beta, "a number > 1 (beta = 1 is the safe softmax)")
+    # the knobs the intervention sets, checked under the key the user typed (intervention.eps, not attention.eps)
+    patch = {n: getattr(iv, n) for n in KNOBS if getattr(iv, n, None) is not None}
+    if patch:
+        try:
+            AttentionKnobs(**{**KNOB_DEFAULTS, **patch}).validate(model.n_head, key="intervention")
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+
+def check_data_fits(obj) -> None:
+    """Before launch: data.replay is a batch order that fits the run, and block_size fits the prepared corpus (when
+    it is prepared already; otherwise preparing checks it, before step 0)."""
+    d, T = obj.data, obj.model.block_size
+    tokens = None
+    try:
+        from orchestrator.data.corpora import open_corpus
+        from orchestrator.data.prepare import dataset_dir
+        import json
+        manifest = dataset_dir(d, open_corpus(d)) / "manifest.json"
+        if manifest.is_file():
+            tokens = json.loads(manifest.read_text()).get("tokens")
+    except Exception:  # not prepared / not fetched yet: the job prepares and checks it
+        tokens = None
+    if tokens:
+        small = min(tokens.get("train", 0), tokens.get("val", 0))
+        if T + 1 > small:
+            raise _bad("model.block_size", T, f"at most {small - 1}: the prepared corpus {d.corpus} holds "
+                                              f"{tokens.get('train')} train / {tokens.get('val')} val tokens and a "
+                                              f"block needs block_size + 1 of them")
+    if d.replay is not None and obj.from_checkpoint is None:
+        from orchestrator.data.replay import read_header
+        path = Path(d.replay)
+        if not path.is_file():
+            raise _bad("data.replay", d.replay, "an existing batch-order file (a run's batch_order.bin)")
+        try:
+            h = read_header(path)
+        except ValueError as e:
+            raise ConfigError(f"data.replay={d.replay!r} is not allowed: {e}; expected a run's batch_order.bin") \
+                from None
+        t = obj.train
+        diff = [f"{n}: file {a} vs run {b}" for n, a, b in (("block_size", h.block_size, T),
+                                                             ("batch_size", h.batch_size, t.batch_size),
+                                                             ("grad_accum", h.grad_accum, t.grad_accum)) if a != b]
+        if tokens and h.n_tokens != tokens.get("train"):
+            diff.append(f"corpus tokens: file {h.n_tokens} vs run {tokens.get('train')}")
+        if diff:
+            raise ConfigError(f"data.replay={d.replay!r} is not allowed: it was recorded for another run shape "
+                              f"({'; '.join(diff)})")
+        if tokens and h.n_tokens == tokens.get("train"):
+            from orchestrator.data.replay import OrderReader
+            try:
+                OrderReader(path, h).check_covers(t.max_steps)  # checksum, offsets inside the corpus, length
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+
+
+KILL_WHERE = ("step_start", "step", "after_checkpoint", "checkpoint_write")
 
 
 def apply_model_patch(obj) -> None:
@@ -268,7 +326,9 @@ def check_hooks(iv, model) -> None:
 
 
 def check_debug(d, t) -> None:
-    for name in ("nan_at_step", "raise_at_step"):
+    if d.kill_where not in KILL_WHERE:
+        raise _bad("debug.kill_where", d.kill_where, "one of " + ", ".join(KILL_WHERE))
+    for name in ("nan_at_step", "raise_at_step", "kill_at_step"):
         v = getattr(d, name)
         if v is not None:
             _int(f"debug.{name}", v, 0, t.max_steps - 1)
@@ -287,7 +347,8 @@ def _validate(cfg, overrides: Sequence[str] = (), check_resume: bool = True, che
                         ("debug", lambda: check_debug(obj.debug, obj.train)),
                         ("intervention.model", lambda: apply_model_patch(obj)),
                         ("intervention", lambda: check_intervention(obj.intervention, obj.model)),
-                        ("intervention.hooks", lambda: check_hooks(obj.intervention, obj.model))):
+                        ("intervention.hooks", lambda: check_hooks(obj.intervention, obj.model)),
+                        ("data", lambda: check_data_fits(obj))):
         try:
             fn()
         except ConfigError:

@@ -2,15 +2,21 @@
 
 Layout (little endian): a 64-byte header
     magic b"FFORDER1", version u16, offset width u16 (4 or 8 bytes), block_size u32, batch_size u32, grad_accum u32,
-    world_size u32, rank u32, seed u64, n_tokens u64 (length of the train.bin it indexes), zero padding
+    world_size u32, rank u32, seed u64, n_tokens u64 (length of the train.bin it indexes), then (version 2) crc32 u32
+    of the first `covered` steps' bytes and covered u64, zero padding
 then, per step, grad_accum * batch_size offsets (uint32 when the bin has < 2**32 tokens, else uint64).
-Steps are appended and flushed as they happen, so a crash keeps every whole step written before it; a partial
-trailing step is ignored on reading and cut on resume. One file per rank: `order_paths(base, world_size)`.
+Steps are appended and flushed as they happen, and the header's checksum is brought up to date after each, so a crash
+keeps every whole step written before it; steps past `covered` (a partial trailing step, or the one step a crash
+wrote before its header update) are ignored on reading and cut on resume. Reading checks the checksum (a file whose
+offsets were changed is refused, naming it) and that every offset lies inside the corpus, before the first step.
+Version-1 files (no checksum) are still read, unverified. One file per rank: `order_paths(base, world_size)`.
 """
 from __future__ import annotations
 
+import logging
 import os
 import struct
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional, Union
@@ -19,9 +25,12 @@ import numpy as np
 
 from orchestrator.data.config import DataError
 
+log = logging.getLogger(__name__)
+
 MAGIC = b"FFORDER1"
-VERSION = 1
+VERSION = 2
 _HEAD = struct.Struct("<8sHHIIIIIQQ")
+_SUM = struct.Struct("<IQ")  # crc32, covered steps: right after _HEAD
 HEADER_BYTES = 64
 
 
@@ -35,6 +44,9 @@ class OrderHeader:
     seed: int
     n_tokens: int
     width: int = 0  # bytes per offset; 0 = choose from n_tokens
+    version: int = VERSION
+    crc: int = 0  # crc32 of the first `covered` steps (version 2)
+    covered: int = 0
 
     def __post_init__(self):
         if self.width == 0:
@@ -54,7 +66,7 @@ class OrderHeader:
 
     def pack(self) -> bytes:
         raw = _HEAD.pack(MAGIC, VERSION, self.width, self.block_size, self.batch_size, self.grad_accum,
-                         self.world_size, self.rank, self.seed, self.n_tokens)
+                         self.world_size, self.rank, self.seed, self.n_tokens) + _SUM.pack(self.crc, self.covered)
         return raw.ljust(HEADER_BYTES, b"\0")
 
     @classmethod
@@ -62,9 +74,10 @@ class OrderHeader:
         if len(raw) < HEADER_BYTES or raw[:8] != MAGIC:
             raise DataError(f"{path} is not a batch-order file (bad or missing header)")
         magic, version, width, T, B, ga, ws, rank, seed, n = _HEAD.unpack(raw[:_HEAD.size])
-        if version != VERSION or width not in (4, 8):
+        if version not in (1, VERSION) or width not in (4, 8):
             raise DataError(f"{path}: batch-order file version {version} / width {width} is not supported")
-        return cls(T, B, ga, ws, rank, seed, n, width)
+        crc, covered = _SUM.unpack(raw[_HEAD.size:_HEAD.size + _SUM.size]) if version >= 2 else (0, 0)
+        return cls(T, B, ga, ws, rank, seed, n, width, version, crc, covered)
 
     def mismatch(self, other: "OrderHeader") -> List[str]:
         """What differs in the fields that decide which batches a run sees (not the seed: replay ignores it)."""
@@ -98,11 +111,35 @@ class OrderReader:
         if diff:
             raise DataError(f"data.replay: {self.path} was recorded for another run shape ({'; '.join(diff)}); "
                             "replay needs the same block_size, batch_size, grad_accum, world size and corpus")
+        h = self.header
         body = self.path.stat().st_size - HEADER_BYTES
-        self.n_steps = body // self.header.step_bytes
-        self._data = (np.memmap(self.path, dtype=self.header.dtype, mode="r", offset=HEADER_BYTES,
-                                shape=(self.n_steps, self.header.grad_accum, self.header.batch_size))
+        self.n_steps = body // h.step_bytes
+        if h.version >= 2:
+            if h.covered > self.n_steps:
+                raise DataError(f"data.replay: {self.path} is damaged: its header covers {h.covered} steps, the file "
+                                f"holds {self.n_steps}")
+            self.n_steps = h.covered
+            with open(self.path, "rb") as f:
+                f.seek(HEADER_BYTES)
+                crc, left = 0, self.n_steps * h.step_bytes
+                while left:
+                    chunk = f.read(min(left, 1 << 22))
+                    crc, left = zlib.crc32(chunk, crc), left - len(chunk)
+            if crc != h.crc:
+                raise DataError(f"data.replay: {self.path} is damaged: its offsets do not match the checksum in its "
+                                f"header (crc32 {crc:08x} vs {h.crc:08x}); replay the run's own recorded file")
+        else:
+            log.warning("data.replay: %s is a version-1 batch order (no checksum): replayed unverified", self.path)
+        self._data = (np.memmap(self.path, dtype=h.dtype, mode="r", offset=HEADER_BYTES,
+                                shape=(self.n_steps, h.grad_accum, h.batch_size))
                       if self.n_steps else None)
+        if self.n_steps:  # every window [o, o + block_size + 1) inside the corpus, before the first step
+            top = int(self._data.max())
+            if top + h.block_size + 1 > h.n_tokens:
+                bad = int(np.argmax(self._data.reshape(self.n_steps, -1).max(axis=1) + h.block_size + 1 > h.n_tokens))
+                raise DataError(f"data.replay: {self.path} holds offset {top} (first at step {bad}), past the end of "
+                                f"the corpus ({h.n_tokens} tokens, block_size {h.block_size}): expected offsets <= "
+                                f"{h.n_tokens - h.block_size - 1}")
 
     def offsets(self, step: int, micro: int) -> np.ndarray:
         if step >= self.n_steps:
@@ -130,23 +167,43 @@ class OrderWriter:
             if diff:
                 raise DataError(f"resume: batch-order file {self.path} belongs to another run ({'; '.join(diff)})")
             have = (self.path.stat().st_size - HEADER_BYTES) // header.step_bytes
+            if old.version >= 2:
+                have = min(have, old.covered)
             self.n_steps = min(have, start_step)
             self._f = open(self.path, "r+b")
             self._f.truncate(HEADER_BYTES + self.n_steps * header.step_bytes)
-            self._f.seek(0, os.SEEK_END)
+            self._f.seek(HEADER_BYTES)
+            crc, left = 0, self.n_steps * header.step_bytes
+            while left:
+                chunk = self._f.read(min(left, 1 << 22))
+                crc, left = zlib.crc32(chunk, crc), left - len(chunk)
+            self._crc = crc
+            self._write_header()
         else:
             self._f = open(self.path, "wb")
+            self._crc = 0
+            self.n_steps = 0
             self._f.write(header.pack())
             self._f.flush()
-            self.n_steps = 0
 
     def append(self, offsets: np.ndarray) -> None:
         """offsets: (grad_accum, batch_size) of the next step."""
         arr = np.ascontiguousarray(offsets, dtype=self.header.dtype)
         assert arr.size == self.header.step_items
-        self._f.write(arr.tobytes())
-        self._f.flush()
+        raw = arr.tobytes()
+        self._f.write(raw)
+        self._crc = zlib.crc32(raw, self._crc)
         self.n_steps += 1
+        self._write_header()
+
+    def _write_header(self) -> None:
+        """The checksum and step count after the body they cover (a crash in between loses one step, not the file)."""
+        from dataclasses import replace
+        self._f.flush()
+        self._f.seek(0)
+        self._f.write(replace(self.header, crc=self._crc, covered=self.n_steps).pack())
+        self._f.seek(0, os.SEEK_END)
+        self._f.flush()
 
     def close(self) -> None:
         if not self._f.closed:
