@@ -248,7 +248,7 @@ def check_intervention(iv, model) -> None:
     patch = {n: getattr(iv, n) for n in KNOBS if getattr(iv, n, None) is not None}
     if patch:
         try:
-            AttentionKnobs(**{**KNOB_DEFAULTS, **patch}).validate(model.n_head, key="intervention")
+            AttentionKnobs(**patch).validate(model.n_head, key="intervention")
         except ValueError as e:
             raise ConfigError(str(e)) from None
 
