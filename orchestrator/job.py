@@ -5,15 +5,14 @@ SystemExit / KeyboardInterrupt pass through (preemption requeue, ^C).
 """
 from __future__ import annotations
 
-import json
-import math
 import traceback
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from omegaconf import DictConfig
 
-RESULT_FILE = "result.json"
+from orchestrator import record
+from orchestrator.record import ERROR_FILE, RESULT_FILE
 
 
 def _hydra_context() -> tuple[Path, List[str], bool]:
@@ -27,23 +26,9 @@ def _hydra_context() -> tuple[Path, List[str], bool]:
         return Path("results/runs/manual"), [], False
 
 
-def _json_safe(x):
-    if isinstance(x, float) and not math.isfinite(x):
-        return str(x)  # NaN/Inf are not JSON
-    if isinstance(x, dict):
-        return {k: _json_safe(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_json_safe(v) for v in x]
-    return x
-
-
 def write_result(job_dir: Path, result: Dict[str, Any]) -> Path:
-    job_dir.mkdir(parents=True, exist_ok=True)
-    path = job_dir / RESULT_FILE
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(_json_safe(result), indent=2))
-    tmp.replace(path)
-    return path
+    """<job dir>/result.json as the typed run record (orchestrator/record.py): one encoding, atomic."""
+    return record.write(Path(job_dir), record.RunRecord.from_dict(result))
 
 
 def run_job(cfg: DictConfig, job_dir: Optional[Path] = None, overrides: Optional[List[str]] = None) -> Dict[str, Any]:
@@ -54,11 +39,9 @@ def run_job(cfg: DictConfig, job_dir: Optional[Path] = None, overrides: Optional
     job_dir = Path(job_dir) if job_dir is not None else hydra_dir
     overrides = list(overrides) if overrides is not None else hydra_overrides
     name = "+".join(selected_interventions(overrides)) or str(cfg.intervention.name)
-    result: Dict[str, Any] = {"intervention": name, "overrides": overrides,
-                              "expected": cfg.intervention.get("expect"), "observed": "failed",
-                              "divergence_step": None, "final_loss": None, "min_loss": None, "peak_wq_norm": None,
-                              "peak_wq_where": None, "mlflow_run_id": None, "steps_done": 0, "error": None,
-                              "wall_s": None, "attention_routes": None}
+    result: Dict[str, Any] = record.RunRecord(intervention=name, overrides=overrides,
+                                              expected=cfg.intervention.get("expect"),
+                                              job_dir=str(job_dir)).to_dict()
     job = None
     try:
         obj, attention = validate_config(cfg, overrides)
@@ -71,9 +54,9 @@ def run_job(cfg: DictConfig, job_dir: Optional[Path] = None, overrides: Optional
             result = job.result
         result["observed"] = "failed"
         result["error"] = result.get("error") or f"{type(e).__name__}: {e}"
-        (job_dir / "error.txt").parent.mkdir(parents=True, exist_ok=True)
-        (job_dir / "error.txt").write_text(traceback.format_exc())
-        print(f"[job] {name} failed: {result['error']} (traceback in {job_dir / 'error.txt'})")
+        (job_dir / ERROR_FILE).parent.mkdir(parents=True, exist_ok=True)
+        (job_dir / ERROR_FILE).write_text(traceback.format_exc())
+        print(f"[job] {name} failed: {result['error']} (traceback in {job_dir / ERROR_FILE})")
     except BaseException as e:  # preempted (requeue) or interrupted: the requeued job rewrites result.json
         result = job.result if job is not None else result
         result["error"] = f"interrupted ({type(e).__name__}); a requeued job resumes from its last checkpoint"
@@ -87,12 +70,12 @@ def run_job(cfg: DictConfig, job_dir: Optional[Path] = None, overrides: Optional
 
 
 def _single_run_report(cfg, result, job_dir: Path) -> None:
-    """A single (non-multirun) run still gets results/<sweep>/verdicts.{md,json}."""
+    """A single (non-multirun) run still gets a report: <job dir>/report/verdicts.{md,json}."""
     try:
         from orchestrator.report import write_run_report
         from orchestrator.tracking import resolve_uri
         write_run_report(result, str(cfg.sweep_name), resolve_uri(cfg.tracking.uri), job_dir=job_dir,
-                         out_dir=Path(str(cfg.results_dir)) / str(cfg.sweep_name))
+                         out_dir=Path(job_dir) / record.REPORT_DIR)  # its own folder: never a sweep's report
     except Exception as e:  # the run itself is recorded; a report failure must not hide that
         print(f"[job] report not written: {type(e).__name__}: {e}")
 

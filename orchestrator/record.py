@@ -234,6 +234,35 @@ _METRIC_FIELD = {"peak_wq_sigma": "peak_wq_norm"}  # metric name -> record field
 SWEEP_METRICS = ("runs", "runs_matching_paper", "runs_diverged", "runs_stable", "runs_failed")
 
 
+# where and how a run logs, not what it computes: left out of params (the resolved-config artifact keeps them)
+PLUMBING_KEYS = ("results_dir", "tracking", "debug", "hydra", "sweep_name", "resume", "from_checkpoint")
+
+
+def run_params(cfg, attention, routes: Optional[Sequence[str]] = None) -> Dict[str, Any]:
+    """A run's MLflow params: the config without plumbing; for attention only what ran, per layer (the effective
+    knobs: `attention_effective.<knob>` where every layer agrees, `attention_effective.L<i>.<knob>` where layers
+    differ) and which code computed each layer (`attention_route.L<i>`); the intervention's own settings (unset
+    knobs left out), not the pre-intervention attention config."""
+    from omegaconf import OmegaConf
+    plain = OmegaConf.to_container(OmegaConf.structured(cfg)) if not isinstance(cfg, dict) else dict(cfg)
+    out = {k: v for k, v in plain.items() if k not in PLUMBING_KEYS + ("attention", "intervention")}
+    out["intervention"] = {k: v for k, v in (plain.get("intervention") or {}).items() if v not in (None, [], {})}
+    n_layer = int(plain["model"]["n_layer"])
+    layers = [asdict(attention.for_layer(i)) for i in range(n_layer)]
+    eff: Dict[str, Any] = {}
+    for knob in layers[0] if layers else ():
+        values = [lay[knob] for lay in layers]
+        if all(v == values[0] for v in values):
+            eff[knob] = values[0]
+        else:
+            for i, v in enumerate(values):
+                eff[f"L{i}.{knob}"] = v
+    out["attention_effective"] = eff
+    if routes:
+        out["attention_route"] = {f"L{i}": r for i, r in enumerate(routes)}
+    return out
+
+
 def record_tags(r: RunRecord) -> Dict[str, str]:
     """The final tags of a run: verdict, matches_paper, intervention (one name everywhere), and where."""
     tags = {TAG_VERDICT: r.observed, TAG_MATCHES: "true" if r.matches_paper else "false",

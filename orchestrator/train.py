@@ -24,11 +24,9 @@ import torch
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
-from orchestrator import checkpoint
+from orchestrator import checkpoint, record
 from orchestrator.optim import build_optimizer, lr_factor, set_lr
-
-CKPT_DIR = "checkpoints"
-ORDER_FILE = "batch_order.bin"
+from orchestrator.record import CKPT_DIR, ORDER_FILE, RESOLVED_CONFIG
 
 
 def seed_everything(seed: int) -> None:
@@ -93,12 +91,11 @@ class Job:
     def __init__(self, cfg, attention, job_dir: Path, overrides: List[str]):
         self.cfg, self.attention, self.job_dir, self.overrides = cfg, attention, Path(job_dir), list(overrides)
         iv = cfg.intervention
-        self.result: Dict[str, Any] = {
-            "intervention": iv.name, "overrides": self.overrides, "expected": iv.expect, "observed": "failed",
-            "divergence_step": None, "final_loss": None, "min_loss": None, "val_loss": None, "peak_wq_norm": None,
-            "peak_wq_where": None, "mlflow_run_id": None, "steps_done": 0, "early_stopped": False, "error": None,
-            "wall_s": None, "attention_routes": None, "resumed_from": None, "checkpoint": None,
-            "forked_from": None, "fork_step": None, "source_run_id": None}
+        # the run record's fields (orchestrator/record.py), filled as the run goes; job.write_result types it
+        self.result: Dict[str, Any] = record.RunRecord(
+            intervention=iv.name, overrides=self.overrides, expected=iv.expect, job_dir=str(self.job_dir),
+            verdict_margin=cfg.verdict.margin, verdict_window=cfg.verdict.window,
+            fork_baseline=cfg.verdict.fork_baseline).to_dict()
         self.fork: Optional[Dict[str, Any]] = None  # fork_info() when this run is (or resumes) a fork
         self.forking = False  # this process starts the fork (new MLflow run, fresh detector/monitors)
         self.order_path: Optional[Path] = None
@@ -175,11 +172,12 @@ class Job:
 
     # ------------------------------------------------------------------------------------------------ run
     def run(self) -> Dict[str, Any]:
-        t_start = time.perf_counter()
+        self._t_start = t_start = time.perf_counter()
         try:
             return self._run()
         finally:
-            self.result["wall_s"] = round(time.perf_counter() - t_start, 3)
+            if self.result.get("wall_s") is None:  # set by _log_record when the run got that far
+                self.result["wall_s"] = round(time.perf_counter() - t_start, 3)
 
     def _run(self) -> Dict[str, Any]:
         from models import GPT
@@ -223,6 +221,7 @@ class Job:
             fork_tags = {}
         sweep_tags = {**fork_tags, "intervention": iv.name, "expect": iv.expect, "paper": iv.paper,
                       "sweep": cfg.sweep_name, "experiment": cfg.name, "job_dir": str(self.job_dir),
+                      "job": self.job_dir.name,
                       "overrides": " ".join(self.overrides), "attention_routes": ",".join(
                           self.result["attention_routes"])}
         run_name = _run_name(iv.name, self.overrides) + (f" fork@{self.fork['fork_step']}" if self.fork else "")
@@ -232,18 +231,14 @@ class Job:
                                tags=sweep_tags)
         self.result["mlflow_run_id"] = self.tracker.run_id
         if self.is_main:
-            resolved = self.job_dir / "config_resolved.yaml"
+            resolved = self.job_dir / RESOLVED_CONFIG  # the whole config, plumbing included, as an artifact
             resolved.parent.mkdir(parents=True, exist_ok=True)
             OmegaConf.save(OmegaConf.structured(cfg), resolved)
             if not resuming:
-                self.tracker.log_params({**OmegaConf.to_container(OmegaConf.structured(cfg)),
-                                         "attention_effective": OmegaConf.to_container(
-                                             OmegaConf.structured(self.attention)),
-                                         # which code computes each layer (triton | emulator | standard | sdpa)
-                                         "attention_route": {f"L{i}": r for i, r in
-                                                             enumerate(self.result["attention_routes"])}})
+                self.tracker.log_params(record.run_params(cfg, self.attention, self.result["attention_routes"]))
                 self.tracker.log_artifact(resolved)
-            self.tracker.set_tags({**sweep_tags, "verdict": "running"})
+            self.tracker.set_tags({**sweep_tags, record.TAG_VERDICT: "running",
+                                   record.TAG_VERSION: str(record.RECORD_VERSION)})
 
         self.monitors = Monitors(model, cfg.monitor, self.tracker)
         self.detector = DivergenceDetector(cfg.verdict)
@@ -376,7 +371,7 @@ class Job:
     def _fill_verdict(self, done: int) -> None:
         d, m = self.detector, self.monitors
         self.result.update(observed=d.observed, divergence_step=d.divergence_step, final_loss=d.final_loss,
-                           min_loss=d.min_loss if math.isfinite(d.min_loss) else None,
+                           divergence_reason=d.reason, min_loss=d.min_loss if math.isfinite(d.min_loss) else None,
                            min_loss_step=d.min_loss_step, steps_done=done,
                            peak_wq_norm=m.peak_wq if math.isfinite(m.peak_wq) else None,
                            peak_wq_where=m.peak_wq_where)
@@ -386,14 +381,21 @@ class Job:
         self._fill_verdict(done)
         stream.close()
         if self.is_main:
-            r = self.result
-            self.tracker.set_tags({"verdict": r["observed"], "divergence_step": r["divergence_step"],
-                                   "matches_expect": (r["observed"] == "diverged") == (r["expected"] == "diverges"),
-                                   "early_stopped": r["early_stopped"]})
+            self._log_record(done)
             for p in stream.paths:
                 if p.exists():
                     self.tracker.log_artifact(p)
         self.tracker.close(status)
+
+    def _log_record(self, done: int) -> None:
+        """The record's typed MLflow fields: verdict tags, sortable run metrics (orchestrator/record.py)."""
+        self.result["wall_s"] = round(time.perf_counter() - self._t_start, 3)  # the same in MLflow and result.json
+        r = record.RunRecord.from_dict(self.result)
+        tags = {**record.record_tags(r), "early_stopped": str(r.early_stopped).lower()}
+        if r.divergence_step is not None:  # absent for a stable run, never the string "None"
+            tags["divergence_step"] = r.divergence_step
+        self.tracker.set_tags(tags)
+        self.tracker.log_metrics(record.record_metrics(r), step=max(done - 1, 0))
 
     def _crash(self, model, optimizer, done: int, stream) -> None:
         """Record what is known: monitors flushed, verdict 'failed', a crash checkpoint when the weights are sane."""
@@ -409,9 +411,9 @@ class Job:
                 self._save(model, optimizer, done, "crash.pt")
         except Exception:
             pass
-        if self.tracker is not None:
+        if self.tracker is not None and self.is_main:
             try:
-                self.tracker.set_tags({"verdict": "failed", "error": self.result["error"]})
+                self._log_record(done)
             except Exception:
                 pass
         self._close_quietly(stream, "FAILED")
