@@ -29,7 +29,9 @@ from orchestrator.record import HISTORY_PREFIXES, REPORT_DIR, matches_paper  # n
 from orchestrator.rows import (BASELINE, REFERENCE, ROW_KEYS, _common_overrides, _label, _num,  # noqa: F401
                                _other_overrides, collect_rows, compare, row_from_result, rows_from_dirs)
 from orchestrator.store import load_histories, rows_from_mlflow  # noqa: F401  (re-exported)
-from orchestrator.store import retry as _retry
+from orchestrator.store import retry
+
+_retry = retry  # write_report's name for it
 from orchestrator.tracking import find_parent, get_or_create_experiment, git_info, make_client, resolve_uri
 from orchestrator.tracking import write_parent_file
 
@@ -228,7 +230,7 @@ def log_sweep_metrics(tracking_uri: str, parent_run_id: str, rows: Sequence[Dict
 
     from mlflow.entities import Metric
     now = int(time.time() * 1000)
-    _retry(make_client(resolve_uri(tracking_uri)).log_batch, parent_run_id,
+    retry(make_client(resolve_uri(tracking_uri)).log_batch, parent_run_id,
            metrics=[Metric(k, v, now, 0) for k, v in record.sweep_metrics(list(rows)).items()])
 
 
@@ -282,7 +284,7 @@ class SweepReport(Callback):
         tags = {**git_info(), "sweep": sweep, "sweep_dir": str(sweep_dir), "role": "sweep",
                 "command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
                 "sweep.overrides": " ".join(_task_overrides(config))}
-        run = _retry(client.create_run, exp_id, run_name=f"{sweep}@{sweep_dir.name}", tags=tags)
+        run = retry(client.create_run, exp_id, run_name=f"{sweep}@{sweep_dir.name}", tags=tags)
         write_parent_file(sweep_dir, uri, exp_id, run.info.run_id)
         self.parent = {"tracking_uri": uri, "experiment_id": exp_id, "run_id": run.info.run_id}
         print(f"[report] MLflow parent run {run.info.run_id} (experiment {exp_name or sweep}) in {uri}")
@@ -322,7 +324,7 @@ class SweepReport(Callback):
             raise
         finally:
             if parent:
-                _retry(make_client(parent["tracking_uri"]).set_terminated, parent["run_id"], status=status)
+                retry(make_client(parent["tracking_uri"]).set_terminated, parent["run_id"], status=status)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
