@@ -113,12 +113,13 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.resid_dropout = nn.Dropout(cfg.dropout)
         # QK-norm: RMSNorm over each head's q and k, gains shared across heads.
-        # Extension point (not implemented): QK-clip would rescale W_Q/W_K rows after the optimizer step when a head's
-        # max logit (stats.max_logit) exceeds a threshold; it belongs in the train loop, fed by these stats.
         self.q_norm = nn.RMSNorm(self.n_embd // self.n_head, eps=1e-6) if cfg.qk_norm else None
         self.k_norm = nn.RMSNorm(self.n_embd // self.n_head, eps=1e-6) if cfg.qk_norm else None
         self.stats = new_stats(cfg.n_head, "cpu")
         self.probe = False  # set on logging steps: lets sdpa compute max_logit with an extra pass
+        # qk_observer(q, k): called on training forwards with the (B, H, T, D) q and k this layer attends with, e.g.
+        # by a train hook that needs per-head logits (orchestrator/interventions/qk_clip.py); None costs nothing
+        self.qk_observer = None
 
     def _stats_on(self, device):
         if self.stats.max_logit.device != device:  # model moved since the stats were made: start fresh there
@@ -132,6 +133,8 @@ class CausalSelfAttention(nn.Module):
         if self.q_norm is not None:  # norms in FP32 whatever autocast says; attention casts per its recipe
             with torch.autocast(device_type=x.device.type, enabled=False):
                 q, k = self.q_norm(q.float()), self.k_norm(k.float())
+        if self.qk_observer is not None and self.training:
+            self.qk_observer(q, k)
         y = attend(q, k, v, self.knobs, self._stats_on(x.device), self.probe)
         # Back to the stream's dtype (exact for BF16 -> FP32): without autocast c_proj needs it, with autocast c_proj
         # recasts it to BF16, so the numbers are those of a BF16 O either way (FP32 O heads stay FP32 for the backward).

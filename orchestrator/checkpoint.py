@@ -152,3 +152,13 @@ def latest(job_dir: os.PathLike) -> Optional[Path]:
 
 __all__ = ["CheckpointError", "model_shape", "rng_state", "set_rng_state", "save", "load", "check_compatible",
            "latest", "SHAPE_KEYS", "save_step", "step_files", "step_path"]
+
+
+def read_header(path: os.PathLike, key: str = "resume") -> Dict[str, Any]:
+    """A checkpoint without its tensors' data, for checks before launch: every small entry (step, config, model
+    shape, detector, batch order, ...) and `param_shapes` (name -> shape of each model tensor) in place of the
+    weights and the optimizer state. The file is memory-mapped, so no tensor bytes are read."""
+    state = load(path, key=key)
+    head = {k: v for k, v in state.items() if k not in ("model", "optimizer")}
+    head["param_shapes"] = {n: tuple(t.shape) for n, t in (state.get("model") or {}).items()}
+    return head

@@ -73,13 +73,78 @@ def fork_info(path, state: Dict[str, Any], decay_steps: Optional[int]) -> Dict[s
             "source_run_id": state.get("mlflow_run_id"), "decay_steps": decay_steps}
 
 
+_HEADERS: Dict[Tuple[str, int, int], Dict[str, Any]] = {}
+
+
+def source_header(path, key: str = "from_checkpoint") -> Dict[str, Any]:
+    """The checkpoint's header (checkpoint.read_header: no tensor data), read at most once per process and file
+    version (path, mtime, size): validating 15 forks of one source reads its header once."""
+    p = Path(path)
+    try:
+        st = p.stat()
+    except OSError:
+        return checkpoint.read_header(p, key=key)  # raises the checkpoint module's own "no such file" error
+    cache_key = (str(p.resolve()), st.st_mtime_ns, st.st_size)
+    if cache_key not in _HEADERS:
+        _HEADERS[cache_key] = checkpoint.read_header(p, key=key)
+    return _HEADERS[cache_key]
+
+
+# model fields that decide the parameters a checkpoint must hold (SHAPE_KEYS: the tensor shapes; bias and qk_norm:
+# which tensors exist). A fork or resume keeps the checkpoint's parameters, so each must match.
+MODEL_KEYS = tuple(checkpoint.SHAPE_KEYS) + ("bias", "qk_norm")
+
+
+def check_model(header: Dict[str, Any], obj, key: str, path) -> None:
+    """The model the job builds (obj.model, the intervention's model patch applied) against the checkpoint's.
+    The message names each key, the checkpoint's value and the job's, and the intervention when it set the key."""
+    src = dict((header.get("config") or {}).get("model") or {})
+    src.update(header.get("model_shape") or {})
+    patch = obj.intervention.model.set_fields()
+    diffs = []
+    for k in MODEL_KEYS:
+        want, got = getattr(obj.model, k), src.get(k)
+        if got is None and k not in checkpoint.SHAPE_KEYS:
+            continue  # an older checkpoint without its config: the parameter check below decides
+        if got != want:
+            who = f" (set by intervention={obj.intervention.name}: intervention.model.{k})" if k in patch else ""
+            diffs.append(f"model.{k}: checkpoint {got} vs model {want}{who}")
+    if diffs:
+        raise ForkError(f"{key}={str(path)!r} belongs to another model shape ({'; '.join(diffs)}); allowed: a "
+                        f"checkpoint of model {checkpoint.model_shape(obj.model)} with bias={obj.model.bias}, "
+                        f"qk_norm={obj.model.qk_norm}, or the checkpoint's values")
+    _check_parameters(header, obj, key, path)
+
+
+def _check_parameters(header: Dict[str, Any], obj, key: str, path) -> None:
+    """Backstop: the parameters the job's model has (built on the meta device: no memory, no compute) against the
+    ones the checkpoint holds, so that no field outside MODEL_KEYS can make load_state_dict fail after launch."""
+    shapes = header.get("param_shapes")
+    if not shapes:
+        return
+    import torch
+    from models import GPT
+
+    with torch.device("meta"):
+        want = {n: tuple(t.shape) for n, t in GPT(obj.model).state_dict().items()}
+    have = {n: tuple(s) for n, s in shapes.items()}
+    bad = sorted(set(want) ^ set(have)) + sorted(n for n in set(want) & set(have) if want[n] != have[n])
+    if bad:
+        detail = ", ".join(f"{n}: checkpoint {have.get(n)} vs model {want.get(n)}" for n in bad[:4])
+        raise ForkError(f"{key}={str(path)!r} holds other parameters than this job's model ({detail}"
+                        f"{', ...' if len(bad) > 4 else ''}); allowed: a checkpoint of the same model")
+
+
 def check_fork(obj) -> Dict[str, Any]:
-    """Validate cfg.from_checkpoint before launch; returns the checkpoint state. Raises ForkError / CheckpointError."""
+    """Validate cfg.from_checkpoint before launch against everything a fork changes: the model (shape, bias,
+    qk_norm, with the intervention's model patch), the optimizer, the steps, the verdict baseline and the batch
+    order. Reads the checkpoint's header once per process; returns it. Raises ForkError / CheckpointError."""
     path = obj.from_checkpoint
     if obj.resume is not None:
         raise ForkError(f"resume={obj.resume!r} and from_checkpoint={path!r} are both set; allowed: one of them "
                         f"(resume continues the same run, from_checkpoint forks a new run from it)")
-    state = checkpoint.check_compatible(path, obj.model, key="from_checkpoint")
+    state = source_header(path, key="from_checkpoint")
+    check_model(state, obj, key="from_checkpoint", path=path)
     k = int(state["step"])
     if obj.train.max_steps <= k:
         raise ForkError(f"train.max_steps={obj.train.max_steps} is not allowed with from_checkpoint={path!r}: "
@@ -248,5 +313,5 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
-__all__ = ["ForkError", "check_fork", "resolve_order", "source_decay", "fork_info", "checkpoints", "pick", "pick_step",
+__all__ = ["ForkError", "check_fork", "check_model", "source_header", "MODEL_KEYS", "resolve_order", "source_decay", "fork_info", "checkpoints", "pick", "pick_step",
            "sweep_file_jobs", "main"]

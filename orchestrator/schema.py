@@ -12,10 +12,11 @@ from typing import List, Optional
 
 from hydra.core.config_store import ConfigStore
 
-from kernels.config import AttentionConfig, KnobPatch, LayerOverride
+from kernels.config import AttentionConfig
 from models import ModelConfig
 from orchestrator.data import DataConfig
 from orchestrator.distributed import DistConfig
+from orchestrator.interventions.spec import InterventionConfig  # what an intervention file declares
 from orchestrator.monitors import MonitorConfig
 from orchestrator.tracking import TrackingConfig
 from orchestrator.verdict import VerdictConfig
@@ -80,22 +81,6 @@ class TrainConfig:
 class DebugConfig:
     nan_at_step: Optional[int] = None  # force a NaN loss at this step (0-based) to exercise the verdict path
     raise_at_step: Optional[int] = None  # raise an exception at this step to exercise failure handling
-
-
-@dataclass
-class InterventionConfig(KnobPatch):
-    """One isolation experiment: what the paper observed, where, and the attention knobs it sets.
-
-    The knobs are a typed partial (None = leave the attention config alone); `overrides` are appended to
-    attention.overrides. layer/heads are 0-based parameters that the knobs interpolate.
-    """
-
-    name: str = "baseline"
-    expect: str = "diverges"
-    paper: str = ""
-    layer: Optional[int] = None
-    heads: List[int] = field(default_factory=list)
-    overrides: List[LayerOverride] = field(default_factory=list)
 
 
 @dataclass

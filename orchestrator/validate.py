@@ -8,14 +8,12 @@ It also builds the job's effective attention config (conf attention + the interv
 from __future__ import annotations
 
 from dataclasses import fields
-from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 from omegaconf import DictConfig, OmegaConf
 
 from kernels.config import AttentionConfig, AttentionKnobs, LayerOverride
 
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 KNOBS = tuple(f.name for f in fields(AttentionKnobs))
 # knobs only the tiled flash kernels implement (models/attention.py): setting them on another impl is a contradiction
 FLASH_ONLY = {"standard": ("tiling", "softmax", "delta"),
@@ -113,55 +111,57 @@ def selected_interventions(overrides: Sequence[str]) -> List[str]:
     return []
 
 
-def _load_intervention(name: str, base) -> object:
-    """One intervention file on its own, resolved against the run's layer/heads (for the combination check)."""
-    from orchestrator.schema import InterventionConfig
-
-    path = CONF_DIR / "intervention" / f"{name}.yaml"
-    node = OmegaConf.merge(OmegaConf.structured(InterventionConfig), OmegaConf.load(path),
-                           {"layer": base.layer, "heads": list(base.heads)})
-    return OmegaConf.to_object(OmegaConf.create({"intervention": node}).intervention)
-
-
 def _knob_sites(iv) -> Dict[Tuple[str, Optional[int]], object]:
-    """(knob, layer or None for all layers) -> value, for the combination check."""
-    sites = {(k, None): v for k, v in intervention_knobs(iv).items()}
+    """(dotted key, layer or None for all layers) -> value, for the combination check: the attention knobs
+    (attention.<knob>, per layer for overrides) and the model patch (model.<field>)."""
+    sites = {(f"attention.{k}", None): v for k, v in intervention_knobs(iv).items()}
     for o in iv.overrides:
         for layer in o.layers:
             for k, v in o.set_knobs().items():
-                sites[(k, layer)] = v
+                sites[(f"attention.{k}", layer)] = v
+    sites.update({(f"model.{k}", None): v for k, v in iv.model.set_fields().items()})
     return sites
 
 
 def check_combination(names: Sequence[str], base) -> None:
     """Two interventions that set one knob (at one layer) to different values contradict each other."""
+    from orchestrator.interventions import load
+
     owners: Dict[Tuple[str, Optional[int]], Tuple[str, object]] = {}
+    with_hooks = []
     for name in names:
-        for site, value in _knob_sites(_load_intervention(name, base)).items():
+        iv = load(name, base.layer, list(base.heads))
+        if iv.hooks:
+            with_hooks.append(name)
+        for site, value in _knob_sites(iv).items():
             if site in owners and owners[site][1] != value:
                 other, ov = owners[site]
-                where = f"attention.{site[0]}" + (f" in layer {site[1]}" if site[1] is not None else "")
+                where = site[0] + (f" in layer {site[1]}" if site[1] is not None else "")
                 raise ConfigError(
                     f"intervention={list(names)}: {other} sets {where}={ov!r} but {name} sets it to {value!r}; "
                     f"allowed: interventions that set different knobs (or the same values)")
             owners[site] = (name, value)
+    if len(with_hooks) > 1:  # Hydra merges lists by replacing them: one file's hooks would be dropped silently
+        raise ConfigError(f"intervention={list(names)}: {' and '.join(with_hooks)} each bring train hooks; "
+                          f"allowed: at most one intervention with hooks per job")
 
 
 def check_user_overrides(iv, overrides: Sequence[str], label: Optional[str] = None) -> None:
-    """An explicit `attention.<knob>=v` on the command line that the intervention sets otherwise is a contradiction."""
-    owned = intervention_knobs(iv)
+    """An explicit `attention.<knob>=v` or `model.<field>=v` on the command line that the intervention sets otherwise
+    is a contradiction."""
+    owned = {f"attention.{k}": v for k, v in intervention_knobs(iv).items()}
+    owned.update({f"model.{k}": v for k, v in iv.model.set_fields().items()})
     label = label or iv.name
     for o in _parse(overrides):
         key = o.key_or_group
-        if not key.startswith("attention.") or o.is_sweep_override():
+        if key not in owned or o.is_sweep_override():
             continue
         knob = key.split(".", 1)[1]
-        if knob in owned:
-            value = o.value()
-            if value != owned[knob] and not (isinstance(value, (int, float)) and value == owned[knob]):
-                raise ConfigError(
-                    f"{key}={value!r} contradicts intervention={label}, which sets {key}={owned[knob]!r}; "
-                    f"allowed: drop the override or pick an intervention that leaves {knob} alone")
+        value = o.value()
+        if value != owned[key] and not (isinstance(value, (int, float)) and value == owned[key]):
+            raise ConfigError(
+                f"{key}={value!r} contradicts intervention={label}, which sets {key}={owned[key]!r}; "
+                f"allowed: drop the override or pick an intervention that leaves {knob} alone")
 
 
 def check_knob_combos(att: AttentionConfig, n_layer: int, key: str = "attention") -> None:
@@ -233,6 +233,28 @@ def check_intervention(iv, model) -> None:
         raise _bad("intervention.beta", iv.beta, "a number > 1 (beta = 1 is the safe softmax)")
 
 
+def apply_model_patch(obj) -> None:
+    """The intervention's model patch, checked as intervention.model and applied: obj.model is then the model the
+    job builds (and the one a fork or resume is checked against)."""
+    from orchestrator.interventions import effective_model
+
+    patch = obj.intervention.model.set_fields()
+    if not patch:
+        return
+    try:
+        obj.model = effective_model(obj.model, obj.intervention).validate(key="model")
+    except ValueError as e:
+        raise ConfigError(f"{e} (set by intervention={obj.intervention.name}: intervention.model={patch})") from None
+
+
+def check_hooks(iv, model) -> None:
+    """Each train hook builds (its _target_ imports, its arguments fit) and accepts the model. No side effects:
+    building a hook only stores its arguments; it touches a model only in attach()."""
+    from orchestrator.interventions import build_hooks
+
+    build_hooks(iv.hooks).check(model)
+
+
 def check_debug(d, t) -> None:
     for name in ("nan_at_step", "raise_at_step"):
         v = getattr(d, name)
@@ -240,12 +262,8 @@ def check_debug(d, t) -> None:
             _int(f"debug.{name}", v, 0, t.max_steps - 1)
 
 
-def validate_config(cfg, overrides: Sequence[str] = (), check_resume: bool = True,
-                    check_store: bool = True):
-    """Check a composed job config; return (Config object, effective AttentionConfig) or raise ConfigError.
-
-    overrides: the job's task overrides (for contradictions with the intervention and for `intervention=[a,b]`).
-    """
+def _validate(cfg, overrides: Sequence[str] = (), check_resume: bool = True, check_store: bool = True):
+    """validate_config without the memo."""
     obj = to_object(cfg)
     for section, fn in (("model", lambda: obj.model.validate(key="model")),
                         ("data", lambda: obj.data.validate(key="data")),
@@ -255,7 +273,9 @@ def validate_config(cfg, overrides: Sequence[str] = (), check_resume: bool = Tru
                         ("optimizer", lambda: check_optimizer(obj.optimizer)),
                         ("train", lambda: check_train(obj.train)),
                         ("debug", lambda: check_debug(obj.debug, obj.train)),
-                        ("intervention", lambda: check_intervention(obj.intervention, obj.model))):
+                        ("intervention.model", lambda: apply_model_patch(obj)),
+                        ("intervention", lambda: check_intervention(obj.intervention, obj.model)),
+                        ("intervention.hooks", lambda: check_hooks(obj.intervention, obj.model))):
         try:
             fn()
         except ConfigError:
@@ -272,24 +292,66 @@ def validate_config(cfg, overrides: Sequence[str] = (), check_resume: bool = Tru
     except ValueError as e:
         raise ConfigError(f"{e} (attention with intervention={obj.intervention.name})") from None
     check_knob_combos(att, obj.model.n_layer)
-    if check_resume and obj.from_checkpoint is not None:
-        from orchestrator.fork import check_fork
+    if check_resume and (obj.from_checkpoint is not None or obj.resume is not None):
+        from orchestrator.fork import check_fork, check_model, source_header
         try:
-            check_fork(obj)  # resume + from_checkpoint, shape, step < max_steps, batch order found and long enough
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-    elif check_resume and obj.resume is not None:
-        from orchestrator.checkpoint import check_compatible
-        try:
-            check_compatible(obj.resume, obj.model)
+            if obj.from_checkpoint is not None:
+                check_fork(obj)  # resume + from_checkpoint, model, optimizer, step < max_steps, batch order
+            else:  # the checkpoint's header (read once per process), the model against it
+                check_model(source_header(obj.resume, key="resume"), obj, key="resume", path=obj.resume)
         except ValueError as e:
             raise ConfigError(str(e)) from None
     if check_store:
-        from orchestrator.tracking import check_tracking
-        try:
-            check_tracking(obj.tracking.uri, timeout_s=obj.tracking.check_timeout_s)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
+        _check_store(obj.tracking)
+    return obj, att
+
+
+def _check_store(tracking) -> None:
+    """The tracking store is reachable (once per URI and process)."""
+    if tracking.uri in _STORES_CHECKED:
+        return
+    from orchestrator.tracking import check_tracking
+    try:
+        check_tracking(tracking.uri, timeout_s=tracking.check_timeout_s)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    _STORES_CHECKED.add(tracking.uri)
+
+
+# Validation runs once per job: the sweep callback checks every job before launch, and the job (in the same process
+# with the basic launcher, or in a fresh one under submitit) asks again; the second ask gets the first answer.
+_VALIDATED: Dict[tuple, tuple] = {}
+_STORES_CHECKED: set = set()  # tracking stores reached in this process
+
+
+def _memo_key(cfg, overrides: Sequence[str], check_resume: bool) -> Optional[tuple]:
+    if not isinstance(cfg, DictConfig):
+        return None
+    node = cfg.copy()
+    with _open(node):
+        node.pop("hydra", None)
+    return OmegaConf.to_yaml(node), tuple(overrides), check_resume
+
+
+def validate_config(cfg, overrides: Sequence[str] = (), check_resume: bool = True,
+                    check_store: bool = True):
+    """Check a composed job config; return (Config object, effective AttentionConfig) or raise ConfigError.
+
+    overrides: the job's task overrides (for contradictions with the intervention and for `intervention=[a,b]`).
+    A config validated before in this process is not checked again (the answer is a fresh copy); a rejected one is
+    checked every time. The tracking store is reached once per URI and process.
+    """
+    import copy
+
+    key = _memo_key(cfg, overrides, check_resume)
+    if key is not None and key in _VALIDATED:
+        obj, att = copy.deepcopy(_VALIDATED[key])
+        if check_store:
+            _check_store(obj.tracking)
+        return obj, att
+    obj, att = _validate(cfg, overrides, check_resume, check_store)
+    if key is not None:
+        _VALIDATED[key] = copy.deepcopy((obj, att))
     return obj, att
 
 
