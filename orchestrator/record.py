@@ -238,6 +238,16 @@ SWEEP_METRICS = ("runs", "runs_matching_paper", "runs_diverged", "runs_stable", 
 PLUMBING_KEYS = ("results_dir", "tracking", "debug", "hydra", "sweep_name", "resume", "from_checkpoint")
 
 
+def _set_only(d: Mapping[str, Any]) -> Dict[str, Any]:
+    """A settings dict without its unset entries (None, [], {}), nested dicts included."""
+    out = {}
+    for k, v in d.items():
+        v = _set_only(v) if isinstance(v, Mapping) else v
+        if v not in (None, [], {}):
+            out[k] = v
+    return out
+
+
 def run_params(cfg, attention, routes: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     """A run's MLflow params: the config without plumbing; for attention only what ran, per layer (the effective
     knobs: `attention_effective.<knob>` where every layer agrees, `attention_effective.L<i>.<knob>` where layers
@@ -246,7 +256,7 @@ def run_params(cfg, attention, routes: Optional[Sequence[str]] = None) -> Dict[s
     from omegaconf import OmegaConf
     plain = OmegaConf.to_container(OmegaConf.structured(cfg)) if not isinstance(cfg, dict) else dict(cfg)
     out = {k: v for k, v in plain.items() if k not in PLUMBING_KEYS + ("attention", "intervention")}
-    out["intervention"] = {k: v for k, v in (plain.get("intervention") or {}).items() if v not in (None, [], {})}
+    out["intervention"] = _set_only(plain.get("intervention") or {})
     n_layer = int(plain["model"]["n_layer"])
     layers = [asdict(attention.for_layer(i)) for i in range(n_layer)]
     eff: Dict[str, Any] = {}

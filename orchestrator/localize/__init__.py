@@ -8,10 +8,10 @@ from orchestrator.localize.algorithm import PREFIXES, History, _split_outliers, 
 from orchestrator.localize.cli import main
 from orchestrator.localize.plot import plot
 from orchestrator.localize.source import load_history, resolve_source
-from orchestrator.localize.stats import (HEAD_INTERVENTIONS, LAYER_INTERVENTIONS, HeadStats, LayerStats,
-                                         Localization, LocalizeConfig)
+from orchestrator.localize.stats import (HeadStats, LayerStats, Localization, LocalizeConfig,
+                                         scoped_interventions)
 from orchestrator.localize.text import format_localization
 
 __all__ = ["localize", "parse_history", "LocalizeConfig", "HeadStats", "LayerStats", "Localization",
            "format_localization", "plot", "load_history", "resolve_source", "main", "PREFIXES", "History",
-           "LAYER_INTERVENTIONS", "HEAD_INTERVENTIONS", "_split_outliers"]
+           "scoped_interventions", "_split_outliers"]

@@ -8,9 +8,12 @@ from typing import Dict, List, Optional, Tuple
 
 from orchestrator import record
 
-# interventions whose scope is a layer (and heads): the overrides the CLI prints for them
-LAYER_INTERVENTIONS = ("flash_only_layer", "standard_layer")
-HEAD_INTERVENTIONS = ("head_upcast",)
+
+def scoped_interventions() -> Tuple[List[str], List[str]]:
+    """(names whose scope is a layer only, names whose scope also takes heads), read from the intervention files."""
+    from orchestrator.interventions import scoped
+    heads = scoped("heads")
+    return [n for n in scoped("layer") if n not in heads], heads
 
 
 @dataclass
@@ -88,10 +91,11 @@ class Localization:
         """Ready-to-paste Hydra overrides per intervention (empty when no layer stands out)."""
         if self.layer is None:
             return {}
-        out = {name: f"intervention={name} intervention.layer={self.layer}" for name in LAYER_INTERVENTIONS}
+        layer_only, with_heads = scoped_interventions()
+        out = {name: f"intervention={name} intervention.layer={self.layer}" for name in layer_only}
         if self.outlier_heads:
             heads = ",".join(str(h) for h in self.outlier_heads)
-            for name in HEAD_INTERVENTIONS:
+            for name in with_heads:
                 out[name] = f"intervention={name} intervention.layer={self.layer} 'intervention.heads=[{heads}]'"
         return out
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 from typing import List
 
-from orchestrator.localize.stats import Localization
+from orchestrator.localize.stats import Localization, scoped_interventions
 
 
 def _f(x, nd=3) -> str:
@@ -45,6 +45,8 @@ def format_localization(loc: Localization) -> str:
         out += ["heads: " + loc.head_reason, "", "Hydra overrides:"]
         out += [f"  {v}" for v in loc.overrides().values()]
         if not loc.outlier_heads:
-            out += ["  (head_upcast: no outlier heads; list heads yourself or use standard_layer)"]
+            layer_only, with_heads = scoped_interventions()
+            out += [f"  ({', '.join(with_heads)}: no outlier heads; list heads yourself or use "
+                    f"{' / '.join(layer_only)})"]
     return "\n".join(out)
 
