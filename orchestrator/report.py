@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import atexit
 import datetime as _dt
-import json
 import math
 import os
 import platform
@@ -24,14 +23,14 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from hydra.experimental.callback import Callback
 
-from orchestrator import plots, record
+from orchestrator import record
 from orchestrator.record import HISTORY_PREFIXES, REPORT_DIR, matches_paper  # noqa: F401  (re-exported)
+from orchestrator.report_render import _fmt, _fork_lines, _markdown, _table, format_table, write_report  # noqa: F401
 from orchestrator.rows import (BASELINE, REFERENCE, ROW_KEYS, _common_overrides, _label, _num,  # noqa: F401
                                _other_overrides, collect_rows, compare, row_from_result, rows_from_dirs)
 from orchestrator.store import load_histories, rows_from_mlflow  # noqa: F401  (re-exported)
 from orchestrator.store import retry
 
-_retry = retry  # write_report's name for it
 from orchestrator.tracking import find_parent, get_or_create_experiment, git_info, make_client, resolve_uri
 from orchestrator.tracking import write_parent_file
 
@@ -57,144 +56,6 @@ def run_meta(tracking_uri: Optional[str] = None, **extra) -> Dict[str, Any]:
             "hardware": {"platform": platform.platform(), "cpu": platform.processor() or platform.machine(),
                          "cpu_count": os.cpu_count(), "gpus": gpus},
             "versions": versions, "tracking_uri": tracking_uri, **extra}
-
-
-def _fmt(x, nd=3) -> str:
-    if x is None:
-        return "-"
-    if isinstance(x, bool):
-        return "yes" if x else "NO"
-    if isinstance(x, float):
-        return f"{x:.{nd}f}" if math.isfinite(x) else str(x)
-    return str(x)
-
-
-def _table(rows: Sequence[Dict]) -> List[List[str]]:
-    head = ["job", "intervention", "overrides", "expected", "observed", "div. step", "final loss",
-            "peak σ(W_Q)", "matches paper", "vs baseline", "MLflow run"]
-    body = []
-    common = _common_overrides(rows)
-    for r in rows:
-        peak = _fmt(_num(r.get("peak_wq_norm")), 2) + (f" ({r['peak_wq_where']})" if r.get("peak_wq_where") else "")
-        body.append([_fmt(r.get("job")), _fmt(r.get("intervention")), " ".join(sorted(_other_overrides(r) - common)) or "-",
-                     _fmt(r.get("expected")), _fmt(r.get("observed")), _fmt(r.get("divergence_step")),
-                     _fmt(_num(r.get("final_loss"))), peak, _fmt(r.get("matches_paper")),
-                     r.get("vs_baseline") or "-", (r.get("mlflow_run_id") or "-")[:12]])
-    return [head] + body
-
-
-def format_table(rows: Sequence[Dict]) -> str:
-    """Plain-text table for the terminal."""
-    t = _table(rows)
-    cols = [c for c in range(len(t[0])) if c != 9]  # the note goes on its own line
-    widths = {c: max(len(r[c]) for r in t) for c in cols}
-    lines = ["  ".join(r[c].ljust(widths[c]) for c in cols) for r in t]
-    out = [lines[0], "-" * len(lines[0])]
-    for line, r in zip(lines[1:], t[1:]):
-        out.append(line)
-        if r[9] != "-":
-            out.append("    " + r[9])
-    return "\n".join(out)
-
-
-_META_SHOWN = ("command", "git", "time_utc", "hardware", "versions", "tracking_uri", "parent_run_id", "experiment_id")
-
-
-def _markdown(rows, meta, plot_paths, out_dir: Path, sweep: str) -> str:
-    t = _table(rows)
-    esc = lambda s: s.replace("|", "\\|")  # noqa: E731
-    n_match = sum(1 for r in rows if r["matches_paper"])
-    failed = [r for r in rows if r["observed"] == "failed"]
-    git = meta.get("git", {})
-    if not isinstance(git, dict):  # given as text (--meta git=...), e.g. for a run made on another machine
-        git = {"git.commit": git, "git.dirty": "see commit"}
-    hw = meta.get("hardware", {})
-    hw_line = (hw if isinstance(hw, str) else
-               f"{hw.get('platform')}, {hw.get('cpu_count')} CPUs, GPUs: {', '.join(hw.get('gpus') or []) or 'none'}")
-    versions = meta.get("versions", {})
-    v_line = versions if isinstance(versions, str) else ", ".join(f"{k} {v}" for k, v in versions.items())
-    common = sorted(_common_overrides(rows))
-    md = [f"# Verdicts: {sweep}", "",
-          f"{len(rows)} runs; {n_match} match the paper; {len(failed)} failed.", "",
-          f"- overrides shared by every run: `{' '.join(common)}`" if common else "- no shared overrides",
-          *_fork_lines(rows),
-          f"- command: `{meta.get('command')}`",
-          f"- commit: `{git.get('git.commit')}` (dirty: {git.get('git.dirty')})",
-          f"- time (UTC): {meta.get('time_utc')}",
-          f"- hardware: {hw_line}",
-          f"- versions: {v_line}",
-          *[f"- {k}: {v}" for k, v in meta.items() if k not in _META_SHOWN and isinstance(v, (str, int, float))],
-          "",
-          "| " + " | ".join(t[0]) + " |", "|" + "---|" * len(t[0])]
-    md += ["| " + " | ".join(esc(c) for c in r) + " |" for r in t[1:]]
-    if failed:
-        md += ["", "## Failed runs", ""]
-        for r in failed:
-            md.append(f"- job {r.get('job')} ({r.get('intervention')}): `{(r.get('error') or '?').strip()[:2000]}`")
-    if plot_paths:
-        md += ["", "## Plots", ""]
-        for name, p in plot_paths.items():
-            md.append(f"![{name}]({os.path.relpath(p, out_dir)})")
-    if meta.get("tracking_uri"):
-        md += ["", "## MLflow", "", f"`mlflow ui --backend-store-uri {meta['tracking_uri']}`"]
-        if meta.get("parent_run_id"):
-            md.append(f"(parent run `{meta['parent_run_id']}`, experiment `{meta.get('experiment_id')}`)")
-    return "\n".join(md) + "\n"
-
-
-def _fork_lines(rows) -> List[str]:
-    """Forked runs (orchestrator/fork.py) start at their checkpoint's step: say so, once per source checkpoint."""
-    forks = sorted({(r.get("forked_from"), r.get("fork_step")) for r in rows if r.get("fork_step") is not None},
-                   key=str)
-    return [f"- forked from `{path}` at step {step}: metrics and verdicts from step {step} on" for path, step in forks]
-
-
-def write_report(rows: List[Dict], out_dir: os.PathLike, tracking_uri: Optional[str] = None,
-                 meta: Optional[Dict] = None, parent_run_id: Optional[str] = None, sweep: Optional[str] = None,
-                 histories: Optional[Dict[str, Dict]] = None, echo: bool = True) -> Dict[str, Path]:
-    """Write verdicts.md, verdicts.json and plots/*.png into out_dir; log them to the parent run if given.
-    Returns {'md', 'json', <plot name>...: path}."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    sweep = sweep or out_dir.name
-    uri = resolve_uri(tracking_uri) if tracking_uri is not None or any(r.get("mlflow_run_id") for r in rows) \
-        else None
-    rows = compare([dict(r) for r in rows])
-    meta = {**run_meta(uri), **(meta or {})}
-    if parent_run_id:
-        meta["parent_run_id"] = parent_run_id
-    if histories is None:
-        try:
-            histories = load_histories(uri, rows) if uri else {}
-        except Exception as e:  # the table is still worth writing without curves
-            print(f"[report] could not read metric histories from {uri}: {e!r}")
-            histories = {}
-    common = _common_overrides(rows)
-    labelled = [(_label(r, common), histories.get(r.get("mlflow_run_id"), {})) for r in rows]
-    div = {_label(r, common): r.get("divergence_step") for r in rows}
-    pdir = out_dir / "plots"
-    plot_paths = {name: p for name, p in (
-        ("loss_curves", plots.loss_curves(labelled, pdir / "loss_curves.png", div)),
-        ("wq_spectral_norm", plots.wq_spectral_norms(labelled, pdir / "wq_spectral_norm.png")),
-        ("repeated_maxima", plots.repeated_maxima(labelled, pdir / "repeated_maxima.png"))) if p is not None}
-    paths = {"md": out_dir / "verdicts.md", "json": out_dir / "verdicts.json", **plot_paths}
-    doc = {"sweep": sweep, "meta": meta, "runs": [{k: r.get(k) for k in ROW_KEYS} for r in rows],
-           "summary": {"runs": len(rows), "matches_paper": sum(1 for r in rows if r["matches_paper"]),
-                       "failed": sum(1 for r in rows if r["observed"] == "failed")},
-           "plots": {k: str(p) for k, p in plot_paths.items()}}
-    paths["json"].write_text(json.dumps(_finite(doc), indent=2, default=str, allow_nan=False))
-    paths["md"].write_text(_markdown(rows, meta, plot_paths, out_dir, sweep))
-    if parent_run_id and uri:
-        client = make_client(uri)
-        for name, p in paths.items():
-            _retry(client.log_artifact, parent_run_id, str(p), "report" if name in ("md", "json") else "plots")
-        _retry(client.log_batch, parent_run_id, tags=_summary_tags(doc["summary"]))
-    if echo:
-        print(format_table(rows))
-        print(f"\nReport: {paths['md']}")
-        if uri:
-            print(f"MLflow: mlflow ui --backend-store-uri {uri}")
-    return paths
 
 
 def _summary_tags(summary):
