@@ -26,8 +26,9 @@ from hydra.experimental.callback import Callback
 from orchestrator import record
 from orchestrator.record import HISTORY_PREFIXES, REPORT_DIR, matches_paper  # noqa: F401  (re-exported)
 from orchestrator.report_render import _fmt, _fork_lines, _markdown, _table, format_table, write_report  # noqa: F401
+# the row builders, re-exported (report_render reads them through this module)
 from orchestrator.rows import (BASELINE, REFERENCE, ROW_KEYS, _common_overrides, _label, _num,  # noqa: F401
-                               _other_overrides, collect_rows, compare, row_from_result, rows_from_dirs)
+                               _other_overrides, _peer, collect_rows, compare, row_from_result, rows_from_dirs)
 from orchestrator.store import load_histories, rows_from_mlflow  # noqa: F401  (re-exported)
 from orchestrator.store import retry
 
