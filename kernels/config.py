@@ -1,136 +1,102 @@
-"""Attention knobs: the one typed description of how an attention layer computes.
+"""Attention knobs as typed configs, built from the one knob table (kernels/knobs.py).
 
 The same dataclasses serve as Hydra structured configs (conf/attention, registered by the orchestrator) and as the
-`cfg` the kernels take, so a knob has one name from the YAML file down to the tile loop.
+`cfg` the kernels take, so a knob has one name from the YAML file down to the tile loop. They are generated from the
+table (dataclasses.make_dataclass): real dataclasses with annotations, so OmegaConf types and checks them.
+
+- `AttentionKnobs`: how one attention layer computes (one field per row).
+- `KnobPatch`: the same fields, Optional, None = leave alone (interventions, per-layer overrides).
+- `LayerOverride(KnobPatch)`: knobs for some `layers` only.
+- `AttentionConfig(AttentionKnobs)`: the run's knobs plus `overrides`; `for_layer(i)` gives layer i's knobs.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, replace
-from typing import List, Optional
+from collections.abc import Sequence
+from dataclasses import field, make_dataclass, replace
+from functools import partial
+from typing import Dict, List, Optional, Tuple
 
-IMPLS = ("flash", "standard", "sdpa")  # flash: tiled kernels below; standard: materialised softmax; sdpa: torch
-BACKENDS = ("auto", "emulator", "triton")  # auto: triton on CUDA when it supports the knobs, else the emulator
-RECIPES = ("paper_bf16", "fa2", "fp32")
-SOFTMAXES = ("safe", "stabilized")
-DELTAS = ("dO_O", "dP_P", "recompute_fp32")
-
-
-def _bad(key: str, value, allowed: str) -> ValueError:
-    return ValueError(f"{key}={value!r} is not allowed: expected {allowed}")
+from kernels.checks import bad, is_int
+from kernels.knobs import BACKENDS, DELTAS, IMPLS, KNOBS, RECIPES, SOFTMAXES, Knob
 
 
-@dataclass
-class AttentionKnobs:
-    """How one attention layer computes. Field names follow the paper (Algorithms 1-3)."""
+def _shown(value):
+    """A value as an error message shows it (lists from OmegaConf or tuples as lists)."""
+    return list(value) if isinstance(value, Sequence) and not isinstance(value, str) else value
 
-    impl: str = "flash"
-    backend: str = "auto"
-    recipe: str = "paper_bf16"
-    tiling: bool = True  # False: one block spans the whole sequence (block size = T)
-    block_q: int = 64
-    block_k: int = 64
-    softmax: str = "safe"  # stabilized = Algorithm 3 (beta, eps)
-    beta: float = 2.0
-    eps: float = 1e-3  # also the tolerance of the repeated-maxima counters
-    delta: str = "dO_O"  # delta = rowsum(dO*O) | rowsum(dP*P) | rowsum(dO*O) with O recomputed as PV in FP32
-    pv_fp32: bool = False  # P̄V product (and the O accumulator it feeds) in FP32
-    o_fp32: bool = False  # O in FP32 in the forward for every head
-    o_fp32_heads: List[int] = field(default_factory=list)  # ... or only for these heads (0-based)
-    counters: bool = True  # count repeated-maxima rows per head on the device
 
-    def validate(self, n_head: Optional[int] = None, key: str = "attention") -> "AttentionKnobs":
+class _Knobs:
+    """Methods of AttentionKnobs (its fields come from the table)."""
+
+    KNOB_ROWS: Tuple[Knob, ...] = ()
+
+    def validate(self, n_head: Optional[int] = None, key: str = "attention"):
         """Raise ValueError naming key, value and what is allowed; return self."""
-        for name, allowed in (("impl", IMPLS), ("backend", BACKENDS), ("recipe", RECIPES),
-                              ("softmax", SOFTMAXES), ("delta", DELTAS)):
-            value = getattr(self, name)
-            if value not in allowed:
-                raise _bad(f"{key}.{name}", value, "one of " + ", ".join(allowed))
-        for name in ("block_q", "block_k"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise _bad(f"{key}.{name}", value, "an integer > 0")
-        if not self.beta > 1:
-            raise _bad(f"{key}.beta", self.beta, "a number > 1 (beta = 1 is the safe softmax)")
-        if not self.eps > 0:
-            raise _bad(f"{key}.eps", self.eps, "a number > 0")
-        for h in self.o_fp32_heads:
-            if isinstance(h, bool) or not isinstance(h, int) or h < 0 or (n_head is not None and h >= n_head):
-                top = f"0..{n_head - 1}" if n_head is not None else ">= 0"
-                raise _bad(f"{key}.o_fp32_heads", list(self.o_fp32_heads), f"head indices in {top}")
+        for row in self.KNOB_ROWS:
+            value = getattr(self, row.name)
+            why = row.problem(value, n_head)
+            if why:
+                raise bad(f"{key}.{row.name}", _shown(value), why)
         return self
 
     def fp32_o_heads(self, n_head: int) -> List[int]:
         """Heads whose forward O is FP32 (o_fp32 means all of them)."""
         return list(range(n_head)) if self.o_fp32 else sorted(set(self.o_fp32_heads))
 
+    def knob_values(self) -> Dict[str, object]:
+        """{knob: value} in table order (lists copied)."""
+        return {r.name: _shown(getattr(self, r.name)) for r in self.KNOB_ROWS}
 
-_KNOB_NAMES = tuple(f.name for f in fields(AttentionKnobs))
 
+class _Patch:
+    """Methods of KnobPatch."""
 
-@dataclass
-class KnobPatch:
-    """A partial set of knobs: None leaves the value it is applied to alone."""
-
-    impl: Optional[str] = None
-    backend: Optional[str] = None
-    recipe: Optional[str] = None
-    tiling: Optional[bool] = None
-    block_q: Optional[int] = None
-    block_k: Optional[int] = None
-    softmax: Optional[str] = None
-    beta: Optional[float] = None
-    eps: Optional[float] = None
-    delta: Optional[str] = None
-    pv_fp32: Optional[bool] = None
-    o_fp32: Optional[bool] = None
-    o_fp32_heads: Optional[List[int]] = None
-    counters: Optional[bool] = None
+    KNOB_ROWS: Tuple[Knob, ...] = ()
 
     def set_knobs(self) -> dict:
-        return {n: getattr(self, n) for n in _KNOB_NAMES if getattr(self, n) is not None}
+        """{knob: value} of the knobs this patch sets (not None)."""
+        return {r.name: getattr(self, r.name) for r in self.KNOB_ROWS if getattr(self, r.name) is not None}
 
 
-@dataclass
-class LayerOverride(KnobPatch):
-    """Knobs for some layers only; None inherits the run's value. E.g. flash only in layer 2."""
+class _Config:
+    """Methods of AttentionConfig: the run's knobs plus per-layer overrides (applied in order; later ones win)."""
 
-    layers: List[int] = field(default_factory=list)
+    KNOBS_CLASS: type = object
+    OVERRIDE_CLASS: type = object
 
-
-@dataclass
-class AttentionConfig(AttentionKnobs):
-    """The run's knobs plus per-layer overrides (applied in order; later ones win)."""
-
-    overrides: List[LayerOverride] = field(default_factory=list)
-
-    def for_layer(self, layer: int) -> AttentionKnobs:
-        base = {n: getattr(self, n) for n in _KNOB_NAMES}
+    def for_layer(self, layer: int):
+        base = self.knob_values()
         for ov in self.overrides:
             if layer in ov.layers:
-                base.update(ov.set_knobs())
-        base["o_fp32_heads"] = list(base["o_fp32_heads"])
-        return AttentionKnobs(**base)
+                base.update({k: _shown(v) for k, v in ov.set_knobs().items()})
+        return self.KNOBS_CLASS(**base)
 
-    def validate(self, n_head: Optional[int] = None, key: str = "attention",
-                 n_layer: Optional[int] = None) -> "AttentionConfig":
-        AttentionKnobs.validate(self, n_head, key)
+    def where_set(self, layer: int, key: str = "attention") -> Dict[str, str]:
+        """{knob: the key that decides it in `layer`}: `key`, or `key.overrides[i]` for the last override setting it."""
+        src = {r.name: key for r in self.KNOB_ROWS}
         for i, ov in enumerate(self.overrides):
-            for layer in ov.layers:
-                if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0 or (
-                        n_layer is not None and layer >= n_layer):
-                    top = f"0..{n_layer - 1}" if n_layer is not None else ">= 0"
-                    raise _bad(f"{key}.overrides[{i}].layers", list(ov.layers), f"layer indices in {top}")
-            merged = AttentionKnobs(**{**{n: getattr(self, n) for n in _KNOB_NAMES}, **ov.set_knobs()})
+            if layer in ov.layers:
+                src.update({k: f"{key}.overrides[{i}]" for k in ov.set_knobs()})
+        return src
+
+    def validate(self, n_head: Optional[int] = None, key: str = "attention", n_layer: Optional[int] = None):
+        _Knobs.validate(self, n_head, key)
+        top = None if n_layer is None else n_layer - 1
+        for i, ov in enumerate(self.overrides):
+            if not all(is_int(layer, 0, top) for layer in ov.layers):
+                raise bad(f"{key}.overrides[{i}].layers", list(ov.layers),
+                          f"layer indices in {'>= 0' if top is None else f'0..{top}'}")
+            merged = self.KNOBS_CLASS(**{**self.knob_values(), **ov.set_knobs()})
             merged.validate(n_head, f"{key}.overrides[{i}]")
         return self
 
     @classmethod
-    def from_any(cls, cfg) -> "AttentionConfig":
+    def from_any(cls, cfg):
         """Build from a dataclass, a dict or an OmegaConf node (keys outside the schema are an error)."""
-        if isinstance(cfg, AttentionConfig):
+        if isinstance(cfg, cls):
             return cfg
-        if isinstance(cfg, AttentionKnobs):
-            return cls(**{n: getattr(cfg, n) for n in _KNOB_NAMES})
+        if isinstance(cfg, cls.KNOBS_CLASS):
+            return cls(**cfg.knob_values())
         try:  # OmegaConf nodes become plain containers; kept optional so kernels/ runs without omegaconf
             from omegaconf import OmegaConf
             if OmegaConf.is_config(cfg):
@@ -138,12 +104,48 @@ class AttentionConfig(AttentionKnobs):
         except ImportError:
             pass
         data = dict(cfg)
-        unknown = set(data) - set(_KNOB_NAMES) - {"overrides"}
+        names = tuple(r.name for r in cls.KNOB_ROWS)
+        unknown = set(data) - set(names) - {"overrides"}
         if unknown:
-            raise ValueError(f"attention: unknown keys {sorted(unknown)}; allowed: {sorted(_KNOB_NAMES + ('overrides',))}")
-        overrides = [o if isinstance(o, LayerOverride) else LayerOverride(**dict(o)) for o in data.pop("overrides", [])]
+            raise ValueError(f"attention: unknown keys {sorted(unknown)}; allowed: {sorted(names + ('overrides',))}")
+        overrides = [o if isinstance(o, cls.OVERRIDE_CLASS) else cls.OVERRIDE_CLASS(**dict(o))
+                     for o in data.pop("overrides", [])]
         return cls(**data, overrides=overrides)
 
 
-__all__ = ["AttentionKnobs", "AttentionConfig", "KnobPatch", "LayerOverride", "IMPLS", "BACKENDS", "RECIPES", "SOFTMAXES",
-           "DELTAS", "replace"]
+def _field(row: Knob, patch: bool):
+    if patch:
+        return row.name, Optional[row.type], field(default=None, metadata={"knob": row})
+    if isinstance(row.default, list):  # a mutable default: one fresh copy per instance
+        return row.name, row.type, field(default_factory=partial(list, row.default), metadata={"knob": row})
+    return row.name, row.type, field(default=row.default, metadata={"knob": row})
+
+
+def _make(name: str, spec, bases, doc: str, **attrs):
+    # __module__ / __qualname__ make the classes importable by name (pickle, OmegaConf's messages)
+    return make_dataclass(name, spec, bases=bases,
+                          namespace={"__module__": __name__, "__qualname__": name, "__doc__": doc, **attrs})
+
+
+def build(rows: Tuple[Knob, ...]):
+    """(AttentionKnobs, KnobPatch, LayerOverride, AttentionConfig) for a table; the module's own are built from
+    kernels.knobs.KNOBS (tests build others, e.g. with a knob Triton lacks)."""
+    names = [r.name for r in rows]
+    if len(set(names)) != len(names):
+        raise ValueError(f"knob table: a name appears twice in {names}")
+    knobs = _make("AttentionKnobs", [_field(r, False) for r in rows], (_Knobs,),
+                  "How one attention layer computes; one field per row of kernels/knobs.py.", KNOB_ROWS=rows)
+    patch = _make("KnobPatch", [_field(r, True) for r in rows], (_Patch,),
+                  "A partial set of knobs: None leaves the value it is applied to alone.", KNOB_ROWS=rows)
+    override = _make("LayerOverride", [("layers", List[int], field(default_factory=list))], (patch,),
+                     "Knobs for some layers only; None inherits the run's value. E.g. flash only in layer 2.")
+    config = _make("AttentionConfig", [("overrides", List[override], field(default_factory=list))], (_Config, knobs),
+                   "The run's knobs plus per-layer overrides (applied in order; later ones win).",
+                   KNOBS_CLASS=knobs, OVERRIDE_CLASS=override)
+    return knobs, patch, override, config
+
+
+AttentionKnobs, KnobPatch, LayerOverride, AttentionConfig = build(KNOBS)
+
+__all__ = ["AttentionKnobs", "AttentionConfig", "KnobPatch", "LayerOverride", "IMPLS", "BACKENDS", "RECIPES",
+           "SOFTMAXES", "DELTAS", "replace", "build"]

@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 
 from kernels.config import AttentionKnobs
+from kernels.knobs import PBAR_CLAMP
 from kernels.recipes import Recipe, resolve, round_to
 from kernels.stats import AttnStats
 
@@ -34,6 +35,7 @@ class _Plan:
     pv_keep: Optional[torch.Tensor]  # (1, H, 1, 1) bool: heads whose P̄V path skips rounding; None: none skip
     pv_all: bool  # pv_fp32: every head skips
     o_keep: Optional[torch.Tensor]  # (1, H, 1, 1) bool: heads whose stored O stays in `math`
+    clamp: bool  # pbar_clamp: see _clamped
 
     def r_pv(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Round on the P̄V path (P̄ fed to the GEMM, PV, O accumulator) unless pv_fp32 / o_fp32 lifts it."""
@@ -51,7 +53,7 @@ def _plan(knobs: AttentionKnobs, q: torch.Tensor) -> _Plan:
         o_keep[0, heads] = True
     return _Plan(rc=rc, bq=min(bq, T), bk=min(bk, T), scale=D ** -0.5, stabilized=knobs.softmax == "stabilized",
                  beta=float(knobs.beta), eps=float(knobs.eps), delta=knobs.delta, pv_keep=o_keep,
-                 pv_all=bool(knobs.pv_fp32), o_keep=o_keep)
+                 pv_all=bool(knobs.pv_fp32), o_keep=o_keep, clamp=bool(knobs.pbar_clamp))
 
 
 def _causal_mask(qs: int, qe: int, ks: int, ke: int, device) -> Optional[torch.Tensor]:
@@ -86,12 +88,28 @@ def _tile_max(p: _Plan, s: torch.Tensor, mask, count: bool):
     return rm, mt, rep
 
 
+def _tile_shift(p: _Plan, s: torch.Tensor, m: torch.Tensor, mask, want_rep: bool):
+    """(tile row max, `rep`, running max after the tile): P̄ = exp(S - m) of the tile uses the last. One function for
+    the forward and for pbar_clamp's backward, which must rebuild the forward's m exactly."""
+    rm, mt, rep = _tile_max(p, s, mask, want_rep)
+    return rm, rep, round_to(torch.maximum(m, mt), p.rc.stats)
+
+
+def _clamped(p: _Plan, pbar: torch.Tensor, rep: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """pbar_clamp, the clamp-only ablation: where P̄ = 1 in a row whose tile max repeats (`rep`, the rows Algorithm 3
+    and the counters call repeated), the P̄ fed to P̄V is PBAR_CLAMP, the largest BF16 value below 1. Returns that mask
+    (None when the knob is off). m, l and lse are not changed: every other P̄ entry, and the softmax statistics the
+    backward reads, are bit-identical to the unclamped run. l sums the unclamped P̄, so a row's weights sum to 1
+    less (1 - PBAR_CLAMP) times the softmax weights of its clamped entries: only P̄V sees the clamp."""
+    return (rep & (pbar == 1)) if p.clamp else None
+
+
 def forward(q, k, v, knobs: AttentionKnobs, stats: Optional[AttnStats] = None, capture: Optional[dict] = None):
     """One forward pass without autograd. Returns (O returned, O stored for delta, lse (B, H, T, 1) in the working
     dtype).
 
-    `capture`, if a dict, receives debug copies: "tiles" = list of dicts (qs, ks, p_bar, rep, mask, rm, m) per tile,
-    "o_bar" = the O accumulator before the division (B, H, T, D), "l", "m" (B, H, T, 1).
+    `capture`, if a dict, receives debug copies: "tiles" = list of dicts (qs, ks, p_bar, p_bar_pv, rep, mask, rm, m)
+    per tile, "o_bar" = the O accumulator before the division (B, H, T, D), "l", "m" (B, H, T, 1).
     """
     B, H, T, D = q.shape
     p = _plan(knobs, q)
@@ -115,21 +133,23 @@ def forward(q, k, v, knobs: AttentionKnobs, stats: Optional[AttnStats] = None, c
             ke = min(ks + p.bk, T)
             mask = _causal_mask(qs, qe, ks, ke, dev)
             s = _scores(p, qi, kw[:, :, ks:ke], mask, fill)
-            rm, mt, rep = _tile_max(p, s, mask, count or capture is not None)
+            rm, rep, m_new = _tile_shift(p, s, m, mask, count or capture is not None or p.clamp)
             if count:
                 stats.update(rep, rm)
-            m_new = round_to(torch.maximum(m, mt), rc.stats)
             pbar = torch.exp(round_to(s - m_new, rc.shift))
             alpha = torch.exp(round_to(m - m_new, rc.shift))
             rowsum = pbar.sum(dim=-1, keepdim=True)
             if rc.rowsum_floor:
                 rowsum = rowsum.clamp_min(rc.rowsum_floor)
             l = round_to(alpha * l + rowsum, rc.stats)
-            pv = p.r_pv(p.r_pv(pbar, rc.gemm_in) @ vw[:, :, ks:ke], rc.pv_out)
+            tie = _clamped(p, pbar, rep)
+            pbar_pv = pbar if tie is None else torch.where(tie, PBAR_CLAMP, pbar)  # l above: the unclamped P̄
+            pv = p.r_pv(p.r_pv(pbar_pv, rc.gemm_in) @ vw[:, :, ks:ke], rc.pv_out)
             acc = p.r_pv(p.r_pv(acc * alpha, rc.acc) + pv, rc.acc)
             m = m_new
             if capture is not None:
-                capture["tiles"].append(dict(qs=qs, ks=ks, p_bar=pbar.clone(), rep=rep, mask=mask, rm=rm, m=m_new))
+                capture["tiles"].append(dict(qs=qs, ks=ks, p_bar=pbar.clone(), p_bar_pv=pbar_pv.clone(), rep=rep,
+                                             mask=mask, rm=rm, m=m_new))
         o_saved[:, :, qs:qe] = round_to(acc / l, rc.o_store, p.o_keep)
         lse[:, :, qs:qe] = torch.log(l) + m
         if capture is not None:
@@ -140,8 +160,30 @@ def forward(q, k, v, knobs: AttentionKnobs, stats: Optional[AttnStats] = None, c
     return o_saved.to(rc.out), (o_saved if p.o_keep is not None else o_saved.to(rc.o_store)), lse
 
 
+def _key_tiles(p: _Plan, qi, kw, qs: int, qe: int, lse_i, dev):
+    """The key tiles of one query tile, in the forward's order: (ks, ke, P, tie) with P = exp(S - lse) and `tie` the
+    forward's pbar_clamp mask (None when off), rebuilt from the running max exactly as the forward computed it."""
+    T = kw.shape[2]
+    m = torch.full_like(lse_i, -torch.finfo(p.rc.stats).max) if p.clamp else None
+    for ks in range(0, qe, p.bk):
+        ke = min(ks + p.bk, T)
+        mask = _causal_mask(qs, qe, ks, ke, dev)
+        s = _scores(p, qi, kw[:, :, ks:ke], mask, float("-inf"))
+        tie = None
+        if p.clamp:  # masked scores are -inf here (-max there): neither moves m, nor is P̄ = 1 at them
+            _, rep, m = _tile_shift(p, s, m, mask, True)
+            tie = _clamped(p, torch.exp(round_to(s - m, p.rc.shift)), rep)
+        yield ks, ke, torch.exp(s - lse_i), tie  # masked: exp(-inf) = 0
+
+
 def backward(q, k, v, o_saved, lse, do, knobs: AttentionKnobs):
-    """Gradients (dq, dk, dv) in the inputs' dtypes, from the forward's stored O and lse."""
+    """Gradients (dq, dk, dv) in the inputs' dtypes, from the forward's stored O and lse.
+
+    pbar_clamp: O = (c o P) V with c = PBAR_CLAMP where the forward clamped P̄ (`tie`) and 1 elsewhere, P the
+    unclamped softmax (lse is unclamped). c is held constant (it is piecewise constant in S), so: dV = (c o P)^T dO,
+    the clamped P̄ being what multiplied V; dP = dO V^T as usual; dS = P o (c o dP - delta) with
+    delta = rowsum(dO o O) = rowsum(dP o c o P), which is what dP_P sums and what recompute_fp32's O = (c o P) V gives.
+    """
     B, H, T, D = q.shape
     p = _plan(knobs, q)
     rc, w = p.rc, p.rc.work
@@ -151,10 +193,8 @@ def backward(q, k, v, o_saved, lse, do, knobs: AttentionKnobs):
     dk = torch.zeros_like(dq)
     dv = torch.zeros_like(dq)
 
-    def probs(qi, qs, qe, ks, ke, lse_i):
-        mask = _causal_mask(qs, qe, ks, ke, dev)
-        s = _scores(p, qi, kw[:, :, ks:ke], mask, float("-inf"))
-        return torch.exp(s - lse_i)  # masked: exp(-inf) = 0
+    def clamp(x, tie):
+        return x if tie is None else torch.where(tie, PBAR_CLAMP * x, x)
 
     for qs in range(0, T, p.bq):
         qe = min(qs + p.bq, T)
@@ -165,25 +205,21 @@ def backward(q, k, v, o_saved, lse, do, knobs: AttentionKnobs):
         else:  # a first pass over the key tiles builds delta from P (FP32) before any gradient uses it
             delta = torch.zeros(B, H, qe - qs, 1, dtype=w, device=dev)
             o_hp = torch.zeros(B, H, qe - qs, D, dtype=w, device=dev)
-            for ks in range(0, qe, p.bk):
-                ke = min(ks + p.bk, T)
-                pt = probs(qi, qs, qe, ks, ke, lse_i)
+            for ks, ke, pt, tie in _key_tiles(p, qi, kw, qs, qe, lse_i, dev):
                 if p.delta == "dP_P":
                     dp = round_to(doi @ vw[:, :, ks:ke].transpose(-1, -2), rc.bwd_out)
-                    delta = delta + (dp * pt).sum(dim=-1, keepdim=True)
+                    delta = delta + (dp * clamp(pt, tie)).sum(dim=-1, keepdim=True)
                 else:  # recompute_fp32: O = P V with nothing rounded
-                    o_hp = o_hp + pt @ vw[:, :, ks:ke]
+                    o_hp = o_hp + clamp(pt, tie) @ vw[:, :, ks:ke]
             if p.delta == "recompute_fp32":
                 delta = (doi * o_hp).sum(dim=-1, keepdim=True)
         dq_i = torch.zeros(B, H, qe - qs, D, dtype=w, device=dev)
-        for ks in range(0, qe, p.bk):
-            ke = min(ks + p.bk, T)
+        for ks, ke, pt, tie in _key_tiles(p, qi, kw, qs, qe, lse_i, dev):
             kj, vj = kw[:, :, ks:ke], vw[:, :, ks:ke]
-            pt = probs(qi, qs, qe, ks, ke, lse_i)
-            dv_c = round_to(round_to(pt, rc.gemm_in).transpose(-1, -2) @ doi, rc.bwd_out)
+            dv_c = round_to(round_to(clamp(pt, tie), rc.gemm_in).transpose(-1, -2) @ doi, rc.bwd_out)
             dv[:, :, ks:ke] = round_to(dv[:, :, ks:ke] + dv_c, rc.grad_acc)
             dp = round_to(doi @ vj.transpose(-1, -2), rc.bwd_out)
-            ds = round_to((pt * p.scale) * (dp - delta), rc.gemm_in)
+            ds = round_to((pt * p.scale) * (clamp(dp, tie) - delta), rc.gemm_in)
             dq_i = round_to(dq_i + round_to(ds @ kj, rc.bwd_out), rc.grad_acc)
             dk[:, :, ks:ke] = round_to(dk[:, :, ks:ke] + round_to(ds.transpose(-1, -2) @ qi, rc.bwd_out), rc.grad_acc)
         dq[:, :, qs:qe] = dq_i
@@ -266,9 +302,10 @@ def reference_attention(q, k, v, cfg: AttentionKnobs, do: Optional[torch.Tensor]
 def capture_forward(q, k, v, cfg: AttentionKnobs, stats: Optional[AttnStats] = None) -> dict:
     """One forward with its internals captured (debug hook): a dict with "o", "o_saved", "lse" and the P̄ tiles.
 
-    "tiles": list of dict(qs, ks, p_bar (B, H, rows, cols) in the working dtype, rep (B, H, rows, 1) bool (rows
-    where the tile max repeats), mask (rows, cols) bool or None, rm the tile row max, m the running max after the
-    tile); "o_bar": the O accumulator before the division by l; "l", "m".
+    "tiles": list of dict(qs, ks, p_bar (B, H, rows, cols) in the working dtype, p_bar_pv the P̄ fed to P̄V (p_bar
+    unless pbar_clamp), rep (B, H, rows, 1) bool (rows where the tile max repeats), mask (rows, cols) bool or None,
+    rm the tile row max, m the running max after the tile); "o_bar": the O accumulator before the division by l; "l",
+    "m".
     """
     knobs = check_inputs(q, k, v, cfg, stats)
     cap: dict = {}

@@ -22,6 +22,7 @@ import os
 import torch
 
 from kernels.config import AttentionKnobs
+from kernels.knobs import unsupported
 
 try:  # Triton is optional: the emulator serves machines without it
     import triton
@@ -45,8 +46,12 @@ def _interpret() -> bool:
 
 
 def supports(knobs: AttentionKnobs, q: torch.Tensor) -> bool:
-    """True when these kernels implement `knobs` for inputs like `q` (else the caller uses the emulator)."""
-    if triton is None or knobs.impl != "flash":
+    """True when these kernels implement `knobs` for inputs like `q` (else the caller uses the emulator).
+
+    Which knobs and values they compute is the knob table's (kernels/knobs.py: `triton` in computed_by); what is
+    checked here is only this file's own limits: device, head dim, dtype and tile sizes.
+    """
+    if triton is None or knobs.impl != "flash" or unsupported(knobs, "triton"):
         return False
     if not (q.is_cuda or _interpret()):
         return False
@@ -54,9 +59,7 @@ def supports(knobs: AttentionKnobs, q: torch.Tensor) -> bool:
         return False
     if q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return False
-    if knobs.tiling and (knobs.block_q not in TILE_SIZES or knobs.block_k not in TILE_SIZES):
-        return False
-    return knobs.recipe in RECIPE_IDS and knobs.delta in DELTA_IDS and knobs.softmax in ("safe", "stabilized")
+    return not knobs.tiling or (knobs.block_q in TILE_SIZES and knobs.block_k in TILE_SIZES)
 
 
 if triton is not None:

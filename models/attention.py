@@ -4,13 +4,15 @@
 (`AttentionConfig.for_layer(i)`). Three implementations:
 
 - `flash`: the tiled kernels (`kernels.flash_attention`, the plain-PyTorch emulator; or `kernels.triton_flash` on CUDA),
-  every knob of kernels/config.py applies.
+  chosen by `backend`.
 - `standard`: materialised softmax attention, the paper's "standard attention" (nanoGPT's manual path under CUDA
-  autocast, with every dtype written out so the CPU computes the same thing). Knobs that apply: recipe, pv_fp32,
-  o_fp32 / o_fp32_heads (the PV product in FP32 for those heads), counters, eps. Tiling, softmax, delta and backend are
-  flash-only (the softmax is normalised in FP32 and its backward is autograd's, i.e. delta = rowsum(dP * P)).
+  autocast, with every dtype written out so the CPU computes the same thing). The softmax is normalised in FP32 and
+  its backward is autograd's, i.e. delta = rowsum(dP * P); o_fp32 / o_fp32_heads put the PV product in FP32.
 - `sdpa`: torch's scaled_dot_product_attention (what nanoGPT trains with). No counters (stats stay zero); max_logit only
   on probe steps, from an extra QK^T pass without grad.
+
+Which of them computes which knob is said once, by the knob table (`computed_by` in kernels/knobs.py): read here for
+the backend and the route names, and by orchestrator/validate.py to refuse a knob where it would not be computed.
 
 Every implementation runs with autocast disabled and casts q, k, v itself: CUDA autocast would run the softmax in
 FP32 and CPU autocast in BF16, so relying on it would make the numerics depend on the device.
@@ -24,6 +26,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from kernels import knobs as knob_table
 from kernels.config import AttentionKnobs
 from kernels.stats import AttnStats
 
@@ -67,23 +70,26 @@ def resolve_backend(knobs: AttentionKnobs, device, *, q: Optional[torch.Tensor] 
                     seq_len: int = 64, head_dim: int = 64, key: str = "attention.backend") -> str:
     """Which code computes a `flash` layer on `device`: 'emulator' or 'triton'.
 
-    auto: triton when on CUDA and kernels.triton_flash supports the knobs for this input shape, else the emulator.
-    triton: a ValueError (naming key, value, why) when unsupported, so the orchestrator can refuse before training.
-    Non-flash impls return their own name. `q` (or n_head/seq_len/head_dim) is the input the decision is made for.
+    auto: triton when on CUDA, Triton computes every set knob (the knob table) and kernels.triton_flash supports this
+    input shape, else the emulator. triton: a ValueError (naming key, value, why) when it cannot, so the orchestrator
+    can refuse before training. Non-flash impls return their own name. `q` (or n_head/seq_len/head_dim) is the input
+    the decision is made for.
     """
     if knobs.impl != "flash":
         return knobs.impl
     if knobs.backend == "emulator":
         return "emulator"
     dev = torch.device(device if q is None else q.device)
-    mod = _triton_module()
+    lacks = [r.name for r in knob_table.unsupported(knobs, "triton")]
+    mod = None if lacks else _triton_module()
     ok = False
     if mod is not None and (dev.type == "cuda" or knobs.backend == "triton"):  # explicit triton: ask it (interpreter)
         ok = bool(mod.supports(knobs, q if q is not None else _example_q(knobs, dev, n_head, seq_len, head_dim)))
     if ok:
         return "triton"
     if knobs.backend == "triton":
-        why = ("needs a CUDA device" if dev.type != "cuda" else
+        why = (f"Triton does not compute {', '.join(lacks)} (kernels/knobs.py)" if lacks else
+               "needs a CUDA device" if dev.type != "cuda" else
                "kernels.triton_flash is not importable" if mod is None else
                "kernels.triton_flash does not support these knobs for this input")
         raise ValueError(f"{key}='triton' is not allowed here: {why} (device {dev}, recipe {knobs.recipe!r}, "
@@ -92,31 +98,22 @@ def resolve_backend(knobs: AttentionKnobs, device, *, q: Optional[torch.Tensor] 
 
 
 def route_name(knobs: AttentionKnobs, backend: str) -> str:
-    """A short, parameter-friendly description of what computes a layer, e.g. 'flash/emulator/paper_bf16+sfa(2)'."""
+    """A short, parameter-friendly description of what computes a layer, e.g. 'flash/emulator/paper_bf16+sfa(2)'.
+
+    `backend` is resolve_backend's answer. Each knob the implementation computes adds its label from the knob table
+    (kernels/knobs.py); a knob it does not compute reads as off (sdpa: no-counters). A flash layer that backend=auto
+    keeps on the emulator because Triton lacks some of its knobs says so, e.g. 'flash/emulator (triton lacks:
+    pbar_clamp)/paper_bf16+pbar_clamp': it runs there on any device.
+    """
+    impl = knob_table.implementation(knobs, backend)
     if knobs.impl == "flash":
-        base = f"flash/{backend}/{knobs.recipe}"
-        mods = []
-        if not knobs.tiling:
-            mods.append("untiled")
-        elif (knobs.block_q, knobs.block_k) != (64, 64):
-            mods.append(f"blocks{knobs.block_q}x{knobs.block_k}")
-        if knobs.softmax == "stabilized":
-            mods.append(f"sfa(beta={knobs.beta:g})")
-        if knobs.delta != "dO_O":
-            mods.append(f"delta={knobs.delta}")
+        lacks = [r.name for r in knob_table.unsupported(knobs, "triton")] if knobs.backend == "auto" else []
+        base = f"flash/{backend}" + (f" (triton lacks: {', '.join(lacks)})" if lacks else "") + f"/{knobs.recipe}"
     elif knobs.impl == "standard":
-        base, mods = f"standard/{knobs.recipe}", []
+        base = f"standard/{knobs.recipe}"
     else:
-        return f"sdpa/{'fp32' if knobs.recipe == 'fp32' else 'bf16'}/no-counters"
-    if knobs.pv_fp32:
-        mods.append("pv_fp32")
-    if knobs.o_fp32:
-        mods.append("o_fp32")
-    elif knobs.o_fp32_heads:
-        mods.append("o_fp32_heads=" + ",".join(str(h) for h in sorted(set(knobs.o_fp32_heads))))
-    if not knobs.counters:
-        mods.append("no-counters")
-    return "+".join([base] + mods)
+        base = f"sdpa/{'fp32' if knobs.recipe == 'fp32' else 'bf16'}"
+    return ("/" if knobs.impl == "sdpa" else "+").join([base] + knob_table.route_labels(knobs, impl))
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, knobs: AttentionKnobs, stats=None,
@@ -135,7 +132,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, knobs: AttentionKn
             return standard_attention(q, k, v, knobs, stats)
         if knobs.impl == "sdpa":
             return sdpa_attention(q, k, v, knobs, stats, probe)
-    raise ValueError(f"attention.impl={knobs.impl!r} is not allowed: expected one of flash, standard, sdpa")
+    raise ValueError(f"attention.impl={knobs.impl!r} is not allowed: expected one of {', '.join(knob_table.IMPLS)}")
 
 
 # ---------------------------------------------------------------------------------------------- implementations

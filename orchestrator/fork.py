@@ -116,6 +116,17 @@ def check_model(header: Dict[str, Any], obj, key: str, path) -> None:
     _check_parameters(header, obj, key, path)
 
 
+def check_resume_hooks(header: Dict[str, Any], obj, path) -> None:
+    """A resume continues the same run: its train hooks (by _target_, in order) must be the checkpoint's, whose
+    state they restore. (A fork starts its own hooks fresh.)"""
+    saved = [h.get("target") for h in header.get("hooks") or []]
+    mine = [str(h.get("_target_")) for h in obj.intervention.hooks]
+    if saved != mine:
+        raise ForkError(f"resume={str(path)!r}: the checkpoint holds train hooks {saved}, this run has {mine} "
+                        f"(intervention={obj.intervention.name}); allowed: the same intervention hooks as the "
+                        f"checkpointed run")
+
+
 def _check_parameters(header: Dict[str, Any], obj, key: str, path) -> None:
     """Backstop: the parameters the job's model has (built on the meta device: no memory, no compute) against the
     ones the checkpoint holds, so that no field outside MODEL_KEYS can make load_state_dict fail after launch."""
@@ -313,5 +324,6 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
-__all__ = ["ForkError", "check_fork", "check_model", "source_header", "MODEL_KEYS", "resolve_order", "source_decay", "fork_info", "checkpoints", "pick", "pick_step",
+__all__ = ["ForkError", "check_fork", "check_model", "check_resume_hooks", "source_header", "MODEL_KEYS",
+           "resolve_order", "source_decay", "fork_info", "checkpoints", "pick", "pick_step",
            "sweep_file_jobs", "main"]

@@ -12,13 +12,11 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 from omegaconf import DictConfig, OmegaConf
 
+from kernels import knobs as knob_table
+from kernels.checks import bad, int_range, is_int, is_num
 from kernels.config import AttentionConfig, AttentionKnobs, LayerOverride
 
 KNOBS = tuple(f.name for f in fields(AttentionKnobs))
-# knobs only the tiled flash kernels implement (models/attention.py): setting them on another impl is a contradiction
-FLASH_ONLY = {"standard": ("tiling", "softmax", "delta"),
-              "sdpa": ("tiling", "softmax", "delta", "pv_fp32", "o_fp32", "o_fp32_heads")}
-KNOB_DEFAULTS = {f.name: f.default for f in fields(AttentionKnobs) if f.name != "o_fp32_heads"} | {"o_fp32_heads": []}
 
 
 class ConfigError(ValueError):
@@ -26,17 +24,16 @@ class ConfigError(ValueError):
 
 
 def _bad(key: str, value, allowed: str) -> ConfigError:
-    return ConfigError(f"{key}={value!r} is not allowed: expected {allowed}")
+    return bad(key, value, allowed, ConfigError)
 
 
 def _int(key: str, value, low: int, high: Optional[int] = None) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
-        raise _bad(key, value, f"an integer >= {low}" + (f" and <= {high}" if high is not None else ""))
+    if not is_int(value, low, high):
+        raise _bad(key, value, int_range(low, high))
 
 
 def _num(key: str, value, low: float, strict: bool = True) -> None:
-    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and (value > low if strict else value >= low)
-    if not ok:
+    if not is_num(value, low, strict):
         raise _bad(key, value, f"a number {'>' if strict else '>='} {low}")
 
 
@@ -164,17 +161,30 @@ def check_user_overrides(iv, overrides: Sequence[str], label: Optional[str] = No
                 f"allowed: drop the override or pick an intervention that leaves {knob} alone")
 
 
+def _route_words(k, src: Dict[str, str]) -> str:
+    """The key and value that chose a layer's implementation, e.g. "attention.overrides[0].impl='sdpa'"."""
+    if k.impl != "flash":
+        return f"{src['impl']}.impl={k.impl!r}"
+    auto = " (it can always fall back to the emulator)" if k.backend == "auto" else ""
+    return f"{src['backend']}.backend={k.backend!r}{auto}"
+
+
 def check_knob_combos(att: AttentionConfig, n_layer: int, key: str = "attention") -> None:
-    """Per layer: knobs that only the flash kernels implement cannot be asked of standard/sdpa."""
+    """Per layer: every set knob must be computed where the layer runs (the knob table's computed_by).
+
+    The implementation is the one the user chose (impl, or backend for flash); backend=auto is checked against the
+    emulator, which computes the layer whenever Triton cannot (models/attention.py routes it there).
+    """
     for layer in range(n_layer):
         k = att.for_layer(layer)
-        for knob in FLASH_ONLY.get(k.impl, ()):
-            value = getattr(k, knob)
-            changed = bool(list(value)) if knob == "o_fp32_heads" else value != KNOB_DEFAULTS[knob]
-            if changed:
-                raise ConfigError(
-                    f"{key}.impl={k.impl!r} (layer {layer}) cannot hold with {key}.{knob}={value!r}: only impl=flash "
-                    f"implements {knob}; allowed: impl=flash for that layer, or {knob}={KNOB_DEFAULTS[knob]!r}")
+        impl = knob_table.implementation(k)
+        for row in knob_table.unsupported(k, impl):
+            src = att.where_set(layer, key)
+            value = getattr(k, row.name)
+            raise ConfigError(
+                f"{src[row.name]} (layer {layer}): {row.name}={value!r} is not computed by {_route_words(k, src)}; "
+                f"computed by: {knob_table.computed_by_words(row, value)}; allowed: {row.name}={row.off!r} in that "
+                f"layer, or an impl/backend that computes it")
 
 
 # ----------------------------------------------------------------------------------------------- the sections
@@ -293,12 +303,14 @@ def _validate(cfg, overrides: Sequence[str] = (), check_resume: bool = True, che
         raise ConfigError(f"{e} (attention with intervention={obj.intervention.name})") from None
     check_knob_combos(att, obj.model.n_layer)
     if check_resume and (obj.from_checkpoint is not None or obj.resume is not None):
-        from orchestrator.fork import check_fork, check_model, source_header
+        from orchestrator.fork import check_fork, check_model, check_resume_hooks, source_header
         try:
             if obj.from_checkpoint is not None:
                 check_fork(obj)  # resume + from_checkpoint, model, optimizer, step < max_steps, batch order
-            else:  # the checkpoint's header (read once per process), the model against it
-                check_model(source_header(obj.resume, key="resume"), obj, key="resume", path=obj.resume)
+            else:  # the checkpoint's header (read once per process): the model and the train hooks against it
+                header = source_header(obj.resume, key="resume")
+                check_model(header, obj, key="resume", path=obj.resume)
+                check_resume_hooks(header, obj, obj.resume)
         except ValueError as e:
             raise ConfigError(str(e)) from None
     if check_store:

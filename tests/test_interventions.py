@@ -66,7 +66,8 @@ def test_qk_norm_changes_the_model_as_named(tmp_path):
         {k: v for k, v in vars(base.model).items() if k != "qk_norm"}
     assert att == base_att  # attention untouched
     added = set(GPT(obj.model, att).state_dict()) - set(GPT(base.model, base_att).state_dict())
-    assert added == {f"transformer.h.{i}.attn.{n}.weight" for i in range(obj.model.n_layer) for n in ("q_norm", "k_norm")}
+    assert added == {f"transformer.h.{i}.attn.{n}.weight" for i in range(obj.model.n_layer)
+                     for n in ("q_norm", "k_norm")}
     with pytest.raises(ConfigError, match=r"model.qk_norm=False contradicts intervention=qk_norm, which sets "
                                           r"model.qk_norm=True"):
         validate_config(*compose_cfg(tmp_path, "intervention=qk_norm", "model.qk_norm=false"), check_store=False)
@@ -74,7 +75,7 @@ def test_qk_norm_changes_the_model_as_named(tmp_path):
 
 # ----------------------------------------------------------------------------------------------- QK-clip
 def _head_max_logits(model, x, layer):
-    """Per-head max of q.k/sqrt(D) over causal positions of `layer`, computed here from the weights (not by the hook)."""
+    """Per-head max of q.k/sqrt(D) over the causal positions of `layer`, from the weights (not by the hook)."""
     cfg = model.config
     with torch.no_grad():
         h = model.transformer.drop(model.transformer.wte(x) + model.transformer.wpe(torch.arange(x.shape[1])))
@@ -167,9 +168,11 @@ def test_qk_clip_state_is_saved_and_restored_on_resume(clipped):
 
 def test_resume_with_other_hooks_is_refused(clipped):
     tmp, *_ = clipped
-    res = job(tmp, "other", "intervention=baseline", "train.max_steps=8",
-              f"resume={tmp / 'first' / 'checkpoints' / 'last.pt'}")
-    assert res["observed"] == "failed" and "holds train hooks" in res["error"]
+    cfg, ov = compose_cfg(tmp, "intervention=baseline", "train.max_steps=8",
+                          f"resume={tmp / 'first' / 'checkpoints' / 'last.pt'}")
+    with pytest.raises(ConfigError, match=r"resume=.*holds train hooks \['orchestrator.interventions.qk_clip."
+                                          r"QKClip'\], this run has \[\] \(intervention=baseline\)"):
+        validate_config(cfg, ov, check_store=False)
 
 
 # ------------------------------------------------------------------------------------ validation, forks
@@ -196,7 +199,8 @@ def test_parameter_backstop_names_the_tensors():
 
     class Obj:  # a model whose parameters differ in a way no model key names
         model = ModelConfig(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=32, qk_norm=True)
-    with pytest.raises(fork.ForkError, match=r"holds other parameters .*q_norm.weight: checkpoint None vs model \(8,\)"):
+    with pytest.raises(fork.ForkError, match=r"holds other parameters .*q_norm.weight: checkpoint None vs "
+                                             r"model \(8,\)"):
         fork._check_parameters(head, Obj, "from_checkpoint", "x.pt")
     Obj.model = cfg
     fork._check_parameters(head, Obj, "from_checkpoint", "x.pt")

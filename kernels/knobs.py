@@ -1,0 +1,230 @@
+"""The knob table: every attention knob declared once, with where it is computed.
+
+A row (`Knob`) gives a knob's name, type, default, allowed values, a one-line meaning, the implementations that
+compute it and the value that means "off". Everything else reads the rows: kernels/config.py builds AttentionKnobs,
+KnobPatch, LayerOverride and AttentionConfig from them (and validates values by them), kernels/triton_flash.py's
+`supports()`, orchestrator/validate.py's route checks and the route labels of models/attention.py.
+
+Implementations: `emulator` and `triton` compute impl=flash (kernels/emulator.py, kernels/triton_flash.py; chosen by
+`backend`), `standard` and `sdpa` are models/attention.py's other two.
+
+It fails closed. `computed_by` and `off` have no default, so a new row must say where it runs. A knob is *set* when
+its value is not `off`. A set knob is refused before launch on an implementation that does not compute it, unless
+the row lists that implementation in `ignored_by` and says why it means nothing there. A knob with `choices` says,
+per implementation, which values it computes: a new choice is computed nowhere until listed. backend=auto sends a
+layer to the emulator when Triton does not compute one of its set knobs, and the route label says so.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import KW_ONLY, dataclass, replace
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+
+from kernels.checks import is_int, is_num
+
+IMPLEMENTATIONS = ("emulator", "triton", "standard", "sdpa")
+FLASH = ("emulator", "triton")  # the tiled kernels (impl=flash)
+IMPLS = ("flash", "standard", "sdpa")  # flash: tiled kernels; standard: materialised softmax; sdpa: torch
+BACKENDS = ("auto", "emulator", "triton")  # auto: triton on CUDA when it computes every set knob, else the emulator
+RECIPES = ("paper_bf16", "fa2", "fp32")
+SOFTMAXES = ("safe", "stabilized")
+DELTAS = ("dO_O", "dP_P", "recompute_fp32")
+BLOCK = 64  # default block_q = block_k (the route label names other sizes)
+EPS = 1e-3
+PBAR_CLAMP = 0.99609375  # the largest BF16 value below 1 (1 - 2**-8): what pbar_clamp puts where P̄ = 1
+
+Check = Callable[[Any, Optional[int]], Optional[str]]  # (value, n_head) -> None, or what is allowed
+Label = Callable[[Any], Optional[str]]  # (the layer's knobs as its implementation computes them) -> route fragment
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One row of the table. `check` returns None or what is allowed (words); without it the type and `choices`
+    are checked. `label(knobs)` is the knob's part of the route name; without it: `name` (True), `no-name`
+    (False) or `name=value` when the value is not the default."""
+
+    name: str
+    type: Any
+    default: Any
+    meaning: str
+    _: KW_ONLY
+    # required: where it is computed: implementations (every value), or {implementation: the set values it computes}
+    computed_by: Union[Tuple[str, ...], Dict[str, Tuple]]
+    off: Any  # required: the value that asks nothing of an implementation
+    ignored_by: Tuple[str, ...] = ()  # implementations where it means nothing (the meaning says why)
+    choices: Tuple[str, ...] = ()
+    check: Optional[Check] = None
+    label: Optional[Label] = None
+
+    def __post_init__(self):
+        for what, impls in (("computed_by", self.computed_by), ("ignored_by", self.ignored_by)):
+            unknown = set(impls) - set(IMPLEMENTATIONS)
+            if unknown:
+                raise ValueError(f"knob {self.name}: {what}={impls!r} is not allowed: expected names from "
+                                 f"{', '.join(IMPLEMENTATIONS)}")
+        if set(self.computed_by) & set(self.ignored_by):
+            raise ValueError(f"knob {self.name}: an implementation cannot both compute and ignore it")
+        if self.choices and not isinstance(self.computed_by, Mapping):
+            raise ValueError(f"knob {self.name}: a knob with choices gives computed_by as {{implementation: values}}, "
+                             "so that a new choice is computed nowhere until listed")
+        for what, value in (("default", self.default), ("off", self.off)):
+            why = self.problem(value)
+            if why:
+                raise ValueError(f"knob {self.name}: {what}={value!r} is not allowed: expected {why}")
+        for impl, values in (self.computed_by.items() if isinstance(self.computed_by, Mapping) else ()):
+            bad_values = [v for v in values if self.problem(v)]
+            if bad_values:
+                raise ValueError(f"knob {self.name}: computed_by[{impl!r}] lists {bad_values!r}, not allowed values")
+
+    def problem(self, value, n_head: Optional[int] = None) -> Optional[str]:
+        """None when `value` is allowed, else what is allowed, in words."""
+        if self.check is not None:
+            return self.check(value, n_head)
+        if self.choices:
+            return None if isinstance(value, str) and value in self.choices else "one of " + ", ".join(self.choices)
+        if self.type is bool:
+            return None if isinstance(value, bool) else "true or false"
+        raise TypeError(f"knob {self.name}: a {self.type} knob needs `choices` or a `check`")
+
+    def is_set(self, value) -> bool:
+        return _plain(value) != _plain(self.off)
+
+    def computes(self, impl: str, value) -> bool:
+        """Whether `impl` computes this knob at `value` (off asks nothing: every implementation computes it)."""
+        if not self.is_set(value):
+            return True
+        if isinstance(self.computed_by, Mapping):
+            return any(_plain(value) == _plain(v) for v in self.computed_by.get(impl, ()))
+        return impl in self.computed_by
+
+    def computed_where(self, value) -> List[str]:
+        """The implementations that compute this knob at `value`."""
+        return [impl for impl in IMPLEMENTATIONS if self.computes(impl, value)]
+
+    def route_label(self, knobs) -> Optional[str]:
+        if self.label is not None:
+            return self.label(knobs)
+        value = getattr(knobs, self.name)
+        if _plain(value) == _plain(self.default):
+            return None
+        if isinstance(value, bool):
+            return self.name if value else f"no-{self.name}"
+        return f"{self.name}={value}"
+
+
+def _plain(value):
+    # list/tuple, not collections.abc.Sequence: routing calls this per forward, and torch.compile traces plain checks
+    return list(value) if isinstance(value, (list, tuple)) else value
+
+
+def _elsewhere(_knobs) -> None:
+    """Label of a knob another knob's label (or the route's base) already shows."""
+    return None
+
+
+def _positive_int(value, _n_head) -> Optional[str]:
+    return None if is_int(value, 1) else "an integer > 0"
+
+
+def _beta(value, _n_head) -> Optional[str]:
+    return None if is_num(value, 1) else "a number > 1 (beta = 1 is the safe softmax)"
+
+
+def _positive(value, _n_head) -> Optional[str]:
+    return None if is_num(value, 0) else "a number > 0"
+
+
+def _heads(value, n_head) -> Optional[str]:
+    top = None if n_head is None else n_head - 1
+    ok = not isinstance(value, (str, Mapping)) and hasattr(value, "__iter__") and all(is_int(h, 0, top) for h in value)
+    return None if ok else f"head indices in {'>= 0' if top is None else f'0..{top}'}"
+
+
+def _heads_label(k) -> Optional[str]:
+    if k.o_fp32 or not k.o_fp32_heads:  # o_fp32 (every head) says it already
+        return None
+    return "o_fp32_heads=" + ",".join(str(h) for h in sorted(set(k.o_fp32_heads)))
+
+
+_BQ = "no tiles there: they compute each row whole, which is what any block size computes"
+# The table. Its order is the field order of AttentionKnobs and the order of the route label's parts.
+KNOBS: Tuple[Knob, ...] = (
+    Knob("impl", str, "flash", "what computes the layer: tiled flash kernels, materialised softmax or torch SDPA",
+         computed_by={"emulator": ("flash",), "triton": ("flash",), "standard": ("standard",), "sdpa": ("sdpa",)},
+         off="flash", choices=IMPLS, label=_elsewhere),
+    Knob("backend", str, "auto", "which code computes impl=flash; standard and sdpa are no flash kernel",
+         computed_by={"emulator": ("emulator",), "triton": ("triton",)}, off="auto", ignored_by=("standard", "sdpa"),
+         choices=BACKENDS, label=_elsewhere),
+    Knob("recipe", str, "paper_bf16", "the dtype of every attention intermediate (kernels/recipes.py)",
+         computed_by={"emulator": ("fa2", "fp32"), "triton": ("fa2", "fp32"), "standard": ("fa2", "fp32"),
+                      "sdpa": ("fa2", "fp32")}, off="paper_bf16", choices=RECIPES, label=_elsewhere),
+    Knob("tiling", bool, True, "False: one block spans the whole sequence (block size = T)",
+         computed_by=FLASH, off=True, label=lambda k: None if k.tiling else "untiled"),
+    Knob("block_q", int, BLOCK, f"query tile size; {_BQ}", computed_by=FLASH, off=BLOCK,
+         ignored_by=("standard", "sdpa"), check=_positive_int,
+         label=lambda k: f"blocks{k.block_q}x{k.block_k}" if k.tiling and (k.block_q, k.block_k) != (BLOCK, BLOCK)
+         else None),
+    Knob("block_k", int, BLOCK, f"key tile size (the tile whose max Algorithm 3 and the counters see); {_BQ}",
+         computed_by=FLASH, off=BLOCK, ignored_by=("standard", "sdpa"), check=_positive_int, label=_elsewhere),
+    Knob("softmax", str, "safe", "stabilized: Algorithm 3 (shift by beta * rowmax where the row max repeats)",
+         computed_by={"emulator": ("stabilized",), "triton": ("stabilized",)}, off="safe", choices=SOFTMAXES,
+         label=lambda k: f"sfa(beta={k.beta:g})" if k.softmax == "stabilized" else None),
+    Knob("beta", float, 2.0, "Algorithm 3's shift factor; read only by softmax=stabilized, which standard and "
+         "sdpa refuse", computed_by=FLASH, off=2.0, ignored_by=("standard", "sdpa"), check=_beta, label=_elsewhere),
+    Knob("eps", float, EPS, "tolerance of 'repeated' for Algorithm 3 and the counters; sdpa has neither",
+         computed_by=("emulator", "triton", "standard"), off=EPS, ignored_by=("sdpa",), check=_positive),
+    Knob("delta", str, "dO_O", "delta = rowsum(dO*O) | rowsum(dP*P) | rowsum(dO*O) with O recomputed as PV in FP32",
+         computed_by={"emulator": ("dP_P", "recompute_fp32"), "triton": ("dP_P", "recompute_fp32")}, off="dO_O",
+         choices=DELTAS),
+    Knob("pv_fp32", bool, False, "the P̄V product (and the O accumulator it feeds) in FP32",
+         computed_by=("emulator", "triton", "standard"), off=False),
+    Knob("o_fp32", bool, False, "O in FP32 in the forward for every head",
+         computed_by=("emulator", "triton", "standard"), off=False),
+    Knob("o_fp32_heads", List[int], [], "... or only for these heads (0-based)",
+         computed_by=("emulator", "triton", "standard"), off=[], check=_heads, label=_heads_label),
+    Knob("pbar_clamp", bool, False, f"where a tile's row max repeats, P̄ = 1 becomes {PBAR_CLAMP} before P̄V "
+         "(m and l unchanged): the clamp-only ablation", computed_by=("emulator",), off=False),
+    Knob("counters", bool, True, "count repeated-maxima rows per head on the device; sdpa has none (its route says "
+         "no-counters)", computed_by=("emulator", "triton", "standard"), off=False, ignored_by=("sdpa",)),
+)
+
+
+# --------------------------------------------------------------------------------------------------- queries
+def rows(knobs) -> Tuple[Knob, ...]:
+    """The rows a knobs object was built from (kernels/config.py attaches them to its classes)."""
+    return getattr(knobs, "KNOB_ROWS", KNOBS)
+
+
+def implementation(knobs, backend: Optional[str] = None) -> str:
+    """The implementation computing a layer: impl for standard/sdpa; for flash the resolved `backend`, else the
+    chosen one, with auto counted as the emulator (auto can always fall back to it: no CUDA, a shape Triton lacks)."""
+    if knobs.impl != "flash":
+        return knobs.impl
+    backend = backend or knobs.backend
+    return "emulator" if backend == "auto" else backend
+
+
+def unsupported(knobs, impl: str) -> List[Knob]:
+    """The set knobs that `impl` neither computes nor declares meaningless: a route through it would drop them."""
+    return [r for r in rows(knobs) if impl not in r.ignored_by and not r.computes(impl, getattr(knobs, r.name))]
+
+
+def as_computed(knobs, impl: str):
+    """The knobs as `impl` computes them: a knob it does not compute (at that value) reads as off."""
+    off = {r.name: _plain(r.off) for r in rows(knobs) if not r.computes(impl, getattr(knobs, r.name))}
+    return replace(knobs, **off) if off else knobs
+
+
+def route_labels(knobs, impl: str) -> List[str]:
+    """The parts of the route name the knobs add on `impl`, in table order."""
+    k = as_computed(knobs, impl)
+    return [lab for lab in (r.route_label(k) for r in rows(knobs)) if lab]
+
+
+def computed_by_words(row: Knob, value) -> str:
+    """Where `row` at `value` is computed, in words."""
+    return ", ".join(row.computed_where(value)) or "no implementation"
+
+
+__all__ = ["Knob", "KNOBS", "IMPLEMENTATIONS", "IMPLS", "BACKENDS", "RECIPES", "SOFTMAXES", "DELTAS", "PBAR_CLAMP",
+           "rows", "implementation", "unsupported", "as_computed", "route_labels", "computed_by_words"]
