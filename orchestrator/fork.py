@@ -23,10 +23,8 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-from orchestrator import checkpoint
-
-CKPT_DIR = "checkpoints"
-ORDER_FILE = "batch_order.bin"
+from orchestrator import checkpoint, record
+from orchestrator.record import CKPT_DIR, ORDER_FILE
 
 
 class ForkError(ValueError):
@@ -212,10 +210,10 @@ def checkpoints(job_dir) -> List[Tuple[int, Path]]:
 
 
 def _result_field(job_dir, key: str) -> Optional[int]:
-    path = Path(job_dir) / "result.json"
-    if not path.is_file():
+    """A field of the job's run record (None without one)."""
+    if not record.result_path(job_dir).is_file():
         return None
-    return json.loads(path.read_text()).get(key)
+    return getattr(record.read(job_dir), key)
 
 
 def divergence_step(job_dir) -> Optional[int]:

@@ -12,14 +12,15 @@ its result.json (observed failed, its intervention and overrides), so the report
 from __future__ import annotations
 
 import json
-import math
 import traceback
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from omegaconf import DictConfig
 
-RESULT_FILE = "result.json"
+from orchestrator import record
+from orchestrator.record import ERROR_FILE, RESULT_FILE
+
 START_FILE = "job.json"  # written at job start: what the launcher needs if the job dies without a result
 
 
@@ -34,23 +35,14 @@ def _hydra_context() -> tuple[Path, List[str], bool]:
         return Path("results/runs/manual"), [], False
 
 
-def _json_safe(x):
-    if isinstance(x, float) and not math.isfinite(x):
-        return str(x)  # NaN/Inf are not JSON
-    if isinstance(x, dict):
-        return {k: _json_safe(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_json_safe(v) for v in x]
-    return x
-
-
 def _write_json(path: Path, data: Dict[str, Any], what: str) -> Path:
-    """Atomic (temp + os.replace); an OSError becomes one plain sentence naming the path and the cause."""
+    """Atomic (temp + os.replace), NaN/inf as the run record writes them; an OSError becomes one plain sentence
+    naming the path and the cause."""
     from orchestrator.faults import WriteError, sentence, temp_name
     tmp = temp_name(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(_json_safe(data), indent=2))
+        tmp.write_text(record.dumps(data))
         tmp.replace(path)
     except OSError as e:
         try:
@@ -62,7 +54,8 @@ def _write_json(path: Path, data: Dict[str, Any], what: str) -> Path:
 
 
 def write_result(job_dir: Path, result: Dict[str, Any]) -> Path:
-    return _write_json(Path(job_dir) / RESULT_FILE, result, "the job result")
+    """<job dir>/result.json as the typed run record (orchestrator/record.py): one encoding, atomic."""
+    return _write_json(Path(job_dir) / RESULT_FILE, record.RunRecord.from_dict(result).to_dict(), "the job result")
 
 
 def write_job_start(job_dir: Path, **fields) -> Path:
@@ -135,8 +128,8 @@ def _foreign_folder(cfg, job_dir: Path) -> Optional[str]:
 def _steps_logged(info) -> int:
     """Steps of a dead job: those its MLflow run holds (0 when unknown)."""
     try:
-        from orchestrator.tracking import _retry, make_client
-        hist = _retry(make_client(info["tracking_uri"]).get_metric_history, info["mlflow_run_id"], "train/loss")
+        from orchestrator.tracking import retry, make_client
+        hist = retry(make_client(info["tracking_uri"]).get_metric_history, info["mlflow_run_id"], "train/loss")
         return max((int(m.step) + 1 for m in hist), default=0)
     except Exception:
         return 0
@@ -160,11 +153,9 @@ def run_job(cfg: DictConfig, job_dir: Optional[Path] = None, overrides: Optional
     job_dir = Path(job_dir) if job_dir is not None else hydra_dir
     overrides = list(overrides) if overrides is not None else hydra_overrides
     name = "+".join(selected_interventions(overrides)) or str(cfg.intervention.name)
-    result: Dict[str, Any] = {"intervention": name, "overrides": overrides,
-                              "expected": cfg.intervention.get("expect"), "observed": "failed",
-                              "divergence_step": None, "final_loss": None, "min_loss": None, "peak_wq_norm": None,
-                              "peak_wq_where": None, "mlflow_run_id": None, "steps_done": 0, "error": None,
-                              "wall_s": None, "attention_routes": None}
+    result: Dict[str, Any] = record.RunRecord(intervention=name, overrides=overrides,
+                                              expected=cfg.intervention.get("expect"),
+                                              job_dir=str(job_dir)).to_dict()
     job = None
     foreign = _foreign_folder(cfg, job_dir)
     if foreign:  # write nothing into another run's folder (its result.json, job.json, MLflow run stay as they are)
@@ -189,9 +180,9 @@ def run_job(cfg: DictConfig, job_dir: Optional[Path] = None, overrides: Optional
         if isinstance(e, WriteError):  # the plain sentence says it all
             result["error"] = str(e)
         try:
-            (job_dir / "error.txt").parent.mkdir(parents=True, exist_ok=True)
-            (job_dir / "error.txt").write_text(traceback.format_exc())
-            where = f" (traceback in {job_dir / 'error.txt'})"
+            (job_dir / ERROR_FILE).parent.mkdir(parents=True, exist_ok=True)
+            (job_dir / ERROR_FILE).write_text(traceback.format_exc())
+            where = f" (traceback in {job_dir / ERROR_FILE})"
         except OSError:
             where = ""
         print(f"[job] {name} failed: {result['error']}{where}")
@@ -213,12 +204,12 @@ def run_job(cfg: DictConfig, job_dir: Optional[Path] = None, overrides: Optional
 
 
 def _single_run_report(cfg, result, job_dir: Path) -> None:
-    """A single (non-multirun) run still gets results/<sweep>/verdicts.{md,json}."""
+    """A single (non-multirun) run still gets a report: <job dir>/report/verdicts.{md,json}."""
     try:
         from orchestrator.report import write_run_report
         from orchestrator.tracking import resolve_uri
         write_run_report(result, str(cfg.sweep_name), resolve_uri(cfg.tracking.uri), job_dir=job_dir,
-                         out_dir=Path(str(cfg.results_dir)) / str(cfg.sweep_name))
+                         out_dir=Path(job_dir) / record.REPORT_DIR)  # its own folder: never a sweep's report
     except Exception as e:  # the run itself is recorded; a report failure must not hide that
         print(f"[job] report not written: {type(e).__name__}: {e}")
 

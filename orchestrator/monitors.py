@@ -17,6 +17,8 @@ from typing import List, Optional, Tuple
 
 import torch
 
+from orchestrator import record
+
 
 @dataclass
 class MonitorConfig:
@@ -87,7 +89,7 @@ class Monitors:
 
     def log_val(self, step: int, val_loss) -> None:
         if self.tracker is not None:
-            self.tracker.log_metrics({"val/loss": float(val_loss)}, step=int(step))
+            self.tracker.log_metrics({record.VAL_LOSS: float(val_loss)}, step=int(step))
 
     def _layer_stats(self):
         stats = self.model.attention_stats() if hasattr(self.model, "attention_stats") else []
@@ -149,24 +151,24 @@ class Monitors:
         if self.tracker is None:
             return losses
         for k, step in enumerate(steps):
-            self.tracker.log_metrics({"train/loss": values["loss"][k], "train/grad_norm": values["grad_norm"][k],
-                                      "train/lr": lrs[k]}, step=step)
+            self.tracker.log_metrics({record.LOSS: values["loss"][k], record.GRAD_NORM: values["grad_norm"][k],
+                                      record.LR: lrs[k]}, step=step)
         if n:
             last = steps[-1]
             flushed = {}
             if self.last_tokens_per_s is not None:
-                flushed["perf/tokens_per_s"] = self.last_tokens_per_s
+                flushed[record.TOKENS_PER_S] = self.last_tokens_per_s
             n_head = self._n_head()
             for layer in range(len(stats)):
                 if self.cfg.counters:
                     for h, c in enumerate(values[f"rmax@{layer}"]):
-                        flushed[f"rmax_rows/L{layer}.H{h}"] = c
+                        flushed[record.rmax_rows_name(layer, h)] = c
                     for name in NUMERICS:
                         for h, c in enumerate(values[f"{name}@{layer}"]):
                             flushed[f"{name}/L{layer}.H{h}"] = c
                 logit = values[f"logit@{layer}"][0] if self.cfg.max_logit else -math.inf
                 if logit != -math.inf:  # -inf: nothing measured this interval (sdpa without probe)
-                    flushed[f"max_logit/L{layer}"] = logit
+                    flushed[record.max_logit_name(layer)] = logit
             self.tracker.log_metrics(flushed, step=last)
         for wstep in wq_steps:
             self.tracker.log_metrics(self._wq_metrics(values[f"wq@{wstep}"]), step=wstep)
@@ -193,13 +195,13 @@ class Monitors:
 
     def _wq_metrics(self, flat: List[float]) -> dict:
         n_head = self._n_head() or len(flat)
-        return {f"wq_sigma/L{i // n_head}.H{i % n_head}": v for i, v in enumerate(flat)}
+        return {record.wq_sigma_name(i // n_head, i % n_head): v for i, v in enumerate(flat)}
 
     def _track_peak_wq(self, flat: List[float]) -> None:
         n_head = self._n_head() or len(flat)
         for i, v in enumerate(flat):
             if v > self.peak_wq:
-                self.peak_wq, self.peak_wq_where = v, f"L{i // n_head}.H{i % n_head}"
+                self.peak_wq, self.peak_wq_where = v, record.head_where(i // n_head, i % n_head)
 
 
 __all__ = ["MonitorConfig", "Monitors"]

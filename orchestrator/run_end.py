@@ -3,24 +3,28 @@ is known, a crash checkpoint when the weights are sane, the MLflow run closed as
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 
+from orchestrator import record
 
-def new_result(iv, overrides) -> dict:
-    """The result dict (result.json) before anything ran: observed 'failed' until the run says otherwise."""
-    return {
-        "intervention": iv.name, "overrides": list(overrides), "expected": iv.expect, "observed": "failed",
-        "divergence_step": None, "final_loss": None, "min_loss": None, "val_loss": None, "peak_wq_norm": None,
-        "peak_wq_where": None, "mlflow_run_id": None, "steps_done": 0, "early_stopped": False, "error": None,
-        "wall_s": None, "attention_routes": None, "resumed_from": None, "checkpoint": None,
-        "forked_from": None, "fork_step": None, "source_run_id": None}
+
+def new_result(iv, overrides, job_dir=None, verdict=None) -> dict:
+    """The result dict (the run record's fields, orchestrator/record.py; job.write_result types it) before anything
+    ran: observed 'failed' until the run says otherwise; the detector's inputs recorded with it."""
+    return record.RunRecord(
+        intervention=iv.name, overrides=list(overrides), expected=iv.expect,
+        job_dir=str(job_dir) if job_dir is not None else None,
+        verdict_margin=verdict.margin if verdict is not None else None,
+        verdict_window=verdict.window if verdict is not None else None,
+        fork_baseline=verdict.fork_baseline if verdict is not None else None).to_dict()
 
 
 def fill_verdict(job, done: int) -> None:
     d, m = job.detector, job.monitors
     job.result.update(observed=d.observed, divergence_step=d.divergence_step, final_loss=d.final_loss,
-                      min_loss=d.min_loss if math.isfinite(d.min_loss) else None,
+                      divergence_reason=d.reason, min_loss=d.min_loss if math.isfinite(d.min_loss) else None,
                       min_loss_step=d.min_loss_step, steps_done=done,
                       peak_wq_norm=m.peak_wq if math.isfinite(m.peak_wq) else None,
                       peak_wq_where=m.peak_wq_where)
@@ -37,9 +41,7 @@ def finish(job, stream, done: int, status: str = "FINISHED") -> None:
             r["warnings"] = [*r.get("warnings", []), warning]
             job.tracker.set_tags({"warning": warning, **{f"numerics.{k}": v for k, v in job.monitors.numerics.items()}})
             print(f"[job] warning: {warning}")
-        job.tracker.set_tags({"verdict": r["observed"], "divergence_step": r["divergence_step"],
-                              "matches_expect": (r["observed"] == "diverged") == (r["expected"] == "diverges"),
-                              "early_stopped": r["early_stopped"]})
+        log_record(job, done)
         hook_metrics = job.hooks.final_metrics() if getattr(job, "hooks", None) else {}
         if hook_metrics:  # e.g. how often QK-clip fired: counted, never silent
             job.tracker.log_metrics(hook_metrics, step=max(done - 1, 0))
@@ -64,6 +66,20 @@ def interrupted(job, stream, done: int, by: str) -> None:
     close_quietly(job, stream, "KILLED")
 
 
+def log_record(job, done: int) -> None:
+    """The record's typed MLflow fields: verdict tags, sortable run metrics (orchestrator/record.py); wall_s the
+    same in MLflow and result.json."""
+    t0 = getattr(job, "_t_start", None)
+    if t0 is not None:
+        job.result["wall_s"] = round(time.perf_counter() - t0, 3)
+    r = record.RunRecord.from_dict(job.result)
+    tags = {**record.record_tags(r), "early_stopped": str(r.early_stopped).lower()}
+    if r.divergence_step is not None:  # absent for a stable run, never the string "None"
+        tags["divergence_step"] = r.divergence_step
+    job.tracker.set_tags(tags)
+    job.tracker.log_metrics(record.record_metrics(r), step=max(done - 1, 0))
+
+
 def _finite_params(model) -> bool:
     return all(torch.isfinite(p).all() for p in model.parameters())  # crash path only: syncing is fine here
 
@@ -84,9 +100,9 @@ def crash(job, model, optimizer, done: int, stream) -> None:
             snapshot.save(job, model, optimizer, done, "crash.pt")
     except Exception:
         pass
-    if job.tracker is not None:
+    if job.tracker is not None and job.is_main:
         try:
-            job.tracker.set_tags({"verdict": "failed", "error": job.result["error"]})
+            log_record(job, done)
         except Exception:
             pass
     close_quietly(job, stream, "FAILED")
@@ -105,4 +121,4 @@ def close_quietly(job, stream, status: str) -> None:
             pass
 
 
-__all__ = ["new_result", "fill_verdict", "finish", "crash", "close_quietly", "interrupted"]
+__all__ = ["new_result", "fill_verdict", "finish", "crash", "close_quietly", "interrupted", "log_record"]

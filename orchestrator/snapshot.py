@@ -12,8 +12,7 @@ from typing import Any, Dict, Optional
 from omegaconf import OmegaConf
 
 from orchestrator import checkpoint
-
-CKPT_DIR = "checkpoints"
+from orchestrator.record import CKPT_DIR  # one definition: the run record's file names
 
 
 def start_state(job) -> Optional[Dict[str, Any]]:

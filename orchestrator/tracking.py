@@ -212,7 +212,7 @@ def find_parent(sweep_dir: Optional[os.PathLike] = None) -> Optional[Dict[str, s
 
 
 # --------------------------------------------------------------------------------------------------- retries
-def _retry(fn, *args, attempts: int = 8, **kwargs):
+def retry(fn, *args, attempts: int = 8, **kwargs):
     """Retry while a sqlite store is locked by another local job (MLflow retries deadlocks, not locks)."""
     delay = 0.05
     for i in range(attempts):
@@ -226,17 +226,17 @@ def _retry(fn, *args, attempts: int = 8, **kwargs):
 
 
 def get_or_create_experiment(client, name: str, tracking_uri: str) -> str:
-    exp = _retry(client.get_experiment_by_name, name)
+    exp = retry(client.get_experiment_by_name, name)
     if exp is not None:
         if exp.lifecycle_stage == "deleted":
-            _retry(client.restore_experiment, exp.experiment_id)
+            retry(client.restore_experiment, exp.experiment_id)
         return exp.experiment_id
     root = artifact_root_for(tracking_uri)
     try:
-        return _retry(client.create_experiment, name,
+        return retry(client.create_experiment, name,
                       artifact_location=f"{root}/{name}" if root else None)
     except Exception:  # another job created it first
-        exp = _retry(client.get_experiment_by_name, name)
+        exp = retry(client.get_experiment_by_name, name)
         if exp is None:
             raise
         return exp.experiment_id
@@ -265,10 +265,10 @@ def make_client(uri: str):
     from mlflow.tracking import MlflowClient
     db = sqlite_path(uri)
     if db is None:
-        return _retry(MlflowClient, tracking_uri=uri)
+        return retry(MlflowClient, tracking_uri=uri)
     with _store_lock(db):
-        client = _retry(MlflowClient, tracking_uri=uri)
-        _retry(client.search_experiments, max_results=1)  # opens (creates, migrates) the store under the lock
+        client = retry(MlflowClient, tracking_uri=uri)
+        retry(client.search_experiments, max_results=1)  # opens (creates, migrates) the store under the lock
     return client
 
 
@@ -320,7 +320,7 @@ class _Sink:
         for i in range(0, len(batch), MAX_METRICS_PER_BATCH):
             chunk = batch[i:i + MAX_METRICS_PER_BATCH]
             try:
-                _retry(self.client.log_batch, self.run_id, metrics=chunk)
+                retry(self.client.log_batch, self.run_id, metrics=chunk)
             except Exception as e:
                 if self.spool is None:
                     raise
@@ -360,7 +360,7 @@ class _Sink:
             return False
         from mlflow.entities import Metric
         try:
-            run = _retry(self.client.get_run, self.run_id)
+            run = retry(self.client.get_run, self.run_id)
             have = {m.key: int(m.step) for m in getattr(run.data, "_metric_objs", [])}
             todo = []
             for line in self.spool.read_text().splitlines():
@@ -370,7 +370,7 @@ class _Sink:
                 if d["s"] > have.get(d["k"], -1):
                     todo.append(Metric(d["k"], float(d["v"]), int(d["t"]), int(d["s"])))
             for i in range(0, len(todo), MAX_METRICS_PER_BATCH):
-                _retry(self.client.log_batch, self.run_id, metrics=todo[i:i + MAX_METRICS_PER_BATCH])
+                retry(self.client.log_batch, self.run_id, metrics=todo[i:i + MAX_METRICS_PER_BATCH])
                 self.points_logged += len(todo[i:i + MAX_METRICS_PER_BATCH])
         except json.JSONDecodeError:
             raise
@@ -471,12 +471,12 @@ def mark_terminated(uri: str, run_id: str, status: str, reason: str, client=None
     Returns whether it was marked; a store that cannot be reached is said, not raised."""
     try:
         c = client or make_client(uri)
-        run = _retry(c.get_run, run_id)
+        run = retry(c.get_run, run_id)
         if run.info.status != "RUNNING":
             return False
-        _retry(c.set_tag, run_id, "verdict", "failed")
-        _retry(c.set_tag, run_id, "error", _truncate(reason, MAX_TAG_VAL_LENGTH))
-        _retry(c.set_terminated, run_id, status=status)
+        retry(c.set_tag, run_id, "verdict", "failed")
+        retry(c.set_tag, run_id, "error", _truncate(reason, MAX_TAG_VAL_LENGTH))
+        retry(c.set_terminated, run_id, status=status)
         return True
     except Exception as e:
         print(f"[tracking] could not mark run {run_id} {status} in {uri}: {e}", flush=True)
@@ -517,14 +517,14 @@ class Tracker:
             else:
                 parent = None
         if run_id is not None:
-            run = _retry(self.client.get_run, run_id)
+            run = retry(self.client.get_run, run_id)
             self.run_id, self.experiment_id = run_id, run.info.experiment_id
             self._last_step = self._last_steps(run)
             for k, v in spooled_last_steps(self.spool).items():  # spooled before a kill: logged by the replay
                 self._last_step[k] = max(self._last_step.get(k, -1), v)
             self._params_logged = dict(run.data.params)
             self.parent_run_id = run.data.tags.get("mlflow.parentRunId", parent_run_id)
-            _retry(self.client.update_run, run_id, status="RUNNING")
+            retry(self.client.update_run, run_id, status="RUNNING")
         else:
             if parent is not None:
                 self.experiment_id = parent["experiment_id"]
@@ -534,7 +534,7 @@ class Tracker:
             run_tags = {**git_info(), **{k: _truncate(str(v), MAX_TAG_VAL_LENGTH) for k, v in (tags or {}).items()}}
             if self.parent_run_id:
                 run_tags["mlflow.parentRunId"] = self.parent_run_id
-            run = _retry(self.client.create_run, self.experiment_id, run_name=run_name, tags=run_tags)
+            run = retry(self.client.create_run, self.experiment_id, run_name=run_name, tags=run_tags)
             self.run_id = run.info.run_id
             self._params_logged = {}
         self._tokens = 0
@@ -565,7 +565,7 @@ class Tracker:
         flat = flatten_config(params)
         todo = [Param(k, v) for k, v in flat.items() if self._params_logged.get(k) != v]
         for i in range(0, len(todo), MAX_PARAMS_TAGS_PER_BATCH):
-            _retry(self.client.log_batch, self.run_id, params=todo[i:i + MAX_PARAMS_TAGS_PER_BATCH])
+            retry(self.client.log_batch, self.run_id, params=todo[i:i + MAX_PARAMS_TAGS_PER_BATCH])
         self._params_logged.update(flat)
 
     def set_tags(self, tags: Mapping[str, Any]) -> None:
@@ -575,7 +575,7 @@ class Tracker:
         todo = [RunTag(str(k)[:MAX_KEY_LENGTH], _truncate(str(v), MAX_TAG_VAL_LENGTH)) for k, v in tags.items()]
         try:
             for i in range(0, len(todo), MAX_PARAMS_TAGS_PER_BATCH):
-                _retry(self.client.log_batch, self.run_id, tags=todo[i:i + MAX_PARAMS_TAGS_PER_BATCH])
+                retry(self.client.log_batch, self.run_id, tags=todo[i:i + MAX_PARAMS_TAGS_PER_BATCH])
         except Exception as e:
             if self.spool is None:
                 raise
@@ -609,7 +609,7 @@ class Tracker:
         if not self.enabled:
             return
         try:
-            _retry(self.client.log_artifact, self.run_id, str(path), artifact_path)
+            retry(self.client.log_artifact, self.run_id, str(path), artifact_path)
         except Exception as e:
             if self.spool is None:
                 raise
@@ -641,7 +641,7 @@ class Tracker:
             except Exception:
                 pass
             try:
-                _retry(self.client.set_terminated, self.run_id, status="FAILED" if self._error else status)
+                retry(self.client.set_terminated, self.run_id, status="FAILED" if self._error else status)
             except Exception as e:  # the writer's error, if any, is the one worth reporting
                 if self.spool is None or self._error is not None:
                     self._error = self._error or e
@@ -717,7 +717,7 @@ class Tracker:
             return {m.key: int(m.step) for m in objs}
         out = {}
         for key in run.data.metrics:  # fallback: one history query per key
-            hist = _retry(self.client.get_metric_history, run.info.run_id, key)
+            hist = retry(self.client.get_metric_history, run.info.run_id, key)
             out[key] = max((int(m.step) for m in hist), default=-1)
         return out
 

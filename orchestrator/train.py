@@ -25,12 +25,11 @@ import torch
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
-from orchestrator import checkpoint, run_end, snapshot
+from orchestrator import checkpoint, record, run_end, snapshot
 from orchestrator.interventions import build_hooks
 from orchestrator.optim import build_optimizer
-from orchestrator.snapshot import CKPT_DIR
+from orchestrator.record import CKPT_DIR, ORDER_FILE, RESOLVED_CONFIG
 from orchestrator.step import TrainStep, autocast
-ORDER_FILE = "batch_order.bin"
 SPOOL_FILE = "mlflow_spool.jsonl"  # metric points waiting for a failed MLflow store (orchestrator/tracking.py)
 
 
@@ -105,7 +104,8 @@ class Job:
 
     def __init__(self, cfg, attention, job_dir: Path, overrides: List[str]):
         self.cfg, self.attention, self.job_dir, self.overrides = cfg, attention, Path(job_dir), list(overrides)
-        self.result: Dict[str, Any] = run_end.new_result(cfg.intervention, self.overrides)
+        self.result: Dict[str, Any] = run_end.new_result(cfg.intervention, self.overrides, self.job_dir,
+                                                         cfg.verdict)
         self.hooks = build_hooks(cfg.intervention.hooks)  # the intervention's train hooks (checked by validation)
         self.fork: Optional[Dict[str, Any]] = None  # fork_info() when this run is (or resumes) a fork
         self.forking = False  # this process starts the fork (new MLflow run, fresh detector/monitors)
@@ -198,6 +198,7 @@ class Job:
                 fork_tags["forked_from_run"] = self.fork["source_run_id"]
         sweep_tags = {**fork_tags, "intervention": iv.name, "expect": iv.expect, "paper": iv.paper,
                       "sweep": cfg.sweep_name, "experiment": cfg.name, "job_dir": str(self.job_dir),
+                      "job": self.job_dir.name,
                       "overrides": " ".join(self.overrides), "attention_routes": ",".join(
                           self.result["attention_routes"])}
         run_name = _run_name(iv.name, self.overrides) + (f" fork@{self.fork['fork_step']}" if self.fork else "")
@@ -215,18 +216,14 @@ class Job:
             self.tracker.close_other(old, "KILLED", "the job died before its first checkpoint and was started again "
                                                     f"from step 0 (new MLflow run {self.tracker.run_id})")
         write_job_start(self.job_dir, mlflow_run_id=self.tracker.run_id, tracking_uri=self.tracker.uri)
-        resolved = self.job_dir / "config_resolved.yaml"
+        resolved = self.job_dir / RESOLVED_CONFIG  # the whole config, plumbing included, as an artifact
         resolved.parent.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(OmegaConf.structured(cfg), resolved)
         if not resuming:
-            self.tracker.log_params({**OmegaConf.to_container(OmegaConf.structured(cfg)),
-                                     "attention_effective": OmegaConf.to_container(
-                                         OmegaConf.structured(self.attention)),
-                                     # which code computes each layer (triton | emulator | standard | sdpa)
-                                     "attention_route": {f"L{i}": r for i, r in
-                                                         enumerate(self.result["attention_routes"])}})
+            self.tracker.log_params(record.run_params(cfg, self.attention, self.result["attention_routes"]))
             self.tracker.log_artifact(resolved)
-        self.tracker.set_tags({**sweep_tags, "verdict": "running"})
+        self.tracker.set_tags({**sweep_tags, record.TAG_VERDICT: "running",
+                               record.TAG_VERSION: str(record.RECORD_VERSION)})
 
     def _setup(self):
         from orchestrator.data import ensure_prepared, val_batches
@@ -252,11 +249,12 @@ class Job:
 
     # ------------------------------------------------------------------------------------------------ run
     def run(self) -> Dict[str, Any]:
-        t_start = time.perf_counter()
+        self._t_start = t_start = time.perf_counter()
         try:
             return self._run()
         finally:
-            self.result["wall_s"] = round(time.perf_counter() - t_start, 3)
+            if self.result.get("wall_s") is None:  # set by run_end.log_record when the run got that far
+                self.result["wall_s"] = round(time.perf_counter() - t_start, 3)
 
     def _run(self) -> Dict[str, Any]:
         model, optimizer, step_fn, stream, val, start, device = self._setup()

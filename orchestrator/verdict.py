@@ -4,12 +4,17 @@ A run has diverged at step k when its loss is NaN/Inf at k, or when the loss sta
 more than `margin` for `window` consecutive steps starting at k (the paper's failures are sudden loss explosions
 after a long stable stretch, Fig. 1). The detector is streaming and host-only: it sees the host losses that the
 monitors hand back at each flush, so it costs the train loop nothing.
+
+Whether a run's verdict agrees with the paper is `matches_paper(expected, observed)` (orchestrator/record.py, the one
+formula; re-exported here).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 from typing import Iterable, Optional, Tuple
+
+from orchestrator.record import matches_paper  # noqa: F401  (re-exported)
 
 
 FORK_BASELINES = ("fresh", "source")
@@ -106,4 +111,4 @@ class DivergenceDetector:
         self._up_count = int(state["up_count"])
 
 
-__all__ = ["VerdictConfig", "DivergenceDetector"]
+__all__ = ["VerdictConfig", "DivergenceDetector", "matches_paper"]

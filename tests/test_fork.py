@@ -227,10 +227,11 @@ def test_multirun_forks_every_intervention(source, tmp_path):
         assert r.data.tags["fork_step"] == "16" and r.data.tags["forked_from"] == str(ckpt)
         assert r.info.status == "FINISHED"
         assert [m.step for m in c.get_metric_history(r.info.run_id, "train/loss")] == [16, 17, 18, 19]
-    doc = json.loads((tmp_path / "results" / "smoke" / "verdicts.json").read_text())
+    report, = (tmp_path / "results" / "smoke").glob("*/report")  # in the dated sweep folder
+    doc = json.loads((report / "verdicts.json").read_text())
     assert sorted(r["intervention"] for r in doc["runs"]) == ["baseline", "fp32"]
     assert all(r["fork_step"] == 16 for r in doc["runs"])
-    assert "forked from" in (tmp_path / "results" / "smoke" / "verdicts.md").read_text()
+    assert "forked from" in (report / "verdicts.md").read_text()
     # a bad fork in a multirun launches nothing
     bad = tmp_path / "bad"
     bad.mkdir()

@@ -161,15 +161,15 @@ def test_sweep_file_jobs_several_files_and_cli(tmp_path, capsys):
 # ------------------------------------------------------------------------------ tracking: the store's lock
 def _open_store(uri, barrier, i, results):
     try:
-        from orchestrator.tracking import _retry, get_or_create_experiment, make_client
+        from orchestrator.tracking import retry, get_or_create_experiment, make_client
         barrier.wait(timeout=120)  # imports done: everyone opens the fresh store at the same moment
         client = make_client(uri)
         exp = get_or_create_experiment(client, "race", uri)
         # later writes retried while another writer holds sqlite's lock, as the Tracker does: this test is about
         # creating the store, not about write contention
-        run = _retry(client.create_run, exp, run_name=f"w{i}")
-        _retry(client.log_metric, run.info.run_id, "train/loss", 1.0 + i, step=0)
-        _retry(client.set_terminated, run.info.run_id)
+        run = retry(client.create_run, exp, run_name=f"w{i}")
+        retry(client.log_metric, run.info.run_id, "train/loss", 1.0 + i, step=0)
+        retry(client.set_terminated, run.info.run_id)
         results.put((i, "ok", run.info.run_id))
     except BaseException as e:  # noqa: BLE001  reported to the test, which names it
         results.put((i, "error", f"{type(e).__name__}: {e}"[:2000]))

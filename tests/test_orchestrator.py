@@ -65,7 +65,7 @@ def test_multirun_three_interventions(tmp_path):
     # which code computed each layer is a param (CPU: the emulator)
     assert [sfa.data.params[f"attention_route.L{i}"] for i in range(2)] == ["flash/emulator/paper_bf16+sfa(beta=2)"] * 2
     # the report: one row per run
-    report = tmp_path / "results" / "smoke"
+    report, = (tmp_path / "results" / "smoke").glob("*/report")  # in the dated sweep folder
     doc = json.loads((report / "verdicts.json").read_text())
     assert sorted(r["intervention"] for r in doc["runs"]) == ["baseline", "fp32", "sfa"]
     assert all(r["observed"] in ("stable", "diverged") for r in doc["runs"])
@@ -102,7 +102,8 @@ def test_forced_nan_diverges_stops_early_and_sweep_goes_on(tmp_path):
     hist = {m.step: m.value for m in c.get_metric_history(nan["mlflow_run_id"], "train/loss")}
     assert math.isnan(hist[7]) and math.isfinite(hist[6])
     assert sorted(hist) == list(range(nan["steps_done"]))  # everything up to the stop is recorded
-    doc = json.loads((tmp_path / "results" / "smoke" / "verdicts.json").read_text())
+    report, = (tmp_path / "results" / "smoke").glob("*/report")
+    doc = json.loads((report / "verdicts.json").read_text())
     assert sorted(r["observed"] for r in doc["runs"]) == ["diverged", "stable"]
 
 

@@ -65,7 +65,7 @@ def test_report_from_synthetic_results_and_real_store(sweep, capsys):
 
     SweepReport().on_multirun_end(cfg)  # a fresh instance: the parent run comes from mlflow_parent.json
 
-    out = Path(cfg.results_dir) / "synthetic"
+    out = sweep_dir / "report"  # the dated sweep folder keeps its own report
     doc = json.loads((out / "verdicts.json").read_text())
     rows = doc["runs"]
     assert [r["intervention"] for r in rows] == [j[0] for j in JOBS] + ["head_upcast"]
@@ -86,7 +86,7 @@ def test_report_from_synthetic_results_and_real_store(sweep, capsys):
     for png in ("loss_curves", "wq_spectral_norm", "repeated_maxima"):
         p = out / "plots" / f"{png}.png"
         assert p.is_file() and p.stat().st_size > 5000 and f"plots/{png}.png" in md
-    assert (sweep_dir / "verdicts.json").is_file()  # the timestamped sweep keeps its own copy
+    assert not (Path(cfg.results_dir) / "synthetic" / "verdicts.json").exists()  # never results/<sweep>/
 
     client = make_client(uri)
     prun = client.get_run(parent["run_id"])
@@ -176,12 +176,13 @@ def test_hydra_multirun_nests_runs_and_writes_report(tmp_path):
     proc, uri = _run_app(tmp_path, "baseline,fp32,crash")
     assert proc.returncode != 0  # the crash escaped the sweep ...
     assert "writing the report anyway" in proc.stdout  # ... and the report was still written at exit
-    out = tmp_path / "results" / "hydra_sweep"
+    results = tmp_path / "results" / "hydra_sweep"
+    sweep_dirs = [p for p in results.iterdir() if (p / PARENT_FILE).is_file()]
+    assert len(sweep_dirs) == 1, "start and end must agree on the sweep dir"
+    out = sweep_dirs[0] / "report"
     doc = json.loads((out / "verdicts.json").read_text())
     assert [(r["intervention"], r["observed"]) for r in doc["runs"]] == [
         ("baseline", "diverged"), ("fp32", "stable"), ("crash", "failed")]
-    sweep_dirs = [p for p in out.iterdir() if (p / PARENT_FILE).is_file()]
-    assert len(sweep_dirs) == 1, "start and end must agree on the sweep dir"
     parent = find_parent(sweep_dirs[0])
     client = make_client(uri)
     for r in doc["runs"][:2]:  # each job's Tracker found the parent through HydraConfig

@@ -143,12 +143,12 @@ def test_sweep_through_slurm_reaches_mlflow_with_verdicts_and_report(preempted_s
         assert r.info.status == "FINISHED"
         steps = [m.step for m in client.get_metric_history(r.info.run_id, "train/loss")]
         assert sorted(steps) == list(range(STEPS))
-    verdicts = json.loads((info["out"] / "slurm_ci" / "verdicts.json").read_text())
+    verdicts = json.loads((info["sweep_dir"] / "report" / "verdicts.json").read_text())  # the dated sweep folder
     assert [row["intervention"] for row in verdicts["runs"]] == ["baseline", "fp32", "fp32", "pv_fp32"]
     assert all(row["observed"] in ("stable", "diverged") for row in verdicts["runs"][:3])
     assert verdicts["runs"][3]["observed"] == "failed"  # the killed job: reported, and the sweep went on
     assert f"job {info['killed']} died without a result" in info["stdout"]
-    assert (info["out"] / "slurm_ci" / "verdicts.md").is_file()
+    assert (info["sweep_dir"] / "report" / "verdicts.md").is_file()
     # the jobs really went through SLURM: submitit's per-job folders and logs
     assert len(list(info["sweep_dir"].glob(".submitit/*_[0-3]/*_0_log.out"))) == 4
     for log in info["sweep_dir"].glob(".submitit/*_[0-2]/*_1_log.out"):  # ... as 2 ranks each

@@ -1,0 +1,59 @@
+"""Where a reader opens what a run or sweep recorded: the MLflow UI's runs table, run pages and artifacts.
+
+The UI of an http(s) tracking store is the server itself; a database store (sqlite) is opened with
+`mlflow ui --backend-store-uri <uri>`, which serves http://127.0.0.1:5000 (pass ui_url for another address).
+Routes are MLflow 3's: `#/experiments/<id>/runs` opens the training runs table (an experiment's bare route opens
+the GenAI overview instead), `#/experiments/<id>/runs/<run id>` a run page.
+"""
+from __future__ import annotations
+
+from typing import List, Optional
+from urllib.parse import quote
+
+MLFLOW_UI_DEFAULT = "http://127.0.0.1:5000"  # `mlflow ui`'s default host and port
+
+
+def ui_base(tracking_uri: Optional[str], ui_url: Optional[str] = None) -> str:
+    """The UI's address: ui_url if given, else the server of an http(s) store, else what `mlflow ui` serves."""
+    if ui_url:
+        return ui_url.rstrip("/")
+    if tracking_uri and tracking_uri.startswith(("http://", "https://")):
+        return tracking_uri.rstrip("/")
+    return MLFLOW_UI_DEFAULT
+
+
+def experiment_route(experiment_id: str) -> str:
+    return f"#/experiments/{experiment_id}/runs"
+
+
+def run_route(experiment_id: str, run_id: str) -> str:
+    return f"#/experiments/{experiment_id}/runs/{run_id}"
+
+
+def artifact_route(run_id: str, path: str) -> str:
+    """Relative URL of one artifact file as the UI fetches it (resolves against the UI page, any static prefix)."""
+    return f"get-artifact?path={quote(path, safe='')}&run_uuid={run_id}"
+
+
+def mlflow_ui_command(tracking_uri: str) -> Optional[str]:
+    """The command that serves a database store's UI; None for a server (it is its own UI)."""
+    if tracking_uri.startswith(("http://", "https://")):
+        return None
+    return f"mlflow ui --backend-store-uri {tracking_uri}"
+
+
+def link_lines(tracking_uri: str, experiment_id: Optional[str], run_id: Optional[str] = None,
+               run_label: str = "parent run", ui_url: Optional[str] = None) -> List[str]:
+    """The lines printed at the end of a run or sweep: how to open the UI, the runs table, the (parent) run."""
+    base = ui_base(tracking_uri, ui_url)
+    cmd = mlflow_ui_command(tracking_uri)
+    out = [f"MLflow: {cmd}   (serves {base})" if cmd else f"MLflow: {base}"]
+    if experiment_id is not None:
+        out.append(f"  runs table: {base}/{experiment_route(experiment_id)}")
+        if run_id:
+            out.append(f"  {run_label}: {base}/{run_route(experiment_id, run_id)}")
+    return out
+
+
+__all__ = ["ui_base", "experiment_route", "run_route", "artifact_route", "mlflow_ui_command", "link_lines",
+           "MLFLOW_UI_DEFAULT"]

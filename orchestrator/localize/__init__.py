@@ -1,0 +1,17 @@
+"""Localization: which layer and which heads of a baseline run to intervene on, read from its own metrics.
+
+One job per module: the rules and the algorithm (algorithm.py, whose docstring documents them), its config and
+result types (stats.py), the text report (text.py), the plot (plot.py), where the input comes from (source.py) and
+the command line (cli.py; `python -m orchestrator.localize`).
+"""
+from orchestrator.localize.algorithm import PREFIXES, History, _split_outliers, localize, parse_history
+from orchestrator.localize.cli import main
+from orchestrator.localize.plot import plot
+from orchestrator.localize.source import load_history, resolve_source
+from orchestrator.localize.stats import (HeadStats, LayerStats, Localization, LocalizeConfig,
+                                         scoped_interventions)
+from orchestrator.localize.text import format_localization
+
+__all__ = ["localize", "parse_history", "LocalizeConfig", "HeadStats", "LayerStats", "Localization",
+           "format_localization", "plot", "load_history", "resolve_source", "main", "PREFIXES", "History",
+           "scoped_interventions", "_split_outliers"]

@@ -1,0 +1,5 @@
+import sys
+
+from orchestrator.localize.cli import main
+
+sys.exit(main())
