@@ -185,7 +185,7 @@ class Job:
         from models import GPT
         from orchestrator.data import ensure_prepared, val_batches
         from orchestrator.monitors import Monitors
-        from orchestrator.tracking import Tracker
+        from orchestrator.tracking import Tracker, describe_run
         from orchestrator.verdict import DivergenceDetector
 
         cfg, tc = self.cfg, self.cfg.train
@@ -229,7 +229,7 @@ class Job:
         self.tracker = Tracker(cfg.tracking, run_name[:250],
                                experiment=cfg.tracking.experiment or cfg.sweep_name,
                                run_id=state.get("mlflow_run_id") if resuming else None, enabled=self.is_main,
-                               tags=sweep_tags)
+                               tags=sweep_tags, description=describe_run(iv.name, iv.expect, iv.paper))
         self.result["mlflow_run_id"] = self.tracker.run_id
         if self.is_main:
             resolved = self.job_dir / "config_resolved.yaml"
