@@ -30,8 +30,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _api(uri, path, body=None, **query):
-    url = f"{uri}/api/2.0/mlflow/{path}" + ("?" + urllib.parse.urlencode(query) if query else "")
+def _api(uri, endpoint, body=None, **query):
+    url = f"{uri}/api/2.0/mlflow/{endpoint}" + ("?" + urllib.parse.urlencode(query) if query else "")
     req = urllib.request.Request(url, data=json.dumps(body).encode() if body is not None else None,
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=30) as r:
