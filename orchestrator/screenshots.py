@@ -73,6 +73,7 @@ def shoot(driver, url: str, out: Path, wait_text: Optional[str] = None, settle_s
     """Open url, wait for wait_text, save a PNG; returns whether the text appeared (the PNG is saved either way)."""
     driver.get(url)
     ok = wait_for_text(driver, wait_text) if wait_text else True
+    close_mlflow_assistant(driver)
     time.sleep(settle_s)
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     driver.save_screenshot(str(out))
