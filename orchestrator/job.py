@@ -198,9 +198,24 @@ def run_job(cfg: DictConfig, job_dir: Optional[Path] = None, overrides: Optional
             except OSError as e:  # a read-only / full folder: the one sentence, not a traceback
                 print(f"[job] {e}")
                 result["observed"], result["error"] = "failed", result.get("error") or str(e)
+            _record_run(cfg, result, job_dir)
     if not multirun and (job is None or job.is_main):
         _single_run_report(cfg, result, job_dir)
     return result
+
+
+def _record_run(cfg, result, job_dir: Path) -> None:
+    """The run's MLflow record once the job is over: description with the verdict, divergence marker, and the job
+    folder (log, result.json, .hydra/, traceback) as artifacts. A failure here is said, and the run stays recorded."""
+    if not result.get("mlflow_run_id"):
+        return
+    try:
+        from orchestrator.tracking import log_job_artifacts, record_outcome, resolve_uri
+        uri = resolve_uri(cfg.tracking.uri)
+        record_outcome(uri, result["mlflow_run_id"], result, paper=cfg.intervention.get("paper"))
+        log_job_artifacts(uri, result["mlflow_run_id"], job_dir)
+    except Exception as e:
+        print(f"[job] MLflow record of run {result['mlflow_run_id']} incomplete: {type(e).__name__}: {e}")
 
 
 def _single_run_report(cfg, result, job_dir: Path) -> None:

@@ -8,7 +8,6 @@ the GenAI overview instead), `#/experiments/<id>/runs/<run id>` a run page.
 from __future__ import annotations
 
 from typing import List, Optional
-from urllib.parse import quote
 
 MLFLOW_UI_DEFAULT = "http://127.0.0.1:5000"  # `mlflow ui`'s default host and port
 
@@ -30,9 +29,9 @@ def run_route(experiment_id: str, run_id: str) -> str:
     return f"#/experiments/{experiment_id}/runs/{run_id}"
 
 
-def artifact_route(run_id: str, path: str) -> str:
-    """Relative URL of one artifact file as the UI fetches it (resolves against the UI page, any static prefix)."""
-    return f"get-artifact?path={quote(path, safe='')}&run_uuid={run_id}"
+def artifact_view_route(experiment_id: str, run_id: str, path: str) -> str:
+    """A run's artifact, opened in the UI's artifact viewer."""
+    return f"{run_route(experiment_id, run_id)}/artifacts/{path}"
 
 
 def mlflow_ui_command(tracking_uri: str) -> Optional[str]:
@@ -55,5 +54,5 @@ def link_lines(tracking_uri: str, experiment_id: Optional[str], run_id: Optional
     return out
 
 
-__all__ = ["ui_base", "experiment_route", "run_route", "artifact_route", "mlflow_ui_command", "link_lines",
+__all__ = ["ui_base", "experiment_route", "run_route", "artifact_view_route", "mlflow_ui_command", "link_lines",
            "MLFLOW_UI_DEFAULT"]

@@ -292,7 +292,8 @@ def localization(loc, history: History, path: Path) -> Path:
     xs = [L.layer for L in ls]
     use_growth = any(L.growth is not None for L in ls)
     vals = [((L.growth or 1.0) - 1.0) if use_growth else (L.rmax_total or 0.0) for L in ls]
-    chosen = dict(color="#BE0032") if stands_out else dict(color="#F38400", hatch="//", edgecolor="black")
+    chosen = (dict(facecolor="#BE0032", edgecolor="black") if stands_out
+              else dict(facecolor="#F38400", hatch="//", edgecolor="black"))
     bars = b.bar(xs, vals, color="#0067A5")
     for bar, L in zip(bars, ls):
         if L.layer == layer:

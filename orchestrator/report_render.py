@@ -3,8 +3,8 @@ verdicts.html (one self-contained page, orchestrator/report_html.py) and the plo
 
 orchestrator/report.py builds and compares the rows; this module only renders them. Two markdown copies, because
 an image path means different things in the two places: on disk the images are `plots/x.png` beside verdicts.md;
-in MLflow, report/verdicts.md is shown inside the UI page, so its images are the UI's own artifact URLs
-(`get-artifact?...`) and its run links the UI's routes. Run ids link to the run pages in both.
+in MLflow, report/verdicts.md is shown inside the UI page, whose markdown viewer draws no images: its plots are
+links to the artifact viewer, its run links the UI's own routes. Run ids link to the run pages in both.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from orchestrator import links, plots
-from orchestrator.tracking import retry, make_client, resolve_uri
+from orchestrator.tracking import MAX_TAG_VAL_LENGTH, retry, make_client, resolve_uri, source_tags
 
 RUN_COL = 10  # the "MLflow run" column of _table
 NOTE_COL = 9  # the "vs baseline" column: on its own line in the terminal
@@ -116,9 +116,9 @@ def run_urls(rows, experiments: Dict[str, str], base: Optional[str]) -> List[Opt
 
 
 def _markdown(rows, meta, plot_paths, out_dir: Path, sweep: str, urls: Optional[List[Optional[str]]] = None,
-              image_url=None) -> str:
-    """verdicts.md. urls: each row's run page (None: plain ids); image_url(name, path): an image's address (default:
-    its path relative to out_dir, for the copy on disk)."""
+              plot_line=None) -> str:
+    """verdicts.md. urls: each row's run page (None: plain ids); plot_line(name, path): a plot's line (default: the
+    image by its path relative to out_dir, for the copy on disk)."""
     t = _table(rows)
     esc = lambda s: s.replace("|", "\\|")  # noqa: E731
     n_match = sum(1 for r in rows if r["matches_paper"])
@@ -138,10 +138,15 @@ def _markdown(rows, meta, plot_paths, out_dir: Path, sweep: str, urls: Optional[
     if plot_paths:
         md += ["", "## Plots", ""]
         for name, p in plot_paths.items():
-            url = image_url(name, p) if image_url else os.path.relpath(p, out_dir)
-            md += [f"![{name}]({url})", ""]
+            md += [plot_line(name, p) if plot_line else f"![{name}]({os.path.relpath(p, out_dir)})", ""]
     md += _mlflow_lines(meta)
     return "\n".join(md) + "\n"
+
+
+def _mlflow_plot_line(name: str, path, experiment_id, run_id: str) -> str:
+    """MLflow's markdown viewer draws no images: a link that opens the plot in the artifact viewer instead."""
+    route = links.artifact_view_route(experiment_id, run_id, f"plots/{Path(path).name}")
+    return f"- [{name}]({route}): opens in the artifact viewer; every plot inline: `verdicts.html`"
 
 
 def _mlflow_lines(meta) -> List[str]:
@@ -167,6 +172,20 @@ def _fork_lines(rows) -> List[str]:
     forks = sorted({(r.get("forked_from"), r.get("fork_step")) for r in rows if r.get("fork_step") is not None},
                    key=str)
     return [f"- forked from `{path}` at step {step}: metrics and verdicts from step {step} on" for path, step in forks]
+
+
+def parent_note(sweep: str, rows, urls: List[Optional[str]]) -> str:
+    """The sweep's parent run description (markdown on its run page): the verdicts at a glance, runs linked."""
+    n_match = sum(1 for r in rows if r["matches_paper"])
+    failed = sum(1 for r in rows if r["observed"] == "failed")
+    out = [f"**{sweep}**: {len(rows)} runs; {n_match} match the paper; {failed} failed. Full report: "
+           f"`verdicts.html` (artifacts).", "",
+           "| job | intervention | observed | div. step | matches paper |", "|---|---|---|---|---|"]
+    for r, url in zip(rows, urls):
+        job = _md_link(_fmt(r.get("job")), url)
+        out.append(f"| {job} | {_fmt(r.get('intervention'))} | {_fmt(r.get('observed'))} | "
+                   f"{_fmt(r.get('divergence_step'))} | {_fmt(r.get('matches_paper'))} |")
+    return "\n".join(out)
 
 
 # ------------------------------------------------------------------------------------------------ plots
@@ -270,15 +289,18 @@ def write_report(rows: List[Dict], out_dir: os.PathLike, tracking_uri: Optional[
         client = make_client(uri)
         with tempfile.TemporaryDirectory() as tmp:  # the copy for MLflow's viewer: UI routes, not disk paths
             md = Path(tmp) / "verdicts.md"
+            exp = experiments.get(parent_run_id) or meta.get("experiment_id")
             md.write_text(_markdown(rows, meta, plot_paths, out_dir, sweep, run_urls(rows, experiments, None),
-                                    image_url=lambda name, p: links.artifact_route(parent_run_id,
-                                                                                   f"plots/{Path(p).name}")))
+                                    plot_line=lambda name, p: _mlflow_plot_line(name, p, exp, parent_run_id)))
             retry(client.log_artifact, parent_run_id, str(md), "report")
         retry(client.log_artifact, parent_run_id, str(paths["json"]), "report")
         retry(client.log_artifact, parent_run_id, str(paths["html"]))
         for name in plot_paths:
             retry(client.log_artifact, parent_run_id, str(paths[name]), "plots")
-        retry(client.log_batch, parent_run_id, tags=R._summary_tags(doc["summary"]))
+        from mlflow.entities import RunTag
+        std = {**source_tags(), "mlflow.note.content": parent_note(sweep, rows, run_urls(rows, experiments, None))}
+        retry(client.log_batch, parent_run_id, tags=R._summary_tags(doc["summary"]) +
+               [RunTag(k, str(v)[:MAX_TAG_VAL_LENGTH]) for k, v in std.items()])
     if echo:
         print(format_table(rows))
         print(f"\nReport: {paths['md']}\n        {paths['html']} (one page, opens offline)")

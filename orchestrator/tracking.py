@@ -47,6 +47,8 @@ class TrackingConfig:
     flush_interval_s: float = 2.0  # the thread posts what it has at least this often
     check_timeout_s: float = 3.0  # check_tracking's HTTP timeout
     writer: str = "thread"  # thread | process (MLflow's Python work off the training process's GIL)
+    system_metrics: bool = True  # MLflow's system metrics (CPU, memory, disk, network; GPU with nvidia-ml-py)
+    system_metrics_every_s: float = 10.0  # their sampling interval: one small batch per interval, off the hot path
 
     def validate(self, key: str = "tracking") -> "TrackingConfig":
         if self.uri is not None and not isinstance(self.uri, str):
@@ -57,7 +59,9 @@ class TrackingConfig:
                 raise ValueError(f"{key}.{name}={v!r} is not allowed: expected an integer > 0")
         if self.writer not in ("thread", "process"):
             raise ValueError(f"{key}.writer={self.writer!r} is not allowed: expected one of thread, process")
-        for name in ("flush_interval_s", "check_timeout_s"):
+        if not isinstance(self.system_metrics, bool):
+            raise ValueError(f"{key}.system_metrics={self.system_metrics!r} is not allowed: expected true or false")
+        for name in ("flush_interval_s", "check_timeout_s", "system_metrics_every_s"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
                 raise ValueError(f"{key}.{name}={v!r} is not allowed: expected a number > 0")
@@ -180,6 +184,109 @@ def git_info(cwd: Path = REPO_ROOT) -> Dict[str, str]:
     except (OSError, subprocess.SubprocessError):
         return {"git.commit": "unknown", "git.dirty": "unknown"}
     return {"git.commit": commit, "git.dirty": str(dirty).lower(), "mlflow.source.git.commit": commit}
+
+
+# ------------------------------------------------------------------------------------ standard run fields
+def source_tags() -> Dict[str, str]:
+    """MLflow's standard fields that mlflow.start_run fills and MlflowClient.create_run does not: source (the entry
+    script; type JOB under SLURM, else LOCAL), user, git commit (+ whether the tree was dirty)."""
+    import getpass
+    import sys
+    try:
+        user = getpass.getuser()
+    except Exception:  # no passwd entry (some containers)
+        user = os.environ.get("USER") or "unknown"
+    entry = sys.argv[0] if sys.argv and sys.argv[0] not in ("", "-c", "-m") else "python"
+    return {"mlflow.source.name": str(Path(entry).resolve()) if entry != "python" else entry,
+            "mlflow.source.type": "JOB" if os.environ.get("SLURM_JOB_ID") else "LOCAL",
+            "mlflow.user": user, **git_info()}
+
+
+def describe_run(intervention: str, expect: Optional[str], paper: Optional[str], observed: Optional[str] = None,
+                 divergence_step: Optional[int] = None, steps_done: Optional[int] = None,
+                 error: Optional[str] = None) -> str:
+    """The run's description (mlflow.note.content, markdown on the run page): the intervention, what the paper
+    says of it and, once known, the verdict."""
+    lines = [f"**{intervention}**" + (f": the paper expects it to **{expect.replace('diverges', 'diverge')}**"
+                                      if expect else "")]
+    if paper:
+        lines.append(f"Paper: {paper}")
+    if observed in ("diverged", "stable"):
+        match = (observed == "diverged") == (expect == "diverges") if expect else None
+        what = (f"diverged at step {divergence_step}" if observed == "diverged"
+                else "stable" + (f" to step {steps_done}" if steps_done else ""))
+        lines.append(f"Verdict: **{what}**" + ("" if match is None else
+                                                (" (matches the paper)" if match else " (**does not match the paper**)")))
+    elif observed == "failed":
+        lines.append(f"Verdict: **failed**" + (f": `{str(error).splitlines()[0][:300]}`" if error else ""))
+    else:
+        lines.append("Verdict: running")
+    return "\n\n".join(lines)
+
+
+def start_system_metrics(run_id: str, uri: str, cfg: "TrackingConfig", resume: bool = False):
+    """MLflow's own system-metrics monitor for a run made with MlflowClient (mlflow.start_run would start it):
+    a daemon thread that logs system/* every cfg.system_metrics_every_s and stops when the run is terminated.
+    Returns it, or None when off or unavailable (said, not silent)."""
+    if not cfg.system_metrics:
+        return None
+    try:
+        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+        mon = SystemMetricsMonitor(run_id, sampling_interval=cfg.system_metrics_every_s, samples_before_logging=1,
+                                   resume_logging=resume, tracking_uri=uri)
+        mon.start()
+        return mon
+    except Exception as e:  # psutil missing, an odd platform: training goes on without them
+        print(f"[tracking] system metrics off for run {run_id}: {type(e).__name__}: {e}")
+        return None
+
+
+JOB_ARTIFACTS = ("*.log", "result.json", "error.txt")  # Hydra's job log (run.log), the result, the traceback
+
+
+def log_job_artifacts(uri: str, run_id: str, job_dir: os.PathLike) -> List[str]:
+    """The job folder's record as artifacts of its run: Hydra's log, result.json, the traceback (error.txt, also
+    as traceback.txt) under job/, and the resolved config .hydra/ under hydra/. Returns what it logged."""
+    job_dir = Path(job_dir)
+    client = make_client(uri)
+    logged = []
+    for pattern in JOB_ARTIFACTS:
+        for f in sorted(job_dir.glob(pattern)):
+            if f.is_file():
+                retry(client.log_artifact, run_id, str(f), "job")
+                logged.append(f"job/{f.name}")
+    hydra_dir = job_dir / ".hydra"
+    if hydra_dir.is_dir():
+        retry(client.log_artifacts, run_id, str(hydra_dir), "hydra")
+        logged += [f"hydra/{f.name}" for f in sorted(hydra_dir.iterdir()) if f.is_file()]
+    return logged
+
+
+FINITE_SUFFIX = "_finite"  # train/loss_finite: train/loss without its NaN/Inf points
+
+
+def record_outcome(uri: str, run_id: str, result: Mapping[str, Any], paper: Optional[str] = None,
+                   keys: Iterable[str] = ("train/loss",)) -> None:
+    """After the job: the description with the verdict; for a diverged run the `diverged_at` metric (one point at
+    the divergence step: a marker in MLflow's charts) and, for each of `keys` whose history holds NaN/Inf, its finite
+    points as `<key>_finite`: MLflow's run page draws no chart at all for a metric whose latest value is NaN, so a
+    NaN-diverged run would show no loss curve. The NaN points stay in `<key>` (counted, never hidden)."""
+    from mlflow.entities import Metric
+    client = make_client(uri)
+    note = describe_run(result.get("intervention") or "?", result.get("expected"), paper, result.get("observed"),
+                        result.get("divergence_step"), result.get("steps_done"), result.get("error"))
+    metrics = []
+    d = result.get("divergence_step")
+    if result.get("observed") == "diverged" and isinstance(d, int):
+        metrics.append(Metric("diverged_at", float(d), int(time.time() * 1000), d))
+    for key in keys:
+        hist = retry(client.get_metric_history, run_id, key)
+        finite = [m for m in hist if m.value == m.value and abs(m.value) != float("inf")]
+        if finite and len(finite) < len(hist):
+            metrics += [Metric(key + FINITE_SUFFIX, float(m.value), m.timestamp, m.step) for m in finite]
+    retry(client.set_tag, run_id, "mlflow.note.content", _truncate(note, MAX_TAG_VAL_LENGTH))
+    for i in range(0, len(metrics), MAX_METRICS_PER_BATCH):
+        retry(client.log_batch, run_id, metrics=metrics[i:i + MAX_METRICS_PER_BATCH])
 
 
 # ---------------------------------------------------------------------------------------------- parent run
@@ -490,12 +597,14 @@ class Tracker:
     same key are dropped, so a resumed run's curves stay contiguous and never hold a step twice.
     parent_run_id None and a <sweep dir>/mlflow_parent.json present (multirun): the run is nested under it.
     enabled False: every method is a no-op (e.g. non-zero DDP ranks).
+    A new run carries MLflow's standard fields (source_tags, `description` as mlflow.note.content) and, unless
+    cfg.system_metrics is off, MLflow's system metrics.
     """
 
     def __init__(self, cfg: TrackingConfig, run_name: str, experiment: Optional[str] = None,
                  parent_run_id: Optional[str] = None, run_id: Optional[str] = None, enabled: bool = True,
                  tags: Optional[Mapping[str, Any]] = None, discover_parent: bool = True,
-                 spool: Optional[os.PathLike] = None):
+                 spool: Optional[os.PathLike] = None, description: Optional[str] = None):
         self.cfg = cfg
         self.spool = Path(spool) if spool else None
         self.enabled = enabled
@@ -531,12 +640,14 @@ class Tracker:
             else:
                 self.experiment_id = get_or_create_experiment(self.client, experiment or "flash-forensics",
                                                               self.uri)
-            run_tags = {**git_info(), **{k: _truncate(str(v), MAX_TAG_VAL_LENGTH) for k, v in (tags or {}).items()}}
+            run_tags = {**source_tags(), **({"mlflow.note.content": description} if description else {}),
+                        **{k: _truncate(str(v), MAX_TAG_VAL_LENGTH) for k, v in (tags or {}).items()}}
             if self.parent_run_id:
                 run_tags["mlflow.parentRunId"] = self.parent_run_id
             run = retry(self.client.create_run, self.experiment_id, run_name=run_name, tags=run_tags)
             self.run_id = run.info.run_id
             self._params_logged = {}
+        self.system_metrics = start_system_metrics(self.run_id, self.uri, cfg, resume=run_id is not None)
         self._tokens = 0
         if cfg.writer == "process":
             import multiprocessing as mp
@@ -735,6 +846,7 @@ class Tracker:
                 print(f"[tracking] could not close run {self.run_id} at exit: {e!r}")
 
 
-__all__ = ["TrackingConfig", "Tracker", "TrackingUnreachable", "check_tracking", "resolve_uri",
+__all__ = ["source_tags", "describe_run", "start_system_metrics", "log_job_artifacts", "record_outcome",
+           "TrackingConfig", "Tracker", "TrackingUnreachable", "check_tracking", "resolve_uri",
            "default_tracking_uri", "flatten_config", "git_info", "find_parent", "write_parent_file",
            "get_or_create_experiment", "make_client", "PARENT_FILE", "RESULTS_DIR", "spooled_last_steps", "store_cause", "mark_terminated"]

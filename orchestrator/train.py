@@ -188,7 +188,7 @@ class Job:
 
     def _open_run(self, state, resuming: bool) -> None:
         """The MLflow run (the same one on resume, a new one for a fork), its params, tags and resolved config."""
-        from orchestrator.tracking import Tracker
+        from orchestrator.tracking import Tracker, describe_run
 
         cfg, iv = self.cfg, self.cfg.intervention
         fork_tags = {}
@@ -205,7 +205,8 @@ class Job:
         self.tracker = Tracker(cfg.tracking, run_name[:250],
                                experiment=cfg.tracking.experiment or cfg.sweep_name,
                                run_id=state.get("mlflow_run_id") if resuming else None, enabled=self.is_main,
-                               tags=sweep_tags, spool=self.job_dir / SPOOL_FILE)
+                               tags=sweep_tags, spool=self.job_dir / SPOOL_FILE,
+                               description=describe_run(iv.name, iv.expect, iv.paper))
         self.result["mlflow_run_id"] = self.tracker.run_id
         if not self.is_main:
             return
