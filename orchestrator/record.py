@@ -154,6 +154,7 @@ class RunRecord:
     wall_s: Optional[float] = None
     mlflow_run_id: Optional[str] = None
     attention_routes: Optional[List[str]] = None
+    compiled: Optional[bool] = None  # train.compile as resolved (torch.compile around the model)
     resumed_from: Optional[str] = None
     checkpoint: Optional[str] = None
     forked_from: Optional[str] = None  # a fork: the checkpoint it started from, its step, the source's run

@@ -53,14 +53,19 @@ def finish(job, stream, done: int, status: str = "FINISHED") -> None:
         job.result["warnings"] = [*job.result.get("warnings", []), job.tracker.store_error]
 
 
-def interrupted(job, stream, done: int, by: str) -> None:
-    """Preemption signal (SystemExit after the checkpoint) or ^C: result.json counts the steps done."""
+def _settle_quietly(job, done: int) -> None:
+    """On a failing path: flush the monitors and fill the verdict as far as they go; the run is marked failed."""
     try:
         job.sync_monitors()
         fill_verdict(job, done)
     except Exception:
         pass
     job.result["observed"] = "failed"
+
+
+def interrupted(job, stream, done: int, by: str) -> None:
+    """Preemption signal (SystemExit after the checkpoint) or ^C: result.json counts the steps done."""
+    _settle_quietly(job, done)
     job.result["error"] = (f"stopped by {by} after {done} steps; the checkpoint is saved: rerun the same job "
                            f"(auto-resume) or resume=<its last.pt>")
     close_quietly(job, stream, "KILLED")
@@ -89,11 +94,7 @@ def crash(job, model, optimizer, done: int, stream) -> None:
     from orchestrator import snapshot
 
     if job.monitors is not None:
-        try:
-            job.sync_monitors()
-            fill_verdict(job, done)
-        except Exception:
-            pass
+        _settle_quietly(job, done)
     job.result["observed"] = "failed"
     try:
         if job.detector is not None and done > 0 and _finite_params(model):

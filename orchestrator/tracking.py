@@ -11,30 +11,43 @@ jobs may write to the same sqlite file: writes are retried while the database is
 from __future__ import annotations
 
 import atexit
-import contextlib
 import json
 import os
 import queue
-import socket
-import subprocess
 import threading
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
+from typing import Any, Dict, Mapping, Optional
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-RESULTS_DIR = REPO_ROOT / "results"
-PARENT_FILE = "mlflow_parent.json"
-
-# MLflow's limits (mlflow.utils.validation); kept here so truncation happens before the request, not in an error.
-MAX_METRICS_PER_BATCH = 1000
-MAX_PARAMS_TAGS_PER_BATCH = 100
-MAX_PARAM_VAL_LENGTH = 6000
-MAX_TAG_VAL_LENGTH = 8000
-MAX_KEY_LENGTH = 250
+from orchestrator.mlflow_store import (  # noqa: F401  (re-exported: the names readers import from here)
+    REPO_ROOT,
+    RESULTS_DIR,
+    PARENT_FILE,
+    MAX_METRICS_PER_BATCH,
+    MAX_PARAMS_TAGS_PER_BATCH,
+    MAX_PARAM_VAL_LENGTH,
+    MAX_TAG_VAL_LENGTH,
+    MAX_KEY_LENGTH,
+    TrackingUnreachable,
+    default_tracking_uri,
+    resolve_uri,
+    sqlite_path,
+    artifact_root_for,
+    check_tracking,
+    _truncate,
+    write_parent_file,
+    find_parent,
+    retry,
+    get_or_create_experiment,
+    _store_lock,
+    make_client,
+    mark_terminated)
+from orchestrator.run_fields import (  # noqa: F401
+    FINITE_SUFFIX, JOB_ARTIFACTS, describe_run, git_info, log_job_artifacts, record_outcome, source_tags,
+    start_system_metrics)
+from orchestrator.tracking_writer import (  # noqa: F401
+    _FLUSH, _STOP, _Sink, _drain, _writer_process, spooled_last_steps, store_cause)
 
 
 @dataclass
@@ -67,71 +80,6 @@ class TrackingConfig:
                 raise ValueError(f"{key}.{name}={v!r} is not allowed: expected a number > 0")
         return self
 
-
-class TrackingUnreachable(ValueError):
-    """The configured tracking store cannot be used; raised before any job starts."""
-
-
-def default_tracking_uri() -> str:
-    return f"sqlite:///{RESULTS_DIR / 'mlflow.db'}"
-
-
-def resolve_uri(uri: Optional[str]) -> str:
-    """None -> the embedded default; relative sqlite paths -> absolute (jobs may run in other folders)."""
-    if not uri:
-        return default_tracking_uri()
-    if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
-        path = Path(uri[len("sqlite:///"):])
-        if not path.is_absolute():
-            return f"sqlite:///{(Path.cwd() / path).resolve()}"
-    return uri
-
-
-def sqlite_path(uri: str) -> Optional[Path]:
-    if uri.startswith("sqlite:///"):
-        return Path("/" + uri[len("sqlite:///"):].lstrip("/"))
-    return None
-
-
-def artifact_root_for(uri: str) -> Optional[str]:
-    """Artifacts of a sqlite store live beside the db (MLflow would otherwise use ./mlruns of the cwd)."""
-    db = sqlite_path(uri)
-    if db is None:
-        return None  # a server decides (mlflow server --serve-artifacts)
-    return (db.parent / "mlartifacts").as_uri()
-
-
-def check_tracking(uri: Optional[str], timeout_s: float = 3.0) -> str:
-    """Fail fast, with a message saying what to do, when the store cannot be used. Returns the resolved uri."""
-    uri = resolve_uri(uri)
-    if uri.startswith(("http://", "https://")):
-        url = uri.rstrip("/") + "/health"
-        try:
-            with urllib.request.urlopen(url, timeout=timeout_s) as resp:
-                if resp.status != 200:
-                    raise OSError(f"HTTP {resp.status}")
-        except (urllib.error.URLError, OSError, socket.timeout, ValueError) as e:
-            raise TrackingUnreachable(
-                f"tracking.uri={uri!r}: MLflow server unreachable ({getattr(e, 'reason', e)}; GET {url} failed "
-                f"within {timeout_s:g}s). Start it with scripts/mlflow_server.sh, or point tracking.uri at a "
-                f"running server, or drop tracking.uri to use the embedded sqlite store {default_tracking_uri()}"
-            ) from None
-        return uri
-    db = sqlite_path(uri)
-    if db is not None:
-        folder = db.parent
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise TrackingUnreachable(f"tracking.uri={uri!r}: cannot create folder {folder}: {e}") from None
-        if not os.access(folder, os.W_OK) or (db.exists() and not os.access(db, os.W_OK)):
-            raise TrackingUnreachable(f"tracking.uri={uri!r}: {db} is not writable")
-        return uri
-    if uri.startswith(("file:", "/")) or "://" not in uri:
-        raise TrackingUnreachable(
-            f"tracking.uri={uri!r} is not allowed: MLflow 3.17 refuses the file store; use sqlite:///<path>.db "
-            f"or http(s)://<server>")
-    return uri  # other database URIs (postgresql://...): MLflow reports its own connection errors
 
 
 # ----------------------------------------------------------------------------------------------- config helpers
@@ -169,425 +117,6 @@ def flatten_config(cfg: Any, prefix: str = "") -> Dict[str, str]:
     walk(cfg, prefix)
     return {k[:MAX_KEY_LENGTH]: v for k, v in out.items()}
 
-
-def _truncate(s: str, n: int) -> str:
-    return s if len(s) <= n else s[: n - 3] + "..."
-
-
-def git_info(cwd: Path = REPO_ROOT) -> Dict[str, str]:
-    """Commit of the code that ran and whether the tree had uncommitted changes."""
-    def git(*args):
-        return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=10).stdout.strip()
-    try:
-        commit = git("rev-parse", "HEAD") or "unknown"
-        dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
-    except (OSError, subprocess.SubprocessError):
-        return {"git.commit": "unknown", "git.dirty": "unknown"}
-    return {"git.commit": commit, "git.dirty": str(dirty).lower(), "mlflow.source.git.commit": commit}
-
-
-# ------------------------------------------------------------------------------------ standard run fields
-def source_tags() -> Dict[str, str]:
-    """MLflow's standard fields that mlflow.start_run fills and MlflowClient.create_run does not: source (the entry
-    script; type JOB under SLURM, else LOCAL), user, git commit (+ whether the tree was dirty)."""
-    import getpass
-    import sys
-    try:
-        user = getpass.getuser()
-    except Exception:  # no passwd entry (some containers)
-        user = os.environ.get("USER") or "unknown"
-    entry = sys.argv[0] if sys.argv and sys.argv[0] not in ("", "-c", "-m") else "python"
-    return {"mlflow.source.name": str(Path(entry).resolve()) if entry != "python" else entry,
-            "mlflow.source.type": "JOB" if os.environ.get("SLURM_JOB_ID") else "LOCAL",
-            "mlflow.user": user, **git_info()}
-
-
-def describe_run(intervention: str, expect: Optional[str], paper: Optional[str], observed: Optional[str] = None,
-                 divergence_step: Optional[int] = None, steps_done: Optional[int] = None,
-                 error: Optional[str] = None) -> str:
-    """The run's description (mlflow.note.content, markdown on the run page): the intervention, what the paper
-    says of it and, once known, the verdict."""
-    lines = [f"**{intervention}**" + (f": the paper expects it to **{expect.replace('diverges', 'diverge')}**"
-                                      if expect else "")]
-    if paper:
-        lines.append(f"Paper: {paper}")
-    if observed in ("diverged", "stable"):
-        match = (observed == "diverged") == (expect == "diverges") if expect else None
-        what = (f"diverged at step {divergence_step}" if observed == "diverged"
-                else "stable" + (f" to step {steps_done}" if steps_done else ""))
-        lines.append(f"Verdict: **{what}**" + ("" if match is None else
-                                                (" (matches the paper)" if match else " (**does not match the paper**)")))
-    elif observed == "failed":
-        lines.append(f"Verdict: **failed**" + (f": `{str(error).splitlines()[0][:300]}`" if error else ""))
-    else:
-        lines.append("Verdict: running")
-    return "\n\n".join(lines)
-
-
-def start_system_metrics(run_id: str, uri: str, cfg: "TrackingConfig", resume: bool = False):
-    """MLflow's own system-metrics monitor for a run made with MlflowClient (mlflow.start_run would start it):
-    a daemon thread that logs system/* every cfg.system_metrics_every_s and stops when the run is terminated.
-    Returns it, or None when off or unavailable (said, not silent)."""
-    if not cfg.system_metrics:
-        return None
-    try:
-        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
-        mon = SystemMetricsMonitor(run_id, sampling_interval=cfg.system_metrics_every_s, samples_before_logging=1,
-                                   resume_logging=resume, tracking_uri=uri)
-        mon.start()
-        return mon
-    except Exception as e:  # psutil missing, an odd platform: training goes on without them
-        print(f"[tracking] system metrics off for run {run_id}: {type(e).__name__}: {e}")
-        return None
-
-
-JOB_ARTIFACTS = ("*.log", "result.json", "error.txt")  # Hydra's job log (run.log), the result, the traceback
-
-
-def log_job_artifacts(uri: str, run_id: str, job_dir: os.PathLike) -> List[str]:
-    """The job folder's record as artifacts of its run: Hydra's log, result.json, the traceback (error.txt, also
-    as traceback.txt) under job/, and the resolved config .hydra/ under hydra/. Returns what it logged."""
-    job_dir = Path(job_dir)
-    client = make_client(uri)
-    logged = []
-    for pattern in JOB_ARTIFACTS:
-        for f in sorted(job_dir.glob(pattern)):
-            if f.is_file():
-                retry(client.log_artifact, run_id, str(f), "job")
-                logged.append(f"job/{f.name}")
-    hydra_dir = job_dir / ".hydra"
-    if hydra_dir.is_dir():
-        retry(client.log_artifacts, run_id, str(hydra_dir), "hydra")
-        logged += [f"hydra/{f.name}" for f in sorted(hydra_dir.iterdir()) if f.is_file()]
-    return logged
-
-
-FINITE_SUFFIX = "_finite"  # train/loss_finite: train/loss without its NaN/Inf points
-
-
-def record_outcome(uri: str, run_id: str, result: Mapping[str, Any], paper: Optional[str] = None,
-                   keys: Iterable[str] = ("train/loss",)) -> None:
-    """After the job: the description with the verdict; for a diverged run the `diverged_at` metric (one point at
-    the divergence step: a marker in MLflow's charts) and, for each of `keys` whose history holds NaN/Inf, its finite
-    points as `<key>_finite`: MLflow's run page draws no chart at all for a metric whose latest value is NaN, so a
-    NaN-diverged run would show no loss curve. The NaN points stay in `<key>` (counted, never hidden)."""
-    from mlflow.entities import Metric
-    client = make_client(uri)
-    note = describe_run(result.get("intervention") or "?", result.get("expected"), paper, result.get("observed"),
-                        result.get("divergence_step"), result.get("steps_done"), result.get("error"))
-    metrics = []
-    d = result.get("divergence_step")
-    if result.get("observed") == "diverged" and isinstance(d, int):
-        metrics.append(Metric("diverged_at", float(d), int(time.time() * 1000), d))
-    for key in keys:
-        hist = retry(client.get_metric_history, run_id, key)
-        finite = [m for m in hist if m.value == m.value and abs(m.value) != float("inf")]
-        if finite and len(finite) < len(hist):
-            metrics += [Metric(key + FINITE_SUFFIX, float(m.value), m.timestamp, m.step) for m in finite]
-    retry(client.set_tag, run_id, "mlflow.note.content", _truncate(note, MAX_TAG_VAL_LENGTH))
-    for i in range(0, len(metrics), MAX_METRICS_PER_BATCH):
-        retry(client.log_batch, run_id, metrics=metrics[i:i + MAX_METRICS_PER_BATCH])
-
-
-# ---------------------------------------------------------------------------------------------- parent run
-def write_parent_file(sweep_dir: Path, tracking_uri: str, experiment_id: str, run_id: str) -> Path:
-    sweep_dir = Path(sweep_dir)
-    sweep_dir.mkdir(parents=True, exist_ok=True)
-    path = sweep_dir / PARENT_FILE
-    path.write_text(json.dumps({"tracking_uri": tracking_uri, "experiment_id": experiment_id, "run_id": run_id},
-                               indent=2))
-    return path
-
-
-def find_parent(sweep_dir: Optional[os.PathLike] = None) -> Optional[Dict[str, str]]:
-    """The sweep's parent run ({tracking_uri, experiment_id, run_id}) from <sweep dir>/mlflow_parent.json.
-    Without sweep_dir, the sweep dir comes from HydraConfig when this process is a multirun job."""
-    if sweep_dir is None:
-        try:
-            from hydra.core.hydra_config import HydraConfig
-            from hydra.types import RunMode
-            hc = HydraConfig.get()
-            if hc.mode != RunMode.MULTIRUN:
-                return None
-            sweep_dir = hc.sweep.dir
-        except (ImportError, ValueError):
-            return None
-    path = Path(sweep_dir) / PARENT_FILE
-    if not path.is_file():
-        return None
-    return json.loads(path.read_text())
-
-
-# --------------------------------------------------------------------------------------------------- retries
-def retry(fn, *args, attempts: int = 8, **kwargs):
-    """Retry while a sqlite store is locked by another local job (MLflow retries deadlocks, not locks)."""
-    delay = 0.05
-    for i in range(attempts):
-        try:
-            return fn(*args, **kwargs)
-        except Exception as e:  # MlflowException wraps sqlalchemy's OperationalError
-            if "locked" not in str(e).lower() or i == attempts - 1:
-                raise
-            time.sleep(delay)
-            delay = min(delay * 2, 2.0)
-
-
-def get_or_create_experiment(client, name: str, tracking_uri: str) -> str:
-    exp = retry(client.get_experiment_by_name, name)
-    if exp is not None:
-        if exp.lifecycle_stage == "deleted":
-            retry(client.restore_experiment, exp.experiment_id)
-        return exp.experiment_id
-    root = artifact_root_for(tracking_uri)
-    try:
-        return retry(client.create_experiment, name,
-                      artifact_location=f"{root}/{name}" if root else None)
-    except Exception:  # another job created it first
-        exp = retry(client.get_experiment_by_name, name)
-        if exp is None:
-            raise
-        return exp.experiment_id
-
-
-@contextlib.contextmanager
-def _store_lock(db: Path):
-    """An exclusive lock on <db>.lock: two processes that open a new sqlite store at once both run MLflow's table
-    creation and schema migration, and one fails (alembic 'expected to match one row', '_alembic_tmp_* already
-    exists'; seen with two runs started together on a fresh store)."""
-    try:
-        import fcntl
-    except ImportError:  # no flock (Windows): unserialized, as MLflow itself
-        yield
-        return
-    db.parent.mkdir(parents=True, exist_ok=True)
-    with open(db.with_name(db.name + ".lock"), "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
-def make_client(uri: str):
-    from mlflow.tracking import MlflowClient
-    db = sqlite_path(uri)
-    if db is None:
-        return retry(MlflowClient, tracking_uri=uri)
-    with _store_lock(db):
-        client = retry(MlflowClient, tracking_uri=uri)
-        retry(client.search_experiments, max_results=1)  # opens (creates, migrates) the store under the lock
-    return client
-
-
-# ---------------------------------------------------------------------------------------------- the writer
-_FLUSH, _STOP = "__flush__", "__stop__"  # control items: (_FLUSH | _STOP, token); data items: (step, ts, values)
-
-
-class _Sink:
-    """Turns queued points into MLflow Metric batches for one run; drops steps recorded before a resume.
-
-    With a spool file (the job's mlflow_spool.jsonl): when the store fails (deleted sqlite file, server down, disk
-    full there), the points are appended to the spool (fsynced) instead, training goes on, and every later point
-    follows them there until a replay moves the spool into the store (retried every `retry_s`, at each flush and at
-    close; a resumed job replays it first). The store therefore always holds a prefix of each curve, so a replay
-    that filters by the store's last step per key never duplicates a point. Only a spool that cannot be written
-    (points that cannot be kept) is an error."""
-
-    def __init__(self, client, run_id: str, last_step: Dict[str, int], spool: Optional[os.PathLike] = None,
-                 uri: str = "", retry_s: float = 10.0):
-        self.client, self.run_id, self.last_step = client, run_id, dict(last_step)
-        self.points_logged = 0
-        self.dropped = 0
-        self.spool = Path(spool) if spool else None
-        self.uri, self.retry_s = uri, retry_s
-        self.store_error: Optional[str] = None  # the plain sentence of the last store failure (a warning)
-        self._next_try = 0.0
-        self.spooled = 0
-
-    def to_metrics(self, step: int, ts: int, values: Mapping[str, Any]) -> List:
-        from mlflow.entities import Metric
-        out = []
-        for key, value in values.items():
-            last = self.last_step.get(key)  # only steps recorded before this resume are filtered
-            if last is not None and step <= last:
-                self.dropped += 1
-                continue
-            out.append(Metric(str(key)[:MAX_KEY_LENGTH], float(value), ts, step))
-        return out
-
-    @property
-    def pending(self) -> bool:
-        """Points wait in the spool."""
-        return self.spool is not None and self.spool.is_file() and self.spool.stat().st_size > 0
-
-    def post(self, batch: List, force: bool = False) -> None:
-        if self.pending and not self.replay(force):
-            self._append(batch)
-            return
-        for i in range(0, len(batch), MAX_METRICS_PER_BATCH):
-            chunk = batch[i:i + MAX_METRICS_PER_BATCH]
-            try:
-                retry(self.client.log_batch, self.run_id, metrics=chunk)
-            except Exception as e:
-                if self.spool is None:
-                    raise
-                self._store_failed(e)
-                self._append(batch[i:])
-                return
-            self.points_logged += len(chunk)
-
-    def _store_failed(self, e: BaseException) -> None:
-        first = self.store_error is None
-        self.store_cause = store_cause(self.uri, e)
-        self.store_error = (f"the MLflow store {self.uri} cannot be written ({self.store_cause}); the metric "
-                            f"points are kept in {self.spool} and logged when the store is back")
-        self._next_try = time.monotonic() + self.retry_s
-        if first:
-            print(f"[tracking] {self.store_error}", flush=True)
-
-    def _append(self, batch: List) -> None:
-        lines = "".join(json.dumps({"k": m.key, "v": m.value, "t": m.timestamp, "s": m.step}) + "\n" for m in batch)
-        try:
-            with open(self.spool, "a") as f:
-                f.write(lines)
-                f.flush()
-                os.fsync(f.fileno())
-        except OSError as e:
-            from orchestrator.faults import WriteError, sentence
-            raise WriteError(e.errno, sentence("the metric spool", self.spool, e) + f", and the MLflow store {self.uri} "
-                             f"cannot be written ({getattr(self, 'store_cause', '?')}): the points cannot be kept") \
-                from e
-        self.spooled += len(batch)
-
-    def replay(self, force: bool = False) -> bool:
-        """Move the spool into the store; True when it is empty afterwards."""
-        if not self.pending:
-            return True
-        if not force and time.monotonic() < self._next_try:
-            return False
-        from mlflow.entities import Metric
-        try:
-            run = retry(self.client.get_run, self.run_id)
-            have = {m.key: int(m.step) for m in getattr(run.data, "_metric_objs", [])}
-            todo = []
-            for line in self.spool.read_text().splitlines():
-                if not line.strip():
-                    continue
-                d = json.loads(line)
-                if d["s"] > have.get(d["k"], -1):
-                    todo.append(Metric(d["k"], float(d["v"]), int(d["t"]), int(d["s"])))
-            for i in range(0, len(todo), MAX_METRICS_PER_BATCH):
-                retry(self.client.log_batch, self.run_id, metrics=todo[i:i + MAX_METRICS_PER_BATCH])
-                self.points_logged += len(todo[i:i + MAX_METRICS_PER_BATCH])
-        except json.JSONDecodeError:
-            raise
-        except Exception as e:
-            self._store_failed(e)
-            return False
-        self.spool.unlink()
-        if self.store_error:
-            print(f"[tracking] the MLflow store {self.uri} is back: {len(todo)} spooled points logged", flush=True)
-        self.store_error = None
-        return True
-
-
-def spooled_last_steps(spool: Optional[os.PathLike]) -> Dict[str, int]:
-    """Last step per key in a spool file (a resumed job must not log those steps again)."""
-    out: Dict[str, int] = {}
-    if spool and Path(spool).is_file():
-        for line in Path(spool).read_text().splitlines():
-            if line.strip():
-                try:
-                    d = json.loads(line)
-                except json.JSONDecodeError:  # a line cut by a kill -9: its points were never acknowledged
-                    continue
-                out[d["k"]] = max(out.get(d["k"], -1), int(d["s"]))
-    return out
-
-
-def store_cause(uri: str, e: BaseException) -> str:
-    """Why the store failed, in words (a deleted sqlite file shows up as 'attempt to write a readonly database')."""
-    db = sqlite_path(uri)
-    if db is not None and not db.exists():
-        return f"the database file {db} was deleted or moved"
-    text = str(e).splitlines()[0] if str(e) else type(e).__name__
-    if "readonly" in text.lower() or "read-only" in text.lower():
-        return f"{db or uri} is read-only"
-    if "disk" in text.lower() and "full" in text.lower():
-        return f"the disk of {db or uri} is full"
-    return text[:300]
-
-
-def _drain(get, sink: _Sink, interval: float, ack, fail) -> None:
-    """The writer loop (thread or process): batch points, post at most every `interval` s or per 1000 points,
-    post everything on a flush/stop and acknowledge it. After an error, points are discarded (not retried) and
-    the error is reported through `fail`, once."""
-    pending: List = []
-    last_post = time.monotonic()
-    failed = False
-    while True:
-        try:
-            item = get(interval)
-        except queue.Empty:
-            item = None
-        try:
-            if item is not None and isinstance(item[0], str):  # flush or stop: in the store or in the spool
-                if not failed:
-                    if pending:
-                        sink.post(pending, force=True)
-                    else:
-                        sink.replay(force=True)
-                pending = []
-                last_post = time.monotonic()
-                ack(item[1])
-                if item[0] == _STOP:
-                    return
-                continue
-            if item is not None and not failed:
-                pending.extend(sink.to_metrics(*item))
-            due = time.monotonic() - last_post >= interval
-            if pending and not failed and (len(pending) >= MAX_METRICS_PER_BATCH or due):
-                sink.post(pending)
-                pending = []
-                last_post = time.monotonic()
-        except BaseException as e:  # surfaced at flush/close
-            if not failed:
-                fail(e)
-            failed, pending = True, []
-            if item is not None and isinstance(item[0], str):
-                ack(item[1])
-                if item[0] == _STOP:
-                    return
-
-
-def _writer_process(uri: str, run_id: str, last_step: Dict[str, int], interval: float, q, acks,
-                    spool: Optional[str] = None) -> None:
-    """Entry point of writer='process': MLflow's Python work runs here, off the training process's GIL."""
-    try:
-        sink = _Sink(make_client(uri), run_id, last_step, spool, uri)
-    except BaseException as e:
-        acks.put(("error", f"{type(e).__name__}: {e}"))
-        return
-    _drain(lambda t: q.get(timeout=t), sink, interval,
-           ack=lambda token: acks.put(("ack", token, sink.points_logged, sink.dropped, sink.store_error)),
-           fail=lambda e: acks.put(("error", f"{type(e).__name__}: {e}")))
-
-
-def mark_terminated(uri: str, run_id: str, status: str, reason: str, client=None) -> bool:
-    """A run left RUNNING by a dead job: tags verdict=failed and error=reason, then status (KILLED | FAILED).
-    Returns whether it was marked; a store that cannot be reached is said, not raised."""
-    try:
-        c = client or make_client(uri)
-        run = retry(c.get_run, run_id)
-        if run.info.status != "RUNNING":
-            return False
-        retry(c.set_tag, run_id, "verdict", "failed")
-        retry(c.set_tag, run_id, "error", _truncate(reason, MAX_TAG_VAL_LENGTH))
-        retry(c.set_terminated, run_id, status=status)
-        return True
-    except Exception as e:
-        print(f"[tracking] could not mark run {run_id} {status} in {uri}: {e}", flush=True)
-        return False
 
 
 class Tracker:

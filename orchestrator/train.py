@@ -151,6 +151,7 @@ class Job:
         # Triton attention is an opaque torch.library op there (kernels/ops.py): same kernels, same bits
         compiled = compile_enabled(self.cfg.train.compile, device, self.result["attention_routes"])
         train_model = compile_model(model) if compiled else model
+        self.result["compiled"] = compiled  # in the record: compiling moves a BF16 run's divergence step
         if self.dist.world_size > 1:
             from torch.nn.parallel import DistributedDataParallel as DDP
             train_model = DDP(train_model, device_ids=[device.index] if device.type == "cuda" else None)

@@ -56,7 +56,8 @@ def sweep(tmp_path_factory):
         exp = _api(uri, "experiments/get-by-name", experiment_name="dash")["experiment"]["experiment_id"]
         runs = _api(uri, "runs/search", {"experiment_ids": [exp], "max_results": 100})["runs"]
         yield {"uri": uri, "exp": exp, "runs": runs, "out": proc.stdout, "root": root,
-               "report": root / "results" / "dash"}
+               # the report lives in the sweep's own dated folder: <results>/dash/<date>/report
+               "report": next((root / "results" / "dash").glob("*/report"), root / "results" / "dash")}
     finally:
         subprocess.run(["bash", str(SCRIPT), "stop", "--port", str(port), "--root", str(root / "server")],
                        timeout=60)

@@ -24,6 +24,7 @@ BASE = ["experiment=smoke", "intervention=baseline", "model.n_layer=1", "model.n
         "train.ckpt_every=5", "train.eval_every=10", "monitor.log_every=5", "monitor.wq_every=5",
         "train.keep_checkpoints=2", "optimizer.decay_steps=20"]
 SKIP = ("perf/", "system/")  # wall-clock metrics differ between any two runs
+WALL_CLOCK = ("wall_s",)  # the run record's wall time (orchestrator/record.py), one point per run
 
 
 def run(tmp, name, *extra, check=True):
@@ -40,7 +41,7 @@ def history(tmp, run_id):
     c = MlflowClient(tracking_uri=f"sqlite:///{tmp}/mlflow.db")
     run = c.get_run(run_id)
     return {k: [(m.step, m.value) for m in sorted(c.get_metric_history(run_id, k), key=lambda m: (m.step, m.timestamp))]
-            for k in run.data.metrics if not k.startswith(SKIP)}, run
+            for k in run.data.metrics if not k.startswith(SKIP) and k not in WALL_CLOCK}, run
 
 
 def compare(ref, got):

@@ -8,12 +8,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
+
+import _jobs
 
 import orchestrator.schema  # noqa: F401
 from orchestrator import checkpoint, fork
-from orchestrator.job import run_job
 from orchestrator.validate import ConfigError, validate_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -23,17 +22,11 @@ BASE = ["experiment=smoke", "train.ckpt_every=4", "train.keep_checkpoints=3", "t
 
 
 def compose_cfg(tmp_path, *overrides):
-    overrides = [*BASE, *overrides, f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", f"results_dir={tmp_path}/results"]
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(CONF, version_base="1.3"):
-        cfg = compose("config", overrides=overrides)
-    GlobalHydra.instance().clear()
-    return cfg, overrides
+    return _jobs.compose_cfg(BASE, tmp_path, *overrides)
 
 
 def job(tmp_path, name, *overrides):
-    cfg, overrides = compose_cfg(tmp_path, *overrides)
-    return run_job(cfg, job_dir=tmp_path / name, overrides=overrides)
+    return _jobs.run_in(BASE, tmp_path, name, *overrides)
 
 
 def client(tmp_path):

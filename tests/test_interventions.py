@@ -5,15 +5,14 @@ import math
 from pathlib import Path
 
 import pytest
+
+import _jobs
 import torch
-from hydra import compose, initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
 
 import orchestrator.schema  # noqa: F401  registers base_config
 from models import GPT, ModelConfig
 from orchestrator import checkpoint, fork, interventions, validate
 from orchestrator.interventions.qk_clip import QKClip
-from orchestrator.job import run_job
 from orchestrator.validate import ConfigError, validate_config
 
 CONF = str(Path(__file__).resolve().parents[1] / "conf")
@@ -22,17 +21,11 @@ SMOKE = ["experiment=smoke", "train.early_stop=false", "train.eval_every=4", "tr
 
 
 def compose_cfg(tmp_path, *overrides):
-    overrides = [*SMOKE, *overrides, f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", f"results_dir={tmp_path}/results"]
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(CONF, version_base="1.3"):
-        cfg = compose("config", overrides=overrides)
-    GlobalHydra.instance().clear()
-    return cfg, overrides
+    return _jobs.compose_cfg(SMOKE, tmp_path, *overrides)
 
 
 def job(tmp_path, name, *overrides):
-    cfg, overrides = compose_cfg(tmp_path, *overrides)
-    return run_job(cfg, job_dir=tmp_path / name, overrides=overrides)
+    return _jobs.run_in(SMOKE, tmp_path, name, *overrides)
 
 
 # ------------------------------------------------------------------------------------------------ the files

@@ -1,0 +1,24 @@
+"""Composing and running one job in-process, for tests that need a real job folder (fork, interventions)."""
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+
+from orchestrator.job import run_job
+
+CONF = str(Path(__file__).resolve().parents[1] / "conf")
+
+
+def compose_cfg(base, tmp_path, *overrides):
+    """conf/config.yaml with `base` + overrides, its MLflow store and results inside tmp_path."""
+    overrides = [*base, *overrides, f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", f"results_dir={tmp_path}/results"]
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(CONF, version_base="1.3"):
+        cfg = compose("config", overrides=overrides)
+    GlobalHydra.instance().clear()
+    return cfg, overrides
+
+
+def run_in(base, tmp_path, name, *overrides):
+    cfg, overrides = compose_cfg(base, tmp_path, *overrides)
+    return run_job(cfg, job_dir=tmp_path / name, overrides=overrides)
