@@ -161,7 +161,7 @@ def _label(row: Dict, common: set = frozenset()) -> str:
     extra = sorted(o for o in _other_overrides(row) - common if not o.lstrip("+~").startswith(_PLUMBING)
                    and not o.startswith("+sweep="))
     tail = (" " + " ".join(extra)) if extra else ""
-    return f"{row.get('job') or ''}:{row.get('intervention')}{tail}"[:70]
+    return f"{row.get('job') or ''}:{row.get('intervention')}{tail}"
 
 
 def summary(rows: Sequence[Dict]) -> Dict[str, int]:
