@@ -118,7 +118,9 @@ def preempted_sweep(tmp_path_factory):
     info["rc"] = proc.returncode
     info["sweep_dir"] = next(out.glob("slurm_ci/*/.submitit")).parent
     info["results"] = {i: json.loads((info["sweep_dir"] / str(i) / "result.json").read_text()) for i in range(3)}
-    assert not (info["sweep_dir"] / "3" / "result.json").exists()
+    # the scancel'd job wrote no result itself; the close_dead callback closed it: failed, its intervention kept
+    dead = json.loads((info["sweep_dir"] / "3" / "result.json").read_text())
+    assert dead["observed"] == "failed" and dead["intervention"] == "pv_fp32", dead
     return info
 
 
