@@ -170,12 +170,21 @@ def wq_spectral_norms(runs: Sequence[Tuple[str, History]], path: Path, window: O
             ax.annotate(f"L{layer}.H{head}", (s, v), fontsize=7, xytext=(2, 2), textcoords="offset points",
                         color=colors[layers.index(layer)])
         ax.set_title(_wrap(label), fontsize=8)
+    return _finish_layer_panels(fig, axes, len(runs), layers, colors, path, ylabel="σ_max(W_Q), top head",
+                                legend="layer (its top head)", title="W_Q spectral norm: the top head of each layer")
+
+
+def _finish_layer_panels(fig, axes, n_runs: int, layers, colors, path: Path, ylabel: str, legend: str,
+                         title: str) -> Path:
+    """The per-run panels of a per-layer plot: step axis and grid, y label on each row's first panel, one layer
+    legend, the title, saved."""
+    for ax in axes:
         ax.set_xlabel("step", fontsize=8)
         ax.grid(alpha=0.3)
-    for ax in axes[::min(len(runs), 4)]:
-        ax.set_ylabel("σ_max(W_Q), top head")
-    _layer_legend(fig, axes, layers, colors, "layer (its top head)")
-    fig.suptitle("W_Q spectral norm: the top head of each layer", y=1.0)
+    for ax in axes[::min(n_runs, 4)]:
+        ax.set_ylabel(ylabel)
+    _layer_legend(fig, axes, layers, colors, legend)
+    fig.suptitle(title, y=1.0)
     fig.tight_layout()
     return _save(fig, path)
 
@@ -202,14 +211,8 @@ def repeated_maxima(runs: Sequence[Tuple[str, History]], path: Path, window: Opt
             ax.plot(steps, [per_layer[layer][s] for s in steps], lw=1.0, color=colors[layers.index(layer)])
         top = max(heads, key=lambda k: sum(v for _, v in heads[k]))
         ax.set_title(_wrap(label) + f"\nbusiest head L{top[0]}.H{top[1]}", fontsize=8)
-        ax.set_xlabel("step", fontsize=8)
-        ax.grid(alpha=0.3)
-    for ax in axes[::min(len(runs), 4)]:
-        ax.set_ylabel("rows with repeated maxima")
-    _layer_legend(fig, axes, layers, colors, "layer (sum of its heads)")
-    fig.suptitle("Repeated-maxima rows per layer", y=1.0)
-    fig.tight_layout()
-    return _save(fig, path)
+    return _finish_layer_panels(fig, axes, len(runs), layers, colors, path, ylabel="rows with repeated maxima",
+                                legend="layer (sum of its heads)", title="Repeated-maxima rows per layer")
 
 
 # ------------------------------------------------------------------------------------------------ delays

@@ -1,4 +1,7 @@
 """Composing and running one job in-process, for tests that need a real job folder (fork, interventions)."""
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
@@ -6,7 +9,8 @@ from hydra.core.global_hydra import GlobalHydra
 
 from orchestrator.job import run_job
 
-CONF = str(Path(__file__).resolve().parents[1] / "conf")
+ROOT = Path(__file__).resolve().parents[1]
+CONF = str(ROOT / "conf")
 
 
 def compose_cfg(base, tmp_path, *overrides):
@@ -22,3 +26,11 @@ def compose_cfg(base, tmp_path, *overrides):
 def run_in(base, tmp_path, name, *overrides):
     cfg, overrides = compose_cfg(base, tmp_path, *overrides)
     return run_job(cfg, job_dir=tmp_path / name, overrides=overrides)
+
+
+def run_cli(tmp_path, *args, timeout=600):
+    """`python run.py ARGS` in tmp_path, its MLflow store and results inside tmp_path."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HYDRA_FULL_ERROR": "0"}
+    cmd = [sys.executable, str(ROOT / "run.py"), *args,
+           f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", f"results_dir={tmp_path}/results"]
+    return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)

@@ -3,21 +3,17 @@ metrics at the steps they should be at, verdict tags, report files; a forced NaN
 sweep goes on; a bad sweep launches nothing."""
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+import _jobs
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_cli(tmp_path, *args, timeout=600):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HYDRA_FULL_ERROR": "0"}
-    cmd = [sys.executable, str(ROOT / "run.py"), *args,
-           f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", f"results_dir={tmp_path}/results"]
-    return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
+    return _jobs.run_cli(tmp_path, *args, timeout=timeout)
 
 
 def client(tmp_path):

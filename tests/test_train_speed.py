@@ -1,18 +1,14 @@
 """Training-loop parts of issue 12 on the CPU: sdpa layers log the max logit (an extra QK^T pass on the monitors'
 flush steps only), and a bad train.compile launches nothing."""
-import os
-import subprocess
-import sys
 from pathlib import Path
+
+import _jobs
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_cli(tmp_path, *args, timeout=600):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HYDRA_FULL_ERROR": "0"}
-    cmd = [sys.executable, str(ROOT / "run.py"), *args,
-           f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", f"results_dir={tmp_path}/results"]
-    return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
+    return _jobs.run_cli(tmp_path, *args, timeout=timeout)
 
 
 def test_sdpa_run_logs_max_logit_on_flush_steps(tmp_path):
