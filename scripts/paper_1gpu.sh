@@ -77,9 +77,10 @@ progress() {  # one line per seed: the baseline's newest checkpoint, forks done,
          | sort -n | tail -1)
     nf=$( (find "$dir/forks" -maxdepth 1 -name '*.log' 2>/dev/null || true) | wc -l)
     nd=$( (find "$dir/forks" -mindepth 2 -maxdepth 2 -name result.json 2>/dev/null || true) | wc -l)
-    last=$( (grep -a '^\[paper_isolation' "$ROOT/seed$s.log" 2>/dev/null || true) | tail -1 | cut -c1-150)
+    last=$( (grep -a '^\[paper_isolation' "$ROOT/seed$s.log" 2>/dev/null || true) | tail -1)
+    last=${last:-starting}
     state=running; kill -0 "${PIDS[$s]}" 2>/dev/null || state=ended
-    say "seed $s ($state): baseline checkpoint step ${ck:-none} | forks done $nd/$nf | ${last:-starting}"
+    say "seed $s ($state): baseline checkpoint step ${ck:-none} | forks done $nd/$nf | $(echo "${last//$ROOT\//}" | cut -c1-140)"
   done
 }
 
@@ -100,7 +101,13 @@ janitor
 rc=0
 for s in $SEEDS; do
   if wait "${PIDS[$s]}"; then say "seed $s: done, table $ROOT/seed$s/report/verdicts.md"
-  else rc=1; say "seed $s: FAILED (exit $?); its log: $ROOT/seed$s.log"; tail -5 "$ROOT/seed$s.log" | sed 's/^/    /'
+  else
+    code=$?; rc=1
+    # a baseline that never diverged has no fork point: a finding (its result.json says so), not a crash
+    obs=$(python -c 'import json,sys; r=json.load(open(sys.argv[1])); print(r["observed"], r.get("steps_done"))' \
+          "$ROOT/seed$s/baseline/result.json" 2>/dev/null || echo "no result")
+    say "seed $s: FAILED (exit $code; baseline: $obs); its log: $ROOT/seed$s.log"
+    tail -n 5 "$ROOT/seed$s.log" | sed 's/^/    /'
   fi
 done
 progress
