@@ -107,7 +107,13 @@ def test_forks_that_cannot_be_judged_say_why():
     res = analyze([row("baseline", "baseline", "stable"), row("r-0", "lift_pv_out", "stable")])
     side = by_point(res)["pv_out"].lift
     assert side.outcome == "inconclusive" and "nothing to prevent" in side.runs[0].note
-    assert res.cause_points == []
+    assert res.cause_points == [] and res.verdict().startswith(
+        "the baseline did not diverge: there is no divergence to explain. Not used: lift_pv_out (r-0): "
+        "inconclusive: the baseline (baseline) stable: nothing to prevent")
+    # no baseline at all, and a failed fork: nothing could be judged (not "no single point explains it")
+    res = analyze([row("r-0", "lift_pv_out", "stable"), row("r-1", "bf16_only_pv_out", "failed", error="killed")])
+    assert res.verdict() == ("no rounding-point fork could be judged. Not used: lift_pv_out (r-0): inconclusive: no "
+                             "baseline run to compare with; bf16_only_pv_out (r-1): failed: killed")
     # a stable lift that stopped before the baseline's divergence step proves nothing
     res = analyze([row("baseline", "baseline", "diverged", BD), row("r-0", "lift_pv_out", "stable", steps=BD - 10)])
     assert by_point(res)["pv_out"].lift.outcome == "inconclusive" and res.prevents == []

@@ -220,6 +220,12 @@ class RoundingResult:
         if not any(p.lift.runs or p.bf16_only.runs for p in self.points):
             return "no rounding-point forks (lift_<point> / bf16_only_<point>) to read"
         by = {p.point: p for p in self.points}
+        base = self.baseline.get("runs") or []
+        if base and not any(r.get("observed") == "diverged" for r in base):
+            return "the baseline did not diverge: there is no divergence to explain"
+        if not any(s.outcome not in ("failed", "inconclusive", "mixed", "not run")
+                   for p in self.points for s in (p.lift, p.bf16_only)):
+            return "no rounding-point fork could be judged"
         parts = []
         for pt in self.needs_bf16:
             parts.append(f"divergence needs BF16 at `{pt}` (lifting it alone prevents it; rounding it alone in FP32 "
@@ -233,9 +239,8 @@ class RoundingResult:
                 parts.append(f"rounding `{pt}` alone in FP32 reproduces it at step {by[pt].bf16_only.steps} "
                              f"(lifting it alone: {_phrase(by[pt].lift)})")
         if not parts:
-            parts.append("no single rounding point explains it" + (
-                "" if any(p.lift.outcome == "prevents" or p.bf16_only.outcome == "reproduces" for p in self.points)
-                else " (no lift prevents it and no BF16-only rounding reproduces it)"))
+            parts.append("no single rounding point explains it (no lift prevents it and no BF16-only rounding "
+                         "reproduces it)")
         for pt, n in self.delays.items():
             parts.append(f"lifting `{pt}` alone delays it by {n} steps")
         for p in self._with(LIFT, "hastens"):
