@@ -201,6 +201,9 @@ def test_cli_adds_the_cause_to_an_existing_report(tmp_path, capsys):
 def test_cli_refuses_what_is_no_report(tmp_path, capsys):
     assert rounding_io.main([str(tmp_path / "nowhere")]) == 2
     assert "not a report dir" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        rounding_io.main([str(tmp_path), "--min-delay", "0"])
+    assert "--min-delay=0 is not allowed: expected an integer >= 1" in capsys.readouterr().err
 
 
 def test_write_report_renders_the_cause(tmp_path):

@@ -131,6 +131,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--min-delay", type=int, default=1, help="steps a lift must gain to count as a delay")
     p.add_argument("--no-tags", action="store_true", help="write the files only; set no MLflow tags")
     a = p.parse_args(argv)
+    if a.min_delay < 1:
+        p.error(f"--min-delay={a.min_delay} is not allowed: expected an integer >= 1 (steps)")
     try:
         rows, meta, report = load(a.source)
         out = a.out or report
