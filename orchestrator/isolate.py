@@ -13,7 +13,10 @@
    baseline's last step (or --fork-steps steps), each its own run, --per-gpu at a time on each visible GPU (default
    GPU memory / 16 GiB: one mini_repro fork holds ~12.5 GiB; one at a time without a GPU);
 5. report: one table over the baseline and the forks, <out>/verdicts.{md,json} + plots + localize.{json,png},
-   logged to a parent MLflow run (role=sweep) with the counts as its metrics.
+   logged to a parent MLflow run (role=sweep) with the counts as its metrics; when the sweeps include
+   rounding_points, the third localization stage (orchestrator/localize/rounding.py) names the rounding point the
+   divergence needs in BF16: <out>/rounding.{json,png}, a Cause section in verdicts.md, ff.cause.* tags on the
+   baseline runs and the parent run.
 
 State passes between the steps as Python objects (the run record, the picked step, the Localization). Each run is
 its own `python run.py` process (its own GPU, its own failure: a fork that fails is the report's to show). The
@@ -177,13 +180,16 @@ class Pipeline:
         p = self.plan
         self.say(f"5/5 report -> {p.out}")
         rows = rows_from_dirs([baseline, p.root / "forks"])
+        result, cause = self.rounding(rows, loc)
         parent = self._parent_run()
         meta = {"command": "python -m orchestrator.isolate " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
                 "fork_checkpoint": str(ckpt), "fork_step": str(step), "localized": " ".join(loc.sweep_overrides()),
                 "wall_s": int(time.monotonic() - self.t0), **{f"{k}_s": round(v) for k, v in self.times.items()},
                 "experiment_id": parent[0] if parent else None}
         paths = write_report(rows, p.out, p.uri, meta=meta, sweep=EXPERIMENT,
-                             parent_run_id=parent[1] if parent else None)
+                             parent_run_id=parent[1] if parent else None, cause=cause)
+        if result is not None:
+            self.tag_cause(result, parent[1] if parent else None)
         if parent:
             from orchestrator.store import client_for, retry
             client = client_for(p.uri)
@@ -193,6 +199,27 @@ class Pipeline:
                     retry(client.log_artifact, parent[1], str(p.out / name), "report")
             retry(client.set_terminated, parent[1])
         return paths
+
+    def rounding(self, rows, loc):
+        """(RoundingResult, the report's Cause) when the sweeps include rounding_points, else (None, None)."""
+        from orchestrator.localize import rounding, rounding_io
+        if rounding.SWEEP not in self.plan.sweeps:
+            return None, None
+        result = rounding.analyze(rows, loc.to_dict() if loc is not None else None, str(self.plan.root))
+        files = rounding_io.write(result, self.plan.out)
+        print(result.format(), flush=True)
+        self.say(f"cause: {result.verdict()} (details: {files['json']})")
+        return result, rounding_io.cause(result, files)
+
+    def tag_cause(self, result, parent_run_id: Optional[str]) -> None:
+        """ff.cause.* on the baseline runs and the parent run; a store that fails is said, the files stand."""
+        from orchestrator.localize import rounding_io
+        try:
+            rounding_io.tag_runs(self.plan.uri, rounding_io.baseline_run_ids(result)
+                                 + ([parent_run_id] if parent_run_id else []), rounding_io.tags(result))
+        except Exception as e:
+            print(f"[paper_isolation] ff.cause.* tags not set in {self.plan.uri}: {type(e).__name__}: {e}",
+                  flush=True)
 
     def _parent_run(self) -> Optional[Tuple[str, str]]:
         """(experiment id, run id) of the pipeline's parent run (role=sweep: holds the table, no training)."""
