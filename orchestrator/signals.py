@@ -49,11 +49,21 @@ SIGNALS: Dict[str, Signal] = {s.name: s for s in (
 )}
 PROBE_SIGNALS = tuple(n for n, s in SIGNALS.items() if s.needs == "monitor.probes")
 
-# the probes' metric names (monitor.probes): matched by family, so a renamed prefix does not silently drop a signal
-_PROBE_FAMILIES = (("max_logit_head", re.compile(r"max_logit.*/L(\d+)\.H(\d+)$")),
-                   ("entropy", re.compile(r"entropy.*/L(\d+)(?:\.H(\d+))?$")),
-                   ("delta_cumsum", re.compile(r"(?:cumsum|cusum).*/L(\d+)(?:\.H(\d+))?$")))
-PREFIXES = (record.WQ_SIGMA, record.RMAX_ROWS, record.MAX_LOGIT, "probe")  # what early_warning reads from MLflow
+# the probes' metric kinds (monitor.probes, probe/<kind>/L<l>[.H<h>]) each signal reads
+PROBE_KINDS = {"max_logit": "max_logit_head", "entropy": "entropy", "delta_err_cumsum": "delta_cumsum"}
+_PROBE = re.compile(r"^probe/([a-z0-9_]+)/L(\d+)(?:\.H(\d+))?$")
+
+
+def _parse_probe(name: str) -> Optional[Tuple[str, int, Optional[int]]]:
+    """record.parse_probe_metric where the probes' names are in the record (the probes branch), else the same form."""
+    parse = getattr(record, "parse_probe_metric", None)
+    if parse is not None:
+        return parse(name)
+    m = _PROBE.match(name)
+    return (m.group(1), int(m.group(2)), int(m.group(3)) if m.group(3) else None) if m else None
+
+
+PREFIXES = (record.WQ_SIGMA, record.RMAX_ROWS, record.MAX_LOGIT, "probe/")  # what early_warning reads from MLflow
 
 
 def family(name: str) -> Optional[Tuple[str, int]]:
@@ -65,10 +75,9 @@ def family(name: str) -> Optional[Tuple[str, int]]:
     layer = record.parse_layer_metric(name)
     if layer is not None:
         return "max_logit", layer
-    for fam, pat in _PROBE_FAMILIES:
-        m = pat.search(name)
-        if m:
-            return fam, int(m.group(1))
+    probe = _parse_probe(name)
+    if probe is not None and probe[0] in PROBE_KINDS:
+        return PROBE_KINDS[probe[0]], probe[1]
     return None
 
 

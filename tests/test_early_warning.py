@@ -116,3 +116,12 @@ def test_write_md_json_plot(tmp_path):
     doc = json.loads(paths["json"].read_text())
     assert doc["chosen"]["leads"] == {"A": 51, "B": 31, "E": 61}
     assert paths["png"].stat().st_size > 10_000
+
+
+def test_probe_signals_from_the_probes_metric_names():
+    got = signals.SignalState().update(99, {
+        "probe/delta_err_cumsum/L0": -3.0, "probe/delta_err_cumsum/L1": 2.0,  # |cumsum|, max over layers
+        "probe/max_logit/L0.H2": 40.0, "probe/max_logit/L1.H0": 55.0,  # max over heads
+        "probe/entropy/L0.H0": 1.2, "probe/entropy/L1.H1": 0.8,  # min over heads
+        "probe/delta_err_mean/L0": 99.0, "max_logit/L0": 7.0})  # not a signal of its own; the per-layer logit
+    assert got == {"delta_cumsum": 3.0, "max_logit_head": 55.0, "entropy": 0.8, "max_logit": 7.0}
