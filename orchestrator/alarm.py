@@ -33,8 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 FORK_DIR = "alarm_fork"  # the fork child's job folder, inside this job's
 FORK_ORDER = "alarm_batch_order.bin"  # this run's batch order over all train.max_steps, for the child to replay
 # overrides that the fork child sets itself (or that name this run's place, launcher or alarm), never copied
-_NOT_COPIED = ("intervention", "from_checkpoint", "resume", "data.replay", "hydra", "+sweep", "sweep",
-               "monitor.alarm")
+_NOT_COPIED = ("intervention", "from_checkpoint", "resume", "data.replay", "hydra", "sweep", "monitor.alarm")
 
 
 @dataclass
@@ -164,7 +163,9 @@ def fork_overrides(overrides: List[str], ckpt: Path, order: Path, intervention: 
     """The child's overrides: this run's own, less what the fork sets itself, plus the fork's."""
     def key(o):
         return o.split("=", 1)[0].lstrip("+~")
-    kept = [o for o in overrides if not key(o).startswith(_NOT_COPIED)]
+    def copied(o):
+        return not any(key(o) == k or key(o).startswith((k + ".", k + "/")) for k in _NOT_COPIED)
+    kept = [o for o in overrides if copied(o)]
     return [*kept, f"from_checkpoint={ckpt}", f"intervention={intervention}", f"data.replay={order}",
             "monitor.alarm.enabled=false", f"hydra.run.dir={job_dir / FORK_DIR}"]
 

@@ -129,17 +129,22 @@ def _rows_of(source: str) -> List[Dict]:
     return rows_from_dirs([p])
 
 
+def _store_of(job_dir: Path) -> Optional[str]:
+    """The store a job logged to: its job.json (written at job start), else its Hydra config or sweep."""
+    from orchestrator.job import read_job_start
+    from orchestrator.localize.source import _job_uri
+    return (read_job_start(job_dir) or {}).get("tracking_uri") or _job_uri(job_dir)
+
+
 def load(sources: Sequence[str] = (), tracking_uri: Optional[str] = None, experiment: Optional[str] = None,
          growth_window: int = 100) -> Tuple[List[Run], List[str]]:
     """(runs, skipped): the judged runs with their signal series, and a line per run left out."""
     from orchestrator import store
-    from orchestrator.localize.source import _job_uri
     skipped: List[str] = []
     rows: List[Tuple[Dict, Optional[str]]] = []
     for src in sources:
         for r in _usable(_rows_of(src), skipped):
-            uri = tracking_uri or (_job_uri(Path(r["job_dir"])) if r.get("job_dir") else None)
-            rows.append((r, uri))
+            rows.append((r, tracking_uri or (_store_of(Path(r["job_dir"])) if r.get("job_dir") else None)))
     if experiment is not None:
         client = store.client_for(tracking_uri)
         exp = store.retry(client.get_experiment_by_name, experiment)
@@ -181,11 +186,13 @@ def markdown(rows: Sequence[Row], runs: Sequence[Run], chosen: Optional[Row], sk
                   f"runs, {chosen.misses} misses of {chosen.diverged} diverged runs.", "",
                   f"`monitor.alarm.enabled=true monitor.alarm.signal={chosen.signal} "
                   f"monitor.alarm.threshold={chosen.threshold:.6g}`", ""]
-    lines += ["| signal | threshold | runs with it | mean lead (steps) | false alarms | misses |", "|---|---|---|---|---|---|"]
+    lines += ["| signal | threshold | runs with it | mean lead (steps) | false alarms | misses |",
+              "|---|---|---|---|---|---|"]
     for r in rows:
         mark = " **(chosen)**" if r is chosen else ""
         lines.append(f"| {r.signal}{mark} | {'>' if r.direction == ABOVE else '<'} {r.threshold:.6g} | "
-                     f"{r.runs_present} | {_fmt(r.mean_lead)} | {r.false_alarms}/{r.stable} | {r.misses}/{r.diverged} |")
+                     f"{r.runs_present} | {_fmt(r.mean_lead)} | {r.false_alarms}/{r.stable} | "
+                     f"{r.misses}/{r.diverged} |")
     absent = {s: [r.name for r in runs if not r.series.get(s)] for s in SIGNALS}
     lines += ["", "## Signals absent from runs", ""]
     lines += [f"- {s}: absent in {len(a)} of {len(runs)} runs" + (f" ({', '.join(a)})" if len(a) <= 8 else "")
@@ -205,7 +212,8 @@ def plot(rows: Sequence[Row], chosen: Optional[Row], path: Path) -> Optional[Pat
         return None
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     for sig, color in zip(sigs, palette(len(sigs))):
-        pts = sorted((r.false_alarms, r.mean_lead, r.misses) for r in rows if r.signal == sig and r.mean_lead is not None)
+        pts = sorted((r.false_alarms, r.mean_lead, r.misses) for r in rows
+                     if r.signal == sig and r.mean_lead is not None)
         ax.plot([p[0] for p in pts], [p[1] for p in pts], "-", color=color, alpha=0.6, label=sig)
         for fa, lead, miss in pts:
             ax.plot(fa, lead, "o", color=color, mfc=color if miss == 0 else "none")

@@ -46,10 +46,11 @@ def test_signal_from_one_family_ignores_other_points():
 
 def test_fork_overrides_drop_what_the_child_sets(tmp_path):
     got = fork_overrides(["experiment=smoke", "intervention=baseline", "intervention.beta=4", "+from_checkpoint=x",
-                          "monitor.alarm.enabled=true", "hydra.run.dir=/a", "train.max_steps=9", "data.replay=/o"],
+                          "monitor.alarm.enabled=true", "hydra.run.dir=/a", "train.max_steps=9", "data.replay=/o",
+                          "+sweep=seeds", "hydra/launcher=local", "sweep_name=mine", "intervention_x=1"],
                          tmp_path / "c.pt", tmp_path / "o.bin", "sfa", tmp_path)
-    assert got == ["experiment=smoke", "train.max_steps=9", f"from_checkpoint={tmp_path / 'c.pt'}",
-                   "intervention=sfa", f"data.replay={tmp_path / 'o.bin'}", "monitor.alarm.enabled=false",
+    assert got == ["experiment=smoke", "train.max_steps=9", "sweep_name=mine", "intervention_x=1",
+                   f"from_checkpoint={tmp_path / 'c.pt'}", "intervention=sfa", f"data.replay={tmp_path / 'o.bin'}", "monitor.alarm.enabled=false",
                    f"hydra.run.dir={tmp_path / 'alarm_fork'}"]
 
 
@@ -109,7 +110,8 @@ def test_checkpoint_then_stop_at_the_first_step_above(tmp_path):
     r1 = _jobs.run_in(BASE, tmp_path, "ckpt", *on("threshold=0", "action=checkpoint"))
     assert r1["observed"] == "stable" and r1["steps_done"] == 8
     tags = _run(tmp_path, r1["mlflow_run_id"]).data.tags
-    assert (tags["ff.alarm.step"], tags["ff.alarm.signal"], tags["ff.alarm.action"]) == ("1", "max_logit", "checkpoint")
+    assert (tags["ff.alarm.step"], tags["ff.alarm.signal"], tags["ff.alarm.action"]) == \
+        ("1", "max_logit", "checkpoint")
     series = signals.series(_history(tmp_path, r1["mlflow_run_id"]))["max_logit"]
     assert [s for s, _ in series] == [1, 3, 5, 7]
     assert float(tags["ff.alarm.value"]) == series[0][1] == r1["alarm"]["value"]
@@ -138,10 +140,11 @@ def test_checkpoint_then_stop_at_the_first_step_above(tmp_path):
     from orchestrator import early_warning
     assert early_warning.main([str(tmp_path / "ckpt"), str(tmp_path / "stop"), "--out", str(tmp_path / "ew")]) == 0
     doc = json.loads((tmp_path / "ew" / "early_warning.json").read_text())
-    assert [(x["name"], x["observed"], x["start"]) for x in doc["runs"]] == [("ckpt", "stable", 0), ("stop", "stable", 0)]
+    got = [(x["name"], x["observed"], x["start"]) for x in doc["runs"]]
+    assert got == [("ckpt", "stable", 0), ("stop", "stable", 0)]
     assert {"max_logit", "wq_sigma"} <= set(doc["runs"][0]["signals"]) and doc["chosen"] is None  # nothing diverged
     md = (tmp_path / "ew" / "early_warning.md").read_text()
-    assert "rmax_rate: absent in 2 of 2 runs" in md  # sdpa counts no repeated maxima
+    assert "entropy: absent in 2 of 2 runs" in md  # monitor.probes is off
 
 
 def test_tag_only_and_fork_child(tmp_path):
