@@ -126,10 +126,19 @@ if triton is not None:
     _BWD_OUT = tl.constexpr(1 << 9)
     _GRAD_ACC = tl.constexpr(1 << 10)
 
-    @triton.jit
-    def _rb(x):
-        """Round an FP32 value to BF16 storage (round to nearest even) and back: one emulated BF16 store."""
-        return x.to(tl.bfloat16).to(tl.float32)
+    if not _INTERPRET:
+        @triton.jit
+        def _rb(x):
+            """Round an FP32 value to BF16 storage (round to nearest even) and back: one emulated BF16 store."""
+            return x.to(tl.bfloat16).to(tl.float32)
+    else:
+        @triton.jit
+        def _rb(x):
+            """The interpreter's .to(tl.bfloat16) truncates; round to nearest even on the bits instead (finite x),
+            so that the CPU tests of the fp32 recipe with rounded points (FP32 GEMMs) check the kernels' logic."""
+            b = x.to(tl.uint32, bitcast=True)
+            b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
+            return b.to(tl.float32, bitcast=True)
 
     @triton.jit
     def _r(x, keep, ON: tl.constexpr, HAS_OFP32: tl.constexpr):
