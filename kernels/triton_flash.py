@@ -114,6 +114,9 @@ def supports(knobs: AttentionKnobs, q: torch.Tensor) -> bool:
 if triton is not None:
     # One bit per rounding point (kernels/recipes.py ROUNDING_POINTS order): set = stored in BF16 there. The kernels
     # take the bitmask as one tl.constexpr (ROUND), so each point is a compile-time switch.
+    # The interpreter's BF16 tl.dot is wrong: there, BF16 operands enter an FP32 GEMM (their values are BF16-exact,
+    # so the products and the FP32 accumulation are what the GPU's BF16 GEMM computes, up to summation order).
+    INTERP_DOT = tl.constexpr(_INTERPRET)
     _SCORES = tl.constexpr(1 << 0)
     _SHIFT = tl.constexpr(1 << 1)
     _STATS = tl.constexpr(1 << 2)
@@ -140,6 +143,19 @@ if triton is not None:
             b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
             return b.to(tl.float32, bitcast=True)
 
+    if not _INTERPRET:
+        @triton.jit
+        def _cast_out(x, ptr):
+            """x in the element type of the gradient tensor it is stored to."""
+            return x.to(ptr.dtype.element_ty)
+    else:
+        @triton.jit
+        def _cast_out(x, ptr):
+            """The interpreter truncates FP32 -> BF16: round to nearest even first (as the GPU's conversion does)."""
+            if ptr.dtype.element_ty == tl.bfloat16:
+                x = _rb(x)
+            return x.to(ptr.dtype.element_ty)
+
     @triton.jit
     def _r(x, keep, ON: tl.constexpr, HAS_OFP32: tl.constexpr):
         """A store at a point of the P̄V path / O / delta: BF16 when ON, except for heads (o_fp32) where `keep`."""
@@ -153,8 +169,8 @@ if triton is not None:
     @triton.jit
     def _dot_in(a, b, INPUT_F32: tl.constexpr):
         """A GEMM of two inputs (Q, K, V, dO): IEEE FP32 on FP32 inputs (never TF32), else BF16 x BF16 -> FP32."""
-        if INPUT_F32:
-            return tl.dot(a, b, input_precision="ieee")
+        if INPUT_F32 or INTERP_DOT:
+            return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
         else:
             return tl.dot(a, b)
 
@@ -162,10 +178,10 @@ if triton is not None:
     def _dot_pt(p, x, ROUNDED: tl.constexpr, INPUT_F32: tl.constexpr):
         """A GEMM of a computed FP32 operand (P̄, P, dS) with an input: p rounded to BF16 when ROUNDED (its point),
         else kept FP32 (the lifted point: an IEEE FP32 GEMM, never TF32)."""
-        if ROUNDED and not INPUT_F32:
+        if ROUNDED and not INPUT_F32 and not INTERP_DOT:
             return tl.dot(p.to(tl.bfloat16), x)
         elif ROUNDED:
-            return tl.dot(_rb(p), x, input_precision="ieee")
+            return tl.dot(_rb(p), x.to(tl.float32), input_precision="ieee")
         else:
             return tl.dot(p, x.to(tl.float32), input_precision="ieee")
 
@@ -493,8 +509,8 @@ if triton is not None:
         dk = _grad_end(dk, ROUND, ONE_BLOCK)
         dv = _grad_end(dv, ROUND, ONE_BLOCK)
         g = off_b * sgb + off_h * sgh + offs_n[:, None] * sgt + offs_d[None, :] * sgd
-        tl.store(DK + g, dk.to(DK.dtype.element_ty), mask=col_ok[:, None])
-        tl.store(DV + g, dv.to(DV.dtype.element_ty), mask=col_ok[:, None])
+        tl.store(DK + g, _cast_out(dk, DK), mask=col_ok[:, None])
+        tl.store(DV + g, _cast_out(dv, DV), mask=col_ok[:, None])
 
     @triton.jit
     def _dq_inner(dq, q, do, lse, delta, k_base, v_base, skt, svt, offs_m, offs_n0, lo, hi, T, scale,
@@ -554,7 +570,7 @@ if triton is not None:
                        BLOCK_N, ROUND, INPUT_F32, GEMM_DT, ONE_BLOCK, True)
         dq = _grad_end(dq, ROUND, ONE_BLOCK)
         tl.store(DQ + off_b * sgb + off_h * sgh + offs_m[:, None] * sgt + offs_d[None, :] * sgd,
-                 dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
+                 _cast_out(dq, DQ), mask=row_ok[:, None])
 
 
 # ----------------------------------------------------------------------------------------------------------------------
