@@ -221,6 +221,42 @@ def _key_tiles(p: _Plan, qi, kw, qs: int, qe: int, lse_i, dev):
         yield ks, ke, torch.exp(s - lse_i), tie  # masked: exp(-inf) = 0
 
 
+def _tie_scaled(x, tie):
+    """pbar_clamp's c o x: PBAR_CLAMP * x where the forward clamped P̄ (`tie`), x elsewhere (tie None: x)."""
+    return x if tie is None else torch.where(tie, PBAR_CLAMP * x, x)
+
+
+def _tile_delta(p: _Plan, qi, kw, vw, doi, o_saved, lse_i, qs: int, qe: int):
+    """The row term delta (B, H, rows, 1) of one query tile, as the knobs' delta mode computes it (recipes.py):
+    dO_O from the stored O; dP_P and recompute_fp32 by a first pass over the key tiles, before any gradient uses it."""
+    rc, w = p.rc, p.rc.work
+    if p.delta == "dO_O":
+        o_i = o_saved[:, :, qs:qe].to(w)
+        return round_to(doi * o_i, rc.delta_prod, p.o_keep).sum(dim=-1, keepdim=True)
+    delta = torch.zeros(*doi.shape[:-1], 1, dtype=w, device=doi.device)
+    o_hp = torch.zeros_like(doi)
+    for ks, ke, pt, tie in _key_tiles(p, qi, kw, qs, qe, lse_i, doi.device):
+        if p.delta == "dP_P":
+            dp = round_to(doi @ vw[:, :, ks:ke].transpose(-1, -2), rc.bwd_out)
+            delta = delta + (dp * _tie_scaled(pt, tie)).sum(dim=-1, keepdim=True)
+        else:  # recompute_fp32: O = P V with nothing rounded
+            o_hp = o_hp + _tie_scaled(pt, tie) @ vw[:, :, ks:ke]
+    return delta if p.delta == "dP_P" else (doi * o_hp).sum(dim=-1, keepdim=True)
+
+
+def row_delta(q, k, v, o_saved, lse, do, knobs: AttentionKnobs) -> torch.Tensor:
+    """delta (B, H, T, 1) in the working dtype exactly as `backward` computes it for these knobs (the probes'
+    delta_recipe, orchestrator/probes); o_saved and lse are `forward`'s."""
+    p = _plan(knobs, q)
+    rc, w = p.rc, p.rc.work
+    qw, kw, vw, dow = (round_to(x.to(w), rc.gemm_in) for x in (q, k, v, do))
+    T = q.shape[2]
+    with torch.no_grad(), torch.autocast(device_type=q.device.type, enabled=False):
+        return torch.cat([_tile_delta(p, qw[:, :, qs:min(qs + p.bq, T)], kw, vw, dow[:, :, qs:min(qs + p.bq, T)],
+                                      o_saved, lse[:, :, qs:min(qs + p.bq, T)], qs, min(qs + p.bq, T))
+                          for qs in range(0, T, p.bq)], dim=2)
+
+
 def backward(q, k, v, o_saved, lse, do, knobs: AttentionKnobs):
     """Gradients (dq, dk, dv) in the inputs' dtypes, from the forward's stored O and lse.
 
@@ -238,33 +274,17 @@ def backward(q, k, v, o_saved, lse, do, knobs: AttentionKnobs):
     dk = torch.zeros_like(dq)
     dv = torch.zeros_like(dq)
 
-    def clamp(x, tie):
-        return x if tie is None else torch.where(tie, PBAR_CLAMP * x, x)
-
     for qs in range(0, T, p.bq):
         qe = min(qs + p.bq, T)
         qi, doi, lse_i = qw[:, :, qs:qe], dow[:, :, qs:qe], lse[:, :, qs:qe]
-        if p.delta == "dO_O":
-            o_i = o_saved[:, :, qs:qe].to(w)
-            delta = round_to(doi * o_i, rc.delta_prod, p.o_keep).sum(dim=-1, keepdim=True)
-        else:  # a first pass over the key tiles builds delta from P (FP32) before any gradient uses it
-            delta = torch.zeros(B, H, qe - qs, 1, dtype=w, device=dev)
-            o_hp = torch.zeros(B, H, qe - qs, D, dtype=w, device=dev)
-            for ks, ke, pt, tie in _key_tiles(p, qi, kw, qs, qe, lse_i, dev):
-                if p.delta == "dP_P":
-                    dp = round_to(doi @ vw[:, :, ks:ke].transpose(-1, -2), rc.bwd_out)
-                    delta = delta + (dp * clamp(pt, tie)).sum(dim=-1, keepdim=True)
-                else:  # recompute_fp32: O = P V with nothing rounded
-                    o_hp = o_hp + clamp(pt, tie) @ vw[:, :, ks:ke]
-            if p.delta == "recompute_fp32":
-                delta = (doi * o_hp).sum(dim=-1, keepdim=True)
+        delta = _tile_delta(p, qi, kw, vw, doi, o_saved, lse_i, qs, qe)
         dq_i = torch.zeros(B, H, qe - qs, D, dtype=w, device=dev)
         for ks, ke, pt, tie in _key_tiles(p, qi, kw, qs, qe, lse_i, dev):
             kj, vj = kw[:, :, ks:ke], vw[:, :, ks:ke]
-            dv_c = round_to(round_to(clamp(pt, tie), rc.gemm_in).transpose(-1, -2) @ doi, rc.bwd_out)
+            dv_c = round_to(round_to(_tie_scaled(pt, tie), rc.gemm_in).transpose(-1, -2) @ doi, rc.bwd_out)
             dv[:, :, ks:ke] = round_to(dv[:, :, ks:ke] + dv_c, rc.grad_acc)
             dp = round_to(doi @ vj.transpose(-1, -2), rc.bwd_out)
-            ds = round_to((pt * p.scale) * (clamp(dp, tie) - delta), rc.gemm_in)
+            ds = round_to((pt * p.scale) * (_tie_scaled(dp, tie) - delta), rc.gemm_in)
             dq_i = round_to(dq_i + round_to(ds @ kj, rc.bwd_out), rc.grad_acc)
             dk[:, :, ks:ke] = round_to(dk[:, :, ks:ke] + round_to(ds.transpose(-1, -2) @ qi, rc.bwd_out), rc.grad_acc)
         dq[:, :, qs:qe] = dq_i
@@ -360,4 +380,5 @@ def capture_forward(q, k, v, cfg: AttentionKnobs, stats: Optional[AttnStats] = N
     return cap
 
 
-__all__ = ["flash_attention", "reference_attention", "capture_forward", "forward", "backward", "check_inputs"]
+__all__ = ["flash_attention", "reference_attention", "capture_forward", "forward", "backward", "row_delta",
+           "check_inputs"]
