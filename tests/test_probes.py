@@ -267,3 +267,13 @@ def test_probes_on_leave_training_bit_identical(tmp_path):
     state = torch.load(tmp_path / "on" / "checkpoints" / "last.pt", weights_only=False)
     cum = hist(on, record.probe_name("delta_err_cumsum", 1))[-1][1]
     assert math.isclose(state["probes"]["cumsum"][1], cum, rel_tol=1e-12)
+
+
+def test_probe_plot_draws_runs_with_probes_and_skips_the_others(tmp_path):
+    from orchestrator import plots
+    hist = {record.probe_name(kind, layer): [(s, (layer + 1) * 1e-4 * s) for s in (0, 100, 200)]
+            for kind in record.PROBE_PLOTTED for layer in (0, 1)}
+    path = plots.probes([("baseline", hist), ("no probes", {record.LOSS: [(0, 1.0)]})], tmp_path / "probes.png")
+    assert path is not None and path.stat().st_size > 10_000
+    assert plots.probes([("no probes", {record.LOSS: [(0, 1.0)]})], tmp_path / "none.png") is None
+    assert all(name.startswith(record.HISTORY_PREFIXES) for name in hist)  # the report fetches what it plots
