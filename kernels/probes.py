@@ -106,12 +106,15 @@ def wq_grad_error(x, dq_lp, dq_hp) -> torch.Tensor:
 
 
 def top_pair_projection(w_q: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
-    """u1^T E v1 per head (H,), (u1, v1) the top singular pair of each head's W_Q block w_q (H, D, C). The sign of a
-    singular pair is arbitrary: SVD's (u1, v1) has u1^T W v1 = sigma_1 > 0, so a descent step -lr * E changes sigma_1
-    by about -lr * u1^T E v1: a negative projection is an error that grows sigma_1."""
-    u, _, vh = torch.linalg.svd(w_q.to(F64), full_matrices=False)
-    u1, v1 = u[..., :, 0], vh[..., 0, :]
-    return torch.einsum("hd,hdc,hc->h", u1, e, v1)
+    """u1^T E v1 per head (H,), (u1, v1) the top singular pair of each head's W_Q block w_q (H, D, C): u1 the top
+    eigenvector of the D x D Gram matrix W W^T (a batched eigh of H small matrices, much cheaper than an SVD of
+    D x C), v1 = W^T u1 / |W^T u1|, so u1^T W v1 = sigma_1 > 0 fixes the pair's sign. A descent step -lr * E then
+    changes sigma_1 by about -lr * u1^T E v1: a negative projection is an error that grows sigma_1."""
+    w = w_q.to(F64)
+    u1 = torch.linalg.eigh(w @ w.transpose(-1, -2))[1][..., :, -1]  # eigenvalues ascending: the last is sigma_1^2
+    v1 = torch.einsum("hd,hdc->hc", u1, w)
+    v1 = v1 / v1.norm(dim=-1, keepdim=True)
+    return torch.einsum("hd,hdc,hc->h", u1, e.to(F64), v1)
 
 
 def cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
