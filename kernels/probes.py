@@ -18,7 +18,7 @@ recipe's rounding. Nothing reads a value back to the host: results are device te
 from __future__ import annotations
 
 import math
-from typing import Dict, Optional, Tuple
+from typing import Dict, Tuple
 
 import torch
 

@@ -12,7 +12,8 @@ LAYERS_ALL = "all"
 class ProbesConfig:
     enabled: bool = False
     # steps between probes (and at every checkpoint): one extra forward+backward of `batch` sequences plus FP64
-    # attention per probed layer; 100 keeps the cost near 1% of a mini_repro step (benchmarks/probes.py measures it)
+    # attention per probed layer. 100 = mini_repro's checkpoint interval, where probes run anyway; the cost at it is
+    # measured by benchmarks/probes.py on the GPU (its every_for_2pct says the interval that costs 2%)
     every: int = 100
     batch: int = 4  # sequences of the fixed probe batch, drawn once from the validation split (seed PROBE_SEED)
     layers: Any = LAYERS_ALL  # "all" or a list of 0-based layer indices
