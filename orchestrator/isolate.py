@@ -1,10 +1,11 @@
 """The paper's isolation method end to end, one entry point (issue 7; issue 11 item 5):
 
     python -m orchestrator.isolate [--root DIR] [--out DIR] [--fork-steps N] [--margin N] [--per-gpu N]
-                                   [--uri URI] [hydra overrides for every run, e.g. train.seed=2 data.seed=2]
+                                   [--stop-after N] [--uri URI] [hydra overrides for every run, e.g. train.seed=2 data.seed=2]
 
 1. baseline: the BF16 flash baseline (experiment=mini_repro), batch order recorded, every checkpoint kept, no early
-   stop (the forks replay its recorded batches, so it records as many steps as they may need);
+   stop (the forks replay its recorded batches, so it records as many steps as they may need), or with
+   --stop-after N an early stop N steps after its divergence;
 2. checkpoint: the newest one at or before its lowest loss preceding the divergence (fork.pick_step at_min), the
    last point where training was still at its best;
 3. localization: the layer and heads its own W_Q growth and repeated maxima point at (orchestrator.localize);
@@ -57,6 +58,7 @@ class Plan:
     fork_steps: int = 0  # 0: to the end of the baseline's recorded batches
     margin: int = 0  # steps between the picked checkpoint and the lowest-loss step
     per_gpu: Optional[int] = None
+    stop_after: Optional[int] = None  # the baseline stops this many steps after its divergence (None: no early stop)
 
 
 @dataclass
@@ -91,9 +93,12 @@ class Pipeline:
     def baseline(self) -> Tuple[Path, record.RunRecord]:
         job = self.plan.root / "baseline"
         self.say(f"1/5 baseline -> {job}")
-        rc = self._run_py(["intervention=baseline", *self.plan.overrides, "train.keep_checkpoints=0",
-                           "train.early_stop=false", f"sweep_name={EXPERIMENT}_runs/baseline",
-                           f"hydra.run.dir={job}"])
+        # stop_after: early stop N steps past the divergence, so the forks have batches to replay past it and no
+        # GPU time goes on a run that has already blown up; without it, every batch of max_steps is recorded
+        n = self.plan.stop_after
+        stop = ["train.early_stop=false"] if n is None else ["train.early_stop=true", f"verdict.early_stop_after={n}"]
+        rc = self._run_py(["intervention=baseline", *self.plan.overrides, "train.keep_checkpoints=0", *stop,
+                           f"sweep_name={EXPERIMENT}_runs/baseline", f"hydra.run.dir={job}"])
         try:
             rec = record.read(job)
         except (OSError, ValueError) as e:
@@ -233,8 +238,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--fork-steps", type=int, default=0, help="steps per fork (0: to the baseline's end)")
     ap.add_argument("--margin", type=int, default=0, help="steps before the lowest-loss step for the checkpoint")
     ap.add_argument("--per-gpu", type=int, default=None, help="forks at once per GPU (default GPU memory / 16 GiB)")
+    ap.add_argument("--stop-after", type=int, default=None,
+                    help="stop the baseline N steps after its divergence (default: run to train.max_steps)")
     a = ap.parse_args(argv)
-    for key in ("fork_steps", "margin"):
+    for key in ("fork_steps", "margin") + (("stop_after",) if a.stop_after is not None else ()):
         if getattr(a, key) < 0:
             ap.error(f"--{key.replace('_', '-')}={getattr(a, key)} is not allowed: expected an integer >= 0")
     if a.per_gpu is not None and a.per_gpu < 1:
@@ -244,7 +251,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     root = root.resolve()
     plan = Plan(root=root, out=(a.out or root / record.REPORT_DIR).resolve(), uri=a.uri or default_tracking_uri(),
                 overrides=list(a.overrides), experiment=a.experiment, sweeps=tuple(a.sweeps),
-                fork_steps=a.fork_steps, margin=a.margin, per_gpu=a.per_gpu)
+                fork_steps=a.fork_steps, margin=a.margin, per_gpu=a.per_gpu, stop_after=a.stop_after)
     try:
         Pipeline(plan).run()
     except (PipelineError, ValueError) as e:  # ForkError is a ValueError: no checkpoint to fork from, ...
