@@ -225,6 +225,42 @@ def _key_tiles(p: _Plan, qi, kw, qs: int, qe: int, lse_i, dev):
         yield ks, ke, torch.exp(s - lse_i), tie  # masked: exp(-inf) = 0
 
 
+def _tie_scaled(x, tie):
+    """pbar_clamp's c o x: PBAR_CLAMP * x where the forward clamped P̄ (`tie`), x elsewhere (tie None: x)."""
+    return x if tie is None else torch.where(tie, PBAR_CLAMP * x, x)
+
+
+def _tile_delta(p: _Plan, qi, kw, vw, doi, o_saved, lse_i, qs: int, qe: int):
+    """The row term delta (B, H, rows, 1) of one query tile, as the knobs' delta mode computes it (recipes.py):
+    dO_O from the stored O; dP_P and recompute_fp32 by a first pass over the key tiles, before any gradient uses it."""
+    w = p.rc.work
+    if p.delta == "dO_O":
+        o_i = o_saved[:, :, qs:qe].to(w)
+        return p.r("delta_prod", doi * o_i, p.o_keep).sum(dim=-1, keepdim=True)
+    delta = torch.zeros(*doi.shape[:-1], 1, dtype=w, device=doi.device)
+    o_hp = torch.zeros_like(doi)
+    for ks, ke, pt, tie in _key_tiles(p, qi, kw, qs, qe, lse_i, doi.device):
+        if p.delta == "dP_P":
+            dp = p.r("bwd_out", doi @ vw[:, :, ks:ke].transpose(-1, -2))
+            delta = delta + (dp * _tie_scaled(pt, tie)).sum(dim=-1, keepdim=True)
+        else:  # recompute_fp32: O = P V with nothing rounded
+            o_hp = o_hp + _tie_scaled(pt, tie) @ vw[:, :, ks:ke]
+    return delta if p.delta == "dP_P" else (doi * o_hp).sum(dim=-1, keepdim=True)
+
+
+def row_delta(q, k, v, o_saved, lse, do, knobs: AttentionKnobs) -> torch.Tensor:
+    """delta (B, H, T, 1) in the working dtype exactly as `backward` computes it for these knobs (the probes'
+    delta_recipe, orchestrator/probes); o_saved and lse are `forward`'s."""
+    p = _plan(knobs, q)
+    rc = p.rc
+    qw, kw, vw, dow = (round_to(x.to(rc.work), rc.inputs) for x in (q, k, v, do))
+    T = q.shape[2]
+    with torch.no_grad(), torch.autocast(device_type=q.device.type, enabled=False):
+        return torch.cat([_tile_delta(p, qw[:, :, qs:min(qs + p.bq, T)], kw, vw, dow[:, :, qs:min(qs + p.bq, T)],
+                                      o_saved, lse[:, :, qs:min(qs + p.bq, T)], qs, min(qs + p.bq, T))
+                          for qs in range(0, T, p.bq)], dim=2)
+
+
 def backward(q, k, v, o_saved, lse, do, knobs: AttentionKnobs, trace: Optional[dict] = None):
     """Gradients (dq, dk, dv) in the inputs' dtypes, from the forward's stored O and lse (`trace` as in forward).
 
@@ -242,33 +278,17 @@ def backward(q, k, v, o_saved, lse, do, knobs: AttentionKnobs, trace: Optional[d
     dk = torch.zeros_like(dq)
     dv = torch.zeros_like(dq)
 
-    def clamp(x, tie):
-        return x if tie is None else torch.where(tie, PBAR_CLAMP * x, x)
-
     for qs in range(0, T, p.bq):
         qe = min(qs + p.bq, T)
         qi, doi, lse_i = qw[:, :, qs:qe], dow[:, :, qs:qe], lse[:, :, qs:qe]
-        if p.delta == "dO_O":
-            o_i = o_saved[:, :, qs:qe].to(w)
-            delta = p.r("delta_prod", doi * o_i, p.o_keep).sum(dim=-1, keepdim=True)
-        else:  # a first pass over the key tiles builds delta from P (FP32) before any gradient uses it
-            delta = torch.zeros(B, H, qe - qs, 1, dtype=w, device=dev)
-            o_hp = torch.zeros(B, H, qe - qs, D, dtype=w, device=dev)
-            for ks, ke, pt, tie in _key_tiles(p, qi, kw, qs, qe, lse_i, dev):
-                if p.delta == "dP_P":
-                    dp = p.r("bwd_out", doi @ vw[:, :, ks:ke].transpose(-1, -2))
-                    delta = delta + (dp * clamp(pt, tie)).sum(dim=-1, keepdim=True)
-                else:  # recompute_fp32: O = P V with nothing rounded
-                    o_hp = o_hp + clamp(pt, tie) @ vw[:, :, ks:ke]
-            if p.delta == "recompute_fp32":
-                delta = (doi * o_hp).sum(dim=-1, keepdim=True)
+        delta = _tile_delta(p, qi, kw, vw, doi, o_saved, lse_i, qs, qe)
         dq_i = torch.zeros(B, H, qe - qs, D, dtype=w, device=dev)
         for ks, ke, pt, tie in _key_tiles(p, qi, kw, qs, qe, lse_i, dev):
             kj, vj = kw[:, :, ks:ke], vw[:, :, ks:ke]
-            dv_c = p.r("bwd_out", p.r("bwd_gemm_in", clamp(pt, tie)).transpose(-1, -2) @ doi)
+            dv_c = p.r("bwd_out", p.r("bwd_gemm_in", _tie_scaled(pt, tie)).transpose(-1, -2) @ doi)
             dv[:, :, ks:ke] = p.r("grad_acc", dv[:, :, ks:ke] + dv_c)
             dp = p.r("bwd_out", doi @ vj.transpose(-1, -2))
-            ds = p.r("bwd_gemm_in", (pt * p.scale) * (clamp(dp, tie) - delta))
+            ds = p.r("bwd_gemm_in", (pt * p.scale) * (_tie_scaled(dp, tie) - delta))
             dq_i = p.r("grad_acc", dq_i + p.r("bwd_out", ds @ kj))
             dk[:, :, ks:ke] = p.r("grad_acc", dk[:, :, ks:ke] + p.r("bwd_out", ds.transpose(-1, -2) @ qi))
         dq[:, :, qs:qe] = dq_i
@@ -366,4 +386,5 @@ def capture_forward(q, k, v, cfg: AttentionKnobs, stats: Optional[AttnStats] = N
     return cap
 
 
-__all__ = ["flash_attention", "reference_attention", "capture_forward", "forward", "backward", "check_inputs"]
+__all__ = ["flash_attention", "reference_attention", "capture_forward", "forward", "backward", "row_delta",
+           "check_inputs"]

@@ -121,6 +121,9 @@ class CausalSelfAttention(nn.Module):
         # qk_observer(q, k): called on training forwards with the (B, H, T, D) q and k this layer attends with, e.g.
         # by a train hook that needs per-head logits (orchestrator/interventions/qk_clip.py); None costs nothing
         self.qk_observer = None
+        # probe_capture(x, q, k, v, o): called with this layer's input and the q, k, v, O of `attend` (graph kept, so
+        # the mechanism probes get dO and dQ by autograd.grad; orchestrator/probes/runner.py); None costs nothing
+        self.probe_capture = None
 
     def _stats_on(self, device):
         if self.stats.max_logit.device != device:  # model moved since the stats were made: start fresh there
@@ -137,6 +140,8 @@ class CausalSelfAttention(nn.Module):
         if self.qk_observer is not None and self.training:
             self.qk_observer(q, k)
         y = attend(q, k, v, self.knobs, self._stats_on(x.device), self.probe)
+        if self.probe_capture is not None:
+            self.probe_capture(x, q, k, v, y)
         # Back to the stream's dtype (exact for BF16 -> FP32): without autocast c_proj needs it, with autocast c_proj
         # recasts it to BF16, so the numbers are those of a BF16 O either way (FP32 O heads stay FP32 for the backward).
         y = y.transpose(1, 2).contiguous().view(B, T, C).to(x.dtype)

@@ -19,6 +19,7 @@ import torch
 
 from orchestrator import record
 from orchestrator.alarm import AlarmConfig
+from orchestrator.probes.config import ProbesConfig
 
 
 @dataclass
@@ -28,13 +29,15 @@ class MonitorConfig:
     counters: bool = True  # log the kernels' repeated-maxima row counts per (layer, head)
     max_logit: bool = True  # log the max scaled attention score per layer
     alarm: AlarmConfig = field(default_factory=AlarmConfig)  # early warning (orchestrator/alarm.py), off by default
+    probes: ProbesConfig = field(default_factory=ProbesConfig)  # mechanism probes (orchestrator/probes/)
 
-    def validate(self, key: str = "monitor") -> "MonitorConfig":
+    def validate(self, key: str = "monitor", n_layer: Optional[int] = None) -> "MonitorConfig":
         for name in ("log_every", "wq_every"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"{key}.{name}={v!r} is not allowed: expected an integer > 0")
         self.alarm.validate(key=f"{key}.alarm", monitor=self)
+        self.probes.validate(key=f"{key}.probes", n_layer=n_layer)
         return self
 
 

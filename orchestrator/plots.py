@@ -7,7 +7,8 @@ Each function returns the PNG path it wrote, or None when there is nothing to dr
 - wq_spectral_norms: per run, sigma_max(W_Q) of the top head of each layer (colour = layer), shared y axis;
 - repeated_maxima: per run, repeated-maxima rows per layer (colour = layer), shared y axis;
 - delays: divergence step minus the baseline's, per intervention (stable runs: "no divergence by step N");
-- localization: orchestrator/localize.py's ranking with the chosen layer's bar highlighted.
+- localization: orchestrator/localize.py's ranking with the chosen layer's bar highlighted;
+- probes: the mechanism probes per run (delta-error mean and cumulative sum, P̄ = 1 tie share, W_Q coherence).
 Colours: tab10, then Kelly's contrast colours, so no two of 20 layers or runs share one.
 """
 from __future__ import annotations
@@ -213,6 +214,57 @@ def repeated_maxima(runs: Sequence[Tuple[str, History]], path: Path, window: Opt
         ax.set_title(_wrap(label) + f"\nbusiest head L{top[0]}.H{top[1]}", fontsize=8)
     return _finish_layer_panels(fig, axes, len(runs), layers, colors, path, ylabel="rows with repeated maxima",
                                 legend="layer (sum of its heads)", title="Repeated-maxima rows per layer")
+
+
+# ------------------------------------------------------------------------------------------------ probes
+_PROBE_PANELS = (("delta_err_mean", "mean delta error\n(delta_recipe - delta_FP64)", "delta error per row"),
+                 ("delta_err_cumsum", "cumulative sum over probes\n(Fig. 5a: a monotone rise = a bias)",
+                  "sum of per-probe means"),
+                 ("tie_share_signed", "share of the delta error from P̄ = 1 tie rows\n(solid: signed, dashed: |e|)",
+                  "share (1 = all)"),
+                 ("wq_err_cos", "cosine of successive W_Q gradient errors\n(claim 2: ~1 = one direction)",
+                  "cosine"))
+
+
+def probes(runs: Sequence[Tuple[str, History]], path: Path) -> Optional[Path]:
+    """One row of four panels per run that logged probes (orchestrator/probes/), colour = layer, x = training step:
+    the mean delta error, its cumulative sum, the tie share (signed and absolute) and the W_Q gradient-error
+    coherence. Runs without probe metrics are left out; None when no run has any."""
+    from orchestrator import record
+
+    def per_layer(h: History, kind: str) -> Dict[int, List[Tuple[int, float]]]:
+        out = {}
+        for key, pts in h.items():
+            parsed = record.parse_probe_metric(key)
+            if parsed and parsed[0] == kind and parsed[2] is None and _finite(pts):
+                out[parsed[1]] = sorted(_finite(pts))
+        return out
+
+    rows = [(label, h) for label, h in runs if per_layer(h, "delta_err_mean") or per_layer(h, "wq_err_cos")]
+    if not rows:
+        return None
+    layers = sorted({layer for _, h in rows for kind, _, _ in _PROBE_PANELS for layer in per_layer(h, kind)})
+    colors = palette(len(layers))
+    fig, axes = plt.subplots(len(rows), 4, figsize=(17, 3.3 * len(rows)), squeeze=False)
+    for r, (label, h) in enumerate(rows):
+        for c, (kind, title, ylabel) in enumerate(_PROBE_PANELS):
+            ax = axes[r][c]
+            for layer, pts in per_layer(h, kind).items():
+                ax.plot([s for s, _ in pts], [v for _, v in pts], "-", lw=1.2, color=colors[layers.index(layer)])
+            if kind == "tie_share_signed":
+                for layer, pts in per_layer(h, "tie_share_abs").items():
+                    ax.plot([s for s, _ in pts], [v for _, v in pts], "--", lw=1.0,
+                            color=colors[layers.index(layer)])
+            if kind in ("delta_err_mean", "delta_err_cumsum"):
+                ax.axhline(0.0, color="0.5", lw=0.8)
+            ax.set_title((_wrap(label) + "\n" if c == 0 else "") + title, fontsize=8)
+            ax.set_xlabel("step", fontsize=8)
+            ax.set_ylabel(ylabel, fontsize=8)
+            ax.grid(alpha=0.3)
+    _layer_legend(fig, list(axes.flat), layers, colors, "layer")
+    fig.suptitle("Mechanism probes on the fixed probe batch", y=1.0)
+    fig.tight_layout()
+    return _save(fig, path)
 
 
 # ------------------------------------------------------------------------------------------------ delays

@@ -39,7 +39,14 @@ GRAD_NORM = "train/grad_norm"
 LR = "train/lr"
 TOKENS_PER_S = "perf/tokens_per_s"
 WQ_SIGMA, RMAX_ROWS, MAX_LOGIT = "wq_sigma/", "rmax_rows/", "max_logit/"
-HISTORY_PREFIXES = (LOSS, VAL_LOSS, WQ_SIGMA, RMAX_ROWS, MAX_LOGIT)  # what reports and localization read
+PROBE = "probe/"  # mechanism probes (orchestrator/probes/): probe/<kind>/L<l> per layer, probe/<kind>/L<l>.H<h>
+PROBE_LAYER_KINDS = ("delta_err_mean", "delta_err_t", "delta_err_cumsum", "tie_share_signed", "tie_share_abs",
+                     "tie_rows_exact", "tie_rows_bf16", "wq_err_cos")
+PROBE_HEAD_KINDS = ("wq_err_proj", "pkx_cos", "max_logit", "entropy")
+PROBE_PLOTTED = ("delta_err_mean", "delta_err_cumsum", "tie_share_signed", "tie_share_abs", "wq_err_cos")
+# what reports and localization read (of the probes, the per-layer kinds the report plots, not the per-head ones)
+HISTORY_PREFIXES = (LOSS, VAL_LOSS, WQ_SIGMA, RMAX_ROWS, MAX_LOGIT) + tuple(f"{PROBE}{k}/" for k in PROBE_PLOTTED)
+_PROBE = re.compile(r"^probe/([a-z0-9_]+)/L(\d+)(?:\.H(\d+))?$")
 _HEAD = re.compile(r"^(wq_sigma|rmax_rows)/L(\d+)\.H(\d+)$")
 _LAYER = re.compile(r"^max_logit/L(\d+)$")
 _WHERE = re.compile(r"^L(\d+)\.H(\d+)$")
@@ -65,6 +72,24 @@ def rmax_rows_name(layer: int, head: int) -> str:
 
 def max_logit_name(layer: int) -> str:
     return f"{MAX_LOGIT}L{int(layer)}"
+
+
+def probe_name(kind: str, layer: int, head: Optional[int] = None) -> str:
+    """'probe/delta_err_mean/L2' (a per-layer kind) or 'probe/max_logit/L2.H7' (a per-head kind)."""
+    if kind in PROBE_LAYER_KINDS and head is None:
+        return f"{PROBE}{kind}/L{int(layer)}"
+    if kind in PROBE_HEAD_KINDS and head is not None:
+        return f"{PROBE}{kind}/{head_where(layer, head)}"
+    raise ValueError(f"probe metric kind={kind!r} head={head!r} is not allowed: expected one of "
+                     f"{', '.join(PROBE_LAYER_KINDS)} without a head or {', '.join(PROBE_HEAD_KINDS)} with one")
+
+
+def parse_probe_metric(name: str) -> Optional[Tuple[str, int, Optional[int]]]:
+    """(kind, layer, head or None) for a probe metric name, else None."""
+    m = _PROBE.match(name)
+    if not m or m.group(1) not in (PROBE_HEAD_KINDS if m.group(3) else PROBE_LAYER_KINDS):
+        return None
+    return m.group(1), int(m.group(2)), (int(m.group(3)) if m.group(3) else None)
 
 
 def parse_head_metric(name: str) -> Optional[Tuple[str, int, int]]:
@@ -357,6 +382,7 @@ def from_mlflow_run(run, history: Mapping[str, Sequence[Tuple[int, float]]]) -> 
 
 __all__ = ["RunRecord", "RECORD_VERSION", "RESULT_FILE", "CKPT_DIR", "ORDER_FILE", "ERROR_FILE", "RESOLVED_CONFIG",
            "REPORT_DIR", "LOSS", "VAL_LOSS", "GRAD_NORM", "LR", "TOKENS_PER_S", "HISTORY_PREFIXES", "head_where",
+           "PROBE", "PROBE_LAYER_KINDS", "PROBE_HEAD_KINDS", "PROBE_PLOTTED", "probe_name", "parse_probe_metric",
            "parse_where", "wq_sigma_name", "rmax_rows_name", "max_logit_name", "parse_head_metric",
            "parse_layer_metric", "encode", "decode_float", "from_mlflow_value", "dumps", "matches_paper", "write",
            "read", "result_path", "record_tags", "record_metrics", "sweep_metrics", "from_mlflow_run",

@@ -249,6 +249,7 @@ def make_plots(rows, histories: Dict[str, Dict], pdir: Path) -> Dict[str, Path]:
     made = (("loss_curves", plots.loss_curves(labelled, pdir / "loss_curves.png", div, window=window)),
             ("wq_spectral_norm", plots.wq_spectral_norms(labelled, pdir / "wq_spectral_norm.png", window=window)),
             ("repeated_maxima", plots.repeated_maxima(labelled, pdir / "repeated_maxima.png", window=window)),
+            ("probes", plots.probes(labelled, pdir / "probes.png")),
             ("delays", plots.delays(_delay_items(rows, labels), pdir / "delays.png")))
     return {name: p for name, p in made if p is not None}
 

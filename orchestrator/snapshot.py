@@ -64,6 +64,7 @@ def restore_run_state(job, state: Dict[str, Any], resuming: bool) -> None:
     its own hooks fresh). Weights and optimizer are loaded by the job."""
     if resuming:
         job.hooks.load_state_dict(state.get("hooks") or [])
+        job.probes.load_state_dict(state.get("probes"))
     if resuming or (job.forking and job.cfg.verdict.fork_baseline == "source"):
         job.detector.load_state_dict(state["detector"])
         mon = state.get("monitor", {})
@@ -84,7 +85,8 @@ def job_state(job, model, optimizer, done: int) -> Dict[str, Any]:
         "model_shape": checkpoint.model_shape(job.cfg.model),
         "config": OmegaConf.to_container(OmegaConf.structured(job.cfg)),
         "batch_order": str(job.order_path) if job.order_path else None, "job_dir": str(job.job_dir),
-        "fork": job.fork, "hooks": job.hooks.state_dict()}
+        "fork": job.fork, "hooks": job.hooks.state_dict(),
+        "probes": job.probes.state_dict() if job.probes is not None else None}
 
 
 def save(job, model, optimizer, done: int, name: str, keep_step: bool = False,

@@ -26,6 +26,7 @@ from omegaconf import OmegaConf
 from tqdm import tqdm
 
 from orchestrator import alarm, checkpoint, record, run_end, snapshot
+from orchestrator.probes import runner as probes
 from orchestrator.interventions import build_hooks
 from orchestrator.optim import build_optimizer
 from orchestrator.record import CKPT_DIR, ORDER_FILE, RESOLVED_CONFIG
@@ -113,6 +114,7 @@ class Job:
         self.tracker = None
         self.monitors = None
         self.alarm = None
+        self.probes = None
         self.detector = None
         self.dist = None
         self.is_main = True
@@ -244,6 +246,7 @@ class Job:
         self._open_run(state, resuming)
         self.alarm = alarm.attach(self, start)  # monitor.alarm listens to what the monitors log (None when off)
         self.monitors = Monitors(model, cfg.monitor, self.tracker)
+        self.probes = probes.build(cfg, model, data_dir, device, self.tracker, self.is_main)
         self.detector = DivergenceDetector(cfg.verdict)
         if state:
             snapshot.restore_run_state(self, state, resuming)
@@ -312,10 +315,12 @@ class Job:
                 bar.set_postfix(loss=f"{host[-1][1]:.4f}", tok_s=f"{tps:,.0f}" if tps else "-", refresh=False)
             bar.update(1)
             last = done == tc.max_steps
+            ckpt = bool(tc.ckpt_every and done % tc.ckpt_every == 0) or last
+            self.probes.step_end(step, checkpoint=ckpt)  # mechanism probes: every N steps and at checkpoints
             if (tc.eval_every and done % tc.eval_every == 0) or last:
                 self._log_val(model, val, device, step)
                 val_done_at = step
-            if (tc.ckpt_every and done % tc.ckpt_every == 0) or last:
+            if ckpt:
                 snapshot.save(self, model, optimizer, done, "last.pt", keep_step=True,
                               kill_mid_write=cfg.debug.kill_at_step == step and
                               cfg.debug.kill_where == "checkpoint_write")
