@@ -19,6 +19,9 @@ Two stabilized softmaxes (the tile max m_t of a tile whose row max rm repeats wi
   counted (AttnStats.sfa_p1_rows) instead of underflowing.
 Both are counted, not silent (with counters on): rows whose row sum fell under the floor (AttnStats.underflow_rows)
 and (row, tile) pairs where the shift fired but P̄ still rounded to 1 (AttnStats.sfa_p1_rows).
+
+stochastic_round: the BF16 stores of the P̄V product and of the O accumulator (paper_bf16's pv_out and acc) round
+stochastically (kernels/stochastic.py), nothing else does: P̄, m, l, the stored O and the backward stay nearest-even.
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ from kernels.config import AttentionKnobs
 from kernels.knobs import PBAR_CLAMP
 from kernels.recipes import Recipe, resolve, round_to
 from kernels.stats import AttnStats
+from kernels.stochastic import call_key, stochastic_round, uniform16
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 SFA_GUARD_LO = 2.0 ** -6  # smallest shift above rm: exp(-2^-6) = 0.9845 rounds to 0.984375 in BF16, not to 1
@@ -54,10 +58,19 @@ class _Plan:
     pv_all: bool  # pv_fp32: every head skips
     o_keep: Optional[torch.Tensor]  # (1, H, 1, 1) bool: heads whose stored O stays in `math`
     clamp: bool  # pbar_clamp: see _clamped
+    sr_seed: Optional[int] = None  # stochastic_round: its seed (None: off)
+    sr_key: Optional[torch.Tensor] = None  # stochastic_round: the call's key (kernels/stochastic.py), set by forward
 
     def r_pv(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Round on the P̄V path (P̄ fed to the GEMM, PV, O accumulator) unless pv_fp32 / o_fp32 lifts it."""
         return x if self.pv_all else round_to(x, dtype, self.pv_keep)
+
+    def r_sr(self, x: torch.Tensor, dtype: torch.dtype, stream: int) -> torch.Tensor:
+        """r_pv for the two stochastic_round points (the P̄V product, the O accumulator): with the knob on, a BF16
+        store rounds stochastically (kernels/stochastic.py), `stream` naming the point and tile; else r_pv."""
+        if self.sr_key is None or self.pv_all or dtype != torch.bfloat16 or x.dtype != torch.float32:
+            return self.r_pv(x, dtype)
+        return stochastic_round(x, uniform16(self.sr_key, stream, x.shape, x.device), self.pv_keep)
 
 
 def _plan(knobs: AttentionKnobs, q: torch.Tensor) -> _Plan:
@@ -73,7 +86,7 @@ def _plan(knobs: AttentionKnobs, q: torch.Tensor) -> _Plan:
                  stabilized=knobs.softmax in ("stabilized", "stabilized_guarded"),
                  guarded=knobs.softmax == "stabilized_guarded", beta=float(knobs.beta), eps=float(knobs.eps),
                  delta=knobs.delta, pv_keep=o_keep, pv_all=bool(knobs.pv_fp32), o_keep=o_keep,
-                 clamp=bool(knobs.pbar_clamp))
+                 clamp=bool(knobs.pbar_clamp), sr_seed=int(knobs.sr_seed) if knobs.stochastic_round else None)
 
 
 def _causal_mask(qs: int, qe: int, ks: int, ke: int, device) -> Optional[torch.Tensor]:
@@ -155,6 +168,8 @@ def forward(q, k, v, knobs: AttentionKnobs, stats: Optional[AttnStats] = None, c
     dev = q.device
     count = stats is not None and knobs.counters
     qw, kw, vw = (round_to(x.to(w), rc.gemm_in) for x in (q, k, v))
+    if p.sr_seed is not None:  # bits keyed by the seed and these inputs: a replay redraws them exactly
+        p.sr_key = call_key(p.sr_seed, qw, kw, vw)
     fill = -torch.finfo(rc.scores).max
     m_init = -torch.finfo(rc.stats).max
     o_saved = torch.empty(B, H, T, D, dtype=w, device=dev)
@@ -187,8 +202,9 @@ def forward(q, k, v, knobs: AttentionKnobs, stats: Optional[AttnStats] = None, c
             if count:
                 p1 = None if fired is None else fired & (pbar_in >= 1).any(dim=-1, keepdim=True)
                 stats.update(rep, rm, sfa_p1=p1)
-            pv = p.r_pv(pbar_in @ vw[:, :, ks:ke], rc.pv_out)
-            acc = p.r_pv(p.r_pv(acc * alpha, rc.acc) + pv, rc.acc)
+            tile = ((qs // p.bq) << 16 | (ks // p.bk)) << 2  # stream ids of this tile's stochastic_round points
+            pv = p.r_sr(pbar_in @ vw[:, :, ks:ke], rc.pv_out, tile)
+            acc = p.r_sr(p.r_sr(acc * alpha, rc.acc, tile | 1) + pv, rc.acc, tile | 2)
             m = m_new
             if capture is not None:
                 capture["tiles"].append(dict(qs=qs, ks=ks, p_bar=pbar.clone(), p_bar_pv=pbar_pv.clone(), rep=rep,
