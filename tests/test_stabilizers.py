@@ -327,3 +327,65 @@ def test_stabilizers_sweeps_fork_what_can_be_forked(source, tmp_path):
         with pytest.raises(ConfigError, match=rf"another model shape \(model.{name.replace('gated_attn', 'attn_gate')}"):
             validated(tmp_path, f"intervention={name}", f"from_checkpoint={ckpt}", "train.max_steps=8")
         validated(tmp_path, f"intervention={name}")  # from step 0: fine
+
+
+# -------------------------------------------------------------------------------------- the stabilizers table
+def _run(intervention, observed, divergence_step=None, fork_step=None, steps_done=300, final=3.0, **kw):
+    return dict(job=f"forks/{intervention}", intervention=intervention, observed=observed,
+                divergence_step=divergence_step, fork_step=fork_step, steps_done=steps_done, final_loss=final,
+                error=kw.pop("error", None), **kw)
+
+
+def test_stabilizers_table_from_constructed_rows(tmp_path):
+    from orchestrator import stabilizers
+    sfa_dir = tmp_path / "jobs" / "sfa"
+    sfa_dir.mkdir(parents=True)
+    (sfa_dir / "result.json").write_text(json.dumps({"observed": "stable", "val_loss": 3.25}))  # read from its job
+    forks = tmp_path / "forks" / "report"
+    scratch = tmp_path / "scratch" / "report"
+    for d, runs in ((forks, [_run("baseline", "diverged", 100, final=5.0),
+                             _run("fp32", "stable", fork_step=50, final=3.0, val_loss=3.2),
+                             _run("sfa", "stable", fork_step=50, final=3.1, job_dir=str(sfa_dir)),
+                             _run("pbar_clamp", "diverged", 150, fork_step=50, final="NaN", val_loss=None),
+                             _run("z_loss", "failed", fork_step=50, final=None, error="boom")]),
+                    (scratch, [_run("baseline", "diverged", 120, final=5.5),
+                               _run("qk_norm", "stable", final=2.9, val_loss=3.0),
+                               _run("gated_attn", "diverged", 200, final=4.0)])):
+        d.mkdir(parents=True)
+        (d / "verdicts.json").write_text(json.dumps({"runs": runs}))
+    bench = tmp_path / "bench.json"
+    brow = lambda shape, v, tps, route="flash/triton/paper_bf16": dict(  # noqa: E731
+        shape=shape, variant=v, tokens_per_s=tps, route_set=[route])
+    bench.write_text(json.dumps({"command": "python benchmarks/stabilizers.py", "gpu": "NVIDIA H200", "rows": [
+        brow("mini", "baseline", 1000.0), brow("mini", "sfa", 900.0), brow("mini", "fp32", 800.0),
+        brow("mini", "pbar_clamp", 250.0, "flash/emulator (triton lacks: pbar_clamp)/paper_bf16+pbar_clamp"),
+        brow("mini", "gated_attn", 950.0), brow("mini", "qk_norm", 1000.0),
+        dict(shape="mini", variant="z_loss", error="OOM"),
+        brow("gpt2s", "baseline", 2000.0), brow("gpt2s", "sfa", 1500.0)]}))
+    paths = stabilizers.write([forks, scratch], bench, "stab_test", results=tmp_path / "results")
+    assert {p.name for p in paths.values()} == {"stabilizers.md", "stabilizers.json", "stabilizers.png"}
+    assert all(p.parent == tmp_path / "results" / "stab_test" and p.stat().st_size > 0 for p in paths.values())
+    rows = {(r["report"].split("/")[-2], r["intervention"]): r
+            for r in json.loads(paths["json"].read_text())["rows"]}
+    sfa, clamp, z = rows[("forks", "sfa")], rows[("forks", "pbar_clamp")], rows[("forks", "z_loss")]
+    assert (sfa["stable"], sfa["from_step"], sfa["steps_gained"], sfa["steps_gained_at_least"]) == (True, 50, 200, True)
+    assert (clamp["steps_gained"], clamp["steps_gained_at_least"], clamp["final_loss"]) == (50, False, None)
+    assert z["steps_gained"] is None and z["observed"] == "failed"
+    assert abs(sfa["final_vs_fp32"] - 0.1) < 1e-9 and abs(sfa["val_vs_fp32"] - 0.05) < 1e-9
+    assert abs(sfa["cost"]["mini"] - 0.1) < 1e-9 and abs(sfa["cost"]["gpt2s"] - 0.25) < 1e-9
+    assert abs(clamp["cost"]["mini"] - 0.75) < 1e-9 and clamp["cost"]["gpt2s"] is None
+    assert z["cost"] == {"mini": None, "gpt2s": None}
+    qk, gate = rows[("scratch", "qk_norm")], rows[("scratch", "gated_attn")]
+    assert (qk["steps_gained"], qk["steps_gained_at_least"]) == (180, True)  # its own report's baseline (120)
+    assert gate["steps_gained"] == 80 and abs(qk["final_vs_fp32"] - (-0.1)) < 1e-9  # fp32 from the other report
+    assert (qk["needs_model_change"], gate["needs_model_change"], sfa["needs_model_change"],
+            z["needs_model_change"]) == (True, True, False, False)
+    md = paths["md"].read_text()
+    line = next(l for l in md.splitlines() if l.startswith("| sfa |"))
+    assert ">= +200" in line and "+10.0%" in line and "+25.0%" in line and line.endswith("| no |")
+    z_line = next(l for l in md.splitlines() if l.startswith("| z_loss |"))
+    assert z_line.count("not measured") == 2 and "z_loss (forks/z_loss) failed: boom" in md
+    assert "pbar_clamp @ mini: flash/emulator (triton lacks: pbar_clamp)" in md
+    assert "benchmark z_loss @ mini failed (not measured): OOM" in md
+    with pytest.raises(ValueError, match=r"--reports .* expected a report folder with verdicts.json"):
+        stabilizers.write([tmp_path / "nothing"], None, "x", results=tmp_path / "results")
