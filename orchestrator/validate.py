@@ -194,13 +194,13 @@ def _check_stochastic_round(k, src: Dict[str, str], layer: int) -> None:
     never set and silently a no-op (fa2 / fp32 keep both in FP32; pv_fp32 / o_fp32 lift them for every head)."""
     if not k.stochastic_round:
         return
-    from kernels.recipes import resolve
+    from kernels.recipes import for_knobs
     import torch
-    rc = resolve(k.recipe)
-    why = (f"recipe={k.recipe!r} (set at {src['recipe']}) keeps P̄V and the O accumulator in FP32"
-           if torch.bfloat16 not in (rc.pv_out, rc.acc) else
-           f"pv_fp32=True (set at {src['pv_fp32']}) keeps them in FP32" if k.pv_fp32 else
-           f"o_fp32=True (set at {src['o_fp32']}) keeps them in FP32" if k.o_fp32 else None)
+    rc = for_knobs(k)  # the recipe with the knobs that lift or lower its points
+    why = (f"pv_fp32=True (set at {src['pv_fp32']}) keeps them in FP32" if k.pv_fp32 else
+           f"o_fp32=True (set at {src['o_fp32']}) keeps them in FP32" if k.o_fp32 else
+           f"recipe={k.recipe!r} (set at {src['recipe']}) keeps P̄V and the O accumulator in FP32"
+           if torch.bfloat16 not in (rc.pv_out, rc.acc) else None)
     if why:
         raise ConfigError(f"{src['stochastic_round']} (layer {layer}): stochastic_round=True is not allowed: "
                           f"{why}, nothing to round; allowed: recipe=paper_bf16 without pv_fp32/o_fp32, or "
