@@ -19,6 +19,9 @@ Two stabilized softmaxes (the tile max m_t of a tile whose row max rm repeats wi
   counted (AttnStats.sfa_p1_rows) instead of underflowing.
 Both are counted, not silent (with counters on): rows whose row sum fell under the floor (AttnStats.underflow_rows)
 and (row, tile) pairs where the shift fired but P̄ still rounded to 1 (AttnStats.sfa_p1_rows).
+
+stochastic_round: the BF16 stores of the P̄V product and of the O accumulator (paper_bf16's pv_out and acc) round
+stochastically (kernels/stochastic.py), nothing else does: P̄, m, l, the stored O and the backward stay nearest-even.
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ from kernels.config import AttentionKnobs
 from kernels.knobs import PBAR_CLAMP
 from kernels.recipes import Recipe, for_knobs, round_to
 from kernels.stats import AttnStats
+from kernels.stochastic import call_key, stochastic_round, uniform16
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 SFA_GUARD_LO = 2.0 ** -6  # smallest shift above rm: exp(-2^-6) = 0.9845 rounds to 0.984375 in BF16, not to 1
@@ -53,12 +57,24 @@ class _Plan:
     o_keep: Optional[torch.Tensor]  # (1, H, 1, 1) bool: heads (o_fp32) whose P̄V path and stored O stay in `math`
     clamp: bool  # pbar_clamp: see _clamped
     trace: Optional[dict] = None  # point -> [(value before, value stored)], when a caller asks (tests)
+    sr_seed: Optional[int] = None  # stochastic_round: its seed (None: off)
+    sr_key: Optional[torch.Tensor] = None  # stochastic_round: the call's key (kernels/stochastic.py), set by forward
 
     def r(self, point: str, x: torch.Tensor, keep: Optional[torch.Tensor] = None) -> torch.Tensor:
         """x stored at rounding point `point` (kernels/recipes.py): rounded to the recipe's dtype there (lifted by
         keep_fp32 / pv_fp32, lowered by round_bf16), except where `keep` (o_fp32 heads). Every point goes through
         here, so a trace sees each stored value next to the value it was rounded from."""
         y = round_to(x, getattr(self.rc, point), keep)
+        if self.trace is not None:
+            self.trace.setdefault(point, []).append((x.detach().clone(), y.detach().clone()))
+        return y
+
+    def r_sr(self, point: str, x: torch.Tensor, stream: int) -> torch.Tensor:
+        """r(point, x, o_keep) for the two stochastic_round points (pv_out, acc): with the knob on, a BF16 store
+        rounds stochastically (kernels/stochastic.py), `stream` naming the point and tile; else nearest, as r."""
+        if self.sr_key is None or getattr(self.rc, point) != torch.bfloat16 or x.dtype != torch.float32:
+            return self.r(point, x, self.o_keep)
+        y = stochastic_round(x, uniform16(self.sr_key, stream, x.shape, x.device), self.o_keep)
         if self.trace is not None:
             self.trace.setdefault(point, []).append((x.detach().clone(), y.detach().clone()))
         return y
@@ -76,7 +92,8 @@ def _plan(knobs: AttentionKnobs, q: torch.Tensor, trace: Optional[dict] = None) 
     return _Plan(rc=rc, bq=min(bq, T), bk=min(bk, T), scale=D ** -0.5,
                  stabilized=knobs.softmax in ("stabilized", "stabilized_guarded"),
                  guarded=knobs.softmax == "stabilized_guarded", beta=float(knobs.beta), eps=float(knobs.eps),
-                 delta=knobs.delta, o_keep=o_keep, clamp=bool(knobs.pbar_clamp), trace=trace)
+                 delta=knobs.delta, o_keep=o_keep, clamp=bool(knobs.pbar_clamp), trace=trace,
+                 sr_seed=int(knobs.sr_seed) if knobs.stochastic_round else None)
 
 
 def _causal_mask(qs: int, qe: int, ks: int, ke: int, device) -> Optional[torch.Tensor]:
@@ -159,6 +176,8 @@ def forward(q, k, v, knobs: AttentionKnobs, stats: Optional[AttnStats] = None, c
     dev = q.device
     count = stats is not None and knobs.counters
     qw, kw, vw = (round_to(x.to(w), rc.inputs) for x in (q, k, v))
+    if p.sr_seed is not None:  # bits keyed by the seed and these inputs: a replay redraws them exactly
+        p.sr_key = call_key(p.sr_seed, qw, kw, vw)
     fill = -torch.finfo(rc.scores).max
     m_init = -torch.finfo(rc.stats).max
     o_saved = torch.empty(B, H, T, D, dtype=w, device=dev)
@@ -191,8 +210,9 @@ def forward(q, k, v, knobs: AttentionKnobs, stats: Optional[AttnStats] = None, c
             if count:
                 p1 = None if fired is None else fired & (pbar_in >= 1).any(dim=-1, keepdim=True)
                 stats.update(rep, rm, sfa_p1=p1)
-            pv = p.r("pv_out", pbar_in @ vw[:, :, ks:ke], p.o_keep)
-            acc = p.r("acc", p.r("acc", acc * alpha, p.o_keep) + pv, p.o_keep)
+            tile = ((qs // p.bq) << 16 | (ks // p.bk)) << 2  # stream ids of this tile's stochastic_round points
+            pv = p.r_sr("pv_out", pbar_in @ vw[:, :, ks:ke], tile)
+            acc = p.r_sr("acc", p.r_sr("acc", acc * alpha, tile | 1) + pv, tile | 2)
             m = m_new
             if capture is not None:
                 capture["tiles"].append(dict(qs=qs, ks=ks, p_bar=pbar.clone(), p_bar_pv=pbar_pv.clone(), rep=rep,

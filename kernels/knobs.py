@@ -134,6 +134,10 @@ def _positive(value, _n_head) -> Optional[str]:
     return None if is_num(value, 0) else "a number > 0"
 
 
+def _seed(value, _n_head) -> Optional[str]:
+    return None if is_int(value, 0, 2 ** 31 - 1) else "an integer in 0..2147483647"
+
+
 def _heads(value, n_head) -> Optional[str]:
     top = None if n_head is None else n_head - 1
     ok = not isinstance(value, (str, Mapping)) and hasattr(value, "__iter__") and all(is_int(h, 0, top) for h in value)
@@ -203,6 +207,14 @@ KNOBS: Tuple[Knob, ...] = (
          computed_by=FLASH, off=[], check=_points, label=_points_label("round_bf16")),
     Knob("pbar_clamp", bool, False, f"where a tile's row max repeats, P̄ = 1 becomes {PBAR_CLAMP} before P̄V "
          "(m and l unchanged): the clamp-only ablation", computed_by=("emulator",), off=False),
+    # stochastic rounding (emulator only; kernels/emulator.py `_stochastic`): its own rows, read by nothing else
+    Knob("stochastic_round", bool, False, "the BF16 stores of the P̄V product and of the O accumulator round "
+         "stochastically (unbiased) instead of to nearest; a recipe that keeps them in FP32 has nothing to round",
+         computed_by=("emulator",), off=False,
+         label=lambda k: f"stoch_round(seed={k.sr_seed})" if k.stochastic_round else None),
+    Knob("sr_seed", int, 0, "stochastic_round's seed; read only by stochastic_round, which only the emulator "
+         "computes (the others refuse it)", computed_by=("emulator",), off=0,
+         ignored_by=("triton", "standard", "sdpa"), check=_seed, label=_elsewhere),
     Knob("counters", bool, True, "count repeated-maxima rows per head on the device; sdpa has none (its route says "
          "no-counters)", computed_by=("emulator", "triton", "standard"), off=False, ignored_by=("sdpa",)),
 )

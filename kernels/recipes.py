@@ -61,6 +61,8 @@ Knobs that override a recipe (kernels/config.py):
   (dO_O) uses the FP32 O (and the dO*O product is not rounded, as BF16 * FP32 promotes to FP32 in PyTorch). The
   returned O is still `out` (BF16): the next layer sees the same dtype. Other heads are bit-identical.
 - tiling=False: one tile spans the sequence (block_q = block_k = T).
+- stochastic_round: the `pv_out` and `acc` roundings (BF16 in paper_bf16 only) are stochastic instead of nearest
+  even (kernels/stochastic.py, seed `sr_seed`); every other point stays nearest even. Refused where both are FP32.
 
 Recipes:
 - paper_bf16: the paper's plain-PyTorch FA2 (ucker/why-low-precision-training-fails, attention.py) under CUDA

@@ -38,6 +38,8 @@ class ModelConfig:
     dropout: float = 0.0
     bias: bool = False
     qk_norm: bool = False  # RMSNorm on q and k per head (a stabilizer to compare with SFA)
+    attn_gate: bool = False  # a sigmoid output gate per head (gated attention; new parameters: CausalSelfAttention)
+    z_loss: float = 0.0  # PaLM's z-loss coefficient on the output logits (no parameters: z_loss_term)
 
     def validate(self, key: str = "model") -> "ModelConfig":
         """Raise ValueError naming key, value and what is allowed; return self."""
@@ -52,9 +54,12 @@ class ModelConfig:
                                                      f"{key}.n_embd to a multiple of {key}.n_head)")
         if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) or not 0 <= self.dropout < 1:
             raise _bad(f"{key}.dropout", self.dropout, "a number in [0, 1)")
-        for name in ("bias", "qk_norm"):
+        for name in ("bias", "qk_norm", "attn_gate"):
             if not isinstance(getattr(self, name), bool):
                 raise _bad(f"{key}.{name}", getattr(self, name), "true or false")
+        if isinstance(self.z_loss, bool) or not isinstance(self.z_loss, (int, float)) or \
+                not 0 <= self.z_loss < math.inf:
+            raise _bad(f"{key}.z_loss", self.z_loss, "a finite number >= 0 (0: off; PaLM uses 1e-4)")
         return self
 
     @property
@@ -116,6 +121,10 @@ class CausalSelfAttention(nn.Module):
         # QK-norm: RMSNorm over each head's q and k, gains shared across heads.
         self.q_norm = nn.RMSNorm(self.n_embd // self.n_head, eps=1e-6) if cfg.qk_norm else None
         self.k_norm = nn.RMSNorm(self.n_embd // self.n_head, eps=1e-6) if cfg.qk_norm else None
+        # Gated attention, head-wise variant (Qiu et al. 2025, "Gated Attention for LLMs", G1 after SDPA): head h's
+        # output is scaled by sigmoid(x W_g)_h, W_g: n_embd -> n_head from the block's normed input x. Init: the
+        # model's std-0.02 normal (_init_weights), so every gate starts near sigmoid(0) = 0.5.
+        self.gate = nn.Linear(cfg.n_embd, cfg.n_head, bias=cfg.bias) if cfg.attn_gate else None
         self.stats = new_stats(cfg.n_head, "cpu")
         self.probe = False  # set on logging steps: lets sdpa compute max_logit with an extra pass
         # qk_observer(q, k): called on training forwards with the (B, H, T, D) q and k this layer attends with, e.g.
@@ -144,6 +153,9 @@ class CausalSelfAttention(nn.Module):
             self.probe_capture(x, q, k, v, y)
         # Back to the stream's dtype (exact for BF16 -> FP32): without autocast c_proj needs it, with autocast c_proj
         # recasts it to BF16, so the numbers are those of a BF16 O either way (FP32 O heads stay FP32 for the backward).
+        if self.gate is not None:  # gate logits from the projection's GEMM (BF16 under autocast); sigmoid and product
+            g = torch.sigmoid(self.gate(x).float()).transpose(1, 2).unsqueeze(-1)  # in FP32: (B, H, T, 1)
+            y = (y.float() * g).to(x.dtype)  # x: the FP32 stream (c_proj's autocast rounds it once to BF16)
         y = y.transpose(1, 2).contiguous().view(B, T, C).to(x.dtype)
         return self.resid_dropout(self.c_proj(y))
 
@@ -217,6 +229,9 @@ class GPT(nn.Module):
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+            if self.config.z_loss and self.training:
+                z = self.config.z_loss * z_loss_term(logits, targets)
+                loss = loss + (z - z.detach())  # the gradient of CE + z-loss; the value stays the cross entropy
         return logits, loss
 
     # ---------------------------------------------------------------------------------------------- monitoring
@@ -285,8 +300,16 @@ class GPT(nn.Module):
         return n - self.transformer.wpe.weight.numel() if non_embedding else n
 
 
+def z_loss_term(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """PaLM's z-loss without its coefficient: mean over the scored positions (targets != -1) of logsumexp(logits)^2,
+    in FP32. The train loss adds coef * this to the gradient only, so the logged loss compares with other runs."""
+    lse = torch.logsumexp(logits.float(), dim=-1)
+    valid = (targets != -1).float()
+    return (lse.square() * valid).sum() / valid.sum().clamp_min(1.0)
+
+
 def _trace(a: torch.Tensor) -> torch.Tensor:
     return a.diagonal(dim1=-2, dim2=-1).sum(-1)
 
 
-__all__ = ["GPT", "ModelConfig", "asdict"]
+__all__ = ["GPT", "ModelConfig", "asdict", "z_loss_term"]

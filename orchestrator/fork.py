@@ -90,9 +90,10 @@ def source_header(path, key: str = "from_checkpoint") -> Dict[str, Any]:
     return _HEADERS[cache_key]
 
 
-# model fields that decide the parameters a checkpoint must hold (SHAPE_KEYS: the tensor shapes; bias and qk_norm:
-# which tensors exist). A fork or resume keeps the checkpoint's parameters, so each must match.
-MODEL_KEYS = tuple(checkpoint.SHAPE_KEYS) + ("bias", "qk_norm")
+# model fields that decide the parameters a checkpoint must hold (SHAPE_KEYS: the tensor shapes; bias, qk_norm and
+# attn_gate: which tensors exist). A fork or resume keeps the checkpoint's parameters, so each must match. Fields
+# outside it (dropout, z_loss) change no parameter: a fork may change them.
+MODEL_KEYS = tuple(checkpoint.SHAPE_KEYS) + ("bias", "qk_norm", "attn_gate")
 
 
 def check_model(header: Dict[str, Any], obj, key: str, path) -> None:
@@ -112,7 +113,7 @@ def check_model(header: Dict[str, Any], obj, key: str, path) -> None:
     if diffs:
         raise ForkError(f"{key}={str(path)!r} belongs to another model shape ({'; '.join(diffs)}); allowed: a "
                         f"checkpoint of model {checkpoint.model_shape(obj.model)} with bias={obj.model.bias}, "
-                        f"qk_norm={obj.model.qk_norm}, or the checkpoint's values")
+                        f"qk_norm={obj.model.qk_norm}, attn_gate={obj.model.attn_gate}, or the checkpoint's values")
     _check_parameters(header, obj, key, path)
 
 

@@ -186,6 +186,25 @@ def check_knob_combos(att: AttentionConfig, n_layer: int, key: str = "attention"
                 f"{src[row.name]} (layer {layer}): {row.name}={value!r} is not computed by {_route_words(k, src)}; "
                 f"computed by: {knob_table.computed_by_words(row, value)}; allowed: {row.name}={row.off!r} in that "
                 f"layer, or an impl/backend that computes it")
+        _check_stochastic_round(k, att.where_set(layer, key), layer)
+
+
+def _check_stochastic_round(k, src: Dict[str, str], layer: int) -> None:
+    """stochastic_round rounds BF16 stores of P̄V and the O accumulator: refused where the layer has none, so it is
+    never set and silently a no-op (fa2 / fp32 keep both in FP32; pv_fp32 / o_fp32 lift them for every head)."""
+    if not k.stochastic_round:
+        return
+    from kernels.recipes import for_knobs
+    import torch
+    rc = for_knobs(k)  # the recipe with the knobs that lift or lower its points
+    why = (f"pv_fp32=True (set at {src['pv_fp32']}) keeps them in FP32" if k.pv_fp32 else
+           f"o_fp32=True (set at {src['o_fp32']}) keeps them in FP32" if k.o_fp32 else
+           f"recipe={k.recipe!r} (set at {src['recipe']}) keeps P̄V and the O accumulator in FP32"
+           if torch.bfloat16 not in (rc.pv_out, rc.acc) else None)
+    if why:
+        raise ConfigError(f"{src['stochastic_round']} (layer {layer}): stochastic_round=True is not allowed: "
+                          f"{why}, nothing to round; allowed: recipe=paper_bf16 without pv_fp32/o_fp32, or "
+                          f"stochastic_round=false")
 
 
 # ----------------------------------------------------------------------------------------------- the sections
