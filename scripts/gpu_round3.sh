@@ -43,14 +43,14 @@ if [ "$mode" = start ]; then
   $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$L/env.txt"
   t0=$(date +%s)
   # 1. quiet benchmarks first (nothing else on the GPU): probe cost, stabilizer throughput
-  timeout 100 $PY benchmarks/probes.py --out "$L/probes-h200.json" > "$L/bench_probes.log" 2>&1
+  timeout 90 $PY benchmarks/probes.py --out "$L/probes-h200.json" > "$L/bench_probes.log" 2>&1
   tail -6 "$L/bench_probes.log"
-  timeout 120 $PY benchmarks/stabilizers.py --quick --out "$L/stabilizers-h200.json" > "$L/bench_stabilizers.log" 2>&1
+  timeout 130 $PY benchmarks/stabilizers.py --shapes mini,gpt2s --rounds 2 --out "$L/stabilizers-h200.json" > "$L/bench_stabilizers.log" 2>&1
   tail -12 "$L/bench_stabilizers.log"
   echo "[round3] benchmarks done at $(( $(date +%s) - t0 )) s"
   # 2. every run, in the background
   setsid nohup $PY -m orchestrator.isolate --experiment mini_repro --sweeps rounding_refs rounding_points stabilizers \
-    --root "$R/mini" --out "$R/mini/report" --uri "sqlite:///$R/mini/mlflow.db" --per-gpu "${MINI_PER_GPU:-4}" \
+    --root "$R/mini" --out "$R/mini/report" --uri "sqlite:///$R/mini/mlflow.db" --per-gpu "${MINI_PER_GPU:-3}" \
     > "$L/mini.log" 2>&1 < /dev/null &
   setsid nohup env ROOT="$R/paper" SEEDS="1337 1 2" CONTROL_SWEEPS=paper_1gpu_fp32 \
     ISOLATION_SWEEPS="paper_1gpu_numerics paper_1gpu_key" PER_GPU_FIRST=2 PER_GPU_OTHERS=1 CKPT_EVERY_OTHERS=250 \
