@@ -18,6 +18,7 @@ from typing import Dict, List, Optional, Tuple
 
 from kernels.checks import bad, is_int
 from kernels.knobs import BACKENDS, DELTAS, IMPLS, KNOBS, RECIPES, SOFTMAXES, Knob
+from kernels.recipes import points_problem
 
 
 def _shown(value):
@@ -37,6 +38,12 @@ class _Knobs:
             why = row.problem(value, n_head)
             if why:
                 raise bad(f"{key}.{row.name}", _shown(value), why)
+        names = {r.name for r in self.KNOB_ROWS}
+        if {"keep_fp32", "round_bf16"} <= names:  # the rounding points must fit the recipe (kernels/recipes.py)
+            problem = points_problem(self.recipe, self.keep_fp32, self.round_bf16, bool(self.pv_fp32))
+            if problem:
+                knob, value, why = problem
+                raise bad(f"{key}.{knob}", value, why)
         return self
 
     def fp32_o_heads(self, n_head: int) -> List[int]:

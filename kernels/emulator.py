@@ -29,7 +29,7 @@ import torch
 
 from kernels.config import AttentionKnobs
 from kernels.knobs import PBAR_CLAMP
-from kernels.recipes import Recipe, resolve, round_to
+from kernels.recipes import Recipe, for_knobs, round_to
 from kernels.stats import AttnStats
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
@@ -50,19 +50,23 @@ class _Plan:
     beta: float
     eps: float
     delta: str
-    pv_keep: Optional[torch.Tensor]  # (1, H, 1, 1) bool: heads whose P̄V path skips rounding; None: none skip
-    pv_all: bool  # pv_fp32: every head skips
-    o_keep: Optional[torch.Tensor]  # (1, H, 1, 1) bool: heads whose stored O stays in `math`
+    o_keep: Optional[torch.Tensor]  # (1, H, 1, 1) bool: heads (o_fp32) whose P̄V path and stored O stay in `math`
     clamp: bool  # pbar_clamp: see _clamped
+    trace: Optional[dict] = None  # point -> [(value before, value stored)], when a caller asks (tests)
 
-    def r_pv(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Round on the P̄V path (P̄ fed to the GEMM, PV, O accumulator) unless pv_fp32 / o_fp32 lifts it."""
-        return x if self.pv_all else round_to(x, dtype, self.pv_keep)
+    def r(self, point: str, x: torch.Tensor, keep: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x stored at rounding point `point` (kernels/recipes.py): rounded to the recipe's dtype there (lifted by
+        keep_fp32 / pv_fp32, lowered by round_bf16), except where `keep` (o_fp32 heads). Every point goes through
+        here, so a trace sees each stored value next to the value it was rounded from."""
+        y = round_to(x, getattr(self.rc, point), keep)
+        if self.trace is not None:
+            self.trace.setdefault(point, []).append((x.detach().clone(), y.detach().clone()))
+        return y
 
 
-def _plan(knobs: AttentionKnobs, q: torch.Tensor) -> _Plan:
+def _plan(knobs: AttentionKnobs, q: torch.Tensor, trace: Optional[dict] = None) -> _Plan:
     B, H, T, D = q.shape
-    rc = resolve(knobs.recipe, q.dtype)
+    rc = for_knobs(knobs, q.dtype)  # the recipe with keep_fp32 / pv_fp32 / round_bf16 applied
     bq, bk = (knobs.block_q, knobs.block_k) if knobs.tiling else (T, T)
     heads = knobs.fp32_o_heads(H)
     o_keep = None
@@ -72,8 +76,7 @@ def _plan(knobs: AttentionKnobs, q: torch.Tensor) -> _Plan:
     return _Plan(rc=rc, bq=min(bq, T), bk=min(bk, T), scale=D ** -0.5,
                  stabilized=knobs.softmax in ("stabilized", "stabilized_guarded"),
                  guarded=knobs.softmax == "stabilized_guarded", beta=float(knobs.beta), eps=float(knobs.eps),
-                 delta=knobs.delta, pv_keep=o_keep, pv_all=bool(knobs.pv_fp32), o_keep=o_keep,
-                 clamp=bool(knobs.pbar_clamp))
+                 delta=knobs.delta, o_keep=o_keep, clamp=bool(knobs.pbar_clamp), trace=trace)
 
 
 def _causal_mask(qs: int, qe: int, ks: int, ke: int, device) -> Optional[torch.Tensor]:
@@ -84,26 +87,24 @@ def _causal_mask(qs: int, qe: int, ks: int, ke: int, device) -> Optional[torch.T
 
 
 def _scores(p: _Plan, qi: torch.Tensor, kj: torch.Tensor, mask, fill: float) -> torch.Tensor:
-    rc = p.rc
-    s = round_to(qi @ kj.transpose(-1, -2), rc.scores)
-    s = round_to(s * p.scale, rc.scores)
+    s = p.r("scores", qi @ kj.transpose(-1, -2))
+    s = p.r("scores", s * p.scale)
     return s if mask is None else s.masked_fill(mask, fill)
 
 
 def _tile_max(p: _Plan, s: torch.Tensor, mask, count: bool):
     """Row max of a tile and Algorithm 3's shifted max; `rep` (rows where the max repeats) when needed."""
-    rc = p.rc
     rm = s.amax(dim=-1, keepdim=True)
     rep = None
     if p.stabilized or count:
-        close = s >= round_to(rm - p.eps, rc.scores)
+        close = s >= p.r("scores", rm - p.eps)
         if mask is not None:
             close = close & ~mask
         rep = close.sum(dim=-1, keepdim=True) > 1
     if not p.stabilized or p.guarded:
         return rm, rm, rep
     # A repeated max of exactly 0 is left alone by Algorithm 3 (neither > 0 nor < 0): P̄ = exp(0) = 1 survives there.
-    mt = torch.where(rep & (rm > 0), round_to(rm * p.beta, rc.scores), rm)
+    mt = torch.where(rep & (rm > 0), p.r("scores", rm * p.beta), rm)
     mt = torch.where(rep & (mt < 0), torch.zeros_like(mt), mt)
     return rm, mt, rep
 
@@ -112,16 +113,16 @@ def _new_max(p: _Plan, m: torch.Tensor, rm: torch.Tensor, mt: torch.Tensor, rep)
     """(running max after the tile, rows where the stabilized shift fired (None: safe softmax))."""
     rc = p.rc
     if not p.stabilized:
-        return round_to(torch.maximum(m, mt), rc.stats), None
+        return p.r("stats", torch.maximum(m, mt)), None
     # `fired`: rows where Algorithm 3 is meant to act (a repeated max; guarded: one that reaches the running max)
     if not p.guarded:
-        return round_to(torch.maximum(m, mt), rc.stats), rep
+        return p.r("stats", torch.maximum(m, mt)), rep
     d = ((p.beta - 1.0) * rm.abs()).clamp(SFA_GUARD_LO, SFA_GUARD_HI)
-    shifted = round_to(rm + d, rc.stats)
+    shifted = p.r("stats", rm + d)
     up = torch.nextafter(rm.to(rc.stats), torch.full_like(rm, float("inf"), dtype=rc.stats)).to(rm.dtype)
     shifted = torch.where(shifted > rm, shifted, up)
     fire = rep & (rm + SFA_GUARD_LO > m) & (shifted - rm <= SFA_GUARD_HI)
-    return round_to(torch.maximum(m, torch.where(fire, shifted, rm)), rc.stats), rep & (rm + SFA_GUARD_LO > m)
+    return p.r("stats", torch.maximum(m, torch.where(fire, shifted, rm))), rep & (rm + SFA_GUARD_LO > m)
 
 
 def _tile_shift(p: _Plan, s: torch.Tensor, m: torch.Tensor, mask, want_rep: bool):
@@ -142,19 +143,22 @@ def _clamped(p: _Plan, pbar: torch.Tensor, rep: Optional[torch.Tensor]) -> Optio
     return (rep & (pbar == 1)) if p.clamp else None
 
 
-def forward(q, k, v, knobs: AttentionKnobs, stats: Optional[AttnStats] = None, capture: Optional[dict] = None):
+def forward(q, k, v, knobs: AttentionKnobs, stats: Optional[AttnStats] = None, capture: Optional[dict] = None,
+            trace: Optional[dict] = None):
     """One forward pass without autograd. Returns (O returned, O stored for delta, lse (B, H, T, 1) in the working
     dtype).
+
+    `trace`, if a dict, receives for each rounding point the list of (value before, value stored) pairs, in order.
 
     `capture`, if a dict, receives debug copies: "tiles" = list of dicts (qs, ks, p_bar, p_bar_pv, rep, mask, rm, m)
     per tile, "o_bar" = the O accumulator before the division (B, H, T, D), "l", "m" (B, H, T, 1).
     """
     B, H, T, D = q.shape
-    p = _plan(knobs, q)
+    p = _plan(knobs, q, trace)
     rc, w = p.rc, p.rc.work
     dev = q.device
     count = stats is not None and knobs.counters
-    qw, kw, vw = (round_to(x.to(w), rc.gemm_in) for x in (q, k, v))
+    qw, kw, vw = (round_to(x.to(w), rc.inputs) for x in (q, k, v))
     fill = -torch.finfo(rc.scores).max
     m_init = -torch.finfo(rc.stats).max
     o_saved = torch.empty(B, H, T, D, dtype=w, device=dev)
@@ -173,29 +177,29 @@ def forward(q, k, v, knobs: AttentionKnobs, stats: Optional[AttnStats] = None, c
             mask = _causal_mask(qs, qe, ks, ke, dev)
             s = _scores(p, qi, kw[:, :, ks:ke], mask, fill)
             rm, rep, m_new, fired = _tile_shift(p, s, m, mask, count or capture is not None or p.clamp)
-            pbar = torch.exp(round_to(s - m_new, rc.shift))
-            alpha = torch.exp(round_to(m - m_new, rc.shift))
+            pbar = torch.exp(p.r("shift", s - m_new))
+            alpha = torch.exp(p.r("shift", m - m_new))
             rowsum = pbar.sum(dim=-1, keepdim=True)
             if count:  # the unfloored row sum: what tells an underflowed row from a small tile contribution
                 l_raw = alpha * l_raw + rowsum
             if rc.rowsum_floor:
                 rowsum = rowsum.clamp_min(rc.rowsum_floor)
-            l = round_to(alpha * l + rowsum, rc.stats)
+            l = p.r("stats", alpha * l + rowsum)
             tie = _clamped(p, pbar, rep)
             pbar_pv = pbar if tie is None else torch.where(tie, PBAR_CLAMP, pbar)  # l above: the unclamped P̄
-            pbar_in = p.r_pv(pbar_pv, rc.gemm_in)
+            pbar_in = p.r("pbar", pbar_pv, p.o_keep)
             if count:
                 p1 = None if fired is None else fired & (pbar_in >= 1).any(dim=-1, keepdim=True)
                 stats.update(rep, rm, sfa_p1=p1)
-            pv = p.r_pv(pbar_in @ vw[:, :, ks:ke], rc.pv_out)
-            acc = p.r_pv(p.r_pv(acc * alpha, rc.acc) + pv, rc.acc)
+            pv = p.r("pv_out", pbar_in @ vw[:, :, ks:ke], p.o_keep)
+            acc = p.r("acc", p.r("acc", acc * alpha, p.o_keep) + pv, p.o_keep)
             m = m_new
             if capture is not None:
                 capture["tiles"].append(dict(qs=qs, ks=ks, p_bar=pbar.clone(), p_bar_pv=pbar_pv.clone(), rep=rep,
                                              mask=mask, rm=rm, m=m_new))
         if count:  # row sum under the floor (or NaN): the row's P̄ all underflowed (exact Algorithm 3)
             stats.update_underflow(~(l_raw >= (rc.rowsum_floor or torch.finfo(w).tiny)))
-        o_saved[:, :, qs:qe] = round_to(acc / l, rc.o_store, p.o_keep)
+        o_saved[:, :, qs:qe] = p.r("o_store", acc / l, p.o_keep)
         lse[:, :, qs:qe] = torch.log(l) + m
         if capture is not None:
             capture["o_bar"][:, :, qs:qe] = acc
@@ -217,12 +221,12 @@ def _key_tiles(p: _Plan, qi, kw, qs: int, qe: int, lse_i, dev):
         tie = None
         if p.clamp:  # masked scores are -inf here (-max there): neither moves m, nor is P̄ = 1 at them
             _, rep, m, _ = _tile_shift(p, s, m, mask, True)
-            tie = _clamped(p, torch.exp(round_to(s - m, p.rc.shift)), rep)
+            tie = _clamped(p, torch.exp(p.r("shift", s - m)), rep)
         yield ks, ke, torch.exp(s - lse_i), tie  # masked: exp(-inf) = 0
 
 
-def backward(q, k, v, o_saved, lse, do, knobs: AttentionKnobs):
-    """Gradients (dq, dk, dv) in the inputs' dtypes, from the forward's stored O and lse.
+def backward(q, k, v, o_saved, lse, do, knobs: AttentionKnobs, trace: Optional[dict] = None):
+    """Gradients (dq, dk, dv) in the inputs' dtypes, from the forward's stored O and lse (`trace` as in forward).
 
     pbar_clamp: O = (c o P) V with c = PBAR_CLAMP where the forward clamped P̄ (`tie`) and 1 elsewhere, P the
     unclamped softmax (lse is unclamped). c is held constant (it is piecewise constant in S), so: dV = (c o P)^T dO,
@@ -230,10 +234,10 @@ def backward(q, k, v, o_saved, lse, do, knobs: AttentionKnobs):
     delta = rowsum(dO o O) = rowsum(dP o c o P), which is what dP_P sums and what recompute_fp32's O = (c o P) V gives.
     """
     B, H, T, D = q.shape
-    p = _plan(knobs, q)
+    p = _plan(knobs, q, trace)
     rc, w = p.rc, p.rc.work
     dev = q.device
-    qw, kw, vw, dow = (round_to(x.to(w), rc.gemm_in) for x in (q, k, v, do))
+    qw, kw, vw, dow = (round_to(x.to(w), rc.inputs) for x in (q, k, v, do))
     dq = torch.zeros(B, H, T, D, dtype=w, device=dev)
     dk = torch.zeros_like(dq)
     dv = torch.zeros_like(dq)
@@ -246,13 +250,13 @@ def backward(q, k, v, o_saved, lse, do, knobs: AttentionKnobs):
         qi, doi, lse_i = qw[:, :, qs:qe], dow[:, :, qs:qe], lse[:, :, qs:qe]
         if p.delta == "dO_O":
             o_i = o_saved[:, :, qs:qe].to(w)
-            delta = round_to(doi * o_i, rc.delta_prod, p.o_keep).sum(dim=-1, keepdim=True)
+            delta = p.r("delta_prod", doi * o_i, p.o_keep).sum(dim=-1, keepdim=True)
         else:  # a first pass over the key tiles builds delta from P (FP32) before any gradient uses it
             delta = torch.zeros(B, H, qe - qs, 1, dtype=w, device=dev)
             o_hp = torch.zeros(B, H, qe - qs, D, dtype=w, device=dev)
             for ks, ke, pt, tie in _key_tiles(p, qi, kw, qs, qe, lse_i, dev):
                 if p.delta == "dP_P":
-                    dp = round_to(doi @ vw[:, :, ks:ke].transpose(-1, -2), rc.bwd_out)
+                    dp = p.r("bwd_out", doi @ vw[:, :, ks:ke].transpose(-1, -2))
                     delta = delta + (dp * clamp(pt, tie)).sum(dim=-1, keepdim=True)
                 else:  # recompute_fp32: O = P V with nothing rounded
                     o_hp = o_hp + clamp(pt, tie) @ vw[:, :, ks:ke]
@@ -261,12 +265,12 @@ def backward(q, k, v, o_saved, lse, do, knobs: AttentionKnobs):
         dq_i = torch.zeros(B, H, qe - qs, D, dtype=w, device=dev)
         for ks, ke, pt, tie in _key_tiles(p, qi, kw, qs, qe, lse_i, dev):
             kj, vj = kw[:, :, ks:ke], vw[:, :, ks:ke]
-            dv_c = round_to(round_to(clamp(pt, tie), rc.gemm_in).transpose(-1, -2) @ doi, rc.bwd_out)
-            dv[:, :, ks:ke] = round_to(dv[:, :, ks:ke] + dv_c, rc.grad_acc)
-            dp = round_to(doi @ vj.transpose(-1, -2), rc.bwd_out)
-            ds = round_to((pt * p.scale) * (clamp(dp, tie) - delta), rc.gemm_in)
-            dq_i = round_to(dq_i + round_to(ds @ kj, rc.bwd_out), rc.grad_acc)
-            dk[:, :, ks:ke] = round_to(dk[:, :, ks:ke] + round_to(ds.transpose(-1, -2) @ qi, rc.bwd_out), rc.grad_acc)
+            dv_c = p.r("bwd_out", p.r("bwd_gemm_in", clamp(pt, tie)).transpose(-1, -2) @ doi)
+            dv[:, :, ks:ke] = p.r("grad_acc", dv[:, :, ks:ke] + dv_c)
+            dp = p.r("bwd_out", doi @ vj.transpose(-1, -2))
+            ds = p.r("bwd_gemm_in", (pt * p.scale) * (clamp(dp, tie) - delta))
+            dq_i = p.r("grad_acc", dq_i + p.r("bwd_out", ds @ kj))
+            dk[:, :, ks:ke] = p.r("grad_acc", dk[:, :, ks:ke] + p.r("bwd_out", ds.transpose(-1, -2) @ qi))
         dq[:, :, qs:qe] = dq_i
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
@@ -332,15 +336,17 @@ def flash_attention(q, k, v, cfg: AttentionKnobs, stats: Optional[AttnStats] = N
     return _FlashAttention.apply(q, k, v, knobs, stats)
 
 
-def reference_attention(q, k, v, cfg: AttentionKnobs, do: Optional[torch.Tensor] = None):
+def reference_attention(q, k, v, cfg: AttentionKnobs, do: Optional[torch.Tensor] = None,
+                        trace: Optional[dict] = None):
     """Pure function for testing other kernels against: (O, lse, dq, dk, dv); gradients None without `do`.
 
-    O is the returned O (recipe's `out` dtype), lse (B, H, T) in the working dtype.
+    O is the returned O (recipe's `out` dtype), lse (B, H, T) in the working dtype. `trace`, if a dict, receives
+    each rounding point's (value before, value stored) pairs, forward then backward (see `forward`).
     """
     knobs = check_inputs(q, k, v, cfg)
     with torch.no_grad(), torch.autocast(device_type=q.device.type, enabled=False):
-        o, o_saved, lse = forward(q, k, v, knobs)
-        grads = backward(q, k, v, o_saved, lse, do, knobs) if do is not None else (None, None, None)
+        o, o_saved, lse = forward(q, k, v, knobs, trace=trace)
+        grads = backward(q, k, v, o_saved, lse, do, knobs, trace) if do is not None else (None, None, None)
     return (o, lse.squeeze(-1), *grads)
 
 

@@ -21,12 +21,12 @@ from dataclasses import KW_ONLY, dataclass, replace
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 from kernels.checks import is_int, is_num
+from kernels.recipes import RECIPES, ROUNDING_POINTS
 
 IMPLEMENTATIONS = ("emulator", "triton", "standard", "sdpa")
 FLASH = ("emulator", "triton")  # the tiled kernels (impl=flash)
 IMPLS = ("flash", "standard", "sdpa")  # flash: tiled kernels; standard: materialised softmax; sdpa: torch
 BACKENDS = ("auto", "emulator", "triton")  # auto: triton on CUDA when it computes every set knob, else the emulator
-RECIPES = ("paper_bf16", "fa2", "fp32")
 SOFTMAXES = ("safe", "stabilized", "stabilized_guarded")  # guarded: bounded shift (emulator only)
 DELTAS = ("dO_O", "dP_P", "recompute_fp32")
 BLOCK = 64  # default block_q = block_k (the route label names other sizes)
@@ -140,6 +140,16 @@ def _heads(value, n_head) -> Optional[str]:
     return None if ok else f"head indices in {'>= 0' if top is None else f'0..{top}'}"
 
 
+def _points(value, _n_head) -> Optional[str]:
+    ok = (not isinstance(value, (str, Mapping)) and hasattr(value, "__iter__")
+          and all(isinstance(pt, str) and pt in ROUNDING_POINTS for pt in value) and len(set(value)) == len(value))
+    return None if ok else f"a list of distinct rounding points from {', '.join(ROUNDING_POINTS)}"
+
+
+def _points_label(name: str) -> Label:
+    return lambda k: f"{name}=" + ",".join(getattr(k, name)) if list(getattr(k, name)) else None
+
+
 def _heads_label(k) -> Optional[str]:
     if k.o_fp32 or not k.o_fp32_heads:  # o_fp32 (every head) says it already
         return None
@@ -185,6 +195,12 @@ KNOBS: Tuple[Knob, ...] = (
          computed_by=("emulator", "triton", "standard"), off=False),
     Knob("o_fp32_heads", List[int], [], "... or only for these heads (0-based)",
          computed_by=("emulator", "triton", "standard"), off=[], check=_heads, label=_heads_label),
+    # Rounding points (kernels/recipes.py ROUNDING_POINTS) one by one; whether they fit the recipe (not already in
+    # that dtype, not in both lists) is kernels.recipes.points_problem, checked with the other knobs.
+    Knob("keep_fp32", List[str], [], "rounding points lifted to FP32 (e.g. [scores, stats]); pv_fp32 is "
+         "[pbar, pv_out, acc]", computed_by=FLASH, off=[], check=_points, label=_points_label("keep_fp32")),
+    Knob("round_bf16", List[str], [], "rounding points rounded to BF16 (e.g. recipe=fp32 with [pv_out])",
+         computed_by=FLASH, off=[], check=_points, label=_points_label("round_bf16")),
     Knob("pbar_clamp", bool, False, f"where a tile's row max repeats, P̄ = 1 becomes {PBAR_CLAMP} before P̄V "
          "(m and l unchanged): the clamp-only ablation", computed_by=("emulator",), off=False),
     Knob("counters", bool, True, "count repeated-maxima rows per head on the device; sdpa has none (its route says "
@@ -229,5 +245,5 @@ def computed_by_words(row: Knob, value) -> str:
     return ", ".join(row.computed_where(value)) or "no implementation"
 
 
-__all__ = ["Knob", "KNOBS", "IMPLEMENTATIONS", "IMPLS", "BACKENDS", "RECIPES", "SOFTMAXES", "DELTAS", "PBAR_CLAMP",
+__all__ = ["Knob", "KNOBS", "IMPLEMENTATIONS", "IMPLS", "BACKENDS", "RECIPES", "ROUNDING_POINTS", "SOFTMAXES", "DELTAS", "PBAR_CLAMP",
            "rows", "implementation", "unsupported", "as_computed", "route_labels", "computed_by_words"]

@@ -23,57 +23,58 @@ LIB = "flash_forensics"
 
 def _knobs(recipe: str, tiling: bool, block_q: int, block_k: int, softmax: str = "safe", beta: float = 2.0,
            eps: float = 1e-3, delta: str = "dO_O", pv_fp32: bool = False,
-           fp32_heads: Optional[List[int]] = None) -> AttentionKnobs:
-    """The knobs an op call carries, as the launchers take them."""
+           fp32_heads: Optional[List[int]] = None, rounding: int = -1) -> AttentionKnobs:
+    """The knobs an op call carries, as the launchers take them. `rounding`: the BF16 rounding points as
+    kernels.triton_flash.round_mask gives them (pv_fp32 included); -1: the recipe's own."""
+    keep, rnd = tf.mask_points(recipe, rounding) if rounding >= 0 else ([], [])
     return AttentionKnobs(impl="flash", backend="triton", recipe=recipe, tiling=tiling, block_q=block_q,
                           block_k=block_k, softmax=softmax, beta=beta, eps=eps, delta=delta, pv_fp32=pv_fp32,
-                          o_fp32_heads=list(fp32_heads or ()))
+                          o_fp32_heads=list(fp32_heads or ()), keep_fp32=keep, round_bf16=rnd)
 
 
-def _saved_o_dtype(recipe: str, fp32_heads) -> torch.dtype:
-    """The forward stores O in FP32 for the fp32 recipe and when any head keeps an FP32 O, else in BF16."""
-    return torch.float32 if (recipe == "fp32" or len(fp32_heads) > 0) else torch.bfloat16
-
-
-def _fwd_body(q, k, v, rep, maxl, recipe, tiling, block_q, block_k, softmax, beta, eps, pv_fp32, fp32_heads):
+def _fwd_body(q, k, v, rep, maxl, recipe, tiling, block_q, block_k, softmax, beta, eps, pv_fp32, fp32_heads,
+              rounding):
     o, lse, _, _ = tf._forward(q, k, v, _knobs(recipe, tiling, block_q, block_k, softmax, beta, eps, "dO_O", pv_fp32,
-                                               fp32_heads), rep, maxl)
+                                               fp32_heads, rounding), rep, maxl)
     return o, lse
 
 
-def _bwd_body(do, q, k, v, o, lse, recipe, tiling, block_q, block_k, delta, fp32_heads):
+def _bwd_body(do, q, k, v, o, lse, recipe, tiling, block_q, block_k, delta, fp32_heads, rounding):
     return tf._backward(do, q, k, v, o, lse, _knobs(recipe, tiling, block_q, block_k, delta=delta,
-                                                    fp32_heads=fp32_heads))
+                                                    fp32_heads=fp32_heads, rounding=rounding))
 
 
 @torch.library.custom_op(f"{LIB}::flash_fwd", mutates_args=("repeated_max_rows", "max_logit"))
 def flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, repeated_max_rows: Optional[torch.Tensor],
               max_logit: Optional[torch.Tensor], recipe: str, tiling: bool, block_q: int, block_k: int, softmax: str,
-              beta: float, eps: float, pv_fp32: bool, fp32_heads: List[int]) -> Tuple[torch.Tensor, torch.Tensor]:
+              beta: float, eps: float, pv_fp32: bool, fp32_heads: List[int],
+              rounding: int = -1) -> Tuple[torch.Tensor, torch.Tensor]:
     """Causal flash forward: (O as stored for the backward, lse (B, H, T) FP32). Counters are added into
-    repeated_max_rows (H,) int64 and max_logit () FP32 when given (both or neither)."""
+    repeated_max_rows (H,) int64 and max_logit () FP32 when given (both or neither). `rounding`: the BF16 rounding
+    points (kernels.triton_flash.round_mask)."""
     return _fwd_body(q, k, v, repeated_max_rows, max_logit, recipe, tiling, block_q, block_k, softmax, beta, eps,
-                     pv_fp32, fp32_heads)
+                     pv_fp32, fp32_heads, rounding)
 
 
 @flash_fwd.register_fake
 def _flash_fwd_fake(q, k, v, repeated_max_rows, max_logit, recipe, tiling, block_q, block_k, softmax, beta, eps,
-                    pv_fp32, fp32_heads):
+                    pv_fp32, fp32_heads, rounding=-1):
     B, H, T, D = q.shape
-    return (q.new_empty((B, H, T, D), dtype=_saved_o_dtype(recipe, fp32_heads)),
+    mask = rounding if rounding >= 0 else tf.round_mask(_knobs(recipe, tiling, block_q, block_k, pv_fp32=pv_fp32))
+    return (q.new_empty((B, H, T, D), dtype=tf.saved_o_dtype(mask, fp32_heads)),
             q.new_empty((B, H, T), dtype=torch.float32))
 
 
 @torch.library.custom_op(f"{LIB}::flash_bwd", mutates_args=())
 def flash_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
               recipe: str, tiling: bool, block_q: int, block_k: int, delta: str,
-              fp32_heads: List[int]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              fp32_heads: List[int], rounding: int = -1) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Causal flash backward from the forward's stored O and lse: (dq, dk, dv) in q's, k's, v's dtypes."""
-    return _bwd_body(do, q, k, v, o, lse, recipe, tiling, block_q, block_k, delta, fp32_heads)
+    return _bwd_body(do, q, k, v, o, lse, recipe, tiling, block_q, block_k, delta, fp32_heads, rounding)
 
 
 @flash_bwd.register_fake
-def _flash_bwd_fake(do, q, k, v, o, lse, recipe, tiling, block_q, block_k, delta, fp32_heads):
+def _flash_bwd_fake(do, q, k, v, o, lse, recipe, tiling, block_q, block_k, delta, fp32_heads, rounding=-1):
     shape = q.shape
     return (q.new_empty(shape), k.new_empty(shape, dtype=k.dtype), v.new_empty(shape, dtype=v.dtype))
 
@@ -83,14 +84,15 @@ class FlashAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, rep, maxl, recipe, tiling, block_q, block_k, softmax, beta, eps, delta, pv_fp32,
-                fp32_heads):
-        args = (q, k, v, rep, maxl, recipe, tiling, block_q, block_k, softmax, beta, eps, pv_fp32, fp32_heads)
+                fp32_heads, rounding):
+        args = (q, k, v, rep, maxl, recipe, tiling, block_q, block_k, softmax, beta, eps, pv_fp32, fp32_heads,
+                rounding)
         if torch.compiler.is_compiling():
             o, lse = torch.ops.flash_forensics.flash_fwd(*args)
         else:  # the op's own body, without the dispatcher's per-call overhead
             o, lse = _fwd_body(*args)
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.bwd_args = (recipe, tiling, block_q, block_k, delta, fp32_heads)
+        ctx.bwd_args = (recipe, tiling, block_q, block_k, delta, fp32_heads, rounding)
         # returned O: BF16 for paper_bf16 / fa2 (also for heads whose stored O is FP32), FP32 for fp32
         out_dtype = torch.float32 if recipe == "fp32" else torch.bfloat16
         return o if o.dtype == out_dtype else o.to(out_dtype)
@@ -102,7 +104,7 @@ class FlashAttention(torch.autograd.Function):
             dq, dk, dv = torch.ops.flash_forensics.flash_bwd(do, q, k, v, o, lse, *ctx.bwd_args)
         else:
             dq, dk, dv = _bwd_body(do, q, k, v, o, lse, *ctx.bwd_args)
-        return (dq, dk, dv) + (None,) * 12
+        return (dq, dk, dv) + (None,) * 13
 
 
 def op_args(knobs: AttentionKnobs, n_head: int) -> tuple:
@@ -112,15 +114,20 @@ def op_args(knobs: AttentionKnobs, n_head: int) -> tuple:
             [int(h) for h in knobs.fp32_o_heads(n_head)])
 
 
+def op_rounding(knobs: AttentionKnobs) -> int:
+    """The ops' last argument, `rounding`: keep_fp32 / round_bf16 / pv_fp32 on the recipe as one bitmask."""
+    return tf.round_mask(knobs)
+
+
 def flash_attention(q, k, v, knobs: AttentionKnobs, stats=None):
     """kernels.triton_flash.flash_attention_triton's body: the ops, then rows_seen (a Python int: no host sync)."""
     B, H, T, _ = q.shape
     counters = stats is not None and knobs.counters
     rep, maxl = (stats.repeated_max_rows, stats.max_logit) if counters else (None, None)
-    o = FlashAttention.apply(q, k, v, rep, maxl, *op_args(knobs, H))
+    o = FlashAttention.apply(q, k, v, rep, maxl, *op_args(knobs, H), op_rounding(knobs))
     if counters and getattr(stats, "rows_seen", None) is not None:
         stats.rows_seen.add_(B * tf._rows_per_head(T, knobs))
     return o
 
 
-__all__ = ["flash_fwd", "flash_bwd", "FlashAttention", "flash_attention", "op_args"]
+__all__ = ["flash_fwd", "flash_bwd", "FlashAttention", "flash_attention", "op_args", "op_rounding"]

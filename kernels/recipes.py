@@ -1,9 +1,27 @@
 """Precision recipes: the dtype of every attention intermediate, named once.
 
-A recipe lists where a value is *stored* (rounded). The emulator keeps every tensor in a working dtype (FP32, or FP64
-for the fp32 recipe on FP64 inputs) and rounds at each storage point with `round_to` (x.to(dtype).to(work)), which is
-what PyTorch's own BF16 ops do on CUDA: compute in FP32, round the result once. GEMMs take inputs rounded to
-`gemm_in` and accumulate in the working dtype (BF16 x BF16 products are exact in FP32), then round their output.
+A recipe lists where a value is *stored* (rounded): its rounding points (ROUNDING_POINTS, below). The emulator keeps
+every tensor in a working dtype (FP32, or FP64 for the fp32 recipe on FP64 inputs) and rounds at each storage point
+with `round_to` (x.to(dtype).to(work)), which is what PyTorch's own BF16 ops do on CUDA: compute in FP32, round the
+result once. GEMMs take inputs rounded to their point and accumulate in the working dtype (BF16 x BF16 products are
+exact in FP32), then round their output. Q, K, V and dO enter every GEMM in `inputs` (BF16 for paper_bf16 / fa2,
+the working dtype for fp32): the input's own precision, not a point.
+
+The rounding points (each settable on its own: knobs `keep_fp32` lifts points to FP32, `round_bf16` rounds them to
+BF16; `Recipe.rounded()` lists the points a recipe stores in BF16):
+    scores       S = QK^T and S * scale (also beta * rm and rm - eps, Algorithm 3's values computed from them)
+    shift        S - m and m_old - m_new: the arguments of exp in the forward
+    stats        the running max m and the running sum l
+    pbar         P̄ as fed to the P̄V GEMM
+    pv_out       the P̄V GEMM's output
+    acc          the O accumulator (after the rescale by alpha and after adding P̄V)
+    o_store      O = O_acc / l: saved for the backward (what delta dO_O sees)
+    delta_prod   dO * O before the row sum of delta (dO_O)
+    bwd_gemm_in  P and dS as fed to the backward GEMMs (dV = P^T dO, dQ = dS K, dK = dS^T Q)
+    bwd_out      backward GEMM outputs: dP and the dQ/dK/dV chunks of one tile
+    grad_acc     the dQ/dK/dV accumulators
+Not points: `math` (exp, row sums, log/lse, dS, backward P: the ops CUDA autocast runs in FP32) and `out` (the
+returned O, in the recipe's output dtype).
 
 Semantics of one forward tile (query tile i, key tile j; Algorithm 1 of FlashAttention-2), `r(x, f)` = round x to
 the recipe's field f, P̄ the unnormalised probabilities, alpha the rescale of the running state:
@@ -17,7 +35,7 @@ the recipe's field f, P̄ the unnormalised probabilities, alpha the rescale of t
     P̄      = exp(r(S - m_new, shift))        exp in `math` (FP32)
     alpha  = exp(r(m - m_new, shift))
     l      = r(alpha * l + max(rowsum(P̄), rowsum_floor), stats)      rowsum in `math`
-    PV     = r(r(P̄, gemm_in) @ V_j, pv_out)
+    PV     = r(r(P̄, pbar) @ V_j, pv_out)
     O_acc  = r(r(O_acc * alpha, acc) + PV, acc)
   after the last key tile:  O = r(O_acc / l, o_store); lse = log(l) + m (in `math`); returned O = O.to(out).
 
@@ -25,17 +43,20 @@ Backward (Algorithm 2; loops: query tiles outer, key tiles inner, the paper's or
 the same sequence), with D the row term delta:
 
     S as in the forward; P = exp(S - lse) in `math` (masked -> 0)
-    dV_j += r(r(P, gemm_in)^T dO_i, bwd_out)        accumulated in `grad_acc`
+    dV_j += r(r(P, bwd_gemm_in)^T dO_i, bwd_out)        accumulated in `grad_acc`
     dP    = r(dO_i V_j^T, bwd_out)
     dS    = (P * scale) * (dP - D)                   in `math`
-    dQ_i += r(r(dS, gemm_in) K_j, bwd_out); dK_j += r(r(dS, gemm_in)^T Q_i, bwd_out)    accumulated in `grad_acc`
+    dQ_i += r(r(dS, bwd_gemm_in) K_j, bwd_out); dK_j += r(r(dS, bwd_gemm_in)^T Q_i, bwd_out)   accumulated in `grad_acc`
     delta="dO_O":           D = rowsum(r(dO * O_stored, delta_prod))      sum in `math`
     delta="dP_P":           D = sum_j rowsum(dP_ij * P_ij)                in `math` (a first pass over key tiles)
     delta="recompute_fp32": D = rowsum(dO * (sum_j P_ij V_j))             P, V, product and sum in `math`
 
 Knobs that override a recipe (kernels/config.py):
-- pv_fp32: P̄ enters the P̄V GEMM unrounded, PV and O_acc stay in `math` (no rounding at `gemm_in` for P̄, `pv_out`,
-  `acc`); O is still rounded to `o_store` after the division, so delta still sees the BF16 O.
+- keep_fp32 / round_bf16: lists of points lifted to FP32 (the working dtype) / rounded to BF16 (`for_knobs`). A point
+  may not be in both, nor lifted where the recipe keeps it in FP32 already, nor rounded where it is BF16 already
+  (`points_problem`): each such setting would change nothing, silently.
+- pv_fp32: keep_fp32 = [pbar, pv_out, acc] (PV_POINTS): P̄ enters the P̄V GEMM unrounded, PV and O_acc stay in
+  `math`; O is still rounded to `o_store` after the division, so delta still sees the BF16 O.
 - o_fp32 / o_fp32_heads: for those heads, everything pv_fp32 lifts *and* O_stored stays in `math`, so delta
   (dO_O) uses the FP32 O (and the dO*O product is not rounded, as BF16 * FP32 promotes to FP32 in PyTorch). The
   returned O is still `out` (BF16): the next layer sees the same dtype. Other heads are bit-identical.
@@ -80,14 +101,32 @@ function other kernels test against.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
+from typing import Optional, Tuple
 
 import torch
 
-from kernels.config import RECIPES
-
 BF16 = torch.bfloat16
 F32 = torch.float32
+
+RECIPES = ("paper_bf16", "fa2", "fp32")
+# Every storage point of a recipe, in the order of the computation (module docstring). Each one is a Recipe field.
+ROUNDING_POINTS = ("scores", "shift", "stats", "pbar", "pv_out", "acc", "o_store", "delta_prod", "bwd_gemm_in",
+                   "bwd_out", "grad_acc")
+PV_POINTS = ("pbar", "pv_out", "acc")  # what pv_fp32 lifts (the P̄V path)
+POINT_MEANINGS = {  # one line per point, for generated files and reports (the docstring above has the detail)
+    "scores": "S = QK^T and S * scale",
+    "shift": "S - m and m_old - m_new, the arguments of exp",
+    "stats": "the running max m and running sum l",
+    "pbar": "P̄ as fed to the P̄V GEMM",
+    "pv_out": "the P̄V GEMM's output",
+    "acc": "the O accumulator",
+    "o_store": "O = O_acc / l as saved for the backward",
+    "delta_prod": "dO * O before the row sum of delta",
+    "bwd_gemm_in": "P and dS as fed to the backward GEMMs",
+    "bwd_out": "the backward GEMM outputs (dP, the dQ/dK/dV chunks)",
+    "grad_acc": "the dQ/dK/dV accumulators",
+}
 
 
 @dataclass(frozen=True)
@@ -96,18 +135,20 @@ class Recipe:
 
     name: str
     work: torch.dtype  # the dtype every tensor lives in between roundings (FP32, or FP64 for fp32 on FP64 input)
-    gemm_in: torch.dtype  # Q, K, V, dO, P̄, P, dS rounded to this before a GEMM
+    inputs: torch.dtype  # Q, K, V, dO as they enter a GEMM (the input's precision: not a rounding point)
     scores: torch.dtype  # S = QK^T and S * scale; also beta * rm and rm - eps
     shift: torch.dtype  # S - m and m_old - m_new, the arguments of exp in the forward
     stats: torch.dtype  # running max m and running sum l
+    pbar: torch.dtype  # P̄ rounded to this before the P̄V GEMM
     pv_out: torch.dtype  # the P̄V GEMM output
     acc: torch.dtype  # the O accumulator
     o_store: torch.dtype  # O after the division by l: saved for the backward (delta)
     out: torch.dtype  # the returned O
     math: torch.dtype  # exp, row sums, log/lse, dS, backward P (the ops CUDA autocast runs in FP32)
+    delta_prod: torch.dtype  # dO * O before the row sum of delta (dO_O)
+    bwd_gemm_in: torch.dtype  # P and dS rounded to this before the backward GEMMs
     bwd_out: torch.dtype  # backward GEMM outputs (dP and the dQ/dK/dV chunks)
     grad_acc: torch.dtype  # dQ/dK/dV accumulators
-    delta_prod: torch.dtype  # dO * O before the row sum of delta (dO_O)
     rowsum_floor: float = 0.0  # each tile's row sum is clamped at this (paper_bf16: 1e-10, as in its code)
 
     def describe(self) -> dict:
@@ -115,26 +156,76 @@ class Recipe:
         return {f.name: (str(getattr(self, f.name)).replace("torch.", "") if f.name != "name" else self.name)
                 for f in fields(self)}
 
+    def rounded(self) -> tuple:
+        """The points this recipe stores in BF16, in ROUNDING_POINTS order."""
+        return tuple(pt for pt in ROUNDING_POINTS if getattr(self, pt) == BF16)
+
 
 def work_dtype(name: str, input_dtype: torch.dtype) -> torch.dtype:
     """FP64 for the fp32 recipe on FP64 inputs ("the input's precision if it is >= FP32"), else FP32."""
     return torch.float64 if (name == "fp32" and input_dtype == torch.float64) else F32
 
 
-def resolve(name: str, input_dtype: torch.dtype = BF16) -> Recipe:
-    """The concrete Recipe for `name` and inputs of `input_dtype`."""
+def resolve(name: str, input_dtype: torch.dtype = BF16, keep_fp32=(), round_bf16=()) -> Recipe:
+    """The concrete Recipe for `name` and inputs of `input_dtype`, with the points in `keep_fp32` stored in the
+    working dtype (FP32) and those in `round_bf16` in BF16 (validated by `points_problem` before launch)."""
     if name not in RECIPES:
         raise ValueError(f"attention.recipe={name!r} is not allowed: expected one of {', '.join(RECIPES)}")
     w = work_dtype(name, input_dtype)
     if name == "paper_bf16":
-        return Recipe(name, work=w, gemm_in=BF16, scores=BF16, shift=BF16, stats=BF16, pv_out=BF16, acc=BF16,
-                      o_store=BF16, out=BF16, math=F32, bwd_out=BF16, grad_acc=BF16, delta_prod=BF16,
-                      rowsum_floor=1e-10)
-    if name == "fa2":
-        return Recipe(name, work=w, gemm_in=BF16, scores=F32, shift=F32, stats=F32, pv_out=F32, acc=F32,
-                      o_store=BF16, out=BF16, math=F32, bwd_out=F32, grad_acc=F32, delta_prod=F32)
-    return Recipe(name, work=w, gemm_in=w, scores=w, shift=w, stats=w, pv_out=w, acc=w, o_store=w, out=w, math=w,
-                  bwd_out=w, grad_acc=w, delta_prod=w)
+        rc = Recipe(name, work=w, inputs=BF16, scores=BF16, shift=BF16, stats=BF16, pbar=BF16, pv_out=BF16,
+                    acc=BF16, o_store=BF16, out=BF16, math=F32, delta_prod=BF16, bwd_gemm_in=BF16, bwd_out=BF16,
+                    grad_acc=BF16, rowsum_floor=1e-10)
+    elif name == "fa2":
+        rc = Recipe(name, work=w, inputs=BF16, scores=F32, shift=F32, stats=F32, pbar=BF16, pv_out=F32, acc=F32,
+                    o_store=BF16, out=BF16, math=F32, delta_prod=F32, bwd_gemm_in=BF16, bwd_out=F32, grad_acc=F32)
+    else:
+        rc = Recipe(name, work=w, inputs=w, scores=w, shift=w, stats=w, pbar=w, pv_out=w, acc=w, o_store=w, out=w,
+                    math=w, delta_prod=w, bwd_gemm_in=w, bwd_out=w, grad_acc=w)
+    moved = {**{pt: w for pt in keep_fp32}, **{pt: BF16 for pt in round_bf16}}
+    return replace(rc, **moved) if moved else rc
+
+
+def lifted_points(knobs) -> tuple:
+    """The points a layer's knobs lift to FP32: keep_fp32 plus, with pv_fp32, PV_POINTS (in ROUNDING_POINTS order)."""
+    lift = set(knobs.keep_fp32) | (set(PV_POINTS) if knobs.pv_fp32 else set())
+    return tuple(pt for pt in ROUNDING_POINTS if pt in lift)
+
+
+def for_knobs(knobs, input_dtype: torch.dtype = BF16) -> Recipe:
+    """The Recipe a layer computes: its recipe with keep_fp32 / pv_fp32 lifted and round_bf16 rounded."""
+    return resolve(knobs.recipe, input_dtype, lifted_points(knobs), tuple(knobs.round_bf16))
+
+
+def points_problem(recipe: str, keep_fp32, round_bf16, pv_fp32: bool = False) -> Optional[Tuple[str, object, str]]:
+    """None, or (which knob, its value, what is allowed) for point lists that do not fit `recipe`: an unknown point,
+    a point twice or in both lists (pv_fp32 counts as keep_fp32 = PV_POINTS), a lift of a point the recipe keeps in
+    FP32 or a rounding of one it stores in BF16 already (either would change nothing, silently)."""
+    base = resolve(recipe if recipe in RECIPES else "paper_bf16")
+    lists = (("keep_fp32", list(keep_fp32 or ())), ("round_bf16", list(round_bf16 or ())))
+    for knob, pts in lists:
+        unknown = [pt for pt in pts if not isinstance(pt, str) or pt not in ROUNDING_POINTS]
+        if unknown:
+            return knob, pts, f"rounding points from {', '.join(ROUNDING_POINTS)} ({unknown!r} unknown)"
+        if len(set(pts)) != len(pts):
+            return knob, pts, "each rounding point at most once"
+    both = [pt for pt in lists[1][1] if pt in lists[0][1]]
+    if both:
+        return "round_bf16", lists[1][1], f"no point also in keep_fp32 ({', '.join(both)} is in both)"
+    both = [pt for pt in lists[1][1] if pv_fp32 and pt in PV_POINTS]
+    if both:
+        return "round_bf16", lists[1][1], (f"no point that pv_fp32=true lifts ({', '.join(PV_POINTS)}; "
+                                           f"{', '.join(both)} is in both)")
+    for knob, pts, dtype, word in (("keep_fp32", lists[0][1], BF16, "lift"), ("round_bf16", lists[1][1], F32,
+                                                                               "round")):
+        same = [pt for pt in pts if (getattr(base, pt) == BF16) != (dtype == BF16)]
+        if same:
+            have, other = ("FP32", "BF16") if dtype == BF16 else ("BF16", "FP32")
+            allowed = [pt for pt in ROUNDING_POINTS if (getattr(base, pt) == BF16) == (dtype == BF16)]
+            return knob, pts, (f"points that recipe {recipe} stores in {other}: recipe {recipe} keeps "
+                               f"{', '.join(same)} in {have} already ({word} would change nothing); allowed: "
+                               f"{', '.join(allowed) or 'none'}")
+    return None
 
 
 def round_to(x: torch.Tensor, dtype: torch.dtype, keep: torch.Tensor | None = None) -> torch.Tensor:
@@ -148,4 +239,5 @@ def round_to(x: torch.Tensor, dtype: torch.dtype, keep: torch.Tensor | None = No
     return y if keep is None else torch.where(keep, x, y)
 
 
-__all__ = ["Recipe", "resolve", "round_to", "work_dtype"]
+__all__ = ["Recipe", "RECIPES", "ROUNDING_POINTS", "PV_POINTS", "POINT_MEANINGS", "resolve", "for_knobs", "lifted_points",
+           "points_problem", "round_to", "work_dtype"]

@@ -12,7 +12,11 @@ is the knob's block_q / block_k; elsewhere the kernel picks what runs fastest. t
 sequence) is computed as passes over key tiles with a fixed row max and FP32 accumulators rounded once, which is the
 one-block computation up to GEMM summation order, for any T.
 
-Recipe rounding points follow kernels/emulator.py (the source of truth); `_rb` marks each BF16 storage point.
+Recipe rounding points follow kernels/emulator.py (the source of truth); `_rb` marks each BF16 storage point. A
+recipe is a set of rounding points: the kernels take it as one constexpr bitmask, ROUND (`round_mask`: one bit per
+kernels.recipes.ROUNDING_POINTS entry), plus INPUT_F32 (the dtype Q, K, V, dO enter the GEMMs in) and FLOOR
+(paper_bf16's 1e-10 row-sum floor). So keep_fp32 / round_bf16 / pv_fp32 are compile-time switches, and a lifted
+GEMM operand is an IEEE FP32 GEMM (input_precision="ieee", never TF32).
 Over 400 lines because the four kernels share their jit helpers and launch tables; the torch.library operators
 around them are kernels/ops.py.
 """
@@ -25,6 +29,7 @@ import torch
 
 from kernels.config import AttentionKnobs
 from kernels.knobs import unsupported
+from kernels.recipes import PV_POINTS, RECIPES, ROUNDING_POINTS, resolve
 
 try:  # Triton is optional: the emulator serves machines without it
     import triton
@@ -47,6 +52,48 @@ def _interpret() -> bool:
     return _INTERPRET
 
 
+def _bits(*points: str) -> int:
+    return sum(1 << ROUNDING_POINTS.index(pt) for pt in points)
+
+
+# Points whose BF16 storage carries state from one key tile to the next (the running max, sum and accumulator): the
+# forward's key tile must then be block_k, as in the emulator. The backward's accumulators: the same for its tiles.
+_FWD_TILED = _bits("shift", "stats", "pv_out", "acc")
+_BWD_TILED = _bits("bwd_out", "grad_acc")
+_O_STORE_BIT = _bits("o_store")
+_OFP32_BITS = _bits("pbar", "pv_out", "acc", "o_store", "delta_prod")  # what o_fp32 heads keep in FP32
+
+
+_RECIPE_MASK = {name: _bits(*resolve(name).rounded()) for name in RECIPES}
+_PV_MASK = _bits(*PV_POINTS)
+
+
+def round_mask(knobs: AttentionKnobs) -> int:
+    """The kernels' ROUND constexpr: bit i set = ROUNDING_POINTS[i] stored in BF16, i.e.
+    kernels.recipes.for_knobs(knobs).rounded() as bits (tests check the two agree). Plain integer work, so that
+    torch.compile traces it without a graph break (it runs per call, building the ops' arguments)."""
+    mask = _RECIPE_MASK[knobs.recipe]
+    if knobs.pv_fp32:
+        mask &= ~_PV_MASK
+    for pt in knobs.keep_fp32:
+        mask &= ~(1 << ROUNDING_POINTS.index(pt))
+    for pt in knobs.round_bf16:
+        mask |= 1 << ROUNDING_POINTS.index(pt)
+    return mask
+
+
+def mask_points(recipe: str, mask: int):
+    """(keep_fp32, round_bf16) that give `mask` on `recipe`: round_mask's inverse, for the ops' int argument."""
+    base = resolve(recipe).rounded()
+    rounded = [pt for i, pt in enumerate(ROUNDING_POINTS) if mask >> i & 1]
+    return [pt for pt in base if pt not in rounded], [pt for pt in rounded if pt not in base]
+
+
+def saved_o_dtype(mask: int, fp32_heads) -> torch.dtype:
+    """The forward stores O in BF16 where o_store is a BF16 point and no head keeps an FP32 O, else in FP32."""
+    return torch.bfloat16 if (mask & _O_STORE_BIT and len(fp32_heads) == 0) else torch.float32
+
+
 def supports(knobs: AttentionKnobs, q: torch.Tensor) -> bool:
     """True when these kernels implement `knobs` for inputs like `q` (else the caller uses the emulator).
 
@@ -65,16 +112,54 @@ def supports(knobs: AttentionKnobs, q: torch.Tensor) -> bool:
 
 
 if triton is not None:
+    # One bit per rounding point (kernels/recipes.py ROUNDING_POINTS order): set = stored in BF16 there. The kernels
+    # take the bitmask as one tl.constexpr (ROUND), so each point is a compile-time switch.
+    # The interpreter's BF16 tl.dot is wrong: there, BF16 operands enter an FP32 GEMM (their values are BF16-exact,
+    # so the products and the FP32 accumulation are what the GPU's BF16 GEMM computes, up to summation order).
+    INTERP_DOT = tl.constexpr(_INTERPRET)
+    _SCORES = tl.constexpr(1 << 0)
+    _SHIFT = tl.constexpr(1 << 1)
+    _STATS = tl.constexpr(1 << 2)
+    _PBAR = tl.constexpr(1 << 3)
+    _PV_OUT = tl.constexpr(1 << 4)
+    _ACC = tl.constexpr(1 << 5)
+    _O_STORE = tl.constexpr(1 << 6)
+    _DELTA_PROD = tl.constexpr(1 << 7)
+    _BWD_GEMM_IN = tl.constexpr(1 << 8)
+    _BWD_OUT = tl.constexpr(1 << 9)
+    _GRAD_ACC = tl.constexpr(1 << 10)
+
+    if not _INTERPRET:
+        @triton.jit
+        def _rb(x):
+            """Round an FP32 value to BF16 storage (round to nearest even) and back: one emulated BF16 store."""
+            return x.to(tl.bfloat16).to(tl.float32)
+    else:
+        @triton.jit
+        def _rb(x):
+            """The interpreter's .to(tl.bfloat16) truncates; round to nearest even on the bits instead (finite x),
+            so that the CPU tests of the fp32 recipe with rounded points (FP32 GEMMs) check the kernels' logic."""
+            b = x.to(tl.uint32, bitcast=True)
+            b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
+            return b.to(tl.float32, bitcast=True)
+
+    if not _INTERPRET:
+        @triton.jit
+        def _cast_out(x, ptr):
+            """x in the element type of the gradient tensor it is stored to."""
+            return x.to(ptr.dtype.element_ty)
+    else:
+        @triton.jit
+        def _cast_out(x, ptr):
+            """The interpreter truncates FP32 -> BF16: round to nearest even first (as the GPU's conversion does)."""
+            if ptr.dtype.element_ty == tl.bfloat16:
+                x = _rb(x)
+            return x.to(ptr.dtype.element_ty)
 
     @triton.jit
-    def _rb(x):
-        """Round an FP32 value to BF16 storage (round to nearest even) and back: one emulated BF16 store."""
-        return x.to(tl.bfloat16).to(tl.float32)
-
-    @triton.jit
-    def _rpv(x, keep, PV_FP32: tl.constexpr, HAS_OFP32: tl.constexpr):
-        """A BF16 store on the P̄V path, lifted by pv_fp32 (all heads) or o_fp32 (heads where `keep`)."""
-        if PV_FP32:
+    def _r(x, keep, ON: tl.constexpr, HAS_OFP32: tl.constexpr):
+        """A store at a point of the P̄V path / O / delta: BF16 when ON, except for heads (o_fp32) where `keep`."""
+        if not ON:
             return x
         elif HAS_OFP32:
             return tl.where(keep, x, _rb(x))
@@ -82,21 +167,37 @@ if triton is not None:
             return _rb(x)
 
     @triton.jit
-    def _scores(q, k_ptrs, offs_m, offs_n, T, scale, RECIPE: tl.constexpr, GEMM_DT: tl.constexpr,
-                MASKED: tl.constexpr):
+    def _dot_in(a, b, INPUT_F32: tl.constexpr):
+        """A GEMM of two inputs (Q, K, V, dO): IEEE FP32 on FP32 inputs (never TF32), else BF16 x BF16 -> FP32."""
+        if INPUT_F32 or INTERP_DOT:
+            return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        else:
+            return tl.dot(a, b)
+
+    @triton.jit
+    def _dot_pt(p, x, ROUNDED: tl.constexpr, INPUT_F32: tl.constexpr):
+        """A GEMM of a computed FP32 operand (P̄, P, dS) with an input: p rounded to BF16 when ROUNDED (its point),
+        else kept FP32 (the lifted point: an IEEE FP32 GEMM, never TF32)."""
+        if ROUNDED and not INPUT_F32 and not INTERP_DOT:
+            return tl.dot(p.to(tl.bfloat16), x)
+        elif ROUNDED:
+            return tl.dot(_rb(p), x.to(tl.float32), input_precision="ieee")
+        else:
+            return tl.dot(p, x.to(tl.float32), input_precision="ieee")
+
+    @triton.jit
+    def _scores(q, k_ptrs, offs_m, offs_n, T, scale, ROUND: tl.constexpr, INPUT_F32: tl.constexpr,
+                GEMM_DT: tl.constexpr, MASKED: tl.constexpr):
         """S for one tile, scaled; MASKED: causal and past-T entries set to the most negative BF16."""
         if MASKED:
             k = tl.load(k_ptrs, mask=(offs_n < T)[:, None], other=0.0).to(GEMM_DT)
         else:  # a tile wholly below the diagonal: every key exists and is visible
             k = tl.load(k_ptrs).to(GEMM_DT)
-        if RECIPE == 0:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        s = _dot_in(q, tl.trans(k), INPUT_F32)
+        if (_SCORES & ROUND) != 0:  # QK^T stored in BF16, then scaled in BF16
+            s = _rb(_rb(s) * scale)
         else:
-            s = tl.dot(q, tl.trans(k))
-            if RECIPE == 2:  # paper_bf16: QK^T stored in BF16, then scaled in BF16
-                s = _rb(_rb(s) * scale)
-            else:
-                s = s * scale
+            s = s * scale
         if MASKED:
             s = tl.where((offs_n[None, :] <= offs_m[:, None]) & (offs_n < T)[None, :], s, -3.3895313892515355e38)
         return s
@@ -111,18 +212,18 @@ if triton is not None:
     @triton.jit
     def _fwd_inner(acc, l_i, m_i, raw_max, fired, pmax, q, k_base, v_base, skt, svt, offs_m, offs_n, row_ok,
                    lo, hi, T, scale, beta, eps, o_fp32,
-                   BLOCK_N: tl.constexpr, RECIPE: tl.constexpr, GEMM_DT: tl.constexpr, STABILIZED: tl.constexpr,
-                   NEED_REP: tl.constexpr, PROBE: tl.constexpr, PV_FP32: tl.constexpr, HAS_OFP32: tl.constexpr,
-                   ONE_BLOCK: tl.constexpr, MASKED: tl.constexpr):
+                   BLOCK_N: tl.constexpr, ROUND: tl.constexpr, INPUT_F32: tl.constexpr, FLOOR: tl.constexpr,
+                   GEMM_DT: tl.constexpr, STABILIZED: tl.constexpr, NEED_REP: tl.constexpr, PROBE: tl.constexpr,
+                   HAS_OFP32: tl.constexpr, ONE_BLOCK: tl.constexpr, MASKED: tl.constexpr):
         """The forward over key tiles [lo, hi): online softmax (or, ONE_BLOCK, a fixed row max) and P̄V."""
         for start_n in range(lo, hi, BLOCK_N):
             cols = start_n + offs_n
-            s = _scores(q, k_base + cols[:, None] * skt, offs_m, cols, T, scale, RECIPE, GEMM_DT, MASKED)
+            s = _scores(q, k_base + cols[:, None] * skt, offs_m, cols, T, scale, ROUND, INPUT_F32, GEMM_DT, MASKED)
             if ONE_BLOCK:
-                if RECIPE == 2:
-                    p = tl.exp(_rb(s - m_i[:, None]))
-                else:
-                    p = tl.exp(s - m_i[:, None])
+                d_s = s - m_i[:, None]
+                if (_SHIFT & ROUND) != 0:
+                    d_s = _rb(d_s)
+                p = tl.exp(d_s)
                 l_i += tl.sum(p, 1)
                 if PROBE:
                     pmax = tl.where(fired > 0, tl.maximum(pmax, tl.max(p, 1)), pmax)
@@ -131,48 +232,50 @@ if triton is not None:
                 raw_max = tl.maximum(raw_max, rm)
                 if NEED_REP:  # Algorithm 3 on this key tile (masked entries never count)
                     thr = rm - eps
-                    if RECIPE == 2:
+                    if (_SCORES & ROUND) != 0:
                         thr = _rb(thr)
                     near = _valid(offs_m, cols, T, MASKED) & (s >= thr[:, None])
                     fire = (tl.sum(near.to(tl.int32), 1) > 1) & row_ok
                     fired += fire.to(tl.int32)
                     if STABILIZED:
                         rm_s = rm * beta
-                        if RECIPE == 2:
+                        if (_SCORES & ROUND) != 0:
                             rm_s = _rb(rm_s)
                         rm = tl.where(fire & (rm > 0), rm_s, rm)
                         rm = tl.where(fire & (rm < 0), 0.0, rm)
                 m_new = tl.maximum(m_i, rm)
-                if RECIPE == 2:  # subtractions stored in BF16, exp and row sum in FP32, l stored in BF16
-                    alpha = tl.exp(_rb(m_i - m_new))
-                    p = tl.exp(_rb(s - m_new[:, None]))
-                    l_i = _rb(alpha * l_i + tl.maximum(tl.sum(p, 1), 1e-10))
-                else:
-                    alpha = tl.exp(m_i - m_new)
-                    p = tl.exp(s - m_new[:, None])
-                    l_i = alpha * l_i + tl.sum(p, 1)
+                if (_STATS & ROUND) != 0:  # m stored in BF16 (a no-op when the scores are BF16 already)
+                    m_new = _rb(m_new)
+                d_m = m_i - m_new
+                d_s = s - m_new[:, None]
+                if (_SHIFT & ROUND) != 0:  # the arguments of exp stored in BF16, exp and row sum in FP32
+                    d_m = _rb(d_m)
+                    d_s = _rb(d_s)
+                alpha = tl.exp(d_m)
+                p = tl.exp(d_s)
+                rs = tl.sum(p, 1)
+                if FLOOR:
+                    rs = tl.maximum(rs, 1e-10)
+                l_i = alpha * l_i + rs
+                if (_STATS & ROUND) != 0:
+                    l_i = _rb(l_i)
                 if PROBE:
                     pmax = tl.where(fire, tl.maximum(pmax, tl.max(p, 1)), pmax)
-                acc = acc * alpha[:, None]
-                if RECIPE == 2:
-                    acc = _rpv(acc, o_fp32, PV_FP32, HAS_OFP32)
+                acc = _r(acc * alpha[:, None], o_fp32, (_ACC & ROUND) != 0, HAS_OFP32)
                 m_i = m_new
             if MASKED:
                 v = tl.load(v_base + cols[:, None] * svt, mask=(cols < T)[:, None], other=0.0).to(GEMM_DT)
             else:
                 v = tl.load(v_base + cols[:, None] * svt).to(GEMM_DT)
-            if RECIPE == 0:
-                pv = tl.dot(p, v, input_precision="ieee")
-            elif PV_FP32:  # P̄ unrounded, FP32 GEMM
-                pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-            elif HAS_OFP32:  # heads with FP32 O skip P̄'s rounding; FP32 GEMM on BF16-exact values elsewhere
-                pv = tl.dot(tl.where(o_fp32, p, _rb(p)), v.to(tl.float32), input_precision="ieee")
+            if HAS_OFP32 and (_PBAR & ROUND) != 0:  # heads with FP32 O skip P̄'s rounding: FP32 GEMM
+                pv = _dot_pt(tl.where(o_fp32, p, _rb(p)), v, False, INPUT_F32)
             else:
-                pv = tl.dot(p.to(tl.bfloat16), v)
-            if RECIPE == 2 and not ONE_BLOCK:  # P̄V stored in BF16, then O_acc = r(r(O_acc * alpha) + P̄V)
-                acc = _rpv(acc + _rpv(pv, o_fp32, PV_FP32, HAS_OFP32), o_fp32, PV_FP32, HAS_OFP32)
-            else:
+                pv = _dot_pt(p, v, (_PBAR & ROUND) != 0, INPUT_F32)
+            if ONE_BLOCK:  # stored once, after the last tile
                 acc += pv
+            else:  # O_acc = r(r(O_acc * alpha) + r(P̄V))
+                acc = _r(acc + _r(pv, o_fp32, (_PV_OUT & ROUND) != 0, HAS_OFP32), o_fp32, (_ACC & ROUND) != 0,
+                         HAS_OFP32)
         return acc, l_i, m_i, raw_max, fired, pmax
 
     @triton.jit
@@ -180,14 +283,14 @@ if triton is not None:
                     sqb, sqh, sqt, sqd, skb, skh, skt, skd, svb, svh, svt, svd, sob, soh, sot, sod,
                     H, T, scale, beta, eps,
                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    RECIPE: tl.constexpr, STABILIZED: tl.constexpr, COUNTERS: tl.constexpr,
-                    PV_FP32: tl.constexpr, HAS_OFP32: tl.constexpr, ONE_BLOCK: tl.constexpr,
+                    ROUND: tl.constexpr, INPUT_F32: tl.constexpr, FLOOR: tl.constexpr, STABILIZED: tl.constexpr,
+                    COUNTERS: tl.constexpr, HAS_OFP32: tl.constexpr, ONE_BLOCK: tl.constexpr,
                     PROBE: tl.constexpr):
         start_m = tl.program_id(0)
         off_bh = tl.program_id(1)
         off_b = off_bh // H
         off_h = off_bh % H
-        GEMM_DT: tl.constexpr = tl.float32 if RECIPE == 0 else tl.bfloat16
+        GEMM_DT: tl.constexpr = tl.float32 if INPUT_F32 else tl.bfloat16
         offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, HEAD_DIM)
@@ -212,50 +315,49 @@ if triton is not None:
             # pass 1: the row max over the whole (causal) row, as one block would see it
             for start_n in range(0, hi, BLOCK_N):
                 s = _scores(q, k_base + (start_n + offs_n)[:, None] * skt, offs_m, start_n + offs_n, T,
-                            scale, RECIPE, GEMM_DT, True)
+                            scale, ROUND, INPUT_F32, GEMM_DT, True)
                 m_i = tl.maximum(m_i, tl.max(s, 1))
             raw_max = m_i
             if NEED_REP:
                 # pass 2: how many scores of the row reach its max - eps (threshold stored like the scores)
                 thr = m_i - eps
-                if RECIPE == 2:
+                if (_SCORES & ROUND) != 0:
                     thr = _rb(thr)
                 cnt = tl.zeros([BLOCK_M], dtype=tl.int32)
                 for start_n in range(0, hi, BLOCK_N):
                     s = _scores(q, k_base + (start_n + offs_n)[:, None] * skt, offs_m, start_n + offs_n, T,
-                                scale, RECIPE, GEMM_DT, True)
+                                scale, ROUND, INPUT_F32, GEMM_DT, True)
                     near = _valid(offs_m, start_n + offs_n, T, True) & (s >= thr[:, None])
                     cnt += tl.sum(near.to(tl.int32), 1)
                 fire = (cnt > 1) & row_ok
                 fired = fire.to(tl.int32)
                 if STABILIZED:
                     m_s = m_i * beta
-                    if RECIPE == 2:
+                    if (_SCORES & ROUND) != 0:
                         m_s = _rb(m_s)
                     m_i = tl.where(fire & (m_i > 0), m_s, m_i)
                     m_i = tl.where(fire & (m_i < 0), 0.0, m_i)
+            if (_STATS & ROUND) != 0:
+                m_i = _rb(m_i)
 
         # key tiles wholly below this query block's diagonal need no mask; the rest do
         mid = (start_m * BLOCK_M) // BLOCK_N * BLOCK_N
         acc, l_i, m_i, raw_max, fired, pmax = _fwd_inner(
             acc, l_i, m_i, raw_max, fired, pmax, q, k_base, v_base, skt, svt, offs_m, offs_n, row_ok, 0, mid, T,
-            scale, beta, eps, o_fp32, BLOCK_N, RECIPE, GEMM_DT, STABILIZED, NEED_REP, PROBE, PV_FP32, HAS_OFP32,
-            ONE_BLOCK, False)
+            scale, beta, eps, o_fp32, BLOCK_N, ROUND, INPUT_F32, FLOOR, GEMM_DT, STABILIZED, NEED_REP, PROBE,
+            HAS_OFP32, ONE_BLOCK, False)
         acc, l_i, m_i, raw_max, fired, pmax = _fwd_inner(
             acc, l_i, m_i, raw_max, fired, pmax, q, k_base, v_base, skt, svt, offs_m, offs_n, row_ok, mid, hi, T,
-            scale, beta, eps, o_fp32, BLOCK_N, RECIPE, GEMM_DT, STABILIZED, NEED_REP, PROBE, PV_FP32, HAS_OFP32,
-            ONE_BLOCK, True)
+            scale, beta, eps, o_fp32, BLOCK_N, ROUND, INPUT_F32, FLOOR, GEMM_DT, STABILIZED, NEED_REP, PROBE,
+            HAS_OFP32, ONE_BLOCK, True)
 
-        if ONE_BLOCK:
-            if RECIPE == 2:  # one tile: l and the P̄V product stored once
-                l_i = _rb(tl.maximum(l_i, 1e-10))
-                acc = _rpv(acc, o_fp32, PV_FP32, HAS_OFP32)
-        o = acc / l_i[:, None]
-        if RECIPE != 0:  # O stored in BF16 unless this head keeps an FP32 O
-            if HAS_OFP32:
-                o = tl.where(o_fp32, o, _rb(o))
-            else:
-                o = _rb(o)
+        if ONE_BLOCK:  # one tile: l and the P̄V product stored once
+            if FLOOR:
+                l_i = tl.maximum(l_i, 1e-10)
+            if (_STATS & ROUND) != 0:
+                l_i = _rb(l_i)
+            acc = _r(acc, o_fp32, ((_PV_OUT | _ACC) & ROUND) != 0, HAS_OFP32)
+        o = _r(acc / l_i[:, None], o_fp32, (_O_STORE & ROUND) != 0, HAS_OFP32)  # O stored (for delta)
         lse = m_i + tl.log(l_i)
         tl.store(O + off_b * sob + off_h * soh + offs_m[:, None] * sot + offs_d[None, :] * sod,
                  o.to(O.dtype.element_ty), mask=row_ok[:, None])
@@ -273,13 +375,14 @@ if triton is not None:
                           sob, soh, sot, sod, sdb, sdh, sdt, sdd,
                           H, T, scale,
                           HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          RECIPE: tl.constexpr, DELTA_MODE: tl.constexpr, HAS_OFP32: tl.constexpr):
+                          ROUND: tl.constexpr, INPUT_F32: tl.constexpr, DELTA_MODE: tl.constexpr,
+                          HAS_OFP32: tl.constexpr):
         """delta = rowsum(r(dO*O)) | sum_j rowsum(dP_j*P_j) | rowsum(dO*(sum_j P_j V_j in FP32))."""
         start_m = tl.program_id(0)
         off_bh = tl.program_id(1)
         off_b = off_bh // H
         off_h = off_bh % H
-        GEMM_DT: tl.constexpr = tl.float32 if RECIPE == 0 else tl.bfloat16
+        GEMM_DT: tl.constexpr = tl.float32 if INPUT_F32 else tl.bfloat16
         offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, HEAD_DIM)
         row_ok = offs_m < T
@@ -288,12 +391,8 @@ if triton is not None:
         if DELTA_MODE == 0:
             o = tl.load(O + off_b * sob + off_h * soh + offs_m[:, None] * sot + offs_d[None, :] * sod,
                         mask=row_ok[:, None], other=0.0).to(tl.float32)
-            prod = do.to(tl.float32) * o
-            if RECIPE == 2:  # the product is a BF16 op (FP32 for heads whose stored O is FP32)
-                if HAS_OFP32:
-                    prod = tl.where(tl.load(OFP32 + off_h) != 0, prod, _rb(prod))
-                else:
-                    prod = _rb(prod)
+            # the product stored at delta_prod (FP32 for heads whose stored O is FP32)
+            prod = _r(do.to(tl.float32) * o, tl.load(OFP32 + off_h) != 0, (_DELTA_PROD & ROUND) != 0, HAS_OFP32)
             delta = tl.sum(prod, 1)
         else:
             offs_n = tl.arange(0, BLOCK_N)
@@ -307,17 +406,14 @@ if triton is not None:
             dsum = tl.zeros([BLOCK_M], dtype=tl.float32)
             for start_n in range(0, hi, BLOCK_N):
                 s = _scores(q, k_base + (start_n + offs_n)[:, None] * skt, offs_m, start_n + offs_n, T,
-                            scale, RECIPE, GEMM_DT, True)
+                            scale, ROUND, INPUT_F32, GEMM_DT, True)
                 p = tl.where(_valid(offs_m, start_n + offs_n, T, True), tl.exp(s - lse[:, None]), 0.0)
                 v = tl.load(v_base + (start_n + offs_n)[:, None] * svt,
                             mask=((start_n + offs_n) < T)[:, None], other=0.0).to(GEMM_DT)
                 if DELTA_MODE == 1:  # dP as the backward computes it (stored like its GEMM outputs)
-                    if RECIPE == 0:
-                        dp = tl.dot(do, tl.trans(v), input_precision="ieee")
-                    else:
-                        dp = tl.dot(do, tl.trans(v))
-                        if RECIPE == 2:
-                            dp = _rb(dp)
+                    dp = _dot_in(do, tl.trans(v), INPUT_F32)
+                    if (_BWD_OUT & ROUND) != 0:
+                        dp = _rb(dp)
                     dsum += tl.sum(dp * p, 1)
                 else:  # O recomputed as P V with nothing rounded
                     acc += tl.dot(p, v.to(tl.float32), input_precision="ieee")
@@ -328,10 +424,31 @@ if triton is not None:
         tl.store(DELTA + off_bh * T + offs_m, delta, mask=row_ok)
 
     @triton.jit
+    def _grad_add(g, c, ROUND: tl.constexpr, ONE_BLOCK: tl.constexpr):
+        """g + c with the chunk c stored at bwd_out and the sum at grad_acc (ONE_BLOCK: once, after the loop)."""
+        if ONE_BLOCK:
+            return g + c
+        else:
+            if (_BWD_OUT & ROUND) != 0:
+                c = _rb(c)
+            g = g + c
+            if (_GRAD_ACC & ROUND) != 0:
+                g = _rb(g)
+            return g
+
+    @triton.jit
+    def _grad_end(g, ROUND: tl.constexpr, ONE_BLOCK: tl.constexpr):
+        """ONE_BLOCK: the one chunk stored at bwd_out, then at grad_acc (one rounding: both BF16 or not)."""
+        if ONE_BLOCK and ((_BWD_OUT | _GRAD_ACC) & ROUND) != 0:
+            return _rb(g)
+        else:
+            return g
+
+    @triton.jit
     def _dkdv_inner(dk, dv, k, v, q_base, do_base, sqt, sdt, LSE, DELTA, off_bh, offs_n, offs_m0, lo, hi, T, scale,
-                    BLOCK_M: tl.constexpr, RECIPE: tl.constexpr, GEMM_DT: tl.constexpr, ONE_BLOCK: tl.constexpr,
-                    MASKED: tl.constexpr):
-        """dK, dV of one key block over query tiles [lo, hi) (paper_bf16: chunks and accumulators in BF16)."""
+                    BLOCK_M: tl.constexpr, ROUND: tl.constexpr, INPUT_F32: tl.constexpr, GEMM_DT: tl.constexpr,
+                    ONE_BLOCK: tl.constexpr, MASKED: tl.constexpr):
+        """dK, dV of one key block over query tiles [lo, hi) (chunks at bwd_out, accumulators at grad_acc)."""
         for start_m in range(lo, hi, BLOCK_M):
             offs_m = start_m + offs_m0
             m_ok = offs_m < T  # rows past T load as zeros and contribute nothing
@@ -339,36 +456,22 @@ if triton is not None:
             do = tl.load(do_base + offs_m[:, None] * sdt, mask=m_ok[:, None], other=0.0).to(GEMM_DT)
             lse = tl.load(LSE + off_bh * T + offs_m, mask=m_ok, other=0.0)
             delta = tl.load(DELTA + off_bh * T + offs_m, mask=m_ok, other=0.0)
-            if RECIPE == 0:
-                sT = tl.dot(k, tl.trans(q), input_precision="ieee") * scale
+            sT = _dot_in(k, tl.trans(q), INPUT_F32)
+            if (_SCORES & ROUND) != 0:
+                sT = _rb(_rb(sT) * scale)
             else:
-                sT = tl.dot(k, tl.trans(q))
-                if RECIPE == 2:
-                    sT = _rb(_rb(sT) * scale)
-                else:
-                    sT = sT * scale
+                sT = sT * scale
             pT = tl.exp(sT - lse[None, :])
             if MASKED:
                 pT = tl.where((offs_n[:, None] <= offs_m[None, :]) & m_ok[None, :], pT, 0.0)
-            if RECIPE == 0:
-                dv_c = tl.dot(pT, do, input_precision="ieee")
-                dpT = tl.dot(v, tl.trans(do), input_precision="ieee")
-            else:
-                dv_c = tl.dot(pT.to(tl.bfloat16), do)
-                dpT = tl.dot(v, tl.trans(do))
-                if RECIPE == 2:
-                    dpT = _rb(dpT)
+            dv_c = _dot_pt(pT, do, (_BWD_GEMM_IN & ROUND) != 0, INPUT_F32)
+            dpT = _dot_in(v, tl.trans(do), INPUT_F32)
+            if (_BWD_OUT & ROUND) != 0:
+                dpT = _rb(dpT)
             dsT = (pT * scale) * (dpT - delta[None, :])
-            if RECIPE == 0:
-                dk_c = tl.dot(dsT, q, input_precision="ieee")
-            else:
-                dk_c = tl.dot(dsT.to(tl.bfloat16), q)
-            if RECIPE == 2 and not ONE_BLOCK:  # chunk products and accumulators stored in BF16
-                dv = _rb(dv + _rb(dv_c))
-                dk = _rb(dk + _rb(dk_c))
-            else:
-                dv += dv_c
-                dk += dk_c
+            dk_c = _dot_pt(dsT, q, (_BWD_GEMM_IN & ROUND) != 0, INPUT_F32)
+            dv = _grad_add(dv, dv_c, ROUND, ONE_BLOCK)
+            dk = _grad_add(dk, dk_c, ROUND, ONE_BLOCK)
         return dk, dv
 
     @triton.jit
@@ -377,13 +480,13 @@ if triton is not None:
                          sgb, sgh, sgt, sgd,
                          H, T, scale,
                          HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         RECIPE: tl.constexpr, ONE_BLOCK: tl.constexpr):
+                         ROUND: tl.constexpr, INPUT_F32: tl.constexpr, ONE_BLOCK: tl.constexpr):
         """dK, dV for BLOCK_N keys, looping over query tiles of BLOCK_M (= block_q where rounding is emulated)."""
         start_n = tl.program_id(0)
         off_bh = tl.program_id(1)
         off_b = off_bh // H
         off_h = off_bh % H
-        GEMM_DT: tl.constexpr = tl.float32 if RECIPE == 0 else tl.bfloat16
+        GEMM_DT: tl.constexpr = tl.float32 if INPUT_F32 else tl.bfloat16
         offs_n = start_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_m0 = tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, HEAD_DIM)
@@ -400,21 +503,24 @@ if triton is not None:
         # query tiles starting at or past this block's last key see every key of it: no mask there
         mid = tl.minimum(tl.cdiv((start_n + 1) * BLOCK_N - 1, BLOCK_M) * BLOCK_M, T)
         dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, sqt, sdt, LSE, DELTA, off_bh, offs_n, offs_m0, lo, mid, T,
-                             scale, BLOCK_M, RECIPE, GEMM_DT, ONE_BLOCK, True)
+                             scale, BLOCK_M, ROUND, INPUT_F32, GEMM_DT, ONE_BLOCK, True)
         dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, sqt, sdt, LSE, DELTA, off_bh, offs_n, offs_m0, mid, T, T,
-                             scale, BLOCK_M, RECIPE, GEMM_DT, ONE_BLOCK, False)
+                             scale, BLOCK_M, ROUND, INPUT_F32, GEMM_DT, ONE_BLOCK, False)
+        dk = _grad_end(dk, ROUND, ONE_BLOCK)
+        dv = _grad_end(dv, ROUND, ONE_BLOCK)
         g = off_b * sgb + off_h * sgh + offs_n[:, None] * sgt + offs_d[None, :] * sgd
-        tl.store(DK + g, dk.to(DK.dtype.element_ty), mask=col_ok[:, None])
-        tl.store(DV + g, dv.to(DV.dtype.element_ty), mask=col_ok[:, None])
+        tl.store(DK + g, _cast_out(dk, DK), mask=col_ok[:, None])
+        tl.store(DV + g, _cast_out(dv, DV), mask=col_ok[:, None])
 
     @triton.jit
     def _dq_inner(dq, q, do, lse, delta, k_base, v_base, skt, svt, offs_m, offs_n0, lo, hi, T, scale,
-                  BLOCK_N: tl.constexpr, RECIPE: tl.constexpr, GEMM_DT: tl.constexpr, ONE_BLOCK: tl.constexpr,
-                  MASKED: tl.constexpr):
-        """dQ of one query block over key tiles [lo, hi) (paper_bf16: chunks and accumulator in BF16)."""
+                  BLOCK_N: tl.constexpr, ROUND: tl.constexpr, INPUT_F32: tl.constexpr, GEMM_DT: tl.constexpr,
+                  ONE_BLOCK: tl.constexpr, MASKED: tl.constexpr):
+        """dQ of one query block over key tiles [lo, hi) (chunks at bwd_out, the accumulator at grad_acc)."""
         for start_n in range(lo, hi, BLOCK_N):
             offs_n = start_n + offs_n0
-            s = _scores(q, k_base + offs_n[:, None] * skt, offs_m, offs_n, T, scale, RECIPE, GEMM_DT, MASKED)
+            s = _scores(q, k_base + offs_n[:, None] * skt, offs_m, offs_n, T, scale, ROUND, INPUT_F32, GEMM_DT,
+                        MASKED)
             p = tl.exp(s - lse[:, None])
             if MASKED:
                 p = tl.where(_valid(offs_m, offs_n, T, True), p, 0.0)
@@ -423,21 +529,11 @@ if triton is not None:
             else:
                 v = tl.load(v_base + offs_n[:, None] * svt).to(GEMM_DT)
                 k = tl.load(k_base + offs_n[:, None] * skt).to(GEMM_DT)
-            if RECIPE == 0:
-                dp = tl.dot(do, tl.trans(v), input_precision="ieee")
-            else:
-                dp = tl.dot(do, tl.trans(v))
-                if RECIPE == 2:
-                    dp = _rb(dp)
+            dp = _dot_in(do, tl.trans(v), INPUT_F32)
+            if (_BWD_OUT & ROUND) != 0:
+                dp = _rb(dp)
             ds = (p * scale) * (dp - delta[:, None])
-            if RECIPE == 0:
-                dq_c = tl.dot(ds, k, input_precision="ieee")
-            else:
-                dq_c = tl.dot(ds.to(tl.bfloat16), k)
-            if RECIPE == 2 and not ONE_BLOCK:
-                dq = _rb(dq + _rb(dq_c))
-            else:
-                dq += dq_c
+            dq = _grad_add(dq, _dot_pt(ds, k, (_BWD_GEMM_IN & ROUND) != 0, INPUT_F32), ROUND, ONE_BLOCK)
         return dq
 
     @triton.jit
@@ -446,13 +542,13 @@ if triton is not None:
                        sgb, sgh, sgt, sgd,
                        H, T, scale,
                        HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       RECIPE: tl.constexpr, ONE_BLOCK: tl.constexpr):
+                       ROUND: tl.constexpr, INPUT_F32: tl.constexpr, ONE_BLOCK: tl.constexpr):
         """dQ for BLOCK_M queries, looping over key tiles of BLOCK_N (= block_k where rounding is emulated)."""
         start_m = tl.program_id(0)
         off_bh = tl.program_id(1)
         off_b = off_bh // H
         off_h = off_bh % H
-        GEMM_DT: tl.constexpr = tl.float32 if RECIPE == 0 else tl.bfloat16
+        GEMM_DT: tl.constexpr = tl.float32 if INPUT_F32 else tl.bfloat16
         offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n0 = tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, HEAD_DIM)
@@ -469,11 +565,12 @@ if triton is not None:
         hi = tl.minimum((start_m + 1) * BLOCK_M, T)
         mid = (start_m * BLOCK_M) // BLOCK_N * BLOCK_N  # key tiles before mid lie wholly below the diagonal
         dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, skt, svt, offs_m, offs_n0, 0, mid, T, scale,
-                       BLOCK_N, RECIPE, GEMM_DT, ONE_BLOCK, False)
+                       BLOCK_N, ROUND, INPUT_F32, GEMM_DT, ONE_BLOCK, False)
         dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, skt, svt, offs_m, offs_n0, mid, hi, T, scale,
-                       BLOCK_N, RECIPE, GEMM_DT, ONE_BLOCK, True)
+                       BLOCK_N, ROUND, INPUT_F32, GEMM_DT, ONE_BLOCK, True)
+        dq = _grad_end(dq, ROUND, ONE_BLOCK)
         tl.store(DQ + off_b * sgb + off_h * sgh + offs_m[:, None] * sgt + offs_d[None, :] * sgd,
-                 dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
+                 _cast_out(dq, DQ), mask=row_ok[:, None])
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -523,8 +620,9 @@ def _fwd_blocks(knobs: AttentionKnobs, D: int, T: int = 1024):
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the forward."""
     fam = fwd_family(knobs)
     block_m, free_n, warps, stages = SHAPE_TABLE.get(("fwd", fam, D, length_class(T))) or FWD_TABLE[fam][D]
-    # the key tile is the unit Algorithm 3, the counters and paper_bf16's rescaling roundings see
-    exact_n = knobs.tiling and (fam in ("fa2_exact", "paper_bf16") or knobs.counters)
+    # the key tile is the unit Algorithm 3, the counters and BF16 rescaling roundings (paper_bf16's) see
+    exact_n = knobs.tiling and (fam in ("fa2_exact", "paper_bf16") or knobs.counters
+                                or bool(round_mask(knobs) & _FWD_TILED))
     block_n = knobs.block_k if exact_n else free_n
     if _interpret():
         block_m, block_n = 16, (block_n if exact_n else 16)
@@ -534,7 +632,7 @@ def _fwd_blocks(knobs: AttentionKnobs, D: int, T: int = 1024):
 def _bwd_blocks(knobs: AttentionKnobs, D: int, T: int = 1024):
     """((dkdv BLOCK_M, BLOCK_N), (dq BLOCK_M, BLOCK_N), num_warps, num_stages) of the backward passes."""
     m1, n1, m2, n2, warps, stages = SHAPE_TABLE.get(("bwd", knobs.recipe, D, length_class(T))) or BWD_TABLE[knobs.recipe][D]
-    if knobs.recipe == "paper_bf16" and knobs.tiling:  # BF16 accumulators rounded per emulator tile
+    if knobs.tiling and round_mask(knobs) & _BWD_TILED:  # BF16 chunks / accumulators rounded per emulator tile
         m1, n2 = knobs.block_q, knobs.block_k
     elif _interpret():
         m1, n2 = 16, 16
@@ -585,10 +683,9 @@ def _forward(q, k, v, knobs: AttentionKnobs, rep=None, maxl=None, probe: bool = 
     rep (H,) int64 / maxl () float32: the counters the kernel adds into (atomics, one per program); None: off."""
     B, H, T, D = q.shape
     dev = q.device
-    recipe = RECIPE_IDS[knobs.recipe]
+    mask = round_mask(knobs)
     ofp32, has_ofp32 = _ofp32_flags(knobs, H, dev)
-    o_dtype = torch.float32 if (recipe == 0 or has_ofp32) else torch.bfloat16
-    o = torch.empty((B, H, T, D), device=dev, dtype=o_dtype)
+    o = torch.empty((B, H, T, D), device=dev, dtype=saved_o_dtype(mask, knobs.fp32_o_heads(H)))
     lse = torch.empty((B, H, T), device=dev, dtype=torch.float32)
     counters = rep is not None
     if not counters:  # unused pointers still need a tensor
@@ -604,9 +701,9 @@ def _forward(q, k, v, knobs: AttentionKnobs, rep=None, maxl=None, probe: bool = 
     _fwd_kernel[grid](q, k, v, o, lse, rep, maxl, ofp32, pmax, fired,
                       *_strides(q), *_strides(k), *_strides(v), *_strides(o),
                       H, T, 1.0 / math.sqrt(D), float(knobs.beta), float(knobs.eps),
-                      HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, RECIPE=recipe,
-                      STABILIZED=knobs.softmax == "stabilized", COUNTERS=counters,
-                      PV_FP32=bool(knobs.pv_fp32), HAS_OFP32=has_ofp32, ONE_BLOCK=not knobs.tiling,
+                      HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, ROUND=mask, INPUT_F32=knobs.recipe == "fp32",
+                      FLOOR=knobs.recipe == "paper_bf16", STABILIZED=knobs.softmax == "stabilized",
+                      COUNTERS=counters, HAS_OFP32=has_ofp32, ONE_BLOCK=not knobs.tiling,
                       PROBE=probe, num_warps=warps, num_stages=stages)
     return o, lse, (pmax if probe else None), (fired if probe else None)
 
@@ -615,12 +712,13 @@ def _ofp32_flags(knobs: AttentionKnobs, H: int, dev):
     """(per-head int32 flags of heads whose stored O is FP32, whether any is), made once per device and knobs.
 
     Per call this is a dict lookup: the host work per launch is what bounds the kernels at T <= 1024."""
-    key = ("ofp32", dev, H, knobs.recipe, knobs.o_fp32, tuple(knobs.o_fp32_heads))
+    mask = round_mask(knobs)
+    key = ("ofp32", dev, H, mask, knobs.o_fp32, tuple(knobs.o_fp32_heads))
     hit = _DEVICE_CACHE.get(key)
     if hit is None:
         fp32_heads = tuple(knobs.fp32_o_heads(H))
         flags = torch.tensor([int(h in fp32_heads) for h in range(H)], dtype=torch.int32).to(dev)
-        hit = _DEVICE_CACHE[key] = (flags, RECIPE_IDS[knobs.recipe] != 0 and len(fp32_heads) > 0)
+        hit = _DEVICE_CACHE[key] = (flags, bool(mask & _OFP32_BITS) and len(fp32_heads) > 0)
     return hit
 
 
@@ -628,6 +726,7 @@ def _backward(do, q, k, v, o, lse, knobs: AttentionKnobs):
     """Launch the backward (delta, dK/dV, dQ): (dq, dk, dv) in the inputs' dtypes."""
     B, H, T, D = q.shape
     recipe = RECIPE_IDS[knobs.recipe]
+    mask, f32_in = round_mask(knobs), knobs.recipe == "fp32"
     scale = 1.0 / math.sqrt(D)
     ofp32, has_ofp32 = _ofp32_flags(knobs, H, q.device)
     (m1, n1), (m2, n2), warps, stages = _bwd_blocks(knobs, D, T)
@@ -639,17 +738,17 @@ def _backward(do, q, k, v, o, lse, knobs: AttentionKnobs):
     _bwd_delta_kernel[(_cdiv(T, dbm), B * H)](
         q, k, v, o, do, lse, delta, ofp32,
         *_strides(q), *_strides(k), *_strides(v), *_strides(o), *_strides(do),
-        H, T, scale, HEAD_DIM=D, BLOCK_M=dbm, BLOCK_N=dbn, RECIPE=recipe,
+        H, T, scale, HEAD_DIM=D, BLOCK_M=dbm, BLOCK_N=dbn, ROUND=mask, INPUT_F32=f32_in,
         DELTA_MODE=DELTA_IDS[knobs.delta], HAS_OFP32=has_ofp32, num_warps=4)
     _bwd_dkdv_kernel[(_cdiv(T, n1), B * H)](
         q, k, v, do, lse, delta, dk, dv,
         *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk), H, T, scale,
-        HEAD_DIM=D, BLOCK_M=m1, BLOCK_N=n1, RECIPE=recipe,
+        HEAD_DIM=D, BLOCK_M=m1, BLOCK_N=n1, ROUND=mask, INPUT_F32=f32_in,
         ONE_BLOCK=not knobs.tiling, num_warps=warps, num_stages=stages)
     _bwd_dq_kernel[(_cdiv(T, m2), B * H)](
         q, k, v, do, lse, delta, dq,
         *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq), H, T, scale,
-        HEAD_DIM=D, BLOCK_M=m2, BLOCK_N=n2, RECIPE=recipe,
+        HEAD_DIM=D, BLOCK_M=m2, BLOCK_N=n2, ROUND=mask, INPUT_F32=f32_in,
         ONE_BLOCK=not knobs.tiling, num_warps=warps, num_stages=stages)
     return dq, dk, dv
 
@@ -675,6 +774,7 @@ def flash_attention_triton(q, k, v, knobs: AttentionKnobs, stats=None):
     return _ops.flash_attention(q, k, v, knobs, stats)
 
 
-__all__ = ["supports", "flash_attention_triton", "fired_pbar_max", "RECIPE_IDS", "DELTA_IDS"]
+__all__ = ["supports", "flash_attention_triton", "fired_pbar_max", "round_mask", "mask_points", "saved_o_dtype",
+           "RECIPE_IDS", "DELTA_IDS"]
 
 from kernels import ops as _ops  # noqa: E402  (last: kernels/ops.py imports the launchers above)

@@ -1,10 +1,11 @@
 """The paper's isolation method end to end, one entry point (issue 7; issue 11 item 5):
 
     python -m orchestrator.isolate [--root DIR] [--out DIR] [--fork-steps N] [--margin N] [--per-gpu N]
-                                   [--uri URI] [hydra overrides for every run, e.g. train.seed=2 data.seed=2]
+                                   [--stop-after N] [--uri URI] [hydra overrides for every run, e.g. train.seed=2 data.seed=2]
 
 1. baseline: the BF16 flash baseline (experiment=mini_repro), batch order recorded, every checkpoint kept, no early
-   stop (the forks replay its recorded batches, so it records as many steps as they may need);
+   stop (the forks replay its recorded batches, so it records as many steps as they may need), or with
+   --stop-after N an early stop N steps after its divergence;
 2. checkpoint: the newest one at or before its lowest loss preceding the divergence (fork.pick_step at_min), the
    last point where training was still at its best;
 3. localization: the layer and heads its own W_Q growth and repeated maxima point at (orchestrator.localize);
@@ -12,7 +13,10 @@
    baseline's last step (or --fork-steps steps), each its own run, --per-gpu at a time on each visible GPU (default
    GPU memory / 16 GiB: one mini_repro fork holds ~12.5 GiB; one at a time without a GPU);
 5. report: one table over the baseline and the forks, <out>/verdicts.{md,json} + plots + localize.{json,png},
-   logged to a parent MLflow run (role=sweep) with the counts as its metrics.
+   logged to a parent MLflow run (role=sweep) with the counts as its metrics; when the sweeps include
+   rounding_points, the third localization stage (orchestrator/localize/rounding.py) names the rounding point the
+   divergence needs in BF16: <out>/rounding.{json,png}, a Cause section in verdicts.md, ff.cause.* tags on the
+   baseline runs and the parent run.
 
 State passes between the steps as Python objects (the run record, the picked step, the Localization). Each run is
 its own `python run.py` process (its own GPU, its own failure: a fork that fails is the report's to show). The
@@ -57,6 +61,7 @@ class Plan:
     fork_steps: int = 0  # 0: to the end of the baseline's recorded batches
     margin: int = 0  # steps between the picked checkpoint and the lowest-loss step
     per_gpu: Optional[int] = None
+    stop_after: Optional[int] = None  # the baseline stops this many steps after its divergence (None: no early stop)
 
 
 @dataclass
@@ -91,9 +96,12 @@ class Pipeline:
     def baseline(self) -> Tuple[Path, record.RunRecord]:
         job = self.plan.root / "baseline"
         self.say(f"1/5 baseline -> {job}")
-        rc = self._run_py(["intervention=baseline", *self.plan.overrides, "train.keep_checkpoints=0",
-                           "train.early_stop=false", f"sweep_name={EXPERIMENT}_runs/baseline",
-                           f"hydra.run.dir={job}"])
+        # stop_after: early stop N steps past the divergence, so the forks have batches to replay past it and no
+        # GPU time goes on a run that has already blown up; without it, every batch of max_steps is recorded
+        n = self.plan.stop_after
+        stop = ["train.early_stop=false"] if n is None else ["train.early_stop=true", f"verdict.early_stop_after={n}"]
+        rc = self._run_py(["intervention=baseline", *self.plan.overrides, "train.keep_checkpoints=0", *stop,
+                           f"sweep_name={EXPERIMENT}_runs/baseline", f"hydra.run.dir={job}"])
         try:
             rec = record.read(job)
         except (OSError, ValueError) as e:
@@ -172,13 +180,16 @@ class Pipeline:
         p = self.plan
         self.say(f"5/5 report -> {p.out}")
         rows = rows_from_dirs([baseline, p.root / "forks"])
+        result, cause = self.rounding(rows, loc)
         parent = self._parent_run()
         meta = {"command": "python -m orchestrator.isolate " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
                 "fork_checkpoint": str(ckpt), "fork_step": str(step), "localized": " ".join(loc.sweep_overrides()),
                 "wall_s": int(time.monotonic() - self.t0), **{f"{k}_s": round(v) for k, v in self.times.items()},
                 "experiment_id": parent[0] if parent else None}
         paths = write_report(rows, p.out, p.uri, meta=meta, sweep=EXPERIMENT,
-                             parent_run_id=parent[1] if parent else None)
+                             parent_run_id=parent[1] if parent else None, cause=cause)
+        if result is not None:
+            self.tag_cause(result, parent[1] if parent else None)
         if parent:
             from orchestrator.store import client_for, retry
             client = client_for(p.uri)
@@ -188,6 +199,27 @@ class Pipeline:
                     retry(client.log_artifact, parent[1], str(p.out / name), "report")
             retry(client.set_terminated, parent[1])
         return paths
+
+    def rounding(self, rows, loc):
+        """(RoundingResult, the report's Cause) when the sweeps include rounding_points, else (None, None)."""
+        from orchestrator.localize import rounding, rounding_io
+        if rounding.SWEEP not in self.plan.sweeps:
+            return None, None
+        result = rounding.analyze(rows, loc.to_dict() if loc is not None else None, str(self.plan.root))
+        files = rounding_io.write(result, self.plan.out)
+        print(result.format(), flush=True)
+        self.say(f"cause: {result.verdict()} (details: {files['json']})")
+        return result, rounding_io.cause(result, files)
+
+    def tag_cause(self, result, parent_run_id: Optional[str]) -> None:
+        """ff.cause.* on the baseline runs and the parent run; a store that fails is said, the files stand."""
+        from orchestrator.localize import rounding_io
+        try:
+            rounding_io.tag_runs(self.plan.uri, rounding_io.baseline_run_ids(result)
+                                 + ([parent_run_id] if parent_run_id else []), rounding_io.tags(result))
+        except Exception as e:
+            print(f"[paper_isolation] ff.cause.* tags not set in {self.plan.uri}: {type(e).__name__}: {e}",
+                  flush=True)
 
     def _parent_run(self) -> Optional[Tuple[str, str]]:
         """(experiment id, run id) of the pipeline's parent run (role=sweep: holds the table, no training)."""
@@ -233,8 +265,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--fork-steps", type=int, default=0, help="steps per fork (0: to the baseline's end)")
     ap.add_argument("--margin", type=int, default=0, help="steps before the lowest-loss step for the checkpoint")
     ap.add_argument("--per-gpu", type=int, default=None, help="forks at once per GPU (default GPU memory / 16 GiB)")
+    ap.add_argument("--stop-after", type=int, default=None,
+                    help="stop the baseline N steps after its divergence (default: run to train.max_steps)")
     a = ap.parse_args(argv)
-    for key in ("fork_steps", "margin"):
+    for key in ("fork_steps", "margin") + (("stop_after",) if a.stop_after is not None else ()):
         if getattr(a, key) < 0:
             ap.error(f"--{key.replace('_', '-')}={getattr(a, key)} is not allowed: expected an integer >= 0")
     if a.per_gpu is not None and a.per_gpu < 1:
@@ -244,7 +278,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     root = root.resolve()
     plan = Plan(root=root, out=(a.out or root / record.REPORT_DIR).resolve(), uri=a.uri or default_tracking_uri(),
                 overrides=list(a.overrides), experiment=a.experiment, sweeps=tuple(a.sweeps),
-                fork_steps=a.fork_steps, margin=a.margin, per_gpu=a.per_gpu)
+                fork_steps=a.fork_steps, margin=a.margin, per_gpu=a.per_gpu, stop_after=a.stop_after)
     try:
         Pipeline(plan).run()
     except (PipelineError, ValueError) as e:  # ForkError is a ValueError: no checkpoint to fork from, ...

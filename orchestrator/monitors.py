@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
 import torch
 
 from orchestrator import record
+from orchestrator.alarm import AlarmConfig
 
 
 @dataclass
@@ -26,12 +27,14 @@ class MonitorConfig:
     wq_every: int = 50  # steps between W_Q spectral norm probes (an SVD per head: not free)
     counters: bool = True  # log the kernels' repeated-maxima row counts per (layer, head)
     max_logit: bool = True  # log the max scaled attention score per layer
+    alarm: AlarmConfig = field(default_factory=AlarmConfig)  # early warning (orchestrator/alarm.py), off by default
 
     def validate(self, key: str = "monitor") -> "MonitorConfig":
         for name in ("log_every", "wq_every"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"{key}.{name}={v!r} is not allowed: expected an integer > 0")
+        self.alarm.validate(key=f"{key}.alarm", monitor=self)
         return self
 
 

@@ -115,16 +115,45 @@ def run_urls(rows, experiments: Dict[str, str], base: Optional[str]) -> List[Opt
     return out
 
 
+CAUSE_HEADING = "## Cause"
+
+
+def cause_lines(cause: Optional[Dict], out_dir: Path, plot_line=None) -> List[str]:
+    """verdicts.md's Cause section: the rounding stage's verdict and outcome table (orchestrator/localize/
+    rounding_io.cause: {verdict, lines, plot}); its plot by its path relative to out_dir, or plot_line(name, path)."""
+    if not cause:
+        return []
+    out = [CAUSE_HEADING, "", *cause["lines"]]
+    if cause.get("plot"):
+        p = Path(cause["plot"])
+        out += ["", plot_line("rounding points", p) if plot_line
+                else f"![rounding points]({os.path.relpath(p, out_dir)})"]
+    return out + [""]
+
+
+def insert_cause(md: str, cause: Dict, out_dir: Path) -> str:
+    """An existing verdicts.md with its Cause section put (or replaced) right under the summary line."""
+    lines = md.split("\n")
+    if CAUSE_HEADING in lines:  # drop the old section: up to the next heading
+        i = lines.index(CAUSE_HEADING)
+        j = next((k for k in range(i + 1, len(lines)) if lines[k].startswith("## ")), len(lines))
+        lines[i:j] = []
+    at = next((k + 1 for k, line in enumerate(lines) if " runs; " in line and "match the paper" in line), 1)
+    lines[at:at] = [""] + cause_lines(cause, out_dir)[:-1]
+    return "\n".join(lines)
+
+
 def _markdown(rows, meta, plot_paths, out_dir: Path, sweep: str, urls: Optional[List[Optional[str]]] = None,
-              plot_line=None) -> str:
+              plot_line=None, cause: Optional[Dict] = None) -> str:
     """verdicts.md. urls: each row's run page (None: plain ids); plot_line(name, path): a plot's line (default: the
-    image by its path relative to out_dir, for the copy on disk)."""
+    image by its path relative to out_dir, for the copy on disk); cause: the Cause section (cause_lines)."""
     t = _table(rows)
     esc = lambda s: s.replace("|", "\\|")  # noqa: E731
     n_match = sum(1 for r in rows if r["matches_paper"])
     failed = [r for r in rows if r["observed"] == "failed"]
     md = [f"# Verdicts: {sweep}", "",
           f"{len(rows)} runs; {n_match} match the paper; {len(failed)} failed.", ""]
+    md += cause_lines(cause, out_dir, plot_line)
     md += ["- " + _md_parts(p) for p in meta_items(rows, meta)]
     md += ["", "| " + " | ".join(t[0]) + " |", "|" + "---|" * len(t[0])]
     for i, r in enumerate(t[1:]):
@@ -143,9 +172,9 @@ def _markdown(rows, meta, plot_paths, out_dir: Path, sweep: str, urls: Optional[
     return "\n".join(md) + "\n"
 
 
-def _mlflow_plot_line(name: str, path, experiment_id, run_id: str) -> str:
+def _mlflow_plot_line(name: str, path, experiment_id, run_id: str, folder: str = "plots") -> str:
     """MLflow's markdown viewer draws no images: a link that opens the plot in the artifact viewer instead."""
-    route = links.artifact_view_route(experiment_id, run_id, f"plots/{Path(path).name}")
+    route = links.artifact_view_route(experiment_id, run_id, f"{folder}/{Path(path).name}")
     return f"- [{name}]({route}): opens in the artifact viewer; every plot inline: `verdicts.html`"
 
 
@@ -248,10 +277,12 @@ def _experiments(uri: Optional[str], rows, parent_run_id: Optional[str]) -> Dict
 
 def write_report(rows: List[Dict], out_dir: os.PathLike, tracking_uri: Optional[str] = None,
                  meta: Optional[Dict] = None, parent_run_id: Optional[str] = None, sweep: Optional[str] = None,
-                 histories: Optional[Dict[str, Dict]] = None, echo: bool = True) -> Dict[str, Path]:
+                 histories: Optional[Dict[str, Dict]] = None, echo: bool = True,
+                 cause: Optional[Dict] = None) -> Dict[str, Path]:
     """Write verdicts.md, verdicts.html, verdicts.json and plots/*.png into out_dir; log them to the parent run if
-    given (report/verdicts.{md,json}, plots/, verdicts.html at the root). Returns {'md', 'json', 'html',
-    <plot name>...: path}."""
+    given (report/verdicts.{md,json}, plots/, verdicts.html at the root). cause: the localization's verdict
+    (orchestrator/localize/rounding_io.cause), rendered as the Cause section, its files logged under report/.
+    Returns {'md', 'json', 'html', <plot name>...: path}."""
     from orchestrator import report_html
     R = _report()
     out_dir = Path(out_dir)
@@ -279,20 +310,29 @@ def write_report(rows: List[Dict], out_dir: os.PathLike, tracking_uri: Optional[
            "summary": {"runs": len(rows), "matches_paper": sum(1 for r in rows if r["matches_paper"]),
                        "failed": sum(1 for r in rows if r["observed"] == "failed")},
            "plots": {k: str(p) for k, p in plot_paths.items()}}
+    if cause:
+        doc["cause"] = cause["verdict"]
     paths["json"].write_text(json.dumps(R._finite(doc), indent=2, default=str, allow_nan=False))
     base = links.ui_base(uri, meta.get("ui_url")) if uri else None
     urls = run_urls(rows, experiments, base) if uri else None
-    paths["md"].write_text(_markdown(rows, meta, plot_paths, out_dir, sweep, urls))
-    paths["html"].write_text(report_html.render(sweep, rows, _table(rows), meta_items(rows, meta), plot_paths, urls,
+    paths["md"].write_text(_markdown(rows, meta, plot_paths, out_dir, sweep, urls, cause=cause))
+    items = ([[("Cause: ", False), (cause["verdict"], False)]] if cause else []) + meta_items(rows, meta)
+    html_plots = {**plot_paths, **({"rounding points": Path(cause["plot"])} if cause and cause.get("plot") else {})}
+    paths["html"].write_text(report_html.render(sweep, rows, _table(rows), items, html_plots, urls,
                                                 _mlflow_lines(meta)))
     if parent_run_id and uri:
         client = make_client(uri)
         with tempfile.TemporaryDirectory() as tmp:  # the copy for MLflow's viewer: UI routes, not disk paths
             md = Path(tmp) / "verdicts.md"
             exp = experiments.get(parent_run_id) or meta.get("experiment_id")
-            md.write_text(_markdown(rows, meta, plot_paths, out_dir, sweep, run_urls(rows, experiments, None),
-                                    plot_line=lambda name, p: _mlflow_plot_line(name, p, exp, parent_run_id)))
+            md.write_text(_markdown(
+                rows, meta, plot_paths, out_dir, sweep, run_urls(rows, experiments, None),
+                plot_line=lambda name, p: _mlflow_plot_line(name, p, exp, parent_run_id,
+                                                            "report" if cause and p == cause.get("plot") else "plots"),
+                cause=cause))
             retry(client.log_artifact, parent_run_id, str(md), "report")
+        for f in (cause or {}).get("files", ()):
+            retry(client.log_artifact, parent_run_id, str(f), "report")
         retry(client.log_artifact, parent_run_id, str(paths["json"]), "report")
         retry(client.log_artifact, parent_run_id, str(paths["html"]))
         for name in plot_paths:

@@ -25,7 +25,7 @@ import torch
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
-from orchestrator import checkpoint, record, run_end, snapshot
+from orchestrator import alarm, checkpoint, record, run_end, snapshot
 from orchestrator.interventions import build_hooks
 from orchestrator.optim import build_optimizer
 from orchestrator.record import CKPT_DIR, ORDER_FILE, RESOLVED_CONFIG
@@ -112,6 +112,7 @@ class Job:
         self.order_path: Optional[Path] = None
         self.tracker = None
         self.monitors = None
+        self.alarm = None
         self.detector = None
         self.dist = None
         self.is_main = True
@@ -243,6 +244,7 @@ class Job:
         stream = self._stream(data_dir, start)
         val = val_batches(data_dir / "val.bin", cfg.model.block_size, tc.batch_size, tc.eval_batches, seed=0)
         self._open_run(state, resuming)
+        self.alarm = alarm.attach(self, start)  # monitor.alarm listens to what the monitors log (None when off)
         self.monitors = Monitors(model, cfg.monitor, self.tracker)
         self.detector = DivergenceDetector(cfg.verdict)
         if state:
@@ -320,6 +322,9 @@ class Job:
                               kill_mid_write=cfg.debug.kill_at_step == step and
                               cfg.debug.kill_where == "checkpoint_write")
                 self._maybe_kill(step, "after_checkpoint")
+            if self.alarm is not None and self.alarm.pending and self.alarm.act(self, model, optimizer, done, stream):
+                self.result["early_stopped"] = True  # action=stop: a clean end, its reason in result.json's alarm
+                break
             if tc.early_stop and self.detector.should_stop(step):
                 self.result["early_stopped"] = True
                 break

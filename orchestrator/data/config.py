@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List, Optional
 
-CORPORA = ("default", "text_files", "openwebtext")
+CORPORA = ("default", "text_files", "openwebtext", "debian_docs")
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -22,7 +22,7 @@ def _bad(key: str, value, allowed: str) -> DataError:
 class DataConfig:
     """The data knobs. Plain types so Hydra types and merges them (structured config)."""
 
-    corpus: str = "default"  # default (offline KJV) | text_files | openwebtext
+    corpus: str = "default"  # default (offline KJV) | text_files | openwebtext | debian_docs (Debian packages)
     root: str = "data"  # prepared corpora live in <root>/<corpus>-<fingerprint>/; relative = repo root
     files: List[str] = field(default_factory=list)  # text_files: .txt/.jsonl/.parquet paths or globs
     text_key: str = "text"  # .jsonl / .parquet field holding a document

@@ -194,7 +194,14 @@ def openwebtext_corpus(cfg: DataConfig) -> Corpus:
     return Corpus("openwebtext", source, _digest(source), docs)
 
 
-BUILDERS = {"default": default_corpus, "text_files": text_files_corpus, "openwebtext": openwebtext_corpus}
+def debian_docs_corpus(cfg: DataConfig) -> Corpus:
+    from orchestrator.data.debian import debian_docs_corpus as build  # apt/dpkg plumbing lives in its own module
+
+    return build(cfg)
+
+
+BUILDERS = {"default": default_corpus, "text_files": text_files_corpus, "openwebtext": openwebtext_corpus,
+            "debian_docs": debian_docs_corpus}
 assert set(BUILDERS) == set(CORPORA)
 
 

@@ -1,8 +1,9 @@
 """Localization: which layer and which heads of a baseline run to intervene on, read from its own metrics.
 
 One job per module: the rules and the algorithm (algorithm.py, whose docstring documents them), its config and
-result types (stats.py), the text report (text.py), the plot (plot.py), where the input comes from (source.py) and
-the command line (cli.py; `python -m orchestrator.localize`).
+result types (stats.py), the text report (text.py), the plots (plot.py), where the input comes from (source.py) and
+the command line (cli.py; `python -m orchestrator.localize`). The third stage, layer -> heads -> rounding point, reads
+the rounding-point forks of a report (rounding.py: the rules; rounding_io.py: files, MLflow tags, `... rounding DIR`).
 """
 from orchestrator.localize.algorithm import PREFIXES, History, _split_outliers, localize, parse_history
 from orchestrator.localize.cli import main

@@ -1,5 +1,7 @@
 """`python -m orchestrator.localize SOURCE [--out loc.json] [--plot] [--sweep-overrides]`: the report on the terminal,
-the localization as JSON and a PNG (usage: orchestrator/localize/algorithm.py)."""
+the localization as JSON and a PNG (usage: orchestrator/localize/algorithm.py).
+`python -m orchestrator.localize rounding REPORT_DIR ...`: the rounding-point stage (localize/rounding_io.py).
+"""
 from __future__ import annotations
 
 import argparse
@@ -16,6 +18,10 @@ from orchestrator.localize.stats import LocalizeConfig
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["rounding"]:
+        from orchestrator.localize import rounding_io
+        return rounding_io.main(argv[1:])
     d = LocalizeConfig()
     p = argparse.ArgumentParser(prog="python -m orchestrator.localize", description=algorithm.__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -1,0 +1,125 @@
+#!/usr/bin/env bash
+# The paper's regime on ONE GPU, in one lease (issue 14): checkpoints cannot leave the machine, so every baseline and
+# every fork from it run here, in one go. One `python -m orchestrator.isolate` per seed, all at once:
+#   seed 1337: baseline -> pre-divergence checkpoint -> controls (sweeps/paper_1gpu_controls) + the isolation table
+#              (sweeps/paper_isolation, sweeps/beta_sweep), localized by its own monitors;
+#   seeds 1, 2: baseline -> the controls only (train.seed = data.seed = the seed; same batches as their forks).
+# Each isolate has its own --root, report (--out) and MLflow store (sqlite, one per seed: no lock contention).
+#
+#   bash scripts/paper_1gpu.sh [hydra overrides for every run]          # e.g. train.compile=true
+#   DRY_RUN=1 bash scripts/paper_1gpu.sh                                # print the plan, run nothing
+#
+# Env, each optional:
+#   ROOT          where everything goes (default results/runs/paper_1gpu/<date>): seed<S>/{baseline,forks,report,
+#                 mlflow.db}, seed<S>.log (that isolate's whole output), progress.log (the lines printed here)
+#   EXPERIMENT    the preset (paper_1gpu)          SEEDS        "1337 1 2" (the first also gets the isolation table)
+#   STOP_AFTER    steps each baseline runs past its divergence (300): batches for the forks, no GPU time wasted
+#   FORK_STEPS    steps per fork from the picked checkpoint (0: to the baseline's end = divergence + STOP_AFTER)
+#   PER_GPU_FIRST forks at once for the first seed (2)        PER_GPU_OTHERS  for the other seeds (1)
+#                 (runs at once = seeds while the baselines train, then <= PER_GPU_FIRST + PER_GPU_OTHERS x (seeds-1);
+#                 GPT-2S at B=16, T=1024 holds a small part of an H200, but nothing here measured it: stay <= 4)
+#   CKPT_EVERY_OTHERS  checkpoint interval of the other seeds' baselines (500; the first keeps the preset's 250):
+#                 a GPT-2S checkpoint (weights + AdamW moments) is ~1.5 GB, and all are kept until the forks start
+#   CONTROL_SWEEPS (paper_1gpu_controls)   ISOLATION_SWEEPS (paper_isolation beta_sweep; "" for none)
+#   PROGRESS_EVERY seconds between progress lines (60)
+# Each finished fork's own final checkpoint is deleted as soon as its result.json exists (it is never forked from).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+EXPERIMENT=${EXPERIMENT:-paper_1gpu}
+SEEDS=${SEEDS:-"1337 1 2"}
+STOP_AFTER=${STOP_AFTER:-300}
+FORK_STEPS=${FORK_STEPS:-0}
+PER_GPU_FIRST=${PER_GPU_FIRST:-2}
+PER_GPU_OTHERS=${PER_GPU_OTHERS:-1}
+CKPT_EVERY_OTHERS=${CKPT_EVERY_OTHERS:-500}
+CONTROL_SWEEPS=${CONTROL_SWEEPS:-paper_1gpu_controls}
+ISOLATION_SWEEPS=${ISOLATION_SWEEPS-paper_isolation beta_sweep}
+PROGRESS_EVERY=${PROGRESS_EVERY:-60}
+ROOT=$(realpath -m "${ROOT:-results/runs/paper_1gpu/$(date +%Y-%m-%d_%H-%M-%S)}")
+[ -n "${DRY_RUN:-}" ] || mkdir -p "$ROOT"
+T0=$(date +%s)
+
+say() {
+  local line="[paper_1gpu $(( $(date +%s) - T0 ))s] $*"
+  echo "$line"
+  [ -n "${DRY_RUN:-}" ] || echo "$line" >> "$ROOT/progress.log"
+}
+
+first=${SEEDS%% *}
+declare -A PIDS=()
+say "root $ROOT; experiment $EXPERIMENT; seeds $SEEDS; baselines stop $STOP_AFTER steps after their divergence"
+[ -z "${DRY_RUN:-}" ] && command -v df >/dev/null && say "disk free under $ROOT: $(df -h --output=avail "$ROOT" | tail -1 | tr -d ' ')"
+for s in $SEEDS; do
+  dir="$ROOT/seed$s"
+  if [ "$s" = "$first" ]; then
+    sweeps="$CONTROL_SWEEPS $ISOLATION_SWEEPS" per=$PER_GPU_FIRST extra=()
+  else
+    sweeps="$CONTROL_SWEEPS" per=$PER_GPU_OTHERS extra=("train.ckpt_every=$CKPT_EVERY_OTHERS")
+  fi
+  # shellcheck disable=SC2206
+  cmd=(python -m orchestrator.isolate --experiment "$EXPERIMENT" --root "$dir" --out "$dir/report"
+       --uri "sqlite:///$dir/mlflow.db" --stop-after "$STOP_AFTER" --fork-steps "$FORK_STEPS" --per-gpu "$per"
+       --sweeps $sweeps -- "train.seed=$s" "data.seed=$s" train.keep_last=false ${extra[@]+"${extra[@]}"} "$@")
+  say "seed $s: ${cmd[*]}"
+  [ -n "${DRY_RUN:-}" ] && continue
+  mkdir -p "$dir"
+  setsid "${cmd[@]}" > "$ROOT/seed$s.log" 2>&1 &  # its own process group: stopping this script stops its runs
+  PIDS[$s]=$!
+done
+[ -n "${DRY_RUN:-}" ] && exit 0
+stop_all() { for p in "${PIDS[@]}"; do kill -- "-$p" 2>/dev/null || true; done; }
+trap 'say "interrupted: stopping every isolate and its runs"; stop_all; exit 130' INT TERM
+
+progress() {  # one line per seed: the baseline's newest checkpoint, forks done, the isolate's last step line
+  for s in $SEEDS; do
+    dir="$ROOT/seed$s"
+    ck=$( (find "$dir/baseline/checkpoints" -name 'step_*.pt' 2>/dev/null || true) | sed 's/.*step_\([0-9]*\)\.pt/\1/' \
+         | sort -n | tail -1)
+    nf=$( (find "$dir/forks" -maxdepth 1 -name '*.log' 2>/dev/null || true) | wc -l)
+    nd=$( (find "$dir/forks" -mindepth 2 -maxdepth 2 -name result.json 2>/dev/null || true) | wc -l)
+    last=$( (grep -a '^\[paper_isolation' "$ROOT/seed$s.log" 2>/dev/null || true) | tail -1)
+    last=${last:-starting}
+    state=running; kill -0 "${PIDS[$s]}" 2>/dev/null || state=ended
+    say "seed $s ($state): baseline checkpoint step ${ck:-none} | forks done $nd/$nf | $(echo "${last//$ROOT\//}" | cut -c1-140)"
+  done
+}
+
+janitor() {  # a finished fork's final checkpoint is never forked from: free its ~1.5 GB at once
+  (find "$ROOT" -path '*/forks/*/result.json' 2>/dev/null || true) | while read -r r; do
+    rm -f "$(dirname "$r")"/checkpoints/*.pt
+  done
+}
+
+alive() { for s in $SEEDS; do kill -0 "${PIDS[$s]}" 2>/dev/null && return 0; done; return 1; }
+next=$(( $(date +%s) + PROGRESS_EVERY ))
+while alive; do
+  sleep 2
+  janitor
+  if [ "$(date +%s)" -ge "$next" ]; then progress; next=$(( $(date +%s) + PROGRESS_EVERY )); fi
+done
+janitor
+rc=0
+for s in $SEEDS; do
+  if wait "${PIDS[$s]}"; then say "seed $s: done, table $ROOT/seed$s/report/verdicts.md"
+  else
+    code=$?; rc=1
+    # a baseline that never diverged has no fork point: a finding (its result.json says so), not a crash
+    obs=$(python -c 'import json,sys; r=json.load(open(sys.argv[1])); print(r["observed"], r.get("steps_done"))' \
+          "$ROOT/seed$s/baseline/result.json" 2>/dev/null || echo "no result")
+    say "seed $s: FAILED (exit $code; baseline: $obs); its log: $ROOT/seed$s.log"
+    tail -n 5 "$ROOT/seed$s.log" | sed 's/^/    /'
+  fi
+done
+progress
+for s in $SEEDS; do
+  v="$ROOT/seed$s/report/verdicts.json"
+  [ -f "$v" ] && python - "$v" "$s" <<'EOF'
+import json, sys
+doc = json.load(open(sys.argv[1]))
+for r in doc["runs"]:
+    print(f"  seed {sys.argv[2]:>4} {r['job']:<34} {str(r.get('intervention')):<18} expected {str(r.get('expected')):<9}"
+          f" observed {str(r.get('observed')):<9} divergence {r.get('divergence_step')}")
+EOF
+done
+say "all done in $(( $(date +%s) - T0 )) s (exit $rc); progress log $ROOT/progress.log"
+exit $rc

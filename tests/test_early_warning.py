@@ -1,0 +1,127 @@
+"""The early-warning table on scripted metric histories: lead times, false alarms and misses worked out by hand from
+the script; the signals' arithmetic (repeated-maxima rate, W_Q growth rate) on scripted points."""
+import json
+import math
+
+import pytest
+
+from orchestrator import early_warning as ew
+from orchestrator import signals
+from orchestrator.early_warning import Run
+
+FLUSH = list(range(9, 200, 10))  # steps 9, 19, ..., 199: a flush every 10 steps
+
+
+def logit_run(name, observed, div, value, start=0, steps=FLUSH):
+    hist = {"max_logit/L0": [(s, value(s)) for s in steps], "max_logit/L1": [(s, 0.0) for s in steps]}
+    return Run(name, observed, start, div, signals.series(hist, start))
+
+
+def script():
+    return [
+        logit_run("A", "diverged", 100, lambda s: s + 1.0),  # value s+1
+        logit_run("B", "diverged", 60, lambda s: 2.0 * (s + 1)),  # value 2(s+1)
+        logit_run("C", "stable", None, lambda s: 45.0 if s == 49 else 30.0),  # one spike to 45
+        logit_run("D", "stable", None, lambda s: 20.0),
+        # a fork at step 50 diverging at 150: the 1000s before its fork step must not count
+        logit_run("E", "diverged", 150, lambda s: 1000.0 if s < 50 else s - 40.0, start=50),
+    ]
+
+
+def by_threshold(rows, signal="max_logit"):
+    return {r.threshold: r for r in rows if r.signal == signal}
+
+
+def test_grid_is_each_runs_peak_in_its_judged_window():
+    # A before 100: 99+1; B before 60: 2*60; C: 45; D: 20; E in [50, 150): 149-40
+    assert ew.grid(script(), "max_logit") == [20.0, 45.0, 100.0, 109.0, 120.0]
+
+
+def test_lead_times_false_alarms_and_misses_by_hand():
+    rows = by_threshold(ew.table(script()))
+    # threshold 45 (C's peak, strictly above): A first > 45 at 49 (50), lead 100-49; B at 29 (60), lead 60-29;
+    # E at 89 (49), lead 150-89; C never strictly above 45, D never: no false alarm
+    r = rows[45.0]
+    assert r.leads == {"A": 51, "B": 31, "E": 61}
+    assert r.mean_lead == pytest.approx((51 + 31 + 61) / 3)
+    assert (r.false_alarms, r.misses, r.diverged, r.stable) == (0, 0, 3, 2)
+    # threshold 20 (D's peak): A at 29 (30), lead 71; B at 19 (40), lead 41; E at 69 (29), lead 81; C alarms
+    r = rows[20.0]
+    assert r.leads == {"A": 71, "B": 41, "E": 81}
+    assert (r.false_alarms, r.false_alarm_runs, r.misses) == (1, ["C"], 0)
+    # threshold 100 (A's peak): A misses (100 is not above 100, 110 at 109 is after its divergence); B at 49 (100
+    # is not above 100, so 59: 120), lead 1; E at 149 (109), lead 1
+    r = rows[100.0]
+    assert r.leads == {"A": None, "B": 1, "E": 1}
+    assert (r.misses, r.false_alarms, r.mean_lead) == (1, 0, 1.0)
+    # threshold 120 (B's peak): every diverged run misses (A and E pass 120 only after their divergence)
+    r = rows[120.0]
+    assert (r.misses, r.false_alarms, r.mean_lead) == (3, 0, None)
+
+
+def test_chosen_rule_no_misses_then_fewest_false_alarms_then_longest_lead():
+    runs = script()
+    # a signal absent from most runs: rmax in A only (0 rows, then 50 rows over 10 steps = 5 per step); at the
+    # extra threshold 1 it warns A at 19, 81 steps ahead, with no miss or false alarm among the runs that have it
+    runs[0].series.update(signals.series({"rmax_rows/L0.H0": [(9, 0.0), (19, 50.0)]}))
+    rows = ew.table(runs, {"rmax_rate": [1.0]})
+    rmax = [r for r in rows if r.signal == "rmax_rate"]
+    assert [(r.threshold, r.runs_present, r.leads) for r in rmax] == [(1.0, 1, {"A": 81}), (5.0, 1, {"A": None})]
+    chosen = ew.choose(rows, len(runs))  # only signals present in every run are eligible: max_logit > 45
+    assert (chosen.signal, chosen.threshold, chosen.misses, chosen.false_alarms) == ("max_logit", 45.0, 0, 0)
+    assert ew.choose(rmax, len(runs)).threshold == 1.0  # none present everywhere: every row is eligible
+
+
+def test_entropy_alarms_below():
+    hist = lambda vals: {"probe/entropy/L0.H0": list(zip(FLUSH, vals))}  # noqa: E731
+    runs = [Run("x", "diverged", 0, 45, signals.series(hist([3.0, 2.5, 1.0, 0.5, 0.2]))),
+            Run("y", "stable", 0, None, signals.series(hist([3.0, 2.8, 2.6, 2.7, 2.9])))]
+    rows = by_threshold(ew.table(runs), "entropy")
+    assert sorted(rows) == [0.5, 2.6]  # x's minimum before 45 (steps 9..39), y's minimum
+    r = rows[2.6]  # strictly below 2.6: x at 19 (2.5), lead 45-19; y never
+    assert (r.leads, r.false_alarms, r.misses) == ({"x": 26}, 0, 0)
+
+
+def test_rmax_rate_per_step_max_over_layers_and_fork_interval():
+    st = signals.SignalState(start_step=0)
+    # flush after steps 0..4: L0 heads 10 + 5, L1 20 -> max(15, 20) / 5 steps
+    assert st.update(4, {"rmax_rows/L0.H0": 10, "rmax_rows/L0.H1": 5, "rmax_rows/L1.H0": 20}) == {"rmax_rate": 4.0}
+    # a checkpoint flush after 2 more steps (5, 6): 30 rows in L0 over 2 steps
+    assert st.update(6, {"rmax_rows/L0.H0": 30, "rmax_rows/L1.H0": 0})["rmax_rate"] == 15.0
+    fork = signals.SignalState(start_step=50)  # a fork's first interval starts at its fork step
+    assert fork.update(54, {"rmax_rows/L0.H0": 10})["rmax_rate"] == 2.0
+
+
+def test_wq_growth_is_d_ln_sigma_per_step_over_the_window():
+    a = [(s, math.exp(0.01 * s)) for s in range(0, 301, 50)]  # grows at 0.01 per step throughout
+    b = [(s, 1.0 if s <= 200 else math.exp(0.05 * (s - 200))) for s in range(0, 301, 50)]  # flat, then fast
+    out = signals.series({"wq_sigma/L0.H0": a, "wq_sigma/L1.H2": b}, growth_window=100)
+    assert [s for s, _ in out["wq_sigma"]] == list(range(0, 301, 50))
+    growth = dict(out["wq_growth"])
+    assert sorted(growth) == [100, 150, 200, 250, 300]  # no sample 100 steps back before step 100
+    assert growth[100] == pytest.approx(0.01) and growth[200] == pytest.approx(0.01)
+    assert growth[250] == pytest.approx(0.05 * 50 / 100)  # b: ln sigma from 0 (step 150) to 2.5 (step 250)
+    assert growth[300] == pytest.approx(0.05)  # b: 0 at 200 to 5 at 300
+
+
+def test_write_md_json_plot(tmp_path):
+    runs = script()
+    rows = ew.table(runs)
+    chosen = ew.choose(rows, len(runs))
+    paths = ew.write(tmp_path, runs, rows, chosen, ["F: failed (boom)"], 100)
+    md = paths["md"].read_text()
+    assert "`monitor.alarm.enabled=true monitor.alarm.signal=max_logit monitor.alarm.threshold=45`" in md
+    assert "| max_logit **(chosen)** | > 45 | 5 | 47.67 | 0/2 | 0/3 |" in md
+    assert "entropy: absent in 5 of 5 runs" in md and "F: failed (boom)" in md
+    doc = json.loads(paths["json"].read_text())
+    assert doc["chosen"]["leads"] == {"A": 51, "B": 31, "E": 61}
+    assert paths["png"].stat().st_size > 10_000
+
+
+def test_probe_signals_from_the_probes_metric_names():
+    got = signals.SignalState().update(99, {
+        "probe/delta_err_cumsum/L0": -3.0, "probe/delta_err_cumsum/L1": 2.0,  # |cumsum|, max over layers
+        "probe/max_logit/L0.H2": 40.0, "probe/max_logit/L1.H0": 55.0,  # max over heads
+        "probe/entropy/L0.H0": 1.2, "probe/entropy/L1.H1": 0.8,  # min over heads
+        "probe/delta_err_mean/L0": 99.0, "max_logit/L0": 7.0})  # not a signal of its own; the per-layer logit
+    assert got == {"delta_cumsum": 3.0, "max_logit_head": 55.0, "entropy": 0.8, "max_logit": 7.0}
