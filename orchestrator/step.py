@@ -24,6 +24,14 @@ def autocast(device: torch.device, precision: str):
     return contextlib.nullcontext()
 
 
+def precision_line(precision: str, routes) -> str:
+    """What computes in which precision, said once at job start: train.precision covers the model outside attention
+    only; attention keeps its recipe's explicit rounding either way (the route names the recipe)."""
+    outside = ("BF16 autocast (FP32 master weights)" if precision == "bf16" else
+               "FP32, no autocast (attention still rounds as its recipe says)")
+    return f"train.precision={precision}: outside attention {outside}; attention routes: {', '.join(routes)}"
+
+
 class TrainStep:
     """`step(k, batches) -> (loss, grad_norm, lr)`: optimizer step k on this rank's micro-batches."""
 
@@ -67,4 +75,4 @@ class TrainStep:
         return loss_sum, grad_norm, cfg.optimizer.lr * lr_f
 
 
-__all__ = ["TrainStep", "autocast"]
+__all__ = ["TrainStep", "autocast", "precision_line"]

@@ -30,7 +30,7 @@ from orchestrator.probes import runner as probes
 from orchestrator.interventions import build_hooks
 from orchestrator.optim import build_optimizer
 from orchestrator.record import CKPT_DIR, ORDER_FILE, RESOLVED_CONFIG
-from orchestrator.step import TrainStep, autocast
+from orchestrator.step import TrainStep, autocast, precision_line
 SPOOL_FILE = "mlflow_spool.jsonl"  # metric points waiting for a failed MLflow store (orchestrator/tracking.py)
 
 
@@ -139,6 +139,8 @@ class Job:
         seed_everything(self.cfg.train.seed)
         model = GPT(self.cfg.model, self.attention).to(device)
         self.result["attention_routes"] = model.attention_routes()
+        if self.is_main:
+            print(f"[job] {precision_line(self.cfg.train.precision, self.result['attention_routes'])}")
         self.hooks.attach(model)
         optimizer = build_optimizer(model, self.cfg.optimizer, device)
         if self.is_main:  # what a kill -9 mid-write left behind

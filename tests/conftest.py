@@ -1,3 +1,12 @@
+"""Shared test setup: the repo on sys.path, GPU tests skipped on a CPU, and the grouping that lets the suite run
+under pytest-xdist (`-n 2 --dist loadgroup`, the README's test command) without any test file knowing about it.
+
+Grouping: every test without an explicit `xdist_group` is grouped by its file, so a file's module-scoped fixtures
+(a smoke sweep, an MLflow server, a SLURM sweep) are set up once, on one worker, as in a serial run. Tests that must
+share one service across files say so: everything marked `slurm` or using the local SLURM cluster shares the group
+"slurm" (one sweep on the one-node cluster at a time: its tests count the cluster's jobs and CPUs). A new test file
+needs nothing: it runs on one worker, its own temporary folders (tmp_path is per worker) and free ports.
+"""
 import os
 import sys
 
@@ -8,8 +17,21 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+SLURM_GROUP = "slurm"
+SLURM_FILES = ("test_slurm.py",)  # files that submit to the local cluster (not all of their tests carry the mark)
 
+
+def _group(item) -> str:
+    if item.get_closest_marker("slurm") is not None or item.path.name in SLURM_FILES:
+        return SLURM_GROUP
+    return item.path.name
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which turns the marks into node-id suffixes
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(_group(item)))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU: run `pytest -m gpu` on a GPU machine")

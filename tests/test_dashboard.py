@@ -50,7 +50,8 @@ def sweep(tmp_path_factory):
         # both runs go NaN at step 6: the baseline matches the paper, the fp32 reference does not
         cmd = [sys.executable, "run.py", "-m", "experiment=smoke", "intervention=baseline,fp32",
                f"tracking.uri={uri}", f"results_dir={root / 'results'}", "sweep_name=dash", "train.max_steps=10",
-               "debug.nan_at_step=6", "tracking.system_metrics=true", "tracking.system_metrics_every_s=0.5"]
+               "debug.nan_at_step=6", "tracking.system_metrics=true", "tracking.system_metrics_every_s=0.5",
+               "train.precision=fp32"]  # FP32 outside attention: CPU autocast's BF16 GEMMs cost most; none checked
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
         assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
         exp = _api(uri, "experiments/get-by-name", experiment_name="dash")["experiment"]["experiment_id"]

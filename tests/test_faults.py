@@ -22,7 +22,8 @@ from orchestrator.data.replay import HEADER_BYTES, OrderReader, read_header
 ROOT = Path(__file__).resolve().parents[1]
 BASE = ["experiment=smoke", "intervention=baseline", "model.n_layer=1", "model.n_embd=32", "train.grad_accum=1",
         "train.ckpt_every=5", "train.eval_every=10", "monitor.log_every=5", "monitor.wq_every=5",
-        "train.keep_checkpoints=2", "optimizer.decay_steps=20"]
+        "train.keep_checkpoints=2", "optimizer.decay_steps=20",
+        "train.precision=fp32"]  # FP32 outside attention: CPU autocast's BF16 GEMMs were most of each run's time
 SKIP = ("perf/", "system/")  # wall-clock metrics differ between any two runs
 WALL_CLOCK = ("wall_s",)  # the run record's wall time (orchestrator/record.py), one point per run
 
