@@ -255,6 +255,13 @@ def probes(runs: Sequence[Tuple[str, History]], path: Path) -> Optional[Path]:
                 for layer, pts in per_layer(h, "tie_share_abs").items():
                     ax.plot([s for s, _ in pts], [v for _, v in pts], "--", lw=1.0,
                             color=colors[layers.index(layer)])
+                # the signed share is a ratio of sums that can be ~0: a probe where sum(e) ~ 0 reads +-1000 and
+                # would hide the rest, so the axis shows [-1.5, 1.5] and says how many points lie outside
+                out = sum(1 for pts in per_layer(h, kind).values() for _, v in pts if abs(v) > 1.5)
+                ax.set_ylim(-1.5, 1.5)
+                if out:
+                    ax.text(0.01, 0.02, f"{out} signed point(s) outside [-1.5, 1.5]", transform=ax.transAxes,
+                            fontsize=7, color="0.3")
             if kind in ("delta_err_mean", "delta_err_cumsum"):
                 ax.axhline(0.0, color="0.5", lw=0.8)
             ax.set_title((_wrap(label) + "\n" if c == 0 else "") + title, fontsize=8)
