@@ -111,10 +111,14 @@ def top_pair_projection(w_q: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
     D x C), v1 = W^T u1 / |W^T u1|, so u1^T W v1 = sigma_1 > 0 fixes the pair's sign. A descent step -lr * E then
     changes sigma_1 by about -lr * u1^T E v1: a negative projection is an error that grows sigma_1."""
     w = w_q.to(F64)
-    u1 = torch.linalg.eigh(w @ w.transpose(-1, -2))[1][..., :, -1]  # eigenvalues ascending: the last is sigma_1^2
+    g = w @ w.transpose(-1, -2)
+    finite = torch.isfinite(g).flatten(1).all(dim=1)  # a head whose W_Q holds NaN/inf gets a NaN projection
+    g = torch.where(finite[:, None, None], g, torch.eye(g.shape[-1], dtype=F64, device=g.device))
+    u1 = torch.linalg.eigh(g)[1][..., :, -1]  # eigenvalues ascending: the last is sigma_1^2
     v1 = torch.einsum("hd,hdc->hc", u1, w)
     v1 = v1 / v1.norm(dim=-1, keepdim=True)
-    return torch.einsum("hd,hdc,hc->h", u1, e.to(F64), v1)
+    out = torch.einsum("hd,hdc,hc->h", u1, e.to(F64), v1)
+    return torch.where(finite, out, torch.full_like(out, float("nan")))
 
 
 def cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -42,7 +42,9 @@ def test_parse_point():
         assert parse_point(name) is None, name
 
 
-def test_names_the_point_that_lifting_prevents_and_rounding_reproduces():
+def test_names_the_point_that_lifting_prevents_and_rounding_reproduces(monkeypatch):
+    # only the points these rows fork: the others would be listed as 'no fork of ...' (the next tests)
+    monkeypatch.setattr(rounding, "known_points", lambda: ('scores', 'pv_out', 'acc'))
     res = analyze(pv_out_rows())
     assert res.needs_bf16 == ["pv_out"] and res.cause_points == ["pv_out"]
     assert res.prevents == ["pv_out"] and res.reproduces == ["pv_out"] and res.delays == {"acc": 52}
@@ -70,7 +72,9 @@ def test_delay_only():
         analyze(rows, min_delay=0)
 
 
-def test_nothing_explains_it():
+def test_nothing_explains_it(monkeypatch):
+    # only the points these rows fork: the others would be listed as 'no fork of ...' (the next tests)
+    monkeypatch.setattr(rounding, "known_points", lambda: ('scores', 'pv_out'))
     rows = [row("baseline", "baseline", "diverged", BD), row("fp32", "fp32", "stable"),
             row("r-0", "lift_pv_out", "diverged", BD), row("r-1", "bf16_only_pv_out", "stable"),
             row("r-2", "lift_scores", "diverged", BD - 30), row("r-3", "bf16_only_scores", "stable")]
@@ -102,7 +106,9 @@ def test_failed_and_missing_forks_are_named():
     assert "not run: bf16_only_acc" in v
 
 
-def test_forks_that_cannot_be_judged_say_why():
+def test_forks_that_cannot_be_judged_say_why(monkeypatch):
+    # only the points these rows fork: the others would be listed as 'no fork of ...' (the next tests)
+    monkeypatch.setattr(rounding, "known_points", lambda: ('pv_out',))
     # the baseline did not diverge: a lift has nothing to prevent
     res = analyze([row("baseline", "baseline", "stable"), row("r-0", "lift_pv_out", "stable")])
     side = by_point(res)["pv_out"].lift

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional
 
+import sys
+
 import torch
 
 from kernels import probes as P
@@ -42,6 +44,7 @@ class Probes:
     def __init__(self, model, cfg: ProbesConfig, batch=None, device=None, precision: str = "bf16", tracker=None):
         self.model = getattr(model, "module", model)
         self.cfg, self.tracker = cfg, tracker
+        self.failures = 0  # probes that raised (logged as probe/failures; training goes on)
         self.enabled = bool(cfg.enabled)
         self.device = torch.device(device) if device is not None else self.model.lm_head.weight.device
         self.precision = precision
@@ -59,7 +62,16 @@ class Probes:
         """Probe after optimizer step `step` when due; returns the logged metrics then, else None (no work)."""
         if not self.due(step, checkpoint):
             return None
-        return self.run(step)
+        try:
+            return self.run(step)
+        except (RuntimeError, ValueError) as e:  # a probe that cannot be computed never stops training: counted,
+            self.failures += 1                   # logged (probe/failures) and said once on stderr
+            if self.failures == 1:
+                print(f"[probes] step {step}: probe failed ({type(e).__name__}: {str(e)[:200]}); training goes on, "
+                      "failures are logged as probe/failures", file=sys.stderr, flush=True)
+            if self.tracker is not None:
+                self.tracker.log_metrics({"probe/failures": float(self.failures)}, step=int(step))
+            return None
 
     # ------------------------------------------------------------------------------------------ capture
     def _capture(self):
