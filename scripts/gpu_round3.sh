@@ -78,9 +78,12 @@ if [ "$mode" = collect ]; then
   find . \( -path ./src -prune \) -o \( -name '*.json' -o -name '*.md' -o -name '*.png' -o -name '*.log' \
        -o -name '*.txt' \) -type f -size -4M -print | grep -v '/checkpoints/' > /tmp/r3_files
   tar -cJf "$OUT/round3-reports.tar.xz" -T /tmp/r3_files
+  # each store copied consistently while its writers run (sqlite's backup API), xz-compressed, cut into 15 MB parts
   i=0
   for db in $(find . -path ./src -prune -o -name 'mlflow*.db' -print); do
-    i=$((i+1)); xz -T8 -6 -c "$db" > "$OUT/db$i-$(echo "$db" | tr '/.' '__').xz"
+    i=$((i+1)); name="db$i-$(echo "${db#./}" | tr '/.' '__')"
+    $PY -c "import sqlite3,sys; d=sqlite3.connect(sys.argv[2]); sqlite3.connect(sys.argv[1]).backup(d); d.close()" \
+      "$db" "/tmp/$name.sqlite" && xz -T16 -6 -c "/tmp/$name.sqlite" | split -b 15M -d - "$OUT/$name.xz.part"
   done
   ls -la "$OUT"
   exit 0
