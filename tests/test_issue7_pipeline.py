@@ -341,7 +341,10 @@ def test_paper_isolation_script_end_to_end(tmp_path):
     overrides = ["model.n_layer=2", "model.n_head=2", "model.n_embd=64", "model.block_size=64",
                  "train.batch_size=4", "train.device=cpu", "tracking.writer=thread", "train.max_steps=40",
                  "train.warmup_steps=5", "train.ckpt_every=5", "debug.nan_at_step=25", "train.eval_every=0",
-                 "monitor.wq_every=10", f"results_dir={tmp_path}/results"]
+                 "monitor.wq_every=10", f"results_dir={tmp_path}/results",
+                 # not what this test checks, and 16 CPU jobs' worth of cost: CPU autocast's BF16 GEMMs and
+                 # mini_repro's probe at every checkpoint (tests/test_probes.py covers the probes)
+                 "train.precision=fp32", "monitor.probes.enabled=false"]
     r = subprocess.run(["bash", "scripts/paper_isolation.sh", *overrides], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=900)
     logs = "".join(f"\n--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted((root / "forks").glob("*.log")))
