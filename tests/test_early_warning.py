@@ -125,3 +125,64 @@ def test_probe_signals_from_the_probes_metric_names():
         "probe/entropy/L0.H0": 1.2, "probe/entropy/L1.H1": 0.8,  # min over heads
         "probe/delta_err_mean/L0": 99.0, "max_logit/L0": 7.0})  # not a signal of its own; the per-layer logit
     assert got == {"delta_cumsum": 3.0, "max_logit_head": 55.0, "entropy": 0.8, "max_logit": 7.0}
+
+
+# ------------------------------------------------------------------------------------- unfinished runs
+def test_unfinished_run_alarms_are_listed_apart_and_change_no_criterion():
+    """U ended without a verdict at step 199, not diverged: its alarm is 'steps on after the alarm', never a false
+    alarm, and at every threshold the other runs' numbers are what they are without it."""
+    u = logit_run("U", "unfinished", None, lambda s: 3.0 * (s + 1))
+    u.last_step = 199
+    base = {r.threshold: r for r in ew.table(script()) if r.signal == "max_logit"}
+    rows = by_threshold(ew.table(script() + [u]))
+    assert 600.0 in rows  # U's peak (3 * 200) joins the grid
+    r = rows[45.0]  # U first > 45 at step 19 (60): 199 - 19 steps on without diverging
+    assert r.unfinished_alarms == {"U": 180} and r.unfinished == 1
+    assert (r.false_alarms, r.stable, r.misses, r.diverged) == (0, 2, 0, 3)
+    for t, b in base.items():
+        got = rows[t]
+        assert (got.leads, got.false_alarm_runs, got.misses, got.stable) == (b.leads, b.false_alarm_runs, b.misses,
+                                                                            b.stable), t
+    assert rows[600.0].unfinished_alarms == {}  # strictly above its own peak: no alarm
+    md = ew.markdown(ew.table(script() + [u]), script() + [u], None, [], 100)
+    assert "1 unfinished" in md and "alarms on unfinished" in md and "| U | unfinished | - | 0 | 199 |" in md
+
+
+def _store_with_killed_runs(tmp_path):
+    """A sqlite store with two runs killed before their verdict (no tags but their metrics, as after kill -9):
+    'calm' whose loss falls, and 'blown' whose loss goes non-finite at step 30."""
+    from mlflow.entities import Metric
+    from mlflow.tracking import MlflowClient
+    uri = f"sqlite:///{tmp_path}/store/mlflow.db"
+    (tmp_path / "store").mkdir()
+    c = MlflowClient(tracking_uri=uri)
+    exp = c.create_experiment("paper_isolation")
+    for name, loss in (("calm seed=1", lambda s: 5.0 - 0.01 * s), ("blown seed=2", lambda s: math.nan if s >= 30
+                                                                       else 5.0 - 0.01 * s)):
+        rid = c.create_run(exp, run_name=name).info.run_id
+        pts = [Metric("train/loss", loss(s), 0, s) for s in range(40)]
+        pts += [Metric("max_logit/L0", 10.0 * s, 0, s) for s in range(9, 40, 10)]
+        c.log_batch(rid, metrics=pts)
+    return uri
+
+
+def test_store_source_reads_unfinished_runs_and_leaves_out_a_diverged_one(tmp_path):
+    uri = _store_with_killed_runs(tmp_path)
+    runs, skipped = ew.load([uri])
+    assert runs == [] and len(skipped) == 2  # without --include-unfinished: no verdict, left out, both said
+    runs, skipped = ew.load([uri], unfinished=True)
+    assert [(r.name, r.observed, r.last_step) for r in runs] == [("store/calm", "unfinished", 39)]
+    assert len(skipped) == 1 and skipped[0].startswith("store/blown: unfinished, and its loss diverged at step 30")
+    assert [s for s, _ in runs[0].series["max_logit"]] == [9, 19, 29, 39]
+    row = next(r for r in ew.table(runs) if r.signal == "max_logit" and r.threshold == 390.0)
+    assert row.unfinished_alarms == {} and row.unfinished == 1
+    row = next(r for r in ew.table(runs, {"max_logit": [150.0]}) if r.threshold == 150.0)
+    assert row.unfinished_alarms == {"store/calm": 39 - 19}  # 190 at step 19
+
+
+def test_cli_with_a_store_and_include_unfinished(tmp_path):
+    uri = _store_with_killed_runs(tmp_path)
+    assert ew.main([uri, "--include-unfinished", "--out", str(tmp_path / "ew")]) == 0
+    doc = json.loads((tmp_path / "ew" / "early_warning.json").read_text())
+    assert [(r["name"], r["observed"], r["last_step"]) for r in doc["runs"]] == [("store/calm", "unfinished", 39)]
+    assert doc["chosen"] is None  # no diverged run: nothing to choose
