@@ -189,7 +189,7 @@ def _store_rows(uri: str, experiment: Optional[str], skipped: List[str], unfinis
     return out
 
 
-def _still_stable(history: Dict, r: Dict) -> Optional[int]:
+def _replayed_divergence(history: Dict, r: Dict) -> Optional[int]:
     """An unfinished run's divergence step by its own detector over its loss history (None: not diverged)."""
     from orchestrator.verdict import DivergenceDetector, VerdictConfig
     cfg = VerdictConfig(**{k: v for k, v in (("margin", r.get("verdict_margin")), ("window", r.get("verdict_window")))
@@ -218,7 +218,7 @@ def load(sources: Sequence[str] = (), tracking_uri: Optional[str] = None, experi
         name = str(r.get("job") or r["mlflow_run_id"])
         keys = signals.PREFIXES + ((record.LOSS,) if r["observed"] == "unfinished" else ())
         hist = store.history(store.client_for(uri), r["mlflow_run_id"], keys)
-        if r["observed"] == "unfinished" and (div := _still_stable(hist, r)) is not None:
+        if r["observed"] == "unfinished" and (div := _replayed_divergence(hist, r)) is not None:
             skipped.append(f"{name}: unfinished, and its loss diverged at step {div} by its detector: no verdict")
             continue
         start = int(r.get("fork_step") or 0)
