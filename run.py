@@ -5,8 +5,8 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-import orchestrator.schema  # noqa: F401  registers the structured config `base_config`
-from orchestrator.job import exit_status, is_multirun, run_job
+import flash_forensics.orchestrator.config.schema  # noqa: F401  registers the structured config `base_config`
+from flash_forensics.orchestrator.launch.task import exit_status, is_multirun, run_job
 
 _status = 0
 

@@ -34,7 +34,7 @@ if ROOT not in sys.path:
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from kernels.config import AttentionKnobs  # noqa: E402
+from flash_forensics.kernels.config import AttentionKnobs  # noqa: E402
 
 SHAPES = {"gpt2s_T1024": (16, 12, 1024, 64), "T4096": (4, 12, 4096, 64), "mini_T256": (32, 12, 256, 64),
           "D128_T2048": (8, 16, 2048, 128)}
@@ -73,8 +73,8 @@ def make_inputs(B, H, T, D, dev, seed=0):
 
 def method_fn(name, H, dev):
     """f(q, k, v) -> O for one method (its AttnStats made once, as a layer keeps one)."""
-    import kernels
-    from kernels.triton_flash import flash_attention_triton
+    import flash_forensics.kernels.emulator
+    from flash_forensics.kernels.triton_flash import flash_attention_triton
     if name in SDPA:
         from torch.nn.attention import SDPBackend, sdpa_kernel
         backend = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
@@ -85,9 +85,9 @@ def method_fn(name, H, dev):
                 return F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return sdpa
     knobs = KNOBS[name]
-    stats = kernels.AttnStats(H, dev) if knobs.counters else None
+    stats = flash_forensics.kernels.stats.AttnStats(H, dev) if knobs.counters else None
     if name == "emulator_paper_bf16":
-        return lambda q, k, v: kernels.flash_attention(q, k, v, knobs, stats)
+        return lambda q, k, v: flash_forensics.kernels.emulator.flash_attention(q, k, v, knobs, stats)
     if knobs.recipe == "fp32":
         return lambda q, k, v: flash_attention_triton(q.float(), k.float(), v.float(), knobs, stats)
     return lambda q, k, v: flash_attention_triton(q, k, v, knobs, stats)
@@ -168,7 +168,7 @@ def main(argv=None):
     if args.tune:
         from benchmarks.tune import tune_all
         out["tuning"] = tune_all(dev, [SHAPES[s] for s in args.tune_shapes.split(",")], print)
-    from kernels import triton_flash as tf
+    from flash_forensics.kernels import triton_flash as tf
     out["launch_configs"] = {f"{s}/{m}": tf.launch_config(KNOBS[m], *SHAPES[s][2:][::-1])
                              for s in shapes for m in names if m in KNOBS and KNOBS[m].backend == "triton"}
     todo = [(r, s, m) for r in range(args.rounds) for s in shapes for m in names

@@ -13,7 +13,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from orchestrator.data import DataConfig, ensure_prepared  # noqa: E402
+from flash_forensics.orchestrator.data import DataConfig, ensure_prepared  # noqa: E402
 
 
 def main() -> None:

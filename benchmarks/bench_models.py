@@ -20,8 +20,8 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kernels.config import AttentionConfig  # noqa: E402
-from models import GPT, ModelConfig  # noqa: E402
+from flash_forensics.kernels.config import AttentionConfig  # noqa: E402
+from flash_forensics.models.gpt import GPT, ModelConfig  # noqa: E402
 
 
 def step_times(model, idx, targets, steps: int, warmup: int, device) -> list:

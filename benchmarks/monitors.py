@@ -30,9 +30,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from models import GPT, ModelConfig  # noqa: E402
-from orchestrator.monitors import MonitorConfig, Monitors  # noqa: E402
-from orchestrator.tracking import Tracker, TrackingConfig, git_info  # noqa: E402
+from flash_forensics.models.gpt import GPT, ModelConfig  # noqa: E402
+from flash_forensics.orchestrator.monitor.monitors import MonitorConfig, Monitors  # noqa: E402
+from flash_forensics.orchestrator.tracking.tracker import Tracker, TrackingConfig, git_info  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -62,7 +62,7 @@ class _ShapeOnly(torch.nn.Module):
 
     def __init__(self, mcfg):
         super().__init__()
-        from kernels.stats import AttnStats
+        from flash_forensics.kernels.stats import AttnStats
         self.stats = [AttnStats(mcfg.n_head) for _ in range(mcfg.n_layer)]
         self.w = torch.randn(mcfg.n_layer, mcfg.n_head)
 

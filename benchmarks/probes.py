@@ -1,4 +1,4 @@
-"""What do the mechanism probes (monitor.probes, orchestrator/probes/) cost a mini_repro training step?
+"""What do the mechanism probes (monitor.probes, orchestrator/monitor/probes/) cost a mini_repro training step?
 
 One process, one model, one optimizer. Round-robin over `--rounds` rounds: a chunk of `--every` training steps
 without probes, then a chunk of `--every` steps with one probe (what monitor.probes.every=N costs: one probe per N
@@ -31,9 +31,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from models import GPT, ModelConfig  # noqa: E402
-from orchestrator.probes.config import ProbesConfig  # noqa: E402
-from orchestrator.probes.runner import Probes  # noqa: E402
+from flash_forensics.models.gpt import GPT, ModelConfig  # noqa: E402
+from flash_forensics.orchestrator.monitor.probes.config import ProbesConfig  # noqa: E402
+from flash_forensics.orchestrator.monitor.probes.runner import Probes  # noqa: E402
 
 MINI = dict(name="mini", n_layer=12, n_head=12, n_embd=768, block_size=256)  # conf/experiment/mini_repro.yaml
 
@@ -100,7 +100,7 @@ def main(argv=None):
 
     tracker, tmp = None, None
     if not args.no_tracking:
-        from orchestrator.tracking import Tracker, TrackingConfig
+        from flash_forensics.orchestrator.tracking.tracker import Tracker, TrackingConfig
         tmp = tempfile.TemporaryDirectory(prefix="bench-probes-")
         tracker = Tracker(TrackingConfig(uri=f"sqlite:///{tmp.name}/mlflow.db", writer="process"), "bench-probes",
                           experiment="bench-probes", discover_parent=False)
@@ -151,7 +151,7 @@ def main(argv=None):
     slug = device_slug(device)
     out = Path(args.out) if args.out else ROOT / "results" / "bench" / f"probes-{slug}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    from orchestrator.tracking import git_info
+    from flash_forensics.orchestrator.tracking.tracker import git_info
     try:
         import triton
         triton_version = triton.__version__

@@ -7,7 +7,7 @@
 Each variant is what a run of `intervention=<name>` trains: its config composed by Hydra and validated by the
 orchestrator (experiment=mini_repro; shape gpt2s adds model.block_size=1024 train.batch_size=16), so the model patch
 (qk_norm, attn_gate, z_loss), the attention knobs (and so the route: Triton, or the emulator where Triton lacks a
-knob) and the train hooks (qk_clip) are the run's. One training step is orchestrator.step.TrainStep (BF16
+knob) and the train hooks (qk_clip) are the run's. One training step is flash_forensics.orchestrator.job.step.TrainStep (BF16
 autocast, grad clip, AdamW, the hooks), eager as mini_repro runs. Monitors are off: they cost every variant alike.
 Every variant gets the same initialisation (train.seed) and the same random token batches.
 
@@ -63,8 +63,8 @@ def compose(variant: str, shape_overrides, extra):
     from hydra import compose as hydra_compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    import orchestrator.schema  # noqa: F401  registers base_config
-    from orchestrator.validate import validate_config
+    import flash_forensics.orchestrator.config.schema  # noqa: F401  registers base_config
+    from flash_forensics.orchestrator.config.validate import validate_config
     overrides = ["experiment=mini_repro", f"intervention={variant}", *shape_overrides, *extra]
     GlobalHydra.instance().clear()
     try:
@@ -77,19 +77,19 @@ def compose(variant: str, shape_overrides, extra):
 
 def changes_model(obj) -> bool:
     """The intervention's model patch sets a field that decides the parameters (a fork from a baseline refuses)."""
-    from orchestrator.fork import MODEL_KEYS
+    from flash_forensics.orchestrator.job.fork import MODEL_KEYS
     return bool(set(obj.intervention.model.set_fields()) & set(MODEL_KEYS))
 
 
 class Variant:
-    """One stabilizer's model, optimizer, hooks and train step, built as orchestrator/train.py builds them."""
+    """One stabilizer's model, optimizer, hooks and train step, built as orchestrator/job/train.py builds them."""
 
     def __init__(self, name, shape_overrides, extra, device):
-        from models import GPT
-        from orchestrator.train import seed_everything
-        from orchestrator.interventions import build_hooks
-        from orchestrator.optim import build_optimizer
-        from orchestrator.step import TrainStep
+        from flash_forensics.models.gpt import GPT
+        from flash_forensics.orchestrator.job.train import seed_everything
+        from flash_forensics.orchestrator.interventions import build_hooks
+        from flash_forensics.orchestrator.job.optim import build_optimizer
+        from flash_forensics.orchestrator.job.step import TrainStep
         self.name = name
         obj, att = compose(name, shape_overrides, extra)
         self.obj = obj
@@ -197,7 +197,7 @@ def main(argv=None):
     variants = [v for v in a.variants.split(",") if v]
     extra = a.overrides.split()
     out = dict(environment(argv, device), precision="bf16 autocast",
-               note="eager, monitors off, hooks on; step = orchestrator.step.TrainStep", rows=[])
+               note="eager, monitors off, hooks on; step = flash_forensics.orchestrator.job.step.TrainStep", rows=[])
     path = a.out or os.path.join(ROOT, "results", "bench", f"stabilizers-{out['gpu'].split()[-1].lower()}.json")
     timer = make_timer(device)
     for shape in shapes:

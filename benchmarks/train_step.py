@@ -3,7 +3,7 @@ Triton flash kernels, eager and compiled, counters and monitors on, in one proce
 
     python benchmarks/train_step.py [--shapes 16x1024,32x256] [--steps 20] [--out results/bench/train-step-<gpu>.json]
 
-Each variant: models.GPT, fused AdamW, BF16 autocast, grad clipping, the run's Monitors (W_Q norms every 50 steps,
+Each variant: flash_forensics.models.gpt.GPT, fused AdamW, BF16 autocast, grad clipping, the run's Monitors (W_Q norms every 50 steps,
 one host transfer every 10, counters and max logit per layer); the same random token batches for every variant.
 A step's time is the host clock between synchronisations after `--warmup` steps (compilation); the row is the
 median. Every variant's per-step losses are kept, so an eager and a compiled variant of the same attention can be
@@ -35,9 +35,9 @@ VARIANTS = ["sdpa+compile", "sdpa", "triton_fa2", "triton_fa2+compile", "triton_
 
 
 def run_variant(name, batch, T, steps, warmup, dev):
-    from kernels.config import AttentionConfig
-    from models import GPT, ModelConfig
-    from orchestrator.monitors import MonitorConfig, Monitors
+    from flash_forensics.kernels.config import AttentionConfig
+    from flash_forensics.models.gpt import GPT, ModelConfig
+    from flash_forensics.orchestrator.monitor.monitors import MonitorConfig, Monitors
     attn, compiled = name.split("+")[0], name.endswith("+compile")
     torch.manual_seed(0)
     cfg = ModelConfig.preset("gpt2_s", block_size=T)
@@ -49,7 +49,7 @@ def run_variant(name, batch, T, steps, warmup, dev):
     data = [torch.randint(0, 50257, (batch, T + 1), device=dev, generator=g) for _ in range(warmup + steps)]
     times, losses = [], []
     for i, x in enumerate(data):
-        if attn == "sdpa":  # as orchestrator/train.py: sdpa pays its max-logit pass on the monitors' flush steps
+        if attn == "sdpa":  # as orchestrator/job/train.py: sdpa pays its max-logit pass on the monitors' flush steps
             model.probe = (i + 1) % monitors.cfg.log_every == 0
         torch.cuda.synchronize()
         t0 = time.perf_counter()

@@ -4,7 +4,7 @@
 
 For each forward family (fa2, fa2_exact, paper_bf16, fp32) and backward recipe, every candidate below is timed
 alone (forward: the forward kernel; backward: delta + dK/dV + dQ from a saved forward) with do_bench, and the
-fastest is written into kernels.triton_flash.SHAPE_TABLE for this process. The candidates never touch a block size
+fastest is written into flash_forensics.kernels.triton_flash.SHAPE_TABLE for this process. The candidates never touch a block size
 that carries meaning: paper_bf16 and fa2_exact keep block_k as the forward's key tile and paper_bf16 keeps
 block_q / block_k in the backward (kernels/triton_flash.py applies those overrides after the table). The JSON lists
 every timing; the chosen ones are what to copy into FWD_TABLE / BWD_TABLE / SHAPE_TABLE.
@@ -22,7 +22,7 @@ if ROOT not in sys.path:
 
 import torch  # noqa: E402
 
-from kernels.config import AttentionKnobs  # noqa: E402
+from flash_forensics.kernels.config import AttentionKnobs  # noqa: E402
 
 FWD = {  # (BLOCK_M, free BLOCK_N, num_warps, num_stages)
     "bf16": {64: [(64, 64, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 4),
@@ -67,12 +67,12 @@ def _dedupe(cands, key):
 
 def tune_shape(tf, fam, knobs, B, H, T, D, dev, log):
     """Time the forward and backward candidates of one family at one shape; keep the fastest in SHAPE_TABLE."""
-    import kernels
+    import flash_forensics.kernels.emulator
     kind = "fp32" if fam == "fp32" else "bf16"
     dt = torch.float32 if fam == "fp32" else torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(0)
     q, k, v, do = (torch.randn(B, H, T, D, device=dev, dtype=dt, generator=g) for _ in range(4))
-    stats = kernels.AttnStats(H, dev)
+    stats = flash_forensics.kernels.stats.AttnStats(H, dev)
     rep, maxl = (stats.repeated_max_rows, stats.max_logit) if knobs.counters else (None, None)
     res = dict(family=fam, shape=[B, H, T, D], fwd=[], bwd=[])
     fwd_key = lambda c: tf._fwd_blocks(knobs, D, T)  # noqa: E731  (with c in SHAPE_TABLE: what actually launches)
@@ -112,7 +112,7 @@ def tune_shape(tf, fam, knobs, B, H, T, D, dev, log):
 
 
 def tune_all(dev, shapes, log=print) -> dict:
-    from kernels import triton_flash as tf
+    from flash_forensics.kernels import triton_flash as tf
     out = dict(results=[])
     for B, H, T, D in shapes:
         for fam, knobs in FAMILIES.items():
@@ -125,8 +125,8 @@ def tune_all(dev, shapes, log=print) -> dict:
 
 
 def load_shape_table(path) -> dict:
-    """Put a tune JSON's chosen configs into kernels.triton_flash.SHAPE_TABLE (another process's tuning)."""
-    from kernels import triton_flash as tf
+    """Put a tune JSON's chosen configs into flash_forensics.kernels.triton_flash.SHAPE_TABLE (another process's tuning)."""
+    from flash_forensics.kernels import triton_flash as tf
     with open(path) as f:
         data = json.load(f)
     table = data["shape_table"] if "shape_table" in data else data["tuning"]["shape_table"]  # tune or attention JSON

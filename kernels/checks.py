@@ -1,7 +1,7 @@
 """The few value checks every config section shares, so each message reads `key=value is not allowed: expected ...`.
 
 Plain Python (no torch, omegaconf or hydra): kernels/, models/ and orchestrator/ all import it. `error` lets a caller
-raise its own ValueError subclass (orchestrator.validate.ConfigError).
+raise its own ValueError subclass (flash_forensics.orchestrator.config.validate.ConfigError).
 """
 from __future__ import annotations
 

@@ -16,9 +16,9 @@ from dataclasses import field, make_dataclass, replace
 from functools import partial
 from typing import Dict, List, Optional, Tuple
 
-from kernels.checks import bad, is_int
-from kernels.knobs import BACKENDS, DELTAS, IMPLS, KNOBS, RECIPES, SOFTMAXES, Knob
-from kernels.recipes import points_problem
+from flash_forensics.kernels.checks import bad, is_int
+from flash_forensics.kernels.knobs import BACKENDS, DELTAS, IMPLS, KNOBS, RECIPES, SOFTMAXES, Knob
+from flash_forensics.kernels.recipes import points_problem
 
 
 def _shown(value):
@@ -136,7 +136,7 @@ def _make(name: str, spec, bases, doc: str, **attrs):
 
 def build(rows: Tuple[Knob, ...]):
     """(AttentionKnobs, KnobPatch, LayerOverride, AttentionConfig) for a table; the module's own are built from
-    kernels.knobs.KNOBS (tests build others, e.g. with a knob Triton lacks)."""
+    flash_forensics.kernels.knobs.KNOBS (tests build others, e.g. with a knob Triton lacks)."""
     names = [r.name for r in rows]
     if len(set(names)) != len(names):
         raise ValueError(f"knob table: a name appears twice in {names}")

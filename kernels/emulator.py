@@ -30,11 +30,11 @@ from typing import Optional
 
 import torch
 
-from kernels.config import AttentionKnobs
-from kernels.knobs import PBAR_CLAMP
-from kernels.recipes import Recipe, for_knobs, round_to
-from kernels.stats import AttnStats
-from kernels.stochastic import call_key, stochastic_round, uniform16
+from flash_forensics.kernels.config import AttentionKnobs
+from flash_forensics.kernels.knobs import PBAR_CLAMP
+from flash_forensics.kernels.recipes import Recipe, for_knobs, round_to
+from flash_forensics.kernels.stats import AttnStats
+from flash_forensics.kernels.stochastic import call_key, stochastic_round, uniform16
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 SFA_GUARD_LO = 2.0 ** -6  # smallest shift above rm: exp(-2^-6) = 0.9845 rounds to 0.984375 in BF16, not to 1
@@ -335,7 +335,7 @@ class _FlashAttention(torch.autograd.Function):
 def check_inputs(q, k, v, cfg, stats=None) -> AttentionKnobs:
     """Validate before computing: ValueError naming the argument or key, the value and what is allowed."""
     if not isinstance(cfg, AttentionKnobs):
-        raise ValueError(f"cfg={type(cfg).__name__} is not allowed: expected kernels.config.AttentionKnobs "
+        raise ValueError(f"cfg={type(cfg).__name__} is not allowed: expected flash_forensics.kernels.config.AttentionKnobs "
                          "or AttentionConfig")
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
@@ -357,7 +357,7 @@ def check_inputs(q, k, v, cfg, stats=None) -> AttentionKnobs:
     cfg.validate(n_head=q.shape[1])
     if stats is not None:
         if not isinstance(stats, AttnStats):
-            raise ValueError(f"stats={type(stats).__name__} is not allowed: expected kernels.AttnStats or None")
+            raise ValueError(f"stats={type(stats).__name__} is not allowed: expected flash_forensics.kernels.stats.AttnStats or None")
         if stats.n_head != q.shape[1] or stats.device != q.device:
             raise ValueError(f"stats=AttnStats(n_head={stats.n_head}, device={stats.device}) is not allowed: "
                              f"expected n_head={q.shape[1]} on {q.device}")

@@ -3,7 +3,7 @@
 A row (`Knob`) gives a knob's name, type, default, allowed values, a one-line meaning, the implementations that
 compute it and the value that means "off". Everything else reads the rows: kernels/config.py builds AttentionKnobs,
 KnobPatch, LayerOverride and AttentionConfig from them (and validates values by them), kernels/triton_flash.py's
-`supports()`, orchestrator/validate.py's route checks and the route labels of models/attention.py.
+`supports()`, orchestrator/config/validate.py's route checks and the route labels of models/attention.py.
 
 Implementations: `emulator` and `triton` compute impl=flash (kernels/emulator.py, kernels/triton_flash.py; chosen by
 `backend`), `standard` and `sdpa` are models/attention.py's other two.
@@ -20,8 +20,8 @@ from collections.abc import Mapping
 from dataclasses import KW_ONLY, dataclass, replace
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
-from kernels.checks import is_int, is_num
-from kernels.recipes import RECIPES, ROUNDING_POINTS
+from flash_forensics.kernels.checks import is_int, is_num
+from flash_forensics.kernels.recipes import RECIPES, ROUNDING_POINTS
 
 IMPLEMENTATIONS = ("emulator", "triton", "standard", "sdpa")
 FLASH = ("emulator", "triton")  # the tiled kernels (impl=flash)
@@ -200,7 +200,7 @@ KNOBS: Tuple[Knob, ...] = (
     Knob("o_fp32_heads", List[int], [], "... or only for these heads (0-based)",
          computed_by=("emulator", "triton", "standard"), off=[], check=_heads, label=_heads_label),
     # Rounding points (kernels/recipes.py ROUNDING_POINTS) one by one; whether they fit the recipe (not already in
-    # that dtype, not in both lists) is kernels.recipes.points_problem, checked with the other knobs.
+    # that dtype, not in both lists) is flash_forensics.kernels.recipes.points_problem, checked with the other knobs.
     Knob("keep_fp32", List[str], [], "rounding points lifted to FP32 (e.g. [scores, stats]); pv_fp32 is "
          "[pbar, pv_out, acc]", computed_by=FLASH, off=[], check=_points, label=_points_label("keep_fp32")),
     Knob("round_bf16", List[str], [], "rounding points rounded to BF16 (e.g. recipe=fp32 with [pv_out])",

@@ -15,8 +15,8 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from kernels import triton_flash as tf
-from kernels.config import AttentionKnobs
+from flash_forensics.kernels import triton_flash as tf
+from flash_forensics.kernels.config import AttentionKnobs
 
 LIB = "flash_forensics"
 
@@ -25,7 +25,7 @@ def _knobs(recipe: str, tiling: bool, block_q: int, block_k: int, softmax: str =
            eps: float = 1e-3, delta: str = "dO_O", pv_fp32: bool = False,
            fp32_heads: Optional[List[int]] = None, rounding: int = -1) -> AttentionKnobs:
     """The knobs an op call carries, as the launchers take them. `rounding`: the BF16 rounding points as
-    kernels.triton_flash.round_mask gives them (pv_fp32 included); -1: the recipe's own."""
+    flash_forensics.kernels.triton_flash.round_mask gives them (pv_fp32 included); -1: the recipe's own."""
     keep, rnd = tf.mask_points(recipe, rounding) if rounding >= 0 else ([], [])
     return AttentionKnobs(impl="flash", backend="triton", recipe=recipe, tiling=tiling, block_q=block_q,
                           block_k=block_k, softmax=softmax, beta=beta, eps=eps, delta=delta, pv_fp32=pv_fp32,
@@ -51,7 +51,7 @@ def flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, repeated_max_ro
               rounding: int = -1) -> Tuple[torch.Tensor, torch.Tensor]:
     """Causal flash forward: (O as stored for the backward, lse (B, H, T) FP32). Counters are added into
     repeated_max_rows (H,) int64 and max_logit () FP32 when given (both or neither). `rounding`: the BF16 rounding
-    points (kernels.triton_flash.round_mask)."""
+    points (flash_forensics.kernels.triton_flash.round_mask)."""
     return _fwd_body(q, k, v, repeated_max_rows, max_logit, recipe, tiling, block_q, block_k, softmax, beta, eps,
                      pv_fp32, fp32_heads, rounding)
 
@@ -120,7 +120,7 @@ def op_rounding(knobs: AttentionKnobs) -> int:
 
 
 def flash_attention(q, k, v, knobs: AttentionKnobs, stats=None):
-    """kernels.triton_flash.flash_attention_triton's body: the ops, then rows_seen (a Python int: no host sync)."""
+    """flash_forensics.kernels.triton_flash.flash_attention_triton's body: the ops, then rows_seen (a Python int: no host sync)."""
     B, H, T, _ = q.shape
     counters = stats is not None and knobs.counters
     rep, maxl = (stats.repeated_max_rows, stats.max_logit) if counters else (None, None)

@@ -98,7 +98,7 @@ Recipes:
   float64 tests and gradcheck), else FP32. Output in that dtype.
 Gradients are returned in the inputs' dtypes.
 
-`resolve(name, input_dtype)` gives the concrete Recipe; `reference_attention` in kernels.emulator is the pure
+`resolve(name, input_dtype)` gives the concrete Recipe; `reference_attention` in flash_forensics.kernels.emulator is the pure
 function other kernels test against.
 """
 from __future__ import annotations

@@ -14,7 +14,7 @@ one-block computation up to GEMM summation order, for any T.
 
 Recipe rounding points follow kernels/emulator.py (the source of truth); `_rb` marks each BF16 storage point. A
 recipe is a set of rounding points: the kernels take it as one constexpr bitmask, ROUND (`round_mask`: one bit per
-kernels.recipes.ROUNDING_POINTS entry), plus INPUT_F32 (the dtype Q, K, V, dO enter the GEMMs in) and FLOOR
+flash_forensics.kernels.recipes.ROUNDING_POINTS entry), plus INPUT_F32 (the dtype Q, K, V, dO enter the GEMMs in) and FLOOR
 (paper_bf16's 1e-10 row-sum floor). So keep_fp32 / round_bf16 / pv_fp32 are compile-time switches, and a lifted
 GEMM operand is an IEEE FP32 GEMM (input_precision="ieee", never TF32).
 Over 400 lines because the four kernels share their jit helpers and launch tables; the torch.library operators
@@ -27,9 +27,9 @@ import os
 
 import torch
 
-from kernels.config import AttentionKnobs
-from kernels.knobs import unsupported
-from kernels.recipes import PV_POINTS, RECIPES, ROUNDING_POINTS, resolve
+from flash_forensics.kernels.config import AttentionKnobs
+from flash_forensics.kernels.knobs import unsupported
+from flash_forensics.kernels.recipes import PV_POINTS, RECIPES, ROUNDING_POINTS, resolve
 
 try:  # Triton is optional: the emulator serves machines without it
     import triton
@@ -70,7 +70,7 @@ _PV_MASK = _bits(*PV_POINTS)
 
 def round_mask(knobs: AttentionKnobs) -> int:
     """The kernels' ROUND constexpr: bit i set = ROUNDING_POINTS[i] stored in BF16, i.e.
-    kernels.recipes.for_knobs(knobs).rounded() as bits (tests check the two agree). Plain integer work, so that
+    flash_forensics.kernels.recipes.for_knobs(knobs).rounded() as bits (tests check the two agree). Plain integer work, so that
     torch.compile traces it without a graph break (it runs per call, building the ops' arguments)."""
     mask = _RECIPE_MASK[knobs.recipe]
     if knobs.pv_fp32:
@@ -764,7 +764,7 @@ def fired_pbar_max(q, k, v, knobs: AttentionKnobs):
 def flash_attention_triton(q, k, v, knobs: AttentionKnobs, stats=None):
     """Causal attention O for q, k, v of shape (B, H, T, D); autograd-capable; updates `stats` on the device.
 
-    Same contract as kernels.flash_attention (the emulator): O in BF16 for paper_bf16 / fa2 and FP32 for fp32,
+    Same contract as flash_forensics.kernels.emulator.flash_attention (the emulator): O in BF16 for paper_bf16 / fa2 and FP32 for fp32,
     gradients in the inputs' dtypes; `stats` (AttnStats) gains, per head, the (row, key tile) pairs where the SFA
     condition fires, the pairs seen, and the running max of the scaled scores. Nothing is synced to the host.
     Runs through the torch.library operators of kernels/ops.py, so torch.compile traces it without a graph break.
@@ -777,4 +777,4 @@ def flash_attention_triton(q, k, v, knobs: AttentionKnobs, stats=None):
 __all__ = ["supports", "flash_attention_triton", "fired_pbar_max", "round_mask", "mask_points", "saved_o_dtype",
            "RECIPE_IDS", "DELTA_IDS"]
 
-from kernels import ops as _ops  # noqa: E402  (last: kernels/ops.py imports the launchers above)
+from flash_forensics.kernels import ops as _ops  # noqa: E402  (last: kernels/ops.py imports the launchers above)

@@ -3,7 +3,7 @@
 `attend(q, k, v, knobs, stats, probe)` is what a GPT layer calls with that layer's knobs
 (`AttentionConfig.for_layer(i)`). Three implementations:
 
-- `flash`: the tiled kernels (`kernels.flash_attention`, the plain-PyTorch emulator; or `kernels.triton_flash` on CUDA),
+- `flash`: the tiled kernels (`flash_forensics.kernels.emulator.flash_attention`, the plain-PyTorch emulator; or `flash_forensics.kernels.triton_flash` on CUDA),
   chosen by `backend`.
 - `standard`: materialised softmax attention, the paper's "standard attention" (nanoGPT's manual path under CUDA
   autocast, with every dtype written out so the CPU computes the same thing). The softmax is normalised in FP32 and
@@ -12,7 +12,7 @@
   on probe steps, from an extra QK^T pass without grad.
 
 Which of them computes which knob is said once, by the knob table (`computed_by` in kernels/knobs.py): read here for
-the backend and the route names, and by orchestrator/validate.py to refuse a knob where it would not be computed.
+the backend and the route names, and by orchestrator/config/validate.py to refuse a knob where it would not be computed.
 
 Every implementation runs with autocast disabled and casts q, k, v itself: CUDA autocast would run the softmax in
 FP32 and CPU autocast in BF16, so relying on it would make the numerics depend on the device.
@@ -25,9 +25,9 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from kernels import knobs as knob_table
-from kernels.config import AttentionKnobs
-from kernels.stats import AttnStats
+from flash_forensics.kernels import knobs as knob_table
+from flash_forensics.kernels.config import AttentionKnobs
+from flash_forensics.kernels.stats import AttnStats
 
 BF16 = torch.bfloat16
 FP32 = torch.float32
@@ -35,22 +35,22 @@ FP32 = torch.float32
 
 # --------------------------------------------------------------------------------------------------- kernels access
 # Imported once at module load, not per call: torch.compile (dynamo) refuses importlib.import_module (a graph break
-# per layer). Attributes are still looked up at call time, so tests can monkeypatch `kernels.flash_attention`.
-import kernels as _kernels_pkg  # noqa: E402
+# per layer). Attributes are still looked up at call time, so tests can monkeypatch `emulator.flash_attention`.
+from flash_forensics.kernels import emulator as _emulator  # noqa: E402
 
 try:
-    import kernels.triton_flash as _triton_flash  # noqa: E402
+    import flash_forensics.kernels.triton_flash as _triton_flash  # noqa: E402
 except ImportError:  # pragma: no cover - the module is part of kernels/; kept optional like triton itself
     _triton_flash = None
 
 
 def _kernels():
-    """The kernels package (its attributes read at call time so tests can monkeypatch `kernels.flash_attention`)."""
-    return _kernels_pkg
+    """The emulator module (read at call time so tests can monkeypatch `emulator.flash_attention`)."""
+    return _emulator
 
 
 def _triton_module():
-    """kernels.triton_flash when it exists and exposes the fast-path API, else None."""
+    """flash_forensics.kernels.triton_flash when it exists and exposes the fast-path API, else None."""
     mod = _triton_flash
     if mod is not None and hasattr(mod, "supports") and hasattr(mod, "flash_attention_triton"):
         return mod
@@ -76,7 +76,7 @@ def resolve_backend(knobs: AttentionKnobs, device, *, q: Optional[torch.Tensor] 
                     seq_len: int = 64, head_dim: int = 64, key: str = "attention.backend") -> str:
     """Which code computes a `flash` layer on `device`: 'emulator' or 'triton'.
 
-    auto: triton when on CUDA, Triton computes every set knob (the knob table) and kernels.triton_flash supports this
+    auto: triton when on CUDA, Triton computes every set knob (the knob table) and flash_forensics.kernels.triton_flash supports this
     input shape, else the emulator. triton: a ValueError (naming key, value, why) when it cannot, so the orchestrator
     can refuse before training. Non-flash impls return their own name. `q` (or n_head/seq_len/head_dim) is the input
     the decision is made for.
@@ -96,8 +96,8 @@ def resolve_backend(knobs: AttentionKnobs, device, *, q: Optional[torch.Tensor] 
     if knobs.backend == "triton":
         why = (f"Triton does not compute {', '.join(lacks)} (kernels/knobs.py)" if lacks else
                "needs a CUDA device" if dev.type != "cuda" else
-               "kernels.triton_flash is not importable" if mod is None else
-               "kernels.triton_flash does not support these knobs for this input")
+               "flash_forensics.kernels.triton_flash is not importable" if mod is None else
+               "flash_forensics.kernels.triton_flash does not support these knobs for this input")
         raise ValueError(f"{key}='triton' is not allowed here: {why} (device {dev}, recipe {knobs.recipe!r}, "
                          f"head_dim {head_dim if q is None else q.shape[-1]}); use backend=auto or emulator")
     return "emulator"

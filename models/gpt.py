@@ -17,8 +17,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from kernels.config import AttentionConfig, AttentionKnobs
-from models.attention import attend, new_stats, resolve_backend, route_name
+from flash_forensics.kernels.config import AttentionConfig, AttentionKnobs
+from flash_forensics.models.attention import attend, new_stats, resolve_backend, route_name
 
 
 def _bad(key: str, value, allowed: str) -> ValueError:
@@ -131,7 +131,7 @@ class CausalSelfAttention(nn.Module):
         # by a train hook that needs per-head logits (orchestrator/interventions/qk_clip.py); None costs nothing
         self.qk_observer = None
         # probe_capture(x, q, k, v, o): called with this layer's input and the q, k, v, O of `attend` (graph kept, so
-        # the mechanism probes get dO and dQ by autograd.grad; orchestrator/probes/runner.py); None costs nothing
+        # the mechanism probes get dO and dQ by autograd.grad; orchestrator/monitor/probes/runner.py); None costs nothing
         self.probe_capture = None
 
     def _stats_on(self, device):

@@ -1,4 +1,4 @@
-"""The run record: what one job leaves behind, in one place. Written by the job (orchestrator/job.py, train.py),
+"""The run record: what one job leaves behind, in one place. Written by the job (orchestrator/launch/task.py, train.py),
 read by the report, fork, localize and the isolation pipeline.
 
 - `RunRecord`: the fields of <job dir>/result.json (typed; `to_json` / `from_json` round-trip).
@@ -39,7 +39,7 @@ GRAD_NORM = "train/grad_norm"
 LR = "train/lr"
 TOKENS_PER_S = "perf/tokens_per_s"
 WQ_SIGMA, RMAX_ROWS, MAX_LOGIT = "wq_sigma/", "rmax_rows/", "max_logit/"
-PROBE = "probe/"  # mechanism probes (orchestrator/probes/): probe/<kind>/L<l> per layer, probe/<kind>/L<l>.H<h>
+PROBE = "probe/"  # mechanism probes (orchestrator/monitor/probes/): probe/<kind>/L<l> per layer, probe/<kind>/L<l>.H<h>
 PROBE_LAYER_KINDS = ("delta_err_mean", "delta_err_t", "delta_err_cumsum", "tie_share_signed", "tie_share_abs",
                      "tie_rows_exact", "tie_rows_bf16", "wq_err_cos")
 PROBE_HEAD_KINDS = ("wq_err_proj", "pkx_cos", "max_logit", "entropy")
@@ -367,7 +367,7 @@ def from_mlflow_run(run, history: Mapping[str, Sequence[Tuple[int, float]]]) -> 
             r.peak_wq_norm, r.peak_wq_where = max(wq)
         val = history.get(VAL_LOSS) or []
         r.val_loss = val[-1][1] if val else None
-        from orchestrator.verdict import DivergenceDetector, VerdictConfig
+        from flash_forensics.orchestrator.verdict import DivergenceDetector, VerdictConfig
         cfg = VerdictConfig(**{k: v for k, v in (("margin", r.verdict_margin), ("window", r.verdict_window))
                                if v is not None})
         det = DivergenceDetector(cfg)

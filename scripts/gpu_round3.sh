@@ -5,7 +5,7 @@
 #   bash scripts/gpu_round3.sh status    # one progress line per pipeline
 #   bash scripts/gpu_round3.sh collect   # reports, logs and the MLflow stores (xz) into $OUT
 # What runs (priority order; all at once, the GPU time-sliced between them):
-#   mini:  python -m orchestrator.isolate --experiment mini_repro --sweeps rounding_refs rounding_points stabilizers
+#   mini:  python -m flash_forensics.orchestrator.analysis.isolate --experiment mini_repro --sweeps rounding_refs rounding_points stabilizers
 #          (baseline with monitor.probes on, the rounding-point forks, then the forkable stabilizers)
 #   paper: scripts/paper_1gpu.sh, seeds 1337 1 2: each baseline to 300 steps past its divergence, then the FP32
 #          reference fork; seed 1337 also fa2/SDPA numerics and the key isolation rows (pv_fp32, sfa)
@@ -49,7 +49,7 @@ if [ "$mode" = start ]; then
   tail -12 "$L/bench_stabilizers.log"
   echo "[round3] benchmarks done at $(( $(date +%s) - t0 )) s"
   # 2. every run, in the background
-  setsid nohup $PY -m orchestrator.isolate --experiment mini_repro --sweeps rounding_refs rounding_points stabilizers \
+  setsid nohup $PY -m flash_forensics.orchestrator.analysis.isolate --experiment mini_repro --sweeps rounding_refs rounding_points stabilizers \
     --root "$R/mini" --out "$R/mini/report" --uri "sqlite:///$R/mini/mlflow.db" --per-gpu "${MINI_PER_GPU:-3}" \
     > "$L/mini.log" 2>&1 < /dev/null &
   setsid nohup env ROOT="$R/paper" SEEDS="1337 1 2" CONTROL_SWEEPS=paper_1gpu_fp32 \

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The paper's regime on ONE GPU, in one lease (issue 14): checkpoints cannot leave the machine, so every baseline and
-# every fork from it run here, in one go. One `python -m orchestrator.isolate` per seed, all at once:
+# every fork from it run here, in one go. One `python -m flash_forensics.orchestrator.analysis.isolate` per seed, all at once:
 #   seed 1337: baseline -> pre-divergence checkpoint -> controls (sweeps/paper_1gpu_controls) + the isolation table
 #              (sweeps/paper_isolation, sweeps/beta_sweep), localized by its own monitors;
 #   seeds 1, 2: baseline -> the controls only (train.seed = data.seed = the seed; same batches as their forks).
@@ -57,7 +57,7 @@ for s in $SEEDS; do
     sweeps="$CONTROL_SWEEPS" per=$PER_GPU_OTHERS extra=("train.ckpt_every=$CKPT_EVERY_OTHERS")
   fi
   # shellcheck disable=SC2206
-  cmd=(python -m orchestrator.isolate --experiment "$EXPERIMENT" --root "$dir" --out "$dir/report"
+  cmd=(python -m flash_forensics.orchestrator.analysis.isolate --experiment "$EXPERIMENT" --root "$dir" --out "$dir/report"
        --uri "sqlite:///$dir/mlflow.db" --stop-after "$STOP_AFTER" --fork-steps "$FORK_STEPS" --per-gpu "$per"
        --sweeps $sweeps -- "train.seed=$s" "data.seed=$s" train.keep_last=false ${extra[@]+"${extra[@]}"} "$@")
   say "seed $s: ${cmd[*]}"

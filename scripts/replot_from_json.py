@@ -12,12 +12,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from orchestrator import plots  # noqa: E402
-from orchestrator.report_render import make_plots  # noqa: E402
+from flash_forensics.orchestrator.report import plots  # noqa: E402
+from flash_forensics.orchestrator.report.render import make_plots  # noqa: E402
 
 
 def localization_from_json(d):
-    from orchestrator.localize import HeadStats, LayerStats, Localization
+    from flash_forensics.orchestrator.analysis.localize import HeadStats, LayerStats, Localization
     keep = {k: d[k] for k in ("start", "end", "divergence_step", "layer", "outlier_heads", "reason", "head_reason",
                               "config", "source") if k in d}
     return Localization(layers=[LayerStats(**x) for x in d.get("layers", [])],

@@ -7,7 +7,7 @@ from pathlib import Path
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
-from orchestrator.job import run_job
+from flash_forensics.orchestrator.launch.task import run_job
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = str(ROOT / "conf")

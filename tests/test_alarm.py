@@ -9,10 +9,12 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 import _jobs
-import orchestrator.schema  # noqa: F401
-from orchestrator import checkpoint, record, signals
-from orchestrator.alarm import Alarm, AlarmConfig, fork_overrides
-from orchestrator.validate import ConfigError, validate_config
+import flash_forensics.orchestrator.config.schema  # noqa: F401
+from flash_forensics.orchestrator.job import checkpoint
+from flash_forensics.orchestrator import record
+from flash_forensics.orchestrator.monitor import signals
+from flash_forensics.orchestrator.monitor.alarm import Alarm, AlarmConfig, fork_overrides
+from flash_forensics.orchestrator.config.validate import ConfigError, validate_config
 
 # sdpa: the fastest CPU attention; it logs max_logit/L* on flush steps (the probe QK^T pass); a flush every 2 steps
 BASE = ["experiment=smoke", "attention=sdpa", "train.max_steps=8", "monitor.log_every=2", "train.early_stop=false"]
@@ -90,7 +92,7 @@ def _run(tmp_path, run_id):
 
 
 def _history(tmp_path, run_id):
-    from orchestrator import store
+    from flash_forensics.orchestrator.report import readback as store
     return store.history(store.client_for(f"sqlite:///{tmp_path}/mlflow.db"), run_id, signals.PREFIXES)
 
 
@@ -137,7 +139,7 @@ def test_checkpoint_then_stop_at_the_first_step_above(tmp_path):
     assert saved["alarm"]["reason"] == r2["alarm"]["reason"]
 
     # 3. the early-warning table reads both runs back through the job folders' records and MLflow
-    from orchestrator import early_warning
+    from flash_forensics.orchestrator.analysis import early_warning
     assert early_warning.main([str(tmp_path / "ckpt"), str(tmp_path / "stop"), "--out", str(tmp_path / "ew")]) == 0
     doc = json.loads((tmp_path / "ew" / "early_warning.json").read_text())
     got = [(x["name"], x["observed"], x["start"]) for x in doc["runs"]]

@@ -3,10 +3,10 @@ the recipe's own BF16 rounding, and the job says which precision computes what."
 import pytest
 import torch
 
-from kernels.config import AttentionConfig
-from models.attention import attend
-from orchestrator import schema  # noqa: F401  (registers base_config for compose)
-from orchestrator.step import precision_line
+from flash_forensics.kernels.config import AttentionConfig
+from flash_forensics.models.attention import attend
+from flash_forensics.orchestrator.config import schema  # noqa: F401  (registers base_config for compose)
+from flash_forensics.orchestrator.job.step import precision_line
 from tests._jobs import compose_cfg
 
 

@@ -5,8 +5,8 @@ import matplotlib.image as mpimg
 import numpy as np
 import pytest
 
-from orchestrator import links, plots, report_html
-from orchestrator.tracking import describe_run, source_tags
+from flash_forensics.orchestrator.report import links, plots, html as report_html
+from flash_forensics.orchestrator.tracking.tracker import describe_run, source_tags
 
 
 def _has_colour(png, hex_colour, tol=0.03, min_pixels=50):
@@ -62,7 +62,7 @@ def test_delays_chart(tmp_path):
 
 
 def _loc(layer):
-    from orchestrator.localize import HeadStats, LayerStats, Localization
+    from flash_forensics.orchestrator.analysis.localize import HeadStats, LayerStats, Localization
     layers = [LayerStats(layer=i, growth=1.1 + 0.1 * i, rmax_total=10.0 * i, rank=3 - i) for i in range(3)]
     heads = [HeadStats(layer=l_, head=h, sigma_start=1.0, sigma_end=1.0 + h) for l_ in range(3) for h in range(4)]
     return Localization(start=10, end=50, divergence_step=50, layers=sorted(layers, key=lambda L: -L.growth),

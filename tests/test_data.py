@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 import torch
 
-from orchestrator.data import BatchStream, DataConfig, DataError, ensure_prepared, order_paths, val_batches
-from orchestrator.data import tokenizer as tok
-from orchestrator.data.__main__ import compose_data, main as cli_main
-from orchestrator.data.corpora import kjv_path
-from orchestrator.data.prepare import check_prepared
+from flash_forensics.orchestrator.data import BatchStream, DataConfig, DataError, ensure_prepared, order_paths, val_batches
+from flash_forensics.orchestrator.data import tokenizer as tok
+from flash_forensics.orchestrator.data.__main__ import compose_data, main as cli_main
+from flash_forensics.orchestrator.data.corpora import kjv_path
+from flash_forensics.orchestrator.data.prepare import check_prepared
 
 VOCAB = 50304
 
@@ -179,7 +179,7 @@ def test_compose_uses_conf_data(tmp_path):
 
 
 def test_compose_with_root_config_overrides():
-    from orchestrator.data.config import REPO_ROOT
+    from flash_forensics.orchestrator.data.config import REPO_ROOT
 
     if not (REPO_ROOT / "conf" / "experiment" / "gpt2s_paper.yaml").is_file():
         pytest.skip("conf/experiment/gpt2s_paper.yaml is not there")

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from orchestrator import distributed as D
+from flash_forensics.orchestrator.job import distributed as D
 
 ROOT = Path(__file__).resolve().parents[1]
 DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_NTASKS", "SLURM_PROCID",
@@ -72,8 +72,8 @@ def test_global_batch_is_split_over_ranks():
 def _agree_worker(rank, world, port, q):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
-    from orchestrator.distributed import DistConfig, cleanup, init_distributed
-    from orchestrator.preemption import PreemptionGuard
+    from flash_forensics.orchestrator.job.distributed import DistConfig, cleanup, init_distributed
+    from flash_forensics.orchestrator.job.preemption import PreemptionGuard
 
     info = init_distributed(DistConfig(timeout_s=60), device="cpu")
     guard = PreemptionGuard(signals=[signal.SIGUSR2], dist_info=info, check_every=2).install()
@@ -119,7 +119,7 @@ def _loss_curve(db: Path, run_id: str):
 
 def test_two_rank_ddp_equals_one_rank_with_grad_accum(tmp_path):
     """torchrun --nproc_per_node 2 (gloo) vs one process, grad_accum 2, FP32: the same loss curve."""
-    from orchestrator.data import DataConfig, ensure_prepared
+    from flash_forensics.orchestrator.data import DataConfig, ensure_prepared
 
     ensure_prepared(DataConfig(), 50304)  # once, before two ranks start
     db = tmp_path / "m.db"

@@ -10,12 +10,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from orchestrator.data import DataConfig, DataError
-from orchestrator.data import debian
-from orchestrator.data.cache import sha256_file
-from orchestrator.data.corpora import open_corpus
-from orchestrator.data.prepare import ensure_prepared
-from orchestrator.data.tokenizer import gpt2_encoding
+from flash_forensics.orchestrator.data import DataConfig, DataError
+from flash_forensics.orchestrator.data import debian
+from flash_forensics.orchestrator.data.cache import sha256_file
+from flash_forensics.orchestrator.data.corpora import open_corpus
+from flash_forensics.orchestrator.data.prepare import ensure_prepared
+from flash_forensics.orchestrator.data.tokenizer import gpt2_encoding
 
 pytestmark = pytest.mark.skipif(shutil.which("dpkg-deb") is None,
                                 reason="needs dpkg-deb (Debian/Ubuntu: apt-get install dpkg) to build a test .deb")

@@ -5,9 +5,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import kernels
-from kernels import AttentionKnobs, AttnStats, capture_forward, flash_attention, reference_attention
-from kernels.recipes import resolve, round_to
+import flash_forensics.kernels.emulator
+from flash_forensics.kernels.config import AttentionKnobs
+from flash_forensics.kernels.stats import AttnStats
+from flash_forensics.kernels.emulator import capture_forward, flash_attention, reference_attention
+from flash_forensics.kernels.recipes import resolve, round_to
 
 F64 = torch.float64
 
@@ -286,7 +288,7 @@ def test_bad_knobs_rejected_before_computing(monkeypatch, knobs, key, value):
     def boom(*a, **k):
         raise AssertionError("computed before validating")
 
-    monkeypatch.setattr(kernels.emulator, "forward", boom)
+    monkeypatch.setattr(flash_forensics.kernels.emulator, "forward", boom)
     q, k, v = rand_qkv(B=1, H=3, T=8, D=8)
     with pytest.raises(ValueError) as e:
         flash_attention(q, k, v, AttentionKnobs(**knobs))
@@ -296,7 +298,7 @@ def test_bad_knobs_rejected_before_computing(monkeypatch, knobs, key, value):
 
 @pytest.mark.parametrize("case", ["k_shape", "v_dtype", "q_dims", "int_dtype", "stats_heads"])
 def test_bad_inputs_rejected(monkeypatch, case):
-    monkeypatch.setattr(kernels.emulator, "forward", lambda *a, **k: (_ for _ in ()).throw(AssertionError()))
+    monkeypatch.setattr(flash_forensics.kernels.emulator, "forward", lambda *a, **k: (_ for _ in ()).throw(AssertionError()))
     q, k, v = rand_qkv(B=1, H=3, T=8, D=8)
     stats, name = None, None
     if case == "k_shape":

@@ -15,9 +15,10 @@ import numpy as np
 import pytest
 import torch
 
-from orchestrator import checkpoint, faults
-from orchestrator.data.config import DataError
-from orchestrator.data.replay import HEADER_BYTES, OrderReader, read_header
+from flash_forensics.orchestrator.job import checkpoint
+from flash_forensics.orchestrator import errors as faults
+from flash_forensics.orchestrator.data.config import DataError
+from flash_forensics.orchestrator.data.replay import HEADER_BYTES, OrderReader, read_header
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = ["experiment=smoke", "intervention=baseline", "model.n_layer=1", "model.n_embd=32", "train.grad_accum=1",
@@ -182,7 +183,7 @@ def test_lost_store_mid_run_spools_and_training_goes_on(tmp_path):
     """The store fails while the tracker runs (simulated: log_batch raises sqlite's 'attempt to write a readonly
     database', what a deleted store gave): points go to the spool, nothing raises, a resumed tracker does not log
     the spooled steps again, and the spool is replayed into the store once it is back (none lost, none doubled)."""
-    from orchestrator.tracking import Tracker, TrackingConfig
+    from flash_forensics.orchestrator.tracking.tracker import Tracker, TrackingConfig
     db = tmp_path / "m.db"
     cfg = TrackingConfig(uri=f"sqlite:///{db}", flush_interval_s=0.1)
     spool = tmp_path / "spool.jsonl"
@@ -215,7 +216,7 @@ def test_lost_store_mid_run_spools_and_training_goes_on(tmp_path):
 
 
 def test_spool_that_cannot_be_written_stops_with_one_sentence(tmp_path):
-    from orchestrator.tracking import Tracker, TrackingConfig
+    from flash_forensics.orchestrator.tracking.tracker import Tracker, TrackingConfig
     cfg = TrackingConfig(uri=f"sqlite:///{tmp_path / 'm.db'}", flush_interval_s=0.1)
     t = Tracker(cfg, "lost", experiment="e", spool=tmp_path / "no_such_dir" / "spool.jsonl")
 
@@ -237,7 +238,7 @@ def test_zz_fault_table():
 
 def test_pv_trace_shares_are_shares():
     """pv-trace printed a 'share' of 1.895 (s1 / total with opposite-signed parts): shares stay in their ranges."""
-    from kernels.forensics import PVTrace
+    from flash_forensics.kernels.forensics import PVTrace
     step = np.array([3.0, -1.0, 0.5, -0.6])
     tr = PVTrace(err=np.cumsum(step), step=step, is_one=np.array([True, False, False, False]), accumulate="fp32")
     s = tr.summary()
@@ -250,7 +251,7 @@ def test_dead_job_is_closed_with_its_intervention_and_overrides(tmp_path):
     """A job killed without a result: close_dead_jobs (the launcher side, callbacks.CloseDeadJobs at multirun end)
     marks its MLflow run KILLED with the reason and writes result.json keeping intervention and overrides."""
     from mlflow.tracking import MlflowClient
-    from orchestrator.job import close_dead_jobs
+    from flash_forensics.orchestrator.launch.task import close_dead_jobs
     p = run(tmp_path, "dead", "debug.kill_at_step=3", check=False)
     assert p.returncode == -9
     job = json.loads((tmp_path / "dead" / "job.json").read_text())

@@ -1,11 +1,11 @@
-"""kernels.forensics: the paper's worked BF16 addition, exact rounding against torch, and the P̄V error trace."""
+"""flash_forensics.kernels.forensics: the paper's worked BF16 addition, exact rounding against torch, and the P̄V error trace."""
 import random
 
 import numpy as np
 import pytest
 import torch
 
-from kernels import forensics as fx
+from flash_forensics.kernels import forensics as fx
 
 A_BITS = "11000000000110100000111000101110"
 B_BITS = "11000000000100110000000000000000"

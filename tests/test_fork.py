@@ -11,9 +11,9 @@ import pytest
 
 import _jobs
 
-import orchestrator.schema  # noqa: F401
-from orchestrator import checkpoint, fork
-from orchestrator.validate import ConfigError, validate_config
+import flash_forensics.orchestrator.config.schema  # noqa: F401
+from flash_forensics.orchestrator.job import checkpoint, fork
+from flash_forensics.orchestrator.config.validate import ConfigError, validate_config
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = str(ROOT / "conf")

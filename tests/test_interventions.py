@@ -9,11 +9,13 @@ import pytest
 import _jobs
 import torch
 
-import orchestrator.schema  # noqa: F401  registers base_config
-from models import GPT, ModelConfig
-from orchestrator import checkpoint, fork, interventions, validate
-from orchestrator.interventions.qk_clip import QKClip
-from orchestrator.validate import ConfigError, validate_config
+import flash_forensics.orchestrator.config.schema  # noqa: F401  registers base_config
+from flash_forensics.models.gpt import GPT, ModelConfig
+from flash_forensics.orchestrator.job import checkpoint, fork
+from flash_forensics.orchestrator import interventions
+from flash_forensics.orchestrator.config import validate
+from flash_forensics.orchestrator.interventions.qk_clip import QKClip
+from flash_forensics.orchestrator.config.validate import ConfigError, validate_config
 
 CONF = str(Path(__file__).resolve().parents[1] / "conf")
 SMOKE = ["experiment=smoke", "train.early_stop=false", "train.eval_every=4", "train.ckpt_every=4",
@@ -150,7 +152,7 @@ def test_qk_clip_state_is_saved_and_restored_on_resume(clipped):
     at4 = checkpoint.load(tmp / "first" / "checkpoints" / "last.pt")["hooks"]
     end_full = checkpoint.load(tmp / "full" / "checkpoints" / "last.pt")["hooks"]
     end_resumed = checkpoint.load(tmp / "second" / "checkpoints" / "last.pt")["hooks"]
-    assert at4[0]["target"] == "orchestrator.interventions.qk_clip.QKClip" and at4[0]["state"]["tau"] == 0.05
+    assert at4[0]["target"] == "flash_forensics.orchestrator.interventions.qk_clip.QKClip" and at4[0]["state"]["tau"] == 0.05
     assert 0 < int(at4[0]["state"]["clips"].sum()) < int(end_full[0]["state"]["clips"].sum())  # it fired, and counts
     assert torch.equal(end_resumed[0]["state"]["clips"], end_full[0]["state"]["clips"])  # restored, then continued
     assert second["final_loss"] == full["final_loss"]
@@ -163,7 +165,7 @@ def test_resume_with_other_hooks_is_refused(clipped):
     tmp, *_ = clipped
     cfg, ov = compose_cfg(tmp, "intervention=baseline", "train.max_steps=8",
                           f"resume={tmp / 'first' / 'checkpoints' / 'last.pt'}")
-    with pytest.raises(ConfigError, match=r"resume=.*holds train hooks \['orchestrator.interventions.qk_clip."
+    with pytest.raises(ConfigError, match=r"resume=.*holds train hooks \['flash_forensics.orchestrator.interventions.qk_clip."
                                           r"QKClip'\], this run has \[\] \(intervention=baseline\)"):
         validate_config(cfg, ov, check_store=False)
 

@@ -15,14 +15,15 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf, open_dict
 
-import orchestrator.schema  # noqa: F401  registers base_config and the ff_gpu_count resolver
-from orchestrator import callbacks, cluster, distributed
-from orchestrator.callbacks import sweep_jobs, validate_sweep
-from orchestrator.distributed import init_distributed, resolve_device
-from orchestrator.localize import localize
-from orchestrator.report import main as report_main
-from orchestrator.train import _job_slot
-from orchestrator.validate import ConfigError
+import flash_forensics.orchestrator.config.schema  # noqa: F401  registers base_config and the ff_gpu_count resolver
+from flash_forensics.orchestrator.launch import callbacks, cluster
+from flash_forensics.orchestrator.job import distributed
+from flash_forensics.orchestrator.launch.callbacks import sweep_jobs, validate_sweep
+from flash_forensics.orchestrator.job.distributed import init_distributed, resolve_device
+from flash_forensics.orchestrator.analysis.localize import localize
+from flash_forensics.orchestrator.report.sweep import main as report_main
+from flash_forensics.orchestrator.job.train import _job_slot
+from flash_forensics.orchestrator.config.validate import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = str(ROOT / "conf")
@@ -314,7 +315,7 @@ def test_mini_repro_seeds_sweep(hydra_conf, tmp_path):
 
 # ---------------------------------------------------------------------------------- the whole pipeline
 def _sweep_values(name: str, key: str):
-    """A sweep file's comma list for key, read with yaml (not through orchestrator.fork, which the script uses)."""
+    """A sweep file's comma list for key, read with yaml (not through flash_forensics.orchestrator.job.fork, which the script uses)."""
     import yaml
     params = yaml.safe_load((ROOT / "sweeps" / f"{name}.yaml").read_text())["hydra"]["sweeper"]["params"]
     return [v.strip() for v in str(params[key]).split(",")]
@@ -333,7 +334,7 @@ def test_paper_isolation_script_end_to_end(tmp_path):
     """baseline (NaN at step 25, a checkpoint every 5 steps) -> fork from the newest checkpoint <= its lowest-loss
     step (not the one at the divergence) -> localize -> 11 + 4 forks as separate runs, 3 at a time, 15 steps each
     (FORK_STEPS ends them before the baseline's last step) -> one report over the baseline and the forks folder."""
-    from orchestrator.fork import checkpoints
+    from flash_forensics.orchestrator.job.fork import checkpoints
     root, out = tmp_path / "root", tmp_path / "out"
     env = {k: v for k, v in os.environ.items() if k not in ("OUT", "LAUNCHER", "MARGIN", "CUDA_VISIBLE_DEVICES")}
     env.update(ROOT=str(root), ISOLATION_OUT=str(out), PER_GPU="3", FORK_STEPS="15", URI=f"sqlite:///{tmp_path}/m.db",

@@ -13,9 +13,10 @@ import pytest
 import torch
 import yaml
 
-from orchestrator import fork, plots, report
-from orchestrator.fork import ForkError, pick, sweep_file_jobs
-from orchestrator.verdict import DivergenceDetector, VerdictConfig
+from flash_forensics.orchestrator.job import fork
+from flash_forensics.orchestrator.report import plots, sweep as report
+from flash_forensics.orchestrator.job.fork import ForkError, pick, sweep_file_jobs
+from flash_forensics.orchestrator.verdict import DivergenceDetector, VerdictConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 SWEEPS = ROOT / "sweeps"
@@ -123,7 +124,7 @@ def test_sweep_file_jobs_carry_the_files_other_settings():
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    import orchestrator.schema  # noqa: F401  registers base_config
+    import flash_forensics.orchestrator.config.schema  # noqa: F401  registers base_config
     jobs = sweep_file_jobs(["mini_repro_seeds"])
     assert len(jobs) == 6
     GlobalHydra.instance().clear()
@@ -161,7 +162,7 @@ def test_sweep_file_jobs_several_files_and_cli(tmp_path, capsys):
 # ------------------------------------------------------------------------------ tracking: the store's lock
 def _open_store(uri, barrier, i, results):
     try:
-        from orchestrator.tracking import retry, get_or_create_experiment, make_client
+        from flash_forensics.orchestrator.tracking.tracker import retry, get_or_create_experiment, make_client
         barrier.wait(timeout=120)  # imports done: everyone opens the fresh store at the same moment
         client = make_client(uri)
         exp = get_or_create_experiment(client, "race", uri)

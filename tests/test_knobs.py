@@ -12,16 +12,17 @@ import torch
 from omegaconf import OmegaConf
 from omegaconf.errors import ValidationError
 
-import kernels
-import models.attention as routing
-from kernels import knobs as table
-from kernels import triton_flash as tf
-from kernels.checks import bad, is_int, is_num
-from kernels.config import AttentionConfig, AttentionKnobs, KnobPatch, LayerOverride, build
-from kernels.emulator import capture_forward, flash_attention
-from kernels.knobs import KNOBS, PBAR_CLAMP, Knob
-from models import GPT, ModelConfig, resolve_backend, route_name
-from orchestrator.validate import ConfigError, check_knob_combos, validate_config
+import flash_forensics.kernels.emulator
+import flash_forensics.models.attention as routing
+from flash_forensics.kernels import knobs as table
+from flash_forensics.kernels import triton_flash as tf
+from flash_forensics.kernels.checks import bad, is_int, is_num
+from flash_forensics.kernels.config import AttentionConfig, AttentionKnobs, KnobPatch, LayerOverride, build
+from flash_forensics.kernels.emulator import capture_forward, flash_attention
+from flash_forensics.kernels.knobs import KNOBS, PBAR_CLAMP, Knob
+from flash_forensics.models.gpt import GPT, ModelConfig
+from flash_forensics.models.attention import resolve_backend, route_name
+from flash_forensics.orchestrator.config.validate import ConfigError, check_knob_combos, validate_config
 from test_emulator import tie_qkv
 from test_validate import job_cfg
 
@@ -247,7 +248,7 @@ def _tie_rows(cap, shape) -> torch.Tensor:
 def test_pbar_clamp_changes_only_unit_pbar_at_ties(recipe, dtype, case):
     q, k, v = (x.to(dtype) for x in tie_qkv(B=2, H=2, T=40))
     off = AttentionKnobs(recipe=recipe, backend="emulator", **case)
-    st_off, st_on = kernels.AttnStats(2, "cpu"), kernels.AttnStats(2, "cpu")
+    st_off, st_on = flash_forensics.kernels.stats.AttnStats(2, "cpu"), flash_forensics.kernels.stats.AttnStats(2, "cpu")
     base = capture_forward(q, k, v, off, st_off)
     cap = capture_forward(q, k, v, replace(off, pbar_clamp=True), st_on)
     ties = _ties(cap)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.localize import LocalizeConfig, _split_outliers, load_history, localize, main, resolve_source
+from flash_forensics.orchestrator.analysis.localize import LocalizeConfig, _split_outliers, load_history, localize, main, resolve_source
 
 ROOT = Path(__file__).resolve().parents[1]
 PAPER_NORMS = [4.34, 2.68, 1.90, 2.67, 2.04, 2.66, 4.12, 6.27, 5.32, 1.74, 4.64, 5.39]  # layer 2, heads 1-12
@@ -195,12 +195,12 @@ def test_cli_on_sqlite_store(store, capsys):
 def test_cli_subprocess_on_job_dir(store):
     out = store["tmp"] / "by_job.json"
     png = store["tmp"] / "by_job.png"
-    r = subprocess.run([sys.executable, "-m", "orchestrator.localize", str(store["job"]), "--out", str(out),
+    r = subprocess.run([sys.executable, "-m", "flash_forensics.orchestrator.analysis.localize", str(store["job"]), "--out", str(out),
                         "--plot", str(png)], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "'intervention.heads=[0,3]'" in r.stdout
     assert json.loads(out.read_text())["source"]["job_dir"] == str(store["job"])
     assert png.is_file()
-    r = subprocess.run([sys.executable, "-m", "orchestrator.localize", str(store["tmp"] / "missing" / "dir")],
+    r = subprocess.run([sys.executable, "-m", "flash_forensics.orchestrator.analysis.localize", str(store["tmp"] / "missing" / "dir")],
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "not a job dir" in r.stderr

@@ -1,16 +1,16 @@
 """Localization's third stage (rounding point): verdicts from constructed run records, the files it writes, the
-Cause section of a report, ff.cause.* tags on a real sqlite MLflow store, and its wiring into orchestrator.isolate."""
+Cause section of a report, ff.cause.* tags on a real sqlite MLflow store, and its wiring into flash_forensics.orchestrator.analysis.isolate."""
 import json
 from pathlib import Path
 
 import pytest
 
-from orchestrator import record
-from orchestrator.localize import rounding, rounding_io
-from orchestrator.localize import main as localize_main
-from orchestrator.localize.rounding import analyze, parse_point
-from orchestrator.record import RunRecord
-from orchestrator.rows import row_from_record
+from flash_forensics.orchestrator import record
+from flash_forensics.orchestrator.analysis.localize import rounding, rounding_io
+from flash_forensics.orchestrator.analysis.localize import main as localize_main
+from flash_forensics.orchestrator.analysis.localize.rounding import analyze, parse_point
+from flash_forensics.orchestrator.record import RunRecord
+from flash_forensics.orchestrator.report.rows import row_from_record
 
 BD = 860  # the baseline's divergence step in these rows
 
@@ -147,14 +147,14 @@ def test_each_fork_is_judged_against_its_own_seed():
 
 
 def test_every_point_of_the_recipe_is_listed(monkeypatch):
-    import kernels.recipes
-    monkeypatch.setattr(kernels.recipes, "ROUNDING_POINTS", ("scores", "pv_out", "acc", "o_store"), raising=False)
+    import flash_forensics.kernels.recipes
+    monkeypatch.setattr(flash_forensics.kernels.recipes, "ROUNDING_POINTS", ("scores", "pv_out", "acc", "o_store"), raising=False)
     res = analyze(pv_out_rows() + [row("r-8", "lift_pv_outt", "stable")])
     assert [p.point for p in res.points] == ["scores", "pv_out", "acc", "o_store", "pv_outt"]
     assert by_point(res)["o_store"].lift.outcome == "not run"
     v = res.verdict()
     assert "not run: bf16_only_pv_outt; no fork of o_store" in v
-    assert "`pv_outt` is not a rounding point of kernels.recipes" in v
+    assert "`pv_outt` is not a rounding point of flash_forensics.kernels.recipes" in v
 
 
 def test_with_the_layer_heads_stage():
@@ -181,7 +181,7 @@ def test_json_and_plot_written(tmp_path):
 
 
 def _report(tmp_path, rows, uri=None, parent=None):
-    from orchestrator.report import write_report
+    from flash_forensics.orchestrator.report.sweep import write_report
     out = tmp_path / "report"
     write_report(rows, out, uri, parent_run_id=parent, sweep="rounding_points", echo=False)
     return out
@@ -213,7 +213,7 @@ def test_cli_refuses_what_is_no_report(tmp_path, capsys):
 
 
 def test_write_report_renders_the_cause(tmp_path):
-    from orchestrator.report import write_report
+    from flash_forensics.orchestrator.report.sweep import write_report
     rows = pv_out_rows()
     res = analyze(rows)
     out = tmp_path / "r"
@@ -228,7 +228,7 @@ def test_write_report_renders_the_cause(tmp_path):
 
 @pytest.fixture
 def store(tmp_path):
-    from orchestrator.tracking import get_or_create_experiment, make_client
+    from flash_forensics.orchestrator.tracking.tracker import get_or_create_experiment, make_client
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client = make_client(uri)
     exp = get_or_create_experiment(client, "rounding_test", uri)
@@ -262,10 +262,10 @@ def test_nothing_explained_is_tagged_none(tmp_path, store):
 
 
 def test_isolate_report_runs_the_stage(tmp_path, store, capsys):
-    """orchestrator.isolate's report step over job folders (no training): with rounding_points among the sweeps
+    """flash_forensics.orchestrator.analysis.isolate's report step over job folders (no training): with rounding_points among the sweeps
     the Cause reaches verdicts.md, rounding.{json,png}, the baseline's and the parent run's tags."""
-    from orchestrator.isolate import Pipeline, Plan
-    from orchestrator.localize import LayerStats, Localization
+    from flash_forensics.orchestrator.analysis.isolate import Pipeline, Plan
+    from flash_forensics.orchestrator.analysis.localize import LayerStats, Localization
     uri, client, ids = store
     root = tmp_path / "root"
     rows = pv_out_rows(baseline=ids["baseline"])
@@ -292,8 +292,8 @@ def test_isolate_report_runs_the_stage(tmp_path, store, capsys):
 
 
 def test_isolate_without_rounding_sweep_adds_no_cause(tmp_path, store):
-    from orchestrator.isolate import Pipeline, Plan
-    from orchestrator.localize import LayerStats, Localization
+    from flash_forensics.orchestrator.analysis.isolate import Pipeline, Plan
+    from flash_forensics.orchestrator.analysis.localize import LayerStats, Localization
     uri, client, ids = store
     root = tmp_path / "root"
     record.write(root / "baseline", RunRecord(intervention="baseline", observed="diverged", divergence_step=BD,

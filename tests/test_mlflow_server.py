@@ -35,7 +35,7 @@ def server(tmp_path_factory):
 
 
 def _writer(uri, idx, barrier, out):
-    from orchestrator.tracking import Tracker, TrackingConfig
+    from flash_forensics.orchestrator.tracking.tracker import Tracker, TrackingConfig
 
     tr = Tracker(TrackingConfig(uri=uri, flush_interval_s=0.2), run_name=f"writer-{idx}", experiment="concurrency",
                  discover_parent=False)
@@ -92,7 +92,7 @@ def test_eight_concurrent_writers_lose_and_duplicate_nothing(server):
 
 
 def test_unreachable_server_is_a_clear_error():
-    from orchestrator.tracking import TrackingUnreachable, check_tracking
+    from flash_forensics.orchestrator.tracking.tracker import TrackingUnreachable, check_tracking
 
     uri = f"http://127.0.0.1:{free_port()}"
     with pytest.raises(TrackingUnreachable, match="unreachable"):

@@ -4,10 +4,11 @@ import math
 import pytest
 import torch
 
-import kernels
-import models.attention as routing
-from kernels.config import AttentionConfig, LayerOverride
-from models import GPT, ModelConfig, resolve_backend
+import flash_forensics.kernels.emulator
+import flash_forensics.models.attention as routing
+from flash_forensics.kernels.config import AttentionConfig, LayerOverride
+from flash_forensics.models.gpt import GPT, ModelConfig
+from flash_forensics.models.attention import resolve_backend
 
 IMPLS = ("flash", "standard", "sdpa")
 V_SMALL = 512  # the tiny preset with a small vocabulary where the test is about attention, to keep the suite fast
@@ -82,7 +83,7 @@ def test_attention_routes_name_each_layer():
 def _spy(monkeypatch):
     """Record (layer stats object, knobs) for every flash and standard call."""
     calls = {"flash": [], "standard": []}
-    real_flash, real_standard = kernels.flash_attention, routing.standard_attention
+    real_flash, real_standard = flash_forensics.kernels.emulator.flash_attention, routing.standard_attention
 
     def flash(q, k, v, knobs, stats=None):
         calls["flash"].append((stats, knobs))
@@ -92,7 +93,7 @@ def _spy(monkeypatch):
         calls["standard"].append((stats, knobs))
         return real_standard(q, k, v, knobs, stats)
 
-    monkeypatch.setattr(kernels, "flash_attention", flash)
+    monkeypatch.setattr(flash_forensics.kernels.emulator, "flash_attention", flash)
     monkeypatch.setattr(routing, "standard_attention", standard)
     return calls
 
@@ -158,7 +159,7 @@ def test_standard_counts_agree_with_untiled_flash(recipe):
     knobs = AttentionConfig(recipe=recipe, tiling=False)
     s_std, s_flash = routing.new_stats(H, "cpu"), routing.new_stats(H, "cpu")
     routing.standard_attention(q, k, v, knobs, s_std)
-    kernels.flash_attention(q, k, v, knobs, s_flash)
+    flash_forensics.kernels.emulator.flash_attention(q, k, v, knobs, s_flash)
     assert s_std.repeated_max_rows.sum() > B * H * 5  # the input does produce ties
     assert s_std.repeated_max_rows.tolist() == s_flash.repeated_max_rows.tolist()
     assert s_std.rows_seen.tolist() == s_flash.rows_seen.tolist() == [B * T] * H

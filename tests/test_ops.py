@@ -15,7 +15,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from kernels.config import AttentionConfig, AttentionKnobs
+from flash_forensics.kernels.config import AttentionConfig, AttentionKnobs
 
 pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
 
@@ -26,7 +26,7 @@ interp = pytest.mark.skipif(not INTERP, reason="runs in a child process with TRI
 
 
 def _ops():
-    from kernels import ops
+    from flash_forensics.kernels import ops
     return ops
 
 
@@ -79,9 +79,9 @@ def test_op_args_carry_every_knob():
 
 
 def test_train_compile_is_validated():
-    from orchestrator.schema import TrainConfig
-    from orchestrator.train import compile_enabled
-    from orchestrator.validate import check_train
+    from flash_forensics.orchestrator.config.schema import TrainConfig
+    from flash_forensics.orchestrator.job.train import compile_enabled
+    from flash_forensics.orchestrator.config.validate import check_train
     for ok in ("auto", "true", "false", "True", True, False):
         check_train(TrainConfig(compile=ok))
     with pytest.raises(ValueError, match=r"train\.compile='sometimes'.*auto, true, false"):
@@ -117,8 +117,8 @@ def test_interpreter_opcheck(counters):
                          ids=["default", "stabilized", "untiled"])
 def test_interpreter_compiled_op_is_bitwise_eager(case):
     """fullgraph compile (AOTAutograd: forward and backward graphs) runs the same kernels: equal bits and counters."""
-    import kernels
-    from kernels.triton_flash import flash_attention_triton
+    import flash_forensics.kernels.emulator
+    from flash_forensics.kernels.triton_flash import flash_attention_triton
     knobs = replace(AttentionKnobs(recipe="fp32", backend="triton", block_q=16, block_k=16), **case)
     q, k, v = _qkv(seed=1)
     g = torch.randn(q.shape)
@@ -128,7 +128,7 @@ def test_interpreter_compiled_op_is_bitwise_eager(case):
 
     results = []
     for fn in (f, torch.compile(f, fullgraph=True, backend="aot_eager")):
-        stats = kernels.AttnStats(2)
+        stats = flash_forensics.kernels.stats.AttnStats(2)
         o = fn(q, k, v, stats)
         results.append((o, *torch.autograd.grad(o, (q, k, v), g), stats))
     (o1, *g1, s1), (o2, *g2, s2) = results
@@ -145,7 +145,7 @@ def test_interpreter_compiled_op_is_bitwise_eager(case):
                                        dict(impl="sdpa"), dict(impl="standard")],
                          ids=["triton", "emulator", "sdpa", "standard"])
 def test_interpreter_gpt_traces_without_graph_break(attention):
-    from models import GPT, ModelConfig
+    from flash_forensics.models.gpt import GPT, ModelConfig
     model = GPT(ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=64), AttentionConfig(**attention))
     x = torch.randint(0, 64, (2, 32))
     explained = torch._dynamo.explain(model)(x, x)
@@ -162,8 +162,8 @@ GPU_CASES = [("fa2", dict(counters=False)), ("fa2", dict(softmax="stabilized")),
 @pytest.mark.parametrize("recipe,case", GPU_CASES, ids=[f"{r}-{c}" for r, c in GPU_CASES])
 def test_gpu_compiled_op_is_bitwise_eager(recipe, case):
     """Under inductor (fullgraph) the attention op is opaque: O, dQ, dK, dV and the counters are bit-identical."""
-    import kernels
-    from kernels.triton_flash import flash_attention_triton
+    import flash_forensics.kernels.emulator
+    from flash_forensics.kernels.triton_flash import flash_attention_triton
     knobs = replace(AttentionKnobs(recipe=recipe, backend="triton"), **case)
     dt = torch.float32 if recipe == "fp32" else torch.bfloat16
     q, k, v = _qkv(2, 4, 384, 64, dt, "cuda", seed=2)
@@ -174,7 +174,7 @@ def test_gpu_compiled_op_is_bitwise_eager(recipe, case):
 
     results = []
     for fn in (f, torch.compile(f, fullgraph=True)):
-        stats = kernels.AttnStats(4, "cuda")
+        stats = flash_forensics.kernels.stats.AttnStats(4, "cuda")
         o = fn(q, k, v, stats)
         results.append((o, *torch.autograd.grad(o, (q, k, v), g), stats))
     (o1, *g1, s1), (o2, *g2, s2) = results
@@ -189,7 +189,7 @@ def test_gpu_compiled_op_is_bitwise_eager(recipe, case):
 @pytest.mark.parametrize("recipe", ["fa2", "paper_bf16"])
 def test_gpu_compiled_gpt_trains_like_eager(recipe):
     """A whole GPT compiles with no graph break; 5 compiled steps track the eager ones to BF16 noise."""
-    from models import GPT, ModelConfig
+    from flash_forensics.models.gpt import GPT, ModelConfig
     cfg = ModelConfig(n_layer=2, n_head=4, n_embd=256, block_size=256)
     att = AttentionConfig(impl="flash", backend="triton", recipe=recipe)
     x = torch.randint(0, 50257, (4, 257), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
@@ -218,7 +218,7 @@ def test_gpu_compiled_gpt_trains_like_eager(recipe):
 @pytest.mark.gpu
 def test_gpu_launch_configs_keep_paper_bf16_bits():
     """Speed-only launch choices (tables, tuning) never change paper_bf16's result: its tiles are the knobs'."""
-    from kernels import triton_flash as tf
+    from flash_forensics.kernels import triton_flash as tf
     knobs = AttentionKnobs(recipe="paper_bf16", backend="triton", softmax="stabilized")
     q, k, v = _qkv(2, 4, 512, 64, torch.bfloat16, "cuda", seed=3)
     g = torch.randn(q.shape, device="cuda").to(torch.bfloat16)

@@ -9,10 +9,10 @@ import pytest
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
-import orchestrator.schema  # noqa: F401  registers base_config
-from orchestrator import isolate
-from orchestrator.fork import sweep_file_jobs
-from orchestrator.validate import validate_config
+import flash_forensics.orchestrator.config.schema  # noqa: F401  registers base_config
+from flash_forensics.orchestrator.analysis import isolate
+from flash_forensics.orchestrator.job.fork import sweep_file_jobs
+from flash_forensics.orchestrator.config.validate import validate_config
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU = ["train.device=cpu"]  # the preset says cuda; everything else as on the GPU
@@ -44,7 +44,7 @@ def test_preset_is_the_probes_regime():
 
 
 def test_schedule_is_constant_after_warmup():
-    from orchestrator.optim import lr_factor
+    from flash_forensics.orchestrator.job.optim import lr_factor
     c = _compose()
     o, t = c.optimizer, c.train
     ratios = [lr_factor(s, t.warmup_steps, o.decay_steps or t.max_steps, o.min_lr / o.lr) for s in (1000, 3000, 5999)]
@@ -94,7 +94,7 @@ def test_plan_dry_run():
     r = subprocess.run(["bash", "scripts/paper_1gpu.sh", "train.compile=true"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
-    lines = {s: next(ln for ln in r.stdout.splitlines() if f"seed {s}: python -m orchestrator.isolate" in ln)
+    lines = {s: next(ln for ln in r.stdout.splitlines() if f"seed {s}: python -m flash_forensics.orchestrator.analysis.isolate" in ln)
              for s in (1337, 1, 2)}
     assert not Path("/tmp/ff-plan").exists()  # a dry run writes nothing
     for s, ln in lines.items():

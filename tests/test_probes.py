@@ -1,4 +1,4 @@
-"""Mechanism probes (kernels/probes.py, orchestrator/probes/): the delta error's bias and where it comes from, the tie
+"""Mechanism probes (kernels/probes.py, orchestrator/monitor/probes/): the delta error's bias and where it comes from, the tie
 classification, the cumulative sum across probes and checkpoints, the probe math against brute force, config
 validation, and that a run with probes on trains bit-identically to one with probes off (CPU)."""
 import itertools
@@ -7,13 +7,13 @@ import math
 import pytest
 import torch
 
-import orchestrator.schema  # noqa: F401  registers base_config
-from kernels import emulator
-from kernels import probes as P
-from kernels.config import AttentionKnobs
-from orchestrator import record
-from orchestrator.probes.config import ProbesConfig
-from orchestrator.probes.runner import Probes
+import flash_forensics.orchestrator.config.schema  # noqa: F401  registers base_config
+from flash_forensics.kernels import emulator
+from flash_forensics.kernels import probes as P
+from flash_forensics.kernels.config import AttentionKnobs
+from flash_forensics.orchestrator import record
+from flash_forensics.orchestrator.monitor.probes.config import ProbesConfig
+from flash_forensics.orchestrator.monitor.probes.runner import Probes
 
 F64 = torch.float64
 
@@ -142,7 +142,7 @@ def test_probe_math_against_brute_force():
 
 
 def _tiny_gpt(n_layer=2):
-    from models import GPT
+    from flash_forensics.models.gpt import GPT
     torch.manual_seed(0)
     return GPT(dict(name="tiny", n_layer=n_layer, n_head=2, n_embd=32, block_size=16, vocab_size=64),
                dict(recipe="paper_bf16", block_q=8, block_k=8))
@@ -235,7 +235,7 @@ def _flat(snap):
 ])
 def test_config_errors_name_key_value_and_allowed(tmp_path, override, key, allowed):
     from _jobs import compose_cfg
-    from orchestrator.validate import ConfigError, validate_config
+    from flash_forensics.orchestrator.config.validate import ConfigError, validate_config
     cfg, ov = compose_cfg(["experiment=smoke", "intervention=baseline", "monitor.probes.enabled=true"], tmp_path,
                           override)
     with pytest.raises((ConfigError, ValueError)) as err:
@@ -270,7 +270,7 @@ def test_probes_on_leave_training_bit_identical(tmp_path):
 
 
 def test_probe_plot_draws_runs_with_probes_and_skips_the_others(tmp_path):
-    from orchestrator import plots
+    from flash_forensics.orchestrator.report import plots
     hist = {record.probe_name(kind, layer): [(s, (layer + 1) * 1e-4 * s) for s in (0, 100, 200)]
             for kind in record.PROBE_PLOTTED for layer in (0, 1)}
     path = plots.probes([("baseline", hist), ("no probes", {record.LOSS: [(0, 1.0)]})], tmp_path / "probes.png")

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import record
-from orchestrator.record import RunRecord
+from flash_forensics.orchestrator import record
+from flash_forensics.orchestrator.record import RunRecord
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -84,7 +84,7 @@ def test_isolation_slots_per_gpu(monkeypatch):
     """The pipeline's concurrency: PER_GPU slots on each visible GPU (interleaved), PER_GPU on the CPU."""
     import torch
 
-    from orchestrator.isolate import Pipeline, Plan
+    from flash_forensics.orchestrator.analysis.isolate import Pipeline, Plan
     plan = Plan(root=Path("/r"), out=Path("/o"), uri="sqlite:///x.db", per_gpu=2)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert Pipeline(plan).slots() == ([None, None], 0, 2)
@@ -146,8 +146,8 @@ def test_committed_report_is_not_overwritten(smoke_sweep):
 
 
 def test_table_from_mlflow_equals_table_from_job_folders(smoke_sweep):
-    from orchestrator.rows import ROW_KEYS, collect_rows, compare
-    from orchestrator.store import rows_from_mlflow
+    from flash_forensics.orchestrator.report.rows import ROW_KEYS, collect_rows, compare
+    from flash_forensics.orchestrator.report.readback import rows_from_mlflow
     tmp, committed, _, sweep, _ = smoke_sweep
     assert sweep.returncode == 0, sweep.stderr[-3000:]
     sweep_dir = next(committed.glob("*/report")).parent

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from orchestrator.report import SweepReport, collect_rows, compare, write_run_report
-from orchestrator.tracking import PARENT_FILE, Tracker, TrackingConfig, find_parent, make_client
+from flash_forensics.orchestrator.report.sweep import SweepReport, collect_rows, compare, write_run_report
+from flash_forensics.orchestrator.tracking.tracker import PARENT_FILE, Tracker, TrackingConfig, find_parent, make_client
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -127,7 +127,7 @@ import json, sys
 sys.path.insert(0, {root!r})
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from orchestrator.tracking import Tracker, TrackingConfig
+from flash_forensics.orchestrator.tracking.tracker import Tracker, TrackingConfig
 
 @hydra.main(version_base=None, config_path=".", config_name="cfg")
 def main(cfg):
@@ -159,7 +159,7 @@ hydra:
     subdir: ${{hydra.job.num}}
   callbacks:
     report:
-      _target_: orchestrator.report.SweepReport
+      _target_: flash_forensics.orchestrator.report.sweep.SweepReport
 '''
 
 

@@ -6,8 +6,8 @@ from pathlib import Path
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
-import orchestrator.schema  # noqa: F401
-from orchestrator.job import run_job
+import flash_forensics.orchestrator.config.schema  # noqa: F401
+from flash_forensics.orchestrator.launch.task import run_job
 
 CONF = str(Path(__file__).resolve().parents[1] / "conf")
 

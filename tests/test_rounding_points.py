@@ -17,10 +17,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from kernels.config import AttentionConfig, AttentionKnobs, LayerOverride
-from kernels.emulator import reference_attention
-from kernels.knobs import KNOBS, route_labels, unsupported
-from kernels.recipes import BF16, POINT_MEANINGS, PV_POINTS, ROUNDING_POINTS, Recipe, for_knobs, resolve
+from flash_forensics.kernels.config import AttentionConfig, AttentionKnobs, LayerOverride
+from flash_forensics.kernels.emulator import reference_attention
+from flash_forensics.kernels.knobs import KNOBS, route_labels, unsupported
+from flash_forensics.kernels.recipes import BF16, POINT_MEANINGS, PV_POINTS, ROUNDING_POINTS, Recipe, for_knobs, resolve
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BLOCKS = dict(block_q=16, block_k=16)
@@ -61,7 +61,7 @@ def test_points_are_recipe_fields_and_documented():
     names = {f for f in Recipe.__dataclass_fields__}
     assert set(ROUNDING_POINTS) <= names and "gemm_in" not in names
     assert tuple(POINT_MEANINGS) == ROUNDING_POINTS
-    doc = sys.modules["kernels.recipes"].__doc__
+    doc = sys.modules["flash_forensics.kernels.recipes"].__doc__
     assert all(f"    {pt} " in doc for pt in ROUNDING_POINTS)
     assert resolve("paper_bf16").rounded() == ROUNDING_POINTS
     assert resolve("fp32").rounded() == ()
@@ -164,7 +164,7 @@ def test_lift_on_fp64_inputs_keeps_the_working_dtype():
 # ------------------------------------------------------------------------------------------ Triton: switches
 def _tf():
     pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
-    from kernels import triton_flash
+    from flash_forensics.kernels import triton_flash
     return triton_flash
 
 
@@ -192,7 +192,7 @@ def test_round_mask_is_the_recipe_and_round_trips():
 
 def test_ops_carry_the_rounding_points():
     tf = _tf()
-    from kernels import ops
+    from flash_forensics.kernels import ops
     knobs = AttentionKnobs(recipe="fa2", keep_fp32=["o_store"], pv_fp32=True)
     rebuilt = ops._knobs("fa2", True, 64, 64, pv_fp32=True, rounding=ops.op_rounding(knobs))
     assert tf.round_mask(rebuilt) == tf.round_mask(knobs)
@@ -347,10 +347,10 @@ def test_gpu_a_lift_moves_triton_as_it_moves_the_emulator(point):
 
 # ------------------------------------------------------------------------------------------ the generated sweep
 def test_committed_sweep_files_are_the_generators_output(tmp_path):
-    from orchestrator import rounding_sweep as rs
+    from flash_forensics.orchestrator.config import rounding_sweep as rs
     files = rs.generate("paper_bf16")
-    assert rs.stale(files) == [], "run: python -m orchestrator.rounding_sweep"
-    res = subprocess.run([sys.executable, "-m", "orchestrator.rounding_sweep", "--check"], cwd=ROOT,
+    assert rs.stale(files) == [], "run: python -m flash_forensics.orchestrator.config.rounding_sweep"
+    res = subprocess.run([sys.executable, "-m", "flash_forensics.orchestrator.config.rounding_sweep", "--check"], cwd=ROOT,
                          capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
     # a stale copy: --check exits 1 and names it; a missing one too
@@ -369,7 +369,7 @@ def test_committed_sweep_files_are_the_generators_output(tmp_path):
 def test_sweep_expectations_follow_the_mechanism():
     import yaml
 
-    from orchestrator import rounding_sweep as rs
+    from flash_forensics.orchestrator.config import rounding_sweep as rs
     files = rs.generate("paper_bf16")
     for rel, text in files.items():
         if "/intervention/" not in rel:
@@ -394,15 +394,15 @@ def test_sweep_expectations_follow_the_mechanism():
 
 
 def test_sweep_forks_and_intervention_composes():
-    from orchestrator import fork
+    from flash_forensics.orchestrator.job import fork
     jobs = fork.sweep_file_jobs(["rounding_points"])
     assert [j[1][0] for j in jobs][:2] == ["intervention=lift_scores", "intervention=lift_shift"]
     assert len(jobs) == 2 * len(ROUNDING_POINTS)
 
 
 def test_generated_interventions_compose_validate_and_route(tmp_path):
-    from models import GPT, ModelConfig
-    from orchestrator.validate import ConfigError, validate_config
+    from flash_forensics.models.gpt import GPT, ModelConfig
+    from flash_forensics.orchestrator.config.validate import ConfigError, validate_config
     from test_validate import job_cfg
 
     cfg, ov = job_cfg(tmp_path, "intervention=lift_scores")

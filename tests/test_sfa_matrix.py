@@ -5,10 +5,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.config import AttentionKnobs
-from kernels.emulator import capture_forward, flash_attention
-from kernels.sfa_matrix import TOL, matrix, markdown, ok
-from kernels.stats import AttnStats
+from flash_forensics.kernels.config import AttentionKnobs
+from flash_forensics.kernels.emulator import capture_forward, flash_attention
+from flash_forensics.kernels.sfa_matrix import TOL, matrix, markdown, ok
+from flash_forensics.kernels.stats import AttnStats
 
 TABLE = Path(__file__).resolve().parents[1] / "results" / "bench" / "sfa_edge_matrix.md"
 
@@ -43,7 +43,7 @@ def test_beta_near_one_rounds_back_to_one_in_bf16_and_is_counted(rows):
 
 
 def test_committed_table_is_current(rows):
-    assert TABLE.read_text() == markdown(rows), "rerun: python -m kernels.sfa_matrix --out " + str(TABLE)
+    assert TABLE.read_text() == markdown(rows), "rerun: python -m flash_forensics.kernels.sfa_matrix --out " + str(TABLE)
 
 
 @pytest.mark.parametrize("recipe", ["paper_bf16", "fa2", "fp32"])

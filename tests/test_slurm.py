@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.cluster import ClusterError, check_slurm, check_tasks, slurm_up
+from flash_forensics.orchestrator.launch.cluster import ClusterError, check_slurm, check_tasks, slurm_up
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 40
@@ -61,7 +61,7 @@ def _run_of(db: Path, job_num: int):
 @pytest.fixture(scope="module")
 def preempted_sweep(tmp_path_factory):
     check_slurm()  # CI: a clear error when the cluster is not up
-    from orchestrator.data import DataConfig, ensure_prepared
+    from flash_forensics.orchestrator.data import DataConfig, ensure_prepared
 
     ensure_prepared(DataConfig(), 50304)  # once, here: 8 ranks of a fresh checkout would all prepare it at once
     out = tmp_path_factory.mktemp("slurm-sweep")

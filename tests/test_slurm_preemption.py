@@ -4,7 +4,7 @@ import signal
 
 import pytest
 
-from orchestrator.preemption import REQUEUE_EXIT_CODE, PreemptionGuard, preempt_signal
+from flash_forensics.orchestrator.job.preemption import REQUEUE_EXIT_CODE, PreemptionGuard, preempt_signal
 
 
 def test_signal_sets_the_flag_and_handlers_are_restored():

@@ -11,15 +11,16 @@ import torch
 import torch.nn.functional as F
 
 import _jobs
-import orchestrator.schema  # noqa: F401  registers base_config
-from kernels import knobs as knob_table
-from kernels.config import AttentionKnobs
-from kernels.emulator import capture_forward, flash_attention
-from kernels.stochastic import stochastic_round, uniform16
-from models import GPT, ModelConfig, resolve_backend, route_name
-from models.gpt import z_loss_term
-from orchestrator import fork
-from orchestrator.validate import ConfigError, validate_config
+import flash_forensics.orchestrator.config.schema  # noqa: F401  registers base_config
+from flash_forensics.kernels import knobs as knob_table
+from flash_forensics.kernels.config import AttentionKnobs
+from flash_forensics.kernels.emulator import capture_forward, flash_attention
+from flash_forensics.kernels.stochastic import stochastic_round, uniform16
+from flash_forensics.models.gpt import GPT, ModelConfig
+from flash_forensics.models.attention import resolve_backend, route_name
+from flash_forensics.models.gpt import z_loss_term
+from flash_forensics.orchestrator.job import fork
+from flash_forensics.orchestrator.config.validate import ConfigError, validate_config
 
 SMOKE = ["experiment=smoke", "train.early_stop=false", "train.eval_every=4", "train.ckpt_every=4",
          "optimizer.decay_steps=8"]
@@ -312,7 +313,7 @@ def test_fork_refuses_gated_attn_and_allows_z_loss(source, tmp_path):
 
 def test_stabilizers_sweeps_fork_what_can_be_forked(source, tmp_path):
     """sweeps/stabilizers.yaml: every job validates as a fork of the baseline checkpoint (what
-    `python -m orchestrator.isolate --sweeps stabilizers` launches); sweeps/stabilizers_scratch.yaml holds the ones
+    `python -m flash_forensics.orchestrator.analysis.isolate --sweeps stabilizers` launches); sweeps/stabilizers_scratch.yaml holds the ones
     that change the model, which a fork refuses."""
     _, ckpt = source
     jobs = fork.sweep_file_jobs(["stabilizers"])
@@ -337,7 +338,7 @@ def _run(intervention, observed, divergence_step=None, fork_step=None, steps_don
 
 
 def test_stabilizers_table_from_constructed_rows(tmp_path):
-    from orchestrator import stabilizers
+    from flash_forensics.orchestrator.analysis import stabilizers
     sfa_dir = tmp_path / "jobs" / "sfa"
     sfa_dir.mkdir(parents=True)
     (sfa_dir / "result.json").write_text(json.dumps({"observed": "stable", "val_loss": 3.25}))  # read from its job

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from orchestrator.monitors import MonitorConfig, Monitors
-from orchestrator.tracking import (PARENT_FILE, Tracker, TrackingConfig, TrackingUnreachable, check_tracking,
+from flash_forensics.orchestrator.monitor.monitors import MonitorConfig, Monitors
+from flash_forensics.orchestrator.tracking.tracker import (PARENT_FILE, Tracker, TrackingConfig, TrackingUnreachable, check_tracking,
                                    find_parent, flatten_config, write_parent_file)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -133,7 +133,7 @@ def test_parent_run_from_sweep_dir_and_nesting(uri, tmp_path):
 def test_concurrent_processes_share_one_sqlite_store(uri):
     Tracker(TrackingConfig(uri=uri), "init", experiment="t-procs").close()  # the store exists before the jobs
     code = ("import sys; sys.path.insert(0, %r)\n"
-            "from orchestrator.tracking import Tracker, TrackingConfig\n"
+            "from flash_forensics.orchestrator.tracking.tracker import Tracker, TrackingConfig\n"
             "t = Tracker(TrackingConfig(uri=%r, flush_interval_s=0.01), sys.argv[1], experiment='t-procs')\n"
             "for s in range(400): t.log_metrics({'x': s}, step=s)\n"
             "t.close(); print(t.run_id)\n") % (str(ROOT), uri)
@@ -213,7 +213,7 @@ class FakeTracker:
 
 @pytest.fixture
 def tiny_gpt():
-    from models import GPT, ModelConfig
+    from flash_forensics.models.gpt import GPT, ModelConfig
     torch.manual_seed(0)
     model = GPT(ModelConfig(name="t", n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64),
                 {"impl": "flash", "backend": "emulator", "recipe": "paper_bf16", "block_q": 8, "block_k": 8})
@@ -265,7 +265,7 @@ def test_monitors_buffer_on_device_and_flush_in_one_transfer(tiny_gpt, monkeypat
 
 
 def test_monitors_counters_count_repeated_maxima_per_interval(monkeypatch):
-    from kernels.stats import AttnStats
+    from flash_forensics.kernels.stats import AttnStats
 
     class Model(torch.nn.Module):  # the GPT interface, with counters we control
         def __init__(self):
@@ -293,7 +293,7 @@ def test_monitors_counters_count_repeated_maxima_per_interval(monkeypatch):
 
 
 def test_max_logit_logged_only_where_measured():
-    from kernels.stats import AttnStats
+    from flash_forensics.kernels.stats import AttnStats
 
     class Model(torch.nn.Module):
         def __init__(self):
@@ -312,7 +312,7 @@ def test_max_logit_logged_only_where_measured():
 
 @pytest.mark.gpu
 def test_monitors_never_sync_between_flushes_on_cuda():
-    from models import GPT, ModelConfig
+    from flash_forensics.models.gpt import GPT, ModelConfig
     model = GPT(ModelConfig(name="t", n_layer=2, n_head=2, n_embd=64, block_size=64, vocab_size=128),
                 {"impl": "flash"}).cuda()
     mon = Monitors(model, MonitorConfig(log_every=4, wq_every=3), FakeTracker())
@@ -335,7 +335,7 @@ def test_monitors_never_sync_between_flushes_on_cuda():
 
 def test_crash_without_close_keeps_every_point(uri):
     code = ("import sys; sys.path.insert(0, %r)\n"
-            "from orchestrator.tracking import Tracker, TrackingConfig\n"
+            "from flash_forensics.orchestrator.tracking.tracker import Tracker, TrackingConfig\n"
             "t = Tracker(TrackingConfig(uri=%r, flush_interval_s=60), 'crash', experiment='t-crash')\n"
             "print(t.run_id, flush=True)\n"
             "for s in range(500): t.log_metrics({'train/loss': s}, step=s)\n"

@@ -1,4 +1,4 @@
-"""Triton flash attention against an FP64 reference and the emulator (kernels.flash_attention, the source of truth).
+"""Triton flash attention against an FP64 reference and the emulator (flash_forensics.kernels.emulator.flash_attention, the source of truth).
 
 CPU: Triton's interpreter (TRITON_INTERPRET=1) runs the same kernels on tiny shapes. It gets BF16 wrong (tl.dot of
 BF16 inputs and .to(tl.bfloat16) rounding differ from the GPU), so on CPU only the FP32 logic is checked: the fp32
@@ -16,7 +16,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from kernels.config import AttentionKnobs
+from flash_forensics.kernels.config import AttentionKnobs
 
 triton = pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
 
@@ -33,7 +33,7 @@ interp = pytest.mark.skipif(not INTERP, reason="runs in a child process with TRI
 
 @pytest.fixture(scope="module")
 def tfi():
-    from kernels import triton_flash
+    from flash_forensics.kernels import triton_flash
     return triton_flash
 
 
@@ -50,11 +50,11 @@ def test_interpreter_checks():
 
 
 def _emulator():
-    import kernels
+    import flash_forensics.kernels.emulator
     fn = getattr(kernels, "flash_attention", None)
     if fn is None or not hasattr(kernels, "AttnStats"):
-        pytest.skip("kernels.flash_attention / AttnStats (the emulator) is not available")
-    return fn, kernels.AttnStats
+        pytest.skip("flash_forensics.kernels.emulator.flash_attention / AttnStats (the emulator) is not available")
+    return fn, flash_forensics.kernels.stats.AttnStats
 
 
 class _Stats:
@@ -177,7 +177,7 @@ def test_interpreter_stabilized_leaves_no_unit_pbar(tfi):
 
 
 def test_supports():
-    from kernels import triton_flash as tf
+    from flash_forensics.kernels import triton_flash as tf
     q = torch.zeros(1, 2, 8, 64)
     assert not tf.supports(AttentionKnobs(), q), "CPU tensors go to the emulator"
     if torch.cuda.is_available():
@@ -220,7 +220,7 @@ GPU_PARAMS = [(r, c, 64) for r, c in GPU_CASES] + [
                          ids=[f"{r}-{','.join(f'{k}={v}' for k, v in c.items()) or 'default'}-D{d}"
                               for r, c, d in GPU_PARAMS])
 def test_gpu_matches_emulator_and_fp64(recipe, case, D):
-    from kernels import triton_flash as tf
+    from flash_forensics.kernels import triton_flash as tf
     flash_attention, AttnStats = _emulator()
     knobs = replace(AttentionKnobs(recipe=recipe, backend="triton"), **case)
     T = 256
@@ -257,7 +257,7 @@ def test_gpu_matches_emulator_and_fp64(recipe, case, D):
 @pytest.mark.parametrize("recipe", ["fa2", "paper_bf16"])
 @pytest.mark.parametrize("tiling", [True, False])
 def test_gpu_stabilized_leaves_no_unit_pbar(recipe, tiling):
-    from kernels import triton_flash as tf
+    from flash_forensics.kernels import triton_flash as tf
     q, k, v = planted(2, 4, 512, 64, "cuda", dtype=torch.bfloat16, seed=5)
     safe = AttentionKnobs(recipe=recipe, tiling=tiling)
     pmax_safe, fired = tf.fired_pbar_max(q, k, v, safe)
@@ -269,7 +269,7 @@ def test_gpu_stabilized_leaves_no_unit_pbar(recipe, tiling):
 @pytest.mark.gpu
 def test_gpu_long_sequence_and_no_sync():
     """T=4096 runs; the call issues no host sync (counters stay on the device)."""
-    from kernels import triton_flash as tf
+    from flash_forensics.kernels import triton_flash as tf
     q, k, v = planted(1, 2, 4096, 64, "cuda", dtype=torch.bfloat16, seed=6)
     knobs = AttentionKnobs(recipe="fa2", softmax="stabilized")
     stats = _Stats(2, "cuda")

@@ -1,7 +1,7 @@
 """Bad input is rejected before anything runs, with a message naming the key, the value and what is allowed.
 
 Sweeps are composed in-process with Hydra's compose API and checked by ValidateSweep's own function
-(orchestrator.callbacks.validate_sweep), which composes every job the BasicSweeper would launch."""
+(flash_forensics.orchestrator.launch.callbacks.validate_sweep), which composes every job the BasicSweeper would launch."""
 from pathlib import Path
 
 import pytest
@@ -11,10 +11,10 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import open_dict
 
-import orchestrator.schema  # noqa: F401  registers base_config
-from orchestrator import checkpoint
-from orchestrator.callbacks import sweep_jobs, validate_sweep
-from orchestrator.validate import ConfigError, effective_attention, validate_config
+import flash_forensics.orchestrator.config.schema  # noqa: F401  registers base_config
+from flash_forensics.orchestrator.job import checkpoint
+from flash_forensics.orchestrator.launch.callbacks import sweep_jobs, validate_sweep
+from flash_forensics.orchestrator.config.validate import ConfigError, effective_attention, validate_config
 
 CONF = str(Path(__file__).resolve().parents[1] / "conf")
 

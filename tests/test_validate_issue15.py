@@ -10,8 +10,8 @@ import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
-import orchestrator.schema  # noqa: F401
-from orchestrator.validate import ConfigError, validate_config
+import flash_forensics.orchestrator.config.schema  # noqa: F401
+from flash_forensics.orchestrator.config.validate import ConfigError, validate_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -46,7 +46,7 @@ def test_replay_that_is_not_a_batch_order(tmp_path):
 
 
 def test_block_size_larger_than_the_corpus(tmp_path):
-    from orchestrator.data import ensure_prepared
+    from flash_forensics.orchestrator.data import ensure_prepared
     obj, _ = check(tmp_path)
     ensure_prepared(obj.data, obj.model.vocab_size)  # the default corpus (prepared once per machine)
     with pytest.raises(ConfigError, match=r"model.block_size=2000000 is not allowed: expected at most \d+"):
@@ -63,9 +63,9 @@ def test_launcher_without_multirun_is_refused(tmp_path):
 
 
 def test_numerics_counters_become_metrics_and_a_warning():
-    from models import GPT, ModelConfig
-    from kernels.config import AttentionConfig
-    from orchestrator.monitors import MonitorConfig, Monitors
+    from flash_forensics.models.gpt import GPT, ModelConfig
+    from flash_forensics.kernels.config import AttentionConfig
+    from flash_forensics.orchestrator.monitor.monitors import MonitorConfig, Monitors
 
     class Sink:
         def __init__(self):

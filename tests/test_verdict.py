@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from orchestrator.verdict import DivergenceDetector, VerdictConfig
+from flash_forensics.orchestrator.verdict import DivergenceDetector, VerdictConfig
 
 
 def decaying(n, start=10.0, floor=3.0, noise=0.0, seed=0):

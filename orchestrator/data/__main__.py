@@ -1,4 +1,4 @@
-"""python -m orchestrator.data prepare [overrides] [--force] | fetch | tokenizer [--from PATH]
+"""python -m flash_forensics.orchestrator.data prepare [overrides] [--force] | fetch | tokenizer [--from PATH]
 
 Overrides are Hydra's, composed from conf/data like the runs are: `data=text_files 'data.files=[a.txt]'`,
 `data.root=/scratch/data`; a bare DataConfig field (`val_fraction=0.1`) means data.<field>.
@@ -11,7 +11,7 @@ import sys
 from dataclasses import dataclass, field, fields
 from typing import Any, List
 
-from orchestrator.data.config import REPO_ROOT, DataConfig, DataError
+from flash_forensics.orchestrator.data.config import REPO_ROOT, DataConfig, DataError
 
 
 @dataclass
@@ -35,7 +35,7 @@ def compose_data(overrides: List[str]) -> DataConfig:
     # data-only overrides compose conf/data alone; others (experiment=gpt2s_paper) need the project's root config
     root_name = "ff_data_prepare"
     if any(_key(o) != "data" and not _key(o).startswith("data.") for o in overrides):
-        import orchestrator.schema  # noqa: F401  registers base_config, the schema conf/config.yaml builds on
+        import flash_forensics.orchestrator.config.schema  # noqa: F401  registers base_config, the schema conf/config.yaml builds on
 
         root_name = "config"
     ConfigStore.instance().store(name="ff_data_prepare", node=PrepareRoot)
@@ -49,7 +49,7 @@ def compose_data(overrides: List[str]) -> DataConfig:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m orchestrator.data", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m flash_forensics.orchestrator.data", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("prepare", help="tokenize a corpus into train.bin/val.bin + manifest.json")
@@ -62,7 +62,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     try:
         if args.cmd == "prepare":
-            from orchestrator.data.prepare import ensure_prepared
+            from flash_forensics.orchestrator.data.prepare import ensure_prepared
 
             cfg = compose_data(args.overrides)
             folder = ensure_prepared(cfg, args.vocab_size, force=args.force)
@@ -71,13 +71,13 @@ def main(argv=None) -> int:
                   f"{m['max_id']}\n  prepared in {m['prepare_seconds']} s ({m['tokens_per_s']:,} tokens/s, "
                   f"{m['threads']} threads)")
         elif args.cmd == "fetch":
-            from orchestrator.data.corpora import kjv_path
-            from orchestrator.data.tokenizer import gpt2_encoding, ranks_path
+            from flash_forensics.orchestrator.data.corpora import kjv_path
+            from flash_forensics.orchestrator.data.tokenizer import gpt2_encoding, ranks_path
 
             gpt2_encoding()
             print(f"GPT-2 BPE ranks: {ranks_path()}\ndefault corpus:  {kjv_path()}")
         else:
-            from orchestrator.data.tokenizer import gpt2_encoding, install_ranks, ranks_path
+            from flash_forensics.orchestrator.data.tokenizer import gpt2_encoding, install_ranks, ranks_path
 
             if args.source:
                 install_ranks(args.source)
@@ -87,7 +87,7 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except Exception as e:
-        from orchestrator.data.tokenizer import TokenizerUnavailable
+        from flash_forensics.orchestrator.data.tokenizer import TokenizerUnavailable
 
         if isinstance(e, TokenizerUnavailable):
             print(f"error: {e}", file=sys.stderr)

@@ -12,8 +12,8 @@ from typing import List, Optional, Tuple, Union
 import numpy as np
 import torch
 
-from orchestrator.data.config import DataError
-from orchestrator.data.replay import OrderHeader, OrderReader, OrderWriter, order_paths
+from flash_forensics.orchestrator.data.config import DataError
+from flash_forensics.orchestrator.data.replay import OrderHeader, OrderReader, OrderWriter, order_paths
 
 PathLike = Union[str, Path]
 Batch = Tuple[torch.Tensor, torch.Tensor]
@@ -23,7 +23,7 @@ def open_tokens(bin_path: PathLike, block_size: int) -> np.memmap:
     """uint16 token ids, checked: exists, whole tokens, at least block_size + 1 of them."""
     p = Path(bin_path)
     if not p.is_file():
-        raise DataError(f"token file {p} does not exist; prepare it with `python -m orchestrator.data prepare`")
+        raise DataError(f"token file {p} does not exist; prepare it with `python -m flash_forensics.orchestrator.data prepare`")
     size = p.stat().st_size
     if size % 2:
         raise DataError(f"token file {p} has an odd byte count ({size}); uint16 tokens need an even one. "

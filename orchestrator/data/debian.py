@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, Iterator, Optional, Tuple
 
-from orchestrator.data.cache import cache_dir, sha256_file
-from orchestrator.data.config import DataError
+from flash_forensics.orchestrator.data.cache import cache_dir, sha256_file
+from flash_forensics.orchestrator.data.config import DataError
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ def _apt_get_download(pkg: DebPackage, dest: Path) -> Path:
     """`apt-get download pkg=version` into dest (no root needed); the path of the .deb it wrote."""
     if shutil.which("apt-get") is None:
         raise DataError(f"data.corpus=debian_docs needs `apt-get` to fetch {pkg.name}={pkg.version} once, and this "
-                        f"machine has none: prepare on a Debian/Ubuntu machine (`python -m orchestrator.data prepare "
+                        f"machine has none: prepare on a Debian/Ubuntu machine (`python -m flash_forensics.orchestrator.data prepare "
                         f"data=debian_docs`) and copy the prepared folder (or {debs_dir()}) here")
     try:
         proc = subprocess.run(["apt-get", "download", f"{pkg.name}={pkg.version}"], cwd=dest, capture_output=True,
@@ -185,7 +185,7 @@ READERS = {
 
 
 def debian_docs_corpus(cfg):
-    from orchestrator.data.corpora import Corpus  # corpora imports this module for its BUILDERS
+    from flash_forensics.orchestrator.data.corpora import Corpus  # corpora imports this module for its BUILDERS
 
     pins = [{"package": p.name, "version": p.version, "sha256": p.sha256, "licence": p.licence, "reader": p.reader}
             for p in PACKAGES]

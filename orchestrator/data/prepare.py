@@ -19,10 +19,10 @@ from typing import Iterator, List
 import numpy as np
 from tqdm import tqdm
 
-from orchestrator.data.cache import sha256_file
-from orchestrator.data.config import DataConfig, DataError
-from orchestrator.data.corpora import Corpus, open_corpus
-from orchestrator.data.tokenizer import EOT, gpt2_encoding, tokenizer_info
+from flash_forensics.orchestrator.data.cache import sha256_file
+from flash_forensics.orchestrator.data.config import DataConfig, DataError
+from flash_forensics.orchestrator.data.corpora import Corpus, open_corpus
+from flash_forensics.orchestrator.data.tokenizer import EOT, gpt2_encoding, tokenizer_info
 
 FORMAT = "flash-forensics-tokens"
 FORMAT_VERSION = 1
@@ -174,7 +174,7 @@ def prepare(cfg: DataConfig, force: bool = False) -> Path:
 def check_prepared(folder: Path, vocab_size: int, hash_check_max_bytes: int = HASH_CHECK_MAX_BYTES) -> dict:
     """Validate a prepared folder against its manifest; return the manifest. Raises DataError saying what is wrong."""
     mpath = folder / "manifest.json"
-    hint = f"delete {folder} and prepare again (`python -m orchestrator.data prepare ... --force`)"
+    hint = f"delete {folder} and prepare again (`python -m flash_forensics.orchestrator.data prepare ... --force`)"
     try:
         manifest = json.loads(mpath.read_text())
     except (OSError, json.JSONDecodeError) as e:

@@ -23,7 +23,7 @@ from typing import List, Optional, Union
 
 import numpy as np
 
-from orchestrator.data.config import DataError
+from flash_forensics.orchestrator.data.config import DataError
 
 log = logging.getLogger(__name__)
 

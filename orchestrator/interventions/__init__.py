@@ -11,9 +11,9 @@ Public API:
     effective_model(model_cfg, iv)   the model config with the intervention's model patch
     build_hooks(iv.hooks)            a HookSet (hydra.utils.instantiate per `_target_`)
 """
-from orchestrator.interventions.hooks import HookSet, TrainHook
-from orchestrator.interventions.hooks import build as build_hooks
-from orchestrator.interventions.spec import (CONF_DIR, InterventionConfig, ModelPatch, effective_model, load, names,
+from flash_forensics.orchestrator.interventions.hooks import HookSet, TrainHook
+from flash_forensics.orchestrator.interventions.hooks import build as build_hooks
+from flash_forensics.orchestrator.interventions.spec import (CONF_DIR, InterventionConfig, ModelPatch, effective_model, load, names,
                                              scope, scoped)
 
 __all__ = ["InterventionConfig", "ModelPatch", "effective_model", "scoped", "scope", "names", "load", "build_hooks",

@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Mapping, Optional
 
 import torch
 
-from orchestrator.interventions.hooks import TrainHook
+from flash_forensics.orchestrator.interventions.hooks import TrainHook
 
 
 class QKClip(TrainHook):

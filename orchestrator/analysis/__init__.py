@@ -1,0 +1,1 @@
+"""Analysis over runs: the isolation pipeline, localization, early warning and the stabilizers table."""

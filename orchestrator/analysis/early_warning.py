@@ -1,0 +1,368 @@
+"""Early warning: each monitored signal as a predictor of divergence, measured over a set of runs (issue 17, item 3).
+
+    python -m flash_forensics.orchestrator.analysis.early_warning results/seeds/<date> results/lr/<date> --out results/early_warning
+    python -m flash_forensics.orchestrator.analysis.early_warning --tracking-uri sqlite:///results/mlflow.db --experiment mini_repro_seeds
+    python -m flash_forensics.orchestrator.analysis.early_warning results/mini/<date> sqlite:///other/mlflow.db --include-unfinished
+
+Input: report dirs (sweep or job folders, or a report folder's verdicts.json), MLflow store URIs (every run in it, or
+of --experiment) or an MLflow experiment of --tracking-uri. Each run's
+
+divergence step, fork step and verdict come from its record (result.json, or its MLflow fields); its metric
+histories from MLflow (orchestrator/report/readback.py). Failed runs are left out, and said so.
+
+For each signal (orchestrator/monitor/signals.py, computed exactly as monitor.alarm computes it online) and each threshold
+of its grid, an alarm fires at the first logged step where the signal is strictly past the threshold. A run is
+judged from its first step (a fork: its fork step) on; a diverged run up to its divergence step, a stable run to its
+end. Per (signal, threshold):
+- lead time of each diverged run = divergence step - first alarm step, and their mean (over the runs that alarmed);
+- misses: diverged runs with no alarm before their divergence step;
+- false alarms: stable runs that alarm at all;
+- with --include-unfinished, runs that ended without a verdict (killed, or out of time) and whose loss history
+  shows no divergence (the run's own detector, replayed) are "unfinished": not diverged by their last logged step,
+  which is all that is known. An alarm on one is neither a false alarm nor a hit: the table lists it apart, with
+  how many steps the run went on without diverging after it. They never enter the chosen rule's criteria.
+The grid: every run's extreme value of the signal over its judged window (peak; minimum for entropy), so every
+threshold at which some run stops or starts alarming is on it, plus `--thresholds SIGNAL=a,b,...`. A signal absent
+from a run (e.g. the probe signals without monitor.probes) is not judged on it, and the table says in how many runs
+it was present.
+
+The chosen rule (`choose`): among signals present in every run (all signals when none is), the fewest misses, then
+the fewest false alarms, then the longest mean lead, then the lowest threshold; i.e. no misses first when any rule
+has none. Output in --out: early_warning.md, early_warning.json, early_warning.png (mean lead time vs false alarms
+per signal), and the monitor.alarm overrides of the chosen rule.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from flash_forensics.orchestrator import record
+from flash_forensics.orchestrator.monitor import signals
+from flash_forensics.orchestrator.monitor.signals import ABOVE, SIGNALS
+
+Series = Dict[str, List[Tuple[int, float]]]
+
+
+@dataclass
+class Run:
+    name: str
+    observed: str  # stable | diverged | unfinished (no verdict; not diverged by its last logged step)
+    start: int  # first judged step: the fork step of a fork, else 0
+    divergence_step: Optional[int]
+    series: Series  # signal -> [(step, value)]
+    run_id: Optional[str] = None
+    last_step: Optional[int] = None  # the last logged training step (unfinished runs: how far "not diverged" goes)
+
+
+@dataclass
+class Row:
+    signal: str
+    threshold: float
+    direction: str
+    runs_present: int
+    diverged: int
+    stable: int
+    mean_lead: Optional[float]
+    false_alarms: int
+    misses: int
+    leads: Dict[str, Optional[int]] = field(default_factory=dict)  # diverged run -> lead (None: missed)
+    false_alarm_runs: List[str] = field(default_factory=list)
+    unfinished: int = 0
+    # unfinished run -> steps it went on, not diverged, after the alarm (absent: no alarm)
+    unfinished_alarms: Dict[str, int] = field(default_factory=dict)
+
+
+def judged(run: Run, pts: List[Tuple[int, float]]) -> List[Tuple[int, float]]:
+    """The points a run is judged on: from its start, and for a diverged run before its divergence step."""
+    end = run.divergence_step if run.observed == "diverged" else None
+    return [(s, v) for s, v in pts if s >= run.start and (end is None or s < end)]
+
+
+def grid(runs: Sequence[Run], signal: str, extra: Sequence[float] = ()) -> List[float]:
+    """Each run's extreme of the signal over its judged window, plus extra thresholds, sorted."""
+    pick = max if SIGNALS[signal].direction == ABOVE else min
+    vals = {pick(v for _, v in pts) for r in runs if (pts := judged(r, r.series.get(signal, [])))}
+    return sorted({float(v) for v in vals if math.isfinite(v)} | {float(x) for x in extra})
+
+
+def evaluate(runs: Sequence[Run], signal: str, threshold: float) -> Row:
+    direction = SIGNALS[signal].direction
+    present = [r for r in runs if r.series.get(signal)]
+    leads, fa, open_alarms = {}, [], {}
+    for r in present:
+        hit = signals.first_alarm(judged(r, r.series[signal]), direction, threshold)
+        if r.observed == "diverged":
+            leads[r.name] = r.divergence_step - hit[0] if hit else None
+        elif r.observed == "unfinished":
+            if hit:
+                open_alarms[r.name] = int(r.last_step if r.last_step is not None else hit[0]) - hit[0]
+        elif hit:
+            fa.append(r.name)
+    got = [x for x in leads.values() if x is not None]
+    n_open = sum(r.observed == "unfinished" for r in present)
+    return Row(signal, threshold, direction, len(present), len(leads), len(present) - len(leads) - n_open,
+               sum(got) / len(got) if got else None, len(fa), sum(x is None for x in leads.values()), leads, fa,
+               n_open, open_alarms)
+
+
+def table(runs: Sequence[Run], extra: Optional[Dict[str, Sequence[float]]] = None) -> List[Row]:
+    return [evaluate(runs, sig, t) for sig in SIGNALS for t in grid(runs, sig, (extra or {}).get(sig, ()))]
+
+
+def choose(rows: Sequence[Row], n_runs: int) -> Optional[Row]:
+    """The rule: fewest misses, then fewest false alarms, then longest mean lead (then the lowest threshold), among
+    signals present in every run (all rows when none is)."""
+    full = [r for r in rows if r.runs_present == n_runs and r.diverged] or [r for r in rows if r.diverged]
+    # (unfinished runs count towards runs_present, so a signal must be in them too; their alarms are not criteria)
+    if not full:
+        return None
+    return min(full, key=lambda r: (r.misses, r.false_alarms, -(r.mean_lead or 0.0),
+                                    r.threshold if r.direction == ABOVE else -r.threshold))
+
+
+# ---------------------------------------------------------------------------------------------- loading
+def _usable(rec_rows: Sequence[Dict], skipped: List[str], unfinished: bool = False) -> List[Dict]:
+    """The rows that can be judged. With `unfinished`, a run without a verdict whose record shows no divergence and
+    some steps done becomes observed="unfinished" (its loss history is checked again in load())."""
+    out = []
+    for r in rec_rows:
+        name = r.get("job") or r.get("mlflow_run_id")
+        if (unfinished and r.get("observed") not in ("stable", "diverged") and r.get("divergence_step") is None
+                and (r.get("steps_done") or 0) > 0 and r.get("mlflow_run_id")):
+            out.append(dict(r, observed="unfinished"))
+        elif r.get("observed") not in ("stable", "diverged"):
+            skipped.append(f"{name}: {r.get('observed')} ({r.get('error') or 'no verdict'})")
+        elif not r.get("mlflow_run_id"):
+            skipped.append(f"{name}: no MLflow run id")
+        else:
+            out.append(r)
+    return out
+
+
+def _rows_of(source: str) -> List[Dict]:
+    from flash_forensics.orchestrator.report.rows import rows_from_dirs
+    p = Path(source)
+    report = p if p.suffix == ".json" else p / "verdicts.json"
+    if report.is_file() and not (p / record.RESULT_FILE).is_file():
+        return list(json.loads(report.read_text()).get("runs") or [])
+    return rows_from_dirs([p])
+
+
+def _store_of(job_dir: Path) -> Optional[str]:
+    """The store a job logged to: its job.json (written at job start), else its Hydra config or sweep."""
+    from flash_forensics.orchestrator.launch.task import read_job_start
+    from flash_forensics.orchestrator.analysis.localize.source import _job_uri
+    return (read_job_start(job_dir) or {}).get("tracking_uri") or _job_uri(job_dir)
+
+
+def _is_store(source: str) -> bool:
+    return "://" in source  # sqlite:///..., http://host:port, ...
+
+
+def _store_rows(uri: str, experiment: Optional[str], skipped: List[str], unfinished: bool
+                ) -> List[Tuple[Dict, Optional[str]]]:
+    """Every job run of `uri` (of `experiment` when given), as records; the sweeps' parent runs are not jobs."""
+    from flash_forensics.orchestrator.report import readback as store
+    client = store.client_for(uri)
+    if experiment is not None:
+        exp = store.retry(client.get_experiment_by_name, experiment)
+        if exp is None:
+            raise ValueError(f"--experiment {experiment!r}: no such experiment in {uri}")
+        exps = [exp]
+    else:
+        exps = store.retry(client.search_experiments)
+    runs = [run for exp in exps for run in store.retry(client.search_runs, [exp.experiment_id], max_results=5000)
+            if run.data.tags.get("role") != "sweep"]
+    # names: "<store's folder>/<first word of the run name>" (a run name is "<intervention> <overrides>"), plus
+    # the run id's head where that is not unique in the store
+    label = Path(uri.split("://", 1)[1]).parent.name if uri.startswith("sqlite:") else uri
+    short = [((run.info.run_name or run.info.run_id).split() or [run.info.run_id])[0] for run in runs]
+    out = []
+    for run, word in zip(runs, short):
+        name = f"{label}/{word}" + (f"-{run.info.run_id[:8]}" if short.count(word) > 1 else "")
+        rec = record.from_mlflow_run(run, store.history(client, run, (record.LOSS,)))
+        d = dict(rec.to_dict(), job=name)
+        out.extend((r, uri) for r in _usable([d], skipped, unfinished))
+    return out
+
+
+def _replayed_divergence(history: Dict, r: Dict) -> Optional[int]:
+    """An unfinished run's divergence step by its own detector over its loss history (None: not diverged)."""
+    from flash_forensics.orchestrator.verdict import DivergenceDetector, VerdictConfig
+    cfg = VerdictConfig(**{k: v for k, v in (("margin", r.get("verdict_margin")), ("window", r.get("verdict_window")))
+                           if v is not None})
+    det = DivergenceDetector(cfg)
+    det.update(history.get(record.LOSS) or [])
+    return det.divergence_step if det.diverged else None
+
+
+def load(sources: Sequence[str] = (), tracking_uri: Optional[str] = None, experiment: Optional[str] = None,
+         growth_window: int = 100, unfinished: bool = False) -> Tuple[List[Run], List[str]]:
+    """(runs, skipped): the judged runs with their signal series, and a line per run left out."""
+    from flash_forensics.orchestrator.report import readback as store
+    skipped: List[str] = []
+    rows: List[Tuple[Dict, Optional[str]]] = []
+    for src in sources:
+        if _is_store(src):
+            rows.extend(_store_rows(src, experiment, skipped, unfinished))
+            continue
+        for r in _usable(_rows_of(src), skipped, unfinished):
+            rows.append((r, tracking_uri or (_store_of(Path(r["job_dir"])) if r.get("job_dir") else None)))
+    if experiment is not None and not any(_is_store(s) for s in sources):
+        rows.extend(_store_rows(tracking_uri, experiment, skipped, unfinished))
+    runs = []
+    for r, uri in rows:
+        name = str(r.get("job") or r["mlflow_run_id"])
+        keys = signals.PREFIXES + ((record.LOSS,) if r["observed"] == "unfinished" else ())
+        hist = store.history(store.client_for(uri), r["mlflow_run_id"], keys)
+        if r["observed"] == "unfinished" and (div := _replayed_divergence(hist, r)) is not None:
+            skipped.append(f"{name}: unfinished, and its loss diverged at step {div} by its detector: no verdict")
+            continue
+        start = int(r.get("fork_step") or 0)
+        last = max((s for s, _ in hist.get(record.LOSS) or []), default=None)
+        if last is None and r.get("steps_done"):
+            last = int(r["steps_done"]) - 1
+        runs.append(Run(name, r["observed"], start, r.get("divergence_step"),
+                        signals.series(hist, start, growth_window), r["mlflow_run_id"], last))
+    return runs, skipped
+
+
+# ---------------------------------------------------------------------------------------------- output
+def _fmt(x, nd=4):
+    return "-" if x is None else (f"{x:.{nd}g}" if isinstance(x, float) else str(x))
+
+
+def markdown(rows: Sequence[Row], runs: Sequence[Run], chosen: Optional[Row], skipped: Sequence[str],
+             growth_window: int) -> str:
+    n_div = sum(r.observed == "diverged" for r in runs)
+    n_open = sum(r.observed == "unfinished" for r in runs)
+    opened = f", {n_open} unfinished" if n_open else ""
+    lines = ["# Early warning: signals as predictors of divergence", "",
+             f"{len(runs)} runs ({n_div} diverged, {len(runs) - n_div - n_open} stable{opened}); wq_growth over "
+             f"{growth_window} steps. An alarm fires at the first logged step strictly past the threshold (entropy: "
+             "below); a diverged run is judged before its divergence step, a fork from its fork step.", ""]
+    if n_open:
+        lines += ["Unfinished runs ended without a verdict and had not diverged by their last logged step. An alarm "
+                  "on one is neither a hit nor a false alarm (it may diverge later); the last column says on how "
+                  "many of them the rule alarmed and the fewest steps one went on without diverging after its "
+                  "alarm. They take no part in choosing the rule.", ""]
+    if chosen is None:
+        lines += ["**Chosen rule:** none (no diverged run carries any signal).", ""]
+    else:
+        lines += [f"**Chosen rule** (fewest misses, then fewest false alarms, then longest mean lead, among signals "
+                  f"present in every run): `{chosen.signal}` {chosen.direction} {chosen.threshold:.6g}: mean lead "
+                  f"{_fmt(chosen.mean_lead)} steps, {chosen.false_alarms} false alarms of {chosen.stable} stable "
+                  f"runs, {chosen.misses} misses of {chosen.diverged} diverged runs.", "",
+                  f"`monitor.alarm.enabled=true monitor.alarm.signal={chosen.signal} "
+                  f"monitor.alarm.threshold={chosen.threshold:.6g}`", ""]
+    head = "| signal | threshold | runs with it | mean lead (steps) | false alarms | misses |"
+    lines += [head + (" alarms on unfinished (min steps on after) |" if n_open else ""),
+              "|---|---|---|---|---|---|" + ("---|" if n_open else "")]
+    for r in rows:
+        mark = " **(chosen)**" if r is chosen else ""
+        cell = ""
+        if n_open:
+            after = min(r.unfinished_alarms.values()) if r.unfinished_alarms else None
+            cell = f" {len(r.unfinished_alarms)}/{r.unfinished}" + (f" ({after})" if after is not None else "") + " |"
+        lines.append(f"| {r.signal}{mark} | {'>' if r.direction == ABOVE else '<'} {r.threshold:.6g} | "
+                     f"{r.runs_present} | {_fmt(r.mean_lead)} | {r.false_alarms}/{r.stable} | "
+                     f"{r.misses}/{r.diverged} |" + cell)
+    absent = {s: [r.name for r in runs if not r.series.get(s)] for s in SIGNALS}
+    lines += ["", "## Signals absent from runs", ""]
+    lines += [f"- {s}: absent in {len(a)} of {len(runs)} runs" + (f" ({', '.join(a)})" if len(a) <= 8 else "")
+              for s, a in absent.items() if a] or ["- none"]
+    lines += ["", "## Runs", "", "| run | verdict | divergence step | judged from step | last logged step |",
+              "|---|---|---|---|---|"]
+    lines += [f"| {r.name} | {r.observed} | {_fmt(r.divergence_step)} | {r.start} | {_fmt(r.last_step)} |"
+              for r in runs]
+    if skipped:
+        lines += ["", "## Left out", ""] + [f"- {s}" for s in skipped]
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: Sequence[Row], chosen: Optional[Row], path: Path) -> Optional[Path]:
+    """Mean lead time vs false alarms, one line per signal over its thresholds; hollow markers: rules with misses."""
+    from flash_forensics.orchestrator.report.plots import _save, palette, plt
+    sigs = [s for s in SIGNALS if any(r.signal == s and r.mean_lead is not None for r in rows)]
+    if not sigs:
+        return None
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    for sig, color in zip(sigs, palette(len(sigs))):
+        pts = sorted((r.false_alarms, r.mean_lead, r.misses) for r in rows
+                     if r.signal == sig and r.mean_lead is not None)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "-", color=color, alpha=0.6, label=sig)
+        for fa, lead, miss in pts:
+            ax.plot(fa, lead, "o", color=color, mfc=color if miss == 0 else "none")
+    if chosen is not None and chosen.mean_lead is not None:
+        ax.plot(chosen.false_alarms, chosen.mean_lead, "*", ms=16, color="black",
+                label=f"chosen: {chosen.signal} {'>' if chosen.direction == ABOVE else '<'} {chosen.threshold:.4g}")
+    ax.set_xlabel("false alarms (stable runs that alarm)")
+    ax.set_ylabel("mean lead time before divergence (steps)")
+    ax.set_title("Early warning: lead time vs false alarms per signal\n(filled: no misses; hollow: misses)")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8)
+    return _save(fig, path)
+
+
+def write(out: Path, runs: Sequence[Run], rows: Sequence[Row], chosen: Optional[Row], skipped: Sequence[str],
+          growth_window: int) -> Dict[str, Path]:
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    doc = {"rule": "fewest misses, then fewest false alarms, then longest mean lead, then lowest threshold; among "
+                   "signals present in every run",
+           "growth_window": growth_window, "chosen": asdict(chosen) if chosen else None,
+           "rows": [asdict(r) for r in rows], "skipped": list(skipped),
+           "runs": [{"name": r.name, "observed": r.observed, "divergence_step": r.divergence_step, "start": r.start,
+                     "last_step": r.last_step, "mlflow_run_id": r.run_id, "signals": sorted(r.series)}
+                    for r in runs]}
+    paths = {"md": out / "early_warning.md", "json": out / "early_warning.json"}
+    paths["md"].write_text(markdown(rows, runs, chosen, skipped, growth_window))
+    paths["json"].write_text(record.dumps(doc))
+    png = plot(rows, chosen, out / "early_warning.png")
+    if png:
+        paths["png"] = png
+    return paths
+
+
+def _extra(specs: Sequence[str]) -> Dict[str, List[float]]:
+    out: Dict[str, List[float]] = {}
+    for spec in specs:
+        sig, _, vals = spec.partition("=")
+        if sig not in SIGNALS or not vals:
+            raise SystemExit(f"--thresholds {spec!r} is not allowed: expected SIGNAL=a,b,... with SIGNAL one of "
+                             f"{', '.join(SIGNALS)}")
+        out.setdefault(sig, []).extend(float(v) for v in vals.split(","))
+    return out
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m flash_forensics.orchestrator.analysis.early_warning", description=__doc__.split("\n")[0])
+    ap.add_argument("sources", nargs="*", help="sweep or job folders, a report's verdicts.json, or MLflow store "
+                    "URIs (sqlite:///...: every job run in it, or of --experiment)")
+    ap.add_argument("--tracking-uri", default=None, help="MLflow store (default: each job's own)")
+    ap.add_argument("--experiment", default=None, help="read every run of this MLflow experiment")
+    ap.add_argument("--out", default="results/early_warning", help="folder for early_warning.{md,json,png}")
+    ap.add_argument("--growth-window", type=int, default=100, help="steps of wq_growth's d ln sigma / d step")
+    ap.add_argument("--thresholds", action="append", default=[], help="SIGNAL=a,b,...: extra thresholds")
+    ap.add_argument("--include-unfinished", action="store_true", help="judge runs without a verdict whose loss "
+                    "did not diverge as 'unfinished': alarms on them are listed apart, not counted as false alarms")
+    a = ap.parse_args(argv)
+    if not a.sources and a.experiment is None:
+        ap.error("give report dirs or --experiment (with --tracking-uri)")
+    if a.growth_window <= 0:
+        ap.error(f"--growth-window={a.growth_window} is not allowed: expected an integer > 0")
+    runs, skipped = load(a.sources, a.tracking_uri, a.experiment, a.growth_window, a.include_unfinished)
+    rows = table(runs, _extra(a.thresholds))
+    chosen = choose(rows, len(runs))
+    paths = write(Path(a.out), runs, rows, chosen, skipped, a.growth_window)
+    print(paths["md"].read_text())
+    print("written: " + ", ".join(str(p) for p in paths.values()))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,292 @@
+"""The paper's isolation method end to end, one entry point (issue 7; issue 11 item 5):
+
+    python -m flash_forensics.orchestrator.analysis.isolate [--root DIR] [--out DIR] [--fork-steps N] [--margin N] [--per-gpu N]
+                                   [--stop-after N] [--uri URI] [hydra overrides for every run, e.g. train.seed=2 data.seed=2]
+
+1. baseline: the BF16 flash baseline (experiment=mini_repro), batch order recorded, every checkpoint kept, no early
+   stop (the forks replay its recorded batches, so it records as many steps as they may need), or with
+   --stop-after N an early stop N steps after its divergence;
+2. checkpoint: the newest one at or before its lowest loss preceding the divergence (fork.pick_step at_min), the
+   last point where training was still at its best;
+3. localization: the layer and heads its own W_Q growth and repeated maxima point at (flash_forensics.orchestrator.analysis.localize);
+4. forks: every job of the sweep files (paper_isolation, beta_sweep) from that checkpoint on the same batches to the
+   baseline's last step (or --fork-steps steps), each its own run, --per-gpu at a time on each visible GPU (default
+   GPU memory / 16 GiB: one mini_repro fork holds ~12.5 GiB; one at a time without a GPU);
+5. report: one table over the baseline and the forks, <out>/verdicts.{md,json} + plots + localize.{json,png},
+   logged to a parent MLflow run (role=sweep) with the counts as its metrics; when the sweeps include
+   rounding_points, the third localization stage (orchestrator/analysis/localize/rounding.py) names the rounding point the
+   divergence needs in BF16: <out>/rounding.{json,png}, a Cause section in verdicts.md, ff.cause.* tags on the
+   baseline runs and the parent run.
+
+State passes between the steps as Python objects (the run record, the picked step, the Localization). Each run is
+its own `python run.py` process (its own GPU, its own failure: a fork that fails is the report's to show). The
+report goes to <root>/report by default, never over the committed reproduction in results/paper_isolation/ unless
+--out names it. scripts/paper_isolation.sh is a thin wrapper.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import os
+import queue
+import shlex
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from flash_forensics.orchestrator.job import fork
+from flash_forensics.orchestrator import record
+
+REPO = Path(__file__).resolve().parents[1]
+EXPERIMENT = "paper_isolation"  # the MLflow experiment the pipeline's runs log to
+FORK_MEMORY = 2 ** 34  # 16 GiB per fork slot (a mini_repro fork holds ~12.5 GiB)
+
+
+class PipelineError(RuntimeError):
+    """A step the rest depends on failed (baseline, checkpoint pick, localization): the message says which."""
+
+
+@dataclass
+class Plan:
+    root: Path
+    out: Path
+    uri: str
+    overrides: List[str] = field(default_factory=list)
+    experiment: str = "mini_repro"
+    sweeps: Tuple[str, ...] = ("paper_isolation", "beta_sweep")
+    localized_sweeps: Tuple[str, ...] = ("paper_isolation",)  # their layer/head interventions take the target
+    fork_steps: int = 0  # 0: to the end of the baseline's recorded batches
+    margin: int = 0  # steps between the picked checkpoint and the lowest-loss step
+    per_gpu: Optional[int] = None
+    stop_after: Optional[int] = None  # the baseline stops this many steps after its divergence (None: no early stop)
+
+
+@dataclass
+class Fork:
+    name: str
+    overrides: List[str]
+    gpu: Optional[str] = None
+    returncode: Optional[int] = None
+    log: Optional[Path] = None
+
+
+class Pipeline:
+    def __init__(self, plan: Plan):
+        self.plan = plan
+        self.t0 = time.monotonic()
+        self.times: Dict[str, float] = {}
+
+    def say(self, msg: str) -> None:
+        print(f"[paper_isolation {int(time.monotonic() - self.t0)}s] {msg}", flush=True)
+
+    def _run_py(self, overrides: Sequence[str], log: Optional[Path] = None, gpu: Optional[str] = None) -> int:
+        p = self.plan
+        cmd = [sys.executable, "run.py", f"experiment={p.experiment}", *overrides, f"tracking.uri={p.uri}",
+               f"tracking.experiment={EXPERIMENT}"]
+        env = dict(os.environ, **({"CUDA_VISIBLE_DEVICES": gpu} if gpu is not None else {}))
+        if log is None:
+            return subprocess.run(cmd, cwd=REPO, env=env).returncode
+        with open(log, "w") as f:
+            return subprocess.run(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
+
+    # ---------------------------------------------------------------------------------------------- steps
+    def baseline(self) -> Tuple[Path, record.RunRecord]:
+        job = self.plan.root / "baseline"
+        self.say(f"1/5 baseline -> {job}")
+        # stop_after: early stop N steps past the divergence, so the forks have batches to replay past it and no
+        # GPU time goes on a run that has already blown up; without it, every batch of max_steps is recorded
+        n = self.plan.stop_after
+        stop = ["train.early_stop=false"] if n is None else ["train.early_stop=true", f"verdict.early_stop_after={n}"]
+        rc = self._run_py(["intervention=baseline", *self.plan.overrides, "train.keep_checkpoints=0", *stop,
+                           f"sweep_name={EXPERIMENT}_runs/baseline", f"hydra.run.dir={job}"])
+        try:
+            rec = record.read(job)
+        except (OSError, ValueError) as e:
+            raise PipelineError(f"the baseline left no readable {record.RESULT_FILE} in {job} (exit {rc}): {e}")
+        if rec.observed == "failed":
+            raise PipelineError(f"the baseline failed (exit {rc}): {rec.error}")
+        return job, rec
+
+    def pick(self, job: Path, rec: record.RunRecord) -> Tuple[int, Path, int]:
+        """(fork step, checkpoint, the forks' last step)."""
+        step, ckpt = fork.pick_step(job, at_min=True, margin=self.plan.margin)
+        fs = self.plan.fork_steps
+        end = step + fs if fs > 0 and step + fs < rec.steps_done else rec.steps_done
+        self.say(f"2/5 fork from {ckpt} (step {step}) to step {end}")
+        return step, ckpt, end
+
+    def localize(self, job: Path):
+        from flash_forensics.orchestrator.analysis.localize import load_history, localize, plot, resolve_source
+        src = resolve_source(str(job), self.plan.uri)
+        history = load_history(src["run_id"], src["tracking_uri"])
+        loc = localize(history, divergence_step=src["divergence_step"])
+        loc.source = src
+        self.plan.out.mkdir(parents=True, exist_ok=True)
+        (self.plan.out / "localize.json").write_text(record.dumps(loc.to_dict()))
+        plot(loc, history, self.plan.out / "localize.png")
+        print(loc.format(), flush=True)
+        self.say(f"3/5 localized: {' '.join(loc.sweep_overrides())} ({loc.target()[2]}; details: "
+                 f"{self.plan.out / 'localize.json'})")
+        return loc
+
+    def slots(self) -> Tuple[List[Optional[str]], int, int]:
+        """(one GPU id per slot, GPUs, forks per GPU): PER_GPU slots on each visible GPU, or PER_GPU on the CPU."""
+        import torch
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        per = self.plan.per_gpu or (max(1, torch.cuda.get_device_properties(0).total_memory // FORK_MEMORY)
+                                    if n else 1)
+        if not n:
+            return [None] * per, 0, per
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        ids = [v.strip() for v in visible.split(",")][:n] if visible else [str(i) for i in range(n)]
+        return [g for _ in range(per) for g in ids], n, per  # interleaved: the first n jobs take distinct GPUs
+
+    def forks(self, ckpt: Path, end: int, loc_overrides: Sequence[str]) -> List[Fork]:
+        p = self.plan
+        jobs = [Fork(name, ov + (list(loc_overrides) if name.rsplit("-", 1)[0] in p.localized_sweeps else []))
+                for name, ov in fork.sweep_file_jobs(p.sweeps)]
+        slots, n_gpu, per = self.slots()
+        forks_dir = p.root / "forks"
+        forks_dir.mkdir(parents=True, exist_ok=True)
+        self.say(f"4/5 {len(jobs)} forks, {len(slots)} at a time ({n_gpu} GPU(s) x {per}); logs: "
+                 f"{forks_dir}/<job>.log")
+        free: "queue.Queue[Optional[str]]" = queue.Queue()
+        for g in slots:
+            free.put(g)
+
+        def go(job: Fork) -> Fork:
+            job.gpu = free.get()  # a free slot, on the GPU it belongs to
+            try:
+                job.log = forks_dir / f"{job.name}.log"
+                job.returncode = self._run_py(
+                    [*job.overrides, *p.overrides, f"from_checkpoint={ckpt}", f"train.max_steps={end}",
+                     "train.ckpt_every=0", f"sweep_name={EXPERIMENT}_runs/{job.name}",
+                     f"hydra.run.dir={forks_dir / job.name}"], log=job.log, gpu=job.gpu)
+            finally:
+                free.put(job.gpu)
+            self.say(f"  {job.name} done" if job.returncode == 0 else
+                     f"  {job.name} FAILED (exit {job.returncode}): {job.log}")
+            return job
+
+        with ThreadPoolExecutor(max_workers=len(slots)) as pool:
+            return list(pool.map(go, jobs))
+
+    def report(self, baseline: Path, step: int, ckpt: Path, loc) -> Dict[str, Path]:
+        from flash_forensics.orchestrator.report.sweep import log_sweep_metrics, write_report
+        from flash_forensics.orchestrator.report.rows import rows_from_dirs
+        p = self.plan
+        self.say(f"5/5 report -> {p.out}")
+        rows = rows_from_dirs([baseline, p.root / "forks"])
+        result, cause = self.rounding(rows, loc)
+        parent = self._parent_run()
+        meta = {"command": "python -m flash_forensics.orchestrator.analysis.isolate " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+                "fork_checkpoint": str(ckpt), "fork_step": str(step), "localized": " ".join(loc.sweep_overrides()),
+                "wall_s": int(time.monotonic() - self.t0), **{f"{k}_s": round(v) for k, v in self.times.items()},
+                "experiment_id": parent[0] if parent else None}
+        paths = write_report(rows, p.out, p.uri, meta=meta, sweep=EXPERIMENT,
+                             parent_run_id=parent[1] if parent else None, cause=cause)
+        if result is not None:
+            self.tag_cause(result, parent[1] if parent else None)
+        if parent:
+            from flash_forensics.orchestrator.report.readback import client_for, retry
+            client = client_for(p.uri)
+            log_sweep_metrics(p.uri, parent[1], rows)
+            for name in ("localize.json", "localize.png"):
+                if (p.out / name).is_file():
+                    retry(client.log_artifact, parent[1], str(p.out / name), "report")
+            retry(client.set_terminated, parent[1])
+        return paths
+
+    def rounding(self, rows, loc):
+        """(RoundingResult, the report's Cause) when the sweeps include rounding_points, else (None, None)."""
+        from flash_forensics.orchestrator.analysis.localize import rounding, rounding_io
+        if rounding.SWEEP not in self.plan.sweeps:
+            return None, None
+        result = rounding.analyze(rows, loc.to_dict() if loc is not None else None, str(self.plan.root))
+        files = rounding_io.write(result, self.plan.out)
+        print(result.format(), flush=True)
+        self.say(f"cause: {result.verdict()} (details: {files['json']})")
+        return result, rounding_io.cause(result, files)
+
+    def tag_cause(self, result, parent_run_id: Optional[str]) -> None:
+        """ff.cause.* on the baseline runs and the parent run; a store that fails is said, the files stand."""
+        from flash_forensics.orchestrator.analysis.localize import rounding_io
+        try:
+            rounding_io.tag_runs(self.plan.uri, rounding_io.baseline_run_ids(result)
+                                 + ([parent_run_id] if parent_run_id else []), rounding_io.tags(result))
+        except Exception as e:
+            print(f"[paper_isolation] ff.cause.* tags not set in {self.plan.uri}: {type(e).__name__}: {e}",
+                  flush=True)
+
+    def _parent_run(self) -> Optional[Tuple[str, str]]:
+        """(experiment id, run id) of the pipeline's parent run (role=sweep: holds the table, no training)."""
+        try:
+            from flash_forensics.orchestrator.report.readback import client_for, retry
+            from flash_forensics.orchestrator.tracking.tracker import get_or_create_experiment, git_info
+            client = client_for(self.plan.uri)
+            exp = get_or_create_experiment(client, EXPERIMENT, self.plan.uri)
+            run = retry(client.create_run, exp, run_name=f"{EXPERIMENT}@{self.plan.root.name}",
+                        tags={**git_info(), "role": "sweep", "sweep": EXPERIMENT, "sweep_dir": str(self.plan.root)})
+            return exp, run.info.run_id
+        except Exception as e:  # the table on disk is still worth writing
+            print(f"[paper_isolation] no MLflow parent run: {type(e).__name__}: {e}")
+            return None
+
+    def _timed(self, name: str, fn, *args):
+        t = time.monotonic()
+        try:
+            return fn(*args)
+        finally:
+            self.times[name] = time.monotonic() - t
+
+    def run(self) -> Dict[str, Path]:
+        job, rec = self._timed("baseline", self.baseline)
+        step, ckpt, end = self._timed("pick", self.pick, job, rec)
+        loc = self._timed("localize", self.localize, job)
+        self._timed("forks", self.forks, ckpt, end, loc.sweep_overrides())
+        paths = self._timed("report", self.report, job, step, ckpt, loc)
+        self.say(f"done: the full table in {int(time.monotonic() - self.t0)} s")
+        return paths
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m flash_forensics.orchestrator.analysis.isolate", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("overrides", nargs="*", help="Hydra overrides for every run (baseline and forks)")
+    ap.add_argument("--root", type=Path, default=None,
+                    help="run folder (default results/runs/paper_isolation/<date>)")
+    ap.add_argument("--out", type=Path, default=None, help="report folder (default <root>/report)")
+    ap.add_argument("--uri", default=None, help="MLflow store (default sqlite:///<repo>/results/mlflow.db)")
+    ap.add_argument("--experiment", default="mini_repro", help="the experiment preset of every run")
+    ap.add_argument("--sweeps", nargs="+", default=["paper_isolation", "beta_sweep"], help="sweep files to fork")
+    ap.add_argument("--fork-steps", type=int, default=0, help="steps per fork (0: to the baseline's end)")
+    ap.add_argument("--margin", type=int, default=0, help="steps before the lowest-loss step for the checkpoint")
+    ap.add_argument("--per-gpu", type=int, default=None, help="forks at once per GPU (default GPU memory / 16 GiB)")
+    ap.add_argument("--stop-after", type=int, default=None,
+                    help="stop the baseline N steps after its divergence (default: run to train.max_steps)")
+    a = ap.parse_args(argv)
+    for key in ("fork_steps", "margin") + (("stop_after",) if a.stop_after is not None else ()):
+        if getattr(a, key) < 0:
+            ap.error(f"--{key.replace('_', '-')}={getattr(a, key)} is not allowed: expected an integer >= 0")
+    if a.per_gpu is not None and a.per_gpu < 1:
+        ap.error(f"--per-gpu={a.per_gpu} is not allowed: expected an integer >= 1")
+    from flash_forensics.orchestrator.tracking.tracker import default_tracking_uri
+    root = (a.root or REPO / "results" / "runs" / EXPERIMENT / _dt.datetime.now().strftime("%Y-%m-%d_%H-%M-%S"))
+    root = root.resolve()
+    plan = Plan(root=root, out=(a.out or root / record.REPORT_DIR).resolve(), uri=a.uri or default_tracking_uri(),
+                overrides=list(a.overrides), experiment=a.experiment, sweeps=tuple(a.sweeps),
+                fork_steps=a.fork_steps, margin=a.margin, per_gpu=a.per_gpu, stop_after=a.stop_after)
+    try:
+        Pipeline(plan).run()
+    except (PipelineError, ValueError) as e:  # ForkError is a ValueError: no checkpoint to fork from, ...
+        print(f"[paper_isolation] stopped: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

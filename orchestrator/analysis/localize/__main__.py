@@ -1,0 +1,5 @@
+import sys
+
+from flash_forensics.orchestrator.analysis.localize.cli import main
+
+sys.exit(main())

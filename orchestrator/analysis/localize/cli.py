@@ -1,0 +1,73 @@
+"""`python -m flash_forensics.orchestrator.analysis.localize SOURCE [--out loc.json] [--plot] [--sweep-overrides]`: the report on the terminal,
+the localization as JSON and a PNG (usage: orchestrator/analysis/localize/algorithm.py).
+`python -m flash_forensics.orchestrator.analysis.localize rounding REPORT_DIR ...`: the rounding-point stage (localize/rounding_io.py).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+from flash_forensics.orchestrator import record
+from flash_forensics.orchestrator.analysis.localize import algorithm
+from flash_forensics.orchestrator.analysis.localize.algorithm import localize
+from flash_forensics.orchestrator.analysis.localize.plot import plot
+from flash_forensics.orchestrator.analysis.localize.source import load_history, resolve_source
+from flash_forensics.orchestrator.analysis.localize.stats import LocalizeConfig
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["rounding"]:
+        from flash_forensics.orchestrator.analysis.localize import rounding_io
+        return rounding_io.main(argv[1:])
+    d = LocalizeConfig()
+    p = argparse.ArgumentParser(prog="python -m flash_forensics.orchestrator.analysis.localize", description=algorithm.__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("source", help="a baseline job dir (result.json), a sweep dir, or an MLflow run id")
+    p.add_argument("--tracking-uri", help="MLflow store (default: the job's own, else results/mlflow.db)")
+    p.add_argument("--job", help="in a sweep dir: the job folder to read (default: the baseline)")
+    p.add_argument("--divergence-step", type=int, help="end of the window (default: from result.json / run tag)")
+    p.add_argument("--window", type=int, help="window length in steps before the end (default: --samples)")
+    p.add_argument("--samples", type=int, default=d.samples, help="W_Q samples in the default window")
+    p.add_argument("--rate-threshold", type=float, help="fixed growth rate (ln sigma per step) for 'first fast'")
+    p.add_argument("--margin", type=float, default=d.margin, help="factor by which the layer must stand out")
+    p.add_argument("--tie-tol", type=float, default=d.tie_tol, help="relative W_Q growth within which layers tie")
+    p.add_argument("--min-growth", type=float, default=d.min_growth, help="W_Q growth below which data is flat")
+    p.add_argument("--head-metric", choices=("sigma_end", "growth"), default=d.head_metric)
+    p.add_argument("--k-head", type=float, default=d.k_head, help="robust SDs that make a head an outlier")
+    p.add_argument("--out", type=Path, help="write the localization as JSON here")
+    p.add_argument("--plot", type=Path, nargs="?", const=True,
+                   help="write a PNG (default: beside --out, else localize.png)")
+    p.add_argument("--sweep-overrides", action="store_true",
+                   help="print only the overrides that point an isolation sweep at the target layer/heads on stdout "
+                        "(the report goes to stderr), for scripts")
+    a = p.parse_args(argv)
+    try:
+        src = resolve_source(a.source, a.tracking_uri, a.job)
+        history = load_history(src["run_id"], src["tracking_uri"])
+        div = a.divergence_step if a.divergence_step is not None else src["divergence_step"]
+        loc = localize(history, window=a.window, divergence_step=div, samples=a.samples,
+                       rate_threshold=a.rate_threshold, margin=a.margin, tie_tol=a.tie_tol,
+                       min_growth=a.min_growth, head_metric=a.head_metric, k_head=a.k_head)
+    except (ValueError, OSError) as e:
+        print(f"localize: {e}", file=sys.stderr)
+        return 2
+    loc.source = src
+    say = (lambda *m: print(*m, file=sys.stderr)) if a.sweep_overrides else print
+    say(f"run {src['run_id']}" + (f" ({src['intervention']})" if src.get("intervention") else "")
+        + (f", job {src['job_dir']}" if src.get("job_dir") else ""))
+    say(loc.format())
+    layer, heads, why = loc.target()
+    say(f"\nsweep target: layer {layer}, heads {heads} ({why})")
+    if a.out:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(record.dumps(loc.to_dict()))
+        say(f"\nwrote {a.out}")
+    if a.plot:
+        png = a.plot if a.plot is not True else (a.out.with_suffix(".png") if a.out else Path("localize.png"))
+        say(f"wrote {plot(loc, history, png)}")
+    if a.sweep_overrides:
+        print(" ".join(loc.sweep_overrides()))
+    return 0

@@ -1,0 +1,67 @@
+"""Where localization's input comes from: a baseline job dir (its run record), a sweep dir (its baseline job) or
+an MLflow run id; its metric histories through the one loader (orchestrator/report/readback.py)."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Dict, Optional
+
+from flash_forensics.orchestrator import record
+from flash_forensics.orchestrator.analysis.localize.algorithm import PREFIXES, History
+
+
+def load_history(run_id: str, tracking_uri: Optional[str] = None, prefixes=PREFIXES) -> History:
+    """{metric: [(step, value)]} of an MLflow run, for the metrics localization reads."""
+    from flash_forensics.orchestrator.report import readback as store
+    return store.history(store.client_for(tracking_uri), run_id, prefixes, progress="localize: metric histories")
+
+
+def _job_uri(job_dir: Path) -> Optional[str]:
+    """The tracking uri a job used: its Hydra config, else the sweep's mlflow_parent.json."""
+    cfg = job_dir / ".hydra" / "config.yaml"
+    if cfg.is_file():
+        try:
+            import yaml
+            uri = ((yaml.safe_load(cfg.read_text()) or {}).get("tracking") or {}).get("uri")
+            if uri:
+                return str(uri)
+        except Exception:
+            pass
+    from flash_forensics.orchestrator.tracking.tracker import find_parent
+    for d in (job_dir, job_dir.parent):
+        parent = find_parent(d)
+        if parent and parent.get("tracking_uri"):
+            return parent["tracking_uri"]
+    return None
+
+
+def resolve_source(source: str, tracking_uri: Optional[str] = None, job: Optional[str] = None) -> Dict:
+    """{run_id, tracking_uri, divergence_step, job_dir} for a run id, a job dir (result.json) or a sweep dir
+    (its baseline job; `job` names another job folder)."""
+    path = Path(source)
+    if path.is_dir():
+        if not record.result_path(path).is_file():
+            from flash_forensics.orchestrator.report.rows import collect_rows
+            rows = [r for r in collect_rows(path) if r.get("mlflow_run_id")]
+            if job is not None:
+                rows = [r for r in rows if r.get("job") == job]
+            else:
+                rows = [r for r in rows if r.get("intervention") == "baseline"] or rows
+                rows.sort(key=lambda r: r.get("observed") != "diverged")  # a diverged baseline first
+            if not rows:
+                raise ValueError(f"{source}: no job with result.json and an MLflow run id"
+                                 + (f" named {job!r}" if job else "") + " (is it a job or sweep dir?)")
+            path = Path(rows[0]["job_dir"])
+        rec = record.read(path)
+        if not rec.mlflow_run_id:
+            raise ValueError(f"{record.result_path(path)}: no mlflow_run_id (the job died before tracking started)")
+        return {"run_id": rec.mlflow_run_id, "tracking_uri": tracking_uri or _job_uri(path),
+                "divergence_step": rec.divergence_step, "job_dir": str(path), "intervention": rec.intervention}
+    if path.exists() or "/" in source:
+        raise ValueError(f"{source}: not a job dir, sweep dir or MLflow run id")
+    from flash_forensics.orchestrator.report import readback as store
+    client = store.client_for(tracking_uri)
+    run = store.retry(client.get_run, source)
+    rec = record.from_mlflow_run(run, store.history(client, run, (record.LOSS,)))
+    return {"run_id": source, "tracking_uri": tracking_uri, "divergence_step": rec.divergence_step, "job_dir": None,
+            "intervention": rec.intervention}
+

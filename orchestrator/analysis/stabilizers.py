@@ -1,0 +1,234 @@
+"""The stabilizers table (issue 17): each stabilizer's outcome from report folders of forks (and of from-scratch
+runs) beside its throughput cost from benchmarks/stabilizers.py.
+
+    python -m flash_forensics.orchestrator.analysis.stabilizers --reports <forks report> [<scratch report> ...] \\
+        --bench results/bench/stabilizers-h200.json --name stabilizers [--results results]
+
+writes <results>/<name>/stabilizers.md, stabilizers.json and stabilizers.png. Per run row (verdicts.json `runs`):
+- stable or not (the run record's verdict), from which step (its fork step, or 0);
+- steps gained: its divergence step minus its report's baseline's; a stable run gained at least (its last step -
+  the baseline's divergence step), written ">= N"; none when its baseline did not diverge;
+- final and validation loss, and their difference to the fp32 row (of the same report, else of any report);
+- throughput cost per benchmark shape: 1 - tokens/s over the baseline's tokens/s (measured; "not measured" when the
+  benchmark has no row for it, never a guess), with the route its layers took there;
+- needs a model change: its intervention file's model patch sets a parameter-deciding field (fork.MODEL_KEYS), so it
+  cannot fork from a baseline checkpoint.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+from flash_forensics.orchestrator import record
+
+REPO = Path(__file__).resolve().parents[1]
+BASELINE, REFERENCE = "baseline", "fp32"
+
+
+def _finite(x) -> Optional[float]:
+    x = record.decode_float(x) if x is not None else None
+    return x if isinstance(x, (int, float)) and math.isfinite(x) else None
+
+
+def needs_model_change(intervention: str) -> Optional[bool]:
+    """Whether the intervention's model patch changes the parameters (None: no such intervention file)."""
+    from flash_forensics.orchestrator import interventions
+    from flash_forensics.orchestrator.job.fork import MODEL_KEYS
+    if intervention not in interventions.names():
+        return None
+    return bool(set(interventions.load(intervention).model.set_fields()) & set(MODEL_KEYS))
+
+
+def _val_loss(row: Dict[str, Any]) -> Optional[float]:
+    if "val_loss" in row:
+        return _finite(row["val_loss"])
+    job_dir = row.get("job_dir")
+    if job_dir and record.result_path(Path(job_dir)).is_file():
+        try:
+            return _finite(record.read(Path(job_dir)).val_loss)
+        except (OSError, ValueError):
+            return None
+    return None
+
+
+def _gained(row, base) -> Dict[str, Any]:
+    b = base.get("divergence_step") if base else None
+    if row.get("observed") == "failed" or b is None:
+        return {"steps_gained": None, "steps_gained_at_least": False}
+    if row.get("divergence_step") is not None:
+        return {"steps_gained": int(row["divergence_step"]) - int(b), "steps_gained_at_least": False}
+    return {"steps_gained": int(row.get("steps_done") or 0) - int(b), "steps_gained_at_least": True}
+
+
+def load_bench(path: Optional[Path]) -> Dict[str, Any]:
+    if path is None:
+        return {}
+    doc = json.loads(Path(path).read_text())
+    if "rows" not in doc:
+        raise ValueError(f"--bench={str(path)!r} is not allowed: expected a benchmarks/stabilizers.py JSON (key rows)")
+    return doc
+
+
+def table_rows(reports: Sequence[Dict[str, Any]], bench: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """One row per run of every report (a report: {"path", "runs"}), in report order."""
+    all_runs = [r for rep in reports for r in rep["runs"]]
+    ref_any = next((r for r in all_runs if r.get("intervention") == REFERENCE), None)
+    brows = [r for r in bench.get("rows", []) if "error" not in r]
+    shapes = list(dict.fromkeys(r["shape"] for r in bench.get("rows", [])))
+    out = []
+    for rep in reports:
+        runs = rep["runs"]
+        base = next((r for r in runs if r.get("intervention") == BASELINE and r.get("fork_step") is None), None) or \
+            next((r for r in runs if r.get("intervention") == BASELINE), None)
+        ref = next((r for r in runs if r.get("intervention") == REFERENCE), None) or ref_any
+        ref_final, ref_val = (_finite(ref.get("final_loss")), _val_loss(ref)) if ref else (None, None)
+        for run in runs:
+            name = run.get("intervention")
+            final, val = _finite(run.get("final_loss")), _val_loss(run)
+            row = dict(report=str(rep["path"]), job=run.get("job"), intervention=name, observed=run.get("observed"),
+                       stable=run.get("observed") == "stable", from_step=run.get("fork_step") or 0,
+                       divergence_step=run.get("divergence_step"), steps_done=run.get("steps_done"),
+                       **_gained(run, base), final_loss=final, val_loss=val,
+                       final_vs_fp32=None if final is None or ref_final is None else final - ref_final,
+                       val_vs_fp32=None if val is None or ref_val is None else val - ref_val,
+                       needs_model_change=needs_model_change(name), cost={}, route={}, error=run.get("error"))
+            for shape in shapes:
+                b = next((r for r in brows if r["shape"] == shape and r["variant"] == BASELINE), None)
+                mine = next((r for r in brows if r["shape"] == shape and r["variant"] == name), None)
+                ok = b and mine and b.get("tokens_per_s") and mine.get("tokens_per_s")
+                row["cost"][shape] = 1 - mine["tokens_per_s"] / b["tokens_per_s"] if ok else None
+                row["route"][shape] = mine.get("route_set") if mine else None
+            out.append(row)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ writing
+def _f(x, fmt="{:.3f}", signed=False) -> str:
+    if x is None:
+        return "-"
+    return ("{:+.3f}" if signed else fmt).format(x)
+
+
+def _gain_text(r) -> str:
+    if r["steps_gained"] is None:
+        return "-"
+    return (">= " if r["steps_gained_at_least"] else "") + f"{r['steps_gained']:+d}"
+
+
+def markdown(rows: List[Dict[str, Any]], bench: Dict[str, Any], shapes: Sequence[str]) -> str:
+    head = ["intervention", "from step", "verdict", "diverged at", "steps gained", "final loss", "vs fp32",
+            "val loss", "vs fp32", *[f"cost {s}" for s in shapes], "needs model change"]
+    lines = ["# Stabilizers side by side", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [str(r["intervention"]), str(r["from_step"]), str(r["observed"]),
+                 "-" if r["divergence_step"] is None else str(r["divergence_step"]), _gain_text(r),
+                 _f(r["final_loss"]), _f(r["final_vs_fp32"], signed=True), _f(r["val_loss"]),
+                 _f(r["val_vs_fp32"], signed=True),
+                 *[("not measured" if r["cost"].get(s) is None else f"{100 * r['cost'][s]:+.1f}%") for s in shapes],
+                 {True: "yes", False: "no", None: "?"}[r["needs_model_change"]]]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "- steps gained: divergence step minus the report's baseline's; `>= N`: stable to its last step.",
+              "- cost: 1 - training tokens/s over the baseline's, per benchmark shape (positive: slower)."]
+    if bench:
+        lines.append(f"- throughput: `{bench.get('command')}` on {bench.get('gpu')} (torch {bench.get('torch')}, "
+                     f"triton {bench.get('triton')}, {bench.get('time')}).")
+        routes = {(r["intervention"], s): r["route"].get(s) for r in rows for s in shapes if r["route"].get(s)}
+        if routes:
+            lines += ["", "Routes in the benchmark (per shape):", ""]
+            lines += [f"- {iv} @ {s}: {', '.join(v)}" for (iv, s), v in routes.items()]
+        lines += [f"- benchmark {r['variant']} @ {r['shape']} failed (not measured): {r['error']}"
+                  for r in bench.get("rows", []) if "error" in r]
+    else:
+        lines.append("- throughput: no benchmark given (--bench): not measured.")
+    failed = [r for r in rows if r["observed"] == "failed"]
+    lines += [f"- {r['intervention']} ({r['job']}) failed: {r['error']}" for r in failed]
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: List[Dict[str, Any]], shapes: Sequence[str], path: Path) -> Optional[Path]:
+    """Left: steps gained per run (hatched: stable, a lower bound); right: tokens/s relative to the baseline."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from flash_forensics.orchestrator.report.plots import palette
+
+    runs = [r for r in rows if r["intervention"] != BASELINE]
+    if not runs:
+        return None
+    labels = [f"{r['intervention']} (from {r['from_step']})" for r in runs]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(13, 0.45 * len(runs) + 2), sharey=True)
+    y = list(range(len(runs)))
+    gains = [r["steps_gained"] or 0 for r in runs]
+    colors = ["tab:green" if r["stable"] else "tab:red" if r["observed"] == "diverged" else "tab:gray" for r in runs]
+    bars = a.barh(y, gains, color=colors)
+    for bar, r in zip(bars, runs):
+        if r["steps_gained_at_least"]:
+            bar.set_hatch("//")
+    a.axvline(0, color="black", lw=0.8)
+    a.set_yticks(y, labels)
+    a.invert_yaxis()
+    a.set_xlabel("steps gained over the baseline's divergence (hatched: stable, at least)")
+    width = 0.8 / max(1, len(shapes))
+    for i, (s, c) in enumerate(zip(shapes, palette(len(shapes)))):
+        vals = [1 - r["cost"][s] if r["cost"].get(s) is not None else 0 for r in runs]
+        b.barh([v + (i - (len(shapes) - 1) / 2) * width for v in y], vals, height=width, color=c, label=s)
+    b.axvline(1, color="black", lw=0.8)
+    b.set_xlabel("training tokens/s relative to the baseline (0: not measured)")
+    if shapes:
+        b.legend(loc="lower right")
+    fig.suptitle("Stabilizers: steps gained and throughput")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write(report_dirs: Sequence[Path], bench_path: Optional[Path], name: str,
+          results: Path = REPO / "results") -> Dict[str, Path]:
+    reports = []
+    for d in report_dirs:
+        f = Path(d) / "verdicts.json"
+        if not f.is_file():
+            raise ValueError(f"--reports {str(d)!r} is not allowed: expected a report folder with verdicts.json")
+        reports.append({"path": Path(d), "runs": json.loads(f.read_text())["runs"]})
+    bench = load_bench(bench_path)
+    shapes = list(dict.fromkeys(r["shape"] for r in bench.get("rows", [])))
+    rows = table_rows(reports, bench)
+    out = Path(results) / name
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"md": out / "stabilizers.md", "json": out / "stabilizers.json"}
+    paths["md"].write_text(markdown(rows, bench, shapes))
+    meta = {"reports": [str(d) for d in report_dirs], "bench": str(bench_path) if bench_path else None,
+            "bench_command": bench.get("command"), "gpu": bench.get("gpu"), "shapes": shapes}
+    paths["json"].write_text(record.dumps({"meta": meta, "rows": rows}))
+    png = plot(rows, shapes, out / "stabilizers.png")
+    if png:
+        paths["png"] = png
+    return paths
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m flash_forensics.orchestrator.analysis.stabilizers", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--reports", nargs="+", type=Path, required=True, help="report folders (verdicts.json)")
+    ap.add_argument("--bench", type=Path, default=None, help="benchmarks/stabilizers.py JSON")
+    ap.add_argument("--name", default="stabilizers", help="the folder under --results")
+    ap.add_argument("--results", type=Path, default=REPO / "results")
+    a = ap.parse_args(argv)
+    try:
+        paths = write(a.reports, a.bench, a.name, a.results)
+    except (OSError, ValueError) as e:
+        print(f"[stabilizers] {e}", file=sys.stderr)
+        return 1
+    for p in paths.values():
+        print(f"wrote {p}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

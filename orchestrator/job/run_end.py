@@ -1,0 +1,125 @@
+"""The end of a job's run: the verdict into the result, MLflow tags and artifacts, and the crash path (record what
+is known, a crash checkpoint when the weights are sane, the MLflow run closed as FAILED)."""
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from flash_forensics.orchestrator import record
+
+
+def new_result(iv, overrides, job_dir=None, verdict=None) -> dict:
+    """The result dict (the run record's fields, orchestrator/record.py; job.write_result types it) before anything
+    ran: observed 'failed' until the run says otherwise; the detector's inputs recorded with it."""
+    return record.RunRecord(
+        intervention=iv.name, overrides=list(overrides), expected=iv.expect,
+        job_dir=str(job_dir) if job_dir is not None else None,
+        verdict_margin=verdict.margin if verdict is not None else None,
+        verdict_window=verdict.window if verdict is not None else None,
+        fork_baseline=verdict.fork_baseline if verdict is not None else None).to_dict()
+
+
+def fill_verdict(job, done: int) -> None:
+    d, m = job.detector, job.monitors
+    job.result.update(observed=d.observed, divergence_step=d.divergence_step, final_loss=d.final_loss,
+                      divergence_reason=d.reason, min_loss=d.min_loss if math.isfinite(d.min_loss) else None,
+                      min_loss_step=d.min_loss_step, steps_done=done,
+                      peak_wq_norm=m.peak_wq if math.isfinite(m.peak_wq) else None,
+                      peak_wq_where=m.peak_wq_where)
+
+
+def finish(job, stream, done: int, status: str = "FINISHED") -> None:
+    job.sync_monitors()
+    fill_verdict(job, done)
+    stream.close()
+    if job.is_main:
+        r = job.result
+        warning = job.monitors.numerics_warning()
+        if warning:  # counted numerical failures: a tag on the run and a line in result.json, never silent
+            r["warnings"] = [*r.get("warnings", []), warning]
+            job.tracker.set_tags({"warning": warning, **{f"numerics.{k}": v for k, v in job.monitors.numerics.items()}})
+            print(f"[job] warning: {warning}")
+        log_record(job, done)
+        hook_metrics = job.hooks.final_metrics() if getattr(job, "hooks", None) else {}
+        if hook_metrics:  # e.g. how often QK-clip fired: counted, never silent
+            job.tracker.log_metrics(hook_metrics, step=max(done - 1, 0))
+        for p in stream.paths:
+            if p.exists():
+                job.tracker.log_artifact(p)
+    job.tracker.close(status)
+    if job.is_main and job.tracker.store_error:  # training went on; the points wait in the spool
+        job.result["warnings"] = [*job.result.get("warnings", []), job.tracker.store_error]
+
+
+def _settle_quietly(job, done: int) -> None:
+    """On a failing path: flush the monitors and fill the verdict as far as they go; the run is marked failed."""
+    try:
+        job.sync_monitors()
+        fill_verdict(job, done)
+    except Exception:
+        pass
+    job.result["observed"] = "failed"
+
+
+def interrupted(job, stream, done: int, by: str) -> None:
+    """Preemption signal (SystemExit after the checkpoint) or ^C: result.json counts the steps done."""
+    _settle_quietly(job, done)
+    job.result["error"] = (f"stopped by {by} after {done} steps; the checkpoint is saved: rerun the same job "
+                           f"(auto-resume) or resume=<its last.pt>")
+    close_quietly(job, stream, "KILLED")
+
+
+def log_record(job, done: int) -> None:
+    """The record's typed MLflow fields: verdict tags, sortable run metrics (orchestrator/record.py); wall_s the
+    same in MLflow and result.json."""
+    t0 = getattr(job, "_t_start", None)
+    if t0 is not None:
+        job.result["wall_s"] = round(time.perf_counter() - t0, 3)
+    r = record.RunRecord.from_dict(job.result)
+    tags = {**record.record_tags(r), "early_stopped": str(r.early_stopped).lower()}
+    if r.divergence_step is not None:  # absent for a stable run, never the string "None"
+        tags["divergence_step"] = r.divergence_step
+    job.tracker.set_tags(tags)
+    job.tracker.log_metrics(record.record_metrics(r), step=max(done - 1, 0))
+
+
+def _finite_params(model) -> bool:
+    return all(torch.isfinite(p).all() for p in model.parameters())  # crash path only: syncing is fine here
+
+
+def crash(job, model, optimizer, done: int, stream) -> None:
+    """Record what is known: monitors flushed, verdict 'failed', a crash checkpoint when the weights are sane."""
+    from flash_forensics.orchestrator.job import checkpoint_policy as snapshot
+
+    if job.monitors is not None:
+        _settle_quietly(job, done)
+    job.result["observed"] = "failed"
+    try:
+        if job.detector is not None and done > 0 and _finite_params(model):
+            snapshot.save(job, model, optimizer, done, "crash.pt")
+    except Exception:
+        pass
+    if job.tracker is not None and job.is_main:
+        try:
+            log_record(job, done)
+        except Exception:
+            pass
+    close_quietly(job, stream, "FAILED")
+
+
+def close_quietly(job, stream, status: str) -> None:
+    try:
+        if stream is not None:
+            stream.close()
+    except Exception:
+        pass
+    if job.tracker is not None:
+        try:
+            job.tracker.close(status)
+        except Exception:
+            pass
+
+
+__all__ = ["new_result", "fill_verdict", "finish", "crash", "close_quietly", "interrupted", "log_record"]

@@ -1,0 +1,1 @@
+"""Launching: the Hydra task function, the sweep callbacks and the SLURM checks."""

@@ -1,0 +1,237 @@
+"""The Hydra task function: validate, train, write result.json - always, also when the job fails.
+
+Every exception is caught and recorded (observed 'failed' + error) so one failing job never takes the sweep down;
+SystemExit / KeyboardInterrupt pass through (preemption requeue, ^C). A single (non-multirun) run that failed
+makes run.py exit with status 1 (`exit_status`).
+
+A job that dies without a result (kill -9, OOM, node loss) cannot write one itself. At its start it writes
+job.json (intervention, overrides, pid, later its MLflow run id); `close_dead_jobs`, run by the launching side
+when a multirun ends (callbacks.CloseDeadJobs), marks such a job's MLflow run KILLED with the reason and writes
+its result.json (observed failed, its intervention and overrides), so the report row keeps them.
+"""
+from __future__ import annotations
+
+import json
+import traceback
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from omegaconf import DictConfig
+
+from flash_forensics.orchestrator import record
+from flash_forensics.orchestrator.record import ERROR_FILE, RESULT_FILE
+
+START_FILE = "job.json"  # written at job start: what the launcher needs if the job dies without a result
+
+
+def _hydra_context() -> tuple[Path, List[str], bool]:
+    """(job output dir, task overrides, multirun?) from HydraConfig; a plain call gets ./results/runs/manual."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+        hc = HydraConfig.get()
+        return Path(hc.runtime.output_dir), list(hc.overrides.task), hc.mode == RunMode.MULTIRUN
+    except ValueError:
+        return Path("results/runs/manual"), [], False
+
+
+def _write_json(path: Path, data: Dict[str, Any], what: str) -> Path:
+    """Atomic (temp + os.replace), NaN/inf as the run record writes them; an OSError becomes one plain sentence
+    naming the path and the cause."""
+    from flash_forensics.orchestrator.errors import WriteError, sentence, temp_name
+    tmp = temp_name(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(record.dumps(data))
+        tmp.replace(path)
+    except OSError as e:
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+        raise WriteError(e.errno, sentence(what, path, e)) from e
+    return path
+
+
+def write_result(job_dir: Path, result: Dict[str, Any]) -> Path:
+    """<job dir>/result.json as the typed run record (orchestrator/record.py): one encoding, atomic."""
+    return _write_json(Path(job_dir) / RESULT_FILE, record.RunRecord.from_dict(result).to_dict(), "the job result")
+
+
+def write_job_start(job_dir: Path, **fields) -> Path:
+    """Merge fields into <job dir>/job.json (created at job start)."""
+    path = Path(job_dir) / START_FILE
+    data = read_job_start(job_dir) or {}
+    data.update(fields)
+    return _write_json(path, data, "the job record")
+
+
+def read_job_start(job_dir: Path) -> Optional[Dict[str, Any]]:
+    path = Path(job_dir) / START_FILE
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def close_dead_jobs(root: Path, reason: str = "the job died without writing a result (killed, out of memory or "
+                                              "node lost)") -> List[Path]:
+    """For every job folder under root (root itself included) with job.json but no result.json whose process is
+    gone: mark its MLflow run KILLED (tag verdict=failed, error=reason) and write its result.json. Returns them."""
+    import os
+    from flash_forensics.orchestrator.errors import _alive
+    closed = []
+    root = Path(root)
+    for start in sorted([root / START_FILE, *root.glob(f"*/{START_FILE}")]):
+        job_dir = start.parent
+        info = read_job_start(job_dir)
+        if info is None or (job_dir / RESULT_FILE).exists():
+            continue
+        pid = info.get("pid")
+        if info.get("host") == _host() and isinstance(pid, int) and pid != os.getpid() and _alive(pid):
+            continue  # still running (this machine)
+        result = {"intervention": info.get("intervention"), "overrides": info.get("overrides", []),
+                  "expected": info.get("expected"), "observed": "failed", "divergence_step": None,
+                  "final_loss": None, "min_loss": None, "peak_wq_norm": None, "peak_wq_where": None,
+                  "mlflow_run_id": info.get("mlflow_run_id"), "steps_done": _steps_logged(info),
+                  "error": reason, "wall_s": None, "attention_routes": None}
+        if info.get("mlflow_run_id") and info.get("tracking_uri"):
+            from flash_forensics.orchestrator.tracking.tracker import mark_terminated
+            mark_terminated(info["tracking_uri"], info["mlflow_run_id"], "KILLED", reason)
+        write_result(job_dir, result)
+        print(f"[job] {job_dir}: {reason}; marked failed (MLflow run KILLED)")
+        closed.append(job_dir)
+    return closed
+
+
+def _foreign_folder(cfg, job_dir: Path) -> Optional[str]:
+    """A fork (from_checkpoint) whose job folder already holds the checkpoints of a run that is not a fork (e.g.
+    the source's own folder): auto-resume would reopen that run and rewrite its verdict. The sentence, or None."""
+    if cfg.get("from_checkpoint") is None or not cfg.train.get("auto_resume", True):
+        return None
+    from flash_forensics.orchestrator.job import checkpoint
+    d = Path(job_dir) / "checkpoints"
+    files = ([d / "last.pt"] if (d / "last.pt").is_file() else []) + list(checkpoint.step_files(d).values())[::-1]
+    for p in files:
+        try:
+            head = checkpoint.read_header(p, key="auto-resume")
+        except checkpoint.CheckpointError:
+            continue
+        if head.get("fork"):
+            return None  # this fork's own checkpoint: a requeued fork resumes it
+        return (f"from_checkpoint={str(cfg.from_checkpoint)!r}: the job folder {job_dir} holds the checkpoints of "
+                f"another run ({p}, MLflow run {head.get('mlflow_run_id')}); a fork never writes to another run: "
+                f"give the fork its own folder (hydra.run.dir=...)")
+    return None
+
+
+def _steps_logged(info) -> int:
+    """Steps of a dead job: those its MLflow run holds (0 when unknown)."""
+    try:
+        from flash_forensics.orchestrator.tracking.tracker import retry, make_client
+        hist = retry(make_client(info["tracking_uri"]).get_metric_history, info["mlflow_run_id"], "train/loss")
+        return max((int(m.step) + 1 for m in hist), default=0)
+    except Exception:
+        return 0
+
+
+def _host() -> str:
+    import socket
+    return socket.gethostname()
+
+
+def exit_status(result: Dict[str, Any], multirun: bool) -> int:
+    """run.py's exit status: 1 for a failed single run (a multirun records failures per job and exits 0)."""
+    return 1 if (not multirun and result.get("observed") == "failed") else 0
+
+
+def run_job(cfg: DictConfig, job_dir: Optional[Path] = None, overrides: Optional[List[str]] = None) -> Dict[str, Any]:
+    from flash_forensics.orchestrator.job.train import Job
+    from flash_forensics.orchestrator.config.validate import selected_interventions, validate_config
+
+    hydra_dir, hydra_overrides, multirun = _hydra_context()
+    job_dir = Path(job_dir) if job_dir is not None else hydra_dir
+    overrides = list(overrides) if overrides is not None else hydra_overrides
+    name = "+".join(selected_interventions(overrides)) or str(cfg.intervention.name)
+    result: Dict[str, Any] = record.RunRecord(intervention=name, overrides=overrides,
+                                              expected=cfg.intervention.get("expect"),
+                                              job_dir=str(job_dir)).to_dict()
+    job = None
+    foreign = _foreign_folder(cfg, job_dir)
+    if foreign:  # write nothing into another run's folder (its result.json, job.json, MLflow run stay as they are)
+        print(f"[job] {name} refused: {foreign}")
+        result["error"] = foreign
+        return result
+    try:
+        import os
+        write_job_start(job_dir, intervention=name, overrides=overrides, expected=result["expected"],
+                        pid=os.getpid(), host=_host(), started=__import__("time").time())
+        obj, attention = validate_config(cfg, overrides)
+        obj.intervention.name = name
+        job = Job(obj, attention, job_dir, overrides)
+        result = job.result
+        job.run()
+    except Exception as e:
+        if job is not None:
+            result = job.result
+        result["observed"] = "failed"
+        result["error"] = result.get("error") or f"{type(e).__name__}: {e}"
+        from flash_forensics.orchestrator.errors import WriteError
+        if isinstance(e, WriteError):  # the plain sentence says it all
+            result["error"] = str(e)
+        try:
+            (job_dir / ERROR_FILE).parent.mkdir(parents=True, exist_ok=True)
+            (job_dir / ERROR_FILE).write_text(traceback.format_exc())
+            where = f" (traceback in {job_dir / ERROR_FILE})"
+        except OSError:
+            where = ""
+        print(f"[job] {name} failed: {result['error']}{where}")
+    except BaseException as e:  # preempted (requeue) or interrupted: the requeued job rewrites result.json
+        result = job.result if job is not None else result
+        result["error"] = result.get("error") or (f"interrupted ({type(e).__name__}); a requeued job resumes from "
+                                                  f"its last checkpoint")
+        raise
+    finally:
+        if job is None or job.is_main:
+            try:
+                write_result(job_dir, result)
+            except OSError as e:  # a read-only / full folder: the one sentence, not a traceback
+                print(f"[job] {e}")
+                result["observed"], result["error"] = "failed", result.get("error") or str(e)
+            _record_run(cfg, result, job_dir)
+    if not multirun and (job is None or job.is_main):
+        _single_run_report(cfg, result, job_dir)
+    return result
+
+
+def _record_run(cfg, result, job_dir: Path) -> None:
+    """The run's MLflow record once the job is over: description with the verdict, divergence marker, and the job
+    folder (log, result.json, .hydra/, traceback) as artifacts. A failure here is said, and the run stays recorded."""
+    if not result.get("mlflow_run_id"):
+        return
+    try:
+        from flash_forensics.orchestrator.tracking.tracker import log_job_artifacts, record_outcome, resolve_uri
+        uri = resolve_uri(cfg.tracking.uri)
+        record_outcome(uri, result["mlflow_run_id"], result, paper=cfg.intervention.get("paper"))
+        log_job_artifacts(uri, result["mlflow_run_id"], job_dir)
+    except Exception as e:
+        print(f"[job] MLflow record of run {result['mlflow_run_id']} incomplete: {type(e).__name__}: {e}")
+
+
+def _single_run_report(cfg, result, job_dir: Path) -> None:
+    """A single (non-multirun) run still gets a report: <job dir>/report/verdicts.{md,json}."""
+    try:
+        from flash_forensics.orchestrator.report.sweep import write_run_report
+        from flash_forensics.orchestrator.tracking.tracker import resolve_uri
+        write_run_report(result, str(cfg.sweep_name), resolve_uri(cfg.tracking.uri), job_dir=job_dir,
+                         out_dir=Path(job_dir) / record.REPORT_DIR)  # its own folder: never a sweep's report
+    except Exception as e:  # the run itself is recorded; a report failure must not hide that
+        print(f"[job] report not written: {type(e).__name__}: {e}")
+
+
+def is_multirun() -> bool:
+    return _hydra_context()[2]
+
+
+__all__ = ["run_job", "write_result", "RESULT_FILE", "START_FILE", "write_job_start", "read_job_start",
+           "close_dead_jobs", "exit_status", "is_multirun"]

@@ -1,5 +1,0 @@
-import sys
-
-from orchestrator.localize.cli import main
-
-sys.exit(main())

@@ -1,5 +1,0 @@
-"""Mechanism probes (issue 13 item 4): `monitor.probes` (config.py), the scheduling, capture and logging
-(runner.py) around the pure math of kernels/probes.py."""
-from orchestrator.probes.config import LAYERS_ALL, ProbesConfig
-
-__all__ = ["ProbesConfig", "LAYERS_ALL"]

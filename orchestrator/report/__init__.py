@@ -1,0 +1,1 @@
+"""Reports: rows per run, the sweep report (terminal, Markdown, HTML), plots, links, reading runs back."""

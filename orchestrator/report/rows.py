@@ -1,0 +1,173 @@
+"""Report rows: one per run, from job folders (their run records), compared with the sweep's baseline, its fp32
+reference and the paper. A row is a dict of ROW_KEYS, the run record's fields a report shows (orchestrator/record.py)
+plus `job` (its folder, relative to what was read) and `vs_baseline` (a note). Rows from MLflow: orchestrator/report/readback.py.
+"""
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+from flash_forensics.orchestrator import record
+from flash_forensics.orchestrator.record import RESULT_FILE, matches_paper
+
+BASELINE, REFERENCE = "baseline", "fp32"
+ROW_KEYS = ("job", "intervention", "overrides", "expected", "observed", "matches_paper", "divergence_step",
+            "final_loss", "min_loss", "peak_wq_norm", "peak_wq_where", "steps_done", "wall_s", "vs_baseline",
+            "mlflow_run_id", "error", "job_dir", "fork_step", "forked_from")
+
+
+def _num(x) -> Optional[float]:
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        return None
+
+
+def row_from_record(rec: record.RunRecord, job: Optional[str] = None, job_dir: Optional[Path] = None) -> Dict:
+    d = rec.to_dict()
+    row = {k: d.get(k) for k in ROW_KEYS}
+    row.update(job=job, vs_baseline=None, job_dir=str(job_dir) if job_dir else rec.job_dir)
+    return row
+
+
+def row_from_result(result: Dict[str, Any], job: Optional[str] = None, job_dir: Optional[Path] = None) -> Dict:
+    """A report row from a job's result.json dict (any record version)."""
+    return row_from_record(record.RunRecord.from_dict(result), job, job_dir)
+
+
+def _failed_row(job_dir: Path, name: str, err: str) -> Dict:
+    overrides = _hydra_overrides(job_dir)
+    intervention = next((o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0].lstrip("+~")
+                         == "intervention"), None)
+    return row_from_result({"intervention": intervention, "overrides": overrides, "observed": "failed",
+                            "error": err}, name, job_dir)
+
+
+def job_row(job_dir: Path, name: str) -> Dict:
+    """The row of one job folder: its record, else a failed row that says why (named by its Hydra overrides)."""
+    rfile = Path(job_dir) / RESULT_FILE
+    if not rfile.is_file():
+        return _failed_row(job_dir, name, "no result.json: the job was killed before it could write one (timeout, "
+                                          "OOM, preemption?)")
+    try:
+        return row_from_record(record.read(job_dir), name, job_dir)
+    except (OSError, ValueError, TypeError) as e:  # killed while writing it: a failed row, not a lost table
+        return _failed_row(job_dir, name, f"unreadable {rfile}: {e}")
+
+
+def _natural(parts: Sequence[str]):
+    """Natural order: job 2 before job 10, paper_isolation-2 before paper_isolation-10."""
+    return [[(0, int(t), "") if t.isdigit() else (1, 0, t) for t in re.split(r"(\d+)", x) if t] for x in parts]
+
+
+def collect_rows(sweep_dir: Path) -> List[Dict]:
+    """Rows for every job folder of a sweep (those holding result.json or Hydra's .hydra/), in job order."""
+    sweep_dir = Path(sweep_dir)
+    jobs = {p.parent for p in sweep_dir.rglob(RESULT_FILE)} | {p.parent for p in sweep_dir.rglob(".hydra")}
+    jobs.discard(sweep_dir)
+    jobs = {j for j in jobs if record.REPORT_DIR not in j.relative_to(sweep_dir).parts}
+    return [job_row(j, str(j.relative_to(sweep_dir)))
+            for j in sorted(jobs, key=lambda p: _natural(p.relative_to(sweep_dir).parts))]
+
+
+def rows_from_dirs(dirs: Sequence) -> List[Dict]:
+    """Rows from several places at once: a job dir (holding result.json) gives its row, a sweep dir its jobs'."""
+    rows: List[Dict] = []
+    for d in (Path(x).resolve() for x in dirs):  # resolved: "." gets its folder's name
+        if (d / RESULT_FILE).is_file():
+            rows.append(job_row(d, d.name))
+        elif d.is_dir():
+            found = collect_rows(d)
+            if not found:
+                raise ValueError(f"{d}: no job folders (result.json or .hydra/) under it")
+            rows.extend(dict(r, job=f"{d.name}/{r['job']}") for r in found)
+        else:
+            raise ValueError(f"{d}: not a directory")
+    return rows
+
+
+def _hydra_overrides(job_dir: Path) -> List[str]:
+    f = Path(job_dir) / ".hydra" / "overrides.yaml"
+    if not f.is_file():
+        return []
+    try:
+        import yaml
+        return [str(o) for o in (yaml.safe_load(f.read_text()) or [])]
+    except Exception:
+        return []
+
+
+# -------------------------------------------------------------------------------------------- comparing
+def _other_overrides(row) -> set:
+    return {o for o in row.get("overrides") or [] if o.split("=", 1)[0].lstrip("+~") != "intervention"}
+
+
+def _peer(row: Dict, rows: Sequence[Dict], name: str) -> Optional[Dict]:
+    """The `name` run closest to `row`: same other overrides (e.g. same seed) first, else the first one."""
+    cands = [r for r in rows if r.get("intervention") == name and r is not row]
+    if not cands:
+        return None
+    mine = _other_overrides(row)
+    return max(cands, key=lambda r: len(_other_overrides(r) & mine) - len(_other_overrides(r) ^ mine))
+
+
+def compare(rows: List[Dict]) -> List[Dict]:
+    """Fill matches_paper and a `vs_baseline` note (vs the baseline's divergence and the fp32 final loss)."""
+    for row in rows:
+        notes = []
+        name, obs = row.get("intervention"), row["observed"]
+        if obs == "failed":
+            notes.append("failed: " + (str(row.get("error") or "unknown error").splitlines() or ["?"])[0][:160])
+        base = _peer(row, rows, BASELINE) if name != BASELINE else None
+        ref = _peer(row, rows, REFERENCE) if name != REFERENCE else None
+        if name == BASELINE:
+            notes.append("the baseline" + ("" if obs != "stable" else " did not diverge: run longer or check "
+                                           "the recipe; comparisons with it are void"))
+        elif name == REFERENCE:
+            notes.append("the fp32 reference")
+        if base is not None and obs != "failed":
+            bd = base.get("divergence_step")
+            if base["observed"] == "diverged" and obs == "stable":
+                notes.append(f"stable where the baseline diverged at step {bd}")
+            elif base["observed"] == "diverged" and obs == "diverged":
+                d = row.get("divergence_step")
+                delta = f" ({d - bd:+d} steps)" if d is not None and bd is not None else ""
+                notes.append(f"diverged at step {d}; baseline at {bd}{delta}")
+            elif base["observed"] == "stable" and obs == "diverged":
+                notes.append(f"diverged at step {row.get('divergence_step')} while the baseline did not")
+        fl, rl = _num(row.get("final_loss")), _num(ref.get("final_loss")) if ref else None
+        if fl is not None and rl is not None and math.isfinite(fl) and math.isfinite(rl) and obs == "stable":
+            notes.append(f"final loss {fl - rl:+.3f} vs fp32")
+        row["vs_baseline"] = "; ".join(notes)
+        row["matches_paper"] = matches_paper(row.get("expected"), obs)
+    return rows
+
+
+def _common_overrides(rows: Sequence[Dict]) -> set:
+    """Overrides every run shares (experiment=..., tracking.uri=...): left out of tables and legends."""
+    if len(rows) < 2:
+        return set()
+    return set.intersection(*(_other_overrides(r) for r in rows))
+
+
+# overrides that say where and how long a run ran, not what it computes: left out of plot legends
+_PLUMBING = ("from_checkpoint=", "sweep_name=", "hydra.", "tracking.", "train.ckpt_every=", "train.max_steps=",
+             "train.keep_checkpoints=", "train.early_stop=", "results_dir=", "+sweep=")
+
+
+def _label(row: Dict, common: set = frozenset()) -> str:
+    extra = sorted(o for o in _other_overrides(row) - common if not o.lstrip("+~").startswith(_PLUMBING)
+                   and not o.startswith("+sweep="))
+    tail = (" " + " ".join(extra)) if extra else ""
+    return f"{row.get('job') or ''}:{row.get('intervention')}{tail}"
+
+
+def summary(rows: Sequence[Dict]) -> Dict[str, int]:
+    """The sweep's counts, as verdicts.json and the parent run's metrics give them."""
+    return {k: int(v) for k, v in record.sweep_metrics(list(rows)).items()}
+
+
+__all__ = ["ROW_KEYS", "BASELINE", "REFERENCE", "row_from_record", "row_from_result", "job_row", "collect_rows",
+           "rows_from_dirs", "compare", "summary"]

@@ -1,0 +1,234 @@
+"""The sweep report: one table of verdicts over a sweep's runs, with plots, logged to the sweep's MLflow parent run.
+
+`SweepReport` is a Hydra callback. At multirun start it opens the MLflow parent run and writes
+<sweep dir>/mlflow_parent.json (each job's Tracker nests under it). At multirun end it reads every job's run record
+(orchestrator/report/rows.py; a job that died without one is reported as failed), pulls metric histories from MLflow
+(orchestrator/report/readback.py), writes <sweep dir>/report/verdicts.md, verdicts.json and plots/ (the dated sweep folder:
+a sweep never overwrites another's report, nor results/<sweep>/ where the repo keeps committed reproductions), logs
+them and the sweep's counts (record.sweep_metrics) to the parent run, and prints the table.
+`write_report(rows, out_dir, tracking_uri)` and `write_run_report(result, sweep, ...)` do the same without Hydra;
+`python -m flash_forensics.orchestrator.report.sweep` over job/sweep folders or an MLflow experiment.
+"""
+from __future__ import annotations
+
+import atexit
+import datetime as _dt
+import math
+import os
+import platform
+import shlex
+import sys
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+from hydra.experimental.callback import Callback
+
+from flash_forensics.orchestrator import record
+from flash_forensics.orchestrator.record import HISTORY_PREFIXES, REPORT_DIR, matches_paper  # noqa: F401  (re-exported)
+from flash_forensics.orchestrator.report.render import _fmt, _fork_lines, _markdown, _table, format_table, write_report  # noqa: F401
+# the row builders, re-exported (report_render reads them through this module)
+from flash_forensics.orchestrator.report.rows import (BASELINE, REFERENCE, ROW_KEYS, _common_overrides, _label, _num,  # noqa: F401
+                               _other_overrides, _peer, collect_rows, compare, row_from_result, rows_from_dirs)
+from flash_forensics.orchestrator.report.readback import load_histories, rows_from_mlflow  # noqa: F401  (re-exported)
+from flash_forensics.orchestrator.report.readback import retry
+
+from flash_forensics.orchestrator.tracking.tracker import find_parent, get_or_create_experiment, git_info, make_client, resolve_uri
+from flash_forensics.orchestrator.tracking.tracker import write_parent_file
+
+
+def report_dir(sweep_dir: os.PathLike) -> Path:
+    """Where a sweep's report lives: inside its dated sweep folder."""
+    return Path(sweep_dir) / REPORT_DIR
+
+
+# ------------------------------------------------------------------------------------------------ writing
+def run_meta(tracking_uri: Optional[str] = None, **extra) -> Dict[str, Any]:
+    """Command, commit, hardware, versions and time: what a reader needs to reproduce the table."""
+    import torch
+    versions = {"python": platform.python_version(), "torch": torch.__version__}
+    for mod in ("mlflow", "hydra", "omegaconf"):
+        try:
+            versions[mod] = __import__(mod).__version__
+        except Exception:
+            pass
+    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+    return {"command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
+            "git": git_info(), "time_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "hardware": {"platform": platform.platform(), "cpu": platform.processor() or platform.machine(),
+                         "cpu_count": os.cpu_count(), "gpus": gpus},
+            "versions": versions, "tracking_uri": tracking_uri, **extra}
+
+
+def _summary_tags(summary):
+    from mlflow.entities import RunTag
+    return [RunTag(f"sweep.{k}", str(v)) for k, v in summary.items()]
+
+
+def _finite(x):
+    """NaN/Inf (a diverged run's final loss) become null: verdicts.json stays strict JSON."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return x
+
+
+def write_run_report(result: Dict[str, Any], sweep: str, tracking_uri: Optional[str] = None,
+                     job_dir: Optional[os.PathLike] = None, out_dir: Optional[os.PathLike] = None,
+                     echo: bool = True) -> Dict[str, Path]:
+    """The report of a single (non-multirun) run, one row: <job dir>/report/ unless out_dir is given (never the
+    folder of a sweep's report)."""
+    if out_dir is None and job_dir is None:
+        raise ValueError("write_run_report: give job_dir (the report goes to <job dir>/report) or out_dir")
+    row = row_from_result(result, job=Path(job_dir).name if job_dir else "run", job_dir=job_dir)
+    return write_report([row], out_dir or report_dir(job_dir), tracking_uri, sweep=sweep, echo=echo)
+
+
+def log_sweep_metrics(tracking_uri: str, parent_run_id: str, rows: Sequence[Dict]) -> None:
+    """The sweep's counts as metrics of its parent run (sortable in the runs table): record.sweep_metrics."""
+    import time
+
+    from mlflow.entities import Metric
+    now = int(time.time() * 1000)
+    retry(make_client(resolve_uri(tracking_uri)).log_batch, parent_run_id,
+           metrics=[Metric(k, v, now, 0) for k, v in record.sweep_metrics(list(rows)).items()])
+
+
+# ------------------------------------------------------------------------------------------ Hydra callback
+def _sweep_name(config) -> str:
+    for key in ("sweep_name", "name"):
+        v = config.get(key) if hasattr(config, "get") else None
+        if v:
+            return str(v)
+    return "sweep"
+
+
+def _task_overrides(config) -> List[str]:
+    """The command line's overrides (e.g. intervention=baseline,fp32) plus a sweep file's sweeper params."""
+    from omegaconf import OmegaConf
+    task = OmegaConf.select(config, "hydra.overrides.task", default=None) or []
+    params = OmegaConf.select(config, "hydra.sweeper.params", default=None) or {}
+    return [str(o) for o in task] + [f"{k}={v}" for k, v in dict(params).items()]
+
+
+def _tracking_cfg(config):
+    t = config.get("tracking") if hasattr(config, "get") else None
+    uri = t.get("uri") if t is not None else None
+    exp = t.get("experiment") if t is not None else None
+    return resolve_uri(uri), exp
+
+
+class SweepReport(Callback):
+    """Hydra callback: MLflow parent run at multirun start, verdict report at multirun end.
+
+    out_dir: where verdicts.{md,json} and plots/ go (default <sweep dir>/report: each sweep keeps its own table,
+    and no sweep writes over results/<sweep>/, where committed reproductions live).
+    """
+
+    def __init__(self, out_dir: Optional[str] = None, tracking: bool = True):
+        self.out_dir = out_dir
+        self.tracking = tracking
+        self.parent: Optional[Dict[str, str]] = None
+
+    def on_multirun_start(self, config, **kwargs) -> None:
+        sweep_dir = Path(str(config.hydra.sweep.dir))
+        # Hydra skips on_multirun_end when a job raises out of the sweep: still write the report at exit
+        self._pending = config
+        atexit.register(self._at_exit)
+        if not self.tracking:
+            return
+        uri, exp_name = _tracking_cfg(config)
+        sweep = _sweep_name(config)
+        client = make_client(uri)
+        exp_id = get_or_create_experiment(client, exp_name or sweep, uri)
+        tags = {**git_info(), "sweep": sweep, "sweep_dir": str(sweep_dir), "role": "sweep",
+                "command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
+                "sweep.overrides": " ".join(_task_overrides(config))}
+        run = retry(client.create_run, exp_id, run_name=f"{sweep}@{sweep_dir.name}", tags=tags)
+        write_parent_file(sweep_dir, uri, exp_id, run.info.run_id)
+        self.parent = {"tracking_uri": uri, "experiment_id": exp_id, "run_id": run.info.run_id}
+        print(f"[report] MLflow parent run {run.info.run_id} (experiment {exp_name or sweep}) in {uri}")
+
+    def _at_exit(self) -> None:
+        config, self._pending = getattr(self, "_pending", None), None
+        if config is not None and not (self._out_dir(config) / "verdicts.json").exists():
+            print("[report] the sweep ended without on_multirun_end (a job raised?): writing the report anyway")
+            self._write(config, status="FAILED")
+
+    def _out_dir(self, config) -> Path:
+        return Path(self.out_dir) if self.out_dir else report_dir(Path(str(config.hydra.sweep.dir)))
+
+    def on_multirun_end(self, config, **kwargs) -> None:
+        self._write(config, status="FINISHED")
+
+    def _write(self, config, status: str) -> None:
+        self._pending = None
+        try:
+            atexit.unregister(self._at_exit)
+        except Exception:
+            pass
+        sweep_dir = Path(str(config.hydra.sweep.dir))
+        sweep = _sweep_name(config)
+        parent = self.parent or find_parent(sweep_dir)
+        uri = parent["tracking_uri"] if parent else (_tracking_cfg(config)[0] if self.tracking else None)
+        rows = collect_rows(sweep_dir)
+        try:
+            write_report(rows, self._out_dir(config), uri, sweep=sweep,
+                         meta={"sweep_dir": str(sweep_dir),
+                               "experiment_id": parent["experiment_id"] if parent else None},
+                         parent_run_id=parent["run_id"] if parent else None)
+            if parent:
+                log_sweep_metrics(parent["tracking_uri"], parent["run_id"], rows)
+        except BaseException:
+            status = "FAILED"
+            raise
+        finally:
+            if parent:
+                retry(make_client(parent["tracking_uri"]).set_terminated, parent["run_id"], status=status)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """`python -m flash_forensics.orchestrator.report.sweep --out DIR [--sweep NAME] [--tracking-uri URI] JOB_OR_SWEEP_DIR...`: one
+    table over runs from several sweeps (e.g. a baseline run, its forked isolation sweep and a beta sweep)."""
+    import argparse
+    ap = argparse.ArgumentParser(prog="python -m flash_forensics.orchestrator.report.sweep", description=main.__doc__.split(":")[0])
+    ap.add_argument("dirs", nargs="*", help="job dirs (with result.json) and/or sweep dirs")
+    ap.add_argument("--from-mlflow", metavar="EXPERIMENT", default=None,
+                    help="rows from this MLflow experiment's runs (tags + histories) in --tracking-uri, for when "
+                         "the job folders are gone")
+    ap.add_argument("--out", required=True, help="where verdicts.{md,json} and plots/ go")
+    ap.add_argument("--sweep", default=None, help="the report's name (default: the --out folder's name)")
+    ap.add_argument("--tracking-uri", default=None, help="MLflow store with the runs' histories (plots)")
+    ap.add_argument("--source-run", default=None, metavar="RUN_ID",
+                    help="with --from-mlflow: only this source run and its forks")
+    ap.add_argument("--meta", action="append", default=[], metavar="KEY=VALUE",
+                    help="extra lines for the report's meta block (e.g. command=..., repeatable)")
+    args = ap.parse_args(argv)
+    try:
+        if not args.dirs and not args.from_mlflow:
+            raise ValueError("nothing to report: give job/sweep dirs and/or --from-mlflow EXPERIMENT")
+        if args.from_mlflow and not args.tracking_uri:
+            raise ValueError("--from-mlflow needs --tracking-uri (the store that holds the experiment)")
+        rows, histories = (rows_from_mlflow(args.tracking_uri, args.from_mlflow, args.source_run)
+                           if args.from_mlflow else ([], None))
+        rows += rows_from_dirs(args.dirs)
+        meta = dict(m.split("=", 1) for m in args.meta if "=" in m)
+        meta["sources"] = [str(Path(d)) for d in args.dirs] + ([f"mlflow experiment {args.from_mlflow}"]
+                                                              if args.from_mlflow else [])
+        if histories is not None and args.dirs:
+            histories = None  # mixed sources: load every run's histories the usual way
+        write_report(rows, args.out, args.tracking_uri, meta=meta, sweep=args.sweep, histories=histories)
+    except ValueError as e:
+        print(f"Error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
+
+__all__ = ["SweepReport", "write_report", "write_run_report", "collect_rows", "row_from_result", "compare",
+           "load_histories", "format_table", "run_meta", "matches_paper", "rows_from_dirs", "rows_from_mlflow", "main"]
