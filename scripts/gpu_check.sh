@@ -16,7 +16,7 @@ PY=${PY:-python3}
 rc=0
 if [[ " $STAGES " == *" tests "* ]]; then
   XDIST=""; $PY -c "import xdist" 2>/dev/null && XDIST="-n 6"
-  timeout ${TEST_TIMEOUT:-280} $PY -m pytest -q -m gpu tests/test_triton.py $XDIST -p no:cacheprovider \
+  timeout ${TEST_TIMEOUT:-280} $PY -m pytest -q -m gpu tests/unit/test_triton.py $XDIST -p no:cacheprovider \
     -o addopts="-ra" 2>&1 | tee "$OUT/pytest_gpu.log" | tail -40 || rc=1
 fi
 if [[ " $STAGES " == *" bench "* ]]; then

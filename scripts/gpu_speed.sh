@@ -12,8 +12,8 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv 
 $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >> "$OUT/env.txt"
 rc=0
 XD=""; $PY -c "import xdist" 2>/dev/null && XD="-n ${TEST_WORKERS:-4}"
-timeout ${TEST_TIMEOUT:-150} $PY -m pytest -q -m gpu tests/test_ops.py tests/test_triton.py tests/test_emulator.py \
-  tests/test_models.py $XD -p no:cacheprovider -o addopts="-ra" > "$OUT/pytest_gpu.log" 2>&1 || rc=1
+timeout ${TEST_TIMEOUT:-150} $PY -m pytest -q -m gpu tests/unit/test_ops.py tests/unit/test_triton.py tests/unit/test_emulator.py \
+  tests/unit/test_models.py $XD -p no:cacheprovider -o addopts="-ra" > "$OUT/pytest_gpu.log" 2>&1 || rc=1
 tail -4 "$OUT/pytest_gpu.log"
 timeout ${ATTN_TIMEOUT:-170} $PY benchmarks/attention.py ${TUNE:+--tune} --rounds 3 --out "$OUT/attention.json" \
   > "$OUT/attention.log" 2>&1 || rc=1

@@ -1,7 +1,7 @@
 """Shared test setup: the repo on sys.path, GPU tests skipped on a CPU, and the grouping that lets the suite run
 under pytest-xdist (`-n 2 --dist loadgroup`, the README's test command) without any test file knowing about it.
 
-Grouping: every test without an explicit `xdist_group` is grouped by its file, so a file's module-scoped fixtures
+Grouping: every test without an explicit `xdist_group` is grouped by its file (its path under tests/), so a file's module-scoped fixtures
 (a smoke sweep, an MLflow server, a SLURM sweep) are set up once, on one worker, as in a serial run. Tests that must
 share one service across files say so: everything marked `slurm` or using the local SLURM cluster shares the group
 "slurm" (one sweep on the one-node cluster at a time: its tests count the cluster's jobs and CPUs). A new test file
@@ -18,13 +18,15 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 SLURM_GROUP = "slurm"
-SLURM_FILES = ("test_slurm.py",)  # files that submit to the local cluster (not all of their tests carry the mark)
+SLURM_FILES = ("integration/test_slurm.py",)  # files that submit to the local cluster (not all of their tests carry the mark)
+TESTS = os.path.join(ROOT, "tests")
 
 
 def _group(item) -> str:
-    if item.get_closest_marker("slurm") is not None or item.path.name in SLURM_FILES:
+    path = os.path.relpath(str(item.path), TESTS)  # by path: unit/test_x.py and integration/test_x.py are two groups
+    if item.get_closest_marker("slurm") is not None or path in SLURM_FILES:
         return SLURM_GROUP
-    return item.path.name
+    return path
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which turns the marks into node-id suffixes

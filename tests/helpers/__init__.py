@@ -1,0 +1,1 @@
+"""Test helpers: composing and running jobs, the import graph, screenshots."""

@@ -1,0 +1,99 @@
+"""The shared tracking server (scripts/mlflow_server.sh): many jobs logging at once lose and duplicate nothing."""
+import multiprocessing as mp
+import os
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "scripts" / "mlflow_server.sh"
+N_PROCS = 8
+N_STEPS = 150
+KEYS = ("train/loss", "train/grad_norm", "wq_sigma/L0.H0")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mlflow-shared")
+    port = free_port()
+    args = ["bash", str(SCRIPT), "start", "--port", str(port), "--root", str(root)]
+    res = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    try:
+        yield {"uri": f"http://127.0.0.1:{port}", "root": root, "port": port}
+    finally:
+        subprocess.run(["bash", str(SCRIPT), "stop", "--port", str(port), "--root", str(root)], timeout=60)
+
+
+def _writer(uri, idx, barrier, out):
+    from flash_forensics.orchestrator.tracking.tracker import Tracker, TrackingConfig
+
+    tr = Tracker(TrackingConfig(uri=uri, flush_interval_s=0.2), run_name=f"writer-{idx}", experiment="concurrency",
+                 discover_parent=False)
+    barrier.wait()  # every writer logs at the same time
+    for step in range(N_STEPS):
+        tr.log_metrics({k: float(idx * 100000 + step) for k in KEYS}, step=step)
+        if step % 10 == 0:
+            time.sleep(0.002)
+    tr.close()
+    out.put((idx, tr.run_id, tr.points_logged))
+
+
+def test_status_and_artifacts_on_the_shared_root(server):
+    res = subprocess.run(["bash", str(SCRIPT), "status", "--port", str(server["port"]), "--root",
+                          str(server["root"])], capture_output=True, text=True, timeout=30)
+    assert res.returncode == 0 and "up" in res.stdout
+    assert (server["root"] / "mlflow.db").is_file()  # the database backend lives on the shared root
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=server["uri"])
+    exp = client.create_experiment("artifact-check")
+    run = client.create_run(exp)
+    f = server["root"] / "note.txt"
+    f.write_text("shared")
+    client.log_artifact(run.info.run_id, str(f))
+    stored = list((server["root"] / "artifacts").rglob("note.txt"))
+    assert stored and stored[0].read_text() == "shared"
+
+
+def test_eight_concurrent_writers_lose_and_duplicate_nothing(server):
+    ctx = mp.get_context("fork")
+    barrier, out = ctx.Barrier(N_PROCS), ctx.Queue()
+    procs = [ctx.Process(target=_writer, args=(server["uri"], i, barrier, out)) for i in range(N_PROCS)]
+    for p in procs:
+        p.start()
+    results = [out.get(timeout=180) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=server["uri"])
+    assert len({r[1] for r in results}) == N_PROCS
+    total = 0
+    for idx, run_id, posted in results:
+        assert posted == N_STEPS * len(KEYS)
+        for key in KEYS:
+            hist = client.get_metric_history(run_id, key)
+            steps = [m.step for m in hist]
+            assert sorted(steps) == list(range(N_STEPS)), f"run {idx} {key}: lost or duplicated steps"
+            assert all(m.value == idx * 100000 + m.step for m in hist), f"run {idx} {key}: a value landed elsewhere"
+            total += len(hist)
+    assert total == N_PROCS * N_STEPS * len(KEYS)
+
+
+def test_unreachable_server_is_a_clear_error():
+    from flash_forensics.orchestrator.tracking.tracker import TrackingUnreachable, check_tracking
+
+    uri = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(TrackingUnreachable, match="unreachable"):
+        check_tracking(uri, timeout_s=2)

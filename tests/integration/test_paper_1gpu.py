@@ -1,0 +1,144 @@
+"""experiment=paper_1gpu (issue 14): the preset holds the probe's settings, its controls validate, isolate's
+--stop-after reaches the baseline, and scripts/paper_1gpu.sh runs its one-lease plan end to end on the CPU (tiny)."""
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+
+import flash_forensics.orchestrator.config.schema  # noqa: F401  registers base_config
+from flash_forensics.orchestrator.analysis import isolate
+from flash_forensics.orchestrator.job.fork import sweep_file_jobs
+from flash_forensics.orchestrator.config.validate import validate_config
+
+ROOT = Path(__file__).resolve().parents[2]
+CPU = ["train.device=cpu"]  # the preset says cuda; everything else as on the GPU
+
+
+def _compose(*overrides):
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+            return compose("config", overrides=["experiment=paper_1gpu", *overrides])
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def test_preset_is_the_probes_regime():
+    c = _compose()
+    assert (c.model.n_layer, c.model.n_head, c.model.n_embd, c.model.block_size, c.model.bias) == (12, 12, 768, 1024,
+                                                                                                   False)
+    assert (c.train.batch_size, c.train.grad_accum, c.train.warmup_steps, c.train.max_steps) == (16, 1, 1000, 6000)
+    assert (c.train.grad_clip, c.train.precision, c.train.seed, c.data.seed) == (1.0, "bf16", 1337, 1337)
+    assert (c.optimizer.name, list(c.optimizer.betas), c.optimizer.weight_decay) == ("adamw", [0.9, 0.95], 0.0)
+    assert c.optimizer.lr == c.optimizer.min_lr == 1e-3  # constant after the warmup
+    assert (c.attention.impl, c.attention.recipe, c.attention.block_q, c.attention.block_k) == ("flash", "paper_bf16",
+                                                                                                128, 128)
+    assert c.data.corpus == "debian_docs" and c.data.val_fraction == 0.01
+    assert (c.train.ckpt_every, c.train.keep_checkpoints, c.train.eval_every) == (250, 0, 500)
+    assert str(c.train.compile).lower() == "false"
+    assert c.monitor.counters and c.monitor.max_logit
+
+
+def test_schedule_is_constant_after_warmup():
+    from flash_forensics.orchestrator.job.optim import lr_factor
+    c = _compose()
+    o, t = c.optimizer, c.train
+    ratios = [lr_factor(s, t.warmup_steps, o.decay_steps or t.max_steps, o.min_lr / o.lr) for s in (1000, 3000, 5999)]
+    assert ratios == pytest.approx([1.0, 1.0, 1.0])
+    assert lr_factor(499, t.warmup_steps, t.max_steps, 1.0) == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("name,iv,recipe,impl,precision", [
+    ("fp32", "fp32", "fp32", "flash", "bf16"),  # THE FP32 reference: attention in FP32
+    ("fp32_train", "fp32", "fp32", "flash", "fp32"),  # no autocast at all
+    ("fa2", "baseline", "fa2", "flash", "bf16"),
+    ("sdpa", "baseline", "paper_bf16", "sdpa", "bf16"),
+])
+def test_controls_compose_and_validate(name, iv, recipe, impl, precision):
+    jobs = dict(sweep_file_jobs(["paper_1gpu_controls"]))
+    ov = jobs[f"paper_1gpu_controls-{['fp32', 'fp32_train', 'fa2', 'sdpa'].index(name)}"]
+    assert ov == [f"+control={name}"]
+    c = _compose(*CPU, *ov)
+    validate_config(c, ov, check_store=False)  # data fits, knobs fit the implementation, ...
+    assert c.intervention.name == iv and c.train.precision == precision and c.attention.impl == impl
+    assert (c.intervention.get("recipe") or c.attention.recipe) == recipe
+    assert c.model.n_layer == 12 and c.attention.block_q == 128  # the same model: a fork from the baseline
+
+
+def test_stop_after_reaches_the_baseline(tmp_path, monkeypatch):
+    seen = []
+    monkeypatch.setattr(isolate.Pipeline, "_run_py", lambda self, ov, log=None, gpu=None: seen.append(list(ov)) or 1)
+    plan = isolate.Plan(root=tmp_path, out=tmp_path / "r", uri="sqlite:///x.db", stop_after=300)
+    with pytest.raises(isolate.PipelineError):
+        isolate.Pipeline(plan).baseline()  # no result.json from the stub: the error path
+    assert "train.early_stop=true" in seen[0] and "verdict.early_stop_after=300" in seen[0]
+    assert "train.early_stop=false" not in seen[0]
+    seen.clear()
+    with pytest.raises(isolate.PipelineError):
+        isolate.Pipeline(isolate.Plan(root=tmp_path, out=tmp_path, uri="sqlite:///x.db")).baseline()
+    assert "train.early_stop=false" in seen[0] and not any(o.startswith("verdict.early_stop_after") for o in seen[0])
+
+
+def test_stop_after_negative_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        isolate.main(["--stop-after", "-1"])
+    assert "--stop-after=-1 is not allowed" in capsys.readouterr().err
+
+
+def test_plan_dry_run():
+    env = dict(os.environ, DRY_RUN="1", ROOT="/tmp/ff-plan")
+    r = subprocess.run(["bash", "scripts/paper_1gpu.sh", "train.compile=true"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    lines = {s: next(ln for ln in r.stdout.splitlines() if f"seed {s}: python -m flash_forensics.orchestrator.analysis.isolate" in ln)
+             for s in (1337, 1, 2)}
+    assert not Path("/tmp/ff-plan").exists()  # a dry run writes nothing
+    for s, ln in lines.items():
+        assert f"--root /tmp/ff-plan/seed{s} " in ln and f"--uri sqlite:////tmp/ff-plan/seed{s}/mlflow.db" in ln
+        assert f"train.seed={s} data.seed={s}" in ln and "--stop-after 300" in ln and ln.endswith("train.compile=true")
+    assert "--sweeps paper_1gpu_controls paper_isolation beta_sweep --" in lines[1337]
+    for s in (1, 2):
+        assert "--sweeps paper_1gpu_controls --" in lines[s] and "train.ckpt_every=500" in lines[s]
+
+
+TINY = ["data=default", "model=tiny", "model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=32",
+        "train.batch_size=2", "train.device=cpu", "tracking.writer=thread", "tracking.system_metrics=false",
+        "train.max_steps=14", "train.warmup_steps=2", "train.ckpt_every=2", "debug.nan_at_step=8",
+        "train.eval_every=0", "train.eval_batches=1", "monitor.wq_every=2", "monitor.log_every=2", "verdict.window=3"]
+
+
+def test_one_lease_plan_end_to_end_on_cpu(tmp_path):
+    """Two seeds at once, each baseline NaN at step 8 and stopped 2 steps later (--stop-after), each forking the
+    four controls from its own checkpoint on its own batches, into its own root, report and MLflow store."""
+    root = tmp_path / "root"
+    env = {k: v for k, v in os.environ.items() if k not in ("CUDA_VISIBLE_DEVICES",)}
+    env.update(ROOT=str(root), SEEDS="1337 1", ISOLATION_SWEEPS="", STOP_AFTER="2", PER_GPU_FIRST="2",
+               PER_GPU_OTHERS="1", CKPT_EVERY_OTHERS="2", PROGRESS_EVERY="5", OMP_NUM_THREADS="1")
+    r = subprocess.run(["bash", "scripts/paper_1gpu.sh", *TINY, f"results_dir={tmp_path}/results"], cwd=ROOT,
+                       env=env, capture_output=True, text=True, timeout=900)
+    logs = "".join(f"\n--- {p}\n{p.read_text()[-2500:]}" for p in sorted(root.glob("seed*.log")))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:] + logs
+    assert "[paper_1gpu" in r.stdout and "all done" in r.stdout and (root / "progress.log").is_file()
+    for s in (1337, 1):
+        d = root / f"seed{s}"
+        base = json.loads((d / "baseline" / "result.json").read_text())
+        assert base["observed"] == "diverged" and base["divergence_step"] == 8
+        assert base["steps_done"] == 8 + 2 + 1, base  # stopped 2 steps after the divergence, not at max_steps
+        doc = json.loads((d / "report" / "verdicts.json").read_text())
+        rows = {row["job"]: row for row in doc["runs"]}
+        assert set(rows) == {"baseline"} | {f"forks/paper_1gpu_controls-{i}" for i in range(4)}, set(rows)
+        assert all(row["observed"] != "failed" for row in rows.values()), [(j, x.get("error")) for j, x in
+                                                                          rows.items()]
+        assert rows["forks/paper_1gpu_controls-0"]["intervention"] == "fp32"
+        assert rows["forks/paper_1gpu_controls-0"]["expected"] == "stable"
+        for i in range(4):
+            fres = json.loads((d / f"forks/paper_1gpu_controls-{i}" / "result.json").read_text())
+            assert f"train.seed={s}" in rows[f"forks/paper_1gpu_controls-{i}"]["overrides"]
+            assert fres["steps_done"] == base["steps_done"]  # replayed the baseline's batches to its end
+            assert not list((d / f"forks/paper_1gpu_controls-{i}" / "checkpoints").glob("*.pt"))  # freed
+        assert (d / "mlflow.db").is_file()
+        assert f"seed {s}: done" in r.stdout

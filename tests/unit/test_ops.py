@@ -1,0 +1,240 @@
+"""The Triton flash kernels as torch.library operators (kernels/ops.py) and the compiled path (train.compile).
+
+CPU: the ops' schemas and fake implementations (what torch.compile traces), and, in a child process with
+TRITON_INTERPRET=1 (the kernels on the CPU, FP32 logic), torch.library.opcheck, a whole GPT traced with no graph
+break, and compiled vs eager attention bit for bit. GPU (`pytest -m gpu`): the same under inductor on CUDA for the
+BF16 recipes, a compiled GPT training step, and launch configs that must not change paper_bf16's bits.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+import torch
+
+from flash_forensics.kernels.config import AttentionConfig, AttentionKnobs
+
+pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+INTERP = os.environ.get("TRITON_INTERPRET") == "1"
+interp = pytest.mark.skipif(not INTERP, reason="runs in a child process with TRITON_INTERPRET=1 "
+                                                 "(see test_interpreter_op_checks)")
+
+
+def _ops():
+    from flash_forensics.kernels import ops
+    return ops
+
+
+def test_interpreter_op_checks():
+    """Run the interpreter checks of this file in a child pytest with TRITON_INTERPRET=1."""
+    if INTERP:
+        pytest.skip("already inside the interpreter run")
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "interpreter",
+                          os.path.abspath(__file__)], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=900)
+    assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
+
+
+# ------------------------------------------------------------------------------------------ CPU: schema and fakes
+def test_schema_declares_the_counters_mutated():
+    _ops()
+    schema = torch.ops.flash_forensics.flash_fwd.default._schema
+    written = {a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write}
+    assert written == {"repeated_max_rows", "max_logit"}
+    assert not any(a.alias_info is not None and a.alias_info.is_write
+                   for a in torch.ops.flash_forensics.flash_bwd.default._schema.arguments)
+
+
+@pytest.mark.parametrize("recipe,heads,saved", [("fa2", [], torch.bfloat16), ("paper_bf16", [], torch.bfloat16),
+                                                ("paper_bf16", [1], torch.float32), ("fp32", [], torch.float32)])
+def test_fake_tensors_propagate(recipe, heads, saved):
+    """Under FakeTensorMode (what dynamo / AOTAutograd trace with) the ops give the real outputs' shapes and dtypes."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    _ops()
+    dt = torch.float32 if recipe == "fp32" else torch.bfloat16
+    with FakeTensorMode():
+        q, k, v = (torch.empty(2, 3, 40, 16, dtype=dt) for _ in range(3))
+        rep, maxl = torch.zeros(3, dtype=torch.int64), torch.zeros((), dtype=torch.float32)
+        o, lse = torch.ops.flash_forensics.flash_fwd(q, k, v, rep, maxl, recipe, True, 16, 16, "safe", 2.0, 1e-3,
+                                                     False, heads)
+        assert o.shape == (2, 3, 40, 16) and o.dtype == saved
+        assert lse.shape == (2, 3, 40) and lse.dtype == torch.float32
+        dq, dk, dv = torch.ops.flash_forensics.flash_bwd(o.to(dt), q, k, v, o, lse, recipe, True, 16, 16, "dO_O",
+                                                         heads)
+        assert all(t.shape == q.shape and t.dtype == dt for t in (dq, dk, dv))
+
+
+def test_op_args_carry_every_knob():
+    ops = _ops()
+    knobs = AttentionKnobs(recipe="paper_bf16", tiling=False, block_q=32, block_k=16, softmax="stabilized", beta=3.0,
+                           eps=1e-2, delta="dP_P", pv_fp32=True, o_fp32_heads=[2, 0])
+    assert ops.op_args(knobs, 4) == ("paper_bf16", False, 32, 16, "stabilized", 3.0, 1e-2, "dP_P", True, [0, 2])
+    assert ops.op_args(replace(knobs, o_fp32=True), 3)[-1] == [0, 1, 2]
+
+
+def test_train_compile_is_validated():
+    from flash_forensics.orchestrator.config.schema import TrainConfig
+    from flash_forensics.orchestrator.job.train import compile_enabled
+    from flash_forensics.orchestrator.config.validate import check_train
+    for ok in ("auto", "true", "false", "True", True, False):
+        check_train(TrainConfig(compile=ok))
+    with pytest.raises(ValueError, match=r"train\.compile='sometimes'.*auto, true, false"):
+        check_train(TrainConfig(compile="sometimes"))
+    assert compile_enabled("auto", torch.device("cuda")) and not compile_enabled("auto", torch.device("cpu"))
+    assert compile_enabled("True", torch.device("cpu")) and not compile_enabled(False, torch.device("cuda"))
+    assert not compile_enabled("auto", torch.device("cuda"), ["flash/triton/fa2", "flash/emulator/paper_bf16"])
+    assert compile_enabled("auto", torch.device("cuda"), ["flash/triton/fa2", "sdpa/bf16/no-counters"])
+
+
+# ----------------------------------------------------------------------------------- CPU: interpreter (FP32 logic)
+def _qkv(B=1, H=2, T=40, D=16, dtype=torch.float32, device="cpu", seed=0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    q, k, v = (torch.randn(B, H, T, D, generator=g) for _ in range(3))
+    k[:, :, 1::3] = k[:, :, 0:T - 1:3][:, :, : k[:, :, 1::3].shape[2]]  # repeated keys: the counters fire
+    return [(x * 2 if i == 0 else x).to(device=device, dtype=dtype).requires_grad_(True) for i, x in enumerate((q, k, v))]
+
+
+@interp
+@pytest.mark.parametrize("counters", [True, False])
+def test_interpreter_opcheck(counters):
+    ops = _ops()
+    q, k, v = (x.detach() for x in _qkv())
+    rep, maxl = (torch.zeros(2, dtype=torch.int64), torch.full((), float("-inf"))) if counters else (None, None)
+    torch.library.opcheck(ops.flash_fwd, (q, k, v, rep, maxl, "fp32", True, 16, 16, "stabilized", 2.0, 1e-3,
+                                          False, []))
+    o, lse = ops.flash_fwd(q, k, v, None, None, "fp32", True, 16, 16, "safe", 2.0, 1e-3, False, [])
+    torch.library.opcheck(ops.flash_bwd, (torch.randn_like(o), q, k, v, o, lse, "fp32", True, 16, 16, "dP_P", []))
+
+
+@interp
+@pytest.mark.parametrize("case", [dict(), dict(softmax="stabilized"), dict(tiling=False, delta="recompute_fp32")],
+                         ids=["default", "stabilized", "untiled"])
+def test_interpreter_compiled_op_is_bitwise_eager(case):
+    """fullgraph compile (AOTAutograd: forward and backward graphs) runs the same kernels: equal bits and counters."""
+    import flash_forensics.kernels.emulator
+    from flash_forensics.kernels.triton_flash import flash_attention_triton
+    knobs = replace(AttentionKnobs(recipe="fp32", backend="triton", block_q=16, block_k=16), **case)
+    q, k, v = _qkv(seed=1)
+    g = torch.randn(q.shape)
+
+    def f(q, k, v, stats):
+        return flash_attention_triton(q, k, v, knobs, stats)
+
+    results = []
+    for fn in (f, torch.compile(f, fullgraph=True, backend="aot_eager")):
+        stats = flash_forensics.kernels.stats.AttnStats(2)
+        o = fn(q, k, v, stats)
+        results.append((o, *torch.autograd.grad(o, (q, k, v), g), stats))
+    (o1, *g1, s1), (o2, *g2, s2) = results
+    assert torch.equal(o1, o2) and all(torch.equal(a, b) for a, b in zip(g1, g2))
+    assert s1.repeated_max_rows.sum() > 0
+    for name in ("repeated_max_rows", "rows_seen", "max_logit"):
+        assert torch.equal(getattr(s1, name), getattr(s2, name)), name
+
+
+@interp
+@pytest.mark.parametrize("attention", [dict(impl="flash", backend="triton", recipe="fp32", block_q=16, block_k=16),
+                                       dict(impl="flash", backend="emulator", recipe="paper_bf16", block_q=16,
+                                            block_k=16),
+                                       dict(impl="sdpa"), dict(impl="standard")],
+                         ids=["triton", "emulator", "sdpa", "standard"])
+def test_interpreter_gpt_traces_without_graph_break(attention):
+    from flash_forensics.models.gpt import GPT, ModelConfig
+    model = GPT(ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=64), AttentionConfig(**attention))
+    x = torch.randint(0, 64, (2, 32))
+    explained = torch._dynamo.explain(model)(x, x)
+    assert explained.graph_break_count == 0, [str(r.reason)[:300] for r in explained.break_reasons]
+    assert explained.graph_count == 1
+
+
+# ------------------------------------------------------------------------------------------------------ GPU
+GPU_CASES = [("fa2", dict(counters=False)), ("fa2", dict(softmax="stabilized")), ("paper_bf16", {}),
+             ("paper_bf16", dict(o_fp32_heads=[1], delta="dP_P")), ("fp32", dict(tiling=False))]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe,case", GPU_CASES, ids=[f"{r}-{c}" for r, c in GPU_CASES])
+def test_gpu_compiled_op_is_bitwise_eager(recipe, case):
+    """Under inductor (fullgraph) the attention op is opaque: O, dQ, dK, dV and the counters are bit-identical."""
+    import flash_forensics.kernels.emulator
+    from flash_forensics.kernels.triton_flash import flash_attention_triton
+    knobs = replace(AttentionKnobs(recipe=recipe, backend="triton"), **case)
+    dt = torch.float32 if recipe == "fp32" else torch.bfloat16
+    q, k, v = _qkv(2, 4, 384, 64, dt, "cuda", seed=2)
+    g = torch.randn(q.shape, device="cuda").to(dt)
+
+    def f(q, k, v, stats):
+        return flash_attention_triton(q * 1.0, k, v, knobs, stats)  # an op around it for inductor to compile
+
+    results = []
+    for fn in (f, torch.compile(f, fullgraph=True)):
+        stats = flash_forensics.kernels.stats.AttnStats(4, "cuda")
+        o = fn(q, k, v, stats)
+        results.append((o, *torch.autograd.grad(o, (q, k, v), g), stats))
+    (o1, *g1, s1), (o2, *g2, s2) = results
+    assert torch.equal(o1, o2)
+    for a, b in zip(g1, g2):
+        assert torch.equal(a, b)
+    for name in ("repeated_max_rows", "rows_seen", "max_logit"):
+        assert torch.equal(getattr(s1, name), getattr(s2, name)), name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", ["fa2", "paper_bf16"])
+def test_gpu_compiled_gpt_trains_like_eager(recipe):
+    """A whole GPT compiles with no graph break; 5 compiled steps track the eager ones to BF16 noise."""
+    from flash_forensics.models.gpt import GPT, ModelConfig
+    cfg = ModelConfig(n_layer=2, n_head=4, n_embd=256, block_size=256)
+    att = AttentionConfig(impl="flash", backend="triton", recipe=recipe)
+    x = torch.randint(0, 50257, (4, 257), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    idx, tgt = x[:, :-1].contiguous(), x[:, 1:].contiguous()
+    explained = torch._dynamo.explain(GPT(cfg, att).cuda())(idx, tgt)
+    assert explained.graph_break_count == 0, [str(r.reason)[:300] for r in explained.break_reasons]
+    losses = []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        model = GPT(cfg, att).cuda()
+        fwd = torch.compile(model, fullgraph=True) if compiled else model
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+        run = []
+        for _ in range(5):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                _, loss = fwd(idx, tgt)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            run.append(loss.detach().float())
+        losses.append(torch.stack(run))
+        assert sum(s.rows_seen.sum() for s in model.attention_stats()) > 0  # the counters ran in both
+    assert (losses[0] - losses[1]).abs().max().item() < 2e-2, losses
+
+
+@pytest.mark.gpu
+def test_gpu_launch_configs_keep_paper_bf16_bits():
+    """Speed-only launch choices (tables, tuning) never change paper_bf16's result: its tiles are the knobs'."""
+    from flash_forensics.kernels import triton_flash as tf
+    knobs = AttentionKnobs(recipe="paper_bf16", backend="triton", softmax="stabilized")
+    q, k, v = _qkv(2, 4, 512, 64, torch.bfloat16, "cuda", seed=3)
+    g = torch.randn(q.shape, device="cuda").to(torch.bfloat16)
+    results = []
+    for fwd, bwd in [(None, None), ((128, 128, 8, 3), (32, 128, 128, 32, 4, 4))]:
+        saved = dict(tf.SHAPE_TABLE)
+        try:
+            if fwd:
+                tf.SHAPE_TABLE[("fwd", "paper_bf16", 64, tf.length_class(512))] = fwd
+                tf.SHAPE_TABLE[("bwd", "paper_bf16", 64, tf.length_class(512))] = bwd
+            o = tf.flash_attention_triton(q, k, v, knobs)
+            results.append((tf.launch_config(knobs, 64, 512), o, *torch.autograd.grad(o, (q, k, v), g)))
+        finally:
+            tf.SHAPE_TABLE.clear()
+            tf.SHAPE_TABLE.update(saved)
+    (c1, *r1), (c2, *r2) = results
+    assert c1 != c2
+    assert c2["fwd"]["BLOCK_N"] == 64 and c2["bwd"]["dkdv"][0] == 64 and c2["bwd"]["dq"][1] == 64
+    assert all(torch.equal(a, b) for a, b in zip(r1, r2))

@@ -1,0 +1,286 @@
+"""Triton flash attention against an FP64 reference and the emulator (flash_forensics.kernels.emulator.flash_attention, the source of truth).
+
+CPU: Triton's interpreter (TRITON_INTERPRET=1) runs the same kernels on tiny shapes. It gets BF16 wrong (tl.dot of
+BF16 inputs and .to(tl.bfloat16) rounding differ from the GPU), so on CPU only the FP32 logic is checked: the fp32
+recipe, tiling on/off, safe/stabilized softmax, the three deltas and the repeated-maxima counters. The BF16 recipes
+are checked by the `gpu` tests on CUDA.
+"""
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+import torch
+
+from flash_forensics.kernels.config import AttentionKnobs
+
+triton = pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BF16_ON_CPU = "Triton's CPU interpreter gets BF16 wrong (tl.dot, .to(bfloat16) rounding): BF16 recipes run on GPU"
+
+
+INTERP = os.environ.get("TRITON_INTERPRET") == "1"
+# Triton must see TRITON_INTERPRET=1 before it is first imported, so the interpreter checks run in a child pytest
+# (test_interpreter_checks); in this process they are skipped with that reason.
+interp = pytest.mark.skipif(not INTERP, reason="runs in a child process with TRITON_INTERPRET=1 "
+                                                 "(see test_interpreter_checks)")
+
+
+@pytest.fixture(scope="module")
+def tfi():
+    from flash_forensics.kernels import triton_flash
+    return triton_flash
+
+
+def test_interpreter_checks():
+    """Run the interpreter checks below in a child pytest with TRITON_INTERPRET=1 (CPU, FP32 logic)."""
+    if INTERP:
+        pytest.skip("already inside the interpreter run")
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "interpreter",
+                          os.path.abspath(__file__)], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=600)
+    tail = (res.stdout + res.stderr)[-4000:]
+    assert res.returncode == 0, tail
+
+
+def _emulator():
+    import flash_forensics.kernels.emulator
+    fn = getattr(kernels, "flash_attention", None)
+    if fn is None or not hasattr(kernels, "AttnStats"):
+        pytest.skip("flash_forensics.kernels.emulator.flash_attention / AttnStats (the emulator) is not available")
+    return fn, flash_forensics.kernels.stats.AttnStats
+
+
+class _Stats:
+    """AttnStats' device contract, for kernel tests that must not depend on the emulator landing."""
+
+    def __init__(self, n_head, device):
+        self.repeated_max_rows = torch.zeros(n_head, dtype=torch.int64, device=device)
+        self.max_logit = torch.full((), float("-inf"), dtype=torch.float32, device=device)
+
+
+def reference(q, k, v):
+    """Causal softmax attention in FP64."""
+    q, k, v = (x.double() for x in (q, k, v))
+    T = q.shape[-2]
+    s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    s = s.masked_fill(~torch.ones(T, T, dtype=torch.bool, device=q.device).tril(), float("-inf"))
+    return torch.softmax(s, -1) @ v
+
+
+def tile_counts_fp32(q, k, block_k, eps, tiling=True):
+    """Per-head count of (row, key tile) pairs with more than one score within eps of the tile's row max (FP32)."""
+    B, H, T, D = q.shape
+    s = (q.float() @ k.float().transpose(-1, -2)) / math.sqrt(D)
+    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    bk = block_k if tiling else T
+    out = torch.zeros(H, dtype=torch.int64, device=q.device)
+    for j in range(0, T, bk):
+        st, ok = s[..., j:j + bk], causal[:, j:j + bk]
+        st = st.masked_fill(~ok, float("-inf"))
+        rm = st.amax(-1, keepdim=True)
+        near = ok & (rm - st <= eps)
+        fire = (near.sum(-1) > 1) & ok.any(-1)
+        out += fire.sum(dim=(0, 2))
+    return out
+
+
+def planted(B, H, T, D, device, dtype=torch.float32, seed=0):
+    """Random q, k, v with repeated keys, so many rows have exactly repeated maxima (the SFA condition)."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    q = torch.randn(B, H, T, D, generator=g)
+    k = torch.randn(B, H, T, D, generator=g)
+    v = torch.randn(B, H, T, D, generator=g)
+    k[:, :, 1::3] = k[:, :, 0:T - 1:3][:, :, : k[:, :, 1::3].shape[2]]  # every third key repeats its neighbour
+    q = q * 2.0  # sharper scores: large positive and negative row maxima both occur
+    return [x.to(device=device, dtype=dtype).requires_grad_(True) for x in (q, k, v)]
+
+
+def _grads(o, inputs, g):
+    return torch.autograd.grad(o, inputs, g)
+
+
+# ------------------------------------------------------------------------------------------ CPU: interpreter, FP32
+FP32_CASES = [
+    dict(),
+    dict(softmax="stabilized"),
+    dict(softmax="stabilized", beta=4.0, tiling=False),
+    dict(tiling=False),
+    dict(delta="dP_P"),
+    dict(delta="recompute_fp32", softmax="stabilized"),
+    dict(block_q=32, block_k=16),
+]
+
+
+@interp
+@pytest.mark.parametrize("case", FP32_CASES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()) or "default")
+def test_interpreter_fp32_matches_fp64(tfi, case):
+    knobs = replace(AttentionKnobs(recipe="fp32", block_q=16, block_k=16), **case)
+    q, k, v = planted(1, 2, 40, 16, "cpu")
+    o = tfi.flash_attention_triton(q, k, v, knobs)
+    r = reference(q, k, v)
+    assert o.dtype == torch.float32
+    torch.testing.assert_close(o.double(), r, atol=2e-6, rtol=2e-6)
+    g = torch.randn_like(o)
+    for a, b in zip(_grads(o, (q, k, v), g), _grads(r, (q, k, v), g.double())):
+        torch.testing.assert_close(a.double(), b.double(), atol=1e-5, rtol=1e-5)
+
+
+@interp
+@pytest.mark.parametrize("tiling", [True, False])
+def test_interpreter_counters_fp32(tfi, tiling):
+    knobs = AttentionKnobs(recipe="fp32", block_q=16, block_k=16, tiling=tiling, counters=True)
+    q, k, v = planted(2, 3, 48, 16, "cpu", seed=1)
+    stats = _Stats(3, "cpu")
+    tfi.flash_attention_triton(q, k, v, knobs, stats)
+    expect = tile_counts_fp32(q.detach(), k.detach(), 16, knobs.eps, tiling)
+    assert expect.sum() > 0, "the planted inputs must contain repeated maxima"
+    assert torch.equal(stats.repeated_max_rows, expect)
+    smax = (q.detach() @ k.detach().transpose(-1, -2) / 4.0).masked_fill(
+        ~torch.ones(48, 48, dtype=torch.bool).tril(), float("-inf")).max()
+    torch.testing.assert_close(stats.max_logit, smax.float())
+    tfi.flash_attention_triton(q, k, v, knobs, stats)  # counters accumulate across calls
+    assert torch.equal(stats.repeated_max_rows, 2 * expect)
+
+
+@interp
+@pytest.mark.parametrize("blocks", [(16, 16), (32, 16), (16, 32)])
+def test_interpreter_counters_match_emulator(tfi, blocks):
+    flash_attention, AttnStats = _emulator()
+    knobs = AttentionKnobs(recipe="fp32", block_q=blocks[0], block_k=blocks[1], softmax="stabilized", counters=True)
+    q, k, v = planted(1, 2, 48, 16, "cpu", seed=2)
+    st_t, st_e = AttnStats(2, "cpu"), AttnStats(2, "cpu")
+    o_t = tfi.flash_attention_triton(q, k, v, knobs, st_t)
+    o_e = flash_attention(q, k, v, knobs, st_e)
+    assert st_e.repeated_max_rows.sum() > 0
+    assert torch.equal(st_t.repeated_max_rows, st_e.repeated_max_rows)
+    assert torch.equal(st_t.rows_seen, st_e.rows_seen)
+    torch.testing.assert_close(st_t.max_logit, st_e.max_logit)
+    torch.testing.assert_close(o_t.float(), o_e.float(), atol=2e-6, rtol=2e-6)
+
+
+@interp
+def test_interpreter_stabilized_leaves_no_unit_pbar(tfi):
+    q, k, v = planted(1, 2, 48, 16, "cpu", seed=3)
+    safe = AttentionKnobs(recipe="fp32", block_q=16, block_k=16)
+    pmax_safe, fired = tfi.fired_pbar_max(q, k, v, safe)
+    assert fired.any() and (pmax_safe[fired] == 1).any(), "safe softmax: P̄ = 1 at a repeated row max"
+    pmax, fired2 = tfi.fired_pbar_max(q, k, v, replace(safe, softmax="stabilized"))
+    assert torch.equal(fired, fired2)
+    assert (pmax[fired] < 1).all()
+
+
+def test_supports():
+    from flash_forensics.kernels import triton_flash as tf
+    q = torch.zeros(1, 2, 8, 64)
+    assert not tf.supports(AttentionKnobs(), q), "CPU tensors go to the emulator"
+    if torch.cuda.is_available():
+        qc = q.cuda()
+        assert tf.supports(AttentionKnobs(), qc)
+        assert not tf.supports(AttentionKnobs(), torch.zeros(1, 2, 8, 80, device="cuda"))
+        assert not tf.supports(AttentionKnobs(block_k=48), qc)
+        assert not tf.supports(AttentionKnobs(impl="standard"), qc)
+
+
+# ------------------------------------------------------------------------------------------------------ GPU
+# Error budgets (max abs error, inputs ~N(0,1) scaled as in `planted`):
+#   vs emulator: fp32 1e-4; fa2 / paper_bf16 forward 2 BF16 ulps of |O| (~2e-2 absolute at |O|<=2), gradients 5e-2
+#   relative to the gradient's max (BF16 accumulation order differs from the emulator's GEMMs).
+#   vs FP64: fp32 1e-4; fa2 2e-2; paper_bf16 forward 5e-2, gradients 1e-1 relative to max.
+GPU_CASES = [
+    ("fp32", {}), ("fp32", dict(softmax="stabilized")), ("fp32", dict(tiling=False)),
+    ("fa2", {}), ("fa2", dict(softmax="stabilized")), ("fa2", dict(delta="dP_P")), ("fa2", dict(tiling=False)),
+    ("fa2", dict(pv_fp32=True)), ("fa2", dict(o_fp32=True)),
+    ("paper_bf16", {}), ("paper_bf16", dict(softmax="stabilized")), ("paper_bf16", dict(tiling=False)),
+    ("paper_bf16", dict(delta="dP_P")), ("paper_bf16", dict(delta="recompute_fp32")),
+    ("paper_bf16", dict(pv_fp32=True)), ("paper_bf16", dict(o_fp32=True)),
+    ("paper_bf16", dict(o_fp32_heads=[1, 3])), ("paper_bf16", dict(block_q=128, block_k=32)),
+]
+BUDGET_EMU = {"fp32": (1e-4, 1e-4), "fa2": (2e-2, 5e-2), "paper_bf16": (3e-2, 5e-2)}
+BUDGET_REF = {"fp32": (1e-4, 1e-4), "fa2": (2e-2, 5e-2), "paper_bf16": (5e-2, 1e-1)}
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-12)).item()
+
+
+GPU_PARAMS = [(r, c, 64) for r, c in GPU_CASES] + [
+    ("fp32", {}, 128), ("fa2", {}, 128), ("fa2", dict(softmax="stabilized"), 128), ("paper_bf16", {}, 128),
+    ("paper_bf16", dict(softmax="stabilized", delta="dP_P"), 128), ("paper_bf16", dict(o_fp32_heads=[0]), 128)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe,case,D", GPU_PARAMS,
+                         ids=[f"{r}-{','.join(f'{k}={v}' for k, v in c.items()) or 'default'}-D{d}"
+                              for r, c, d in GPU_PARAMS])
+def test_gpu_matches_emulator_and_fp64(recipe, case, D):
+    from flash_forensics.kernels import triton_flash as tf
+    flash_attention, AttnStats = _emulator()
+    knobs = replace(AttentionKnobs(recipe=recipe, backend="triton"), **case)
+    T = 256
+    dt = torch.float32 if recipe == "fp32" else torch.bfloat16
+    q, k, v = planted(2, 4, T, D, "cuda", dtype=dt, seed=D)
+    assert tf.supports(knobs, q)
+    st_t, st_e = AttnStats(4, "cuda"), AttnStats(4, "cuda")
+    o_t = tf.flash_attention_triton(q, k, v, knobs, st_t)
+    o_e = flash_attention(q, k, v, replace(knobs, backend="emulator"), st_e)
+    r = reference(q, k, v)
+    g = torch.randn_like(o_t.float()).to(o_t.dtype)
+    gt = _grads(o_t, (q, k, v), g)
+    ge = _grads(o_e, (q, k, v), g.to(o_e.dtype))
+    gr = _grads(r, (q, k, v), g.double())
+    fo_e, fg_e = BUDGET_EMU[recipe]
+    fo_r, fg_r = BUDGET_REF[recipe]
+    assert (o_t.double() - o_e.double()).abs().max().item() <= fo_e
+    assert (o_t.double() - r).abs().max().item() <= fo_r
+    for name, a, b, c in zip("qkv", gt, ge, gr):
+        assert _rel(a, b) <= fg_e, f"d{name} vs emulator"
+        assert _rel(a, c) <= fg_r, f"d{name} vs FP64"
+    # counters: exact on FP32 scores; BF16 scores may flip a near-tie where GEMM summation order differs
+    ct, ce = st_t.repeated_max_rows, st_e.repeated_max_rows
+    assert ce.sum() > 0
+    assert torch.equal(st_t.rows_seen, st_e.rows_seen)
+    if recipe == "fp32":
+        assert torch.equal(ct, ce)
+    else:
+        assert (ct - ce).abs().sum().item() <= max(2, int(0.01 * ce.sum().item()))
+    torch.testing.assert_close(st_t.max_logit, st_e.max_logit, atol=3e-2, rtol=1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", ["fa2", "paper_bf16"])
+@pytest.mark.parametrize("tiling", [True, False])
+def test_gpu_stabilized_leaves_no_unit_pbar(recipe, tiling):
+    from flash_forensics.kernels import triton_flash as tf
+    q, k, v = planted(2, 4, 512, 64, "cuda", dtype=torch.bfloat16, seed=5)
+    safe = AttentionKnobs(recipe=recipe, tiling=tiling)
+    pmax_safe, fired = tf.fired_pbar_max(q, k, v, safe)
+    assert fired.any() and (pmax_safe[fired] == 1).any()
+    pmax, fired2 = tf.fired_pbar_max(q, k, v, replace(safe, softmax="stabilized"))
+    assert (pmax[fired2] < 1).all()
+
+
+@pytest.mark.gpu
+def test_gpu_long_sequence_and_no_sync():
+    """T=4096 runs; the call issues no host sync (counters stay on the device)."""
+    from flash_forensics.kernels import triton_flash as tf
+    q, k, v = planted(1, 2, 4096, 64, "cuda", dtype=torch.bfloat16, seed=6)
+    knobs = AttentionKnobs(recipe="fa2", softmax="stabilized")
+    stats = _Stats(2, "cuda")
+    tf.flash_attention_triton(q, k, v, knobs, stats)  # compile outside the sync guard
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        o = tf.flash_attention_triton(q, k, v, knobs, stats)
+        o.backward(torch.ones_like(o))
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    r = reference(q[:, :, :1024], k[:, :, :1024], v[:, :, :1024])
+    assert (o[:, :, :1024].double() - r).abs().max().item() <= 2e-2
+    assert torch.isfinite(q.grad).all()

@@ -1,0 +1,130 @@
+"""Bad input is rejected before anything runs, with a message naming the key, the value and what is allowed.
+
+Sweeps are composed in-process with Hydra's compose API and checked by ValidateSweep's own function
+(flash_forensics.orchestrator.launch.callbacks.validate_sweep), which composes every job the BasicSweeper would launch."""
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from omegaconf import open_dict
+
+import flash_forensics.orchestrator.config.schema  # noqa: F401  registers base_config
+from flash_forensics.orchestrator.job import checkpoint
+from flash_forensics.orchestrator.launch.callbacks import sweep_jobs, validate_sweep
+from flash_forensics.orchestrator.config.validate import ConfigError, effective_attention, validate_config
+
+CONF = str(Path(__file__).resolve().parents[2] / "conf")
+
+
+@pytest.fixture
+def sweep(tmp_path):
+    """compose a multirun config (hydra node included) and validate every job of it."""
+    def go(*overrides, uri=None):
+        overrides = [*overrides, f"tracking.uri={uri or f'sqlite:///{tmp_path}/mlflow.db'}",
+                     f"results_dir={tmp_path}/results"]
+        # like `python run.py -m ...`: the master config is composed without the sweep overrides
+        parsed = OverridesParser.create().parse_overrides(overrides)
+        plain = [o.input_line for o in parsed if not o.is_sweep_override()]
+        GlobalHydra.instance().clear()
+        with initialize_config_dir(CONF, version_base="1.3"):
+            cfg = compose("config", overrides=plain, return_hydra_config=True)
+            with open_dict(cfg):
+                cfg.hydra.overrides.task = overrides
+            return validate_sweep(cfg), cfg
+    yield go
+    GlobalHydra.instance().clear()
+
+
+def job_cfg(tmp_path, *overrides):
+    overrides = ["experiment=smoke", *overrides, f"tracking.uri=sqlite:///{tmp_path}/mlflow.db"]
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(CONF, version_base="1.3"):
+        return compose("config", overrides=overrides), overrides
+
+
+def test_every_intervention_and_sweep_validates(sweep):
+    n, _ = sweep("experiment=smoke", "+sweep=paper_isolation")
+    assert n == 11
+    n, cfg = sweep("experiment=smoke", "+sweep=beta_sweep")
+    assert n == 4
+    assert sorted(j for job in sweep_jobs(cfg) for j in job if j.startswith("intervention.beta")) == [
+        "intervention.beta=1.05", "intervention.beta=2", "intervention.beta=4", "intervention.beta=8"]
+    n, _ = sweep("+sweep=seeds")
+    assert n == 8
+    n, _ = sweep("experiment=gpt2s_paper", "train.device=auto", "intervention=head_upcast,flash_only_layer")
+    assert n == 2
+
+
+def test_effective_attention_per_intervention(tmp_path):
+    cfg, ov = job_cfg(tmp_path, "intervention=head_upcast", "intervention.layer=1", "intervention.heads=[2,3]")
+    obj, att = validate_config(cfg, ov, check_store=False)
+    assert att.for_layer(1).o_fp32_heads == [2, 3] and att.for_layer(0).o_fp32_heads == []
+    cfg, ov = job_cfg(tmp_path, "intervention=flash_only_layer")
+    _, att = validate_config(cfg, ov, check_store=False)
+    assert [att.for_layer(i).impl for i in range(2)] == ["standard", "flash"]
+    cfg, ov = job_cfg(tmp_path, "intervention=sfa", "intervention.beta=4")
+    _, att = validate_config(cfg, ov, check_store=False)
+    assert (att.softmax, att.beta) == ("stabilized", 4.0)
+    cfg, ov = job_cfg(tmp_path, "intervention=fp32")
+    assert effective_attention(validate_config(cfg, ov, check_store=False)[0]).recipe == "fp32"
+
+
+@pytest.mark.parametrize("overrides, needles", [
+    (["intervention=flash_only_layer", "intervention.layer=2"], ["intervention.layer=2", "<= 1"]),
+    (["intervention=head_upcast", "intervention.heads=[4]"], ["intervention.heads=[4]", "0..3"]),
+    (["intervention=sfa", "intervention.beta=1.0"], ["intervention.beta=1.0", "> 1"]),
+    (["intervention=sfa", "intervention.beta=0.5"], ["intervention.beta=0.5", "> 1"]),
+    (["intervention=[delta_dpp,recompute_o_fp32]"], ["delta_dpp sets attention.delta='dP_P'", "recompute_o_fp32"]),
+    (["intervention=[flash_only_layer,standard_layer]"], ["flash_only_layer", "standard_layer", "layer 1"]),
+    (["intervention=sfa", "attention.softmax=safe"], ["attention.softmax='safe' contradicts intervention=sfa"]),
+    (["attention=sdpa", "intervention=pv_fp32"], ["attention.impl='sdpa'", "pv_fp32=True"]),
+    (["train.precision=fp16"], ["train.precision='fp16'", "bf16, fp32"]),
+    (["optimizer.name=sgd"], ["optimizer.name='sgd'", "adamw, muon"]),
+    (["debug.nan_at_step=99"], ["debug.nan_at_step=99", "<= 19"]),
+    (["train.warmup_steps=50"], ["train.warmup_steps=50"]),
+    (["intervention.expect=maybe"], ["intervention.expect='maybe'", "stable, diverges"]),
+])
+def test_bad_values_are_named(sweep, overrides, needles):
+    with pytest.raises(ConfigError) as e:
+        sweep("experiment=smoke", *overrides)
+    for needle in needles:
+        assert needle in str(e.value), (needle, str(e.value))
+
+
+def test_bad_value_in_one_job_of_a_sweep(sweep):
+    with pytest.raises(ConfigError) as e:
+        sweep("experiment=smoke", "intervention=sfa", "intervention.beta=4,2,1")
+    assert "'intervention.beta=1'" in str(e.value) and "intervention.beta=1.0 is not allowed" in str(e.value)
+
+
+def test_unknown_intervention_hydra_message(sweep):
+    with pytest.raises(ConfigError) as e:
+        sweep("experiment=smoke", "intervention=baseline,nope")
+    assert "Could not find 'intervention/nope'" in str(e.value)
+
+
+def test_wrong_type_is_caught_at_compose(sweep):
+    with pytest.raises(Exception) as e:
+        sweep("experiment=smoke", "train.max_steps=lots")
+    assert "max_steps" in str(e.value)
+
+
+def test_unreachable_tracking_server(sweep):
+    with pytest.raises(ConfigError) as e:
+        sweep("experiment=smoke", uri="http://127.0.0.1:9")
+    assert "tracking.uri='http://127.0.0.1:9'" in str(e.value) and "unreachable" in str(e.value)
+
+
+def test_resume_missing_or_other_shape(sweep, tmp_path):
+    with pytest.raises(ConfigError) as e:
+        sweep("experiment=smoke", f"resume={tmp_path}/nope.pt")
+    assert "no such checkpoint" in str(e.value)
+    ckpt = checkpoint.save(tmp_path / "other.pt", {
+        "step": 3, "model_shape": {"n_layer": 12, "n_head": 12, "n_embd": 768, "block_size": 1024,
+                                   "vocab_size": 50304}, "model": {"w": torch.zeros(1)}})
+    with pytest.raises(ConfigError) as e:
+        sweep("experiment=smoke", f"resume={ckpt}")
+    assert "another model shape" in str(e.value) and "n_layer: checkpoint 12 vs model 2" in str(e.value)
