@@ -15,7 +15,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from flash_forensics.kernels import triton_flash as tf
+from flash_forensics.kernels import triton_launch as tf
 from flash_forensics.kernels.config import AttentionKnobs
 
 LIB = "flash_forensics"

@@ -1,10 +1,15 @@
-"""Plain sentences for the OS errors a job meets (disk full, read-only folder, a store that vanished) and the clean-up
-of temp files a killed job leaves behind. Shared by checkpoints, the tracking spool and result.json writing."""
+"""The errors every stage shares: ConfigError (a configuration that must not run), plain sentences for the OS errors
+a job meets (disk full, read-only folder, a store that vanished) and the clean-up of temp files a killed job leaves
+behind (checkpoints, the tracking spool, result.json)."""
 from __future__ import annotations
 
 import errno
 import os
 from pathlib import Path
+
+class ConfigError(ValueError):
+    """A configuration that must not run; the message names the key, the value and what is allowed."""
+
 
 _CAUSES = {errno.ENOSPC: "the disk is full (ENOSPC)", errno.EDQUOT: "the disk quota is exceeded (EDQUOT)",
            errno.EROFS: "the file system is read-only (EROFS)", errno.EACCES: "permission denied (EACCES)",

@@ -21,6 +21,7 @@ import sys
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from flash_forensics.orchestrator.verdict import DivergenceDetector, VerdictConfig
 
 RECORD_VERSION = 2  # 2: typed MLflow fields (metrics below, tag record_version); 1 or absent: older runs
 
@@ -367,7 +368,6 @@ def from_mlflow_run(run, history: Mapping[str, Sequence[Tuple[int, float]]]) -> 
             r.peak_wq_norm, r.peak_wq_where = max(wq)
         val = history.get(VAL_LOSS) or []
         r.val_loss = val[-1][1] if val else None
-        from flash_forensics.orchestrator.verdict import DivergenceDetector, VerdictConfig
         cfg = VerdictConfig(**{k: v for k, v in (("margin", r.verdict_margin), ("window", r.verdict_window))
                                if v is not None})
         det = DivergenceDetector(cfg)

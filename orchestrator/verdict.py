@@ -14,7 +14,6 @@ import math
 from dataclasses import dataclass
 from typing import Iterable, Optional, Tuple
 
-from flash_forensics.orchestrator.record import matches_paper  # noqa: F401  (re-exported)
 
 
 FORK_BASELINES = ("fresh", "source")

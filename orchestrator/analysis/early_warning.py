@@ -43,6 +43,12 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from flash_forensics.orchestrator import record
 from flash_forensics.orchestrator.monitor import signals
 from flash_forensics.orchestrator.monitor.signals import ABOVE, SIGNALS
+from flash_forensics.orchestrator.report.rows import rows_from_dirs
+from flash_forensics.orchestrator.job.folder import read_job_start
+from flash_forensics.orchestrator.analysis.localize.source import _job_uri
+from flash_forensics.orchestrator.report import readback as store
+from flash_forensics.orchestrator.verdict import DivergenceDetector, VerdictConfig
+from flash_forensics.orchestrator.report.plots import _save, palette, plt
 
 Series = Dict[str, List[Tuple[int, float]]]
 
@@ -144,7 +150,6 @@ def _usable(rec_rows: Sequence[Dict], skipped: List[str], unfinished: bool = Fal
 
 
 def _rows_of(source: str) -> List[Dict]:
-    from flash_forensics.orchestrator.report.rows import rows_from_dirs
     p = Path(source)
     report = p if p.suffix == ".json" else p / "verdicts.json"
     if report.is_file() and not (p / record.RESULT_FILE).is_file():
@@ -154,8 +159,6 @@ def _rows_of(source: str) -> List[Dict]:
 
 def _store_of(job_dir: Path) -> Optional[str]:
     """The store a job logged to: its job.json (written at job start), else its Hydra config or sweep."""
-    from flash_forensics.orchestrator.launch.task import read_job_start
-    from flash_forensics.orchestrator.analysis.localize.source import _job_uri
     return (read_job_start(job_dir) or {}).get("tracking_uri") or _job_uri(job_dir)
 
 
@@ -166,7 +169,6 @@ def _is_store(source: str) -> bool:
 def _store_rows(uri: str, experiment: Optional[str], skipped: List[str], unfinished: bool
                 ) -> List[Tuple[Dict, Optional[str]]]:
     """Every job run of `uri` (of `experiment` when given), as records; the sweeps' parent runs are not jobs."""
-    from flash_forensics.orchestrator.report import readback as store
     client = store.client_for(uri)
     if experiment is not None:
         exp = store.retry(client.get_experiment_by_name, experiment)
@@ -192,7 +194,6 @@ def _store_rows(uri: str, experiment: Optional[str], skipped: List[str], unfinis
 
 def _replayed_divergence(history: Dict, r: Dict) -> Optional[int]:
     """An unfinished run's divergence step by its own detector over its loss history (None: not diverged)."""
-    from flash_forensics.orchestrator.verdict import DivergenceDetector, VerdictConfig
     cfg = VerdictConfig(**{k: v for k, v in (("margin", r.get("verdict_margin")), ("window", r.get("verdict_window")))
                            if v is not None})
     det = DivergenceDetector(cfg)
@@ -203,7 +204,6 @@ def _replayed_divergence(history: Dict, r: Dict) -> Optional[int]:
 def load(sources: Sequence[str] = (), tracking_uri: Optional[str] = None, experiment: Optional[str] = None,
          growth_window: int = 100, unfinished: bool = False) -> Tuple[List[Run], List[str]]:
     """(runs, skipped): the judged runs with their signal series, and a line per run left out."""
-    from flash_forensics.orchestrator.report import readback as store
     skipped: List[str] = []
     rows: List[Tuple[Dict, Optional[str]]] = []
     for src in sources:
@@ -286,7 +286,6 @@ def markdown(rows: Sequence[Row], runs: Sequence[Run], chosen: Optional[Row], sk
 
 def plot(rows: Sequence[Row], chosen: Optional[Row], path: Path) -> Optional[Path]:
     """Mean lead time vs false alarms, one line per signal over its thresholds; hollow markers: rules with misses."""
-    from flash_forensics.orchestrator.report.plots import _save, palette, plt
     sigs = [s for s in SIGNALS if any(r.signal == s and r.mean_lead is not None for r in rows)]
     if not sigs:
         return None

@@ -40,6 +40,14 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from flash_forensics.orchestrator.job import fork
 from flash_forensics.orchestrator import record
+from flash_forensics.orchestrator.analysis.localize import format_localization, load_history, localize, plot, resolve_source
+from flash_forensics.orchestrator.report.sweep import log_sweep_metrics, write_report
+from flash_forensics.orchestrator.report.rows import rows_from_dirs
+from flash_forensics.orchestrator.report.readback import client_for, retry
+from flash_forensics.orchestrator.analysis.localize import rounding, rounding_io
+from flash_forensics.orchestrator.analysis.localize import rounding_io
+from flash_forensics.orchestrator.tracking.tracker import get_or_create_experiment, git_info
+from flash_forensics.orchestrator.tracking.tracker import default_tracking_uri
 
 REPO = Path(__file__).resolve().parents[1]
 EXPERIMENT = "paper_isolation"  # the MLflow experiment the pipeline's runs log to
@@ -120,7 +128,6 @@ class Pipeline:
         return step, ckpt, end
 
     def localize(self, job: Path):
-        from flash_forensics.orchestrator.analysis.localize import load_history, localize, plot, resolve_source
         src = resolve_source(str(job), self.plan.uri)
         history = load_history(src["run_id"], src["tracking_uri"])
         loc = localize(history, divergence_step=src["divergence_step"])
@@ -128,7 +135,7 @@ class Pipeline:
         self.plan.out.mkdir(parents=True, exist_ok=True)
         (self.plan.out / "localize.json").write_text(record.dumps(loc.to_dict()))
         plot(loc, history, self.plan.out / "localize.png")
-        print(loc.format(), flush=True)
+        print(format_localization(loc), flush=True)
         self.say(f"3/5 localized: {' '.join(loc.sweep_overrides())} ({loc.target()[2]}; details: "
                  f"{self.plan.out / 'localize.json'})")
         return loc
@@ -176,8 +183,6 @@ class Pipeline:
             return list(pool.map(go, jobs))
 
     def report(self, baseline: Path, step: int, ckpt: Path, loc) -> Dict[str, Path]:
-        from flash_forensics.orchestrator.report.sweep import log_sweep_metrics, write_report
-        from flash_forensics.orchestrator.report.rows import rows_from_dirs
         p = self.plan
         self.say(f"5/5 report -> {p.out}")
         rows = rows_from_dirs([baseline, p.root / "forks"])
@@ -192,7 +197,6 @@ class Pipeline:
         if result is not None:
             self.tag_cause(result, parent[1] if parent else None)
         if parent:
-            from flash_forensics.orchestrator.report.readback import client_for, retry
             client = client_for(p.uri)
             log_sweep_metrics(p.uri, parent[1], rows)
             for name in ("localize.json", "localize.png"):
@@ -203,7 +207,6 @@ class Pipeline:
 
     def rounding(self, rows, loc):
         """(RoundingResult, the report's Cause) when the sweeps include rounding_points, else (None, None)."""
-        from flash_forensics.orchestrator.analysis.localize import rounding, rounding_io
         if rounding.SWEEP not in self.plan.sweeps:
             return None, None
         result = rounding.analyze(rows, loc.to_dict() if loc is not None else None, str(self.plan.root))
@@ -214,7 +217,6 @@ class Pipeline:
 
     def tag_cause(self, result, parent_run_id: Optional[str]) -> None:
         """ff.cause.* on the baseline runs and the parent run; a store that fails is said, the files stand."""
-        from flash_forensics.orchestrator.analysis.localize import rounding_io
         try:
             rounding_io.tag_runs(self.plan.uri, rounding_io.baseline_run_ids(result)
                                  + ([parent_run_id] if parent_run_id else []), rounding_io.tags(result))
@@ -225,8 +227,6 @@ class Pipeline:
     def _parent_run(self) -> Optional[Tuple[str, str]]:
         """(experiment id, run id) of the pipeline's parent run (role=sweep: holds the table, no training)."""
         try:
-            from flash_forensics.orchestrator.report.readback import client_for, retry
-            from flash_forensics.orchestrator.tracking.tracker import get_or_create_experiment, git_info
             client = client_for(self.plan.uri)
             exp = get_or_create_experiment(client, EXPERIMENT, self.plan.uri)
             run = retry(client.create_run, exp, run_name=f"{EXPERIMENT}@{self.plan.root.name}",
@@ -274,7 +274,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             ap.error(f"--{key.replace('_', '-')}={getattr(a, key)} is not allowed: expected an integer >= 0")
     if a.per_gpu is not None and a.per_gpu < 1:
         ap.error(f"--per-gpu={a.per_gpu} is not allowed: expected an integer >= 1")
-    from flash_forensics.orchestrator.tracking.tracker import default_tracking_uri
     root = (a.root or REPO / "results" / "runs" / EXPERIMENT / _dt.datetime.now().strftime("%Y-%m-%d_%H-%M-%S"))
     root = root.resolve()
     plan = Plan(root=root, out=(a.out or root / record.REPORT_DIR).resolve(), uri=a.uri or default_tracking_uri(),

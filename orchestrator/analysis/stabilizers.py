@@ -24,6 +24,9 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 from flash_forensics.orchestrator import record
+from flash_forensics.orchestrator import interventions
+from flash_forensics.orchestrator.job.fork import MODEL_KEYS
+from flash_forensics.orchestrator.report.plots import palette
 
 REPO = Path(__file__).resolve().parents[1]
 BASELINE, REFERENCE = "baseline", "fp32"
@@ -36,8 +39,6 @@ def _finite(x) -> Optional[float]:
 
 def needs_model_change(intervention: str) -> Optional[bool]:
     """Whether the intervention's model patch changes the parameters (None: no such intervention file)."""
-    from flash_forensics.orchestrator import interventions
-    from flash_forensics.orchestrator.job.fork import MODEL_KEYS
     if intervention not in interventions.names():
         return None
     return bool(set(interventions.load(intervention).model.set_fields()) & set(MODEL_KEYS))
@@ -155,7 +156,6 @@ def plot(rows: List[Dict[str, Any]], shapes: Sequence[str], path: Path) -> Optio
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from flash_forensics.orchestrator.report.plots import palette
 
     runs = [r for r in rows if r["intervention"] != BASELINE]
     if not runs:

@@ -16,12 +16,23 @@ from omegaconf import DictConfig, OmegaConf
 from flash_forensics.kernels import knobs as knob_table
 from flash_forensics.kernels.checks import bad, int_range, is_int, is_num
 from flash_forensics.kernels.config import AttentionConfig, AttentionKnobs, LayerOverride
+from flash_forensics.orchestrator.config.schema import Config
+from flash_forensics.orchestrator.errors import ConfigError  # noqa: F401  (re-exported)
+from flash_forensics.orchestrator.interventions import load
+from flash_forensics.kernels.recipes import for_knobs
+from flash_forensics.orchestrator.config.schema import OPTIMIZERS
+from flash_forensics.orchestrator.config.schema import COMPILES, DEVICES, PRECISIONS
+from flash_forensics.orchestrator.config.schema import EXPECTS
+from flash_forensics.orchestrator.data.corpora import open_corpus
+from flash_forensics.orchestrator.data.prepare import dataset_dir
+from flash_forensics.orchestrator.data.replay import read_header
+from flash_forensics.orchestrator.data.replay import OrderReader
+from flash_forensics.orchestrator.interventions import effective_model
+from flash_forensics.orchestrator.interventions import build_hooks
+from flash_forensics.orchestrator.job.fork import check_fork, check_model, check_resume_hooks, source_header
+from flash_forensics.orchestrator.tracking.tracker import check_tracking
 
 KNOBS = tuple(f.name for f in fields(AttentionKnobs))
-
-
-class ConfigError(ValueError):
-    """A configuration that must not run; the message names the key, the value and what is allowed."""
 
 
 def _bad(key: str, value, allowed: str) -> ConfigError:
@@ -41,7 +52,6 @@ def _num(key: str, value, low: float, strict: bool = True) -> None:
 # ------------------------------------------------------------------------------------------------ to objects
 def to_object(cfg):
     """DictConfig (composed by Hydra, maybe with the hydra node) -> schema.Config dataclass instance."""
-    from flash_forensics.orchestrator.config.schema import Config
 
     if isinstance(cfg, Config):
         return cfg
@@ -123,7 +133,6 @@ def _knob_sites(iv) -> Dict[Tuple[str, Optional[int]], object]:
 
 def check_combination(names: Sequence[str], base) -> None:
     """Two interventions that set one knob (at one layer) to different values contradict each other."""
-    from flash_forensics.orchestrator.interventions import load
 
     owners: Dict[Tuple[str, Optional[int]], Tuple[str, object]] = {}
     with_hooks = []
@@ -194,7 +203,6 @@ def _check_stochastic_round(k, src: Dict[str, str], layer: int) -> None:
     never set and silently a no-op (fa2 / fp32 keep both in FP32; pv_fp32 / o_fp32 lift them for every head)."""
     if not k.stochastic_round:
         return
-    from flash_forensics.kernels.recipes import for_knobs
     import torch
     rc = for_knobs(k)  # the recipe with the knobs that lift or lower its points
     why = (f"pv_fp32=True (set at {src['pv_fp32']}) keeps them in FP32" if k.pv_fp32 else
@@ -209,7 +217,6 @@ def _check_stochastic_round(k, src: Dict[str, str], layer: int) -> None:
 
 # ----------------------------------------------------------------------------------------------- the sections
 def check_optimizer(o) -> None:
-    from flash_forensics.orchestrator.config.schema import OPTIMIZERS
 
     if o.name not in OPTIMIZERS:
         raise _bad("optimizer.name", o.name, "one of " + ", ".join(OPTIMIZERS))
@@ -230,7 +237,6 @@ def check_optimizer(o) -> None:
 
 
 def check_train(t) -> None:
-    from flash_forensics.orchestrator.config.schema import COMPILES, DEVICES, PRECISIONS
 
     for name in ("batch_size", "grad_accum", "max_steps", "eval_batches"):
         _int(f"train.{name}", getattr(t, name), 1)
@@ -251,7 +257,6 @@ def check_train(t) -> None:
 
 
 def check_intervention(iv, model) -> None:
-    from flash_forensics.orchestrator.config.schema import EXPECTS
 
     if iv.expect not in EXPECTS:
         raise _bad("intervention.expect", iv.expect, "one of " + ", ".join(EXPECTS))
@@ -278,8 +283,6 @@ def check_data_fits(obj) -> None:
     d, T = obj.data, obj.model.block_size
     tokens = None
     try:
-        from flash_forensics.orchestrator.data.corpora import open_corpus
-        from flash_forensics.orchestrator.data.prepare import dataset_dir
         import json
         manifest = dataset_dir(d, open_corpus(d)) / "manifest.json"
         if manifest.is_file():
@@ -293,7 +296,6 @@ def check_data_fits(obj) -> None:
                                               f"{tokens.get('train')} train / {tokens.get('val')} val tokens and a "
                                               f"block needs block_size + 1 of them")
     if d.replay is not None and obj.from_checkpoint is None:
-        from flash_forensics.orchestrator.data.replay import read_header
         path = Path(d.replay)
         if not path.is_file():
             raise _bad("data.replay", d.replay, "an existing batch-order file (a run's batch_order.bin)")
@@ -312,7 +314,6 @@ def check_data_fits(obj) -> None:
             raise ConfigError(f"data.replay={d.replay!r} is not allowed: it was recorded for another run shape "
                               f"({'; '.join(diff)})")
         if tokens and h.n_tokens == tokens.get("train"):
-            from flash_forensics.orchestrator.data.replay import OrderReader
             try:
                 OrderReader(path, h).check_covers(t.max_steps)  # checksum, offsets inside the corpus, length
             except ValueError as e:
@@ -325,7 +326,6 @@ KILL_WHERE = ("step_start", "step", "after_checkpoint", "checkpoint_write")
 def apply_model_patch(obj) -> None:
     """The intervention's model patch, checked as intervention.model and applied: obj.model is then the model the
     job builds (and the one a fork or resume is checked against)."""
-    from flash_forensics.orchestrator.interventions import effective_model
 
     patch = obj.intervention.model.set_fields()
     if not patch:
@@ -339,7 +339,6 @@ def apply_model_patch(obj) -> None:
 def check_hooks(iv, model) -> None:
     """Each train hook builds (its _target_ imports, its arguments fit) and accepts the model. No side effects:
     building a hook only stores its arguments; it touches a model only in attach()."""
-    from flash_forensics.orchestrator.interventions import build_hooks
 
     build_hooks(iv.hooks).check(model)
 
@@ -385,7 +384,6 @@ def _validate(cfg, overrides: Sequence[str] = (), check_resume: bool = True, che
         raise ConfigError(f"{e} (attention with intervention={obj.intervention.name})") from None
     check_knob_combos(att, obj.model.n_layer)
     if check_resume and (obj.from_checkpoint is not None or obj.resume is not None):
-        from flash_forensics.orchestrator.job.fork import check_fork, check_model, check_resume_hooks, source_header
         try:
             if obj.from_checkpoint is not None:
                 check_fork(obj)  # resume + from_checkpoint, model, optimizer, step < max_steps, batch order
@@ -404,7 +402,6 @@ def _check_store(tracking) -> None:
     """The tracking store is reachable (once per URI and process)."""
     if tracking.uri in _STORES_CHECKED:
         return
-    from flash_forensics.orchestrator.tracking.tracker import check_tracking
     try:
         check_tracking(tracking.uri, timeout_s=tracking.check_timeout_s)
     except ValueError as e:

@@ -12,6 +12,12 @@ from dataclasses import dataclass, field, fields
 from typing import Any, List
 
 from flash_forensics.orchestrator.data.config import REPO_ROOT, DataConfig, DataError
+import flash_forensics.orchestrator.config.schema
+from flash_forensics.orchestrator.data.prepare import ensure_prepared
+from flash_forensics.orchestrator.data.corpora import kjv_path
+from flash_forensics.orchestrator.data.tokenizer import gpt2_encoding, ranks_path
+from flash_forensics.orchestrator.data.tokenizer import gpt2_encoding, install_ranks, ranks_path
+from flash_forensics.orchestrator.data.tokenizer import TokenizerUnavailable
 
 
 @dataclass
@@ -35,7 +41,6 @@ def compose_data(overrides: List[str]) -> DataConfig:
     # data-only overrides compose conf/data alone; others (experiment=gpt2s_paper) need the project's root config
     root_name = "ff_data_prepare"
     if any(_key(o) != "data" and not _key(o).startswith("data.") for o in overrides):
-        import flash_forensics.orchestrator.config.schema  # noqa: F401  registers base_config, the schema conf/config.yaml builds on
 
         root_name = "config"
     ConfigStore.instance().store(name="ff_data_prepare", node=PrepareRoot)
@@ -62,7 +67,6 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     try:
         if args.cmd == "prepare":
-            from flash_forensics.orchestrator.data.prepare import ensure_prepared
 
             cfg = compose_data(args.overrides)
             folder = ensure_prepared(cfg, args.vocab_size, force=args.force)
@@ -71,13 +75,10 @@ def main(argv=None) -> int:
                   f"{m['max_id']}\n  prepared in {m['prepare_seconds']} s ({m['tokens_per_s']:,} tokens/s, "
                   f"{m['threads']} threads)")
         elif args.cmd == "fetch":
-            from flash_forensics.orchestrator.data.corpora import kjv_path
-            from flash_forensics.orchestrator.data.tokenizer import gpt2_encoding, ranks_path
 
             gpt2_encoding()
             print(f"GPT-2 BPE ranks: {ranks_path()}\ndefault corpus:  {kjv_path()}")
         else:
-            from flash_forensics.orchestrator.data.tokenizer import gpt2_encoding, install_ranks, ranks_path
 
             if args.source:
                 install_ranks(args.source)
@@ -87,7 +88,6 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except Exception as e:
-        from flash_forensics.orchestrator.data.tokenizer import TokenizerUnavailable
 
         if isinstance(e, TokenizerUnavailable):
             print(f"error: {e}", file=sys.stderr)

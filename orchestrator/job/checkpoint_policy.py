@@ -13,6 +13,7 @@ from omegaconf import OmegaConf
 
 from flash_forensics.orchestrator.job import checkpoint
 from flash_forensics.orchestrator.record import CKPT_DIR  # one definition: the run record's file names
+from flash_forensics.orchestrator.job.fork import fork_info, resolve_order, source_decay
 
 
 def start_state(job) -> Optional[Dict[str, Any]]:
@@ -24,7 +25,6 @@ def start_state(job) -> Optional[Dict[str, Any]]:
     if found is not None:
         path = found
     if path is None and cfg.from_checkpoint is not None:
-        from flash_forensics.orchestrator.job.fork import fork_info, resolve_order, source_decay
         state = checkpoint.check_compatible(cfg.from_checkpoint, cfg.model, key="from_checkpoint")
         job.forking = True
         info = fork_info(cfg.from_checkpoint, state, cfg.optimizer.decay_steps or source_decay(state))

@@ -26,6 +26,9 @@ from typing import Any, Dict, List, Optional, Tuple
 from flash_forensics.orchestrator.job import checkpoint
 from flash_forensics.orchestrator import record
 from flash_forensics.orchestrator.record import CKPT_DIR, ORDER_FILE
+from flash_forensics.models.gpt import GPT
+from flash_forensics.orchestrator.data.config import DataError
+from flash_forensics.orchestrator.data.replay import OrderHeader, OrderReader, read_header
 
 
 class ForkError(ValueError):
@@ -136,7 +139,6 @@ def _check_parameters(header: Dict[str, Any], obj, key: str, path) -> None:
     if not shapes:
         return
     import torch
-    from flash_forensics.models.gpt import GPT
 
     with torch.device("meta"):
         want = {n: tuple(t.shape) for n, t in GPT(obj.model).state_dict().items()}
@@ -182,8 +184,6 @@ def check_fork(obj) -> Dict[str, Any]:
 
 def check_order(order: Path, obj, what: str) -> None:
     """The order file exists, was recorded for this run shape, and covers train.max_steps steps."""
-    from flash_forensics.orchestrator.data.config import DataError
-    from flash_forensics.orchestrator.data.replay import OrderHeader, OrderReader, read_header
 
     t = obj.train
     try:

@@ -30,6 +30,8 @@ import sys
 import threading
 import time
 from typing import Iterable, Optional
+from flash_forensics.orchestrator.job.distributed import any_rank
+from flash_forensics.orchestrator.job.distributed import barrier
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +114,6 @@ class PreemptionGuard:
             return self.requested
         if step % self.check_every:
             return False
-        from flash_forensics.orchestrator.job.distributed import any_rank
 
         agreed = any_rank(self.requested, info)
         if agreed and not self.requested:
@@ -124,7 +125,6 @@ class PreemptionGuard:
         """After the checkpoint is on disk: requeue the job and leave (raises SystemExit; never returns)."""
         info = self.dist_info
         if info is not None and getattr(info, "distributed", False):
-            from flash_forensics.orchestrator.job.distributed import barrier
 
             barrier(info)  # rank 0's checkpoint is written before anyone leaves
             if not info.is_main:

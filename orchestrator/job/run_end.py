@@ -8,6 +8,7 @@ import time
 import torch
 
 from flash_forensics.orchestrator import record
+from flash_forensics.orchestrator.job import checkpoint_policy as snapshot
 
 
 def new_result(iv, overrides, job_dir=None, verdict=None) -> dict:
@@ -91,7 +92,6 @@ def _finite_params(model) -> bool:
 
 def crash(job, model, optimizer, done: int, stream) -> None:
     """Record what is known: monitors flushed, verdict 'failed', a crash checkpoint when the weights are sane."""
-    from flash_forensics.orchestrator.job import checkpoint_policy as snapshot
 
     if job.monitors is not None:
         _settle_quietly(job, done)

@@ -33,6 +33,17 @@ from flash_forensics.orchestrator.interventions import build_hooks
 from flash_forensics.orchestrator.job.optim import build_optimizer
 from flash_forensics.orchestrator.record import CKPT_DIR, ORDER_FILE, RESOLVED_CONFIG
 from flash_forensics.orchestrator.job.step import TrainStep, autocast, precision_line
+from flash_forensics.orchestrator.job.distributed import init_distributed
+from flash_forensics.orchestrator.errors import ConfigError
+from flash_forensics.models.gpt import GPT
+from flash_forensics.orchestrator.errors import remove_stale_temps
+from flash_forensics.orchestrator.data import BatchStream
+from flash_forensics.orchestrator.tracking.tracker import Tracker, describe_run
+from flash_forensics.orchestrator.job.folder import read_job_start, write_job_start
+from flash_forensics.orchestrator.data import ensure_prepared, val_batches
+from flash_forensics.orchestrator.monitor.monitors import Monitors
+from flash_forensics.orchestrator.verdict import DivergenceDetector
+from flash_forensics.orchestrator.job.preemption import PreemptionGuard
 SPOOL_FILE = "mlflow_spool.jsonl"  # metric points waiting for a failed MLflow store (orchestrator/tracking/tracker.py)
 
 
@@ -124,19 +135,16 @@ class Job:
 
     # ---------------------------------------------------------------------------------------------- setup
     def _init_dist(self):
-        from flash_forensics.orchestrator.job.distributed import init_distributed
 
         self.dist = init_distributed(self.cfg.dist, device=self.cfg.train.device, slot=_job_slot())
         self.is_main = self.dist.is_main
         if self.cfg.train.grad_accum % self.dist.world_size:
-            from flash_forensics.orchestrator.config.validate import ConfigError
             raise ConfigError(f"train.grad_accum={self.cfg.train.grad_accum} is not allowed with "
                               f"{self.dist.world_size} ranks: expected a multiple of the world size")
         return self.dist.device
 
     def _build_model(self, device):
         """Model and optimizer, then the start state's weights and optimizer state (resume or fork)."""
-        from flash_forensics.models.gpt import GPT
 
         seed_everything(self.cfg.train.seed)
         model = GPT(self.cfg.model, self.attention).to(device)
@@ -146,7 +154,6 @@ class Job:
         self.hooks.attach(model)
         optimizer = build_optimizer(model, self.cfg.optimizer, device)
         if self.is_main:  # what a kill -9 mid-write left behind
-            from flash_forensics.orchestrator.errors import remove_stale_temps
             for folder in (self.job_dir / CKPT_DIR, self.job_dir):
                 for p in remove_stale_temps(folder):
                     print(f"[job] removed {p}, a temp file of a killed job")
@@ -165,7 +172,6 @@ class Job:
         return model, train_model, optimizer, state
 
     def _stream(self, data_dir: Path, start: int):
-        from flash_forensics.orchestrator.data import BatchStream
 
         cfg = self.cfg
         replay = cfg.data.replay
@@ -196,7 +202,6 @@ class Job:
 
     def _open_run(self, state, resuming: bool) -> None:
         """The MLflow run (the same one on resume, a new one for a fork), its params, tags and resolved config."""
-        from flash_forensics.orchestrator.tracking.tracker import Tracker, describe_run
 
         cfg, iv = self.cfg, self.cfg.intervention
         fork_tags = {}
@@ -219,7 +224,6 @@ class Job:
         if not self.is_main:
             return
         # what the launcher needs to close this run if the job dies without a result (orchestrator/launch/task.py)
-        from flash_forensics.orchestrator.launch.task import read_job_start, write_job_start
         old = (read_job_start(self.job_dir) or {}).get("mlflow_run_id")
         if old and old != self.tracker.run_id:  # this folder's earlier run died before any checkpoint
             self.tracker.close_other(old, "KILLED", "the job died before its first checkpoint and was started again "
@@ -235,9 +239,6 @@ class Job:
                                record.TAG_VERSION: str(record.RECORD_VERSION)})
 
     def _setup(self):
-        from flash_forensics.orchestrator.data import ensure_prepared, val_batches
-        from flash_forensics.orchestrator.monitor.monitors import Monitors
-        from flash_forensics.orchestrator.verdict import DivergenceDetector
 
         cfg, tc = self.cfg, self.cfg.train
         device = self._init_dist()
@@ -347,10 +348,6 @@ class Job:
 
     # -------------------------------------------------------------------------------------------- pieces
     def _guard(self):
-        try:
-            from flash_forensics.orchestrator.job.preemption import PreemptionGuard
-        except ImportError:
-            return None
         return PreemptionGuard(dist_info=self.dist, check_every=self.cfg.dist.preempt_check_every).install()
 
     def _maybe_kill(self, step: int, where: str) -> None:

@@ -14,6 +14,8 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from flash_forensics.orchestrator.config.validate import ConfigError, validate_config
+from flash_forensics.orchestrator.launch.cluster import check_launcher
+from flash_forensics.orchestrator.launch.task import close_dead_jobs
 
 
 def sweep_jobs(config: DictConfig) -> List[List[str]]:
@@ -65,10 +67,6 @@ def _check_launcher(config: DictConfig) -> None:
                           f"submitit's local executor then hides every GPU from the jobs; expected >= 1 (the "
                           f"default ${{ff_gpu_count:}} gives each job all of this machine's GPUs)")
     try:
-        from flash_forensics.orchestrator.launch.cluster import check_launcher
-    except ImportError:
-        return
-    try:
         check_launcher(config)  # controller up (sbatch, scontrol ping); grad_accum splits over tasks x nodes
     except Exception as e:
         raise ConfigError(str(e)) from None
@@ -111,7 +109,6 @@ class CloseDeadJobs(Callback):
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
         from pathlib import Path
 
-        from flash_forensics.orchestrator.launch.task import close_dead_jobs
         sweep_dir = OmegaConf.select(config, "hydra.sweep.dir")
         if sweep_dir and Path(sweep_dir).is_dir():
             close_dead_jobs(Path(sweep_dir))

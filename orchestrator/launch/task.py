@@ -20,8 +20,20 @@ from omegaconf import DictConfig
 
 from flash_forensics.orchestrator import record
 from flash_forensics.orchestrator.record import ERROR_FILE, RESULT_FILE
+from flash_forensics.orchestrator.errors import WriteError, sentence, temp_name
+from flash_forensics.orchestrator.errors import _alive
+from flash_forensics.orchestrator.tracking.tracker import mark_terminated
+from flash_forensics.orchestrator.job import checkpoint
+from flash_forensics.orchestrator.tracking.tracker import retry, make_client
+from flash_forensics.orchestrator.job.train import Job
+from flash_forensics.orchestrator.job.folder import (  # noqa: F401  (re-exported)
+    START_FILE, _write_json, read_job_start, write_job_start, write_result)
+from flash_forensics.orchestrator.config.validate import selected_interventions, validate_config
+from flash_forensics.orchestrator.errors import WriteError
+from flash_forensics.orchestrator.tracking.tracker import log_job_artifacts, record_outcome, resolve_uri
+from flash_forensics.orchestrator.report.sweep import write_run_report
+from flash_forensics.orchestrator.tracking.tracker import resolve_uri
 
-START_FILE = "job.json"  # written at job start: what the launcher needs if the job dies without a result
 
 
 def _hydra_context() -> tuple[Path, List[str], bool]:
@@ -35,51 +47,11 @@ def _hydra_context() -> tuple[Path, List[str], bool]:
         return Path("results/runs/manual"), [], False
 
 
-def _write_json(path: Path, data: Dict[str, Any], what: str) -> Path:
-    """Atomic (temp + os.replace), NaN/inf as the run record writes them; an OSError becomes one plain sentence
-    naming the path and the cause."""
-    from flash_forensics.orchestrator.errors import WriteError, sentence, temp_name
-    tmp = temp_name(path)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(record.dumps(data))
-        tmp.replace(path)
-    except OSError as e:
-        try:
-            tmp.unlink()
-        except OSError:
-            pass
-        raise WriteError(e.errno, sentence(what, path, e)) from e
-    return path
-
-
-def write_result(job_dir: Path, result: Dict[str, Any]) -> Path:
-    """<job dir>/result.json as the typed run record (orchestrator/record.py): one encoding, atomic."""
-    return _write_json(Path(job_dir) / RESULT_FILE, record.RunRecord.from_dict(result).to_dict(), "the job result")
-
-
-def write_job_start(job_dir: Path, **fields) -> Path:
-    """Merge fields into <job dir>/job.json (created at job start)."""
-    path = Path(job_dir) / START_FILE
-    data = read_job_start(job_dir) or {}
-    data.update(fields)
-    return _write_json(path, data, "the job record")
-
-
-def read_job_start(job_dir: Path) -> Optional[Dict[str, Any]]:
-    path = Path(job_dir) / START_FILE
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
 def close_dead_jobs(root: Path, reason: str = "the job died without writing a result (killed, out of memory or "
                                               "node lost)") -> List[Path]:
     """For every job folder under root (root itself included) with job.json but no result.json whose process is
     gone: mark its MLflow run KILLED (tag verdict=failed, error=reason) and write its result.json. Returns them."""
     import os
-    from flash_forensics.orchestrator.errors import _alive
     closed = []
     root = Path(root)
     for start in sorted([root / START_FILE, *root.glob(f"*/{START_FILE}")]):
@@ -96,7 +68,6 @@ def close_dead_jobs(root: Path, reason: str = "the job died without writing a re
                   "mlflow_run_id": info.get("mlflow_run_id"), "steps_done": _steps_logged(info),
                   "error": reason, "wall_s": None, "attention_routes": None}
         if info.get("mlflow_run_id") and info.get("tracking_uri"):
-            from flash_forensics.orchestrator.tracking.tracker import mark_terminated
             mark_terminated(info["tracking_uri"], info["mlflow_run_id"], "KILLED", reason)
         write_result(job_dir, result)
         print(f"[job] {job_dir}: {reason}; marked failed (MLflow run KILLED)")
@@ -109,7 +80,6 @@ def _foreign_folder(cfg, job_dir: Path) -> Optional[str]:
     the source's own folder): auto-resume would reopen that run and rewrite its verdict. The sentence, or None."""
     if cfg.get("from_checkpoint") is None or not cfg.train.get("auto_resume", True):
         return None
-    from flash_forensics.orchestrator.job import checkpoint
     d = Path(job_dir) / "checkpoints"
     files = ([d / "last.pt"] if (d / "last.pt").is_file() else []) + list(checkpoint.step_files(d).values())[::-1]
     for p in files:
@@ -128,7 +98,6 @@ def _foreign_folder(cfg, job_dir: Path) -> Optional[str]:
 def _steps_logged(info) -> int:
     """Steps of a dead job: those its MLflow run holds (0 when unknown)."""
     try:
-        from flash_forensics.orchestrator.tracking.tracker import retry, make_client
         hist = retry(make_client(info["tracking_uri"]).get_metric_history, info["mlflow_run_id"], "train/loss")
         return max((int(m.step) + 1 for m in hist), default=0)
     except Exception:
@@ -146,8 +115,6 @@ def exit_status(result: Dict[str, Any], multirun: bool) -> int:
 
 
 def run_job(cfg: DictConfig, job_dir: Optional[Path] = None, overrides: Optional[List[str]] = None) -> Dict[str, Any]:
-    from flash_forensics.orchestrator.job.train import Job
-    from flash_forensics.orchestrator.config.validate import selected_interventions, validate_config
 
     hydra_dir, hydra_overrides, multirun = _hydra_context()
     job_dir = Path(job_dir) if job_dir is not None else hydra_dir
@@ -176,7 +143,6 @@ def run_job(cfg: DictConfig, job_dir: Optional[Path] = None, overrides: Optional
             result = job.result
         result["observed"] = "failed"
         result["error"] = result.get("error") or f"{type(e).__name__}: {e}"
-        from flash_forensics.orchestrator.errors import WriteError
         if isinstance(e, WriteError):  # the plain sentence says it all
             result["error"] = str(e)
         try:
@@ -210,7 +176,6 @@ def _record_run(cfg, result, job_dir: Path) -> None:
     if not result.get("mlflow_run_id"):
         return
     try:
-        from flash_forensics.orchestrator.tracking.tracker import log_job_artifacts, record_outcome, resolve_uri
         uri = resolve_uri(cfg.tracking.uri)
         record_outcome(uri, result["mlflow_run_id"], result, paper=cfg.intervention.get("paper"))
         log_job_artifacts(uri, result["mlflow_run_id"], job_dir)
@@ -221,8 +186,6 @@ def _record_run(cfg, result, job_dir: Path) -> None:
 def _single_run_report(cfg, result, job_dir: Path) -> None:
     """A single (non-multirun) run still gets a report: <job dir>/report/verdicts.{md,json}."""
     try:
-        from flash_forensics.orchestrator.report.sweep import write_run_report
-        from flash_forensics.orchestrator.tracking.tracker import resolve_uri
         write_run_report(result, str(cfg.sweep_name), resolve_uri(cfg.tracking.uri), job_dir=job_dir,
                          out_dir=Path(job_dir) / record.REPORT_DIR)  # its own folder: never a sweep's report
     except Exception as e:  # the run itself is recorded; a report failure must not hide that

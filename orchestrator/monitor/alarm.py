@@ -27,6 +27,10 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from flash_forensics.orchestrator.monitor.signals import PROBE_SIGNALS, SIGNALS, SignalState, crossed
+from flash_forensics.orchestrator.interventions import spec
+from flash_forensics.orchestrator.job import checkpoint_policy as snapshot
+from flash_forensics.orchestrator.errors import ConfigError
+from flash_forensics.orchestrator.data import BatchStream
 
 ACTIONS = ("tag", "checkpoint", "stop", "fork")
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,7 +64,6 @@ class AlarmConfig:
         if isinstance(self.growth_window, bool) or not isinstance(self.growth_window, int) or self.growth_window <= 0:
             raise bad("growth_window", self.growth_window, "an integer > 0 (steps)")
         if self.enabled and self.action == "fork":
-            from flash_forensics.orchestrator.interventions import spec
             allowed = spec.names()
             if self.fork_intervention not in allowed:
                 raise bad("fork_intervention", self.fork_intervention, "one of " + ", ".join(allowed))
@@ -108,7 +111,6 @@ class Alarm:
 
     def act(self, job, model, optimizer, done: int, stream) -> bool:
         """Tag, checkpoint, then stop or fork; the record's `alarm` says what was done. True: end the run."""
-        from flash_forensics.orchestrator.job import checkpoint_policy as snapshot
         self.pending = False
         f = self.fired
         job.result["alarm"] = f
@@ -149,7 +151,6 @@ def attach(job, start_step: int) -> Optional[Alarm]:
     if not cfg.enabled:
         return None
     if cfg.action == "stop" and job.dist is not None and job.dist.world_size > 1:
-        from flash_forensics.orchestrator.config.validate import ConfigError
         raise ConfigError(f"monitor.alarm.action='stop' is not allowed with {job.dist.world_size} DDP ranks: "
                           f"expected tag, checkpoint or fork (each rank counts its own repeated maxima, so the "
                           f"ranks would not stop at the same step)")
@@ -174,7 +175,6 @@ def write_full_order(stream, path: Path, n_steps: int) -> Path:
     """This run's batch order for steps 0..n_steps-1 in one file (the recording so far only covers the steps done):
     the order is a pure function of the seed, or the replayed file's, so the rest is written as the run will see
     it."""
-    from flash_forensics.orchestrator.data import BatchStream
     replay = stream.reader.path if stream.reader is not None else None
     BatchStream(stream.bin_path, stream.block_size, stream.batch_size, stream.seed, record_path=path,
                 replay_path=replay, grad_accum=stream.grad_accum, start_step=n_steps).close()

@@ -23,6 +23,7 @@ import matplotlib
 
 matplotlib.use("Agg")  # headless: jobs and callbacks run without a display
 import matplotlib.pyplot as plt  # noqa: E402
+from flash_forensics.orchestrator import record
 
 History = Dict[str, List[Tuple[int, float]]]
 _HEAD = re.compile(r"L(\d+)\.H(\d+)$")
@@ -230,7 +231,6 @@ def probes(runs: Sequence[Tuple[str, History]], path: Path) -> Optional[Path]:
     """One row of four panels per run that logged probes (orchestrator/monitor/probes/), colour = layer, x = training step:
     the mean delta error, its cumulative sum, the tie share (signed and absolute) and the W_Q gradient-error
     coherence. Runs without probe metrics are left out; None when no run has any."""
-    from flash_forensics.orchestrator import record
 
     def per_layer(h: History, kind: str) -> Dict[int, List[Tuple[int, float]]]:
         out = {}

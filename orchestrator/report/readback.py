@@ -9,6 +9,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from flash_forensics.orchestrator import record
 # the one retry policy for a sqlite store locked by another local job (MLflow retries deadlocks, not locks)
 from flash_forensics.orchestrator.tracking.tracker import make_client, resolve_uri, retry
+from flash_forensics.orchestrator.report.rows import row_from_record
 
 History = Dict[str, List[Tuple[int, float]]]
 
@@ -61,7 +62,6 @@ def rows_from_mlflow(tracking_uri: str, experiment: str, source_run: Optional[st
     source run is an error."""
     from tqdm import tqdm
 
-    from flash_forensics.orchestrator.report.rows import row_from_record
     uri = resolve_uri(tracking_uri)
     client = make_client(uri)
     exp = retry(client.get_experiment_by_name, experiment)

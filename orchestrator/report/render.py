@@ -9,22 +9,60 @@ links to the artifact viewer, its run links the UI's own routes. Run ids link to
 from __future__ import annotations
 
 import json
+import datetime as _dt
+import sys
+import shlex
+import platform
 import math
 import os
 import tempfile
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from flash_forensics.orchestrator.report import links, plots
 from flash_forensics.orchestrator.tracking.tracker import MAX_TAG_VAL_LENGTH, retry, make_client, resolve_uri, source_tags
+from flash_forensics.orchestrator.tracking.run_fields import git_info
+from flash_forensics.orchestrator.report import readback
+from flash_forensics.orchestrator.report import rows as R
+from flash_forensics.orchestrator.report import html as report_html
 
 RUN_COL = 10  # the "MLflow run" column of _table
 NOTE_COL = 9  # the "vs baseline" column: on its own line in the terminal
 
 
-def _report():
-    from flash_forensics.orchestrator.report import sweep as report  # report.py imports this module: resolved at call time
-    return report
+
+
+def run_meta(tracking_uri: Optional[str] = None, **extra) -> Dict[str, Any]:
+    """Command, commit, hardware, versions and time: what a reader needs to reproduce the table."""
+    import torch
+    versions = {"python": platform.python_version(), "torch": torch.__version__}
+    for mod in ("mlflow", "hydra", "omegaconf"):
+        try:
+            versions[mod] = __import__(mod).__version__
+        except Exception:
+            pass
+    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+    return {"command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
+            "git": git_info(), "time_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "hardware": {"platform": platform.platform(), "cpu": platform.processor() or platform.machine(),
+                         "cpu_count": os.cpu_count(), "gpus": gpus},
+            "versions": versions, "tracking_uri": tracking_uri, **extra}
+
+
+def _summary_tags(summary):
+    from mlflow.entities import RunTag  # lazy: mlflow costs ~1 s to import; only a parent run needs it
+    return [RunTag(f"sweep.{k}", str(v)) for k, v in summary.items()]
+
+
+def _finite(x):
+    """NaN/Inf (a diverged run's final loss) become null: verdicts.json stays strict JSON."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return x
 
 
 def _fmt(x, nd=3) -> str:
@@ -38,7 +76,6 @@ def _fmt(x, nd=3) -> str:
 
 
 def _table(rows: Sequence[Dict]) -> List[List[str]]:
-    R = _report()
     head = ["job", "intervention", "overrides", "expected", "observed", "div. step", "final loss",
             "peak σ(W_Q)", "matches paper", "vs baseline", "MLflow run"]
     body = []
@@ -83,7 +120,7 @@ def meta_items(rows, meta) -> List[Parts]:
                f"{hw.get('platform')}, {hw.get('cpu_count')} CPUs, GPUs: {', '.join(hw.get('gpus') or []) or 'none'}")
     versions = meta.get("versions", {})
     v_line = versions if isinstance(versions, str) else ", ".join(f"{k} {v}" for k, v in versions.items())
-    common = sorted(_report()._common_overrides(rows))
+    common = sorted(R._common_overrides(rows))
     items: List[Parts] = [[("overrides shared by every run: ", False), (" ".join(common), True)] if common
                           else [("no shared overrides", False)]]
     items += [[(line[2:], False)] for line in _fork_lines(rows)]
@@ -226,7 +263,6 @@ def _fork_window(rows) -> Optional[int]:
 
 def _delay_items(rows, labels: Sequence[str]):
     """(label, observed, divergence step, last step, its baseline's divergence step) for the delay chart."""
-    R = _report()
     out = []
     for r, label in zip(rows, labels):
         if r.get("intervention") == R.BASELINE:
@@ -240,7 +276,6 @@ def _delay_items(rows, labels: Sequence[str]):
 
 
 def make_plots(rows, histories: Dict[str, Dict], pdir: Path) -> Dict[str, Path]:
-    R = _report()
     common = R._common_overrides(rows)
     labels = [R._label(r, common) for r in rows]
     labelled = [(lab, histories.get(r.get("mlflow_run_id"), {})) for lab, r in zip(labels, rows)]
@@ -284,20 +319,18 @@ def write_report(rows: List[Dict], out_dir: os.PathLike, tracking_uri: Optional[
     given (report/verdicts.{md,json}, plots/, verdicts.html at the root). cause: the localization's verdict
     (orchestrator/analysis/localize/rounding_io.cause), rendered as the Cause section, its files logged under report/.
     Returns {'md', 'json', 'html', <plot name>...: path}."""
-    from flash_forensics.orchestrator.report import html as report_html
-    R = _report()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     sweep = sweep or out_dir.name
     uri = resolve_uri(tracking_uri) if tracking_uri is not None or any(r.get("mlflow_run_id") for r in rows) \
         else None
     rows = R.compare([dict(r) for r in rows])
-    meta = {**R.run_meta(uri), **(meta or {})}
+    meta = {**run_meta(uri), **(meta or {})}
     if parent_run_id:
         meta["parent_run_id"] = parent_run_id
     if histories is None:
         try:
-            histories = R.load_histories(uri, rows) if uri else {}
+            histories = readback.load_histories(uri, rows) if uri else {}
         except Exception as e:  # the table is still worth writing without curves
             print(f"[report] could not read metric histories from {uri}: {e!r}")
             histories = {}
@@ -313,7 +346,7 @@ def write_report(rows: List[Dict], out_dir: os.PathLike, tracking_uri: Optional[
            "plots": {k: str(p) for k, p in plot_paths.items()}}
     if cause:
         doc["cause"] = cause["verdict"]
-    paths["json"].write_text(json.dumps(R._finite(doc), indent=2, default=str, allow_nan=False))
+    paths["json"].write_text(json.dumps(_finite(doc), indent=2, default=str, allow_nan=False))
     base = links.ui_base(uri, meta.get("ui_url")) if uri else None
     urls = run_urls(rows, experiments, base) if uri else None
     paths["md"].write_text(_markdown(rows, meta, plot_paths, out_dir, sweep, urls, cause=cause))
@@ -340,7 +373,7 @@ def write_report(rows: List[Dict], out_dir: os.PathLike, tracking_uri: Optional[
             retry(client.log_artifact, parent_run_id, str(paths[name]), "plots")
         from mlflow.entities import RunTag
         std = {**source_tags(), "mlflow.note.content": parent_note(sweep, rows, run_urls(rows, experiments, None))}
-        retry(client.log_batch, parent_run_id, tags=R._summary_tags(doc["summary"]) +
+        retry(client.log_batch, parent_run_id, tags=_summary_tags(doc["summary"]) +
                [RunTag(k, str(v)[:MAX_TAG_VAL_LENGTH]) for k, v in std.items()])
     if echo:
         print(format_table(rows))

@@ -25,8 +25,9 @@ from hydra.experimental.callback import Callback
 
 from flash_forensics.orchestrator import record
 from flash_forensics.orchestrator.record import HISTORY_PREFIXES, REPORT_DIR, matches_paper  # noqa: F401  (re-exported)
-from flash_forensics.orchestrator.report.render import _fmt, _fork_lines, _markdown, _table, format_table, write_report  # noqa: F401
-# the row builders, re-exported (report_render reads them through this module)
+from flash_forensics.orchestrator.report.render import (  # noqa: F401  (re-exported)
+    _finite, _fmt, _fork_lines, _markdown, _table, format_table, run_meta, write_report)
+# the row builders, re-exported
 from flash_forensics.orchestrator.report.rows import (BASELINE, REFERENCE, ROW_KEYS, _common_overrides, _label, _num,  # noqa: F401
                                _other_overrides, _peer, collect_rows, compare, row_from_result, rows_from_dirs)
 from flash_forensics.orchestrator.report.readback import load_histories, rows_from_mlflow  # noqa: F401  (re-exported)
@@ -42,39 +43,6 @@ def report_dir(sweep_dir: os.PathLike) -> Path:
 
 
 # ------------------------------------------------------------------------------------------------ writing
-def run_meta(tracking_uri: Optional[str] = None, **extra) -> Dict[str, Any]:
-    """Command, commit, hardware, versions and time: what a reader needs to reproduce the table."""
-    import torch
-    versions = {"python": platform.python_version(), "torch": torch.__version__}
-    for mod in ("mlflow", "hydra", "omegaconf"):
-        try:
-            versions[mod] = __import__(mod).__version__
-        except Exception:
-            pass
-    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
-    return {"command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
-            "git": git_info(), "time_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-            "hardware": {"platform": platform.platform(), "cpu": platform.processor() or platform.machine(),
-                         "cpu_count": os.cpu_count(), "gpus": gpus},
-            "versions": versions, "tracking_uri": tracking_uri, **extra}
-
-
-def _summary_tags(summary):
-    from mlflow.entities import RunTag
-    return [RunTag(f"sweep.{k}", str(v)) for k, v in summary.items()]
-
-
-def _finite(x):
-    """NaN/Inf (a diverged run's final loss) become null: verdicts.json stays strict JSON."""
-    if isinstance(x, float):
-        return x if math.isfinite(x) else None
-    if isinstance(x, dict):
-        return {k: _finite(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_finite(v) for v in x]
-    return x
-
-
 def write_run_report(result: Dict[str, Any], sweep: str, tracking_uri: Optional[str] = None,
                      job_dir: Optional[os.PathLike] = None, out_dir: Optional[os.PathLike] = None,
                      echo: bool = True) -> Dict[str, Path]:

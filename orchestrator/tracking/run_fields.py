@@ -8,13 +8,8 @@ import time
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Mapping, Optional
 
-from typing import TYPE_CHECKING
-
-from flash_forensics.orchestrator.tracking.store import (MAX_METRICS_PER_BATCH, MAX_TAG_VAL_LENGTH, REPO_ROOT, _truncate, make_client,
+from flash_forensics.orchestrator.tracking.store import (MAX_METRICS_PER_BATCH, TrackingConfig, MAX_TAG_VAL_LENGTH, REPO_ROOT, _truncate, make_client,
                                        retry)
-
-if TYPE_CHECKING:
-    from flash_forensics.orchestrator.tracking.tracker import TrackingConfig
 
 
 def git_info(cwd: Path = REPO_ROOT) -> Dict[str, str]:

@@ -2,6 +2,8 @@
 store, MLflow's size limits, the sweep's parent-run file and closing a dead job's run."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import contextlib
 import json
 import os
@@ -204,3 +206,32 @@ def mark_terminated(uri: str, run_id: str, status: str, reason: str, client=None
         return False
 
 
+@dataclass
+class TrackingConfig:
+    """Where runs are recorded. uri None -> sqlite:///<repo>/results/mlflow.db (absolute path)."""
+
+    uri: Optional[str] = None
+    experiment: Optional[str] = None  # None -> the sweep name
+    queue_size: int = 100_000  # metrics waiting for the logging thread; a full queue applies back-pressure
+    flush_interval_s: float = 2.0  # the thread posts what it has at least this often
+    check_timeout_s: float = 3.0  # check_tracking's HTTP timeout
+    writer: str = "thread"  # thread | process (MLflow's Python work off the training process's GIL)
+    system_metrics: bool = True  # MLflow's system metrics (CPU, memory, disk, network; GPU with nvidia-ml-py)
+    system_metrics_every_s: float = 10.0  # their sampling interval: one small batch per interval, off the hot path
+
+    def validate(self, key: str = "tracking") -> "TrackingConfig":
+        if self.uri is not None and not isinstance(self.uri, str):
+            raise ValueError(f"{key}.uri={self.uri!r} is not allowed: expected a string or null")
+        for name in ("queue_size",):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f"{key}.{name}={v!r} is not allowed: expected an integer > 0")
+        if self.writer not in ("thread", "process"):
+            raise ValueError(f"{key}.writer={self.writer!r} is not allowed: expected one of thread, process")
+        if not isinstance(self.system_metrics, bool):
+            raise ValueError(f"{key}.system_metrics={self.system_metrics!r} is not allowed: expected true or false")
+        for name in ("flush_interval_s", "check_timeout_s", "system_metrics_every_s"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
+                raise ValueError(f"{key}.{name}={v!r} is not allowed: expected a number > 0")
+        return self

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional
 
 from flash_forensics.orchestrator.tracking.store import MAX_KEY_LENGTH, MAX_METRICS_PER_BATCH, make_client, retry, sqlite_path
+from flash_forensics.orchestrator.errors import WriteError, sentence
 
 
 # ---------------------------------------------------------------------------------------------- the writer
@@ -86,7 +87,6 @@ class _Sink:
                 f.flush()
                 os.fsync(f.fileno())
         except OSError as e:
-            from flash_forensics.orchestrator.errors import WriteError, sentence
             raise WriteError(e.errno, sentence("the metric spool", self.spool, e) + f", and the MLflow store {self.uri} "
                              f"cannot be written ({getattr(self, 'store_cause', '?')}): the points cannot be kept") \
                 from e

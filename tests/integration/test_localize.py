@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from flash_forensics.orchestrator.analysis.localize import LocalizeConfig, _split_outliers, load_history, localize, main, resolve_source
+from flash_forensics.orchestrator.analysis.localize import LocalizeConfig, _split_outliers, format_localization, load_history, localize, main, resolve_source
 
 ROOT = Path(__file__).resolve().parents[2]
 PAPER_NORMS = [4.34, 2.68, 1.90, 2.67, 2.04, 2.66, 4.12, 6.27, 5.32, 1.74, 4.64, 5.39]  # layer 2, heads 1-12
@@ -57,7 +57,7 @@ def test_growing_subset_is_found():
     assert ov["head_upcast"] == "intervention=head_upcast intervention.layer=2 'intervention.heads=[1,4]'"
     assert ov["standard_layer"].endswith("intervention.layer=2")
     assert ov["flash_only_layer"].endswith("intervention.layer=2")
-    text = loc.format()
+    text = format_localization(loc)
     assert "intervention.heads=[1,4]" in text and "L2" in text
     json.dumps(loc.to_dict())  # JSON-safe
 
@@ -97,14 +97,14 @@ def test_tie_broken_by_repeated_maxima():
     assert loc.layer is None and "no layer stands out" in loc.reason
     assert loc.overrides() == {}
     assert {L.layer for L in loc.layers[:2]} == {0, 3}  # the candidates still head the ranking
-    assert "no layer stands out" in loc.format()
+    assert "no layer stands out" in format_localization(loc)
 
 
 def test_flat_data_says_so():
     loc = localize(make_history(base_rate=0.0, rmax={}), divergence_step=None)
     assert loc.layer is None and loc.outlier_heads == []
     assert "flat" in loc.reason
-    assert "Hydra overrides" not in loc.format()
+    assert "Hydra overrides" not in format_localization(loc)
 
 
 def test_sdpa_run_without_repeated_maxima_counts():
@@ -114,7 +114,7 @@ def test_sdpa_run_without_repeated_maxima_counts():
     assert loc.layer == 1 and loc.outlier_heads == [3]
     assert all(x.rmax_total is None for x in loc.heads)
     assert all(L.max_logit_end is None for L in loc.layers)
-    loc.format()
+    format_localization(loc)
 
 
 def test_only_repeated_maxima():
@@ -125,7 +125,7 @@ def test_only_repeated_maxima():
     loc = localize({"train/loss": [(0, 5.0), (1, 4.0)]})
     assert loc.layer is None and "nothing to localize" in loc.reason
     loc = localize({})
-    assert loc.layer is None and loc.format()
+    assert loc.layer is None and format_localization(loc)
 
 
 def test_non_finite_points_and_bad_config():

@@ -15,12 +15,13 @@ from flash_forensics.orchestrator.analysis.localize.algorithm import localize
 from flash_forensics.orchestrator.analysis.localize.plot import plot
 from flash_forensics.orchestrator.analysis.localize.source import load_history, resolve_source
 from flash_forensics.orchestrator.analysis.localize.stats import LocalizeConfig
+from flash_forensics.orchestrator.analysis.localize.text import format_localization
+from flash_forensics.orchestrator.analysis.localize import rounding_io
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["rounding"]:
-        from flash_forensics.orchestrator.analysis.localize import rounding_io
         return rounding_io.main(argv[1:])
     d = LocalizeConfig()
     p = argparse.ArgumentParser(prog="python -m flash_forensics.orchestrator.analysis.localize", description=algorithm.__doc__.split("\n\n")[0],
@@ -58,7 +59,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     say = (lambda *m: print(*m, file=sys.stderr)) if a.sweep_overrides else print
     say(f"run {src['run_id']}" + (f" ({src['intervention']})" if src.get("intervention") else "")
         + (f", job {src['job_dir']}" if src.get("job_dir") else ""))
-    say(loc.format())
+    say(format_localization(loc))
     layer, heads, why = loc.target()
     say(f"\nsweep target: layer {layer}, heads {heads} ({why})")
     if a.out:

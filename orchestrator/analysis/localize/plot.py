@@ -7,6 +7,8 @@ from pathlib import Path
 
 from flash_forensics.orchestrator.analysis.localize.algorithm import History
 from flash_forensics.orchestrator.analysis.localize.stats import Localization
+from flash_forensics.orchestrator.report.plots import localization
+from flash_forensics.orchestrator.report.plots import _save
 
 # outcome -> colour: green fixes it, red reproduces / hastens, orange delays, grey says nothing
 _COLOURS = {"prevents": "#008856", "reproduces": "#BE0032", "delays": "#F38400", "hastens": "#BE0032",
@@ -15,7 +17,6 @@ _COLOURS = {"prevents": "#008856", "reproduces": "#BE0032", "delays": "#F38400",
 
 
 def plot(loc: Localization, history: History, path: Path) -> Path:
-    from flash_forensics.orchestrator.report.plots import localization
     return localization(loc, history, path)
 
 
@@ -27,7 +28,6 @@ def rounding(result, path: Path) -> Path:
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch, Rectangle
 
-    from flash_forensics.orchestrator.report.plots import _save
     rows = result.rows()
     sides = [(p.lift, p.bf16_only) for p in result.points]
     fig, ax = plt.subplots(figsize=(10.5, 0.42 * max(len(rows), 1) + 2.4))

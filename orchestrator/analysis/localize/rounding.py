@@ -22,6 +22,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from flash_forensics.orchestrator import record
 from flash_forensics.orchestrator.report.rows import BASELINE, REFERENCE, _peer
+from flash_forensics.kernels import recipes
 
 SWEEP = "rounding_points"  # the sweep file (sweeps/rounding_points.yaml) whose forks this stage reads
 LIFT, BF16_ONLY = "lift", "bf16_only"
@@ -44,12 +45,8 @@ def intervention_name(kind: str, point: str) -> str:
 
 
 def known_points() -> Tuple[str, ...]:
-    """flash_forensics.kernels.recipes.ROUNDING_POINTS, in the recipe's order; () where this checkout does not define it yet."""
-    try:
-        from flash_forensics.kernels import recipes
-    except ImportError:
-        return ()
-    return tuple(getattr(recipes, "ROUNDING_POINTS", ()))
+    """kernels.recipes.ROUNDING_POINTS, in the recipe's order."""
+    return tuple(recipes.ROUNDING_POINTS)
 
 
 @dataclass

@@ -17,6 +17,12 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 from flash_forensics.orchestrator import record
 from flash_forensics.orchestrator.analysis.localize import rounding
 from flash_forensics.orchestrator.analysis.localize.rounding import RoundingResult
+from flash_forensics.orchestrator.report.rows import rows_from_dirs
+from flash_forensics.orchestrator.tracking.tracker import find_parent
+from flash_forensics.orchestrator.analysis.localize.plot import rounding as plot_rounding
+from flash_forensics.orchestrator.tracking.tracker import MAX_TAG_VAL_LENGTH, _truncate
+from flash_forensics.orchestrator.tracking.tracker import make_client, resolve_uri, retry
+from flash_forensics.orchestrator.report.render import insert_cause
 
 JSON_FILE, PLOT_FILE = "rounding.json", "rounding.png"
 TAG = "ff.cause."  # the MLflow tags this stage sets: ff.cause.point, ff.cause.verdict, ...
@@ -31,9 +37,7 @@ def load(source: Path) -> Tuple[List[Dict], Dict, Path]:
         return list(doc.get("runs") or []), dict(doc.get("meta") or {}), source
     if not source.is_dir():
         raise ValueError(f"{source}: not a report dir (verdicts.json) or a sweep dir")
-    from flash_forensics.orchestrator.report.rows import rows_from_dirs
     meta: Dict = {}
-    from flash_forensics.orchestrator.tracking.tracker import find_parent
     parent = find_parent(source)
     if parent:
         meta = {"tracking_uri": parent.get("tracking_uri"), "parent_run_id": parent.get("run_id")}
@@ -54,7 +58,6 @@ def localization_target(out_dir: Path) -> Optional[Dict]:
 
 def write(result: RoundingResult, out_dir: Path) -> Dict[str, Path]:
     """<out>/rounding.json and <out>/rounding.png."""
-    from flash_forensics.orchestrator.analysis.localize.plot import rounding as plot_rounding
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / JSON_FILE).write_text(record.dumps(result.to_dict()))
@@ -69,7 +72,6 @@ def cause(result: RoundingResult, paths: Dict[str, Path]) -> Dict:
 
 def tags(result: RoundingResult) -> Dict[str, str]:
     """ff.cause.*: the point(s) named, the verdict, and each list the verdict is made of ('none' when empty)."""
-    from flash_forensics.orchestrator.tracking.tracker import MAX_TAG_VAL_LENGTH, _truncate
     join = lambda xs: ",".join(xs) or "none"  # noqa: E731
     out = {"point": join(result.cause_points), "needs_bf16": join(result.needs_bf16),
            "prevents": join(result.prevents), "reproduces": join(result.reproduces),
@@ -92,7 +94,6 @@ def tag_runs(uri: str, run_ids: Iterable[str], tag_map: Dict[str, str], artifact
     that cannot be reached raises: the caller says so (the files on disk stand)."""
     from mlflow.entities import RunTag
 
-    from flash_forensics.orchestrator.tracking.tracker import make_client, resolve_uri, retry
     client = make_client(resolve_uri(uri))
     done = []
     for rid in dict.fromkeys(run_ids):
@@ -105,7 +106,6 @@ def tag_runs(uri: str, run_ids: Iterable[str], tag_map: Dict[str, str], artifact
 
 def _insert_into_report(out_dir: Path, c: Dict) -> List[Path]:
     """An existing report gets the Cause section (verdicts.md) and the verdict (verdicts.json's "cause")."""
-    from flash_forensics.orchestrator.report.render import insert_cause
     changed = []
     md, js = out_dir / "verdicts.md", out_dir / "verdicts.json"
     if md.is_file():

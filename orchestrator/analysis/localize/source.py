@@ -7,11 +7,13 @@ from typing import Dict, Optional
 
 from flash_forensics.orchestrator import record
 from flash_forensics.orchestrator.analysis.localize.algorithm import PREFIXES, History
+from flash_forensics.orchestrator.report import readback as store
+from flash_forensics.orchestrator.tracking.tracker import find_parent
+from flash_forensics.orchestrator.report.rows import collect_rows
 
 
 def load_history(run_id: str, tracking_uri: Optional[str] = None, prefixes=PREFIXES) -> History:
     """{metric: [(step, value)]} of an MLflow run, for the metrics localization reads."""
-    from flash_forensics.orchestrator.report import readback as store
     return store.history(store.client_for(tracking_uri), run_id, prefixes, progress="localize: metric histories")
 
 
@@ -26,7 +28,6 @@ def _job_uri(job_dir: Path) -> Optional[str]:
                 return str(uri)
         except Exception:
             pass
-    from flash_forensics.orchestrator.tracking.tracker import find_parent
     for d in (job_dir, job_dir.parent):
         parent = find_parent(d)
         if parent and parent.get("tracking_uri"):
@@ -40,7 +41,6 @@ def resolve_source(source: str, tracking_uri: Optional[str] = None, job: Optiona
     path = Path(source)
     if path.is_dir():
         if not record.result_path(path).is_file():
-            from flash_forensics.orchestrator.report.rows import collect_rows
             rows = [r for r in collect_rows(path) if r.get("mlflow_run_id")]
             if job is not None:
                 rows = [r for r in rows if r.get("job") == job]
@@ -58,7 +58,6 @@ def resolve_source(source: str, tracking_uri: Optional[str] = None, job: Optiona
                 "divergence_step": rec.divergence_step, "job_dir": str(path), "intervention": rec.intervention}
     if path.exists() or "/" in source:
         raise ValueError(f"{source}: not a job dir, sweep dir or MLflow run id")
-    from flash_forensics.orchestrator.report import readback as store
     client = store.client_for(tracking_uri)
     run = store.retry(client.get_run, source)
     rec = record.from_mlflow_run(run, store.history(client, run, (record.LOSS,)))

@@ -7,11 +7,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 from flash_forensics.orchestrator import record
+from flash_forensics.orchestrator.interventions import scoped
 
 
 def scoped_interventions() -> Tuple[List[str], List[str]]:
     """(names whose scope is a layer only, names whose scope also takes heads), read from the intervention files."""
-    from flash_forensics.orchestrator.interventions import scoped
     heads = scoped("heads")
     return [n for n in scoped("layer") if n not in heads], heads
 
@@ -133,8 +133,4 @@ class Localization:
         d["target"] = dict(zip(("layer", "heads", "why"), self.target()))
         d["sweep_overrides"] = self.sweep_overrides()
         return record.encode(d)
-
-    def format(self) -> str:
-        from flash_forensics.orchestrator.analysis.localize.text import format_localization
-        return format_localization(self)
 

@@ -28,13 +28,14 @@ from flash_forensics.kernels import probes as P
 from flash_forensics.models.attention import compute_dtype
 from flash_forensics.orchestrator import record
 from flash_forensics.orchestrator.monitor.probes.config import ProbesConfig
+from flash_forensics.orchestrator.data import val_batches
+from flash_forensics.orchestrator.job.step import autocast
 
 PROBE_SEED = 0x9B0E  # the probe batch's draw from the validation split (distinct from the eval batches' seed 0)
 
 
 def probe_batch(val_bin, block_size: int, batch: int):
     """The fixed probe batch (x, y): `batch` sequences of the validation split, the same for every run and step."""
-    from flash_forensics.orchestrator.data import val_batches
     return val_batches(val_bin, block_size, batch, 1, seed=PROBE_SEED)[0]
 
 
@@ -87,7 +88,6 @@ class Probes:
         training = model.training
         x_ids, y_ids = (t.to(self.device) for t in self.batch)
         devices = [self.device] if self.device.type == "cuda" else []
-        from flash_forensics.orchestrator.job.step import autocast
         try:
             for i in self.layers:
                 blocks[i].attn.probe_capture = hook(i)

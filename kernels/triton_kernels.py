@@ -1,0 +1,488 @@
+"""The fused Triton kernels of kernels/triton_flash.py, at module level: forward, backward delta, dK/dV, dQ.
+
+Importing this module needs triton; kernels/triton_launch.py imports it only where triton is installed. Its
+launchers (block sizes, grids, arguments) are kernels/triton_launch.py; the recipe semantics are
+kernels/emulator.py's (the source of truth), documented at the top of kernels/triton_flash.py.
+Over 400 lines because the four kernels share their jit helpers (one rounding helper per storage point).
+"""
+import os
+
+import triton
+import triton.language as tl
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # read at import: the kernels are built for it
+
+
+# One bit per rounding point (kernels/recipes.py ROUNDING_POINTS order): set = stored in BF16 there. The kernels
+# take the bitmask as one tl.constexpr (ROUND), so each point is a compile-time switch.
+# The interpreter's BF16 tl.dot is wrong: there, BF16 operands enter an FP32 GEMM (their values are BF16-exact,
+# so the products and the FP32 accumulation are what the GPU's BF16 GEMM computes, up to summation order).
+INTERP_DOT = tl.constexpr(_INTERPRET)
+_SCORES = tl.constexpr(1 << 0)
+_SHIFT = tl.constexpr(1 << 1)
+_STATS = tl.constexpr(1 << 2)
+_PBAR = tl.constexpr(1 << 3)
+_PV_OUT = tl.constexpr(1 << 4)
+_ACC = tl.constexpr(1 << 5)
+_O_STORE = tl.constexpr(1 << 6)
+_DELTA_PROD = tl.constexpr(1 << 7)
+_BWD_GEMM_IN = tl.constexpr(1 << 8)
+_BWD_OUT = tl.constexpr(1 << 9)
+_GRAD_ACC = tl.constexpr(1 << 10)
+
+if not _INTERPRET:
+    @triton.jit
+    def _rb(x):
+        """Round an FP32 value to BF16 storage (round to nearest even) and back: one emulated BF16 store."""
+        return x.to(tl.bfloat16).to(tl.float32)
+else:
+    @triton.jit
+    def _rb(x):
+        """The interpreter's .to(tl.bfloat16) truncates; round to nearest even on the bits instead (finite x),
+        so that the CPU tests of the fp32 recipe with rounded points (FP32 GEMMs) check the kernels' logic."""
+        b = x.to(tl.uint32, bitcast=True)
+        b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
+        return b.to(tl.float32, bitcast=True)
+
+if not _INTERPRET:
+    @triton.jit
+    def _cast_out(x, ptr):
+        """x in the element type of the gradient tensor it is stored to."""
+        return x.to(ptr.dtype.element_ty)
+else:
+    @triton.jit
+    def _cast_out(x, ptr):
+        """The interpreter truncates FP32 -> BF16: round to nearest even first (as the GPU's conversion does)."""
+        if ptr.dtype.element_ty == tl.bfloat16:
+            x = _rb(x)
+        return x.to(ptr.dtype.element_ty)
+
+@triton.jit
+def _r(x, keep, ON: tl.constexpr, HAS_OFP32: tl.constexpr):
+    """A store at a point of the P̄V path / O / delta: BF16 when ON, except for heads (o_fp32) where `keep`."""
+    if not ON:
+        return x
+    elif HAS_OFP32:
+        return tl.where(keep, x, _rb(x))
+    else:
+        return _rb(x)
+
+@triton.jit
+def _dot_in(a, b, INPUT_F32: tl.constexpr):
+    """A GEMM of two inputs (Q, K, V, dO): IEEE FP32 on FP32 inputs (never TF32), else BF16 x BF16 -> FP32."""
+    if INPUT_F32 or INTERP_DOT:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+@triton.jit
+def _dot_pt(p, x, ROUNDED: tl.constexpr, INPUT_F32: tl.constexpr):
+    """A GEMM of a computed FP32 operand (P̄, P, dS) with an input: p rounded to BF16 when ROUNDED (its point),
+    else kept FP32 (the lifted point: an IEEE FP32 GEMM, never TF32)."""
+    if ROUNDED and not INPUT_F32 and not INTERP_DOT:
+        return tl.dot(p.to(tl.bfloat16), x)
+    elif ROUNDED:
+        return tl.dot(_rb(p), x.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(p, x.to(tl.float32), input_precision="ieee")
+
+@triton.jit
+def _scores(q, k_ptrs, offs_m, offs_n, T, scale, ROUND: tl.constexpr, INPUT_F32: tl.constexpr,
+            GEMM_DT: tl.constexpr, MASKED: tl.constexpr):
+    """S for one tile, scaled; MASKED: causal and past-T entries set to the most negative BF16."""
+    if MASKED:
+        k = tl.load(k_ptrs, mask=(offs_n < T)[:, None], other=0.0).to(GEMM_DT)
+    else:  # a tile wholly below the diagonal: every key exists and is visible
+        k = tl.load(k_ptrs).to(GEMM_DT)
+    s = _dot_in(q, tl.trans(k), INPUT_F32)
+    if (_SCORES & ROUND) != 0:  # QK^T stored in BF16, then scaled in BF16
+        s = _rb(_rb(s) * scale)
+    else:
+        s = s * scale
+    if MASKED:
+        s = tl.where((offs_n[None, :] <= offs_m[:, None]) & (offs_n < T)[None, :], s, -3.3895313892515355e38)
+    return s
+
+@triton.jit
+def _valid(offs_m, offs_n, T, MASKED: tl.constexpr):
+    if MASKED:
+        return (offs_n[None, :] <= offs_m[:, None]) & (offs_n < T)[None, :]
+    else:
+        return offs_n[None, :] >= 0
+
+@triton.jit
+def _fwd_inner(acc, l_i, m_i, raw_max, fired, pmax, q, k_base, v_base, skt, svt, offs_m, offs_n, row_ok,
+               lo, hi, T, scale, beta, eps, o_fp32,
+               BLOCK_N: tl.constexpr, ROUND: tl.constexpr, INPUT_F32: tl.constexpr, FLOOR: tl.constexpr,
+               GEMM_DT: tl.constexpr, STABILIZED: tl.constexpr, NEED_REP: tl.constexpr, PROBE: tl.constexpr,
+               HAS_OFP32: tl.constexpr, ONE_BLOCK: tl.constexpr, MASKED: tl.constexpr):
+    """The forward over key tiles [lo, hi): online softmax (or, ONE_BLOCK, a fixed row max) and P̄V."""
+    for start_n in range(lo, hi, BLOCK_N):
+        cols = start_n + offs_n
+        s = _scores(q, k_base + cols[:, None] * skt, offs_m, cols, T, scale, ROUND, INPUT_F32, GEMM_DT, MASKED)
+        if ONE_BLOCK:
+            d_s = s - m_i[:, None]
+            if (_SHIFT & ROUND) != 0:
+                d_s = _rb(d_s)
+            p = tl.exp(d_s)
+            l_i += tl.sum(p, 1)
+            if PROBE:
+                pmax = tl.where(fired > 0, tl.maximum(pmax, tl.max(p, 1)), pmax)
+        else:
+            rm = tl.max(s, 1)
+            raw_max = tl.maximum(raw_max, rm)
+            if NEED_REP:  # Algorithm 3 on this key tile (masked entries never count)
+                thr = rm - eps
+                if (_SCORES & ROUND) != 0:
+                    thr = _rb(thr)
+                near = _valid(offs_m, cols, T, MASKED) & (s >= thr[:, None])
+                fire = (tl.sum(near.to(tl.int32), 1) > 1) & row_ok
+                fired += fire.to(tl.int32)
+                if STABILIZED:
+                    rm_s = rm * beta
+                    if (_SCORES & ROUND) != 0:
+                        rm_s = _rb(rm_s)
+                    rm = tl.where(fire & (rm > 0), rm_s, rm)
+                    rm = tl.where(fire & (rm < 0), 0.0, rm)
+            m_new = tl.maximum(m_i, rm)
+            if (_STATS & ROUND) != 0:  # m stored in BF16 (a no-op when the scores are BF16 already)
+                m_new = _rb(m_new)
+            d_m = m_i - m_new
+            d_s = s - m_new[:, None]
+            if (_SHIFT & ROUND) != 0:  # the arguments of exp stored in BF16, exp and row sum in FP32
+                d_m = _rb(d_m)
+                d_s = _rb(d_s)
+            alpha = tl.exp(d_m)
+            p = tl.exp(d_s)
+            rs = tl.sum(p, 1)
+            if FLOOR:
+                rs = tl.maximum(rs, 1e-10)
+            l_i = alpha * l_i + rs
+            if (_STATS & ROUND) != 0:
+                l_i = _rb(l_i)
+            if PROBE:
+                pmax = tl.where(fire, tl.maximum(pmax, tl.max(p, 1)), pmax)
+            acc = _r(acc * alpha[:, None], o_fp32, (_ACC & ROUND) != 0, HAS_OFP32)
+            m_i = m_new
+        if MASKED:
+            v = tl.load(v_base + cols[:, None] * svt, mask=(cols < T)[:, None], other=0.0).to(GEMM_DT)
+        else:
+            v = tl.load(v_base + cols[:, None] * svt).to(GEMM_DT)
+        if HAS_OFP32 and (_PBAR & ROUND) != 0:  # heads with FP32 O skip P̄'s rounding: FP32 GEMM
+            pv = _dot_pt(tl.where(o_fp32, p, _rb(p)), v, False, INPUT_F32)
+        else:
+            pv = _dot_pt(p, v, (_PBAR & ROUND) != 0, INPUT_F32)
+        if ONE_BLOCK:  # stored once, after the last tile
+            acc += pv
+        else:  # O_acc = r(r(O_acc * alpha) + r(P̄V))
+            acc = _r(acc + _r(pv, o_fp32, (_PV_OUT & ROUND) != 0, HAS_OFP32), o_fp32, (_ACC & ROUND) != 0,
+                     HAS_OFP32)
+    return acc, l_i, m_i, raw_max, fired, pmax
+
+@triton.jit
+def _fwd_kernel(Q, K, V, O, LSE, REP, MAXL, OFP32, PMAX, FIRED,
+                sqb, sqh, sqt, sqd, skb, skh, skt, skd, svb, svh, svt, svd, sob, soh, sot, sod,
+                H, T, scale, beta, eps,
+                HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                ROUND: tl.constexpr, INPUT_F32: tl.constexpr, FLOOR: tl.constexpr, STABILIZED: tl.constexpr,
+                COUNTERS: tl.constexpr, HAS_OFP32: tl.constexpr, ONE_BLOCK: tl.constexpr,
+                PROBE: tl.constexpr):
+    start_m = tl.program_id(0)
+    off_bh = tl.program_id(1)
+    off_b = off_bh // H
+    off_h = off_bh % H
+    GEMM_DT: tl.constexpr = tl.float32 if INPUT_F32 else tl.bfloat16
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_m < T
+    q = tl.load(Q + off_b * sqb + off_h * sqh + offs_m[:, None] * sqt + offs_d[None, :] * sqd,
+                mask=row_ok[:, None], other=0.0).to(GEMM_DT)
+    k_base = K + off_b * skb + off_h * skh + offs_d[None, :] * skd
+    v_base = V + off_b * svb + off_h * svh + offs_d[None, :] * svd
+    # O kept in FP32 for this head (o_fp32 / o_fp32_heads): a runtime flag per program
+    o_fp32 = tl.load(OFP32 + off_h) != 0  # used only where HAS_OFP32
+    hi = tl.minimum((start_m + 1) * BLOCK_M, T)
+
+    m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - 3.3895313892515355e38
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    raw_max = tl.zeros([BLOCK_M], dtype=tl.float32) - 3.3895313892515355e38
+    fired = tl.zeros([BLOCK_M], dtype=tl.int32)
+    pmax = tl.zeros([BLOCK_M], dtype=tl.float32)  # PROBE: largest P̄ in a tile where the SFA condition fired
+    NEED_REP: tl.constexpr = STABILIZED or COUNTERS or PROBE
+
+    if ONE_BLOCK:
+        # pass 1: the row max over the whole (causal) row, as one block would see it
+        for start_n in range(0, hi, BLOCK_N):
+            s = _scores(q, k_base + (start_n + offs_n)[:, None] * skt, offs_m, start_n + offs_n, T,
+                        scale, ROUND, INPUT_F32, GEMM_DT, True)
+            m_i = tl.maximum(m_i, tl.max(s, 1))
+        raw_max = m_i
+        if NEED_REP:
+            # pass 2: how many scores of the row reach its max - eps (threshold stored like the scores)
+            thr = m_i - eps
+            if (_SCORES & ROUND) != 0:
+                thr = _rb(thr)
+            cnt = tl.zeros([BLOCK_M], dtype=tl.int32)
+            for start_n in range(0, hi, BLOCK_N):
+                s = _scores(q, k_base + (start_n + offs_n)[:, None] * skt, offs_m, start_n + offs_n, T,
+                            scale, ROUND, INPUT_F32, GEMM_DT, True)
+                near = _valid(offs_m, start_n + offs_n, T, True) & (s >= thr[:, None])
+                cnt += tl.sum(near.to(tl.int32), 1)
+            fire = (cnt > 1) & row_ok
+            fired = fire.to(tl.int32)
+            if STABILIZED:
+                m_s = m_i * beta
+                if (_SCORES & ROUND) != 0:
+                    m_s = _rb(m_s)
+                m_i = tl.where(fire & (m_i > 0), m_s, m_i)
+                m_i = tl.where(fire & (m_i < 0), 0.0, m_i)
+        if (_STATS & ROUND) != 0:
+            m_i = _rb(m_i)
+
+    # key tiles wholly below this query block's diagonal need no mask; the rest do
+    mid = (start_m * BLOCK_M) // BLOCK_N * BLOCK_N
+    acc, l_i, m_i, raw_max, fired, pmax = _fwd_inner(
+        acc, l_i, m_i, raw_max, fired, pmax, q, k_base, v_base, skt, svt, offs_m, offs_n, row_ok, 0, mid, T,
+        scale, beta, eps, o_fp32, BLOCK_N, ROUND, INPUT_F32, FLOOR, GEMM_DT, STABILIZED, NEED_REP, PROBE,
+        HAS_OFP32, ONE_BLOCK, False)
+    acc, l_i, m_i, raw_max, fired, pmax = _fwd_inner(
+        acc, l_i, m_i, raw_max, fired, pmax, q, k_base, v_base, skt, svt, offs_m, offs_n, row_ok, mid, hi, T,
+        scale, beta, eps, o_fp32, BLOCK_N, ROUND, INPUT_F32, FLOOR, GEMM_DT, STABILIZED, NEED_REP, PROBE,
+        HAS_OFP32, ONE_BLOCK, True)
+
+    if ONE_BLOCK:  # one tile: l and the P̄V product stored once
+        if FLOOR:
+            l_i = tl.maximum(l_i, 1e-10)
+        if (_STATS & ROUND) != 0:
+            l_i = _rb(l_i)
+        acc = _r(acc, o_fp32, ((_PV_OUT | _ACC) & ROUND) != 0, HAS_OFP32)
+    o = _r(acc / l_i[:, None], o_fp32, (_O_STORE & ROUND) != 0, HAS_OFP32)  # O stored (for delta)
+    lse = m_i + tl.log(l_i)
+    tl.store(O + off_b * sob + off_h * soh + offs_m[:, None] * sot + offs_d[None, :] * sod,
+             o.to(O.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(LSE + off_bh * T + offs_m, lse, mask=row_ok)
+    if PROBE:
+        tl.store(PMAX + off_bh * T + offs_m, pmax, mask=row_ok)
+        tl.store(FIRED + off_bh * T + offs_m, fired, mask=row_ok)
+    if COUNTERS:
+        tl.atomic_add(REP + off_h, tl.sum(fired, 0).to(tl.int64))
+        tl.atomic_max(MAXL, tl.max(tl.where(row_ok, raw_max, -3.3895313892515355e38), 0))
+
+@triton.jit
+def _bwd_delta_kernel(Q, K, V, O, DO, LSE, DELTA, OFP32,
+                      sqb, sqh, sqt, sqd, skb, skh, skt, skd, svb, svh, svt, svd,
+                      sob, soh, sot, sod, sdb, sdh, sdt, sdd,
+                      H, T, scale,
+                      HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      ROUND: tl.constexpr, INPUT_F32: tl.constexpr, DELTA_MODE: tl.constexpr,
+                      HAS_OFP32: tl.constexpr):
+    """delta = rowsum(r(dO*O)) | sum_j rowsum(dP_j*P_j) | rowsum(dO*(sum_j P_j V_j in FP32))."""
+    start_m = tl.program_id(0)
+    off_bh = tl.program_id(1)
+    off_b = off_bh // H
+    off_h = off_bh % H
+    GEMM_DT: tl.constexpr = tl.float32 if INPUT_F32 else tl.bfloat16
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_m < T
+    do = tl.load(DO + off_b * sdb + off_h * sdh + offs_m[:, None] * sdt + offs_d[None, :] * sdd,
+                 mask=row_ok[:, None], other=0.0).to(GEMM_DT)
+    if DELTA_MODE == 0:
+        o = tl.load(O + off_b * sob + off_h * soh + offs_m[:, None] * sot + offs_d[None, :] * sod,
+                    mask=row_ok[:, None], other=0.0).to(tl.float32)
+        # the product stored at delta_prod (FP32 for heads whose stored O is FP32)
+        prod = _r(do.to(tl.float32) * o, tl.load(OFP32 + off_h) != 0, (_DELTA_PROD & ROUND) != 0, HAS_OFP32)
+        delta = tl.sum(prod, 1)
+    else:
+        offs_n = tl.arange(0, BLOCK_N)
+        q = tl.load(Q + off_b * sqb + off_h * sqh + offs_m[:, None] * sqt + offs_d[None, :] * sqd,
+                    mask=row_ok[:, None], other=0.0).to(GEMM_DT)
+        lse = tl.load(LSE + off_bh * T + offs_m, mask=row_ok, other=0.0)
+        k_base = K + off_b * skb + off_h * skh + offs_d[None, :] * skd
+        v_base = V + off_b * svb + off_h * svh + offs_d[None, :] * svd
+        hi = tl.minimum((start_m + 1) * BLOCK_M, T)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        dsum = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for start_n in range(0, hi, BLOCK_N):
+            s = _scores(q, k_base + (start_n + offs_n)[:, None] * skt, offs_m, start_n + offs_n, T,
+                        scale, ROUND, INPUT_F32, GEMM_DT, True)
+            p = tl.where(_valid(offs_m, start_n + offs_n, T, True), tl.exp(s - lse[:, None]), 0.0)
+            v = tl.load(v_base + (start_n + offs_n)[:, None] * svt,
+                        mask=((start_n + offs_n) < T)[:, None], other=0.0).to(GEMM_DT)
+            if DELTA_MODE == 1:  # dP as the backward computes it (stored like its GEMM outputs)
+                dp = _dot_in(do, tl.trans(v), INPUT_F32)
+                if (_BWD_OUT & ROUND) != 0:
+                    dp = _rb(dp)
+                dsum += tl.sum(dp * p, 1)
+            else:  # O recomputed as P V with nothing rounded
+                acc += tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        if DELTA_MODE == 1:
+            delta = dsum
+        else:
+            delta = tl.sum(do.to(tl.float32) * acc, 1)
+    tl.store(DELTA + off_bh * T + offs_m, delta, mask=row_ok)
+
+@triton.jit
+def _grad_add(g, c, ROUND: tl.constexpr, ONE_BLOCK: tl.constexpr):
+    """g + c with the chunk c stored at bwd_out and the sum at grad_acc (ONE_BLOCK: once, after the loop)."""
+    if ONE_BLOCK:
+        return g + c
+    else:
+        if (_BWD_OUT & ROUND) != 0:
+            c = _rb(c)
+        g = g + c
+        if (_GRAD_ACC & ROUND) != 0:
+            g = _rb(g)
+        return g
+
+@triton.jit
+def _grad_end(g, ROUND: tl.constexpr, ONE_BLOCK: tl.constexpr):
+    """ONE_BLOCK: the one chunk stored at bwd_out, then at grad_acc (one rounding: both BF16 or not)."""
+    if ONE_BLOCK and ((_BWD_OUT | _GRAD_ACC) & ROUND) != 0:
+        return _rb(g)
+    else:
+        return g
+
+@triton.jit
+def _dkdv_inner(dk, dv, k, v, q_base, do_base, sqt, sdt, LSE, DELTA, off_bh, offs_n, offs_m0, lo, hi, T, scale,
+                BLOCK_M: tl.constexpr, ROUND: tl.constexpr, INPUT_F32: tl.constexpr, GEMM_DT: tl.constexpr,
+                ONE_BLOCK: tl.constexpr, MASKED: tl.constexpr):
+    """dK, dV of one key block over query tiles [lo, hi) (chunks at bwd_out, accumulators at grad_acc)."""
+    for start_m in range(lo, hi, BLOCK_M):
+        offs_m = start_m + offs_m0
+        m_ok = offs_m < T  # rows past T load as zeros and contribute nothing
+        q = tl.load(q_base + offs_m[:, None] * sqt, mask=m_ok[:, None], other=0.0).to(GEMM_DT)
+        do = tl.load(do_base + offs_m[:, None] * sdt, mask=m_ok[:, None], other=0.0).to(GEMM_DT)
+        lse = tl.load(LSE + off_bh * T + offs_m, mask=m_ok, other=0.0)
+        delta = tl.load(DELTA + off_bh * T + offs_m, mask=m_ok, other=0.0)
+        sT = _dot_in(k, tl.trans(q), INPUT_F32)
+        if (_SCORES & ROUND) != 0:
+            sT = _rb(_rb(sT) * scale)
+        else:
+            sT = sT * scale
+        pT = tl.exp(sT - lse[None, :])
+        if MASKED:
+            pT = tl.where((offs_n[:, None] <= offs_m[None, :]) & m_ok[None, :], pT, 0.0)
+        dv_c = _dot_pt(pT, do, (_BWD_GEMM_IN & ROUND) != 0, INPUT_F32)
+        dpT = _dot_in(v, tl.trans(do), INPUT_F32)
+        if (_BWD_OUT & ROUND) != 0:
+            dpT = _rb(dpT)
+        dsT = (pT * scale) * (dpT - delta[None, :])
+        dk_c = _dot_pt(dsT, q, (_BWD_GEMM_IN & ROUND) != 0, INPUT_F32)
+        dv = _grad_add(dv, dv_c, ROUND, ONE_BLOCK)
+        dk = _grad_add(dk, dk_c, ROUND, ONE_BLOCK)
+    return dk, dv
+
+@triton.jit
+def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
+                     sqb, sqh, sqt, sqd, skb, skh, skt, skd, svb, svh, svt, svd, sdb, sdh, sdt, sdd,
+                     sgb, sgh, sgt, sgd,
+                     H, T, scale,
+                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     ROUND: tl.constexpr, INPUT_F32: tl.constexpr, ONE_BLOCK: tl.constexpr):
+    """dK, dV for BLOCK_N keys, looping over query tiles of BLOCK_M (= block_q where rounding is emulated)."""
+    start_n = tl.program_id(0)
+    off_bh = tl.program_id(1)
+    off_b = off_bh // H
+    off_h = off_bh % H
+    GEMM_DT: tl.constexpr = tl.float32 if INPUT_F32 else tl.bfloat16
+    offs_n = start_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m0 = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    col_ok = offs_n < T
+    k = tl.load(K + off_b * skb + off_h * skh + offs_n[:, None] * skt + offs_d[None, :] * skd,
+                mask=col_ok[:, None], other=0.0).to(GEMM_DT)
+    v = tl.load(V + off_b * svb + off_h * svh + offs_n[:, None] * svt + offs_d[None, :] * svd,
+                mask=col_ok[:, None], other=0.0).to(GEMM_DT)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    q_base = Q + off_b * sqb + off_h * sqh + offs_d[None, :] * sqd
+    do_base = DO + off_b * sdb + off_h * sdh + offs_d[None, :] * sdd
+    lo = (start_n * BLOCK_N) // BLOCK_M * BLOCK_M  # first query tile touching this key block
+    # query tiles starting at or past this block's last key see every key of it: no mask there
+    mid = tl.minimum(tl.cdiv((start_n + 1) * BLOCK_N - 1, BLOCK_M) * BLOCK_M, T)
+    dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, sqt, sdt, LSE, DELTA, off_bh, offs_n, offs_m0, lo, mid, T,
+                         scale, BLOCK_M, ROUND, INPUT_F32, GEMM_DT, ONE_BLOCK, True)
+    dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, sqt, sdt, LSE, DELTA, off_bh, offs_n, offs_m0, mid, T, T,
+                         scale, BLOCK_M, ROUND, INPUT_F32, GEMM_DT, ONE_BLOCK, False)
+    dk = _grad_end(dk, ROUND, ONE_BLOCK)
+    dv = _grad_end(dv, ROUND, ONE_BLOCK)
+    g = off_b * sgb + off_h * sgh + offs_n[:, None] * sgt + offs_d[None, :] * sgd
+    tl.store(DK + g, _cast_out(dk, DK), mask=col_ok[:, None])
+    tl.store(DV + g, _cast_out(dv, DV), mask=col_ok[:, None])
+
+@triton.jit
+def _dq_inner(dq, q, do, lse, delta, k_base, v_base, skt, svt, offs_m, offs_n0, lo, hi, T, scale,
+              BLOCK_N: tl.constexpr, ROUND: tl.constexpr, INPUT_F32: tl.constexpr, GEMM_DT: tl.constexpr,
+              ONE_BLOCK: tl.constexpr, MASKED: tl.constexpr):
+    """dQ of one query block over key tiles [lo, hi) (chunks at bwd_out, the accumulator at grad_acc)."""
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + offs_n0
+        s = _scores(q, k_base + offs_n[:, None] * skt, offs_m, offs_n, T, scale, ROUND, INPUT_F32, GEMM_DT,
+                    MASKED)
+        p = tl.exp(s - lse[:, None])
+        if MASKED:
+            p = tl.where(_valid(offs_m, offs_n, T, True), p, 0.0)
+            v = tl.load(v_base + offs_n[:, None] * svt, mask=(offs_n < T)[:, None], other=0.0).to(GEMM_DT)
+            k = tl.load(k_base + offs_n[:, None] * skt, mask=(offs_n < T)[:, None], other=0.0).to(GEMM_DT)
+        else:
+            v = tl.load(v_base + offs_n[:, None] * svt).to(GEMM_DT)
+            k = tl.load(k_base + offs_n[:, None] * skt).to(GEMM_DT)
+        dp = _dot_in(do, tl.trans(v), INPUT_F32)
+        if (_BWD_OUT & ROUND) != 0:
+            dp = _rb(dp)
+        ds = (p * scale) * (dp - delta[:, None])
+        dq = _grad_add(dq, _dot_pt(ds, k, (_BWD_GEMM_IN & ROUND) != 0, INPUT_F32), ROUND, ONE_BLOCK)
+    return dq
+
+@triton.jit
+def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
+                   sqb, sqh, sqt, sqd, skb, skh, skt, skd, svb, svh, svt, svd, sdb, sdh, sdt, sdd,
+                   sgb, sgh, sgt, sgd,
+                   H, T, scale,
+                   HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   ROUND: tl.constexpr, INPUT_F32: tl.constexpr, ONE_BLOCK: tl.constexpr):
+    """dQ for BLOCK_M queries, looping over key tiles of BLOCK_N (= block_k where rounding is emulated)."""
+    start_m = tl.program_id(0)
+    off_bh = tl.program_id(1)
+    off_b = off_bh // H
+    off_h = off_bh % H
+    GEMM_DT: tl.constexpr = tl.float32 if INPUT_F32 else tl.bfloat16
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n0 = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_m < T
+    q = tl.load(Q + off_b * sqb + off_h * sqh + offs_m[:, None] * sqt + offs_d[None, :] * sqd,
+                mask=row_ok[:, None], other=0.0).to(GEMM_DT)
+    do = tl.load(DO + off_b * sdb + off_h * sdh + offs_m[:, None] * sdt + offs_d[None, :] * sdd,
+                 mask=row_ok[:, None], other=0.0).to(GEMM_DT)
+    lse = tl.load(LSE + off_bh * T + offs_m, mask=row_ok, other=0.0)
+    delta = tl.load(DELTA + off_bh * T + offs_m, mask=row_ok, other=0.0)
+    k_base = K + off_b * skb + off_h * skh + offs_d[None, :] * skd
+    v_base = V + off_b * svb + off_h * svh + offs_d[None, :] * svd
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    hi = tl.minimum((start_m + 1) * BLOCK_M, T)
+    mid = (start_m * BLOCK_M) // BLOCK_N * BLOCK_N  # key tiles before mid lie wholly below the diagonal
+    dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, skt, svt, offs_m, offs_n0, 0, mid, T, scale,
+                   BLOCK_N, ROUND, INPUT_F32, GEMM_DT, ONE_BLOCK, False)
+    dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, skt, svt, offs_m, offs_n0, mid, hi, T, scale,
+                   BLOCK_N, ROUND, INPUT_F32, GEMM_DT, ONE_BLOCK, True)
+    dq = _grad_end(dq, ROUND, ONE_BLOCK)
+    tl.store(DQ + off_b * sgb + off_h * sgh + offs_m[:, None] * sgt + offs_d[None, :] * sgd,
+             _cast_out(dq, DQ), mask=row_ok[:, None])
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Launch configuration: block sizes that carry meaning come from the knobs; the rest is chosen for speed.
+#
+# A launch family per forward: fa2 (key tile free), fa2_exact (SFA / counters: the key tile is block_k, the unit
+# Algorithm 3 and the counters see), paper_bf16 (block_k: its rescaling roundings), fp32 (IEEE FP32 dots on the CUDA
+# cores, operands and accumulators in registers: smaller tiles). The backward's family is the recipe.
+#   forward (BLOCK_M, free BLOCK_N, num_warps, num_stages); BLOCK_M never changes a row's arithmetic
+#   backward (dkdv BLOCK_M, dkdv BLOCK_N, dq BLOCK_M, dq BLOCK_N, num_warps, num_stages); paper_bf16 overrides
+#   dkdv BLOCK_M = block_q and dq BLOCK_N = block_k (its BF16 accumulators round per emulator tile).
+# FWD_TABLE / BWD_TABLE are the defaults per head dim; SHAPE_TABLE holds per-(family, D, length class) choices that
+# benchmarks/tune.py measured (`python benchmarks/attention.py --tune` prints them). Fixed tables, not run-time
+# autotuning: the same knobs launch the same configuration in every process, so a replayed fa2 run is bit-identical.

@@ -1,0 +1,248 @@
+"""Launching the Triton kernels (kernels/triton_kernels.py): the ROUND bitmask per recipe and knobs, block sizes,
+grids and arguments, and the forward and backward passes as plain functions (kernels/ops.py wraps them as
+torch.library operators; kernels/triton_flash.py is the public face). Recipe semantics: kernels/triton_flash.py."""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+from flash_forensics.kernels.config import AttentionKnobs
+from flash_forensics.kernels.recipes import PV_POINTS, RECIPES, ROUNDING_POINTS, resolve
+
+try:  # Triton is optional: the emulator serves machines without it (kernels/triton_flash.py's supports() says so)
+    from flash_forensics.kernels import triton_kernels as _k
+except ImportError:  # pragma: no cover - exercised only where triton is missing
+    _k = None
+
+RECIPE_IDS = {"fp32": 0, "fa2": 1, "paper_bf16": 2}
+DELTA_IDS = {"dO_O": 0, "dP_P": 1, "recompute_fp32": 2}
+HEAD_DIMS = (16, 32, 64, 128)
+TILE_SIZES = (16, 32, 64, 128)
+NEG_BF16 = -torch.finfo(torch.bfloat16).max  # masked score: the most negative BF16, as in the paper's code
+
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # read at import: the kernels were built for it
+
+
+def _interpret() -> bool:
+    return _INTERPRET
+
+
+def _bits(*points: str) -> int:
+    return sum(1 << ROUNDING_POINTS.index(pt) for pt in points)
+
+
+# Points whose BF16 storage carries state from one key tile to the next (the running max, sum and accumulator): the
+# forward's key tile must then be block_k, as in the emulator. The backward's accumulators: the same for its tiles.
+_FWD_TILED = _bits("shift", "stats", "pv_out", "acc")
+_BWD_TILED = _bits("bwd_out", "grad_acc")
+_O_STORE_BIT = _bits("o_store")
+_OFP32_BITS = _bits("pbar", "pv_out", "acc", "o_store", "delta_prod")  # what o_fp32 heads keep in FP32
+
+
+_RECIPE_MASK = {name: _bits(*resolve(name).rounded()) for name in RECIPES}
+_PV_MASK = _bits(*PV_POINTS)
+
+
+def round_mask(knobs: AttentionKnobs) -> int:
+    """The kernels' ROUND constexpr: bit i set = ROUNDING_POINTS[i] stored in BF16, i.e.
+    flash_forensics.kernels.recipes.for_knobs(knobs).rounded() as bits (tests check the two agree). Plain integer work, so that
+    torch.compile traces it without a graph break (it runs per call, building the ops' arguments)."""
+    mask = _RECIPE_MASK[knobs.recipe]
+    if knobs.pv_fp32:
+        mask &= ~_PV_MASK
+    for pt in knobs.keep_fp32:
+        mask &= ~(1 << ROUNDING_POINTS.index(pt))
+    for pt in knobs.round_bf16:
+        mask |= 1 << ROUNDING_POINTS.index(pt)
+    return mask
+
+
+def mask_points(recipe: str, mask: int):
+    """(keep_fp32, round_bf16) that give `mask` on `recipe`: round_mask's inverse, for the ops' int argument."""
+    base = resolve(recipe).rounded()
+    rounded = [pt for i, pt in enumerate(ROUNDING_POINTS) if mask >> i & 1]
+    return [pt for pt in base if pt not in rounded], [pt for pt in rounded if pt not in base]
+
+
+def saved_o_dtype(mask: int, fp32_heads) -> torch.dtype:
+    """The forward stores O in BF16 where o_store is a BF16 point and no head keeps an FP32 O, else in FP32."""
+    return torch.bfloat16 if (mask & _O_STORE_BIT and len(fp32_heads) == 0) else torch.float32
+
+
+FWD_TABLE = {  # D=64 and D=128: measured by benchmarks/tune.py on an H200 (results/bench/tune-h200.json)
+    "fa2": {16: (64, 64, 4, 3), 32: (64, 64, 4, 3), 64: (64, 64, 4, 3), 128: (64, 64, 4, 3)},
+    "fa2_exact": {16: (64, 64, 4, 3), 32: (64, 64, 4, 3), 64: (64, 64, 4, 3), 128: (64, 64, 4, 3)},
+    "paper_bf16": {16: (64, 64, 4, 3), 32: (64, 64, 4, 3), 64: (64, 64, 4, 3), 128: (64, 64, 4, 3)},
+    "fp32": {16: (32, 32, 4, 2), 32: (32, 32, 4, 2), 64: (32, 32, 4, 2), 128: (32, 32, 8, 2)},
+}
+BWD_TABLE = {
+    "fa2": {16: (32, 64, 64, 32, 4, 3), 32: (32, 64, 64, 32, 4, 3), 64: (32, 64, 64, 32, 4, 3),
+            128: (64, 64, 64, 64, 4, 2)},
+    "paper_bf16": {16: (32, 64, 64, 32, 4, 3), 32: (32, 64, 64, 32, 4, 3), 64: (64, 64, 64, 64, 4, 3),
+                   128: (64, 64, 64, 64, 4, 2)},
+    "fp32": {16: (32, 32, 32, 32, 4, 2), 32: (32, 32, 32, 32, 4, 2), 64: (32, 32, 32, 32, 4, 2),
+             128: (32, 32, 32, 32, 8, 2)},
+}
+SHAPE_TABLE: dict = {  # ("fwd" | "bwd", family, D, length class) -> config tuple, as above
+    ("fwd", "fp32", 64, "short"): (16, 32, 4, 2),
+}
+
+
+def length_class(T: int) -> str:
+    """Short sequences (mini_repro's 256) fill the GPU with fewer, smaller programs: tuned apart from long ones."""
+    return "short" if T <= 256 else "long"
+
+
+def fwd_family(knobs: AttentionKnobs) -> str:
+    if knobs.recipe in ("fp32", "paper_bf16"):
+        return knobs.recipe
+    exact_n = knobs.tiling and (knobs.softmax == "stabilized" or knobs.counters)
+    return "fa2_exact" if exact_n else "fa2"
+
+
+def _fwd_blocks(knobs: AttentionKnobs, D: int, T: int = 1024):
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the forward."""
+    fam = fwd_family(knobs)
+    block_m, free_n, warps, stages = SHAPE_TABLE.get(("fwd", fam, D, length_class(T))) or FWD_TABLE[fam][D]
+    # the key tile is the unit Algorithm 3, the counters and BF16 rescaling roundings (paper_bf16's) see
+    exact_n = knobs.tiling and (fam in ("fa2_exact", "paper_bf16") or knobs.counters
+                                or bool(round_mask(knobs) & _FWD_TILED))
+    block_n = knobs.block_k if exact_n else free_n
+    if _interpret():
+        block_m, block_n = 16, (block_n if exact_n else 16)
+    return block_m, block_n, warps, stages
+
+
+def _bwd_blocks(knobs: AttentionKnobs, D: int, T: int = 1024):
+    """((dkdv BLOCK_M, BLOCK_N), (dq BLOCK_M, BLOCK_N), num_warps, num_stages) of the backward passes."""
+    m1, n1, m2, n2, warps, stages = SHAPE_TABLE.get(("bwd", knobs.recipe, D, length_class(T))) or BWD_TABLE[knobs.recipe][D]
+    if knobs.tiling and round_mask(knobs) & _BWD_TILED:  # BF16 chunks / accumulators rounded per emulator tile
+        m1, n2 = knobs.block_q, knobs.block_k
+    elif _interpret():
+        m1, n2 = 16, 16
+    if _interpret():
+        n1, m2 = 16, 16
+    return (m1, n1), (m2, n2), warps, stages
+
+
+def launch_config(knobs: AttentionKnobs, D: int, T: int) -> dict:
+    """What the kernels launch for these knobs at head dim D, length T (benchmarks record it)."""
+    bm, bn, fw, fs = _fwd_blocks(knobs, D, T)
+    (m1, n1), (m2, n2), bw, bs = _bwd_blocks(knobs, D, T)
+    return dict(fwd=dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=fw, num_stages=fs),
+                bwd=dict(dkdv=[m1, n1], dq=[m2, n2], num_warps=bw, num_stages=bs))
+
+
+def _strides(x):
+    return tuple(x.stride())
+
+
+_DEVICE_CACHE: dict = {}
+
+
+def _cdiv(a: int, b: int) -> int:
+    """Host-side ceil division (triton.cdiv is a jit function: ~10 us a call through its dispatch on the host)."""
+    return -(-a // b)
+
+
+def _cached(key, make):
+    """Small per-device constants (head masks, dummy pointers), made once: no host-to-device copy per call."""
+    t = _DEVICE_CACHE.get(key)
+    if t is None:
+        t = _DEVICE_CACHE[key] = make()
+    return t
+
+
+def _rows_per_head(T: int, knobs: AttentionKnobs) -> int:
+    """(query row, key tile) pairs one head visits per batch element, as AttnStats.rows_seen counts them."""
+    if not knobs.tiling:
+        return T
+    bq, bk = min(knobs.block_q, T), min(knobs.block_k, T)
+    return sum((min(qs + bq, T) - qs) * -(-min(qs + bq, T) // bk) for qs in range(0, T, bq))
+
+
+def _forward(q, k, v, knobs: AttentionKnobs, rep=None, maxl=None, probe: bool = False):
+    """Launch the forward: (O stored for delta, lse, pmax, fired); pmax/fired only if probe.
+
+    rep (H,) int64 / maxl () float32: the counters the kernel adds into (atomics, one per program); None: off."""
+    B, H, T, D = q.shape
+    dev = q.device
+    mask = round_mask(knobs)
+    ofp32, has_ofp32 = _ofp32_flags(knobs, H, dev)
+    o = torch.empty((B, H, T, D), device=dev, dtype=saved_o_dtype(mask, knobs.fp32_o_heads(H)))
+    lse = torch.empty((B, H, T), device=dev, dtype=torch.float32)
+    counters = rep is not None
+    if not counters:  # unused pointers still need a tensor
+        rep = _cached(("rep", dev), lambda: torch.zeros(1, device=dev, dtype=torch.int64))
+        maxl = _cached(("maxl", dev), lambda: torch.zeros(1, device=dev, dtype=torch.float32))
+    if probe:
+        pmax = torch.zeros((B, H, T), device=dev, dtype=torch.float32)
+        fired = torch.zeros((B, H, T), device=dev, dtype=torch.int32)
+    else:
+        pmax = fired = lse
+    bm, bn, warps, stages = _fwd_blocks(knobs, D, T)
+    grid = (_cdiv(T, bm), B * H)
+    _k._fwd_kernel[grid](q, k, v, o, lse, rep, maxl, ofp32, pmax, fired,
+                      *_strides(q), *_strides(k), *_strides(v), *_strides(o),
+                      H, T, 1.0 / math.sqrt(D), float(knobs.beta), float(knobs.eps),
+                      HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, ROUND=mask, INPUT_F32=knobs.recipe == "fp32",
+                      FLOOR=knobs.recipe == "paper_bf16", STABILIZED=knobs.softmax == "stabilized",
+                      COUNTERS=counters, HAS_OFP32=has_ofp32, ONE_BLOCK=not knobs.tiling,
+                      PROBE=probe, num_warps=warps, num_stages=stages)
+    return o, lse, (pmax if probe else None), (fired if probe else None)
+
+
+def _ofp32_flags(knobs: AttentionKnobs, H: int, dev):
+    """(per-head int32 flags of heads whose stored O is FP32, whether any is), made once per device and knobs.
+
+    Per call this is a dict lookup: the host work per launch is what bounds the kernels at T <= 1024."""
+    mask = round_mask(knobs)
+    key = ("ofp32", dev, H, mask, knobs.o_fp32, tuple(knobs.o_fp32_heads))
+    hit = _DEVICE_CACHE.get(key)
+    if hit is None:
+        fp32_heads = tuple(knobs.fp32_o_heads(H))
+        flags = torch.tensor([int(h in fp32_heads) for h in range(H)], dtype=torch.int32).to(dev)
+        hit = _DEVICE_CACHE[key] = (flags, bool(mask & _OFP32_BITS) and len(fp32_heads) > 0)
+    return hit
+
+
+def _backward(do, q, k, v, o, lse, knobs: AttentionKnobs):
+    """Launch the backward (delta, dK/dV, dQ): (dq, dk, dv) in the inputs' dtypes."""
+    B, H, T, D = q.shape
+    recipe = RECIPE_IDS[knobs.recipe]
+    mask, f32_in = round_mask(knobs), knobs.recipe == "fp32"
+    scale = 1.0 / math.sqrt(D)
+    ofp32, has_ofp32 = _ofp32_flags(knobs, H, q.device)
+    (m1, n1), (m2, n2), warps, stages = _bwd_blocks(knobs, D, T)
+    delta = torch.empty_like(lse)
+    dq = torch.empty((B, H, T, D), device=q.device, dtype=q.dtype)  # gradients in the inputs' dtypes
+    dk = torch.empty((B, H, T, D), device=q.device, dtype=k.dtype)
+    dv = torch.empty((B, H, T, D), device=q.device, dtype=v.dtype)
+    dbm, dbn = (16, 16) if _interpret() else (32, 32) if recipe == 0 else (64, 64)  # fp32: see FP32_*
+    _k._bwd_delta_kernel[(_cdiv(T, dbm), B * H)](
+        q, k, v, o, do, lse, delta, ofp32,
+        *_strides(q), *_strides(k), *_strides(v), *_strides(o), *_strides(do),
+        H, T, scale, HEAD_DIM=D, BLOCK_M=dbm, BLOCK_N=dbn, ROUND=mask, INPUT_F32=f32_in,
+        DELTA_MODE=DELTA_IDS[knobs.delta], HAS_OFP32=has_ofp32, num_warps=4)
+    _k._bwd_dkdv_kernel[(_cdiv(T, n1), B * H)](
+        q, k, v, do, lse, delta, dk, dv,
+        *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk), H, T, scale,
+        HEAD_DIM=D, BLOCK_M=m1, BLOCK_N=n1, ROUND=mask, INPUT_F32=f32_in,
+        ONE_BLOCK=not knobs.tiling, num_warps=warps, num_stages=stages)
+    _k._bwd_dq_kernel[(_cdiv(T, m2), B * H)](
+        q, k, v, do, lse, delta, dq,
+        *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq), H, T, scale,
+        HEAD_DIM=D, BLOCK_M=m2, BLOCK_N=n2, ROUND=mask, INPUT_F32=f32_in,
+        ONE_BLOCK=not knobs.tiling, num_warps=warps, num_stages=stages)
+    return dq, dk, dv
+
+
+def fired_pbar_max(q, k, v, knobs: AttentionKnobs):
+    """Probe for tests: per row (B, H, T), the largest FP32 P̄ in key tiles where the SFA condition fired, and
+    whether it fired in any tile. Safe softmax gives P̄ = 1 there; the stabilized softmax must not."""
+    with torch.no_grad():
+        _, _, pmax, fired = _forward(q, k, v, knobs, probe=True)
+    return pmax, fired.bool()
