@@ -24,9 +24,9 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from flash_forensics.kernels.config import AttentionKnobs
-from flash_forensics.kernels.stats import AttnStats
+from flash_forensics.kernels.config import AttentionKnobs  # noqa: E402
 from flash_forensics.kernels.emulator import flash_attention  # noqa: E402
+from flash_forensics.kernels.stats import AttnStats  # noqa: E402
 
 
 def cpu_name() -> str:

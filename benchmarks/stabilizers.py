@@ -60,7 +60,8 @@ def environment(argv, device: torch.device) -> dict:
 
 def compose(variant: str, shape_overrides, extra):
     """(validated schema.Config, effective AttentionConfig) of `intervention=<variant>`, as a run composes it."""
-    from hydra import compose as hydra_compose, initialize_config_dir
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
     import flash_forensics.orchestrator.config.schema  # noqa: F401  registers base_config
@@ -86,10 +87,10 @@ class Variant:
 
     def __init__(self, name, shape_overrides, extra, device):
         from flash_forensics.models.gpt import GPT
-        from flash_forensics.orchestrator.job.train import seed_everything
         from flash_forensics.orchestrator.interventions import build_hooks
         from flash_forensics.orchestrator.job.optim import build_optimizer
         from flash_forensics.orchestrator.job.step import TrainStep
+        from flash_forensics.orchestrator.job.train import seed_everything
         self.name = name
         obj, att = compose(name, shape_overrides, extra)
         self.obj = obj

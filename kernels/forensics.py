@@ -1,8 +1,8 @@
 """BF16 forensics: explain one rounding bit by bit, and trace where a P̄V row's error comes from (the paper's Sec. 3.3.2).
 
-    python -m flash_forensics.kernels.forensics add -2.4071154594421387 -2.296875
-    python -m flash_forensics.kernels.forensics pv-trace --out results/forensics/pv_trace.png
-    python -m flash_forensics.kernels.forensics pv-trace --input row.pt      # {"p": P̄ row, "v": V column} or a (2, T) tensor
+    flash-forensics forensics add -2.4071154594421387 -2.296875
+    flash-forensics forensics pv-trace --out results/forensics/pv_trace.png
+    flash-forensics forensics pv-trace --input row.pt      # {"p": P̄ row, "v": V column} or a (2, T) tensor
 
 `add`: the exact sum of two FP32 operands (integer arithmetic on their significands), rounded once to BF16 with
 round-to-nearest-even, every step printed. In the paper's example the first operand is an FP32 partial sum of P̄V
@@ -313,12 +313,12 @@ def plot_trace(tr: PVTrace, out: str, title: str = "") -> Path:
 # --------------------------------------------------------------------------------------------------- CLI
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
-        prog="python -m flash_forensics.kernels.forensics",
+        prog="flash-forensics forensics",
         description="BF16 forensics for flash attention (Qiu & Yao, Sec. 3.3.2).",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="examples:\n  python -m flash_forensics.kernels.forensics add -2.4071154594421387 -2.296875\n"
-               "  python -m flash_forensics.kernels.forensics add 11000000000110100000111000101110 11000000000100110000000000000000\n"
-               "  python -m flash_forensics.kernels.forensics pv-trace --out results/forensics/pv_trace.png")
+        epilog="examples:\n  flash-forensics forensics add -2.4071154594421387 -2.296875\n"
+               "  flash-forensics forensics add 11000000000110100000111000101110 11000000000100110000000000000000\n"
+               "  flash-forensics forensics pv-trace --out results/forensics/pv_trace.png")
     sub = ap.add_subparsers(dest="cmd", required=True)
     a = sub.add_parser("add", help="explain one addition rounded to BF16, bit by bit",
                        description="Exact sum of two FP32 operands rounded once to BF16 (round to nearest even), "

@@ -6,7 +6,7 @@ are known exactly (q = e_0, k_j = s_j * sqrt(D) e_0, so S_ij = s_j for every que
 - head 1 "tile-local": a unique row max rm at key 3 and, in the second key tile, a repeated max rm - 1 below it
   (Algorithm 3 raises the running max to beta * (rm - 1) there for the rest of the row).
 Scores and V are BF16 values (k = 4 s with D = 16: QK^T and the scaling are exact in every recipe), so the FP64
-exact softmax of the same inputs (untiled, safe) is the reference and the error measures the softmax alone. `python -m flash_forensics.kernels.sfa_matrix --out FILE` writes the
+exact softmax of the same inputs (untiled, safe) is the reference and the error measures the softmax alone. `flash-forensics sfa-matrix --out FILE` writes the
 table as Markdown; tests/unit/test_sfa_matrix.py asserts it.
 """
 from __future__ import annotations
@@ -76,7 +76,7 @@ def markdown(rows: List[Dict]) -> str:
     by = {(r["rm"], r["beta"], r["recipe"], r["tiling"], r["softmax"]): r for r in rows}
     lines = [
         "# SFA edge-case matrix (emulator, CPU)", "",
-        "Made by `python -m flash_forensics.kernels.sfa_matrix --out results/bench/sfa_edge_matrix.md` (kernels/sfa_matrix.py says "
+        "Made by `flash-forensics sfa-matrix --out results/bench/sfa_edge_matrix.md` (kernels/sfa_matrix.py says "
         "how the scores are built; tests/unit/test_sfa_matrix.py asserts it).",
         f"Guard: shift d = clamp((beta - 1)|rm|, {SFA_GUARD_LO:g}, {SFA_GUARD_HI:g}) above a repeated max that reaches "
         "the running max. Tolerance on max |O - O_exact|: " + ", ".join(f"{k} {v:g}" for k, v in TOL.items()) + ".",

@@ -29,9 +29,26 @@ from flash_forensics.kernels import ops as _ops
 from flash_forensics.kernels.config import AttentionKnobs
 from flash_forensics.kernels.knobs import unsupported
 from flash_forensics.kernels.triton_launch import (  # noqa: F401  (re-exported: tests and benchmarks read them here)
-    DELTA_IDS, HEAD_DIMS, NEG_BF16, RECIPE_IDS, SHAPE_TABLE, TILE_SIZES, _backward, _bwd_blocks, _forward,
-    _fwd_blocks, _interpret, _k, fired_pbar_max, fwd_family, launch_config, length_class, mask_points, round_mask,
-    saved_o_dtype)
+    DELTA_IDS,
+    HEAD_DIMS,
+    NEG_BF16,
+    RECIPE_IDS,
+    SHAPE_TABLE,
+    TILE_SIZES,
+    _backward,
+    _bwd_blocks,
+    _forward,
+    _fwd_blocks,
+    _interpret,
+    _k,
+    fired_pbar_max,
+    fwd_family,
+    launch_config,
+    length_class,
+    mask_points,
+    round_mask,
+    saved_o_dtype,
+)
 
 triton = _k.triton if _k is not None else None  # None where triton is not installed
 

@@ -7,6 +7,7 @@ import errno
 import os
 from pathlib import Path
 
+
 class ConfigError(ValueError):
     """A configuration that must not run; the message names the key, the value and what is allowed."""
 

@@ -21,6 +21,7 @@ import sys
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
 from flash_forensics.orchestrator.verdict import DivergenceDetector, VerdictConfig
 
 RECORD_VERSION = 2  # 2: typed MLflow fields (metrics below, tag record_version); 1 or absent: older runs

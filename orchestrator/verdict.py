@@ -14,8 +14,6 @@ import math
 from dataclasses import dataclass
 from typing import Iterable, Optional, Tuple
 
-
-
 FORK_BASELINES = ("fresh", "source")
 
 
@@ -110,4 +108,4 @@ class DivergenceDetector:
         self._up_count = int(state["up_count"])
 
 
-__all__ = ["VerdictConfig", "DivergenceDetector", "matches_paper"]
+__all__ = ["VerdictConfig", "DivergenceDetector"]

@@ -32,7 +32,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.verdicts:
         rows = json.loads(a.verdicts.read_text())["runs"]
-        for name, p in make_plots(rows, {}, a.out).items():
+        for _name, p in make_plots(rows, {}, a.out).items():
             print(f"wrote {p}")
     if a.localize:
         loc = localization_from_json(json.loads(a.localize.read_text()))

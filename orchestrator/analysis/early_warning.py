@@ -1,8 +1,8 @@
 """Early warning: each monitored signal as a predictor of divergence, measured over a set of runs (issue 17, item 3).
 
-    python -m flash_forensics.orchestrator.analysis.early_warning results/seeds/<date> results/lr/<date> --out results/early_warning
-    python -m flash_forensics.orchestrator.analysis.early_warning --tracking-uri sqlite:///results/mlflow.db --experiment mini_repro_seeds
-    python -m flash_forensics.orchestrator.analysis.early_warning results/mini/<date> sqlite:///other/mlflow.db --include-unfinished
+    flash-forensics early-warning results/seeds/<date> results/lr/<date> --out results/early_warning
+    flash-forensics early-warning --tracking-uri sqlite:///results/mlflow.db --experiment mini_repro_seeds
+    flash-forensics early-warning results/mini/<date> sqlite:///other/mlflow.db --include-unfinished
 
 Input: report dirs (sweep or job folders, or a report folder's verdicts.json), MLflow store URIs (every run in it, or
 of --experiment) or an MLflow experiment of --tracking-uri. Each run's
@@ -41,14 +41,14 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from flash_forensics.orchestrator import record
+from flash_forensics.orchestrator.analysis.localize.source import _job_uri
+from flash_forensics.orchestrator.job.folder import read_job_start
 from flash_forensics.orchestrator.monitor import signals
 from flash_forensics.orchestrator.monitor.signals import ABOVE, SIGNALS
-from flash_forensics.orchestrator.report.rows import rows_from_dirs
-from flash_forensics.orchestrator.job.folder import read_job_start
-from flash_forensics.orchestrator.analysis.localize.source import _job_uri
 from flash_forensics.orchestrator.report import readback as store
-from flash_forensics.orchestrator.verdict import DivergenceDetector, VerdictConfig
 from flash_forensics.orchestrator.report.plots import _save, palette, plt
+from flash_forensics.orchestrator.report.rows import rows_from_dirs
+from flash_forensics.orchestrator.verdict import DivergenceDetector, VerdictConfig
 
 Series = Dict[str, List[Tuple[int, float]]]
 
@@ -339,7 +339,7 @@ def _extra(specs: Sequence[str]) -> Dict[str, List[float]]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m flash_forensics.orchestrator.analysis.early_warning", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="flash-forensics early-warning", description=__doc__.split("\n")[0])
     ap.add_argument("sources", nargs="*", help="sweep or job folders, a report's verdicts.json, or MLflow store "
                     "URIs (sqlite:///...: every job run in it, or of --experiment)")
     ap.add_argument("--tracking-uri", default=None, help="MLflow store (default: each job's own)")

@@ -1,6 +1,6 @@
 """The paper's isolation method end to end, one entry point (issue 7; issue 11 item 5):
 
-    python -m flash_forensics.orchestrator.analysis.isolate [--root DIR] [--out DIR] [--fork-steps N] [--margin N] [--per-gpu N]
+    flash-forensics isolate [--root DIR] [--out DIR] [--fork-steps N] [--margin N] [--per-gpu N]
                                    [--stop-after N] [--uri URI] [hydra overrides for every run, e.g. train.seed=2 data.seed=2]
 
 1. baseline: the BF16 flash baseline (experiment=mini_repro), batch order recorded, every checkpoint kept, no early
@@ -38,18 +38,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from flash_forensics.orchestrator.job import fork
 from flash_forensics.orchestrator import record
-from flash_forensics.orchestrator.analysis.localize import format_localization, load_history, localize, plot, resolve_source
-from flash_forensics.orchestrator.report.sweep import log_sweep_metrics, write_report
-from flash_forensics.orchestrator.report.rows import rows_from_dirs
+from flash_forensics.orchestrator.analysis.localize import (
+    format_localization,
+    load_history,
+    localize,
+    plot,
+    resolve_source,
+    rounding,
+    rounding_io,
+)
+from flash_forensics.orchestrator.job import fork
 from flash_forensics.orchestrator.report.readback import client_for, retry
-from flash_forensics.orchestrator.analysis.localize import rounding, rounding_io
-from flash_forensics.orchestrator.analysis.localize import rounding_io
-from flash_forensics.orchestrator.tracking.tracker import get_or_create_experiment, git_info
-from flash_forensics.orchestrator.tracking.tracker import default_tracking_uri
+from flash_forensics.orchestrator.report.rows import rows_from_dirs
+from flash_forensics.orchestrator.report.sweep import log_sweep_metrics, write_report
+from flash_forensics.orchestrator.tracking.tracker import default_tracking_uri, get_or_create_experiment, git_info
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 EXPERIMENT = "paper_isolation"  # the MLflow experiment the pipeline's runs log to
 FORK_MEMORY = 2 ** 34  # 16 GiB per fork slot (a mini_repro fork holds ~12.5 GiB)
 
@@ -114,7 +119,7 @@ class Pipeline:
         try:
             rec = record.read(job)
         except (OSError, ValueError) as e:
-            raise PipelineError(f"the baseline left no readable {record.RESULT_FILE} in {job} (exit {rc}): {e}")
+            raise PipelineError(f"the baseline left no readable {record.RESULT_FILE} in {job} (exit {rc}): {e}") from e
         if rec.observed == "failed":
             raise PipelineError(f"the baseline failed (exit {rc}): {rec.error}")
         return job, rec
@@ -188,7 +193,7 @@ class Pipeline:
         rows = rows_from_dirs([baseline, p.root / "forks"])
         result, cause = self.rounding(rows, loc)
         parent = self._parent_run()
-        meta = {"command": "python -m flash_forensics.orchestrator.analysis.isolate " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+        meta = {"command": "flash-forensics isolate " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
                 "fork_checkpoint": str(ckpt), "fork_step": str(step), "localized": " ".join(loc.sweep_overrides()),
                 "wall_s": int(time.monotonic() - self.t0), **{f"{k}_s": round(v) for k, v in self.times.items()},
                 "experiment_id": parent[0] if parent else None}
@@ -254,7 +259,7 @@ class Pipeline:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m flash_forensics.orchestrator.analysis.isolate", description=__doc__.split("\n\n")[0],
+    ap = argparse.ArgumentParser(prog="flash-forensics isolate", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("overrides", nargs="*", help="Hydra overrides for every run (baseline and forks)")
     ap.add_argument("--root", type=Path, default=None,

@@ -1,7 +1,7 @@
 """The stabilizers table (issue 17): each stabilizer's outcome from report folders of forks (and of from-scratch
 runs) beside its throughput cost from benchmarks/stabilizers.py.
 
-    python -m flash_forensics.orchestrator.analysis.stabilizers --reports <forks report> [<scratch report> ...] \\
+    flash-forensics stabilizers --reports <forks report> [<scratch report> ...] \\
         --bench results/bench/stabilizers-h200.json --name stabilizers [--results results]
 
 writes <results>/<name>/stabilizers.md, stabilizers.json and stabilizers.png. Per run row (verdicts.json `runs`):
@@ -23,12 +23,11 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
-from flash_forensics.orchestrator import record
-from flash_forensics.orchestrator import interventions
+from flash_forensics.orchestrator import interventions, record
 from flash_forensics.orchestrator.job.fork import MODEL_KEYS
 from flash_forensics.orchestrator.report.plots import palette
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 BASELINE, REFERENCE = "baseline", "fp32"
 
 
@@ -214,7 +213,7 @@ def write(report_dirs: Sequence[Path], bench_path: Optional[Path], name: str,
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m flash_forensics.orchestrator.analysis.stabilizers", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="flash-forensics stabilizers", description=__doc__.split("\n\n")[0])
     ap.add_argument("--reports", nargs="+", type=Path, required=True, help="report folders (verdicts.json)")
     ap.add_argument("--bench", type=Path, default=None, help="benchmarks/stabilizers.py JSON")
     ap.add_argument("--name", default="stabilizers", help="the folder under --results")

@@ -15,13 +15,13 @@ from hydra.core.config_store import ConfigStore
 from flash_forensics.kernels.config import AttentionConfig
 from flash_forensics.models.gpt import ModelConfig
 from flash_forensics.orchestrator.data import DataConfig
-from flash_forensics.orchestrator.job.distributed import DistConfig
 from flash_forensics.orchestrator.interventions.spec import InterventionConfig  # what an intervention file declares
+from flash_forensics.orchestrator.job.distributed import DistConfig
 from flash_forensics.orchestrator.monitor.monitors import MonitorConfig
 from flash_forensics.orchestrator.tracking.tracker import TrackingConfig
 from flash_forensics.orchestrator.verdict import VerdictConfig
 
-RESULTS_DIR = str(Path(__file__).resolve().parents[1] / "results")  # beside the default MLflow store
+RESULTS_DIR = str(Path(__file__).resolve().parents[2] / "results")  # beside the default MLflow store
 
 
 def _gpu_count() -> int:

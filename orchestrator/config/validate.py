@@ -9,26 +9,20 @@ from __future__ import annotations
 
 from dataclasses import fields
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from omegaconf import DictConfig, OmegaConf
 
 from flash_forensics.kernels import knobs as knob_table
 from flash_forensics.kernels.checks import bad, int_range, is_int, is_num
 from flash_forensics.kernels.config import AttentionConfig, AttentionKnobs, LayerOverride
-from flash_forensics.orchestrator.config.schema import Config
-from flash_forensics.orchestrator.errors import ConfigError  # noqa: F401  (re-exported)
-from flash_forensics.orchestrator.interventions import load
 from flash_forensics.kernels.recipes import for_knobs
-from flash_forensics.orchestrator.config.schema import OPTIMIZERS
-from flash_forensics.orchestrator.config.schema import COMPILES, DEVICES, PRECISIONS
-from flash_forensics.orchestrator.config.schema import EXPECTS
+from flash_forensics.orchestrator.config.schema import COMPILES, DEVICES, EXPECTS, OPTIMIZERS, PRECISIONS, Config
 from flash_forensics.orchestrator.data.corpora import open_corpus
 from flash_forensics.orchestrator.data.prepare import dataset_dir
-from flash_forensics.orchestrator.data.replay import read_header
-from flash_forensics.orchestrator.data.replay import OrderReader
-from flash_forensics.orchestrator.interventions import effective_model
-from flash_forensics.orchestrator.interventions import build_hooks
+from flash_forensics.orchestrator.data.replay import OrderReader, read_header
+from flash_forensics.orchestrator.errors import ConfigError  # noqa: F401  (re-exported)
+from flash_forensics.orchestrator.interventions import build_hooks, effective_model, load
 from flash_forensics.orchestrator.job.fork import check_fork, check_model, check_resume_hooks, source_header
 from flash_forensics.orchestrator.tracking.tracker import check_tracking
 
@@ -355,7 +349,7 @@ def check_debug(d, t) -> None:
 def _validate(cfg, overrides: Sequence[str] = (), check_resume: bool = True, check_store: bool = True):
     """validate_config without the memo."""
     obj = to_object(cfg)
-    for section, fn in (("model", lambda: obj.model.validate(key="model")),
+    for _section, fn in (("model", lambda: obj.model.validate(key="model")),
                         ("data", lambda: obj.data.validate(key="data")),
                         ("monitor", lambda: obj.monitor.validate(key="monitor", n_layer=obj.model.n_layer)),
                         ("verdict", lambda: obj.verdict.validate(key="verdict")),

@@ -1,4 +1,4 @@
-"""python -m flash_forensics.orchestrator.data prepare [overrides] [--force] | fetch | tokenizer [--from PATH]
+"""flash-forensics data prepare [overrides] [--force] | fetch | tokenizer [--from PATH]
 
 Overrides are Hydra's, composed from conf/data like the runs are: `data=text_files 'data.files=[a.txt]'`,
 `data.root=/scratch/data`; a bare DataConfig field (`val_fraction=0.1`) means data.<field>.
@@ -12,12 +12,9 @@ from dataclasses import dataclass, field, fields
 from typing import Any, List
 
 from flash_forensics.orchestrator.data.config import REPO_ROOT, DataConfig, DataError
-import flash_forensics.orchestrator.config.schema
-from flash_forensics.orchestrator.data.prepare import ensure_prepared
 from flash_forensics.orchestrator.data.corpora import kjv_path
-from flash_forensics.orchestrator.data.tokenizer import gpt2_encoding, ranks_path
-from flash_forensics.orchestrator.data.tokenizer import gpt2_encoding, install_ranks, ranks_path
-from flash_forensics.orchestrator.data.tokenizer import TokenizerUnavailable
+from flash_forensics.orchestrator.data.prepare import ensure_prepared
+from flash_forensics.orchestrator.data.tokenizer import TokenizerUnavailable, gpt2_encoding, install_ranks, ranks_path
 
 
 @dataclass
@@ -54,7 +51,7 @@ def compose_data(overrides: List[str]) -> DataConfig:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m flash_forensics.orchestrator.data", description=__doc__,
+    ap = argparse.ArgumentParser(prog="flash-forensics data", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("prepare", help="tokenize a corpus into train.bin/val.bin + manifest.json")

@@ -23,7 +23,7 @@ def open_tokens(bin_path: PathLike, block_size: int) -> np.memmap:
     """uint16 token ids, checked: exists, whole tokens, at least block_size + 1 of them."""
     p = Path(bin_path)
     if not p.is_file():
-        raise DataError(f"token file {p} does not exist; prepare it with `python -m flash_forensics.orchestrator.data prepare`")
+        raise DataError(f"token file {p} does not exist; prepare it with `flash-forensics data prepare`")
     size = p.stat().st_size
     if size % 2:
         raise DataError(f"token file {p} has an odd byte count ({size}); uint16 tokens need an even one. "

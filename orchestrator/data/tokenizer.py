@@ -14,7 +14,13 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
-from flash_forensics.orchestrator.data.cache import FetchError, atomic_write, cache_dir, member_from_archive, member_from_sdist
+from flash_forensics.orchestrator.data.cache import (
+    FetchError,
+    atomic_write,
+    cache_dir,
+    member_from_archive,
+    member_from_sdist,
+)
 
 R50K_URL = "https://openaipublic.blob.core.windows.net/encodings/r50k_base.tiktoken"
 R50K_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
@@ -68,9 +74,9 @@ def _instructions(why: str) -> str:
         f"GPT-2 tokenizer unavailable: {why}\n"
         f"tiktoken needs the GPT-2 BPE ranks (sha256 {R50K_SHA256}) at {ranks_path()}.\n"
         "Fix, on any machine that can reach PyPI:\n"
-        "  python -m flash_forensics.orchestrator.data tokenizer            # fetches the openai-whisper sdist, verifies, caches\n"
+        "  flash-forensics data tokenizer            # fetches the openai-whisper sdist, verifies, caches\n"
         f"then copy {cache_dir()} to this machine (or set FLASH_FORENSICS_CACHE / TIKTOKEN_CACHE_DIR to a copy).\n"
-        "Or, with the file at hand: python -m flash_forensics.orchestrator.data tokenizer --from PATH\n"
+        "Or, with the file at hand: flash-forensics data tokenizer --from PATH\n"
         f"  (PATH = gpt2.tiktoken from the openai-whisper sdist ({WHISPER_MEMBER}), or the sdist itself)."
     )
 

@@ -13,8 +13,16 @@ Public API:
 """
 from flash_forensics.orchestrator.interventions.hooks import HookSet, TrainHook
 from flash_forensics.orchestrator.interventions.hooks import build as build_hooks
-from flash_forensics.orchestrator.interventions.spec import (CONF_DIR, InterventionConfig, ModelPatch, effective_model, load, names,
-                                             scope, scoped)
+from flash_forensics.orchestrator.interventions.spec import (
+                                             CONF_DIR,
+                                             InterventionConfig,
+                                             ModelPatch,
+                                             effective_model,
+                                             load,
+                                             names,
+                                             scope,
+                                             scoped,
+)
 
 __all__ = ["InterventionConfig", "ModelPatch", "effective_model", "scoped", "scope", "names", "load", "build_hooks",
            "HookSet", "TrainHook", "CONF_DIR"]

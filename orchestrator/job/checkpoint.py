@@ -156,7 +156,7 @@ def verify(path: os.PathLike, key: str = "resume") -> bool:
     if sha.hexdigest() != want:
         raise CheckpointError(f"{key}={str(path)!r} is damaged: its content does not match the checksum written with "
                               f"it (sha256 {sha.hexdigest()[:16]}... vs {want[:16]}...); use an older checkpoint of "
-                              f"the job (python -m flash_forensics.orchestrator.job.fork list <job dir>)")
+                              f"the job (flash-forensics fork list <job dir>)")
     return True
 
 

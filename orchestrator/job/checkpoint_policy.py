@@ -12,8 +12,8 @@ from typing import Any, Dict, Optional
 from omegaconf import OmegaConf
 
 from flash_forensics.orchestrator.job import checkpoint
-from flash_forensics.orchestrator.record import CKPT_DIR  # one definition: the run record's file names
 from flash_forensics.orchestrator.job.fork import fork_info, resolve_order, source_decay
+from flash_forensics.orchestrator.record import CKPT_DIR  # one definition: the run record's file names
 
 
 def start_state(job) -> Optional[Dict[str, Any]]:

@@ -9,9 +9,9 @@ data.replay when given. Unless optimizer.decay_steps is set, the fork keeps the 
 decay_steps, else its max_steps), so a fork that stops early still sees the learning rates the source saw.
 
 Finding a checkpoint:
-    python -m flash_forensics.orchestrator.job.fork list <job_dir>                           # checkpoints and their steps
-    python -m flash_forensics.orchestrator.job.fork pick <job_dir> [--before STEP] [--margin N] [--at-min]
-    python -m flash_forensics.orchestrator.job.fork jobs paper_isolation beta_sweep          # a sweep file's jobs, one per line
+    flash-forensics fork list <job_dir>                           # checkpoints and their steps
+    flash-forensics fork pick <job_dir> [--before STEP] [--margin N] [--at-min]
+    flash-forensics fork jobs paper_isolation beta_sweep          # a sweep file's jobs, one per line
 `pick` prints the newest checkpoint at least N steps before STEP (default: the job's divergence step from its
 result.json; with --at-min the step of its lowest loss before the divergence).
 """
@@ -23,12 +23,12 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-from flash_forensics.orchestrator.job import checkpoint
-from flash_forensics.orchestrator import record
-from flash_forensics.orchestrator.record import CKPT_DIR, ORDER_FILE
 from flash_forensics.models.gpt import GPT
+from flash_forensics.orchestrator import record
 from flash_forensics.orchestrator.data.config import DataError
 from flash_forensics.orchestrator.data.replay import OrderHeader, OrderReader, read_header
+from flash_forensics.orchestrator.job import checkpoint
+from flash_forensics.orchestrator.record import CKPT_DIR, ORDER_FILE
 
 
 class ForkError(ValueError):
@@ -258,7 +258,7 @@ def sweep_file_jobs(names, root: Optional[Path] = None) -> List[Tuple[str, List[
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from omegaconf import OmegaConf
 
-    root = Path(root) if root is not None else Path(__file__).resolve().parents[1] / "sweeps"
+    root = Path(root) if root is not None else Path(__file__).resolve().parents[2] / "sweeps"
     parser = OverridesParser.create()
     out = []
     for name in names:
@@ -289,7 +289,7 @@ def _flat(d, prefix: str = ""):
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m flash_forensics.orchestrator.job.fork", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="flash-forensics fork", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     ls = sub.add_parser("list", help="print a job's checkpoints with their steps")
     ls.add_argument("job_dir")

@@ -30,8 +30,8 @@ import sys
 import threading
 import time
 from typing import Iterable, Optional
-from flash_forensics.orchestrator.job.distributed import any_rank
-from flash_forensics.orchestrator.job.distributed import barrier
+
+from flash_forensics.orchestrator.job.distributed import any_rank, barrier
 
 log = logging.getLogger(__name__)
 

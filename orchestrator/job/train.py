@@ -25,25 +25,25 @@ import torch
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
-from flash_forensics.orchestrator.monitor import alarm
-from flash_forensics.orchestrator.job import checkpoint, run_end, checkpoint_policy as snapshot
-from flash_forensics.orchestrator import record
-from flash_forensics.orchestrator.monitor.probes import runner as probes
-from flash_forensics.orchestrator.interventions import build_hooks
-from flash_forensics.orchestrator.job.optim import build_optimizer
-from flash_forensics.orchestrator.record import CKPT_DIR, ORDER_FILE, RESOLVED_CONFIG
-from flash_forensics.orchestrator.job.step import TrainStep, autocast, precision_line
-from flash_forensics.orchestrator.job.distributed import init_distributed
-from flash_forensics.orchestrator.errors import ConfigError
 from flash_forensics.models.gpt import GPT
-from flash_forensics.orchestrator.errors import remove_stale_temps
-from flash_forensics.orchestrator.data import BatchStream
-from flash_forensics.orchestrator.tracking.tracker import Tracker, describe_run
+from flash_forensics.orchestrator import record
+from flash_forensics.orchestrator.data import BatchStream, ensure_prepared, val_batches
+from flash_forensics.orchestrator.errors import ConfigError, remove_stale_temps
+from flash_forensics.orchestrator.interventions import build_hooks
+from flash_forensics.orchestrator.job import checkpoint, run_end
+from flash_forensics.orchestrator.job import checkpoint_policy as snapshot
+from flash_forensics.orchestrator.job.distributed import init_distributed
 from flash_forensics.orchestrator.job.folder import read_job_start, write_job_start
-from flash_forensics.orchestrator.data import ensure_prepared, val_batches
-from flash_forensics.orchestrator.monitor.monitors import Monitors
-from flash_forensics.orchestrator.verdict import DivergenceDetector
+from flash_forensics.orchestrator.job.optim import build_optimizer
 from flash_forensics.orchestrator.job.preemption import PreemptionGuard
+from flash_forensics.orchestrator.job.step import TrainStep, autocast, precision_line
+from flash_forensics.orchestrator.monitor import alarm
+from flash_forensics.orchestrator.monitor.monitors import Monitors
+from flash_forensics.orchestrator.monitor.probes import runner as probes
+from flash_forensics.orchestrator.record import CKPT_DIR, ORDER_FILE, RESOLVED_CONFIG
+from flash_forensics.orchestrator.tracking.tracker import Tracker, describe_run
+from flash_forensics.orchestrator.verdict import DivergenceDetector
+
 SPOOL_FILE = "mlflow_spool.jsonl"  # metric points waiting for a failed MLflow store (orchestrator/tracking/tracker.py)
 
 

@@ -7,7 +7,7 @@ before the report callback that opens the parent run).
 from __future__ import annotations
 
 import sys
-from typing import Iterable, List, Optional, Sequence, Tuple
+from typing import List
 
 from hydra.core.global_hydra import GlobalHydra
 from hydra.experimental.callback import Callback

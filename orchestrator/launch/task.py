@@ -11,7 +11,6 @@ its result.json (observed failed, its intervention and overrides), so the report
 """
 from __future__ import annotations
 
-import json
 import traceback
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -19,21 +18,27 @@ from typing import Any, Dict, List, Optional
 from omegaconf import DictConfig
 
 from flash_forensics.orchestrator import record
-from flash_forensics.orchestrator.record import ERROR_FILE, RESULT_FILE
-from flash_forensics.orchestrator.errors import WriteError, sentence, temp_name
-from flash_forensics.orchestrator.errors import _alive
-from flash_forensics.orchestrator.tracking.tracker import mark_terminated
-from flash_forensics.orchestrator.job import checkpoint
-from flash_forensics.orchestrator.tracking.tracker import retry, make_client
-from flash_forensics.orchestrator.job.train import Job
-from flash_forensics.orchestrator.job.folder import (  # noqa: F401  (re-exported)
-    START_FILE, _write_json, read_job_start, write_job_start, write_result)
 from flash_forensics.orchestrator.config.validate import selected_interventions, validate_config
-from flash_forensics.orchestrator.errors import WriteError
-from flash_forensics.orchestrator.tracking.tracker import log_job_artifacts, record_outcome, resolve_uri
+from flash_forensics.orchestrator.errors import WriteError, _alive
+from flash_forensics.orchestrator.job import checkpoint
+from flash_forensics.orchestrator.job.folder import (  # noqa: F401  (re-exported)
+    START_FILE,
+    _write_json,
+    read_job_start,
+    write_job_start,
+    write_result,
+)
+from flash_forensics.orchestrator.job.train import Job
+from flash_forensics.orchestrator.record import ERROR_FILE, RESULT_FILE
 from flash_forensics.orchestrator.report.sweep import write_run_report
-from flash_forensics.orchestrator.tracking.tracker import resolve_uri
-
+from flash_forensics.orchestrator.tracking.tracker import (
+    log_job_artifacts,
+    make_client,
+    mark_terminated,
+    record_outcome,
+    resolve_uri,
+    retry,
+)
 
 
 def _hydra_context() -> tuple[Path, List[str], bool]:

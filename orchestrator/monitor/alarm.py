@@ -2,7 +2,7 @@
 
 It listens to the points the monitors hand to the tracker (the job's tracker is wrapped, `attach`), so it sees host
 floats at flush steps only: no new device syncs, and exactly what MLflow stores, which is what
-`python -m flash_forensics.orchestrator.analysis.early_warning` replays to choose a signal and threshold (orchestrator/monitor/signals.py computes
+`flash-forensics early-warning` replays to choose a signal and threshold (orchestrator/monitor/signals.py computes
 the signal both times). The first time the signal passes the threshold it fires, once:
 - MLflow tags ff.alarm.step, ff.alarm.signal, ff.alarm.value (and .threshold, .action) on the run;
 - a checkpoint at the step boundary right after the flush that fired, `checkpoints/alarm_<k>.pt` (k = steps done;
@@ -26,14 +26,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from flash_forensics.orchestrator.monitor.signals import PROBE_SIGNALS, SIGNALS, SignalState, crossed
+from flash_forensics.orchestrator.data import BatchStream
+from flash_forensics.orchestrator.errors import ConfigError
 from flash_forensics.orchestrator.interventions import spec
 from flash_forensics.orchestrator.job import checkpoint_policy as snapshot
-from flash_forensics.orchestrator.errors import ConfigError
-from flash_forensics.orchestrator.data import BatchStream
+from flash_forensics.orchestrator.monitor.signals import PROBE_SIGNALS, SIGNALS, SignalState, crossed
 
 ACTIONS = ("tag", "checkpoint", "stop", "fork")
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 FORK_DIR = "alarm_fork"  # the fork child's job folder, inside this job's
 FORK_ORDER = "alarm_batch_order.bin"  # this run's batch order over all train.max_steps, for the child to replay
 # overrides that the fork child sets itself (or that name this run's place, launcher or alarm), never copied

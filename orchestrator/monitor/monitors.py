@@ -164,7 +164,6 @@ class Monitors:
             flushed = {}
             if self.last_tokens_per_s is not None:
                 flushed[record.TOKENS_PER_S] = self.last_tokens_per_s
-            n_head = self._n_head()
             for layer in range(len(stats)):
                 if self.cfg.counters:
                     for h, c in enumerate(values[f"rmax@{layer}"]):

@@ -23,6 +23,7 @@ import matplotlib
 
 matplotlib.use("Agg")  # headless: jobs and callbacks run without a display
 import matplotlib.pyplot as plt  # noqa: E402
+
 from flash_forensics.orchestrator import record
 
 History = Dict[str, List[Tuple[int, float]]]

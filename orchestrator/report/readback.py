@@ -7,9 +7,10 @@ import re
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from flash_forensics.orchestrator import record
+from flash_forensics.orchestrator.report.rows import row_from_record
+
 # the one retry policy for a sqlite store locked by another local job (MLflow retries deadlocks, not locks)
 from flash_forensics.orchestrator.tracking.tracker import make_client, resolve_uri, retry
-from flash_forensics.orchestrator.report.rows import row_from_record
 
 History = Dict[str, List[Tuple[int, float]]]
 

@@ -8,23 +8,28 @@ links to the artifact viewer, its run links the UI's own routes. Run ids link to
 """
 from __future__ import annotations
 
-import json
 import datetime as _dt
-import sys
-import shlex
-import platform
+import json
 import math
 import os
+import platform
+import shlex
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from flash_forensics.orchestrator.report import links, plots
-from flash_forensics.orchestrator.tracking.tracker import MAX_TAG_VAL_LENGTH, retry, make_client, resolve_uri, source_tags
-from flash_forensics.orchestrator.tracking.run_fields import git_info
-from flash_forensics.orchestrator.report import readback
-from flash_forensics.orchestrator.report import rows as R
 from flash_forensics.orchestrator.report import html as report_html
+from flash_forensics.orchestrator.report import links, plots, readback
+from flash_forensics.orchestrator.report import rows as R
+from flash_forensics.orchestrator.tracking.run_fields import git_info
+from flash_forensics.orchestrator.tracking.tracker import (
+    MAX_TAG_VAL_LENGTH,
+    make_client,
+    resolve_uri,
+    retry,
+    source_tags,
+)
 
 RUN_COL = 10  # the "MLflow run" column of _table
 NOTE_COL = 9  # the "vs baseline" column: on its own line in the terminal

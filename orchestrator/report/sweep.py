@@ -7,15 +7,12 @@
 a sweep never overwrites another's report, nor results/<sweep>/ where the repo keeps committed reproductions), logs
 them and the sweep's counts (record.sweep_metrics) to the parent run, and prints the table.
 `write_report(rows, out_dir, tracking_uri)` and `write_run_report(result, sweep, ...)` do the same without Hydra;
-`python -m flash_forensics.orchestrator.report.sweep` over job/sweep folders or an MLflow experiment.
+`flash-forensics report` over job/sweep folders or an MLflow experiment.
 """
 from __future__ import annotations
 
 import atexit
-import datetime as _dt
-import math
 import os
-import platform
 import shlex
 import sys
 from pathlib import Path
@@ -25,16 +22,41 @@ from hydra.experimental.callback import Callback
 
 from flash_forensics.orchestrator import record
 from flash_forensics.orchestrator.record import HISTORY_PREFIXES, REPORT_DIR, matches_paper  # noqa: F401  (re-exported)
+from flash_forensics.orchestrator.report.readback import load_histories, retry, rows_from_mlflow  # noqa: F401  (re-exported)
 from flash_forensics.orchestrator.report.render import (  # noqa: F401  (re-exported)
-    _finite, _fmt, _fork_lines, _markdown, _table, format_table, run_meta, write_report)
-# the row builders, re-exported
-from flash_forensics.orchestrator.report.rows import (BASELINE, REFERENCE, ROW_KEYS, _common_overrides, _label, _num,  # noqa: F401
-                               _other_overrides, _peer, collect_rows, compare, row_from_result, rows_from_dirs)
-from flash_forensics.orchestrator.report.readback import load_histories, rows_from_mlflow  # noqa: F401  (re-exported)
-from flash_forensics.orchestrator.report.readback import retry
+    _finite,
+    _fmt,
+    _fork_lines,
+    _markdown,
+    _table,
+    format_table,
+    run_meta,
+    write_report,
+)
 
-from flash_forensics.orchestrator.tracking.tracker import find_parent, get_or_create_experiment, git_info, make_client, resolve_uri
-from flash_forensics.orchestrator.tracking.tracker import write_parent_file
+# the row builders, re-exported
+from flash_forensics.orchestrator.report.rows import (  # noqa: F401
+    BASELINE,
+    REFERENCE,
+    ROW_KEYS,
+    _common_overrides,
+    _label,
+    _num,
+    _other_overrides,
+    _peer,
+    collect_rows,
+    compare,
+    row_from_result,
+    rows_from_dirs,
+)
+from flash_forensics.orchestrator.tracking.tracker import (
+    find_parent,
+    get_or_create_experiment,
+    git_info,
+    make_client,
+    resolve_uri,
+    write_parent_file,
+)
 
 
 def report_dir(sweep_dir: os.PathLike) -> Path:
@@ -158,10 +180,10 @@ class SweepReport(Callback):
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """`python -m flash_forensics.orchestrator.report.sweep --out DIR [--sweep NAME] [--tracking-uri URI] JOB_OR_SWEEP_DIR...`: one
+    """`flash-forensics report --out DIR [--sweep NAME] [--tracking-uri URI] JOB_OR_SWEEP_DIR...`: one
     table over runs from several sweeps (e.g. a baseline run, its forked isolation sweep and a beta sweep)."""
     import argparse
-    ap = argparse.ArgumentParser(prog="python -m flash_forensics.orchestrator.report.sweep", description=main.__doc__.split(":")[0])
+    ap = argparse.ArgumentParser(prog="flash-forensics report", description=main.__doc__.split(":")[0])
     ap.add_argument("dirs", nargs="*", help="job dirs (with result.json) and/or sweep dirs")
     ap.add_argument("--from-mlflow", metavar="EXPERIMENT", default=None,
                     help="rows from this MLflow experiment's runs (tags + histories) in --tracking-uri, for when "

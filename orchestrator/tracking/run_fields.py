@@ -8,8 +8,15 @@ import time
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Mapping, Optional
 
-from flash_forensics.orchestrator.tracking.store import (MAX_METRICS_PER_BATCH, TrackingConfig, MAX_TAG_VAL_LENGTH, REPO_ROOT, _truncate, make_client,
-                                       retry)
+from flash_forensics.orchestrator.tracking.store import (
+    MAX_METRICS_PER_BATCH,
+    MAX_TAG_VAL_LENGTH,
+    REPO_ROOT,
+    TrackingConfig,
+    _truncate,
+    make_client,
+    retry,
+)
 
 
 def git_info(cwd: Path = REPO_ROOT) -> Dict[str, str]:
@@ -57,7 +64,7 @@ def describe_run(intervention: str, expect: Optional[str], paper: Optional[str],
         lines.append(f"Verdict: **{what}**" + ("" if match is None else
                                                 (" (matches the paper)" if match else " (**does not match the paper**)")))
     elif observed == "failed":
-        lines.append(f"Verdict: **failed**" + (f": `{str(error).splitlines()[0][:300]}`" if error else ""))
+        lines.append("Verdict: **failed**" + (f": `{str(error).splitlines()[0][:300]}`" if error else ""))
     else:
         lines.append("Verdict: running")
     return "\n\n".join(lines)

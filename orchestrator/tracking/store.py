@@ -2,8 +2,6 @@
 store, MLflow's size limits, the sweep's parent-run file and closing a dead job's run."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import contextlib
 import json
 import os
@@ -11,10 +9,11 @@ import socket
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, Optional
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 RESULTS_DIR = REPO_ROOT / "results"
 PARENT_FILE = "mlflow_parent.json"
 

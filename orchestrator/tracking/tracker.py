@@ -16,42 +16,53 @@ import os
 import queue
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Mapping, Optional
 
+from flash_forensics.orchestrator.tracking.run_fields import (  # noqa: F401
+    FINITE_SUFFIX,
+    JOB_ARTIFACTS,
+    describe_run,
+    git_info,
+    log_job_artifacts,
+    record_outcome,
+    source_tags,
+    start_system_metrics,
+)
 from flash_forensics.orchestrator.tracking.store import (  # noqa: F401  (re-exported: the names readers import from here)
+    MAX_KEY_LENGTH,
+    MAX_METRICS_PER_BATCH,
+    MAX_PARAM_VAL_LENGTH,
+    MAX_PARAMS_TAGS_PER_BATCH,
+    MAX_TAG_VAL_LENGTH,
+    PARENT_FILE,
     REPO_ROOT,
     RESULTS_DIR,
-    PARENT_FILE,
-    MAX_METRICS_PER_BATCH,
-    MAX_PARAMS_TAGS_PER_BATCH,
-    MAX_PARAM_VAL_LENGTH,
-    MAX_TAG_VAL_LENGTH,
-    MAX_KEY_LENGTH,
+    TrackingConfig,  # noqa: F401  (re-exported: the schema's node)
     TrackingUnreachable,
-    default_tracking_uri,
-    resolve_uri,
-    sqlite_path,
+    _store_lock,
+    _truncate,
     artifact_root_for,
     check_tracking,
-    _truncate,
-    write_parent_file,
+    default_tracking_uri,
     find_parent,
-    retry,
     get_or_create_experiment,
-    _store_lock,
     make_client,
-    mark_terminated)
-from flash_forensics.orchestrator.tracking.store import TrackingConfig  # noqa: F401  (re-exported: the schema's node)
-from flash_forensics.orchestrator.tracking.run_fields import (  # noqa: F401
-    FINITE_SUFFIX, JOB_ARTIFACTS, describe_run, git_info, log_job_artifacts, record_outcome, source_tags,
-    start_system_metrics)
+    mark_terminated,
+    resolve_uri,
+    retry,
+    sqlite_path,
+    write_parent_file,
+)
 from flash_forensics.orchestrator.tracking.writer import (  # noqa: F401
-    _FLUSH, _STOP, _Sink, _drain, _writer_process, spooled_last_steps, store_cause)
-
-
-
+    _FLUSH,
+    _STOP,
+    _drain,
+    _Sink,
+    _writer_process,
+    spooled_last_steps,
+    store_cause,
+)
 
 
 # ----------------------------------------------------------------------------------------------- config helpers

@@ -9,9 +9,14 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional
 
-from flash_forensics.orchestrator.tracking.store import MAX_KEY_LENGTH, MAX_METRICS_PER_BATCH, make_client, retry, sqlite_path
 from flash_forensics.orchestrator.errors import WriteError, sentence
-
+from flash_forensics.orchestrator.tracking.store import (
+    MAX_KEY_LENGTH,
+    MAX_METRICS_PER_BATCH,
+    make_client,
+    retry,
+    sqlite_path,
+)
 
 # ---------------------------------------------------------------------------------------------- the writer
 _FLUSH, _STOP = "__flush__", "__stop__"  # control items: (_FLUSH | _STOP, token); data items: (step, ts, values)

@@ -90,7 +90,7 @@ def build() -> Graph:
         tree = ast.parse(path.read_text(), filename=str(path))
         g.edges[name] = set()
 
-        def walk(node, in_function: bool) -> None:
+        def walk(node, in_function: bool, name: str = name) -> None:
             for child in ast.iter_child_nodes(node):
                 if isinstance(child, (ast.Import, ast.ImportFrom)):
                     t = _targets(mods, name, child)
@@ -98,7 +98,7 @@ def build() -> Graph:
                     if in_function:
                         g.function_imports += [(name, child.lineno, x) for x in sorted(t)]
                 inner = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
-                walk(child, inner)
+                walk(child, inner, name)
 
         walk(tree, False)
     return g

@@ -4,7 +4,7 @@ Debian's `chromium` + `chromium-driver` driven by selenium, with the driver's De
 downloaded at run time (selenium's own driver manager would fetch one). Used by tests/test_dashboard_*.py and by
 hand:
 
-    python -m flash_forensics.orchestrator.screenshots OUT.png URL [--wait-text TEXT] [--width 1800 --height 1100]
+    python -m tests.helpers.screenshots OUT.png URL [--wait-text TEXT] [--width 1800 --height 1100]
 """
 from __future__ import annotations
 
@@ -81,7 +81,7 @@ def shoot(driver, url: str, out: Path, wait_text: Optional[str] = None, settle_s
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m flash_forensics.orchestrator.screenshots", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m tests.helpers.screenshots", description=__doc__.split("\n\n")[0])
     ap.add_argument("out", type=Path)
     ap.add_argument("url")
     ap.add_argument("--wait-text", default=None)

@@ -8,13 +8,13 @@ import time
 import pytest
 from mlflow.tracking import MlflowClient
 
-from tests.helpers import jobs as _jobs
 import flash_forensics.orchestrator.config.schema  # noqa: F401
-from flash_forensics.orchestrator.job import checkpoint
 from flash_forensics.orchestrator import record
+from flash_forensics.orchestrator.config.validate import ConfigError, validate_config
+from flash_forensics.orchestrator.job import checkpoint
 from flash_forensics.orchestrator.monitor import signals
 from flash_forensics.orchestrator.monitor.alarm import Alarm, AlarmConfig, fork_overrides
-from flash_forensics.orchestrator.config.validate import ConfigError, validate_config
+from tests.helpers import jobs as _jobs
 
 # sdpa: the fastest CPU attention; it logs max_logit/L* on flush steps (the probe QK^T pass); a flush every 2 steps
 BASE = ["experiment=smoke", "attention=sdpa", "train.max_steps=8", "monitor.log_every=2", "train.early_stop=false"]

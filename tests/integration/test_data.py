@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import socket
 import subprocess
@@ -13,9 +12,17 @@ import numpy as np
 import pytest
 import torch
 
-from flash_forensics.orchestrator.data import BatchStream, DataConfig, DataError, ensure_prepared, order_paths, val_batches
+from flash_forensics.orchestrator.data import (
+    BatchStream,
+    DataConfig,
+    DataError,
+    ensure_prepared,
+    order_paths,
+    val_batches,
+)
 from flash_forensics.orchestrator.data import tokenizer as tok
-from flash_forensics.orchestrator.data.__main__ import compose_data, main as cli_main
+from flash_forensics.orchestrator.data.__main__ import compose_data
+from flash_forensics.orchestrator.data.__main__ import main as cli_main
 from flash_forensics.orchestrator.data.corpora import kjv_path
 from flash_forensics.orchestrator.data.prepare import check_prepared
 

@@ -6,7 +6,6 @@ import signal
 import sqlite3
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -91,6 +90,7 @@ def _agree_worker(rank, world, port, q):
 
 def test_ranks_agree_on_the_preemption_step():
     import socket
+
     import torch.multiprocessing as mp
 
     with socket.socket() as s:

@@ -10,8 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from flash_forensics.orchestrator.data import DataConfig, DataError
-from flash_forensics.orchestrator.data import debian
+from flash_forensics.orchestrator.data import DataConfig, DataError, debian
 from flash_forensics.orchestrator.data.cache import sha256_file
 from flash_forensics.orchestrator.data.corpora import open_corpus
 from flash_forensics.orchestrator.data.prepare import ensure_prepared

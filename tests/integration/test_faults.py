@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 import torch
 
-from flash_forensics.orchestrator.job import checkpoint
 from flash_forensics.orchestrator import errors as faults
 from flash_forensics.orchestrator.data.config import DataError
 from flash_forensics.orchestrator.data.replay import HEADER_BYTES, OrderReader, read_header
+from flash_forensics.orchestrator.job import checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = ["experiment=smoke", "intervention=baseline", "model.n_layer=1", "model.n_embd=32", "train.grad_accum=1",
@@ -251,6 +251,7 @@ def test_dead_job_is_closed_with_its_intervention_and_overrides(tmp_path):
     """A job killed without a result: close_dead_jobs (the launcher side, callbacks.CloseDeadJobs at multirun end)
     marks its MLflow run KILLED with the reason and writes result.json keeping intervention and overrides."""
     from mlflow.tracking import MlflowClient
+
     from flash_forensics.orchestrator.launch.task import close_dead_jobs
     p = run(tmp_path, "dead", "debug.kill_at_step=3", check=False)
     assert p.returncode == -9

@@ -9,11 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import jobs as _jobs
-
 import flash_forensics.orchestrator.config.schema  # noqa: F401
-from flash_forensics.orchestrator.job import checkpoint, fork
 from flash_forensics.orchestrator.config.validate import ConfigError, validate_config
+from flash_forensics.orchestrator.job import checkpoint, fork
+from tests.helpers import jobs as _jobs
 
 ROOT = Path(__file__).resolve().parents[2]
 CONF = str(ROOT / "conf")

@@ -5,17 +5,16 @@ import math
 from pathlib import Path
 
 import pytest
-
-from tests.helpers import jobs as _jobs
 import torch
 
 import flash_forensics.orchestrator.config.schema  # noqa: F401  registers base_config
 from flash_forensics.models.gpt import GPT, ModelConfig
-from flash_forensics.orchestrator.job import checkpoint, fork
 from flash_forensics.orchestrator import interventions
 from flash_forensics.orchestrator.config import validate
-from flash_forensics.orchestrator.interventions.qk_clip import QKClip
 from flash_forensics.orchestrator.config.validate import ConfigError, validate_config
+from flash_forensics.orchestrator.interventions.qk_clip import QKClip
+from flash_forensics.orchestrator.job import checkpoint, fork
+from tests.helpers import jobs as _jobs
 
 CONF = str(Path(__file__).resolve().parents[2] / "conf")
 SMOKE = ["experiment=smoke", "train.early_stop=false", "train.eval_every=4", "train.ckpt_every=4",

@@ -4,7 +4,6 @@ import json
 import math
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,14 +15,13 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf, open_dict
 
 import flash_forensics.orchestrator.config.schema  # noqa: F401  registers base_config and the ff_gpu_count resolver
-from flash_forensics.orchestrator.launch import callbacks, cluster
-from flash_forensics.orchestrator.job import distributed
-from flash_forensics.orchestrator.launch.callbacks import sweep_jobs, validate_sweep
-from flash_forensics.orchestrator.job.distributed import init_distributed, resolve_device
 from flash_forensics.orchestrator.analysis.localize import localize
-from flash_forensics.orchestrator.report.sweep import main as report_main
-from flash_forensics.orchestrator.job.train import _job_slot
 from flash_forensics.orchestrator.config.validate import ConfigError
+from flash_forensics.orchestrator.job.distributed import init_distributed, resolve_device
+from flash_forensics.orchestrator.job.train import _job_slot
+from flash_forensics.orchestrator.launch import callbacks, cluster
+from flash_forensics.orchestrator.launch.callbacks import sweep_jobs, validate_sweep
+from flash_forensics.orchestrator.report.sweep import main as report_main
 
 ROOT = Path(__file__).resolve().parents[2]
 CONF = str(ROOT / "conf")

@@ -8,7 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from flash_forensics.orchestrator.analysis.localize import LocalizeConfig, _split_outliers, format_localization, load_history, localize, main, resolve_source
+from flash_forensics.orchestrator.analysis.localize import (
+    LocalizeConfig,
+    _split_outliers,
+    format_localization,
+    load_history,
+    localize,
+    main,
+    resolve_source,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 PAPER_NORMS = [4.34, 2.68, 1.90, 2.67, 2.04, 2.66, 4.12, 6.27, 5.32, 1.74, 4.64, 5.39]  # layer 2, heads 1-12

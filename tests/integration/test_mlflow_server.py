@@ -1,6 +1,5 @@
 """The shared tracking server (scripts/mlflow_server.sh): many jobs logging at once lose and duplicate nothing."""
 import multiprocessing as mp
-import os
 import socket
 import subprocess
 import time

@@ -5,8 +5,6 @@ import json
 import math
 from pathlib import Path
 
-import pytest
-
 from tests.helpers import jobs as _jobs
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -11,8 +11,8 @@ from hydra.core.global_hydra import GlobalHydra
 
 import flash_forensics.orchestrator.config.schema  # noqa: F401  registers base_config
 from flash_forensics.orchestrator.analysis import isolate
-from flash_forensics.orchestrator.job.fork import sweep_file_jobs
 from flash_forensics.orchestrator.config.validate import validate_config
+from flash_forensics.orchestrator.job.fork import sweep_file_jobs
 
 ROOT = Path(__file__).resolve().parents[2]
 CPU = ["train.device=cpu"]  # the preset says cuda; everything else as on the GPU
@@ -94,7 +94,7 @@ def test_plan_dry_run():
     r = subprocess.run(["bash", "scripts/paper_1gpu.sh", "train.compile=true"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
-    lines = {s: next(ln for ln in r.stdout.splitlines() if f"seed {s}: python -m flash_forensics.orchestrator.analysis.isolate" in ln)
+    lines = {s: next(ln for ln in r.stdout.splitlines() if f"seed {s}: flash-forensics isolate" in ln)
              for s in (1337, 1, 2)}
     assert not Path("/tmp/ff-plan").exists()  # a dry run writes nothing
     for s, ln in lines.items():

@@ -234,8 +234,8 @@ def _flat(snap):
     ("monitor.probes.layers=[0,9]", "monitor.probes.layers=[0, 9]", "< model.n_layer=2"),
 ])
 def test_config_errors_name_key_value_and_allowed(tmp_path, override, key, allowed):
-    from tests.helpers.jobs import compose_cfg
     from flash_forensics.orchestrator.config.validate import ConfigError, validate_config
+    from tests.helpers.jobs import compose_cfg
     cfg, ov = compose_cfg(["experiment=smoke", "intervention=baseline", "monitor.probes.enabled=true"], tmp_path,
                           override)
     with pytest.raises((ConfigError, ValueError)) as err:

@@ -146,8 +146,8 @@ def test_committed_report_is_not_overwritten(smoke_sweep):
 
 
 def test_table_from_mlflow_equals_table_from_job_folders(smoke_sweep):
-    from flash_forensics.orchestrator.report.rows import ROW_KEYS, collect_rows, compare
     from flash_forensics.orchestrator.report.readback import rows_from_mlflow
+    from flash_forensics.orchestrator.report.rows import ROW_KEYS, collect_rows, compare
     tmp, committed, _, sweep, _ = smoke_sweep
     assert sweep.returncode == 0, sweep.stderr[-3000:]
     sweep_dir = next(committed.glob("*/report")).parent

@@ -2,13 +2,12 @@
 import json
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
 
-from flash_forensics.orchestrator.report.sweep import SweepReport, collect_rows, compare, write_run_report
+from flash_forensics.orchestrator.report.sweep import SweepReport, compare, write_run_report
 from flash_forensics.orchestrator.tracking.tracker import PARENT_FILE, Tracker, TrackingConfig, find_parent, make_client
 
 ROOT = Path(__file__).resolve().parents[2]

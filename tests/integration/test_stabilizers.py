@@ -4,23 +4,21 @@ accumulator (an emulator knob: unbiased, only its points change, deterministic),
 stabilizers table."""
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.helpers import jobs as _jobs
 import flash_forensics.orchestrator.config.schema  # noqa: F401  registers base_config
 from flash_forensics.kernels import knobs as knob_table
 from flash_forensics.kernels.config import AttentionKnobs
 from flash_forensics.kernels.emulator import capture_forward, flash_attention
 from flash_forensics.kernels.stochastic import stochastic_round, uniform16
-from flash_forensics.models.gpt import GPT, ModelConfig
 from flash_forensics.models.attention import resolve_backend, route_name
-from flash_forensics.models.gpt import z_loss_term
-from flash_forensics.orchestrator.job import fork
+from flash_forensics.models.gpt import GPT, ModelConfig, z_loss_term
 from flash_forensics.orchestrator.config.validate import ConfigError, validate_config
+from flash_forensics.orchestrator.job import fork
+from tests.helpers import jobs as _jobs
 
 SMOKE = ["experiment=smoke", "train.early_stop=false", "train.eval_every=4", "train.ckpt_every=4",
          "optimizer.decay_steps=8"]
@@ -313,7 +311,7 @@ def test_fork_refuses_gated_attn_and_allows_z_loss(source, tmp_path):
 
 def test_stabilizers_sweeps_fork_what_can_be_forked(source, tmp_path):
     """sweeps/stabilizers.yaml: every job validates as a fork of the baseline checkpoint (what
-    `python -m flash_forensics.orchestrator.analysis.isolate --sweeps stabilizers` launches); sweeps/stabilizers_scratch.yaml holds the ones
+    `flash-forensics isolate --sweeps stabilizers` launches); sweeps/stabilizers_scratch.yaml holds the ones
     that change the model, which a fork refuses."""
     _, ckpt = source
     jobs = fork.sweep_file_jobs(["stabilizers"])

@@ -5,7 +5,6 @@ import json
 import math
 import multiprocessing as mp
 import os
-import time
 from pathlib import Path
 
 import matplotlib.image as mpimg
@@ -14,8 +13,9 @@ import torch
 import yaml
 
 from flash_forensics.orchestrator.job import fork
-from flash_forensics.orchestrator.report import plots, sweep as report
 from flash_forensics.orchestrator.job.fork import ForkError, pick, sweep_file_jobs
+from flash_forensics.orchestrator.report import plots
+from flash_forensics.orchestrator.report import sweep as report
 from flash_forensics.orchestrator.verdict import DivergenceDetector, VerdictConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -162,7 +162,7 @@ def test_sweep_file_jobs_several_files_and_cli(tmp_path, capsys):
 # ------------------------------------------------------------------------------ tracking: the store's lock
 def _open_store(uri, barrier, i, results):
     try:
-        from flash_forensics.orchestrator.tracking.tracker import retry, get_or_create_experiment, make_client
+        from flash_forensics.orchestrator.tracking.tracker import get_or_create_experiment, make_client, retry
         barrier.wait(timeout=120)  # imports done: everyone opens the fresh store at the same moment
         client = make_client(uri)
         exp = get_or_create_experiment(client, "race", uri)

@@ -1,6 +1,5 @@
 """Tracker (async batched MLflow logging, resume, errors), check_tracking, flatten_config and Monitors."""
 import http.server
-import json
 import socket
 import subprocess
 import sys
@@ -12,8 +11,16 @@ import pytest
 import torch
 
 from flash_forensics.orchestrator.monitor.monitors import MonitorConfig, Monitors
-from flash_forensics.orchestrator.tracking.tracker import (PARENT_FILE, Tracker, TrackingConfig, TrackingUnreachable, check_tracking,
-                                   find_parent, flatten_config, write_parent_file)
+from flash_forensics.orchestrator.tracking.tracker import (
+    PARENT_FILE,
+    Tracker,
+    TrackingConfig,
+    TrackingUnreachable,
+    check_tracking,
+    find_parent,
+    flatten_config,
+    write_parent_file,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 

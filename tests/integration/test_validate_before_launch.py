@@ -63,8 +63,8 @@ def test_launcher_without_multirun_is_refused(tmp_path):
 
 
 def test_numerics_counters_become_metrics_and_a_warning():
-    from flash_forensics.models.gpt import GPT, ModelConfig
     from flash_forensics.kernels.config import AttentionConfig
+    from flash_forensics.models.gpt import GPT, ModelConfig
     from flash_forensics.orchestrator.monitor.monitors import MonitorConfig, Monitors
 
     class Sink:

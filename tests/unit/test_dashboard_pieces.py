@@ -5,7 +5,8 @@ import matplotlib.image as mpimg
 import numpy as np
 import pytest
 
-from flash_forensics.orchestrator.report import links, plots, html as report_html
+from flash_forensics.orchestrator.report import html as report_html
+from flash_forensics.orchestrator.report import links, plots
 from flash_forensics.orchestrator.tracking.tracker import describe_run, source_tags
 
 

@@ -6,8 +6,8 @@ import math
 import pytest
 
 from flash_forensics.orchestrator.analysis import early_warning as ew
-from flash_forensics.orchestrator.monitor import signals
 from flash_forensics.orchestrator.analysis.early_warning import Run
+from flash_forensics.orchestrator.monitor import signals
 
 FLUSH = list(range(9, 200, 10))  # steps 9, 19, ..., 199: a flush every 10 steps
 

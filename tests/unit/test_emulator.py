@@ -7,9 +7,9 @@ import torch.nn.functional as F
 
 import flash_forensics.kernels.emulator
 from flash_forensics.kernels.config import AttentionKnobs
-from flash_forensics.kernels.stats import AttnStats
 from flash_forensics.kernels.emulator import capture_forward, flash_attention, reference_attention
 from flash_forensics.kernels.recipes import resolve, round_to
+from flash_forensics.kernels.stats import AttnStats
 
 F64 = torch.float64
 

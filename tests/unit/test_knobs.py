@@ -20,8 +20,8 @@ from flash_forensics.kernels.checks import bad, is_int, is_num
 from flash_forensics.kernels.config import AttentionConfig, AttentionKnobs, KnobPatch, LayerOverride, build
 from flash_forensics.kernels.emulator import capture_forward, flash_attention
 from flash_forensics.kernels.knobs import KNOBS, PBAR_CLAMP, Knob
-from flash_forensics.models.gpt import GPT, ModelConfig
 from flash_forensics.models.attention import resolve_backend, route_name
+from flash_forensics.models.gpt import GPT, ModelConfig
 from flash_forensics.orchestrator.config.validate import ConfigError, check_knob_combos, validate_config
 from tests.unit.test_emulator import tie_qkv
 from tests.unit.test_validate import job_cfg

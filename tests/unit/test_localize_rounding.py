@@ -1,13 +1,12 @@
 """Localization's third stage (rounding point): verdicts from constructed run records, the files it writes, the
 Cause section of a report, ff.cause.* tags on a real sqlite MLflow store, and its wiring into flash_forensics.orchestrator.analysis.isolate."""
 import json
-from pathlib import Path
 
 import pytest
 
 from flash_forensics.orchestrator import record
-from flash_forensics.orchestrator.analysis.localize import rounding, rounding_io
 from flash_forensics.orchestrator.analysis.localize import main as localize_main
+from flash_forensics.orchestrator.analysis.localize import rounding, rounding_io
 from flash_forensics.orchestrator.analysis.localize.rounding import analyze, parse_point
 from flash_forensics.orchestrator.record import RunRecord
 from flash_forensics.orchestrator.report.rows import row_from_record

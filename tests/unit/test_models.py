@@ -7,8 +7,8 @@ import torch
 import flash_forensics.kernels.emulator
 import flash_forensics.models.attention as routing
 from flash_forensics.kernels.config import AttentionConfig, LayerOverride
-from flash_forensics.models.gpt import GPT, ModelConfig
 from flash_forensics.models.attention import resolve_backend
+from flash_forensics.models.gpt import GPT, ModelConfig
 
 IMPLS = ("flash", "standard", "sdpa")
 V_SMALL = 512  # the tiny preset with a small vocabulary where the test is about attention, to keep the suite fast

@@ -80,8 +80,8 @@ def test_op_args_carry_every_knob():
 
 def test_train_compile_is_validated():
     from flash_forensics.orchestrator.config.schema import TrainConfig
-    from flash_forensics.orchestrator.job.train import compile_enabled
     from flash_forensics.orchestrator.config.validate import check_train
+    from flash_forensics.orchestrator.job.train import compile_enabled
     for ok in ("auto", "true", "false", "True", True, False):
         check_train(TrainConfig(compile=ok))
     with pytest.raises(ValueError, match=r"train\.compile='sometimes'.*auto, true, false"):

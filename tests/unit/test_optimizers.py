@@ -1,15 +1,14 @@
 """Small pieces of the orchestrator core: lr schedule, AdamW groups, Muon's orthogonalisation, atomic checkpoints."""
 import math
-import os
 
 import pytest
 import torch
 
 from flash_forensics.kernels.config import AttentionConfig
 from flash_forensics.models.gpt import GPT, ModelConfig
+from flash_forensics.orchestrator.config.schema import OptimizerConfig
 from flash_forensics.orchestrator.job import checkpoint
 from flash_forensics.orchestrator.job.optim import Combined, Muon, build_optimizer, lr_factor, newton_schulz, set_lr
-from flash_forensics.orchestrator.config.schema import OptimizerConfig
 
 
 def test_lr_schedule_warmup_then_cosine_to_min():

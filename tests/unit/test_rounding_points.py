@@ -8,7 +8,6 @@ unrounded value, every other point still stores round(value) in the recipe's dty
 """
 from __future__ import annotations
 
-import math
 import os
 import subprocess
 import sys
@@ -349,7 +348,7 @@ def test_gpu_a_lift_moves_triton_as_it_moves_the_emulator(point):
 def test_committed_sweep_files_are_the_generators_output(tmp_path):
     from flash_forensics.orchestrator.config import rounding_sweep as rs
     files = rs.generate("paper_bf16")
-    assert rs.stale(files) == [], "run: python -m flash_forensics.orchestrator.config.rounding_sweep"
+    assert rs.stale(files) == [], "run: flash-forensics rounding-sweep"
     res = subprocess.run([sys.executable, "-m", "flash_forensics.orchestrator.config.rounding_sweep", "--check"], cwd=ROOT,
                          capture_output=True, text=True)
     assert res.returncode == 0, res.stderr

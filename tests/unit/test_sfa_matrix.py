@@ -7,7 +7,7 @@ import torch
 
 from flash_forensics.kernels.config import AttentionKnobs
 from flash_forensics.kernels.emulator import capture_forward, flash_attention
-from flash_forensics.kernels.sfa_matrix import TOL, matrix, markdown, ok
+from flash_forensics.kernels.sfa_matrix import TOL, markdown, matrix, ok
 from flash_forensics.kernels.stats import AttnStats
 
 TABLE = Path(__file__).resolve().parents[2] / "results" / "bench" / "sfa_edge_matrix.md"
@@ -43,7 +43,7 @@ def test_beta_near_one_rounds_back_to_one_in_bf16_and_is_counted(rows):
 
 
 def test_committed_table_is_current(rows):
-    assert TABLE.read_text() == markdown(rows), "rerun: python -m flash_forensics.kernels.sfa_matrix --out " + str(TABLE)
+    assert TABLE.read_text() == markdown(rows), "rerun: flash-forensics sfa-matrix --out " + str(TABLE)
 
 
 @pytest.mark.parametrize("recipe", ["paper_bf16", "fa2", "fp32"])

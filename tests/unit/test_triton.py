@@ -16,7 +16,9 @@ from dataclasses import replace
 import pytest
 import torch
 
+from flash_forensics.kernels import emulator
 from flash_forensics.kernels.config import AttentionKnobs
+from flash_forensics.kernels.stats import AttnStats
 
 triton = pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
 
@@ -50,11 +52,7 @@ def test_interpreter_checks():
 
 
 def _emulator():
-    import flash_forensics.kernels.emulator
-    fn = getattr(kernels, "flash_attention", None)
-    if fn is None or not hasattr(kernels, "AttnStats"):
-        pytest.skip("flash_forensics.kernels.emulator.flash_attention / AttnStats (the emulator) is not available")
-    return fn, flash_forensics.kernels.stats.AttnStats
+    return emulator.flash_attention, AttnStats
 
 
 class _Stats:

@@ -12,9 +12,9 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import open_dict
 
 import flash_forensics.orchestrator.config.schema  # noqa: F401  registers base_config
+from flash_forensics.orchestrator.config.validate import ConfigError, effective_attention, validate_config
 from flash_forensics.orchestrator.job import checkpoint
 from flash_forensics.orchestrator.launch.callbacks import sweep_jobs, validate_sweep
-from flash_forensics.orchestrator.config.validate import ConfigError, effective_attention, validate_config
 
 CONF = str(Path(__file__).resolve().parents[2] / "conf")
 

@@ -3,9 +3,9 @@
 The paper picked layer 2 / heads 1,7,8,9,11,12 from its run's W_Q spectral norms (PAPER.md). In another run the
 failing layer and heads differ, so the isolation sweep should take them from the data (issue 7, item 3):
 
-    python -m flash_forensics.orchestrator.analysis.localize results/paper_isolation/<date>/0            # a baseline job dir
-    python -m flash_forensics.orchestrator.analysis.localize results/paper_isolation/<date>              # a sweep dir (its baseline job)
-    python -m flash_forensics.orchestrator.analysis.localize <mlflow run id> --tracking-uri sqlite:///results/mlflow.db --out loc.json --plot
+    flash-forensics localize results/paper_isolation/<date>/0            # a baseline job dir
+    flash-forensics localize results/paper_isolation/<date>              # a sweep dir (its baseline job)
+    flash-forensics localize <mlflow run id> --tracking-uri sqlite:///results/mlflow.db --out loc.json --plot
 
 Input: metric histories {name: [(step, value)]} as the monitors log them: `wq_sigma/L{l}.H{h}` (top singular
 value of head h's W_Q block, every monitor.wq_every steps), `rmax_rows/L{l}.H{h}` (rows where the SFA

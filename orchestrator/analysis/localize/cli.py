@@ -1,6 +1,6 @@
-"""`python -m flash_forensics.orchestrator.analysis.localize SOURCE [--out loc.json] [--plot] [--sweep-overrides]`: the report on the terminal,
+"""`flash-forensics localize SOURCE [--out loc.json] [--plot] [--sweep-overrides]`: the report on the terminal,
 the localization as JSON and a PNG (usage: orchestrator/analysis/localize/algorithm.py).
-`python -m flash_forensics.orchestrator.analysis.localize rounding REPORT_DIR ...`: the rounding-point stage (localize/rounding_io.py).
+`flash-forensics localize rounding REPORT_DIR ...`: the rounding-point stage (localize/rounding_io.py).
 """
 from __future__ import annotations
 
@@ -10,13 +10,12 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from flash_forensics.orchestrator import record
-from flash_forensics.orchestrator.analysis.localize import algorithm
+from flash_forensics.orchestrator.analysis.localize import algorithm, rounding_io
 from flash_forensics.orchestrator.analysis.localize.algorithm import localize
 from flash_forensics.orchestrator.analysis.localize.plot import plot
 from flash_forensics.orchestrator.analysis.localize.source import load_history, resolve_source
 from flash_forensics.orchestrator.analysis.localize.stats import LocalizeConfig
 from flash_forensics.orchestrator.analysis.localize.text import format_localization
-from flash_forensics.orchestrator.analysis.localize import rounding_io
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -24,7 +23,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if argv[:1] == ["rounding"]:
         return rounding_io.main(argv[1:])
     d = LocalizeConfig()
-    p = argparse.ArgumentParser(prog="python -m flash_forensics.orchestrator.analysis.localize", description=algorithm.__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="flash-forensics localize", description=algorithm.__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("source", help="a baseline job dir (result.json), a sweep dir, or an MLflow run id")
     p.add_argument("--tracking-uri", help="MLflow store (default: the job's own, else results/mlflow.db)")

@@ -7,8 +7,7 @@ from pathlib import Path
 
 from flash_forensics.orchestrator.analysis.localize.algorithm import History
 from flash_forensics.orchestrator.analysis.localize.stats import Localization
-from flash_forensics.orchestrator.report.plots import localization
-from flash_forensics.orchestrator.report.plots import _save
+from flash_forensics.orchestrator.report.plots import _save, localization
 
 # outcome -> colour: green fixes it, red reproduces / hastens, orange delays, grey says nothing
 _COLOURS = {"prevents": "#008856", "reproduces": "#BE0032", "delays": "#F38400", "hastens": "#BE0032",
@@ -31,7 +30,7 @@ def rounding(result, path: Path) -> Path:
     rows = result.rows()
     sides = [(p.lift, p.bf16_only) for p in result.points]
     fig, ax = plt.subplots(figsize=(10.5, 0.42 * max(len(rows), 1) + 2.4))
-    for y, ((point, a, b), pair) in enumerate(zip(rows, sides)):
+    for y, ((_point, a, b), pair) in enumerate(zip(rows, sides)):
         for x, (text, side) in enumerate(zip((a, b), pair)):
             ax.add_patch(Rectangle((x, y), 1, 1, facecolor=_COLOURS.get(side.outcome, "white"), edgecolor="white",
                                    lw=2, alpha=0.85))

@@ -20,9 +20,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from flash_forensics.kernels import recipes
 from flash_forensics.orchestrator import record
 from flash_forensics.orchestrator.report.rows import BASELINE, REFERENCE, _peer
-from flash_forensics.kernels import recipes
 
 SWEEP = "rounding_points"  # the sweep file (sweeps/rounding_points.yaml) whose forks this stage reads
 LIFT, BF16_ONLY = "lift", "bf16_only"

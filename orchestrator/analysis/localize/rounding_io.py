@@ -1,7 +1,7 @@
 """The rounding stage's input and output: rows from a report or sweep folder, <out>/rounding.{json,png}, the Cause
 section of verdicts.md, and MLflow tags (ff.cause.*) on the baseline runs and the report's parent run.
 
-    python -m flash_forensics.orchestrator.analysis.localize rounding REPORT_OR_SWEEP_DIR [--out DIR] [--tracking-uri URI] [--min-delay N]
+    flash-forensics localize rounding REPORT_OR_SWEEP_DIR [--out DIR] [--tracking-uri URI] [--min-delay N]
 
 for a report already made (flash_forensics.orchestrator.analysis.isolate runs the stage itself when its sweeps include rounding_points).
 The rules: orchestrator/analysis/localize/rounding.py.
@@ -16,13 +16,18 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 from flash_forensics.orchestrator import record
 from flash_forensics.orchestrator.analysis.localize import rounding
-from flash_forensics.orchestrator.analysis.localize.rounding import RoundingResult
-from flash_forensics.orchestrator.report.rows import rows_from_dirs
-from flash_forensics.orchestrator.tracking.tracker import find_parent
 from flash_forensics.orchestrator.analysis.localize.plot import rounding as plot_rounding
-from flash_forensics.orchestrator.tracking.tracker import MAX_TAG_VAL_LENGTH, _truncate
-from flash_forensics.orchestrator.tracking.tracker import make_client, resolve_uri, retry
+from flash_forensics.orchestrator.analysis.localize.rounding import RoundingResult
 from flash_forensics.orchestrator.report.render import insert_cause
+from flash_forensics.orchestrator.report.rows import rows_from_dirs
+from flash_forensics.orchestrator.tracking.tracker import (
+    MAX_TAG_VAL_LENGTH,
+    _truncate,
+    find_parent,
+    make_client,
+    resolve_uri,
+    retry,
+)
 
 JSON_FILE, PLOT_FILE = "rounding.json", "rounding.png"
 TAG = "ff.cause."  # the MLflow tags this stage sets: ff.cause.point, ff.cause.verdict, ...
@@ -120,7 +125,7 @@ def _insert_into_report(out_dir: Path, c: Dict) -> List[Path]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m flash_forensics.orchestrator.analysis.localize rounding",
+    p = argparse.ArgumentParser(prog="flash-forensics localize rounding",
                                 description="Which rounding point the divergence needs in BF16, from a report's "
                                             "lift_<point> / bf16_only_<point> forks (rules: "
                                             "orchestrator/analysis/localize/rounding.py).")

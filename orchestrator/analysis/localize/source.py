@@ -8,8 +8,8 @@ from typing import Dict, Optional
 from flash_forensics.orchestrator import record
 from flash_forensics.orchestrator.analysis.localize.algorithm import PREFIXES, History
 from flash_forensics.orchestrator.report import readback as store
-from flash_forensics.orchestrator.tracking.tracker import find_parent
 from flash_forensics.orchestrator.report.rows import collect_rows
+from flash_forensics.orchestrator.tracking.tracker import find_parent
 
 
 def load_history(run_id: str, tracking_uri: Optional[str] = None, prefixes=PREFIXES) -> History:

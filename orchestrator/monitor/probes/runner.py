@@ -18,18 +18,17 @@ W_Q coherence probes are skipped.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional
-
 import sys
+from typing import Dict, List, Optional
 
 import torch
 
 from flash_forensics.kernels import probes as P
 from flash_forensics.models.attention import compute_dtype
 from flash_forensics.orchestrator import record
-from flash_forensics.orchestrator.monitor.probes.config import ProbesConfig
 from flash_forensics.orchestrator.data import val_batches
 from flash_forensics.orchestrator.job.step import autocast
+from flash_forensics.orchestrator.monitor.probes.config import ProbesConfig
 
 PROBE_SEED = 0x9B0E  # the probe batch's draw from the validation split (distinct from the eval batches' seed 0)
 
