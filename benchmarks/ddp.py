@@ -5,7 +5,7 @@ per step), once under torchrun with --nproc N (each rank runs grad_accum / N of 
 averaged by DDP). Reads both loss curves and tokens/s from the MLflow store they wrote, prints a table, writes
 results/bench/ddp-<tag>.json.
 
-    python benchmarks/ddp.py                                   # 2 GPUs: the issue-5 check (writes ddp-h200x2.json
+    python benchmarks/ddp.py                                   # 2 GPUs: the DDP check (writes ddp-h200x2.json
                                                                # when the GPUs are H200s)
     python benchmarks/ddp.py --device cpu --model tiny --steps 6 --block 64 --batch 4   # a CPU dry run (gloo)
 

@@ -1,4 +1,4 @@
-"""The paper's isolation method end to end, one entry point (issue 7; issue 11 item 5):
+"""The paper's isolation method end to end, one entry point:
 
     flash-forensics isolate [--root DIR] [--out DIR] [--fork-steps N] [--margin N] [--per-gpu N]
                                    [--stop-after N] [--uri URI] [hydra overrides for every run, e.g. train.seed=2 data.seed=2]

@@ -4,6 +4,8 @@ Types are enforced by the structured config (orchestrator/config/schema.py) at c
 cross-field rules (layer/head indices against the model, knobs that cannot hold together, an intervention against
 explicit user overrides, two interventions against each other), the resume / fork checkpoint and the tracking store.
 It also builds the job's effective attention config (conf attention + the intervention's knobs).
+Over 400 lines because it is the one place that says, section by section, what a job may be given; the knob rules
+themselves stay in kernels/knobs.py.
 """
 from __future__ import annotations
 

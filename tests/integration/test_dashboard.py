@@ -1,4 +1,4 @@
-"""The dashboard as a user meets it (issue 16): a smoke sweep logged to a real `mlflow server` on a loopback port,
+"""The dashboard as a user meets it: a smoke sweep logged to a real `mlflow server` on a loopback port,
 checked through the server's REST API (standard fields, description, artifacts, system metrics, divergence marker,
 the typed verdict fields), and the sweep's verdicts.html opened in headless Chromium (table and every image load).
 

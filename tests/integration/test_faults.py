@@ -1,4 +1,4 @@
-"""Fault injection (issue 15): kill -9 at several points then resume, corrupted checkpoint and batch-order bytes,
+"""Fault injection: kill -9 at several points then resume, corrupted checkpoint and batch-order bytes,
 disk full, a lost MLflow store. Each scenario compares the full metric history with an uninterrupted run: points
 lost 0, duplicated 0, curves equal. CPU, a 1-layer model, 20 steps per run (bounded in time).
 

@@ -52,7 +52,7 @@ def test_checkpoints_are_kept_per_step(source):
     d = tmp / "source" / "checkpoints"
     assert sorted(checkpoint.step_files(d)) == [12, 16, 20]  # keep_checkpoints=3 pruned 4 and 8
     assert checkpoint.load(d / "last.pt")["step"] == 20
-    # issue 15: last.pt is a separate copy of the newest (a hard link shared one damage between both)
+    # last.pt is a separate copy of the newest (a hard link shared one damage between both)
     assert not os.path.samefile(d / "last.pt", d / "step_20.pt")
     assert (d / "last.pt").read_bytes() == (d / "step_20.pt").read_bytes()
     state = checkpoint.load(d / "step_12.pt")

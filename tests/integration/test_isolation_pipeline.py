@@ -1,4 +1,4 @@
-"""Issue 7's CPU-side pieces: the merged report CLI, localization's sweep target, the GPU slot of a local job, the
+"""The isolation pipeline's CPU-side pieces: the merged report CLI, localization's sweep target, the GPU slot of a local job, the
 local launcher's GPU check and resolver, the seeds sweep, and scripts/paper_isolation.sh end to end (tiny, CPU)."""
 import json
 import math

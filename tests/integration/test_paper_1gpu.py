@@ -1,4 +1,4 @@
-"""experiment=paper_1gpu (issue 14): the preset holds the probe's settings, its controls validate, isolate's
+"""experiment=paper_1gpu: the preset holds the probe's settings, its controls validate, isolate's
 --stop-after reaches the baseline, and scripts/paper_1gpu.sh runs its one-lease plan end to end on the CPU (tiny)."""
 import json
 import os

@@ -1,4 +1,4 @@
-"""The stabilizers of issue 17 as interventions: gated attention (a model patch with new parameters: a fork is
+"""The stabilizers as interventions: gated attention (a model patch with new parameters: a fork is
 refused), z-loss (a model patch without parameters: a fork is allowed), stochastic rounding of P̄V and the O
 accumulator (an emulator knob: unbiased, only its points change, deterministic), the stabilizers sweeps, and the
 stabilizers table."""

@@ -1,4 +1,4 @@
-"""Issue 7, second batch: the lowest-loss step (verdict, fork pick --at-min), a sweep file's jobs as separate runs
+"""The store and forks: the lowest-loss step (verdict, fork pick --at-min), a sweep file's jobs as separate runs
 (fork jobs), a fresh sqlite store opened by several processes at once (tracking's flock), the report rebuilt from
 an MLflow store alone (report --from-mlflow), the many-runs loss plot and legend labels, and meta given as text."""
 import json

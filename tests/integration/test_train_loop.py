@@ -1,4 +1,4 @@
-"""Training-loop parts of issue 12 on the CPU: sdpa layers log the max logit (an extra QK^T pass on the monitors'
+"""Training-loop parts on the CPU: sdpa layers log the max logit (an extra QK^T pass on the monitors'
 flush steps only), and a bad train.compile launches nothing."""
 from pathlib import Path
 

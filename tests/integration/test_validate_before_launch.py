@@ -1,4 +1,4 @@
-"""Issue 15, item 6: caught before launch, with the key the user typed: intervention knobs, model.n_head,
+"""Caught before launch, with the key the user typed: intervention knobs, model.n_head,
 model.block_size against the corpus, a data.replay that is not a batch order, hydra/launcher without -m. And the
 numerical-failure counters reaching the metrics and the run's warning."""
 import subprocess

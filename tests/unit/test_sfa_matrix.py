@@ -1,4 +1,4 @@
-"""The SFA edge-case matrix of issue 15 (kernels/sfa_matrix.py): the guarded variant is right in every cell, the exact
+"""The SFA edge-case matrix (kernels/sfa_matrix.py): the guarded variant is right in every cell, the exact
 Algorithm 3's failures are counted by AttnStats, and the committed table is what the code gives today."""
 from pathlib import Path
 

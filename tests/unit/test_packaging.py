@@ -1,0 +1,70 @@
+"""Installable beside other packages: the project's code imports as flash_forensics.* only (kernels/, models/,
+orchestrator/ stay top-level folders), so the `kernels` package of transformers[kernels] and a user's own `models`
+are never shadowed, from a checkout or from a wheel."""
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import tomllib
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+FOLDERS = {"flash_forensics": "flash_forensics", "flash_forensics.kernels": "kernels",
+           "flash_forensics.models": "models", "flash_forensics.orchestrator": "orchestrator"}
+
+
+def _python(code: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    return subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_package_list_matches_the_folders():
+    cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert cfg["package-dir"] == FOLDERS
+    found = set()
+    for pkg, folder in FOLDERS.items():
+        for init in [ROOT / folder, *(p.parent for p in (ROOT / folder).rglob("*.py"))]:
+            rel = init.relative_to(ROOT / folder)
+            found.add(".".join((pkg, *rel.parts)))
+    assert set(cfg["packages"]) == found
+
+
+def test_no_top_level_package_of_ours_shadows_others():
+    """kernels/, models/, orchestrator/ have no __init__.py: from the repo root `import kernels` is not ours."""
+    for folder in ("kernels", "models", "orchestrator"):
+        assert not (ROOT / folder / "__init__.py").exists(), folder
+
+
+@pytest.mark.skipif(importlib.util.find_spec("kernels") is None,
+                    reason="the `kernels` package (transformers[kernels]) is not installed; .ci/run installs it")
+@pytest.mark.parametrize("where", ["repo root", "elsewhere"])
+def test_beside_the_kernels_package(where, tmp_path):
+    cwd = ROOT if where == "repo root" else tmp_path
+    r = _python("import kernels, flash_forensics.kernels.emulator as e, flash_forensics.models.gpt as g\n"
+                "print(kernels.__file__); print(e.__file__); print(g.__file__)", cwd)
+    assert r.returncode == 0, r.stderr
+    theirs, emulator, gpt = r.stdout.split()
+    assert "site-packages" in theirs and not theirs.startswith(str(ROOT)), theirs
+    assert Path(emulator) == ROOT / "kernels" / "emulator.py" and Path(gpt) == ROOT / "models" / "gpt.py"
+
+
+def test_wheel_holds_everything_under_flash_forensics(tmp_path):
+    src = tmp_path / "src"  # a copy: setuptools builds in the source tree (build/, *.egg-info)
+    for name in ("pyproject.toml", "README.md", *FOLDERS.values()):
+        (shutil.copytree if (ROOT / name).is_dir() else shutil.copy)(ROOT / name, src / name)
+    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                        str(tmp_path), str(src)], capture_output=True, text=True, timeout=300)
+    if r.returncode != 0 and "No module named" in r.stderr:
+        pytest.skip(f"cannot build a wheel here: {r.stderr.strip().splitlines()[-1]}")
+    assert r.returncode == 0, r.stderr[-2000:]
+    (wheel,) = tmp_path.glob("flash_forensics-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith((".dist-info", ".data"))}
+    assert tops == {"flash_forensics"}, tops
+    for want in ("flash_forensics/kernels/emulator.py", "flash_forensics/models/gpt.py",
+                 "flash_forensics/orchestrator/launch/task.py", "flash_forensics/cli.py"):
+        assert want in names, want
