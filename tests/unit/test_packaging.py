@@ -54,8 +54,9 @@ def test_beside_the_kernels_package(where, tmp_path):
 
 def test_wheel_holds_everything_under_flash_forensics(tmp_path):
     src = tmp_path / "src"  # a copy: setuptools builds in the source tree (build/, *.egg-info)
+    src.mkdir()
     for name in ("pyproject.toml", "README.md", *FOLDERS.values()):
-        (shutil.copytree if (ROOT / name).is_dir() else shutil.copy)(ROOT / name, src / name)
+        (shutil.copytree if (ROOT / name).is_dir() else shutil.copy)(ROOT / name, src / name)  # noqa: B018
     r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
                         str(tmp_path), str(src)], capture_output=True, text=True, timeout=300)
     if r.returncode != 0 and "No module named" in r.stderr:
