@@ -1,16 +1,16 @@
 """Installable beside other packages: the project's code imports as flash_forensics.* only (kernels/, models/,
 orchestrator/ stay top-level folders), so the `kernels` package of transformers[kernels] and a user's own `models`
 are never shadowed, from a checkout or from a wheel."""
-import importlib.util
+import importlib.metadata
 import os
 import shutil
 import subprocess
 import sys
-import tomllib
 import zipfile
 from pathlib import Path
 
 import pytest
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[2]
 FOLDERS = {"flash_forensics": "flash_forensics", "flash_forensics.kernels": "kernels",
@@ -39,7 +39,15 @@ def test_no_top_level_package_of_ours_shadows_others():
         assert not (ROOT / folder / "__init__.py").exists(), folder
 
 
-@pytest.mark.skipif(importlib.util.find_spec("kernels") is None,
+def _installed(dist: str) -> bool:
+    try:
+        importlib.metadata.distribution(dist)
+        return True
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not _installed("kernels"),
                     reason="the `kernels` package (transformers[kernels]) is not installed; .ci/run installs it")
 @pytest.mark.parametrize("where", ["repo root", "elsewhere"])
 def test_beside_the_kernels_package(where, tmp_path):
@@ -56,7 +64,7 @@ def test_wheel_holds_everything_under_flash_forensics(tmp_path):
     src = tmp_path / "src"  # a copy: setuptools builds in the source tree (build/, *.egg-info)
     src.mkdir()
     for name in ("pyproject.toml", "README.md", *FOLDERS.values()):
-        (shutil.copytree if (ROOT / name).is_dir() else shutil.copy)(ROOT / name, src / name)  # noqa: B018
+        (shutil.copytree if (ROOT / name).is_dir() else shutil.copy)(ROOT / name, src / name)
     r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
                         str(tmp_path), str(src)], capture_output=True, text=True, timeout=300)
     if r.returncode != 0 and "No module named" in r.stderr:
