@@ -63,7 +63,8 @@ def hardware(device: str, nproc: int) -> tuple[str, str]:
 def overrides(a, workdir: Path, db: Path) -> list[str]:
     model = ["model=tiny", "model.name=mini", "model.n_layer=6", "model.n_head=6", "model.n_embd=384"] \
         if a.model == "mini" else [f"model={a.model}"]
-    return ["experiment=smoke", "intervention=baseline", f"attention={a.attention}", *model, f"model.block_size={a.block}",
+    return ["experiment=smoke", "intervention=baseline", f"attention={a.attention}", *model,
+            f"model.block_size={a.block}",
             f"train.batch_size={a.batch}", f"train.grad_accum={a.grad_accum}", f"train.max_steps={a.steps}",
             f"train.warmup_steps={max(1, a.steps // 10)}", f"train.precision={a.precision}",
             f"train.device={a.device}", "train.eval_every=0", "train.ckpt_every=0", "train.early_stop=false",

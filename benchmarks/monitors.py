@@ -195,8 +195,8 @@ def main(argv=None):
            "hardware": {"device": slug, "platform": platform.platform(), "torch": torch.__version__,
                         "cuda": torch.version.cuda if gpu else None, "cpus": os.cpu_count(),
                         "load_avg_1m_before_after": [load0, os.getloadavg()[0]]},
-           "config": {"model": args.model, "impl": args.impl, "routes": sorted(set(routes)), "batch": batch, "seq": seq, "chunk": chunk,
-                      "rounds": rounds, "wq_every": args.wq_every, "tracking": "sqlite (temp)" if not
+           "config": {"model": args.model, "impl": args.impl, "routes": sorted(set(routes)), "batch": batch, "seq": seq,
+                      "chunk": chunk, "rounds": rounds, "wq_every": args.wq_every, "tracking": "sqlite (temp)" if not
                       args.tracking_uri else args.tracking_uri, "n_layer": mcfg.n_layer, "n_head": mcfg.n_head},
            "target_overhead_fraction": 0.02,
            "overhead_fraction": {r["setting"]: r["overhead_fraction"] for r in rows if r["setting"] != "none"},

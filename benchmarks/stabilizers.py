@@ -7,8 +7,8 @@
 Each variant is what a run of `intervention=<name>` trains: its config composed by Hydra and validated by the
 orchestrator (experiment=mini_repro; shape gpt2s adds model.block_size=1024 train.batch_size=16), so the model patch
 (qk_norm, attn_gate, z_loss), the attention knobs (and so the route: Triton, or the emulator where Triton lacks a
-knob) and the train hooks (qk_clip) are the run's. One training step is flash_forensics.orchestrator.job.step.TrainStep (BF16
-autocast, grad clip, AdamW, the hooks), eager as mini_repro runs. Monitors are off: they cost every variant alike.
+knob) and the train hooks (qk_clip) are the run's. One training step is flash_forensics.orchestrator.job.step.TrainStep
+(BF16 autocast, grad clip, AdamW, the hooks), eager as mini_repro runs. Monitors are off: they cost every variant alike.
 Every variant gets the same initialisation (train.seed) and the same random token batches.
 
 Timing: CUDA events around each step (host clock on a CPU), after one warmup step per variant. Rounds go
@@ -215,7 +215,8 @@ def main(argv=None):
             for v, data in built:
                 for _ in range(a.emulator_steps if v.emulated else a.steps):
                     v.run(data, timer, record=True)
-            rows = [r for r in out["rows"] if r["shape"] != shape or "error" in r] + [row_of(v, shape) for v, _ in built]
+            rows = [r for r in out["rows"] if r["shape"] != shape or "error" in r] + \
+                [row_of(v, shape) for v, _ in built]
             _write(dict(out, rows=rows, summary=summarize(rows)), path)
             print(f"[{shape}] round {r + 1}/{a.rounds}: " + ", ".join(
                 f"{v.name} {statistics.median(v.times_ms):.0f} ms" for v, _ in built), flush=True)

@@ -3,9 +3,9 @@ Triton flash kernels, eager and compiled, counters and monitors on, in one proce
 
     python benchmarks/train_step.py [--shapes 16x1024,32x256] [--steps 20] [--out results/bench/train-step-<gpu>.json]
 
-Each variant: flash_forensics.models.gpt.GPT, fused AdamW, BF16 autocast, grad clipping, the run's Monitors (W_Q norms every 50 steps,
-one host transfer every 10, counters and max logit per layer); the same random token batches for every variant.
-A step's time is the host clock between synchronisations after `--warmup` steps (compilation); the row is the
+Each variant: flash_forensics.models.gpt.GPT, fused AdamW, BF16 autocast, grad clipping, the run's Monitors (W_Q norms
+every 50 steps, one host transfer every 10, counters and max logit per layer); the same random token batches for every
+variant. A step's time is the host clock between synchronisations after `--warmup` steps (compilation); the row is the
 median. Every variant's per-step losses are kept, so an eager and a compiled variant of the same attention can be
 compared step by step (`compiled_vs_eager`: the largest |loss difference| over the timed steps).
 """

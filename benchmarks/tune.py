@@ -4,8 +4,8 @@
 
 For each forward family (fa2, fa2_exact, paper_bf16, fp32) and backward recipe, every candidate below is timed
 alone (forward: the forward kernel; backward: delta + dK/dV + dQ from a saved forward) with do_bench, and the
-fastest is written into flash_forensics.kernels.triton_flash.SHAPE_TABLE for this process. The candidates never touch a block size
-that carries meaning: paper_bf16 and fa2_exact keep block_k as the forward's key tile and paper_bf16 keeps
+fastest is written into flash_forensics.kernels.triton_flash.SHAPE_TABLE for this process. The candidates never touch a
+block size that carries meaning: paper_bf16 and fa2_exact keep block_k as the forward's key tile and paper_bf16 keeps
 block_q / block_k in the backward (kernels/triton_flash.py applies those overrides after the table). The JSON lists
 every timing; the chosen ones are what to copy into FWD_TABLE / BWD_TABLE / SHAPE_TABLE.
 """
@@ -125,7 +125,7 @@ def tune_all(dev, shapes, log=print) -> dict:
 
 
 def load_shape_table(path) -> dict:
-    """Put a tune JSON's chosen configs into flash_forensics.kernels.triton_flash.SHAPE_TABLE (another process's tuning)."""
+    """Put a tune JSON's chosen configs into kernels/triton_flash.py's SHAPE_TABLE (another process's tuning)."""
     from flash_forensics.kernels import triton_flash as tf
     with open(path) as f:
         data = json.load(f)

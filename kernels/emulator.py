@@ -335,8 +335,8 @@ class _FlashAttention(torch.autograd.Function):
 def check_inputs(q, k, v, cfg, stats=None) -> AttentionKnobs:
     """Validate before computing: ValueError naming the argument or key, the value and what is allowed."""
     if not isinstance(cfg, AttentionKnobs):
-        raise ValueError(f"cfg={type(cfg).__name__} is not allowed: expected flash_forensics.kernels.config.AttentionKnobs "
-                         "or AttentionConfig")
+        raise ValueError(f"cfg={type(cfg).__name__} is not allowed: expected "
+                         "flash_forensics.kernels.config.AttentionKnobs or AttentionConfig")
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
             raise ValueError(f"{name}={type(x).__name__} is not allowed: expected a torch.Tensor")
@@ -357,7 +357,8 @@ def check_inputs(q, k, v, cfg, stats=None) -> AttentionKnobs:
     cfg.validate(n_head=q.shape[1])
     if stats is not None:
         if not isinstance(stats, AttnStats):
-            raise ValueError(f"stats={type(stats).__name__} is not allowed: expected flash_forensics.kernels.stats.AttnStats or None")
+            raise ValueError(f"stats={type(stats).__name__} is not allowed: expected "
+                             "flash_forensics.kernels.stats.AttnStats or None")
         if stats.n_head != q.shape[1] or stats.device != q.device:
             raise ValueError(f"stats=AttnStats(n_head={stats.n_head}, device={stats.device}) is not allowed: "
                              f"expected n_head={q.shape[1]} on {q.device}")

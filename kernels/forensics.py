@@ -1,4 +1,4 @@
-"""BF16 forensics: explain one rounding bit by bit, and trace where a P̄V row's error comes from (the paper's Sec. 3.3.2).
+"""BF16 forensics: explain one rounding bit by bit, and trace where a P̄V row's error comes from (the paper, Sec. 3.3.2).
 
     flash-forensics forensics add -2.4071154594421387 -2.296875
     flash-forensics forensics pv-trace --out results/forensics/pv_trace.png
@@ -177,7 +177,9 @@ def explain_add(a: float, b: float) -> AddExplanation:
 def format_add(x: AddExplanation) -> str:
     lines = [
         f"A = {x.a!r}", f"  FP32 bits  {x.a_bits}",
-        f"  as BF16    {x.a_bf16_bits}   ({'A is a BF16 value' if x.a_is_bf16 else 'A is not a BF16 value: an FP32 accumulator (low 16 bits set)'})",
+        f"  as BF16    {x.a_bf16_bits}   ("
+        + ("A is a BF16 value" if x.a_is_bf16 else "A is not a BF16 value: an FP32 accumulator (low 16 bits set)")
+        + ")",
         f"B = {x.b!r}", f"  FP32 bits  {x.b_bits}",
         f"  as BF16    {x.b_bf16_bits}   ({'B is a BF16 value' if x.b_is_bf16 else 'B is not a BF16 value'})",
         f"1. align exponents: shift the smaller operand's significand right by {x.shift} bit(s) (nothing is lost yet)",

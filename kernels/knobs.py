@@ -257,5 +257,5 @@ def computed_by_words(row: Knob, value) -> str:
     return ", ".join(row.computed_where(value)) or "no implementation"
 
 
-__all__ = ["Knob", "KNOBS", "IMPLEMENTATIONS", "IMPLS", "BACKENDS", "RECIPES", "ROUNDING_POINTS", "SOFTMAXES", "DELTAS", "PBAR_CLAMP",
-           "rows", "implementation", "unsupported", "as_computed", "route_labels", "computed_by_words"]
+__all__ = ["Knob", "KNOBS", "IMPLEMENTATIONS", "IMPLS", "BACKENDS", "RECIPES", "ROUNDING_POINTS", "SOFTMAXES", "DELTAS",
+           "PBAR_CLAMP", "rows", "implementation", "unsupported", "as_computed", "route_labels", "computed_by_words"]

@@ -120,7 +120,7 @@ def op_rounding(knobs: AttentionKnobs) -> int:
 
 
 def flash_attention(q, k, v, knobs: AttentionKnobs, stats=None):
-    """flash_forensics.kernels.triton_flash.flash_attention_triton's body: the ops, then rows_seen (a Python int: no host sync)."""
+    """flash_attention_triton's body (kernels/triton_flash.py): the ops, then rows_seen (a Python int: no host sync)."""
     B, H, T, _ = q.shape
     counters = stats is not None and knobs.counters
     rep, maxl = (stats.repeated_max_rows, stats.max_logit) if counters else (None, None)

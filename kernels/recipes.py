@@ -98,7 +98,7 @@ Recipes:
   float64 tests and gradcheck), else FP32. Output in that dtype.
 Gradients are returned in the inputs' dtypes.
 
-`resolve(name, input_dtype)` gives the concrete Recipe; `reference_attention` in flash_forensics.kernels.emulator is the pure
+`resolve(name, input_dtype)` gives the concrete Recipe; `reference_attention` in kernels/emulator.py is the pure
 function other kernels test against.
 """
 from __future__ import annotations
@@ -241,5 +241,5 @@ def round_to(x: torch.Tensor, dtype: torch.dtype, keep: torch.Tensor | None = No
     return y if keep is None else torch.where(keep, x, y)
 
 
-__all__ = ["Recipe", "RECIPES", "ROUNDING_POINTS", "PV_POINTS", "POINT_MEANINGS", "resolve", "for_knobs", "lifted_points",
-           "points_problem", "round_to", "work_dtype"]
+__all__ = ["Recipe", "RECIPES", "ROUNDING_POINTS", "PV_POINTS", "POINT_MEANINGS", "resolve", "for_knobs",
+           "lifted_points", "points_problem", "round_to", "work_dtype"]

@@ -6,8 +6,8 @@ are known exactly (q = e_0, k_j = s_j * sqrt(D) e_0, so S_ij = s_j for every que
 - head 1 "tile-local": a unique row max rm at key 3 and, in the second key tile, a repeated max rm - 1 below it
   (Algorithm 3 raises the running max to beta * (rm - 1) there for the rest of the row).
 Scores and V are BF16 values (k = 4 s with D = 16: QK^T and the scaling are exact in every recipe), so the FP64
-exact softmax of the same inputs (untiled, safe) is the reference and the error measures the softmax alone. `flash-forensics sfa-matrix --out FILE` writes the
-table as Markdown; tests/unit/test_sfa_matrix.py asserts it.
+exact softmax of the same inputs (untiled, safe) is the reference and the error measures the softmax alone.
+`flash-forensics sfa-matrix --out FILE` writes the table as Markdown; tests/unit/test_sfa_matrix.py asserts it.
 """
 from __future__ import annotations
 

@@ -14,8 +14,8 @@ one-block computation up to GEMM summation order, for any T.
 
 Recipe rounding points follow kernels/emulator.py (the source of truth); `_rb` marks each BF16 storage point. A
 recipe is a set of rounding points: the kernels take it as one constexpr bitmask, ROUND (`round_mask`: one bit per
-flash_forensics.kernels.recipes.ROUNDING_POINTS entry), plus INPUT_F32 (the dtype Q, K, V, dO enter the GEMMs in) and FLOOR
-(paper_bf16's 1e-10 row-sum floor). So keep_fp32 / round_bf16 / pv_fp32 are compile-time switches, and a lifted
+flash_forensics.kernels.recipes.ROUNDING_POINTS entry), plus INPUT_F32 (the dtype Q, K, V, dO enter the GEMMs in) and
+FLOOR (paper_bf16's 1e-10 row-sum floor). So keep_fp32 / round_bf16 / pv_fp32 are compile-time switches, and a lifted
 GEMM operand is an IEEE FP32 GEMM (input_precision="ieee", never TF32).
 Three modules: the jit kernels (kernels/triton_kernels.py, needs triton), their launchers (kernels/triton_launch.py)
 and the torch.library operators (kernels/ops.py); this one is the public face: `supports` and
@@ -73,9 +73,9 @@ def supports(knobs: AttentionKnobs, q: torch.Tensor) -> bool:
 def flash_attention_triton(q, k, v, knobs: AttentionKnobs, stats=None):
     """Causal attention O for q, k, v of shape (B, H, T, D); autograd-capable; updates `stats` on the device.
 
-    Same contract as flash_forensics.kernels.emulator.flash_attention (the emulator): O in BF16 for paper_bf16 / fa2 and FP32 for fp32,
-    gradients in the inputs' dtypes; `stats` (AttnStats) gains, per head, the (row, key tile) pairs where the SFA
-    condition fires, the pairs seen, and the running max of the scaled scores. Nothing is synced to the host.
+    Same contract as flash_forensics.kernels.emulator.flash_attention (the emulator): O in BF16 for paper_bf16 / fa2 and
+    FP32 for fp32, gradients in the inputs' dtypes; `stats` (AttnStats) gains, per head, the (row, key tile) pairs where
+    the SFA condition fires, the pairs seen, and the running max of the scaled scores. Nothing is synced to the host.
     Runs through the torch.library operators of kernels/ops.py, so torch.compile traces it without a graph break.
     """
     if triton is None:

@@ -48,8 +48,8 @@ _PV_MASK = _bits(*PV_POINTS)
 
 def round_mask(knobs: AttentionKnobs) -> int:
     """The kernels' ROUND constexpr: bit i set = ROUNDING_POINTS[i] stored in BF16, i.e.
-    flash_forensics.kernels.recipes.for_knobs(knobs).rounded() as bits (tests check the two agree). Plain integer work, so that
-    torch.compile traces it without a graph break (it runs per call, building the ops' arguments)."""
+    flash_forensics.kernels.recipes.for_knobs(knobs).rounded() as bits (tests check the two agree). Plain integer work,
+    so that torch.compile traces it without a graph break (it runs per call, building the ops' arguments)."""
     mask = _RECIPE_MASK[knobs.recipe]
     if knobs.pv_fp32:
         mask &= ~_PV_MASK
@@ -118,7 +118,8 @@ def _fwd_blocks(knobs: AttentionKnobs, D: int, T: int = 1024):
 
 def _bwd_blocks(knobs: AttentionKnobs, D: int, T: int = 1024):
     """((dkdv BLOCK_M, BLOCK_N), (dq BLOCK_M, BLOCK_N), num_warps, num_stages) of the backward passes."""
-    m1, n1, m2, n2, warps, stages = SHAPE_TABLE.get(("bwd", knobs.recipe, D, length_class(T))) or BWD_TABLE[knobs.recipe][D]
+    m1, n1, m2, n2, warps, stages = (SHAPE_TABLE.get(("bwd", knobs.recipe, D, length_class(T)))
+                                     or BWD_TABLE[knobs.recipe][D])
     if knobs.tiling and round_mask(knobs) & _BWD_TILED:  # BF16 chunks / accumulators rounded per emulator tile
         m1, n2 = knobs.block_q, knobs.block_k
     elif _interpret():

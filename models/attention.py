@@ -3,8 +3,8 @@
 `attend(q, k, v, knobs, stats, probe)` is what a GPT layer calls with that layer's knobs
 (`AttentionConfig.for_layer(i)`). Three implementations:
 
-- `flash`: the tiled kernels (`flash_forensics.kernels.emulator.flash_attention`, the plain-PyTorch emulator; or `flash_forensics.kernels.triton_flash` on CUDA),
-  chosen by `backend`.
+- `flash`: the tiled kernels (`flash_forensics.kernels.emulator.flash_attention`, the plain-PyTorch emulator; or
+  `flash_forensics.kernels.triton_flash` on CUDA), chosen by `backend`.
 - `standard`: materialised softmax attention, the paper's "standard attention" (nanoGPT's manual path under CUDA
   autocast, with every dtype written out so the CPU computes the same thing). The softmax is normalised in FP32 and
   its backward is autograd's, i.e. delta = rowsum(dP * P); o_fp32 / o_fp32_heads put the PV product in FP32.
@@ -76,7 +76,7 @@ def resolve_backend(knobs: AttentionKnobs, device, *, q: Optional[torch.Tensor] 
                     seq_len: int = 64, head_dim: int = 64, key: str = "attention.backend") -> str:
     """Which code computes a `flash` layer on `device`: 'emulator' or 'triton'.
 
-    auto: triton when on CUDA, Triton computes every set knob (the knob table) and flash_forensics.kernels.triton_flash supports this
+    auto: triton when on CUDA, Triton computes every set knob (the knob table) and kernels/triton_flash.py supports this
     input shape, else the emulator. triton: a ValueError (naming key, value, why) when it cannot, so the orchestrator
     can refuse before training. Non-flash impls return their own name. `q` (or n_head/seq_len/head_dim) is the input
     the decision is made for.

@@ -131,7 +131,8 @@ class CausalSelfAttention(nn.Module):
         # by a train hook that needs per-head logits (orchestrator/interventions/qk_clip.py); None costs nothing
         self.qk_observer = None
         # probe_capture(x, q, k, v, o): called with this layer's input and the q, k, v, O of `attend` (graph kept, so
-        # the mechanism probes get dO and dQ by autograd.grad; orchestrator/monitor/probes/runner.py); None costs nothing
+        # the mechanism probes get dO and dQ by autograd.grad; orchestrator/monitor/probes/runner.py);
+        # None costs nothing
         self.probe_capture = None
 
     def _stats_on(self, device):

@@ -192,7 +192,8 @@ class RunRecord:
     fork_baseline: Optional[str] = None
     error: Optional[str] = None
     warnings: List[str] = field(default_factory=list)  # counted numerical failures, a store that failed (spooled)
-    alarm: Optional[Dict[str, Any]] = None  # monitor.alarm fired: step, signal, value, threshold, action, checkpoint, ...
+    # monitor.alarm fired: step, signal, value, threshold, action, checkpoint, ...
+    alarm: Optional[Dict[str, Any]] = None
     job_dir: Optional[str] = None
     record_version: int = RECORD_VERSION
 

@@ -1,11 +1,11 @@
 """Shared test setup: the repo on sys.path, GPU tests skipped on a CPU, and the grouping that lets the suite run
 under pytest-xdist (`-n 2 --dist loadgroup`, the README's test command) without any test file knowing about it.
 
-Grouping: every test without an explicit `xdist_group` is grouped by its file (its path under tests/), so a file's module-scoped fixtures
-(a smoke sweep, an MLflow server, a SLURM sweep) are set up once, on one worker, as in a serial run. Tests that must
-share one service across files say so: everything marked `slurm` or using the local SLURM cluster shares the group
-"slurm" (one sweep on the one-node cluster at a time: its tests count the cluster's jobs and CPUs). A new test file
-needs nothing: it runs on one worker, its own temporary folders (tmp_path is per worker) and free ports.
+Grouping: every test without an explicit `xdist_group` is grouped by its file (its path under tests/), so a file's
+module-scoped fixtures (a smoke sweep, an MLflow server, a SLURM sweep) are set up once, on one worker, as in a serial
+run. Tests that must share one service across files say so: everything marked `slurm` or using the local SLURM cluster
+shares the group "slurm" (one sweep on the one-node cluster at a time: its tests count the cluster's jobs and CPUs). A
+new test file needs nothing: it runs on one worker, its own temporary folders (tmp_path is per worker) and free ports.
 """
 import os
 import sys
@@ -18,7 +18,8 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 SLURM_GROUP = "slurm"
-SLURM_FILES = ("integration/test_slurm.py",)  # files that submit to the local cluster (not all of their tests carry the mark)
+# files that submit to the local cluster (not all of their tests carry the mark)
+SLURM_FILES = ("integration/test_slurm.py",)
 TESTS = os.path.join(ROOT, "tests")
 
 

@@ -10,8 +10,8 @@ of --experiment) or an MLflow experiment of --tracking-uri. Each run's
 divergence step, fork step and verdict come from its record (result.json, or its MLflow fields); its metric
 histories from MLflow (orchestrator/report/readback.py). Failed runs are left out, and said so.
 
-For each signal (orchestrator/monitor/signals.py, computed exactly as monitor.alarm computes it online) and each threshold
-of its grid, an alarm fires at the first logged step where the signal is strictly past the threshold. A run is
+For each signal (orchestrator/monitor/signals.py, computed exactly as monitor.alarm computes it online) and each
+threshold of its grid, an alarm fires at the first logged step where the signal is strictly past the threshold. A run is
 judged from its first step (a fork: its fork step) on; a diverged run up to its divergence step, a stable run to its
 end. Per (signal, threshold):
 - lead time of each diverged run = divergence step - first alarm step, and their mean (over the runs that alarmed);

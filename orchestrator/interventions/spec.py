@@ -6,7 +6,7 @@ One file in conf/intervention/ is one experiment:
   (`${intervention.layer}`); a file that sets one of them takes that scope (`scoped()`);
 - the attention patch: attention knobs at the file's top level (`softmax: stabilized`, `beta: 2.0`) and per-layer
   `overrides`. They stay at the top level so that `intervention.beta=4` on the command line keeps its meaning;
-- the model patch: `model: {qk_norm: true}`, any field of flash_forensics.models.gpt.ModelConfig (None = leave it alone);
+- the model patch: `model: {qk_norm: true}`, any field of models/gpt.py's ModelConfig (None = leave it alone);
 - train hooks: `hooks: [{_target_: dotted.Class, arg: value}]`, built with hydra.utils.instantiate
   (orchestrator/interventions/hooks.py says what a hook is and where the train loop calls it).
 """
@@ -25,12 +25,13 @@ from flash_forensics.models.gpt import ModelConfig
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf" / "intervention"
 SCOPES = ("layer", "heads")
 
-# flash_forensics.models.gpt.ModelConfig field by field, each optional (None = leave the run's value alone): read from the dataclass,
-# so a new model field is patchable without a second list
+# flash_forensics.models.gpt.ModelConfig field by field, each optional (None = leave the run's value alone): read from
+# the dataclass, so a new model field is patchable without a second list
 _MODEL_HINTS = typing.get_type_hints(ModelConfig)
 ModelPatch = make_dataclass(
     "ModelPatch", [(f.name, Optional[_MODEL_HINTS[f.name]], field(default=None)) for f in fields(ModelConfig)],
-    namespace={"__doc__": "A partial flash_forensics.models.gpt.ModelConfig: the fields an intervention sets (None = not set).",
+    namespace={"__doc__": "A partial flash_forensics.models.gpt.ModelConfig: the fields an intervention sets "
+                          "(None = not set).",
                "set_fields": lambda self: {f.name: getattr(self, f.name) for f in fields(self)
                                            if getattr(self, f.name) is not None}})
 ModelPatch.__module__ = __name__

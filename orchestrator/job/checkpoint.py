@@ -134,8 +134,8 @@ def verify(path: os.PathLike, key: str = "resume") -> bool:
         with open(path, "rb") as f:
             head = f.read(4)
             if head != b"PK\x03\x04":
-                raise CheckpointError(f"{key}={str(path)!r} is not a readable checkpoint: a flash-forensics checkpoint is a "
-                                      f"torch.save archive (zip); this file starts with {head!r}")
+                raise CheckpointError(f"{key}={str(path)!r} is not a readable checkpoint: a flash-forensics "
+                                      f"checkpoint is a torch.save archive (zip); this file starts with {head!r}")
             f.seek(max(0, size - 22 - _COMMENT_LEN))
             tail = f.read()
             if len(tail) < 22 + _COMMENT_LEN or tail[:4] != _EOCD or not tail[22:].startswith(CHECKSUM_PREFIX):

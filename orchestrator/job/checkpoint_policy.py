@@ -1,5 +1,6 @@
 """The job's checkpointing: which state a job starts from (resume, requeue, fork), what it writes into a checkpoint
-and how it puts that state back. The file format (atomic writes, step_<k>.pt, last.pt) is orchestrator/job/checkpoint.py.
+and how it puts that state back.
+The file format (atomic writes, step_<k>.pt, last.pt) is orchestrator/job/checkpoint.py.
 
 A checkpoint holds `step` = steps done, i.e. the step a resumed run starts with.
 """

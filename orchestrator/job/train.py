@@ -113,8 +113,8 @@ class Job:
     it goes, so the caller can still write what is known when something fails.
 
     The pieces, one job each: `_setup` builds the model, optimizer, start state, data and the MLflow run; `_loop`
-    runs the steps (orchestrator/job/step.py is one optimizer step); orchestrator/job/checkpoint_policy.py writes and restores
-    checkpoints; orchestrator/job/run_end.py does the end-of-run bookkeeping (verdict, tags, crash path)."""
+    runs the steps (orchestrator/job/step.py is one optimizer step); orchestrator/job/checkpoint_policy.py writes and
+    restores checkpoints; orchestrator/job/run_end.py does the end-of-run bookkeeping (verdict, tags, crash path)."""
 
     def __init__(self, cfg, attention, job_dir: Path, overrides: List[str]):
         self.cfg, self.attention, self.job_dir, self.overrides = cfg, attention, Path(job_dir), list(overrides)

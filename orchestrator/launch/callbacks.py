@@ -56,7 +56,8 @@ def validate_sweep(config: DictConfig) -> int:
 
 
 def _check_launcher(config: DictConfig) -> None:
-    """A submitit launcher: SLURM controller up, ranks split the batch, hard-killed jobs fail alone (flash_forensics.orchestrator.launch.cluster)."""
+    """A submitit launcher: SLURM controller up, ranks split the batch, hard-killed jobs fail alone
+    (flash_forensics.orchestrator.launch.cluster)."""
     target = OmegaConf.select(config, "hydra.launcher._target_") or ""
     if "submitit" not in target.lower():
         return

@@ -5,8 +5,8 @@ value of W_Q per (layer, head) (the paper's Fig. 2 signal). At each flush (every
 repeated-maxima row counts per (layer, head), the numerical-failure counts per (layer, head) (rows whose softmax
 row sum underflowed, rows where the stabilized softmax fired but P̄ still rounded to 1; kernels/stats.py) and the max
 attention logit per layer, accumulated since the last flush and then reset. The failure counts are also summed over
-the run on the host (`numerics`, checkpointed) so the job can turn them into a warning tag. Everything is stacked into one device tensor and copied to the host once, so the hot path
-never waits on the GPU except at that single copy.
+the run on the host (`numerics`, checkpointed) so the job can turn them into a warning tag. Everything is stacked into
+one device tensor and copied to the host once, so the hot path never waits on the GPU except at that single copy.
 """
 from __future__ import annotations
 
@@ -28,7 +28,8 @@ class MonitorConfig:
     wq_every: int = 50  # steps between W_Q spectral norm probes (an SVD per head: not free)
     counters: bool = True  # log the kernels' repeated-maxima row counts per (layer, head)
     max_logit: bool = True  # log the max scaled attention score per layer
-    alarm: AlarmConfig = field(default_factory=AlarmConfig)  # early warning (orchestrator/monitor/alarm.py), off by default
+    # early warning (orchestrator/monitor/alarm.py), off by default
+    alarm: AlarmConfig = field(default_factory=AlarmConfig)
     probes: ProbesConfig = field(default_factory=ProbesConfig)  # mechanism probes (orchestrator/monitor/probes/)
 
     def validate(self, key: str = "monitor", n_layer: Optional[int] = None) -> "MonitorConfig":

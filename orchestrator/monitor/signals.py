@@ -1,8 +1,8 @@
 """Early-warning signals: one scalar per run and step, computed from the metrics the monitors log.
 
-The same code turns metrics into signals online (monitor.alarm, orchestrator/monitor/alarm.py: fed the points the monitors
-hand to the tracker at each flush) and offline (orchestrator/analysis/early_warning.py: fed the same points read back from
-MLflow), so a threshold chosen offline means the same thing in a run.
+The same code turns metrics into signals online (monitor.alarm, orchestrator/monitor/alarm.py: fed the points the
+monitors hand to the tracker at each flush) and offline (orchestrator/analysis/early_warning.py: fed the same points
+read back from MLflow), so a threshold chosen offline means the same thing in a run.
 
 Signals (the paper's vocabulary; each from one metric family, so points of one step may arrive in several calls):
 - rmax_rate: repeated-maxima rows per step (rmax_rows/L*.H*, counted per log interval, summed over a layer's heads

@@ -229,8 +229,8 @@ _PROBE_PANELS = (("delta_err_mean", "mean delta error\n(delta_recipe - delta_FP6
 
 
 def probes(runs: Sequence[Tuple[str, History]], path: Path) -> Optional[Path]:
-    """One row of four panels per run that logged probes (orchestrator/monitor/probes/), colour = layer, x = training step:
-    the mean delta error, its cumulative sum, the tie share (signed and absolute) and the W_Q gradient-error
+    """One row of four panels per run that logged probes (orchestrator/monitor/probes/), colour = layer, x = training
+    step: the mean delta error, its cumulative sum, the tie share (signed and absolute) and the W_Q gradient-error
     coherence. Runs without probe metrics are left out; None when no run has any."""
 
     def per_layer(h: History, kind: str) -> Dict[int, List[Tuple[int, float]]]:

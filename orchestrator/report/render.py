@@ -46,7 +46,8 @@ def run_meta(tracking_uri: Optional[str] = None, **extra) -> Dict[str, Any]:
             versions[mod] = __import__(mod).__version__
         except Exception:
             pass
-    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+    gpus = ([torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+            if torch.cuda.is_available() else [])
     return {"command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
             "git": git_info(), "time_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             "hardware": {"platform": platform.platform(), "cpu": platform.processor() or platform.machine(),

@@ -1,6 +1,7 @@
 """Report rows: one per run, from job folders (their run records), compared with the sweep's baseline, its fp32
 reference and the paper. A row is a dict of ROW_KEYS, the run record's fields a report shows (orchestrator/record.py)
-plus `job` (its folder, relative to what was read) and `vs_baseline` (a note). Rows from MLflow: orchestrator/report/readback.py.
+plus `job` (its folder, relative to what was read) and `vs_baseline` (a note).
+Rows from MLflow: orchestrator/report/readback.py.
 """
 from __future__ import annotations
 

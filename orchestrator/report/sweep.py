@@ -3,9 +3,9 @@
 `SweepReport` is a Hydra callback. At multirun start it opens the MLflow parent run and writes
 <sweep dir>/mlflow_parent.json (each job's Tracker nests under it). At multirun end it reads every job's run record
 (orchestrator/report/rows.py; a job that died without one is reported as failed), pulls metric histories from MLflow
-(orchestrator/report/readback.py), writes <sweep dir>/report/verdicts.md, verdicts.json and plots/ (the dated sweep folder:
-a sweep never overwrites another's report, nor results/<sweep>/ where the repo keeps committed reproductions), logs
-them and the sweep's counts (record.sweep_metrics) to the parent run, and prints the table.
+(orchestrator/report/readback.py), writes <sweep dir>/report/verdicts.md, verdicts.json and plots/ (the dated sweep
+folder: a sweep never overwrites another's report, nor results/<sweep>/ where the repo keeps committed reproductions),
+logs them and the sweep's counts (record.sweep_metrics) to the parent run, and prints the table.
 `write_report(rows, out_dir, tracking_uri)` and `write_run_report(result, sweep, ...)` do the same without Hydra;
 `flash-forensics report` over job/sweep folders or an MLflow experiment.
 """

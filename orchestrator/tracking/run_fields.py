@@ -62,7 +62,8 @@ def describe_run(intervention: str, expect: Optional[str], paper: Optional[str],
         what = (f"diverged at step {divergence_step}" if observed == "diverged"
                 else "stable" + (f" to step {steps_done}" if steps_done else ""))
         lines.append(f"Verdict: **{what}**" + ("" if match is None else
-                                                (" (matches the paper)" if match else " (**does not match the paper**)")))
+                                                (" (matches the paper)" if match
+                                                 else " (**does not match the paper**)")))
     elif observed == "failed":
         lines.append("Verdict: **failed**" + (f": `{str(error).splitlines()[0][:300]}`" if error else ""))
     else:

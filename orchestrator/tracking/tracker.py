@@ -361,4 +361,5 @@ class Tracker:
 __all__ = ["source_tags", "describe_run", "start_system_metrics", "log_job_artifacts", "record_outcome",
            "TrackingConfig", "Tracker", "TrackingUnreachable", "check_tracking", "resolve_uri",
            "default_tracking_uri", "flatten_config", "git_info", "find_parent", "write_parent_file",
-           "get_or_create_experiment", "make_client", "PARENT_FILE", "RESULTS_DIR", "spooled_last_steps", "store_cause", "mark_terminated"]
+           "get_or_create_experiment", "make_client", "PARENT_FILE", "RESULTS_DIR", "spooled_last_steps", "store_cause",
+           "mark_terminated"]

@@ -92,7 +92,8 @@ class _Sink:
                 f.flush()
                 os.fsync(f.fileno())
         except OSError as e:
-            raise WriteError(e.errno, sentence("the metric spool", self.spool, e) + f", and the MLflow store {self.uri} "
+            raise WriteError(e.errno, sentence("the metric spool", self.spool, e)
+                             + f", and the MLflow store {self.uri} "
                              f"cannot be written ({getattr(self, 'store_cause', '?')}): the points cannot be kept") \
                 from e
         self.spooled += len(batch)

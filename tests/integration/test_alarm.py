@@ -52,8 +52,8 @@ def test_fork_overrides_drop_what_the_child_sets(tmp_path):
                           "+sweep=seeds", "hydra/launcher=local", "sweep_name=mine", "intervention_x=1"],
                          tmp_path / "c.pt", tmp_path / "o.bin", "sfa", tmp_path)
     assert got == ["experiment=smoke", "train.max_steps=9", "sweep_name=mine", "intervention_x=1",
-                   f"from_checkpoint={tmp_path / 'c.pt'}", "intervention=sfa", f"data.replay={tmp_path / 'o.bin'}", "monitor.alarm.enabled=false",
-                   f"hydra.run.dir={tmp_path / 'alarm_fork'}"]
+                   f"from_checkpoint={tmp_path / 'c.pt'}", "intervention=sfa", f"data.replay={tmp_path / 'o.bin'}",
+                   "monitor.alarm.enabled=false", f"hydra.run.dir={tmp_path / 'alarm_fork'}"]
 
 
 # ------------------------------------------------------------------------------------------ validation

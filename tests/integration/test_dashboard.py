@@ -124,7 +124,8 @@ def test_runs_carry_standard_fields_description_and_artifacts(sweep):
 
 def test_typed_verdict_fields(sweep):
     """The record engineer's typed fields (orchestrator/record.py), read back through REST."""
-    record = pytest.importorskip("flash_forensics.orchestrator.record", reason="orchestrator/record.py not merged into this tree")
+    record = pytest.importorskip("flash_forensics.orchestrator.record",
+                                 reason="orchestrator/record.py not merged into this tree")
     for name, run in _jobs(sweep).items():
         t = _tags(run)
         metrics = {m["key"]: m["value"] for m in run["data"].get("metrics", [])}

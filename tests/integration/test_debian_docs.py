@@ -144,7 +144,8 @@ def test_hash_mismatch_is_refused_and_not_cached(pinned, tmp_path, monkeypatch):
     pkgs = list(debian.PACKAGES)
     pkgs[1] = debian.DebPackage(pkgs[1].name, pkgs[1].version, "0" * 64, pkgs[1].licence, pkgs[1].reader)
     monkeypatch.setattr(debian, "PACKAGES", tuple(pkgs))
-    with pytest.raises(DataError, match=r"linux-doc-6.12=1.0: the fetched .deb has sha256 [0-9a-f]{64}, but .* pins 0+"):
+    with pytest.raises(DataError,
+                       match=r"linux-doc-6.12=1.0: the fetched .deb has sha256 [0-9a-f]{64}, but .* pins 0+"):
         ensure_prepared(_cfg(tmp_path), 50304)
     assert not (debian.debs_dir() / "linux-doc-6.12_1.0.deb").exists()
     assert not list((tmp_path / "data").glob("debian_docs-*"))  # nothing half-prepared
@@ -161,7 +162,8 @@ def _fake_bin(tmp_path, name, script):
 def test_no_apt_get_says_where_to_prepare(pinned, tmp_path, monkeypatch):
     monkeypatch.setattr(debian, "DOWNLOADER", debian._apt_get_download)
     monkeypatch.setenv("PATH", str(tmp_path / "nothing-here"))
-    with pytest.raises(DataError, match="needs `apt-get`.*prepare on a Debian/Ubuntu machine.*copy the prepared folder"):
+    with pytest.raises(DataError,
+                       match="needs `apt-get`.*prepare on a Debian/Ubuntu machine.*copy the prepared folder"):
         debian.deb_path(debian.PACKAGES[0])
 
 

@@ -113,7 +113,8 @@ def test_corrupted_checkpoint_is_refused_and_auto_resume_falls_back(ref, tmp_pat
         checkpoint.load(d / "last.pt")
     assert checkpoint.latest(tmp_path / "job") == d / "step_20.pt"  # the newest intact one (and it says so)
     (d / "not_a_ckpt.pt").write_text("hello")
-    with pytest.raises(checkpoint.CheckpointError, match="not a readable checkpoint: a flash-forensics checkpoint is a torch.save archive"):
+    with pytest.raises(checkpoint.CheckpointError,
+                       match="not a readable checkpoint: a flash-forensics checkpoint is a torch.save archive"):
         checkpoint.load(d / "not_a_ckpt.pt")
     # a single run resumed from the damaged file: refused before launch, exit status 1, the path named
     p = run(tmp, "bad_resume", f"resume={d / 'last.pt'}", check=False)

@@ -151,7 +151,8 @@ def test_qk_clip_state_is_saved_and_restored_on_resume(clipped):
     at4 = checkpoint.load(tmp / "first" / "checkpoints" / "last.pt")["hooks"]
     end_full = checkpoint.load(tmp / "full" / "checkpoints" / "last.pt")["hooks"]
     end_resumed = checkpoint.load(tmp / "second" / "checkpoints" / "last.pt")["hooks"]
-    assert at4[0]["target"] == "flash_forensics.orchestrator.interventions.qk_clip.QKClip" and at4[0]["state"]["tau"] == 0.05
+    assert (at4[0]["target"] == "flash_forensics.orchestrator.interventions.qk_clip.QKClip"
+            and at4[0]["state"]["tau"] == 0.05)
     assert 0 < int(at4[0]["state"]["clips"].sum()) < int(end_full[0]["state"]["clips"].sum())  # it fired, and counts
     assert torch.equal(end_resumed[0]["state"]["clips"], end_full[0]["state"]["clips"])  # restored, then continued
     assert second["final_loss"] == full["final_loss"]
@@ -164,8 +165,9 @@ def test_resume_with_other_hooks_is_refused(clipped):
     tmp, *_ = clipped
     cfg, ov = compose_cfg(tmp, "intervention=baseline", "train.max_steps=8",
                           f"resume={tmp / 'first' / 'checkpoints' / 'last.pt'}")
-    with pytest.raises(ConfigError, match=r"resume=.*holds train hooks \['flash_forensics.orchestrator.interventions.qk_clip."
-                                          r"QKClip'\], this run has \[\] \(intervention=baseline\)"):
+    with pytest.raises(ConfigError, match=r"resume=.*holds train hooks "
+                                          r"\['flash_forensics.orchestrator.interventions.qk_clip.QKClip'\], "
+                                          r"this run has \[\] \(intervention=baseline\)"):
         validate_config(cfg, ov, check_store=False)
 
 

@@ -313,7 +313,8 @@ def test_mini_repro_seeds_sweep(hydra_conf, tmp_path):
 
 # ---------------------------------------------------------------------------------- the whole pipeline
 def _sweep_values(name: str, key: str):
-    """A sweep file's comma list for key, read with yaml (not through flash_forensics.orchestrator.job.fork, which the script uses)."""
+    """A sweep file's comma list for key, read with yaml (not through flash_forensics.orchestrator.job.fork, which the
+    script uses)."""
     import yaml
     params = yaml.safe_load((ROOT / "sweeps" / f"{name}.yaml").read_text())["hydra"]["sweeper"]["params"]
     return [v.strip() for v in str(params[key]).split(",")]

@@ -203,12 +203,13 @@ def test_cli_on_sqlite_store(store, capsys):
 def test_cli_subprocess_on_job_dir(store):
     out = store["tmp"] / "by_job.json"
     png = store["tmp"] / "by_job.png"
-    r = subprocess.run([sys.executable, "-m", "flash_forensics.orchestrator.analysis.localize", str(store["job"]), "--out", str(out),
-                        "--plot", str(png)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    r = subprocess.run([sys.executable, "-m", "flash_forensics.orchestrator.analysis.localize", str(store["job"]),
+                        "--out", str(out), "--plot", str(png)], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "'intervention.heads=[0,3]'" in r.stdout
     assert json.loads(out.read_text())["source"]["job_dir"] == str(store["job"])
     assert png.is_file()
-    r = subprocess.run([sys.executable, "-m", "flash_forensics.orchestrator.analysis.localize", str(store["tmp"] / "missing" / "dir")],
+    r = subprocess.run([sys.executable, "-m", "flash_forensics.orchestrator.analysis.localize",
+                        str(store["tmp"] / "missing" / "dir")],
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "not a job dir" in r.stderr

@@ -1,5 +1,5 @@
-"""Mechanism probes (kernels/probes.py, orchestrator/monitor/probes/): the delta error's bias and where it comes from, the tie
-classification, the cumulative sum across probes and checkpoints, the probe math against brute force, config
+"""Mechanism probes (kernels/probes.py, orchestrator/monitor/probes/): the delta error's bias and where it comes from,
+the tie classification, the cumulative sum across probes and checkpoints, the probe math against brute force, config
 validation, and that a run with probes on trains bit-identically to one with probes off (CPU)."""
 import itertools
 import math

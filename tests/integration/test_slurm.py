@@ -2,9 +2,9 @@
 a job preempted mid-run and requeued, and the checks that refuse a sweep before anything is submitted.
 
 One sweep serves both integration tests (2 cores): every job is 2-rank DDP (2 SLURM tasks, gloo); job 3 is killed
-outright (scancel) and must not take the sweep down; jobs 1 and 2 are the same fp32 run; job 2 is signalled (USR2, as SLURM does before a time limit or on preemption), its ranks
-agree on a step, checkpoint, submitit requeues it, it resumes, and must end with exactly job 1's loss curve, in the
-same MLflow run, with no missing or duplicated steps.
+outright (scancel) and must not take the sweep down; jobs 1 and 2 are the same fp32 run; job 2 is signalled (USR2, as
+SLURM does before a time limit or on preemption), its ranks agree on a step, checkpoint, submitit requeues it, it
+resumes, and must end with exactly job 1's loss curve, in the same MLflow run, with no missing or duplicated steps.
 """
 import json
 import os
@@ -67,8 +67,8 @@ def preempted_sweep(tmp_path_factory):
     out = tmp_path_factory.mktemp("slurm-sweep")
     db = out / "mlflow.db"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}  # sbatch exports the env to the jobs
-    args = ["-m", "hydra/launcher=slurm", "experiment=smoke", "intervention=baseline,fp32,fp32,pv_fp32", "name=slurm_ci",
-            f"results_dir={out}", f"tracking.uri=sqlite:///{db}", f"train.max_steps={STEPS}",
+    args = ["-m", "hydra/launcher=slurm", "experiment=smoke", "intervention=baseline,fp32,fp32,pv_fp32",
+            "name=slurm_ci", f"results_dir={out}", f"tracking.uri=sqlite:///{db}", f"train.max_steps={STEPS}",
             f"monitor.log_every={LOG_EVERY}", "tracking.flush_interval_s=0.2", "train.ckpt_every=0",
             "hydra.launcher.cpus_per_task=1", "hydra.launcher.timeout_min=20", "hydra.launcher.tasks_per_node=2"]
     proc = subprocess.Popen([sys.executable, "run.py", *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,

@@ -46,7 +46,8 @@ def test_gated_attn_changes_the_model_as_named(tmp_path):
     assert att == base_att and obj.intervention.hooks == []
     gated, plain = GPT(obj.model, att).state_dict(), GPT(base.model, base_att).state_dict()
     added = set(gated) - set(plain)
-    assert added == {f"transformer.h.{i}.attn.gate.weight" for i in range(obj.model.n_layer)} and not set(plain) - set(gated)
+    assert (added == {f"transformer.h.{i}.attn.gate.weight" for i in range(obj.model.n_layer)}
+            and not set(plain) - set(gated))
     cfg = obj.model
     assert all(tuple(gated[n].shape) == (cfg.n_head, cfg.n_embd) for n in added)  # W_g: n_embd -> n_head
     with pytest.raises(ConfigError, match=r"model.attn_gate=False contradicts intervention=gated_attn, which sets "
@@ -323,7 +324,8 @@ def test_stabilizers_sweeps_fork_what_can_be_forked(source, tmp_path):
     scratch = [ov[0].split("=", 1)[1] for _, ov in fork.sweep_file_jobs(["stabilizers_scratch"])]
     assert scratch == ["baseline", "fp32", "qk_norm", "gated_attn"]
     for name in ("qk_norm", "gated_attn"):
-        with pytest.raises(ConfigError, match=rf"another model shape \(model.{name.replace('gated_attn', 'attn_gate')}"):
+        with pytest.raises(ConfigError,
+                           match=rf"another model shape \(model.{name.replace('gated_attn', 'attn_gate')}"):
             validated(tmp_path, f"intervention={name}", f"from_checkpoint={ckpt}", "train.max_steps=8")
         validated(tmp_path, f"intervention={name}")  # from step 0: fine
 

@@ -134,7 +134,8 @@ def test_parent_run_from_sweep_dir_and_nesting(uri, tmp_path):
     parent.close()
     tags = child.client.get_run(child.run_id).data.tags
     assert tags["mlflow.parentRunId"] == parent.run_id
-    assert tags["intervention"] == "baseline" and len(tags["git.commit"]) >= 7 and tags["git.dirty"] in ("true", "false")
+    assert (tags["intervention"] == "baseline" and len(tags["git.commit"]) >= 7
+            and tags["git.dirty"] in ("true", "false"))
 
 
 def test_concurrent_processes_share_one_sqlite_store(uri):

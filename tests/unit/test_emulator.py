@@ -22,7 +22,8 @@ def rand_qkv(B=2, H=3, T=50, D=16, dtype=F64, seed=0, scale=1.0):
 def tie_qkv(B=1, H=2, T=40, D=8, seed=0):
     """Scores S[i, j] = s_i * x_j exactly (float64): many repeated maxima, positive and negative, plus causal masking.
 
-    x_j from {-2, -1, 1, 2} (the first keys negative, so early rows have negative maxima), s_i from {-1.5, -0.5, 0.5, 1.5}.
+    x_j from {-2, -1, 1, 2} (the first keys negative, so early rows have negative maxima),
+    s_i from {-1.5, -0.5, 0.5, 1.5}.
     """
     g = torch.Generator().manual_seed(seed)
     xs = torch.tensor([-2.0, -1.0, 1.0, 2.0], dtype=F64)
@@ -298,7 +299,8 @@ def test_bad_knobs_rejected_before_computing(monkeypatch, knobs, key, value):
 
 @pytest.mark.parametrize("case", ["k_shape", "v_dtype", "q_dims", "int_dtype", "stats_heads"])
 def test_bad_inputs_rejected(monkeypatch, case):
-    monkeypatch.setattr(flash_forensics.kernels.emulator, "forward", lambda *a, **k: (_ for _ in ()).throw(AssertionError()))
+    monkeypatch.setattr(flash_forensics.kernels.emulator, "forward",
+                        lambda *a, **k: (_ for _ in ()).throw(AssertionError()))
     q, k, v = rand_qkv(B=1, H=3, T=8, D=8)
     stats, name = None, None
     if case == "k_shape":

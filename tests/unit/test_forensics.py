@@ -1,4 +1,4 @@
-"""flash_forensics.kernels.forensics: the paper's worked BF16 addition, exact rounding against torch, and the P̄V error trace."""
+"""kernels/forensics.py: the paper's worked BF16 addition, exact rounding against torch, and the P̄V error trace."""
 import random
 
 import numpy as np

@@ -1,5 +1,6 @@
 """Localization's third stage (rounding point): verdicts from constructed run records, the files it writes, the
-Cause section of a report, ff.cause.* tags on a real sqlite MLflow store, and its wiring into flash_forensics.orchestrator.analysis.isolate."""
+Cause section of a report, ff.cause.* tags on a real sqlite MLflow store, and its wiring into
+flash_forensics.orchestrator.analysis.isolate."""
 import json
 
 import pytest
@@ -147,7 +148,8 @@ def test_each_fork_is_judged_against_its_own_seed():
 
 def test_every_point_of_the_recipe_is_listed(monkeypatch):
     import flash_forensics.kernels.recipes
-    monkeypatch.setattr(flash_forensics.kernels.recipes, "ROUNDING_POINTS", ("scores", "pv_out", "acc", "o_store"), raising=False)
+    monkeypatch.setattr(flash_forensics.kernels.recipes, "ROUNDING_POINTS", ("scores", "pv_out", "acc", "o_store"),
+                        raising=False)
     res = analyze(pv_out_rows() + [row("r-8", "lift_pv_outt", "stable")])
     assert [p.point for p in res.points] == ["scores", "pv_out", "acc", "o_store", "pv_outt"]
     assert by_point(res)["o_store"].lift.outcome == "not run"
@@ -261,8 +263,8 @@ def test_nothing_explained_is_tagged_none(tmp_path, store):
 
 
 def test_isolate_report_runs_the_stage(tmp_path, store, capsys):
-    """flash_forensics.orchestrator.analysis.isolate's report step over job folders (no training): with rounding_points among the sweeps
-    the Cause reaches verdicts.md, rounding.{json,png}, the baseline's and the parent run's tags."""
+    """flash_forensics.orchestrator.analysis.isolate's report step over job folders (no training): with rounding_points
+    among the sweeps the Cause reaches verdicts.md, rounding.{json,png}, the baseline's and the parent run's tags."""
     from flash_forensics.orchestrator.analysis.isolate import Pipeline, Plan
     from flash_forensics.orchestrator.analysis.localize import LayerStats, Localization
     uri, client, ids = store

@@ -97,7 +97,8 @@ def _qkv(B=1, H=2, T=40, D=16, dtype=torch.float32, device="cpu", seed=0):
     g = torch.Generator(device="cpu").manual_seed(seed)
     q, k, v = (torch.randn(B, H, T, D, generator=g) for _ in range(3))
     k[:, :, 1::3] = k[:, :, 0:T - 1:3][:, :, : k[:, :, 1::3].shape[2]]  # repeated keys: the counters fire
-    return [(x * 2 if i == 0 else x).to(device=device, dtype=dtype).requires_grad_(True) for i, x in enumerate((q, k, v))]
+    return [(x * 2 if i == 0 else x).to(device=device, dtype=dtype).requires_grad_(True)
+            for i, x in enumerate((q, k, v))]
 
 
 @interp

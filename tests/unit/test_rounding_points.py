@@ -349,8 +349,8 @@ def test_committed_sweep_files_are_the_generators_output(tmp_path):
     from flash_forensics.orchestrator.config import rounding_sweep as rs
     files = rs.generate("paper_bf16")
     assert rs.stale(files) == [], "run: flash-forensics rounding-sweep"
-    res = subprocess.run([sys.executable, "-m", "flash_forensics.orchestrator.config.rounding_sweep", "--check"], cwd=ROOT,
-                         capture_output=True, text=True)
+    res = subprocess.run([sys.executable, "-m", "flash_forensics.orchestrator.config.rounding_sweep", "--check"],
+                         cwd=ROOT, capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
     # a stale copy: --check exits 1 and names it; a missing one too
     for rel, text in files.items():

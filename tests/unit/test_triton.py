@@ -1,4 +1,5 @@
-"""Triton flash attention against an FP64 reference and the emulator (flash_forensics.kernels.emulator.flash_attention, the source of truth).
+"""Triton flash attention against an FP64 reference and the emulator (flash_forensics.kernels.emulator.flash_attention,
+the source of truth).
 
 CPU: Triton's interpreter (TRITON_INTERPRET=1) runs the same kernels on tiny shapes. It gets BF16 wrong (tl.dot of
 BF16 inputs and .to(tl.bfloat16) rounding differ from the GPU), so on CPU only the FP32 logic is checked: the fp32

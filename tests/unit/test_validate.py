@@ -1,7 +1,7 @@
 """Bad input is rejected before anything runs, with a message naming the key, the value and what is allowed.
 
 Sweeps are composed in-process with Hydra's compose API and checked by ValidateSweep's own function
-(flash_forensics.orchestrator.launch.callbacks.validate_sweep), which composes every job the BasicSweeper would launch."""
+(validate_sweep in orchestrator/launch/callbacks.py), which composes every job the BasicSweeper would launch."""
 from pathlib import Path
 
 import pytest

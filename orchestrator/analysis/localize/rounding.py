@@ -1,6 +1,6 @@
 """Localization's third stage: layer -> heads -> rounding point.
 
-The rounding-point forks are ordinary interventions, named by the point they move (flash_forensics.kernels.recipes.ROUNDING_POINTS):
+The rounding-point forks are ordinary interventions, named by the point they move (ROUNDING_POINTS, kernels/recipes.py):
   lift_<point>       the run's recipe with only <point> kept in FP32 (attention.keep_fp32=[point]);
   bf16_only_<point>  the fp32 recipe with only <point> rounded to BF16 (attention.round_bf16=[point]).
 Each fork is judged against its peer (orchestrator/rows._peer: the run of that name with the most overrides in common,
@@ -77,7 +77,7 @@ class PointResult:
     point: str
     lift: Side = field(default_factory=Side)
     bf16_only: Side = field(default_factory=Side)
-    known: bool = True  # False: not in flash_forensics.kernels.recipes.ROUNDING_POINTS (a typo in an intervention name?)
+    known: bool = True  # False: not in kernels/recipes.py's ROUNDING_POINTS (a typo in an intervention name?)
 
 
 def _last_step(row: Dict) -> Optional[int]:

@@ -3,8 +3,8 @@ section of verdicts.md, and MLflow tags (ff.cause.*) on the baseline runs and th
 
     flash-forensics localize rounding REPORT_OR_SWEEP_DIR [--out DIR] [--tracking-uri URI] [--min-delay N]
 
-for a report already made (flash_forensics.orchestrator.analysis.isolate runs the stage itself when its sweeps include rounding_points).
-The rules: orchestrator/analysis/localize/rounding.py.
+for a report already made (orchestrator/analysis/isolate.py runs the stage itself when its sweeps include
+rounding_points). The rules: orchestrator/analysis/localize/rounding.py.
 """
 from __future__ import annotations
 
@@ -50,7 +50,8 @@ def load(source: Path) -> Tuple[List[Dict], Dict, Path]:
 
 
 def localization_target(out_dir: Path) -> Optional[Dict]:
-    """The layer/heads stage's target from <out>/localize.json, when that stage ran (flash_forensics.orchestrator.analysis.isolate)."""
+    """The layer/heads stage's target from <out>/localize.json, when that stage ran
+    (orchestrator/analysis/isolate.py)."""
     f = Path(out_dir) / "localize.json"
     if not f.is_file():
         return None

@@ -1,5 +1,5 @@
-"""monitor.probes: the typed knobs of the mechanism probes (orchestrator/monitor/probes/runner.py), validated before a job
-starts. Off by default; conf/experiment/mini_repro.yaml turns them on."""
+"""monitor.probes: the typed knobs of the mechanism probes (orchestrator/monitor/probes/runner.py), validated before a
+job starts. Off by default; conf/experiment/mini_repro.yaml turns them on."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -7,8 +7,8 @@ fixed batch of `batch` validation sequences through the eager model (never the c
 probed layer's input x and its (q, k, v, O); `torch.autograd.grad(loss, O's + q's)` returns dO and the run's dQ
 without accumulating into any parameter's .grad. The RNG is forked around it (torch.random.fork_rng) and the kernel
 counters are snapshotted and restored, so grads, RNG, optimizer state, counters and the batch stream are as if no
-probe ran (tests/integration/test_probes.py checks bit-identical losses). Only probe steps read values back to the host (one
-transfer); other steps cost one integer test.
+probe ran (tests/integration/test_probes.py checks bit-identical losses). Only probe steps read values back to the host
+(one transfer); other steps cost one integer test.
 
 State kept across probes, saved in checkpoints and restored on resume: the cumulative sum of the delta-error mean
 per layer (Fig. 5a) and the previous probe's W_Q gradient error E per layer (for the cosine of successive E).
