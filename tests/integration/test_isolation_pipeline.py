@@ -1,5 +1,6 @@
-"""The isolation pipeline's CPU-side pieces: the merged report CLI, localization's sweep target, the GPU slot of a local job, the
-local launcher's GPU check and resolver, the seeds sweep, and scripts/paper_isolation.sh end to end (tiny, CPU)."""
+"""The isolation pipeline's CPU-side pieces: the merged report CLI, localization's sweep target, the GPU slot of a
+local job, the local launcher's GPU check and resolver, the seeds sweep, and scripts/paper_isolation.sh end to end
+(tiny, CPU)."""
 import json
 import math
 import os
