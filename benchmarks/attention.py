@@ -47,7 +47,7 @@ KNOBS = {  # method -> knobs (counters on means the layer's AttnStats is passed)
     "triton_fp32": AttentionKnobs(recipe="fp32", backend="triton", counters=True),
     "emulator_paper_bf16": AttentionKnobs(recipe="paper_bf16", backend="emulator", counters=True),
 }
-TARGETS = {  # issue 12, at (shape, ratio): what the JSON's `targets` checks
+TARGETS = {  # the speed targets, at (shape, ratio): what the JSON's `targets` checks
     "fa2_vs_sdpa_flash@gpt2s_T1024": 1.0, "fa2_vs_sdpa_flash@T4096": 1.0, "fa2_vs_sdpa_flash@D128_T2048": 0.8,
     "paper_bf16_vs_sdpa_flash@gpt2s_T1024": 0.7}
 

@@ -6,7 +6,7 @@ settings alike. Overhead of a setting = median over rounds of (its chunk time / 
 Each chunk ends with a device synchronize, so the GPU work is counted, and the no-monitor loop never syncs inside.
 
     python benchmarks/monitors.py                       # CPU, tiny model (a smoke run of the benchmark)
-    python benchmarks/monitors.py --model gpt2_s        # on a GPU: the <= 2% target of issue 4
+    python benchmarks/monitors.py --model gpt2_s        # on a GPU: the <= 2% overhead target
     python benchmarks/monitors.py --model gpt2_s --impl flash   # fused kernels (triton on CUDA) with counters
     python benchmarks/monitors.py --host-only --model gpt2_s   # no training: host cost of monitors + logging
 

@@ -1,4 +1,4 @@
-"""Training tokens/s of each stabilizer against the baseline, side by side in one process, round-robin (issue 17).
+"""Training tokens/s of each stabilizer against the baseline, side by side in one process, round-robin.
 
     python benchmarks/stabilizers.py [--shapes mini,gpt2s] [--rounds 2] [--steps 5] [--emulator-steps 2]
                                      [--variants baseline,qk_clip,...] [--out results/bench/stabilizers-<gpu>.json]

@@ -1,4 +1,4 @@
-"""The SFA edge-case matrix (issue 15): exact Algorithm 3 vs its guarded variant on the emulator.
+"""The SFA edge-case matrix: exact Algorithm 3 vs its guarded variant on the emulator.
 
 Each cell (rm, beta, recipe, tiling) runs one causal attention call with two heads built so that the scaled scores
 are known exactly (q = e_0, k_j = s_j * sqrt(D) e_0, so S_ij = s_j for every query row i):

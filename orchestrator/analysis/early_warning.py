@@ -1,4 +1,4 @@
-"""Early warning: each monitored signal as a predictor of divergence, measured over a set of runs (issue 17, item 3).
+"""Early warning: each monitored signal as a predictor of divergence, measured over a set of runs.
 
     flash-forensics early-warning results/seeds/<date> results/lr/<date> --out results/early_warning
     flash-forensics early-warning --tracking-uri sqlite:///results/mlflow.db --experiment mini_repro_seeds

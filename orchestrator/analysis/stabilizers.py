@@ -1,4 +1,4 @@
-"""The stabilizers table (issue 17): each stabilizer's outcome from report folders of forks (and of from-scratch
+"""The stabilizers table: each stabilizer's outcome from report folders of forks (and of from-scratch
 runs) beside its throughput cost from benchmarks/stabilizers.py.
 
     flash-forensics stabilizers --reports <forks report> [<scratch report> ...] \\

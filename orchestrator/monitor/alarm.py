@@ -1,4 +1,4 @@
-"""monitor.alarm: an early warning inside a run (issue 17, item 3). Off by default.
+"""monitor.alarm: an early warning inside a run. Off by default.
 
 It listens to the points the monitors hand to the tracker (the job's tracker is wrapped, `attach`), so it sees host
 floats at flush steps only: no new device syncs, and exactly what MLflow stores, which is what

@@ -1,4 +1,4 @@
-"""Localization's third stage: layer -> heads -> rounding point (issue 13, item 3).
+"""Localization's third stage: layer -> heads -> rounding point.
 
 The rounding-point forks are ordinary interventions, named by the point they move (flash_forensics.kernels.recipes.ROUNDING_POINTS):
   lift_<point>       the run's recipe with only <point> kept in FP32 (attention.keep_fp32=[point]);
