@@ -206,12 +206,16 @@ EOF
     ;;
   stage)
     # on a machine with a network and the project installed: the cache, and each named corpus prepared, packed
+    # (the user cache, filled once if needed, packed as .ffcache/; a corpus prepared into data/<name>-<fingerprint>)
+    export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
     mkdir -p .stage
-    FLASH_FORENSICS_CACHE=$ROOT/.ffcache $PY -m flash_forensics.cli data fetch || die "data fetch failed"
-    tar -cJf .stage/ffcache.tar.xz .ffcache
+    $PY -m flash_forensics.cli data fetch || die "data fetch failed"
+    cache=$($PY -c "from flash_forensics.orchestrator.data.cache import cache_dir; print(cache_dir())")
+    tmp=$(mktemp -d) && mkdir "$tmp/.ffcache" && cp -a "$cache"/. "$tmp/.ffcache/" \
+      && tar -cJf .stage/ffcache.tar.xz -C "$tmp" .ffcache && rm -rf "$tmp" || die "packing $cache failed"
     for spec in "$@"; do
       name=${spec#data=}
-      FLASH_FORENSICS_CACHE=$ROOT/.ffcache $PY -m flash_forensics.cli data prepare "$spec" || die "prepare $spec failed"
+      $PY -m flash_forensics.cli data prepare "$spec" || die "prepare $spec failed"
       (cd data && tar -cJf "../.stage/data-$name.tar.xz" "$name"-*) || die "no prepared data/$name-*"
     done
     ls -la .stage
