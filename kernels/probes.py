@@ -1,5 +1,6 @@
-"""Mechanism probes, the pure math (PAPER.md Sec. 3.3, Fig. 5a, claim 2, App. D): functions of one layer's own BF16
-Q, K, V, returned O, upstream gradient dO and the run's dQ. Scheduling and logging live in orchestrator/monitor/probes/.
+"""Mechanism probes, the pure math (the paper, Sec. 3.3: Fig. 5a's delta error, the W_Q gradient error keeping one
+direction; App. D): functions of one layer's own BF16 Q, K, V, returned O, upstream gradient dO and the run's dQ.
+Scheduling and logging live in orchestrator/monitor/probes/.
 
 All shapes are (B, H, T, D) for q, k, v, o, do, dq, (B, T, C) for the layer input x. The high-precision reference is
 FP64 causal softmax(QK^T / sqrt(D)) V of the *same* BF16 values (no rounding anywhere), so every difference is the

@@ -1,4 +1,4 @@
-"""The paper's isolation method end to end, one entry point:
+"""The paper's isolation method end to end, one entry point (the paper, Sec. 3.2):
 
     flash-forensics isolate [--root DIR] [--out DIR] [--fork-steps N] [--margin N] [--per-gpu N]
                             [--stop-after N] [--uri URI] [hydra overrides for every run, e.g. train.seed=2 data.seed=2]
@@ -8,14 +8,15 @@
    --stop-after N an early stop N steps after its divergence;
 2. checkpoint: the newest one at or before its lowest loss preceding the divergence (fork.pick_step at_min), the
    last point where training was still at its best;
-3. localization: the layer and heads its own W_Q growth and repeated maxima point at (orchestrator/analysis/localize/);
+3. localization: the layer and heads its own W_Q growth and repeated maxima point at
+   (flash_forensics.orchestrator.analysis.localize);
 4. forks: every job of the sweep files (paper_isolation, beta_sweep) from that checkpoint on the same batches to the
    baseline's last step (or --fork-steps steps), each its own run, --per-gpu at a time on each visible GPU (default
    GPU memory / 16 GiB: one mini_repro fork holds ~12.5 GiB; one at a time without a GPU);
 5. report: one table over the baseline and the forks, <out>/verdicts.{md,json} + plots + localize.{json,png},
    logged to a parent MLflow run (role=sweep) with the counts as its metrics; when the sweeps include
-   rounding_points, the third localization stage (orchestrator/analysis/localize/rounding.py) names the rounding point
-   the divergence needs in BF16: <out>/rounding.{json,png}, a Cause section in verdicts.md, ff.cause.* tags on the
+   rounding_points, the third localization stage (orchestrator/analysis/localize/rounding.py) names the rounding
+   point the divergence needs in BF16: <out>/rounding.{json,png}, a Cause section in verdicts.md, ff.cause.* tags on the
    baseline runs and the parent run.
 
 State passes between the steps as Python objects (the run record, the picked step, the Localization). Each run is

@@ -1,4 +1,5 @@
-"""data.corpus=debian_docs: an offline English corpus of ~27M GPT-2 tokens from three Debian packages.
+"""data.corpus=debian_docs: an offline English corpus of ~27M GPT-2 tokens from three Debian packages (the corpus of
+experiment=paper_1gpu).
 
 - dict-gcide: the GNU Collaborative International Dictionary of English (usr/share/dictd/gcide.dict.dz, gzip-readable,
   split into its entries by the dictd index next to it; one document per entry);

@@ -1,4 +1,5 @@
-"""Sweep plots that answer "which intervention fixed the divergence and which only delayed it" (PAPER.md Figs. 1-3).
+"""Sweep plots that answer "which intervention fixed the divergence and which only delayed it" (as the paper's
+Secs. 3.1-3.2 read loss curves and per-head W_Q spectral norms, Figs. 2-3, and App. E the repeated maxima, Fig. 13).
 
 Input of the history plots: `runs` = list of (label, history), history maps a metric name to [(step, value), ...].
 Each function returns the PNG path it wrote, or None when there is nothing to draw.
@@ -7,7 +8,7 @@ Each function returns the PNG path it wrote, or None when there is nothing to dr
 - wq_spectral_norms: per run, sigma_max(W_Q) of the top head of each layer (colour = layer), shared y axis;
 - repeated_maxima: per run, repeated-maxima rows per layer (colour = layer), shared y axis;
 - delays: divergence step minus the baseline's, per intervention (stable runs: "no divergence by step N");
-- localization: orchestrator/analysis/localize.py's ranking with the chosen layer's bar highlighted;
+- localization: orchestrator/analysis/localize/'s ranking with the chosen layer's bar highlighted;
 - probes: the mechanism probes per run (delta-error mean and cumulative sum, P̄ = 1 tie share, W_Q coherence).
 Colours: tab10, then Kelly's contrast colours, so no two of 20 layers or runs share one.
 """
@@ -311,7 +312,7 @@ def delays(items: Sequence[Tuple[str, str, Optional[int], Optional[int], Optiona
 
 # ------------------------------------------------------------------------------------------ localization
 def localization(loc, history: History, path: Path) -> Path:
-    """orchestrator/analysis/localize.py's result. Left: W_Q sigma per head over time for the chosen layer (the one that
+    """orchestrator/analysis/localize/'s result. Left: W_Q sigma per head over time for the chosen layer (the one that
     stands out, else the best guess), window shaded, its target heads solid; without histories (a localize.json
     alone) each head's sigma at the window's start and end. Right: the layer ranking, the chosen bar in red
     (stands out) or hatched orange (best guess)."""

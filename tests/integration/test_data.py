@@ -246,7 +246,7 @@ def test_offline_without_cache_says_what_to_do(tmp_path, monkeypatch, offline):
     monkeypatch.setenv("FLASH_FORENSICS_CACHE", str(tmp_path / "empty-cache"))
     monkeypatch.delenv("TIKTOKEN_CACHE_DIR", raising=False)
     tok.gpt2_encoding.cache_clear()
-    with pytest.raises(tok.TokenizerUnavailable, match=r"python -m orchestrator\.data tokenizer"):
+    with pytest.raises(tok.TokenizerUnavailable, match=r"flash-forensics data tokenizer"):
         tok.gpt2_encoding()
     with pytest.raises(DataError, match="default corpus unavailable"):
         kjv_path()

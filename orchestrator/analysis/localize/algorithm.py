@@ -1,7 +1,8 @@
 """Localization: which layer and which heads of a baseline run to intervene on, read from its own metrics.
 
-The paper picked layer 2 / heads 1,7,8,9,11,12 from its run's W_Q spectral norms (PAPER.md). In another run the
-failing layer and heads differ, so the isolation sweep should take them from the data:
+The paper picked layer 2 / heads 1,7,8,9,11,12 from its run's W_Q spectral norms (the paper, Sec. 3.2, Fig. 3). In
+another run the failing layer and heads differ, so the isolation sweep takes them from the data (the third step of
+`flash-forensics isolate`):
 
     flash-forensics localize results/paper_isolation/<date>/0            # a baseline job dir
     flash-forensics localize results/paper_isolation/<date>              # a sweep dir (its baseline job)

@@ -1,0 +1,226 @@
+#!/usr/bin/env bash
+# Everything GPU-side, from a clean clone, one named task per call:
+#   bash scripts/gpu.sh TASK [ARGS ...]
+# Tasks:
+#   check        the machine, the versions, every import the runs need, the offline corpus and tokenizer
+#   tests        the GPU tests: pytest -m gpu tests (WORKERS xdist workers, default 6)
+#   speed        attention fwd+bwd side by side (benchmarks/attention.py; TUNE=1 times launch configs first) and
+#                the GPT-2S / mini_repro training step (benchmarks/train_step.py)
+#   bench        the other benchmarks: emulator vs SDPA, monitor overhead, probe cost, stabilizer throughput
+#   e2e          a smoke sweep through run.py on CUDA (baseline, fp32, sfa, pv_fp32)
+#   ddp          2 GPUs (DDP) vs 1 GPU with gradient accumulation (benchmarks/ddp.py; needs 2 GPUs)
+#   mini-repro   the miniature over 3 seeds, baseline vs FP32 reference (sweeps/mini_repro_seeds)
+#   isolation    the isolation table on the miniature (scripts/paper_isolation.sh ARGS: Hydra overrides)
+#   rounding     the miniature's rounding-point forks (flash-forensics isolate --sweeps rounding_refs rounding_points)
+#   paper-1gpu   the paper's regime on one GPU (scripts/paper_1gpu.sh ARGS)
+#   round start|status|collect
+#                one lease's work on one GPU, in the background: quiet benchmarks, then the miniature's rounding-point
+#                and stabilizer forks beside the paper_1gpu seeds, then the GPU tests; `status` prints progress,
+#                `collect` packs reports, logs and MLflow stores into $OUT
+#   stage [data=NAME ...]
+#                on a machine WITH a network: pack the corpus cache (and prepared corpora, e.g. data=debian_docs)
+#                into .stage/ for a GPU machine without one
+# What it sets up itself, before every task:
+#   - packages the GPU image lacks (hydra, omegaconf, submitit, the submitit launcher, mlflow): installed from the
+#     wheels in .whl/ into $FF_SITE (default /tmp/site), else with `pip install -e .` when a network is there.
+#     .whl/ holds wheels for the GPU machine's Python (3.12, x86-64), e.g. from `pip download --only-binary=:all:
+#     --python-version 3.12 --platform manylinux2014_x86_64 -d .whl hydra-core omegaconf submitit
+#     hydra-submitit-launcher mlflow` (antlr4-python3-runtime 4.9.3 needs `pip wheel` first: sdist only);
+#   - PYTHONPATH=$FF_SITE:<repo>, so `python -m flash_forensics.cli` and run.py import this checkout;
+#   - the corpus cache: .stage/*.tar.xz (from `stage`) unpacked once, then FLASH_FORENSICS_CACHE=<repo>/.ffcache and
+#     TIKTOKEN_CACHE_DIR=<repo>/.ffcache/tiktoken when .ffcache/ exists.
+#   .whl/, .stage/ and .ffcache/ are git-ignored: copy them along with the tree.
+# Logs and benchmark JSONs go to $OUT/<task> (default results/bench/gpu/<task>). Env: PY (python3), WORKERS.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+PY=${PY:-python3}
+task=${1:-}
+shift || true
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+
+die() { echo "gpu.sh: $*" >&2; exit 1; }
+
+setup() {  # in the current directory (the repo root, or round's copy of it)
+  local site=${FF_SITE:-/tmp/site}
+  export PYTHONPATH=$site:$PWD${PYTHONPATH:+:$PYTHONPATH}
+  if ! $PY -c "import hydra, omegaconf, submitit, mlflow, hydra_plugins.hydra_submitit_launcher" 2>/dev/null; then
+    if compgen -G ".whl/*.whl" >/dev/null; then
+      $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl \
+        || die "installing .whl/*.whl into $site failed"
+    else
+      $PY -m pip install -q -e . || die "packages missing and no .whl/: see the header of scripts/gpu.sh"
+    fi
+  fi
+  if [ ! -d .ffcache ] && [ -f .stage/ffcache.tar.xz ]; then tar -xJf .stage/ffcache.tar.xz || die "bad .stage/ffcache.tar.xz"; fi
+  for t in .stage/data-*.tar.xz; do
+    [ -f "$t" ] || continue
+    mkdir -p data && tar -xJf "$t" -C data --skip-old-files || die "bad $t"
+  done
+  if [ -d .ffcache ]; then
+    export FLASH_FORENSICS_CACHE=$PWD/.ffcache TIKTOKEN_CACHE_DIR=$PWD/.ffcache/tiktoken
+  fi
+}
+
+env_txt() {
+  nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader
+  $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)"
+}
+
+logdir() { LOG=${OUT:-$ROOT/results/bench/gpu}/$1; mkdir -p "$LOG"; env_txt > "$LOG/env.txt" 2>&1; cat "$LOG/env.txt"; }
+
+gpu_tests() {  # $1: log file
+  timeout "${TEST_TIMEOUT:-420}" $PY -m pytest -q -m gpu tests -n "${WORKERS:-6}" -p no:cacheprovider -o addopts="-ra" \
+    > "$1" 2>&1
+  local rc=$?; tail -15 "$1"; return $rc
+}
+
+case "$task" in
+  check)
+    setup; logdir check
+    $PY - <<'EOF'
+import importlib
+for m in ("torch", "triton", "hydra", "omegaconf", "submitit", "mlflow", "tiktoken", "flash_forensics.cli",
+          "flash_forensics.kernels.triton_flash", "flash_forensics.orchestrator.analysis.isolate"):
+    importlib.import_module(m)
+import torch
+assert torch.cuda.is_available(), "no CUDA device"
+from flash_forensics.orchestrator.data import tokenizer
+print("imports ok; CUDA devices:", torch.cuda.device_count(), "; GPT-2 BPE ranks:", tokenizer.ranks_path(),
+      "present" if tokenizer.ranks_path().is_file() else "MISSING (the runs need .ffcache: see `stage`)")
+EOF
+    ;;
+  tests)
+    setup; logdir tests
+    gpu_tests "$LOG/pytest_gpu.log"
+    ;;
+  speed)
+    setup; logdir speed; rc=0
+    timeout "${ATTN_TIMEOUT:-240}" $PY benchmarks/attention.py ${TUNE:+--tune} --rounds 3 --out "$LOG/attention.json" \
+      > "$LOG/attention.log" 2>&1 || rc=1
+    grep -E "^\|" "$LOG/attention.log"
+    timeout "${TRAIN_TIMEOUT:-200}" $PY benchmarks/train_step.py --shapes 16x1024 --steps 12 \
+      --variants sdpa+compile,triton_fa2+compile,triton_paper_bf16+compile,sdpa,triton_fa2,triton_paper_bf16 \
+      --out "$LOG/train_T1024.json" > "$LOG/train_T1024.log" 2>&1 || rc=1
+    timeout "${TRAIN_TIMEOUT:-200}" $PY benchmarks/train_step.py --shapes 32x256 --steps 12 \
+      --variants sdpa+compile,triton_fa2+compile,triton_paper_bf16+compile,triton_paper_bf16 \
+      --out "$LOG/train_T256.json" > "$LOG/train_T256.log" 2>&1 || rc=1
+    grep -h '"variant"' "$LOG"/train_T*.log | cut -c1-230
+    exit $rc
+    ;;
+  bench)
+    setup; logdir bench; rc=0
+    timeout 120 $PY benchmarks/emulator.py --device cuda --reps 3 --out "$LOG/emulator.json" > "$LOG/emulator.log" 2>&1 || rc=1
+    timeout 150 $PY benchmarks/monitors.py --model gpt2_s --out "$LOG/monitors.json" > "$LOG/monitors.log" 2>&1 || rc=1
+    timeout 150 $PY benchmarks/monitors.py --model gpt2_s --impl flash --out "$LOG/monitors_flash.json" \
+      > "$LOG/monitors_flash.log" 2>&1 || rc=1
+    timeout 90 $PY benchmarks/probes.py --out "$LOG/probes.json" > "$LOG/probes.log" 2>&1 || rc=1
+    timeout 130 $PY benchmarks/stabilizers.py --shapes mini,gpt2s --rounds 2 --out "$LOG/stabilizers.json" \
+      > "$LOG/stabilizers.log" 2>&1 || rc=1
+    for f in emulator monitors monitors_flash probes stabilizers; do echo "== $f"; tail -8 "$LOG/$f.log"; done
+    exit $rc
+    ;;
+  e2e)
+    setup; logdir e2e
+    timeout 240 $PY run.py -m experiment=smoke train.device=cuda intervention=baseline,fp32,sfa,pv_fp32 \
+      results_dir="$LOG/results" > "$LOG/e2e.log" 2>&1; rc=$?
+    tail -20 "$LOG/e2e.log"; exit $rc
+    ;;
+  ddp)
+    setup; logdir ddp
+    timeout 300 $PY benchmarks/ddp.py --steps "${DDP_STEPS:-200}" > "$LOG/ddp.log" 2>&1; rc=$?
+    tail -15 "$LOG/ddp.log"; exit $rc
+    ;;
+  mini-repro)
+    setup; logdir mini-repro
+    timeout "${SEEDS_TIMEOUT:-480}" $PY run.py +sweep=mini_repro_seeds experiment=mini_repro hydra/launcher=local \
+      train.ckpt_every=0 hydra.sweep.dir="$LOG/runs" "$@" > "$LOG/seeds.log" 2>&1; rc=$?
+    for r in "$LOG"/runs/*/result.json; do
+      [ -f "$r" ] && $PY -c "import json,sys; r=json.load(open(sys.argv[1])); print(sys.argv[1], r['intervention'], r['observed'], r['divergence_step'], r['steps_done'], r['final_loss'], r['wall_s'])" "$r"
+    done
+    exit $rc
+    ;;
+  isolation)
+    setup; exec bash scripts/paper_isolation.sh "$@"
+    ;;
+  rounding)
+    setup; exec $PY -m flash_forensics.cli isolate --experiment mini_repro --sweeps rounding_refs rounding_points "$@"
+    ;;
+  paper-1gpu)
+    setup; exec bash scripts/paper_1gpu.sh "$@"
+    ;;
+  round)
+    # Checkpoints cannot leave a lent machine, so a baseline and its forks run in one lease. Runs live under $R
+    # (default /tmp/round, outside the checkout: a later call may re-send the tree, never under a running job); the
+    # code they run is a copy taken at start.
+    R=${R:-/tmp/round}; L=$R/logs; mode=${1:-start}
+    if [ "$mode" = start ]; then
+      mkdir -p "$L" "$R/src"
+      cp -a . "$R/src" 2>/dev/null; cd "$R/src" || die "no copy"
+      setup; env_txt | tee "$L/env.txt"
+      t0=$(date +%s)
+      # 1. quiet benchmarks first (nothing else on the GPU)
+      timeout 90 $PY benchmarks/probes.py --out "$L/probes-h200.json" > "$L/bench_probes.log" 2>&1; tail -6 "$L/bench_probes.log"
+      timeout 130 $PY benchmarks/stabilizers.py --shapes mini,gpt2s --rounds 2 --out "$L/stabilizers-h200.json" \
+        > "$L/bench_stabilizers.log" 2>&1; tail -12 "$L/bench_stabilizers.log"
+      echo "[round] benchmarks done at $(( $(date +%s) - t0 )) s"
+      # 2. every run, in the background (each its own session: this call can return)
+      setsid nohup $PY -m flash_forensics.cli isolate --experiment mini_repro \
+        --sweeps rounding_refs rounding_points stabilizers --root "$R/mini" --out "$R/mini/report" \
+        --uri "sqlite:///$R/mini/mlflow.db" --per-gpu "${MINI_PER_GPU:-3}" > "$L/mini.log" 2>&1 < /dev/null &
+      setsid nohup env ROOT="$R/paper" SEEDS="${SEEDS:-1337 1 2}" CONTROL_SWEEPS=paper_1gpu_fp32 \
+        ISOLATION_SWEEPS="paper_1gpu_numerics paper_1gpu_key" PER_GPU_FIRST=2 PER_GPU_OTHERS=1 CKPT_EVERY_OTHERS=250 \
+        PROGRESS_EVERY=60 bash scripts/paper_1gpu.sh > "$L/paper.log" 2>&1 < /dev/null &
+      # disk: finished forks' checkpoints go at once; paper baselines keep their newest 8
+      setsid nohup bash -c 'while true; do
+          find "$0" -path "*/forks/*/result.json" 2>/dev/null | while read -r r; do rm -f "$(dirname "$r")"/checkpoints/*.pt; done
+          for d in "$0"/paper/seed*/baseline/checkpoints; do
+            [ -d "$d" ] && ls "$d"/step_*.pt 2>/dev/null | sed "s/.*step_\([0-9]*\)\.pt/\1 &/" | sort -n | head -n -8 \
+              | cut -d" " -f2 | xargs -r rm -f
+          done; sleep 20; done' "$R" > /dev/null 2>&1 < /dev/null &
+      # 3. the GPU tests beside them (correctness only: nothing here is timed)
+      gpu_tests "$L/pytest_gpu.log"
+      echo "[round] started; tests done at $(( $(date +%s) - t0 )) s"
+    elif [ "$mode" = status ]; then
+      date -u +%T; nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader; df -h "$R" | tail -1
+      grep -a '^\[paper_isolation\|^\[isolate\|/5 ' "$L/mini.log" | tail -4
+      ls "$R"/mini/forks/*/result.json 2>/dev/null | wc -l | sed 's/^/mini forks done: /'
+      tail -4 "$L/paper.log"
+    elif [ "$mode" = collect ]; then
+      : "${OUT:?collect writes into \$OUT}"
+      cd "$R" || die "no $R"
+      find . \( -path ./src -prune \) -o \( -name '*.json' -o -name '*.md' -o -name '*.png' -o -name '*.log' \
+           -o -name '*.txt' \) -type f -size -4M -print | grep -v '/checkpoints/' > /tmp/round_files
+      tar -cJf "$OUT/round-reports.tar.xz" -T /tmp/round_files
+      # each store copied consistently while its writers run (sqlite's backup API), xz-compressed, cut into 15 MB parts
+      i=0
+      for db in $(find . -path ./src -prune -o -name 'mlflow*.db' -print); do
+        i=$((i+1)); name="db$i-$(echo "${db#./}" | tr '/.' '__')"
+        $PY -c "import sqlite3,sys; d=sqlite3.connect(sys.argv[2]); sqlite3.connect(sys.argv[1]).backup(d); d.close()" \
+          "$db" "/tmp/$name.sqlite" && xz -T0 -6 -c "/tmp/$name.sqlite" | split -b 15M -d - "$OUT/$name.xz.part"
+      done
+      ls -la "$OUT"
+    else
+      die "usage: gpu.sh round start|status|collect"
+    fi
+    ;;
+  stage)
+    # on a machine with a network and the project installed: the cache, and each named corpus prepared, packed
+    # (the user cache, filled once if needed, packed as .ffcache/; a corpus prepared into data/<name>-<fingerprint>)
+    export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+    mkdir -p .stage
+    $PY -m flash_forensics.cli data fetch || die "data fetch failed"
+    cache=$($PY -c "from flash_forensics.orchestrator.data.cache import cache_dir; print(cache_dir())")
+    tmp=$(mktemp -d) && mkdir "$tmp/.ffcache" && cp -a "$cache"/. "$tmp/.ffcache/" \
+      && tar -cJf .stage/ffcache.tar.xz -C "$tmp" .ffcache && rm -rf "$tmp" || die "packing $cache failed"
+    for spec in "$@"; do
+      name=${spec#data=}
+      $PY -m flash_forensics.cli data prepare "$spec" || die "prepare $spec failed"
+      (cd data && tar -cJf "../.stage/data-$name.tar.xz" "$name"-*) || die "no prepared data/$name-*"
+    done
+    ls -la .stage
+    ;;
+  *)
+    sed -n '2,36p' "$0" >&2; exit 2
+    ;;
+esac
