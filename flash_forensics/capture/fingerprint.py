@@ -1,0 +1,112 @@
+"""The kernel's fingerprint: which recipe and knob variant reproduces a captured O (and lse) bit for bit.
+
+Candidates are built at run time from kernels.recipes.RECIPES (a recipe added there joins automatically) and the
+knob table's variants the emulator computes: tile sizes (blocks 16/32/64/128, untiled), pv_fp32, the stabilized
+softmaxes, and each forward rounding point lifted alone (keep_fp32) or rounded alone (round_bf16) where the recipe
+allows it (kernels.recipes.points_problem). Candidates that compute the same thing (same dtypes at every point, same
+tiles, same softmax) are tried once. Each runs the emulator's forward on the captured q, k, v; the share of O
+elements identical to the captured O (NaN equals NaN) ranks them, then the share of identical lse, then the mean
+absolute difference.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterable, List, Optional
+
+import torch
+
+FWD_POINTS = ("scores", "shift", "stats", "pbar", "pv_out", "acc", "o_store")  # the points O depends on
+BLOCKS = (64, 32, 128, 16)
+
+
+@dataclass
+class Candidate:
+    label: str
+    knobs: object  # kernels.config.AttentionKnobs
+
+
+def label(knobs) -> str:
+    """The route name's recipe part, e.g. 'paper_bf16+blocks32x32' (models/attention.py route_name)."""
+    from models.attention import route_name
+    return route_name(knobs, "emulator").split("/", 2)[-1]
+
+
+def _key(knobs, T: int, dtype: torch.dtype):
+    from kernels.recipes import for_knobs
+    rc = for_knobs(knobs, dtype).describe()
+    rc.pop("name")
+    bq, bk = (min(knobs.block_q, T), min(knobs.block_k, T)) if knobs.tiling else (T, T)
+    return tuple(sorted(rc.items())), bq, bk, knobs.softmax, knobs.beta if knobs.softmax != "safe" else None
+
+
+def candidates(n_head: int, T: int, dtype: torch.dtype = torch.bfloat16, base=None) -> List[Candidate]:
+    """Every distinct candidate for inputs of `dtype` and length T. `base` (AttentionKnobs, e.g. the file's own
+    knobs) is tried first, so a capture of a known run is checked against what it says it ran."""
+    import kernels.recipes as recipes
+    from kernels.config import AttentionKnobs
+
+    def variants(rec: str) -> Iterable[dict]:
+        yield {}
+        for b in BLOCKS[1:]:
+            yield {"block_q": b, "block_k": b}
+        yield {"tiling": False}
+        yield {"pv_fp32": True}
+        yield {"softmax": "stabilized"}
+        yield {"softmax": "stabilized_guarded"}
+        rc = recipes.resolve(rec, dtype)
+        for pt in FWD_POINTS:
+            yield {"keep_fp32": [pt]} if getattr(rc, pt) == recipes.BF16 else {"round_bf16": [pt]}
+
+    out, seen = [], set()
+    pool = [base] if base is not None else []
+    for rec in recipes.RECIPES:  # read at run time: recipes added elsewhere join the fingerprint
+        for v in variants(rec):
+            try:
+                pool.append(AttentionKnobs(recipe=rec, **v))
+            except (TypeError, ValueError):
+                continue
+    for kn in pool:
+        try:
+            kn.validate(n_head=n_head)
+            key = _key(kn, T, dtype)
+        except (TypeError, ValueError):
+            continue
+        if key in seen:
+            continue
+        seen.add(key)
+        out.append(Candidate(label(kn), kn))
+    return out
+
+
+def identical_share(ref: torch.Tensor, got: torch.Tensor) -> float:
+    """Share of elements of `got` (cast to ref's dtype: exact for a BF16 value into FP32) bit-equal to `ref`."""
+    got = got.to(ref.dtype)
+    eq = (ref == got) | (torch.isnan(ref) & torch.isnan(got))
+    return float(eq.float().mean())
+
+
+def run(q, k, v, o, lse=None, base=None, progress: Optional[Callable] = None) -> List[dict]:
+    """The ranked fingerprint (best first): one dict per candidate with label, knobs, o_identical, lse_identical
+    (None without a captured lse), o_mean_abs_diff, o_max_abs_diff."""
+    from kernels import emulator
+    cands = candidates(q.shape[1], q.shape[2], q.dtype, base)
+    rows = []
+    ref = o.double()
+    for c in cands:
+        with torch.no_grad(), torch.autocast(device_type=q.device.type, enabled=False):
+            oc, _, lc = emulator.forward(q, k, v, c.knobs)
+        d = (oc.double() - ref).abs()
+        d = torch.where(torch.isnan(d), torch.zeros_like(d), d)
+        rows.append({"label": c.label, "recipe": c.knobs.recipe, "knobs": c.knobs.knob_values(),
+                     "o_identical": identical_share(o, oc),
+                     "lse_identical": identical_share(lse.float(), lc.squeeze(-1).float()) if lse is not None
+                     else None,
+                     "o_mean_abs_diff": float(d.mean()), "o_max_abs_diff": float(d.max()),
+                     "is_base": base is not None and c.knobs is base})
+        if progress is not None:
+            progress(1)
+    rows.sort(key=lambda r: (-r["o_identical"], -(r["lse_identical"] or 0.0), r["o_mean_abs_diff"]))
+    return rows
+
+
+__all__ = ["Candidate", "candidates", "run", "identical_share", "label", "FWD_POINTS", "BLOCKS"]
