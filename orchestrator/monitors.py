@@ -17,6 +17,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
+from flash_forensics.capture.config import CaptureConfig
 from orchestrator import record
 from orchestrator.alarm import AlarmConfig
 from orchestrator.probes.config import ProbesConfig
@@ -30,14 +31,18 @@ class MonitorConfig:
     max_logit: bool = True  # log the max scaled attention score per layer
     alarm: AlarmConfig = field(default_factory=AlarmConfig)  # early warning (orchestrator/alarm.py), off by default
     probes: ProbesConfig = field(default_factory=ProbesConfig)  # mechanism probes (orchestrator/probes/)
+    capture: CaptureConfig = field(default_factory=CaptureConfig)  # attention snapshots (flash_forensics/capture/)
 
-    def validate(self, key: str = "monitor", n_layer: Optional[int] = None) -> "MonitorConfig":
+    def validate(self, key: str = "monitor", n_layer: Optional[int] = None, n_head: Optional[int] = None,
+                 forking: Optional[bool] = None) -> "MonitorConfig":
         for name in ("log_every", "wq_every"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"{key}.{name}={v!r} is not allowed: expected an integer > 0")
         self.alarm.validate(key=f"{key}.alarm", monitor=self)
         self.probes.validate(key=f"{key}.probes", n_layer=n_layer)
+        self.capture.validate(key=f"{key}.capture", n_layer=n_layer, n_head=n_head,
+                              alarm_enabled=self.alarm.enabled, forking=forking)
         return self
 
 

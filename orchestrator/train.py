@@ -25,6 +25,7 @@ import torch
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
+from flash_forensics.capture import job as capture_job
 from orchestrator import alarm, checkpoint, record, run_end, snapshot
 from orchestrator.probes import runner as probes
 from orchestrator.interventions import build_hooks
@@ -115,6 +116,7 @@ class Job:
         self.monitors = None
         self.alarm = None
         self.probes = None
+        self.capture = None
         self.detector = None
         self.dist = None
         self.is_main = True
@@ -249,6 +251,7 @@ class Job:
         self.alarm = alarm.attach(self, start)  # monitor.alarm listens to what the monitors log (None when off)
         self.monitors = Monitors(model, cfg.monitor, self.tracker)
         self.probes = probes.build(cfg, model, data_dir, device, self.tracker, self.is_main)
+        self.capture = capture_job.build(self, model)  # monitor.capture: attention snapshots at chosen steps
         self.detector = DivergenceDetector(cfg.verdict)
         if state:
             snapshot.restore_run_state(self, state, resuming)
@@ -307,7 +310,8 @@ class Job:
             self._maybe_kill(step, "step_start")
             if probe_sdpa:
                 model.probe = (step + 1) % cfg.monitor.log_every == 0
-            loss_sum, grad_norm, lr = step_fn(step, self._batches(stream, step))
+            with self.capture.during(step, step_fn):
+                loss_sum, grad_norm, lr = step_fn(step, self._batches(stream, step))
             self._maybe_kill(step, "step")  # mid-step: the update is done, its metrics are not logged yet
             self._done = done = step + 1
             host = self.monitors.step_end(step, loss_sum, grad_norm, lr, tokens_per_step)

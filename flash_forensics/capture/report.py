@@ -40,6 +40,14 @@ def _meta_lines(res: dict) -> List[str]:
             f"head in the file: {res['heads']['tie_rows']})"]
 
 
+def _equivalent(fpr: dict) -> str:
+    same = [c["label"] for c in fpr["candidates"] if c["o_identical"] == 1.0 and c["lse_identical"] in (None, 1.0)]
+    if len(same) < 2:
+        return ""
+    return (f" {len(same)} candidates reproduce it bit for bit, so on this input they cannot be told apart: "
+            + ", ".join(f"`{x}`" for x in same[:8]) + (", ..." if len(same) > 8 else "") + ".")
+
+
 def markdown(res: dict) -> str:
     out = ["# Attention capture analysis", ""] + _meta_lines(res) + [""]
     for n in res["notes"]:
@@ -54,7 +62,7 @@ def markdown(res: dict) -> str:
                  f"No candidate reproduces it bit for bit; closest: **{best['label']}** "
                  f"({100 * best['o_identical']:.2f}% of O elements identical, mean |diff| "
                  f"{best['o_mean_abs_diff']:.3g})") + f" (heads {fpr['heads']}, {len(fpr['candidates'])} "
-                "candidates from kernels.recipes.RECIPES and the knob table).", "",
+                "candidates from kernels.recipes.RECIPES and the knob table)." + _equivalent(fpr), "",
                 "| rank | candidate | O identical | lse identical | mean abs diff | max abs diff |",
                 "|---:|---|---:|---:|---:|---:|"]
         for i, c in enumerate(fpr["candidates"][:15], 1):
@@ -100,7 +108,7 @@ def markdown(res: dict) -> str:
                        + " |")
         out.append("")
     tm = res.get("timing") or {}
-    out += [f"Timing: {', '.join(f'{k} {v:.1f}' for k, v in tm.items())}."]
+    out += ["Timing (s): " + ", ".join(f"{k.removesuffix('_s')} {v:.1f}" for k, v in tm.items()) + "."]
     return "\n".join(out) + "\n"
 
 
