@@ -89,6 +89,8 @@ def run(q, k, v, o, lse=None, base=None, progress: Optional[Callable] = None) ->
     """The ranked fingerprint (best first): one dict per candidate with label, knobs, o_identical, lse_identical
     (None without a captured lse), o_mean_abs_diff, o_max_abs_diff."""
     from kernels import emulator
+    from kernels.config import AttentionKnobs
+    default = AttentionKnobs().knob_values()
     cands = candidates(q.shape[1], q.shape[2], q.dtype, base)
     rows = []
     ref = o.double()
@@ -102,10 +104,14 @@ def run(q, k, v, o, lse=None, base=None, progress: Optional[Callable] = None) ->
                      "lse_identical": identical_share(lse.float(), lc.squeeze(-1).float()) if lse is not None
                      else None,
                      "o_mean_abs_diff": float(d.mean()), "o_max_abs_diff": float(d.max()),
-                     "is_base": base is not None and c.knobs is base})
+                     "is_base": base is not None and c.knobs is base,
+                     "changes": sum(1 for n, x in c.knobs.knob_values().items()
+                                    if n not in ("recipe", "counters", "backend") and x != default[n])})
         if progress is not None:
             progress(1)
-    rows.sort(key=lambda r: (-r["o_identical"], -(r["lse_identical"] or 0.0), r["o_mean_abs_diff"]))
+    # equal scores: the file's own knobs first, then the plainest variant (fewest knobs away from the defaults)
+    rows.sort(key=lambda r: (-r["o_identical"], -(r["lse_identical"] or 0.0), r["o_mean_abs_diff"],
+                             not r["is_base"], r["changes"]))
     return rows
 
 

@@ -149,7 +149,12 @@ def check(snap: Snapshot, where: str) -> None:
 # ------------------------------------------------------------------------------------------------ write
 def _encode(snap: Snapshot) -> tuple:
     from safetensors.torch import save
-    tensors = {n: x.detach().contiguous().cpu() for n, x in snap.tensors.items()}
+    tensors, seen = {}, set()
+    for n, x in snap.tensors.items():  # safetensors refuses tensors sharing storage: copy those
+        x = x.detach().contiguous().cpu()
+        ptr = x.untyped_storage().data_ptr()
+        tensors[n] = x.clone() if ptr in seen else x
+        seen.add(ptr)
     meta = {**snap.meta, "tensors": sorted(tensors)}
     meta_json = json.dumps(meta, sort_keys=True, default=str)
     header = {"format": FORMAT, "format_version": str(FORMAT_VERSION), "meta": meta_json,
