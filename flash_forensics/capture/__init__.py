@@ -2,7 +2,7 @@
 
 - `capture(out_dir, layers=..., heads=..., worst=..., sdpa=...)`: a context manager that writes each chosen attention
   call's q, k, v, o, lse and dO (with knobs, recipe, versions, commit) as one safetensors file (snapshot.py).
-- `analyze(path)`: the offline analysis (analyze.py) as a dict; `python -m flash_forensics.capture FILE` writes it as
+- `analyze(path)`: the offline analysis (analysis.py) as a dict; `python -m flash_forensics.capture FILE` writes it as
   Markdown, HTML and JSON (cli.py, report.py).
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ _EXPORTS = {
     "write_call": "flash_forensics.capture.recorder",
     "Recorder": "flash_forensics.capture.recorder",
     "wrapping_sdpa": "flash_forensics.capture.recorder",
-    "analyze": "flash_forensics.capture.analyze",
+    "analyze": "flash_forensics.capture.analysis",
     "read": "flash_forensics.capture.snapshot",
     "SnapshotError": "flash_forensics.capture.snapshot",
     "main": "flash_forensics.capture.cli",

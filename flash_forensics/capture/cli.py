@@ -38,7 +38,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = ap.parse_args(argv)
     if args.top < 1:
         ap.error(f"--top={args.top} is not allowed: expected an integer >= 1")
-    from flash_forensics.capture.analyze import AnalysisError, analyze
+    from flash_forensics.capture.analysis import AnalysisError, analyze
     from flash_forensics.capture.report import log_mlflow, markdown, write_all
     from flash_forensics.capture.snapshot import SnapshotError
     try:
