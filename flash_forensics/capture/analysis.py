@@ -79,6 +79,14 @@ def pbar1_rows(q, k, v, knobs) -> torch.Tensor:
     return out
 
 
+def _as_read(snap: snap_io.Snapshot, knobs) -> snap_io.Snapshot:
+    """The snapshot with q, k in the dtype the recipe's GEMMs read (BF16 for paper_bf16 / fa2)."""
+    read = for_knobs(knobs, snap.q.dtype).inputs
+    if snap.q.dtype == read:
+        return snap
+    return snap_io.Snapshot({**snap.tensors, "q": snap.q.to(read), "k": snap.k.to(read)}, snap.meta)
+
+
 def head_choice(snap: snap_io.Snapshot, knobs, heads: Optional[Sequence[int]], top: int):
     """(indices into the file's heads, the file's head numbers, tie rows per file head, how they were chosen)."""
     file_heads = snap.heads
@@ -287,7 +295,7 @@ def analyze(path, heads: Optional[Sequence[int]] = None, top: int = 2, fingerpri
     notes = []
     q, k, v, o = snap.q, snap.k, snap.v, snap.o
     sel_knobs = flash_knobs or knobs_of({"recipe": "paper_bf16"})
-    idx, chosen, counts, how = head_choice(snap, sel_knobs, heads, top)
+    idx, chosen, counts, how = head_choice(_as_read(snap, sel_knobs), sel_knobs, heads, top)
     if flash_knobs is None:
         how += " (ties counted as paper_bf16 rounds S, the file naming no flash recipe)"
     sel = torch.tensor(idx)
@@ -317,6 +325,12 @@ def analyze(path, heads: Optional[Sequence[int]] = None, top: int = 2, fingerpri
         else:
             knobs = sel_knobs
             notes.append("the file names no flash recipe and no fingerprint ran: analysed as paper_bf16")
+    read = for_knobs(knobs, q.dtype).inputs
+    if q.dtype != read:  # as the probes do: the recipe's GEMMs read these values (FP64 is of the same ones)
+        notes.append(f"q, k, v are {str(q.dtype).replace('torch.', '')} in the file: ties, delta and dQ are "
+                     f"computed from the {str(read).replace('torch.', '')} values the recipe's GEMMs read (the FP64 "
+                     "reference of those same values), as the in-job probes do")
+        q, k, v = q.to(read), k.to(read), v.to(read)
     res["knobs"] = knobs.knob_values()
     res["recipe"] = fp.label(knobs)
     res["recipe_dtypes"] = resolve(knobs.recipe, q.dtype).describe() if knobs else None
