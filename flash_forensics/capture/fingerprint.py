@@ -39,32 +39,38 @@ def _key(knobs, T: int, dtype: torch.dtype):
     return tuple(sorted(rc.items())), bq, bk, knobs.softmax, knobs.beta if knobs.softmax != "safe" else None
 
 
-def candidates(n_head: int, T: int, dtype: torch.dtype = torch.bfloat16, base=None) -> List[Candidate]:
-    """Every distinct candidate for inputs of `dtype` and length T. `base` (AttentionKnobs, e.g. the file's own
-    knobs) is tried first, so a capture of a known run is checked against what it says it ran."""
+def variants(rec: str, dtype: torch.dtype = torch.bfloat16) -> Iterable[dict]:
+    """The knob variants tried on recipe `rec`: {} first, then one change each."""
     import kernels.recipes as recipes
-    from kernels.config import AttentionKnobs
+    yield {}
+    for b in BLOCKS[1:]:
+        yield {"block_q": b, "block_k": b}
+    yield {"tiling": False}
+    yield {"pv_fp32": True}
+    yield {"softmax": "stabilized"}
+    yield {"softmax": "stabilized_guarded"}
+    rc = recipes.resolve(rec, dtype)
+    for pt in FWD_POINTS:
+        if getattr(rc, pt) != recipes.BF16:
+            yield {"round_bf16": [pt]}
+        elif not (pt == "o_store" and rc.out == recipes.BF16):  # the returned O is rounded to BF16 anyway
+            yield {"keep_fp32": [pt]}
 
-    def variants(rec: str) -> Iterable[dict]:
-        yield {}
-        for b in BLOCKS[1:]:
-            yield {"block_q": b, "block_k": b}
-        yield {"tiling": False}
-        yield {"pv_fp32": True}
-        yield {"softmax": "stabilized"}
-        yield {"softmax": "stabilized_guarded"}
-        rc = recipes.resolve(rec, dtype)
-        for pt in FWD_POINTS:
-            yield {"keep_fp32": [pt]} if getattr(rc, pt) == recipes.BF16 else {"round_bf16": [pt]}
 
-    out, seen = [], set()
-    pool = [base] if base is not None else []
-    for rec in recipes.RECIPES:  # read at run time: recipes added elsewhere join the fingerprint
-        for v in variants(rec):
-            try:
-                pool.append(AttentionKnobs(recipe=rec, **v))
-            except (TypeError, ValueError):
-                continue
+def _merged(knobs, change: dict):
+    """knobs with one more variant applied (point lists joined); None when it changes nothing."""
+    from dataclasses import replace
+    upd = {}
+    for name, value in change.items():
+        if name in ("keep_fp32", "round_bf16"):
+            value = list(getattr(knobs, name)) + [pt for pt in value if pt not in getattr(knobs, name)]
+        upd[name] = value
+    new = replace(knobs, **upd)
+    return None if new == knobs else new
+
+
+def _distinct(pool, n_head: int, T: int, dtype, seen: set) -> List[Candidate]:
+    out = []
     for kn in pool:
         try:
             kn.validate(n_head=n_head)
@@ -78,6 +84,29 @@ def candidates(n_head: int, T: int, dtype: torch.dtype = torch.bfloat16, base=No
     return out
 
 
+def candidates(n_head: int, T: int, dtype: torch.dtype = torch.bfloat16, base=None,
+               seen: Optional[set] = None) -> List[Candidate]:
+    """Every distinct candidate for inputs of `dtype` and length T. `base` (AttentionKnobs, e.g. the file's own
+    knobs) is tried first, so a capture of a known run is checked against what it says it ran."""
+    import kernels.recipes as recipes
+    from kernels.config import AttentionKnobs
+    pool = [base] if base is not None else []
+    for rec in recipes.RECIPES:  # read at run time: recipes added elsewhere join the fingerprint
+        for v in variants(rec, dtype):
+            try:
+                pool.append(AttentionKnobs(recipe=rec, **v))
+            except (TypeError, ValueError):
+                continue
+    return _distinct(pool, n_head, T, dtype, set() if seen is None else seen)
+
+
+def refinements(best, n_head: int, T: int, dtype, seen: set) -> List[Candidate]:
+    """The best candidate combined with each variant of its recipe (e.g. untiled + pv_fp32): a greedy step for a
+    kernel that no single variant reproduces."""
+    pool = [m for m in (_merged(best, v) for v in variants(best.recipe, dtype)) if m is not None]
+    return _distinct(pool, n_head, T, dtype, seen)
+
+
 def identical_share(ref: torch.Tensor, got: torch.Tensor) -> float:
     """Share of elements of `got` (cast to ref's dtype: exact for a BF16 value into FP32) bit-equal to `ref`."""
     got = got.to(ref.dtype)
@@ -85,34 +114,52 @@ def identical_share(ref: torch.Tensor, got: torch.Tensor) -> float:
     return float(eq.float().mean())
 
 
-def run(q, k, v, o, lse=None, base=None, progress: Optional[Callable] = None) -> List[dict]:
-    """The ranked fingerprint (best first): one dict per candidate with label, knobs, o_identical, lse_identical
-    (None without a captured lse), o_mean_abs_diff, o_max_abs_diff."""
+def _score(q, k, v, o, lse, c: Candidate, base, default: dict) -> dict:
     from kernels import emulator
+    with torch.no_grad(), torch.autocast(device_type=q.device.type, enabled=False):
+        oc, _, lc = emulator.forward(q, k, v, c.knobs)
+    d = (oc.double() - o.double()).abs()
+    d = torch.where(torch.isnan(d), torch.zeros_like(d), d)
+    return {"label": c.label, "recipe": c.knobs.recipe, "knobs": c.knobs.knob_values(),
+            "o_identical": identical_share(o, oc),
+            "lse_identical": identical_share(lse.float(), lc.squeeze(-1).float()) if lse is not None else None,
+            "o_mean_abs_diff": float(d.mean()), "o_max_abs_diff": float(d.max()),
+            "is_base": base is not None and c.knobs is base,
+            "changes": sum(1 for n, x in c.knobs.knob_values().items()
+                           if n not in ("recipe", "counters", "backend") and x != default[n])}
+
+
+def _rank(rows: List[dict]) -> List[dict]:
+    # equal scores: the file's own knobs first, then the plainest variant (fewest knobs away from the defaults)
+    return sorted(rows, key=lambda r: (-r["o_identical"], -(r["lse_identical"] or 0.0), r["o_mean_abs_diff"],
+                                       not r["is_base"], r["changes"]))
+
+
+def run(q, k, v, o, lse=None, base=None, progress: Optional[Callable] = None, refine_rounds: int = 2) -> List[dict]:
+    """The ranked fingerprint (best first): one dict per candidate with label, knobs, o_identical, lse_identical
+    (None without a captured lse), o_mean_abs_diff, o_max_abs_diff. When no candidate reproduces O bit for bit,
+    up to `refine_rounds` greedy rounds combine the best one with each variant of its recipe (`refined`: True)."""
     from kernels.config import AttentionKnobs
     default = AttentionKnobs().knob_values()
-    cands = candidates(q.shape[1], q.shape[2], q.dtype, base)
+    seen: set = set()
     rows = []
-    ref = o.double()
-    for c in cands:
-        with torch.no_grad(), torch.autocast(device_type=q.device.type, enabled=False):
-            oc, _, lc = emulator.forward(q, k, v, c.knobs)
-        d = (oc.double() - ref).abs()
-        d = torch.where(torch.isnan(d), torch.zeros_like(d), d)
-        rows.append({"label": c.label, "recipe": c.knobs.recipe, "knobs": c.knobs.knob_values(),
-                     "o_identical": identical_share(o, oc),
-                     "lse_identical": identical_share(lse.float(), lc.squeeze(-1).float()) if lse is not None
-                     else None,
-                     "o_mean_abs_diff": float(d.mean()), "o_max_abs_diff": float(d.max()),
-                     "is_base": base is not None and c.knobs is base,
-                     "changes": sum(1 for n, x in c.knobs.knob_values().items()
-                                    if n not in ("recipe", "counters", "backend") and x != default[n])})
+    for c in candidates(q.shape[1], q.shape[2], q.dtype, base, seen):
+        rows.append(_score(q, k, v, o, lse, c, base, default))
         if progress is not None:
             progress(1)
-    # equal scores: the file's own knobs first, then the plainest variant (fewest knobs away from the defaults)
-    rows.sort(key=lambda r: (-r["o_identical"], -(r["lse_identical"] or 0.0), r["o_mean_abs_diff"],
-                             not r["is_base"], r["changes"]))
+    rows = _rank(rows)
+    for _ in range(refine_rounds):
+        best = rows[0]
+        if best["o_identical"] == 1.0 and best["lse_identical"] in (None, 1.0):
+            break
+        from flash_forensics.capture.recorder import knobs_of
+        more = [dict(_score(q, k, v, o, lse, c, base, default), refined=True)
+                for c in refinements(knobs_of(best["knobs"]), q.shape[1], q.shape[2], q.dtype, seen)]
+        rows = _rank(rows + more)
+        if rows[0] is best:
+            break
     return rows
 
 
-__all__ = ["Candidate", "candidates", "run", "identical_share", "label", "FWD_POINTS", "BLOCKS"]
+__all__ = ["Candidate", "candidates", "refinements", "variants", "run", "identical_share", "label", "FWD_POINTS",
+           "BLOCKS"]
