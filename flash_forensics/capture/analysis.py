@@ -281,16 +281,17 @@ def head_stats(q, k, v, o, do, knobs, delta64, dq64, dk64, x=None, w_q=None) -> 
 
 # ------------------------------------------------------------------------------------------------ the whole
 def analyze(path, heads: Optional[Sequence[int]] = None, top: int = 2, fingerprint: bool = True,
-            attribute: bool = True, progress: bool = True) -> dict:
+            attribute: bool = True, progress: bool = True, blind: bool = False) -> dict:
     """The analysis of the capture at `path` (or a Snapshot) as a JSON-able dict (flash_forensics.capture.report
-    renders it). heads: the file's head numbers to analyse (default: the `top` worst by tie rows)."""
+    renders it). heads: the file's head numbers to analyse (default: the `top` worst by tie rows). blind: ignore
+    the recipe and knobs the file names (the fingerprint alone says what computed it)."""
     from tqdm import tqdm
     t0 = time.perf_counter()
     snap = path if isinstance(path, snap_io.Snapshot) else snap_io.read(path)
     where = str(path) if not isinstance(path, snap_io.Snapshot) else "snapshot"
     _check_analyzable(snap, where)
     meta = snap.meta
-    file_knobs = knobs_of(meta.get("knobs"))
+    file_knobs = None if blind else knobs_of(meta.get("knobs"))
     flash_knobs = file_knobs if file_knobs is not None and file_knobs.impl == "flash" else None
     notes = []
     q, k, v, o = snap.q, snap.k, snap.v, snap.o
@@ -319,7 +320,8 @@ def analyze(path, heads: Optional[Sequence[int]] = None, top: int = 2, fingerpri
     if knobs is None:
         if ranked:
             knobs = knobs_of(ranked[0]["knobs"])
-            notes.append(f"the file names no flash recipe ({meta.get('implementation') or meta.get('family')}): "
+            why = "--blind" if blind else "the file names no flash recipe"
+            notes.append(f"{why} ({meta.get('implementation') or meta.get('family')}): "
                          f"ties, delta and attribution use the fingerprint's best match, {ranked[0]['label']} "
                          f"({100 * ranked[0]['o_identical']:.2f}% of O identical)")
         else:

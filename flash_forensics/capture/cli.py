@@ -31,6 +31,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                                                                "tie rows)")
     ap.add_argument("--top", type=int, default=2, help="how many worst heads when --heads is not given (default 2)")
     ap.add_argument("--out", default=None, help="folder for the .md/.html/.json (default: beside the file)")
+    ap.add_argument("--blind", action="store_true", help="ignore the recipe the file names: the fingerprint alone "
+                                                        "says what computed it (and the rest uses its best match)")
     ap.add_argument("--no-fingerprint", action="store_true", help="skip the fingerprint")
     ap.add_argument("--no-attribution", action="store_true", help="skip the attribution per rounding point")
     ap.add_argument("--mlflow", default=None, metavar="URI", help="also log a run to this MLflow tracking URI")
@@ -50,7 +52,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     from flash_forensics.capture.snapshot import SnapshotError
     try:
         res = analyze(args.file, heads=args.heads, top=args.top, fingerprint=not args.no_fingerprint,
-                      attribute=not args.no_attribution, progress=not args.quiet)
+                      attribute=not args.no_attribution, progress=not args.quiet, blind=args.blind)
     except (SnapshotError, AnalysisError) as e:
         print(f"flash-forensics analyze: {e}", file=sys.stderr)
         return 2

@@ -47,6 +47,8 @@ def test_gpt_call_is_captured_with_its_do_x_and_wq(tmp_path):
     res = analyze(path, progress=False, attribute=False)
     assert res["fingerprint"]["exact"] and res["fingerprint"]["candidates"][0]["is_base"]
     assert all(r["wq_err_proj"] is not None for r in res["per_head"])
+    blind = analyze(path, progress=False, attribute=False, blind=True)  # the file's recipe not trusted
+    assert blind["fingerprint"]["exact"] and blind["fingerprint"]["best"] == "paper_bf16+blocks16x16"
 
 
 def test_no_observer_no_report(monkeypatch):
