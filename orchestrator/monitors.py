@@ -42,7 +42,7 @@ class MonitorConfig:
         self.alarm.validate(key=f"{key}.alarm", monitor=self)
         self.probes.validate(key=f"{key}.probes", n_layer=n_layer)
         self.capture.validate(key=f"{key}.capture", n_layer=n_layer, n_head=n_head,
-                              alarm_enabled=self.alarm.enabled, forking=forking)
+                              alarm_enabled=self.alarm.enabled, forking=forking, alarm_action=self.alarm.action)
         return self
 
 

@@ -32,7 +32,8 @@ class CaptureConfig:
         return bool(self.steps) or self.at_alarm or self.before_divergence
 
     def validate(self, key: str = "monitor.capture", n_layer: Optional[int] = None, n_head: Optional[int] = None,
-                 alarm_enabled: Optional[bool] = None, forking: Optional[bool] = None) -> "CaptureConfig":
+                 alarm_enabled: Optional[bool] = None, forking: Optional[bool] = None,
+                 alarm_action: Optional[str] = None) -> "CaptureConfig":
         def bad(name, v, allowed):
             return ValueError(f"{key}.{name}={v!r} is not allowed: expected {allowed}")
         steps = _list(self.steps)
@@ -63,6 +64,9 @@ class CaptureConfig:
             raise bad("max_mib", self.max_mib, "a number > 0 (MiB per file)")
         if self.at_alarm and alarm_enabled is False:
             raise bad("at_alarm", True, "false while monitor.alarm.enabled=false (the alarm can never fire)")
+        if self.at_alarm and alarm_enabled and alarm_action == "stop":
+            raise bad("at_alarm", True, "false with monitor.alarm.action=stop (the run ends at the alarm: there is "
+                                        "no next step to capture; use action tag, checkpoint or fork)")
         if self.before_divergence and forking is False:
             raise bad("before_divergence", True, "false outside a fork: it needs from_checkpoint=<a checkpoint of "
                                                  "a run that diverged>")

@@ -71,11 +71,13 @@ def test_fork_captures_the_step_before_the_divergence(source):
     ("monitor.capture.at_alarm=true", "monitor.capture.at_alarm=True is not allowed: expected false while "
                                       "monitor.alarm.enabled=false"),
     ("monitor.capture.before_divergence=true", "it needs from_checkpoint"),
+    ("monitor.capture.at_alarm=true monitor.alarm.enabled=true monitor.alarm.action=stop",
+     "there is no next step to capture"),
     ("monitor.capture.max_mib=0", "monitor.capture.max_mib=0"),
     ("monitor.capture.steps=[-1]", "monitor.capture.steps=[-1] is not allowed"),
 ])
 def test_bad_capture_settings_are_refused_before_launch(tmp_path, override, words):
-    cfg, overrides = _jobs.compose_cfg(BASE, tmp_path, override)
+    cfg, overrides = _jobs.compose_cfg(BASE, tmp_path, *override.split())
     with pytest.raises(ConfigError) as e:
         validate_config(cfg, overrides)
     assert words in str(e.value)
