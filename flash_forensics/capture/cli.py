@@ -46,7 +46,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.threads < 1:
         ap.error(f"--threads={args.threads} is not allowed: expected an integer >= 1")
     import torch
+    threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
+    try:
+        return _run(args)
+    finally:
+        torch.set_num_threads(threads)  # main() may run inside a caller's process (tests, `flash-forensics`)
+
+
+def _run(args) -> int:
     from flash_forensics.capture.analysis import AnalysisError, analyze
     from flash_forensics.capture.report import log_mlflow, markdown, write_all
     from flash_forensics.capture.snapshot import SnapshotError

@@ -115,3 +115,20 @@ def test_wrapping_is_harmless_without_observers():
     with wrapping_sdpa():
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     assert torch.equal(o, F.scaled_dot_product_attention(q, k, v, is_causal=True))
+
+
+@pytest.mark.gpu
+def test_cuda_capture_analyzed_on_the_cpu(tmp_path):
+    """Captured on the GPU (our GPT, backend auto: Triton where it computes the knobs), read and analyzed on the
+    CPU. The CPU emulator's GEMMs may sum in another order than the GPU's, so the fingerprint need not be exact:
+    it must name a candidate of the model's recipe and come close."""
+    model = _gpt("fa2").cuda()
+    idx = torch.randint(0, 128, (2, 32), device="cuda")
+    with capture(tmp_path, layers=[0], say=None) as cap:
+        _, loss = model(idx, idx)
+        loss.backward()
+    snap = S.read(cap.paths[0])
+    assert snap.meta["device"].startswith("cuda") and snap.q.device.type == "cpu" and snap.meta["has_do"]
+    res = analyze(cap.paths[0], progress=False, attribute=False, blind=True)
+    best = res["fingerprint"]["candidates"][0]
+    assert best["recipe"] == "fa2" and best["o_identical"] > 0.9
