@@ -20,9 +20,20 @@ def _g(x, spec: str = ".3g") -> str:
     return format(x, spec)
 
 
+def _finite(x):
+    """Strict JSON: a NaN or infinite number (a share of a zero sum, t of a zero spread) becomes null."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return x
+
+
 def to_json(res: dict) -> dict:
-    """The result without its tensors (the plots' inputs)."""
-    return {k: v for k, v in res.items() if not k.startswith("_")}
+    """The result without its tensors (the plots' inputs), NaN and infinities as null."""
+    return _finite({k: v for k, v in res.items() if not k.startswith("_")})
 
 
 def _meta_lines(res: dict) -> List[str]:
@@ -218,7 +229,7 @@ def write_all(res: dict, out_dir, stem: str) -> dict:
     paths = {"md": out_dir / f"{stem}.md", "html": out_dir / f"{stem}.html", "json": out_dir / f"{stem}.json"}
     paths["md"].write_text(markdown(res))
     paths["html"].write_text(html_page(res))
-    paths["json"].write_text(json.dumps(to_json(res), indent=2, default=str) + "\n")
+    paths["json"].write_text(json.dumps(to_json(res), indent=2, default=str, allow_nan=False) + "\n")
     return paths
 
 
