@@ -72,13 +72,16 @@ def markdown(res: dict) -> str:
                 (f"**{best['label']}** reproduces the captured O bit for bit" if fpr["exact"] else
                  f"No candidate reproduces it bit for bit; closest: **{best['label']}** "
                  f"({100 * best['o_identical']:.2f}% of O elements identical, mean |diff| "
-                 f"{best['o_mean_abs_diff']:.3g})") + f" (heads {fpr['heads']}, {len(fpr['candidates'])} "
+                 f"{best['o_mean_abs_diff']:.3g}): the nearest emulated computation, not proof of what the kernel "
+                 "does (candidates marked refined combine variants greedily)") + f" (heads {fpr['heads']}, "
+                f"{len(fpr['candidates'])} "
                 "candidates from kernels.recipes.RECIPES and the knob table)." + _equivalent(fpr), "",
                 "| rank | candidate | O identical | lse identical | mean abs diff | max abs diff |",
                 "|---:|---|---:|---:|---:|---:|"]
         for i, c in enumerate(fpr["candidates"][:15], 1):
             lse = "-" if c["lse_identical"] is None else f"{100 * c['lse_identical']:.2f}%"
-            out.append(f"| {i} | `{c['label']}`{' (the file says)' if c.get('is_base') else ''} | "
+            mark = " (the file says)" if c.get("is_base") else " (refined)" if c.get("refined") else ""
+            out.append(f"| {i} | `{c['label']}`{mark} | "
                        f"{100 * c['o_identical']:.2f}% | {lse} | "
                        f"{c['o_mean_abs_diff']:.3g} | {c['o_max_abs_diff']:.3g} |")
         if len(fpr["candidates"]) > 15:
