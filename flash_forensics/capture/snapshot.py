@@ -198,8 +198,12 @@ def write(path, snap: Snapshot, max_bytes: int = DEFAULT_MAX_BYTES, say=print) -
     return path
 
 
+def _size(n: int) -> str:
+    return f"{n / MiB:.1f} MiB" if n >= MiB // 10 else f"{n} bytes"
+
+
 def _too_large(path, size: int, cap: int) -> str:
-    return (f"{path}: the capture would be {size / MiB:.1f} MiB, over the cap of {cap / MiB:.1f} MiB "
+    return (f"{path}: the capture would be {_size(size)}, over the cap of {_size(cap)} "
             f"(max_bytes / monitor.capture.max_mib): capture fewer heads or a smaller batch, or raise the cap")
 
 
