@@ -25,6 +25,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from flash_forensics import hooks
 from flash_forensics.kernels import knobs as knob_table
 from flash_forensics.kernels.config import AttentionKnobs
 from flash_forensics.kernels.stats import AttnStats
@@ -123,8 +124,29 @@ def route_name(knobs: AttentionKnobs, backend: str) -> str:
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, knobs: AttentionKnobs, stats=None,
-           probe: bool = False) -> torch.Tensor:
-    """Causal attention for q, k, v of shape (B, H, T, D) as `knobs` says; returns O (B, H, T, D)."""
+           probe: bool = False, layer: Optional[int] = None) -> torch.Tensor:
+    """Causal attention for q, k, v of shape (B, H, T, D) as `knobs` says; returns O (B, H, T, D).
+
+    When someone observes attention calls (flash_forensics.hooks, e.g. a capture), the call is reported there with
+    q, k, v as the implementation saw them; otherwise that costs one list check."""
+    o = _attend(q, k, v, knobs, stats, probe)
+    if hooks.active():
+        _report(q, k, v, o, knobs, layer)
+    return o
+
+
+def _report(q, k, v, o, knobs: AttentionKnobs, layer: Optional[int]) -> None:
+    if knobs.impl == "flash":
+        dt = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
+        backend = resolve_backend(knobs, q.device, q=q)
+    else:
+        dt, backend = compute_dtype(knobs), knobs.impl
+    hooks.emit(hooks.AttentionCall(q.to(dt), k.to(dt), v.to(dt), o, None, recipe=knobs.recipe,
+                                   knobs=knobs.knob_values(), layer=layer, family="gpt", is_causal=True,
+                                   scale=None, implementation=route_name(knobs, backend)))
+
+
+def _attend(q, k, v, knobs: AttentionKnobs, stats, probe: bool) -> torch.Tensor:
     with torch.autocast(device_type=q.device.type, enabled=False):
         if knobs.impl == "flash":
             if not q.dtype == k.dtype == v.dtype:  # e.g. FP32 q, k from QK-norm beside a BF16 v: promote (exact)

@@ -149,7 +149,7 @@ class CausalSelfAttention(nn.Module):
                 q, k = self.q_norm(q.float()), self.k_norm(k.float())
         if self.qk_observer is not None and self.training:
             self.qk_observer(q, k)
-        y = attend(q, k, v, self.knobs, self._stats_on(x.device), self.probe)
+        y = attend(q, k, v, self.knobs, self._stats_on(x.device), self.probe, layer=self.layer)
         if self.probe_capture is not None:
             self.probe_capture(x, q, k, v, y)
         # Back to the stream's dtype (exact for BF16 -> FP32): without autocast c_proj needs it, with autocast c_proj

@@ -353,7 +353,9 @@ def _validate(cfg, overrides: Sequence[str] = (), check_resume: bool = True, che
     obj = to_object(cfg)
     for _section, fn in (("model", lambda: obj.model.validate(key="model")),
                         ("data", lambda: obj.data.validate(key="data")),
-                        ("monitor", lambda: obj.monitor.validate(key="monitor", n_layer=obj.model.n_layer)),
+                        ("monitor", lambda: obj.monitor.validate(key="monitor", n_layer=obj.model.n_layer,
+                                                                  n_head=obj.model.n_head,
+                                                                  forking=obj.from_checkpoint is not None)),
                         ("verdict", lambda: obj.verdict.validate(key="verdict")),
                         ("tracking", lambda: obj.tracking.validate(key="tracking")),
                         ("optimizer", lambda: check_optimizer(obj.optimizer)),

@@ -38,6 +38,7 @@ from flash_forensics.orchestrator.job.optim import build_optimizer
 from flash_forensics.orchestrator.job.preemption import PreemptionGuard
 from flash_forensics.orchestrator.job.step import TrainStep, autocast, precision_line
 from flash_forensics.orchestrator.monitor import alarm
+from flash_forensics.orchestrator.monitor import capture as capture_job
 from flash_forensics.orchestrator.monitor.monitors import Monitors
 from flash_forensics.orchestrator.monitor.probes import runner as probes
 from flash_forensics.orchestrator.record import CKPT_DIR, ORDER_FILE, RESOLVED_CONFIG
@@ -128,6 +129,7 @@ class Job:
         self.monitors = None
         self.alarm = None
         self.probes = None
+        self.capture = None
         self.detector = None
         self.dist = None
         self.is_main = True
@@ -252,6 +254,7 @@ class Job:
         self.alarm = alarm.attach(self, start)  # monitor.alarm listens to what the monitors log (None when off)
         self.monitors = Monitors(model, cfg.monitor, self.tracker)
         self.probes = probes.build(cfg, model, data_dir, device, self.tracker, self.is_main)
+        self.capture = capture_job.build(self, model)  # monitor.capture: attention snapshots at chosen steps
         self.detector = DivergenceDetector(cfg.verdict)
         if state:
             snapshot.restore_run_state(self, state, resuming)
@@ -310,7 +313,8 @@ class Job:
             self._maybe_kill(step, "step_start")
             if probe_sdpa:
                 model.probe = (step + 1) % cfg.monitor.log_every == 0
-            loss_sum, grad_norm, lr = step_fn(step, self._batches(stream, step))
+            with self.capture.during(step, step_fn):
+                loss_sum, grad_norm, lr = step_fn(step, self._batches(stream, step))
             self._maybe_kill(step, "step")  # mid-step: the update is done, its metrics are not logged yet
             self._done = done = step + 1
             host = self.monitors.step_end(step, loss_sum, grad_norm, lr, tokens_per_step)

@@ -19,6 +19,7 @@ import torch
 
 from flash_forensics.orchestrator import record
 from flash_forensics.orchestrator.monitor.alarm import AlarmConfig
+from flash_forensics.orchestrator.monitor.capture_config import CaptureConfig
 from flash_forensics.orchestrator.monitor.probes.config import ProbesConfig
 
 
@@ -31,14 +32,18 @@ class MonitorConfig:
     # early warning (orchestrator/monitor/alarm.py), off by default
     alarm: AlarmConfig = field(default_factory=AlarmConfig)
     probes: ProbesConfig = field(default_factory=ProbesConfig)  # mechanism probes (orchestrator/monitor/probes/)
+    capture: CaptureConfig = field(default_factory=CaptureConfig)  # attention snapshots (flash_forensics/capture/)
 
-    def validate(self, key: str = "monitor", n_layer: Optional[int] = None) -> "MonitorConfig":
+    def validate(self, key: str = "monitor", n_layer: Optional[int] = None, n_head: Optional[int] = None,
+                 forking: Optional[bool] = None) -> "MonitorConfig":
         for name in ("log_every", "wq_every"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"{key}.{name}={v!r} is not allowed: expected an integer > 0")
         self.alarm.validate(key=f"{key}.alarm", monitor=self)
         self.probes.validate(key=f"{key}.probes", n_layer=n_layer)
+        self.capture.validate(key=f"{key}.capture", n_layer=n_layer, n_head=n_head,
+                              alarm_enabled=self.alarm.enabled, forking=forking, alarm_action=self.alarm.action)
         return self
 
 

@@ -1,0 +1,164 @@
+"""The kernel's fingerprint: which recipe and knob variant reproduces a captured O (and lse) bit for bit.
+
+Candidates are built at run time from kernels.recipes.RECIPES (a recipe added there joins automatically) and the
+knob table's variants the emulator computes: tile sizes (blocks 16/32/64/128, untiled), pv_fp32, the stabilized
+softmaxes, and each forward rounding point lifted alone (keep_fp32) or rounded alone (round_bf16) where the recipe
+allows it (kernels.recipes.points_problem). Candidates that compute the same thing (same dtypes at every point, same
+tiles, same softmax) are tried once. Each runs the emulator's forward on the captured q, k, v; the share of O
+elements identical to the captured O (NaN equals NaN) ranks them, then the share of identical lse, then the mean
+absolute difference.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterable, List, Optional
+
+import torch
+
+import flash_forensics.kernels.recipes as recipes
+from flash_forensics.capture.recorder import knobs_of
+from flash_forensics.kernels import emulator
+from flash_forensics.kernels.config import AttentionKnobs
+from flash_forensics.kernels.recipes import for_knobs
+from flash_forensics.models.attention import route_name
+
+FWD_POINTS = ("scores", "shift", "stats", "pbar", "pv_out", "acc", "o_store")  # the points O depends on
+BLOCKS = (64, 32, 128, 16)
+
+
+@dataclass
+class Candidate:
+    label: str
+    knobs: object  # flash_forensics.kernels.config.AttentionKnobs
+
+
+def label(knobs) -> str:
+    """The route name's recipe part, e.g. 'paper_bf16+blocks32x32' (models/attention.py route_name)."""
+    return route_name(knobs, "emulator").split("/", 2)[-1]
+
+
+def _key(knobs, T: int, dtype: torch.dtype):
+    rc = for_knobs(knobs, dtype).describe()
+    rc.pop("name")
+    bq, bk = (min(knobs.block_q, T), min(knobs.block_k, T)) if knobs.tiling else (T, T)
+    return tuple(sorted(rc.items())), bq, bk, knobs.softmax, knobs.beta if knobs.softmax != "safe" else None
+
+
+def variants(rec: str, dtype: torch.dtype = torch.bfloat16) -> Iterable[dict]:
+    """The knob variants tried on recipe `rec`: {} first, then one change each."""
+    yield {}
+    for b in BLOCKS[1:]:
+        yield {"block_q": b, "block_k": b}
+    yield {"tiling": False}
+    yield {"pv_fp32": True}
+    yield {"softmax": "stabilized"}
+    yield {"softmax": "stabilized_guarded"}
+    rc = recipes.resolve(rec, dtype)
+    for pt in FWD_POINTS:
+        if getattr(rc, pt) != recipes.BF16:
+            yield {"round_bf16": [pt]}
+        elif not (pt == "o_store" and rc.out == recipes.BF16):  # the returned O is rounded to BF16 anyway
+            yield {"keep_fp32": [pt]}
+
+
+def _merged(knobs, change: dict):
+    """knobs with one more variant applied (point lists joined); None when it changes nothing."""
+    from dataclasses import replace
+    upd = {}
+    for name, value in change.items():
+        if name in ("keep_fp32", "round_bf16"):
+            value = list(getattr(knobs, name)) + [pt for pt in value if pt not in getattr(knobs, name)]
+        upd[name] = value
+    new = replace(knobs, **upd)
+    return None if new == knobs else new
+
+
+def _distinct(pool, n_head: int, T: int, dtype, seen: set) -> List[Candidate]:
+    out = []
+    for kn in pool:
+        try:
+            kn.validate(n_head=n_head)
+            key = _key(kn, T, dtype)
+        except (TypeError, ValueError):
+            continue
+        if key in seen:
+            continue
+        seen.add(key)
+        out.append(Candidate(label(kn), kn))
+    return out
+
+
+def candidates(n_head: int, T: int, dtype: torch.dtype = torch.bfloat16, base=None,
+               seen: Optional[set] = None) -> List[Candidate]:
+    """Every distinct candidate for inputs of `dtype` and length T. `base` (AttentionKnobs, e.g. the file's own
+    knobs) is tried first, so a capture of a known run is checked against what it says it ran."""
+    pool = [base] if base is not None else []
+    for rec in recipes.RECIPES:  # read at run time: recipes added elsewhere join the fingerprint
+        for v in variants(rec, dtype):
+            try:
+                pool.append(AttentionKnobs(recipe=rec, **v))
+            except (TypeError, ValueError):
+                continue
+    return _distinct(pool, n_head, T, dtype, set() if seen is None else seen)
+
+
+def refinements(best, n_head: int, T: int, dtype, seen: set) -> List[Candidate]:
+    """The best candidate combined with each variant of its recipe (e.g. untiled + pv_fp32): a greedy step for a
+    kernel that no single variant reproduces."""
+    pool = [m for m in (_merged(best, v) for v in variants(best.recipe, dtype)) if m is not None]
+    return _distinct(pool, n_head, T, dtype, seen)
+
+
+def identical_share(ref: torch.Tensor, got: torch.Tensor) -> float:
+    """Share of elements of `got` (cast to ref's dtype: exact for a BF16 value into FP32) bit-equal to `ref`."""
+    got = got.to(ref.dtype)
+    eq = (ref == got) | (torch.isnan(ref) & torch.isnan(got))
+    return float(eq.float().mean())
+
+
+def _score(q, k, v, o, lse, c: Candidate, base, default: dict) -> dict:
+    with torch.no_grad(), torch.autocast(device_type=q.device.type, enabled=False):
+        oc, _, lc = emulator.forward(q, k, v, c.knobs)
+    d = (oc.double() - o.double()).abs()
+    d = torch.where(torch.isnan(d), torch.zeros_like(d), d)
+    return {"label": c.label, "recipe": c.knobs.recipe, "knobs": c.knobs.knob_values(),
+            "o_identical": identical_share(o, oc),
+            "lse_identical": identical_share(lse.float(), lc.squeeze(-1).float()) if lse is not None else None,
+            "o_mean_abs_diff": float(d.mean()), "o_max_abs_diff": float(d.max()),
+            "is_base": base is not None and c.knobs is base,
+            "changes": sum(1 for n, x in c.knobs.knob_values().items()
+                           if n not in ("recipe", "counters", "backend") and x != default[n])}
+
+
+def _rank(rows: List[dict]) -> List[dict]:
+    # equal scores: the file's own knobs first, then the plainest variant (fewest knobs away from the defaults)
+    return sorted(rows, key=lambda r: (-r["o_identical"], -(r["lse_identical"] or 0.0), r["o_mean_abs_diff"],
+                                       not r["is_base"], r["changes"]))
+
+
+def run(q, k, v, o, lse=None, base=None, progress: Optional[Callable] = None, refine_rounds: int = 2) -> List[dict]:
+    """The ranked fingerprint (best first): one dict per candidate with label, knobs, o_identical, lse_identical
+    (None without a captured lse), o_mean_abs_diff, o_max_abs_diff. When no candidate reproduces O bit for bit,
+    up to `refine_rounds` greedy rounds combine the best one with each variant of its recipe (`refined`: True)."""
+    default = AttentionKnobs().knob_values()
+    seen: set = set()
+    rows = []
+    for c in candidates(q.shape[1], q.shape[2], q.dtype, base, seen):
+        rows.append(_score(q, k, v, o, lse, c, base, default))
+        if progress is not None:
+            progress(1)
+    rows = _rank(rows)
+    for _ in range(refine_rounds):
+        best = rows[0]
+        if best["o_identical"] == 1.0 and best["lse_identical"] in (None, 1.0):
+            break
+        more = [dict(_score(q, k, v, o, lse, c, base, default), refined=True)
+                for c in refinements(knobs_of(best["knobs"]), q.shape[1], q.shape[2], q.dtype, seen)]
+        rows = _rank(rows + more)
+        if rows[0] is best:
+            break
+    return rows
+
+
+__all__ = ["Candidate", "candidates", "refinements", "variants", "run", "identical_share", "label", "FWD_POINTS",
+           "BLOCKS"]
