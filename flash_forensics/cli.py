@@ -23,6 +23,8 @@ TOOLS: Dict[str, Tuple[str, str]] = {
     "data": ("flash_forensics.orchestrator.data.__main__", "prepare, fetch and inspect corpora and the tokenizer"),
     "rounding-sweep": ("flash_forensics.orchestrator.config.rounding_sweep",
                        "generate the rounding-point interventions and sweeps from a recipe"),
+    "analyze": ("flash_forensics.capture.cli",
+                "offline report of an attention capture: ties, delta error, rounding points, the kernel's fingerprint"),
     "forensics": ("flash_forensics.kernels.forensics", "bit-level BF16 forensics: the paper's worked example, P̄V rows"),
     "sfa-matrix": ("flash_forensics.kernels.sfa_matrix", "the stabilized softmax's edge-case matrix"),
 }

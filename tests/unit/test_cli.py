@@ -1,0 +1,33 @@
+"""`flash-forensics TOOL`: every tool's module exists and has main(argv); the help lists them; a wrong name says so."""
+import importlib
+import subprocess
+import sys
+
+import pytest
+
+from flash_forensics import cli
+
+
+@pytest.mark.parametrize("tool", sorted(cli.TOOLS))
+def test_each_tool_has_a_main(tool):
+    module = importlib.import_module(cli.TOOLS[tool][0])
+    assert callable(getattr(module, "main", None)), tool
+
+
+def test_help_lists_every_tool(capsys):
+    assert cli.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert all(f"  {name} " in out for name in cli.TOOLS)
+
+
+def test_unknown_tool_names_the_choices(capsys):
+    assert cli.main(["isolat"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown tool 'isolat'" in err and "isolate" in err
+
+
+def test_a_tool_runs_through_the_command():
+    r = subprocess.run([sys.executable, "-m", "flash_forensics.cli", "forensics", "add", "-2.4071154594421387",
+                        "-2.296875"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "BF16 result -4.71875" in r.stdout
