@@ -62,13 +62,17 @@ class Recorder:
     def __init__(self, out_dir="captures", layers: Optional[Sequence[int]] = None,
                  heads: Optional[Sequence[int]] = None, worst: Optional[int] = None, step: Optional[int] = None,
                  max_bytes: int = snap_io.DEFAULT_MAX_BYTES, calls_per_layer: int = 1, tag: str = "",
-                 say: Optional[Callable[[str], None]] = print, extra_meta: Optional[dict] = None):
+                 say: Optional[Callable[[str], None]] = print, extra_meta: Optional[dict] = None,
+                 batch: Optional[int] = None):
         if heads is not None and worst is not None:
             raise ValueError("heads and worst are exclusive: name the heads, or ask for the `worst` N by tie count")
         self.out_dir, self.layers = Path(out_dir), (None if layers is None else set(int(i) for i in layers))
         self.heads, self.worst, self.step = (None if heads is None else [int(h) for h in heads]), worst, step
         self.max_bytes, self.calls_per_layer, self.tag, self.say = max_bytes, calls_per_layer, tag, say
         self.extra_meta = dict(extra_meta or {})
+        # the first `batch` sequences only: attention is per sequence, so the analysis of a slice is exact for it,
+        # and a GPT-2-sized micro-batch (x alone is B*T*C) would not fit a file that must travel
+        self.batch = None if batch is None else int(batch)
         self.inputs: Dict[int, tuple] = {}  # layer -> (x (B, T, C), W_Q (H, D, C)): set by whoever knows them
         self.kept: List[_Kept] = []
         self.paths: List[Path] = []
@@ -96,15 +100,17 @@ class Recorder:
                              f"0..{H - 1}")
         sel = torch.tensor(heads, device=q.device)
 
+        rows = slice(0, self.batch)
+
         def pick(t):
-            return t.detach().index_select(1, sel).contiguous().clone()
+            return t.detach()[rows].index_select(1, sel).contiguous().clone()
 
         tensors = {"q": pick(call.q), "k": pick(call.k), "v": pick(call.v), "o": pick(call.o)}
         if call.lse is not None:
             tensors["lse"] = pick(call.lse).float()
         if call.layer in self.inputs:
             x, w_q = self.inputs[call.layer]
-            tensors["x"] = x.detach().contiguous().clone()
+            tensors["x"] = x.detach()[rows].contiguous().clone()
             tensors["w_q"] = w_q.detach().index_select(0, sel.to(w_q.device)).contiguous().clone()
         meta = self._meta(call, heads, H, idx)
         name = (f"{self.tag + '_' if self.tag else ''}{call.family}"
@@ -114,8 +120,8 @@ class Recorder:
         kept = _Kept(tensors, meta, name)
         if call.o.requires_grad:
             kept.has_backward = True
-            call.o.register_hook(lambda g, kept=kept, sel=sel: kept.do.append(g.detach().index_select(1, sel)
-                                                                             .contiguous().clone()) or None)
+            call.o.register_hook(lambda g, kept=kept, sel=sel: kept.do.append(
+                g.detach()[rows].index_select(1, sel).contiguous().clone()) or None)
         self.kept.append(kept)
 
     def _meta(self, call: AttentionCall, heads, H: int, idx: int) -> dict:
@@ -126,7 +132,8 @@ class Recorder:
                 "call_index": idx, "implementation": call.implementation, "is_causal": bool(call.is_causal),
                 "scale": float(call.scale) if call.scale is not None else D ** -0.5,
                 "scale_default": call.scale is None or math.isclose(float(call.scale), D ** -0.5, rel_tol=1e-6),
-                "shape": {"B": q.shape[0], "H": H, "T": q.shape[2], "D": D},
+                "shape": {"B": len(range(q.shape[0])[slice(0, self.batch)]), "H": H, "T": q.shape[2], "D": D},
+                "batch_of": q.shape[0],
                 "dtypes": {n: str(getattr(call, n).dtype).replace("torch.", "") for n in ("q", "k", "v", "o")},
                 "device": snap_io.device_name(q), "versions": snap_io.versions(), "git_commit": snap_io.git_commit(),
                 "created_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}

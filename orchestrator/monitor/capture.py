@@ -51,7 +51,7 @@ class JobCapture:
         self._alarm_done = self._alarm_done or at_alarm
         rec = Recorder(self.dir, layers=self.layers, heads=self.cfg.head_list(), worst=self.cfg.worst, step=step,
                        max_bytes=int(self.cfg.max_mib * MiB), tag="alarm" if at_alarm else "",
-                       extra_meta={"at_alarm": at_alarm})
+                       extra_meta={"at_alarm": at_alarm}, batch=self.cfg.batch)
         blocks = self.model.transformer.h
         C, H = self.model.config.n_embd, self.model.config.n_head
         handles = []

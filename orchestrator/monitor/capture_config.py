@@ -5,7 +5,8 @@ before launch like the other monitor settings). Off by default (no steps, no ala
 
 steps: 0-based optimizer steps whose forward+backward is captured (the first micro-batch); at_alarm: also the step
 after monitor.alarm fires; before_divergence: in a fork (from_checkpoint=...), the step before the source run's
-divergence step (its result.json). dir: relative to the job folder. max_mib: the per-file cap.
+divergence step (its result.json). dir: relative to the job folder. max_mib: the per-file cap. batch: the first N
+sequences of the micro-batch only (attention is per sequence: exact for those).
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ class CaptureConfig:
     before_divergence: bool = False
     dir: str = "captures"
     max_mib: float = 64.0
+    batch: Optional[int] = None  # keep the first N sequences of the micro-batch (null: all): smaller files
 
     @property
     def enabled(self) -> bool:
@@ -62,6 +64,9 @@ class CaptureConfig:
         if isinstance(self.max_mib, bool) or not isinstance(self.max_mib, (int, float)) or not (
                 math.isfinite(self.max_mib) and self.max_mib > 0):
             raise bad("max_mib", self.max_mib, "a number > 0 (MiB per file)")
+        if self.batch is not None and (isinstance(self.batch, bool) or not isinstance(self.batch, int)
+                                       or self.batch < 1):
+            raise bad("batch", self.batch, "null (every sequence) or an integer >= 1")
         if self.at_alarm and alarm_enabled is False:
             raise bad("at_alarm", True, "false while monitor.alarm.enabled=false (the alarm can never fire)")
         if self.at_alarm and alarm_enabled and alarm_action == "stop":

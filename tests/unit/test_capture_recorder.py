@@ -6,12 +6,14 @@ import torch.nn.functional as F
 
 import flash_forensics
 from flash_forensics import hooks
+from flash_forensics.capture import read
 from flash_forensics.capture import snapshot as S
 from flash_forensics.capture.analysis import AnalysisError, analyze
 from flash_forensics.capture.recorder import Recorder, capture, wrapping_sdpa
 from flash_forensics.capture.synthetic import random_inputs
 from flash_forensics.models import attention as attention_mod
 from flash_forensics.models.gpt import GPT, ModelConfig
+from flash_forensics.orchestrator.monitor.capture_config import CaptureConfig
 
 
 def _gpt(recipe="paper_bf16"):
@@ -132,3 +134,21 @@ def test_cuda_capture_analyzed_on_the_cpu(tmp_path):
     res = analyze(cap.paths[0], progress=False, attribute=False, blind=True)
     best = res["fingerprint"]["candidates"][0]
     assert best["recipe"] == "fa2" and best["o_identical"] > 0.9
+
+
+def test_batch_keeps_the_first_sequences_of_every_tensor(tmp_path):
+    """monitor.capture.batch: q, k, v, o and dO hold the first N sequences, exactly as the call saw them."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(4, 3, 8, 16, requires_grad=True) for _ in range(3))
+    o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    rec = Recorder(tmp_path, heads=[1], batch=2, say=None)
+    with hooks.observing(rec):
+        hooks.emit(hooks.AttentionCall(q, k, v, o, None, "fp32", {}, layer=0, is_causal=True))
+    do = torch.randn_like(o)
+    o.backward(do)
+    (path,) = rec.flush()
+    snap = read(path)
+    assert snap.tensors["q"].shape == (2, 1, 8, 16) and snap.meta["shape"]["B"] == 2 and snap.meta["batch_of"] == 4
+    assert torch.equal(snap.tensors["q"], q.detach()[:2, 1:2]) and torch.equal(snap.tensors["do"], do[:2, 1:2])
+    with pytest.raises(ValueError, match=r"monitor.capture.batch=0 is not allowed"):
+        CaptureConfig(steps=[1], batch=0).validate()
