@@ -10,6 +10,8 @@
 #   e2e          a smoke sweep through run.py on CUDA (baseline, fp32, sfa, pv_fp32)
 #   ddp          2 GPUs (DDP) vs 1 GPU with gradient accumulation (benchmarks/ddp.py; needs 2 GPUs)
 #   mini-repro   the miniature over 3 seeds, baseline vs FP32 reference (sweeps/mini_repro_seeds)
+#   capture-mini the miniature's baseline (seed 1337) with a capture at step CAPTURE_STEP (850) of layer 2, heads 0
+#                and 1, first 8 sequences: a file small enough to come back, for `flash-forensics analyze` on a CPU
 #   isolation    the isolation table on the miniature (scripts/paper_isolation.sh ARGS: Hydra overrides)
 #   rounding     the miniature's rounding-point forks (flash-forensics isolate --sweeps rounding_refs rounding_points)
 #   paper-1gpu   the paper's regime on one GPU (scripts/paper_1gpu.sh ARGS)
@@ -138,6 +140,19 @@ EOF
     for r in "$LOG"/runs/*/result.json; do
       [ -f "$r" ] && $PY -c "import json,sys; r=json.load(open(sys.argv[1])); print(sys.argv[1], r['intervention'], r['observed'], r['divergence_step'], r['steps_done'], r['final_loss'], r['wall_s'])" "$r"
     done
+    exit $rc
+    ;;
+  capture-mini)  # the miniature's baseline (seed 1337, diverges at step 867) with an attention capture shortly before
+    setup; logdir capture-mini
+    step=${CAPTURE_STEP:-850}
+    timeout "${CAPTURE_TIMEOUT:-480}" $PY run.py experiment=mini_repro intervention=baseline train.seed=1337 \
+      train.max_steps="${MAX_STEPS:-900}" train.ckpt_every=0 "monitor.capture.steps=[$step]" \
+      "monitor.capture.layers=[${CAPTURE_LAYER:-2}]" "monitor.capture.heads=[${CAPTURE_HEADS:-0,1}]" \
+      monitor.capture.batch="${CAPTURE_BATCH:-8}" monitor.capture.max_mib=15 hydra.run.dir="$LOG/run" "$@" \
+      > "$LOG/run.log" 2>&1; rc=$?
+    tail -5 "$LOG/run.log"
+    find "$LOG/run" -name "*.safetensors" -exec cp {} "$LOG/" \; -exec ls -la {} \;
+    [ -f "$LOG/run/result.json" ] && cp "$LOG/run/result.json" "$LOG/"
     exit $rc
     ;;
   isolation)
