@@ -22,7 +22,6 @@ from kernels.checks import bad, is_int
 from kernels.knobs import BACKENDS, DELTAS, IMPLS, KNOBS, RECIPES, SOFTMAXES, Knob
 from kernels.recipes import FP8_POINTS, for_knobs, formats_problem, points_problem
 
-
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
 

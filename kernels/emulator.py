@@ -98,7 +98,7 @@ class _Plan:
         """Q, K, V (or dO) in the working dtype as they enter the GEMMs: rotated where `rotate` (incoherent), then
         cast to `dtype` with the input scale (FP8: input_scaling; kernels/formats.py), counted as the stores are."""
         out = []
-        for i, (x, block) in enumerate(zip(xs, blocks)):
+        for i, (x, block) in enumerate(zip(xs, blocks, strict=True)):
             x = x.to(self.rc.work)
             if self.rot is not None and i in rotate:
                 x = x @ self.rot

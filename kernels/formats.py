@@ -27,8 +27,8 @@ GEMM accumulator; the two agree up to FP32 rounding (one 2^-24 relative rounding
 powers of two (P̄'s 2^8). `amax_scale` is current scaling: s = max / amax(|x|) over the given dims (1 where
 amax = 0), so the largest entry maps to the format's max.
 
-Incoherent processing (FlashAttention-3, Sec. 3.3): Q and K multiplied by one random orthogonal M = diag(signs) H / sqrt(D)
-(H the Sylvester Hadamard matrix) along the head dimension before their FP8 cast: (QM)(KM)^T = QK^T in exact
+Incoherent processing (FlashAttention-3, Sec. 3.3): Q and K multiplied by one random orthogonal
+M = diag(signs) H / sqrt(D) (H the Sylvester Hadamard matrix) along the head dimension before their FP8 cast: (QM)(KM)^T = QK^T in exact
 arithmetic; outliers are spread over the head dimension, so the per-tensor amax (and the rounding) shrinks.
 """
 from __future__ import annotations

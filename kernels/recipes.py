@@ -357,7 +357,8 @@ def formats_problem(recipe: str, formats, keep_fp32=(), round_bf16=(), pv_fp32: 
         for knob, pts in others.items():
             if pt in pts:
                 return "formats", forms, f"no point also set by {knob} ({pt} is in both)"
-        if _format_of(base, pt) == f:
+        operand = _OPERANDS.get(pt)  # e.g. fp8_te's e5m2 dP under its FP32 bwd_out: {bwd_out: fp32} lifts dP
+        if _format_of(base, pt) == f and (operand is None or getattr(base, operand) is None):
             return "formats", forms, (f"a format other than the recipe's: recipe {recipe} keeps {pt} in "
                                       f"{f.upper()} already (it would change nothing)")
     return None
