@@ -28,8 +28,9 @@ powers of two (P̄'s 2^8). `amax_scale` is current scaling: s = max / amax(|x|) 
 amax = 0), so the largest entry maps to the format's max.
 
 Incoherent processing (FlashAttention-3, Sec. 3.3): Q and K multiplied by one random orthogonal
-M = diag(signs) H / sqrt(D) (H the Sylvester Hadamard matrix) along the head dimension before their FP8 cast: (QM)(KM)^T = QK^T in exact
-arithmetic; outliers are spread over the head dimension, so the per-tensor amax (and the rounding) shrinks.
+M = diag(signs) H / sqrt(D) (H the Sylvester Hadamard matrix) along the head dimension before their FP8 cast:
+(QM)(KM)^T = QK^T in exact arithmetic; outliers are spread over the head dimension, so the amax (and with it
+the rounding error of the other entries) shrinks.
 """
 from __future__ import annotations
 
