@@ -1,4 +1,4 @@
-"""Rounding forensics: explain one rounding bit by bit, and trace where a P̄V row's error comes from (the paper's Sec. 3.3.2).
+"""Rounding forensics: one rounding bit by bit, and where a P̄V row's error comes from (the paper's Sec. 3.3.2).
 
     python -m kernels.forensics add -2.4071154594421387 -2.296875 [--format bf16|fp16|e4m3|e5m2]
     python -m kernels.forensics example --format e4m3    # the paper's worked example, P̄ = 1 and the bias, per format
