@@ -87,7 +87,8 @@ class _Plan:
         """The format counters of one store (device adds, no sync)."""
         st = self.stats
         if dtype == torch.float16:
-            st.update_format("fp16_overflow", torch.isinf(y) & torch.isfinite(x))
+            inf = float("inf")
+            st.update_format("fp16_overflow", (y.abs() == inf) & (x.abs() != inf))  # NaN stays NaN: not counted
         elif fmt.is_fp8(dtype):
             sat = fmt.saturated(x, dtype, scale)
             st.update_format("fp8_saturated", sat if keep is None else sat & ~keep)

@@ -60,6 +60,9 @@ Knobs that override a recipe (kernels/config.py):
 - o_fp32 / o_fp32_heads: for those heads, everything pv_fp32 lifts *and* O_stored stays in `math`, so delta
   (dO_O) uses the FP32 O (and the dO*O product is not rounded, as BF16 * FP32 promotes to FP32 in PyTorch). The
   returned O is still `out` (BF16): the next layer sees the same dtype. Other heads are bit-identical.
+- formats: {point: fp32 | bf16 | fp16 | e4m3 | e5m2} (see "Formats" above; `formats_problem` validates it);
+  input_scaling / pbar_scale: the FP8 scales (tensor | head | block; fa3 | sage | none); incoherent: FA3's Hadamard
+  rotation of Q and K. Emulator only (the knob table refuses them for Triton, standard and sdpa).
 - tiling=False: one tile spans the sequence (block_q = block_k = T).
 - stochastic_round: the `pv_out` and `acc` roundings (BF16 in paper_bf16 only) are stochastic instead of nearest
   even (kernels/stochastic.py, seed `sr_seed`); every other point stays nearest even. Refused where both are FP32.

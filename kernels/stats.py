@@ -67,7 +67,7 @@ class AttnStats:
 
     def update_format(self, name: str, mask: torch.Tensor) -> None:
         """Add a (B, H, ...) bool mask of one store into the format counter `name` (FORMAT_COUNTERS), per head."""
-        getattr(self, name).add_(mask.sum(dim=tuple(d for d in range(mask.dim()) if d != 1)))
+        getattr(self, name).add_(mask.transpose(0, 1).reshape(mask.shape[1], -1).sum(-1))
 
     def update_underflow(self, under: torch.Tensor) -> None:
         """`under` (B, H, rows, 1) bool: rows of one query tile whose final row sum is under the floor."""

@@ -1,6 +1,6 @@
 """The paper's mechanism measured per recipe (format) on the CPU: P̄ = 1, ties and the delta error against FP64.
 
-    python scripts/format_mechanism.py [--steps 150] [--out results/formats]
+    python scripts/format_mechanism.py [--steps 40] [--out results/formats]
 
 The default tiny model (conf/model/tiny.yaml) on fixed probe batches of the default corpus (the validation split,
 orchestrator/probes' PROBE_SEED), at initialisation and after `--steps` optimizer steps on the default corpus. It is
@@ -167,8 +167,9 @@ def table(rows) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=150, help="optimizer steps of the short training (default 150)")
-    ap.add_argument("--batch", type=int, default=8, help="training batch (sequences of block_size; default 8)")
+    ap.add_argument("--steps", type=int, default=40, help="optimizer steps of the short training (default 40)")
+    ap.add_argument("--batch", type=int, default=4,
+                    help="training batch (sequences of block_size; default 4, as conf/experiment/default.yaml)")
     ap.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default 3e-3, as conf/experiment)")
     ap.add_argument("--probe-batch", type=int, default=4, help="probe sequences (default 4, as monitor.probes)")
     ap.add_argument("--seed", type=int, default=0, help="model init seed (default 0)")
