@@ -344,8 +344,12 @@ class PVTrace:
             ones_share_signed=(s1 / (abs(s1) + abs(s0))) if (s1 or s0) else float("nan"))
 
 
-def pv_trace(p_row, v_col, accumulate: str = "fp32") -> PVTrace:
+def pv_trace(p_row, v_col, accumulate: str = "fp32", fmt: str = "bf16") -> PVTrace:
     """Cumulative error of one row's P̄V (P̄ rounded to BF16 as the GEMM input; V as given, taken to be BF16).
+
+    fmt (SPECS: bf16, fp16, e4m3, e5m2): the format P̄, V and the partial sums are stored in (FP8 saturating, no
+    scale: FA3's 2^8 changes only P̄ below e4m3's normal range); BF16 is the paper's case. `is_one`: the P̄ as fed
+    is 1, so FP8's rounded-up P̄ count.
 
     accumulate="fp32": the paper's definition: an FP32 running sum (tensor-core accumulation), each partial sum
     rounded to BF16 (the (.)_lp of Sec. 3.3.2). accumulate="bf16": the running sum itself is stored in BF16 after
@@ -353,23 +357,36 @@ def pv_trace(p_row, v_col, accumulate: str = "fp32") -> PVTrace:
     The reference is the FP64 running sum of P̄ V with P̄ unrounded.
     """
     if accumulate not in ("fp32", "bf16"):
-        raise ValueError(f"accumulate={accumulate!r} is not allowed: expected fp32 or bf16")
+        raise ValueError(f"accumulate={accumulate!r} is not allowed: expected fp32 or bf16 (bf16: the running sum "
+                         "stored in `fmt`)")
+    if fmt not in SPECS:
+        raise ValueError(f"--format={fmt!r} is not allowed: expected one of {', '.join(SPECS)}")
+    spec = SPECS[fmt]
     p = torch.as_tensor(np.asarray(p_row), dtype=torch.float64).flatten()
     v = torch.as_tensor(np.asarray(v_col), dtype=torch.float64).flatten()
     if p.shape != v.shape or p.numel() == 0:
         raise ValueError(f"p_row/v_col shapes {tuple(p.shape)}/{tuple(v.shape)} are not allowed: expected two "
                          "non-empty vectors of one length")
-    terms = (p.to(torch.bfloat16).to(torch.float32) * v.to(torch.float32)).numpy()  # exact BF16 x BF16 in FP32
+    if fmt == "bf16":
+        fed, vv = p.to(torch.bfloat16).to(torch.float32), v.to(torch.float32)
+        rnd = to_bf16
+    else:
+        from kernels.formats import cast
+        fed, vv = cast(p.to(torch.float32), spec.dtype), cast(v.to(torch.float32), spec.dtype)
+
+        def rnd(x: float) -> float:
+            return to_format(x, spec)
+    terms = (fed * vv).numpy()  # exact in FP32: products of two <= 11-bit significands
     acc, lp = np.float32(0.0), np.empty(len(terms), dtype=np.float64)
     for t, x in enumerate(terms):  # sequential, as one dot-product lane accumulates
         acc = np.float32(acc + x)
         if accumulate == "bf16":
-            acc = np.float32(to_bf16(float(acc)))
-        lp[t] = to_bf16(float(acc))
+            acc = np.float32(rnd(float(acc)))
+        lp[t] = rnd(float(acc))
     hp = np.cumsum((p * v).numpy())
     err = lp - hp
     step = np.diff(err, prepend=0.0)
-    return PVTrace(err=err, step=step, is_one=(p == 1.0).numpy(), accumulate=accumulate)
+    return PVTrace(err=err, step=step, is_one=(fed == 1.0).numpy(), accumulate=accumulate)
 
 
 def example_row(length: int = 1024, ones: int = 16, seed: int = 0):
@@ -466,6 +483,8 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--accumulate", choices=("fp32", "bf16"), default="fp32",
                    help="fp32: FP32 running sum, each partial sum rounded to BF16 (the paper's definition); "
                         "bf16: the running sum stored in BF16 after each addition")
+    t.add_argument("--format", choices=tuple(SPECS), default="bf16",
+                   help="format of P̄, V and the stored partial sums (default bf16, the paper's)")
     t.add_argument("--out", default="results/forensics/pv_trace.png", help="PNG path (default: %(default)s)")
     t.add_argument("--json", action="store_true", help="print the summary as JSON")
     return ap
@@ -492,7 +511,7 @@ def main(argv=None) -> int:
             raise SystemExit(f"--length={args.length} --ones={args.ones}: expected length > 0 and 0 <= ones <= length")
         p, v = example_row(args.length, args.ones, args.seed)
         title = f"P̄V cumulative error: generated row (seed {args.seed}, {args.ones} x P̄ = 1)"
-    tr = pv_trace(p, v, args.accumulate)
+    tr = pv_trace(p, v, args.accumulate, args.format)
     png = plot_trace(tr, args.out, title)
     s = dict(tr.summary(), png=str(png))
     if args.json:

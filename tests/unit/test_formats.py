@@ -443,3 +443,17 @@ def test_forensics_in_every_format(capsys):
 def test_struct_sanity():  # the oracle agrees with Python's own float16 packing
     for x in (1.0009765625, 65504.0, 6.1e-5, 3.3e-8):
         assert rne(x, *ORACLE[F16][:2], math.inf) == struct.unpack("e", struct.pack("e", x))[0]
+
+
+def test_pv_trace_per_format():
+    from kernels import forensics as fx
+    p, v = np.array([1.0, 0.97, 1e-3]), np.array([-2.25, 1.0, -2.0])
+    tr = fx.pv_trace(p, v, fmt="e4m3")
+    assert tr.is_one.tolist() == [True, True, False]  # 0.97 is fed as 1 in e4m3 (not in BF16)
+    assert fx.pv_trace(p, v).is_one.tolist() == [True, False, False]
+    hp = np.cumsum(p * v)
+    want = [rne(float(np.float32(-2.25)), 3, -6, 448.0), rne(-1.25, 3, -6, 448.0),
+            rne(float(np.float32(-1.25) + np.float32(2.0 ** -9 * -2.0)), 3, -6, 448.0)]
+    assert np.allclose(tr.err, np.array(want) - hp, rtol=0, atol=1e-15)
+    with pytest.raises(ValueError, match="--format='fp8' is not allowed"):
+        fx.pv_trace(p, v, fmt="fp8")
