@@ -11,18 +11,24 @@ table (dataclasses.make_dataclass): real dataclasses with annotations, so OmegaC
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import field, make_dataclass, replace
 from functools import partial
 from typing import Dict, List, Optional, Tuple
 
+import torch
+
 from flash_forensics.kernels.checks import bad, is_int
 from flash_forensics.kernels.knobs import BACKENDS, DELTAS, IMPLS, KNOBS, RECIPES, SOFTMAXES, Knob
-from flash_forensics.kernels.recipes import points_problem
+from flash_forensics.kernels.recipes import FP8_POINTS, for_knobs, formats_problem, points_problem
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
 
 def _shown(value):
     """A value as an error message shows it (lists from OmegaConf or tuples as lists)."""
+    if isinstance(value, Mapping):
+        return dict(value)
     return list(value) if isinstance(value, Sequence) and not isinstance(value, str) else value
 
 
@@ -44,7 +50,27 @@ class _Knobs:
             if problem:
                 knob, value, why = problem
                 raise bad(f"{key}.{knob}", value, why)
+        if "formats" in names:
+            problem = formats_problem(self.recipe, self.formats, self.keep_fp32, self.round_bf16, bool(self.pv_fp32))
+            if problem:
+                knob, value, why = problem
+                raise bad(f"{key}.{knob}", _shown(value), why)
+            self._check_scales(key)
         return self
+
+    def _check_scales(self, key: str) -> None:
+        """The FP8 scale knobs must have an FP8 store to scale (else they would change nothing, silently)."""
+        if self.input_scaling == "recipe" and self.pbar_scale == "recipe":
+            return
+        rc = for_knobs(self)
+        fp8_in = [f for f in ("inputs", "bwd_inputs", "do_in") if rc.operand(f) in (E4M3, E5M2)]
+        if self.input_scaling != "recipe" and not fp8_in:
+            raise bad(f"{key}.input_scaling", self.input_scaling, f"recipe (recipe {self.recipe} has no FP8 input "
+                      "to scale: input_scaling is for fp8_fa3 / fp8_te)")
+        fp8_p = [pt for pt in ("pbar", "bwd_gemm_in") if getattr(rc, pt) in (E4M3, E5M2)]
+        if self.pbar_scale != "recipe" and not fp8_p:
+            raise bad(f"{key}.pbar_scale", self.pbar_scale, f"recipe (P̄ is not FP8 in recipe {self.recipe}; FP8 "
+                      f"points: {', '.join(FP8_POINTS)})")
 
     def fp32_o_heads(self, n_head: int) -> List[int]:
         """Heads whose forward O is FP32 (o_fp32 means all of them)."""
@@ -123,8 +149,9 @@ class _Config:
 def _field(row: Knob, patch: bool):
     if patch:
         return row.name, Optional[row.type], field(default=None, metadata={"knob": row})
-    if isinstance(row.default, list):  # a mutable default: one fresh copy per instance
-        return row.name, row.type, field(default_factory=partial(list, row.default), metadata={"knob": row})
+    if isinstance(row.default, (list, dict)):  # a mutable default: one fresh copy per instance
+        return row.name, row.type, field(default_factory=partial(type(row.default), row.default),
+                                         metadata={"knob": row})
     return row.name, row.type, field(default=row.default, metadata={"knob": row})
 
 

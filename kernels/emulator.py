@@ -22,6 +22,10 @@ and (row, tile) pairs where the shift fired but P̄ still rounded to 1 (AttnStat
 
 stochastic_round: the BF16 stores of the P̄V product and of the O accumulator (paper_bf16's pv_out and acc) round
 stochastically (kernels/stochastic.py), nothing else does: P̄, m, l, the stored O and the backward stay nearest-even.
+
+Other formats (kernels/formats.py, kernels/recipes.py "Formats"): every store goes through `_Plan.r`, which casts to
+the point's format (FP8 saturating, with its scale) and, with counters on, counts per head what the cast did
+(AttnStats.fp16_overflow, fp8_saturated, pbar_flushed), in the forward and in the backward, on the device.
 """
 from __future__ import annotations
 
@@ -30,6 +34,7 @@ from typing import Optional
 
 import torch
 
+from flash_forensics.kernels import formats as fmt
 from flash_forensics.kernels.config import AttentionKnobs
 from flash_forensics.kernels.knobs import PBAR_CLAMP
 from flash_forensics.kernels.recipes import Recipe, for_knobs, round_to
@@ -59,15 +64,52 @@ class _Plan:
     trace: Optional[dict] = None  # point -> [(value before, value stored)], when a caller asks (tests)
     sr_seed: Optional[int] = None  # stochastic_round: its seed (None: off)
     sr_key: Optional[torch.Tensor] = None  # stochastic_round: the call's key (kernels/stochastic.py), set by forward
+    stats: Optional[AttnStats] = None  # where the format counters go (counters on), else None
+    rot: Optional[torch.Tensor] = None  # incoherent: the (D, D) rotation of Q and K
 
-    def r(self, point: str, x: torch.Tensor, keep: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def r(self, point: str, x: torch.Tensor, keep: Optional[torch.Tensor] = None,
+          dtype: Optional[torch.dtype] = None, scale=None) -> torch.Tensor:
         """x stored at rounding point `point` (kernels/recipes.py): rounded to the recipe's dtype there (lifted by
-        keep_fp32 / pv_fp32, lowered by round_bf16), except where `keep` (o_fp32 heads). Every point goes through
-        here, so a trace sees each stored value next to the value it was rounded from."""
-        y = round_to(x, getattr(self.rc, point), keep)
+        keep_fp32 / pv_fp32, lowered by round_bf16, set by formats; `dtype`: an operand's own, e.g. dS), except
+        where `keep` (o_fp32 heads). FP8 takes `scale` (None: the tile's own amax per (batch, head)). Every point
+        goes through here, so a trace sees each stored value next to the value it was rounded from."""
+        dtype = getattr(self.rc, point) if dtype is None else dtype
+        if scale is None and fmt.is_fp8(dtype) and fmt.bits(dtype) < fmt.bits(x.dtype):
+            scale = fmt.amax_scale(x, dtype, (2, 3))
+        y = round_to(x, dtype, keep, scale)
+        if self.stats is not None and y is not x:
+            self.count(point, x, y, dtype, scale, keep)
         if self.trace is not None:
             self.trace.setdefault(point, []).append((x.detach().clone(), y.detach().clone()))
         return y
+
+    def count(self, point: str, x, y, dtype, scale, keep) -> None:
+        """The format counters of one store (device adds, no sync)."""
+        st = self.stats
+        if dtype == torch.float16:
+            inf = float("inf")
+            st.update_format("fp16_overflow", (y.abs() == inf) & (x.abs() != inf))  # NaN stays NaN: not counted
+        elif fmt.is_fp8(dtype):
+            sat = fmt.saturated(x, dtype, scale)
+            st.update_format("fp8_saturated", sat if keep is None else sat & ~keep)
+        if point == "pbar":
+            st.update_format("pbar_flushed", (x > 0) & (y == 0))
+
+    def inputs(self, xs, dtype: torch.dtype, blocks, rotate=()) -> list:
+        """Q, K, V (or dO) in the working dtype as they enter the GEMMs: rotated where `rotate` (incoherent), then
+        cast to `dtype` with the input scale (FP8: input_scaling; kernels/formats.py), counted as the stores are."""
+        out = []
+        for i, (x, block) in enumerate(zip(xs, blocks, strict=True)):
+            x = x.to(self.rc.work)
+            if self.rot is not None and i in rotate:
+                x = x @ self.rot
+            scale = fmt.input_scale(x, dtype, self.rc.input_scaling, block) if fmt.bits(dtype) < fmt.bits(x.dtype) \
+                else None
+            y = round_to(x, dtype, None, scale)
+            if self.stats is not None and y is not x:
+                self.count("inputs", x, y, dtype, scale, None)
+            out.append(y)
+        return out
 
     def r_sr(self, point: str, x: torch.Tensor, stream: int) -> torch.Tensor:
         """r(point, x, o_keep) for the two stochastic_round points (pv_out, acc): with the knob on, a BF16 store
@@ -80,7 +122,8 @@ class _Plan:
         return y
 
 
-def _plan(knobs: AttentionKnobs, q: torch.Tensor, trace: Optional[dict] = None) -> _Plan:
+def _plan(knobs: AttentionKnobs, q: torch.Tensor, trace: Optional[dict] = None,
+          stats: Optional[AttnStats] = None) -> _Plan:
     B, H, T, D = q.shape
     rc = for_knobs(knobs, q.dtype)  # the recipe with keep_fp32 / pv_fp32 / round_bf16 applied
     bq, bk = (knobs.block_q, knobs.block_k) if knobs.tiling else (T, T)
@@ -93,7 +136,9 @@ def _plan(knobs: AttentionKnobs, q: torch.Tensor, trace: Optional[dict] = None) 
                  stabilized=knobs.softmax in ("stabilized", "stabilized_guarded"),
                  guarded=knobs.softmax == "stabilized_guarded", beta=float(knobs.beta), eps=float(knobs.eps),
                  delta=knobs.delta, o_keep=o_keep, clamp=bool(knobs.pbar_clamp), trace=trace,
-                 sr_seed=int(knobs.sr_seed) if knobs.stochastic_round else None)
+                 sr_seed=int(knobs.sr_seed) if knobs.stochastic_round else None,
+                 stats=stats if (stats is not None and knobs.counters) else None,
+                 rot=fmt.rotation(D, rc.work, q.device) if getattr(knobs, "incoherent", False) else None)
 
 
 def _causal_mask(qs: int, qe: int, ks: int, ke: int, device) -> Optional[torch.Tensor]:
@@ -171,11 +216,12 @@ def forward(q, k, v, knobs: AttentionKnobs, stats: Optional[AttnStats] = None, c
     per tile, "o_bar" = the O accumulator before the division (B, H, T, D), "l", "m" (B, H, T, 1).
     """
     B, H, T, D = q.shape
-    p = _plan(knobs, q, trace)
+    p = _plan(knobs, q, trace, stats)
     rc, w = p.rc, p.rc.work
     dev = q.device
     count = stats is not None and knobs.counters
-    qw, kw, vw = (round_to(x.to(w), rc.inputs) for x in (q, k, v))
+    qw, kw, vw = p.inputs((q, k, v), rc.inputs, (p.bq, p.bk, p.bk), rotate=(0, 1))
+    o_fp8 = fmt.is_fp8(rc.o_store)  # an FP8 O takes its per-tensor scale once O is complete
     if p.sr_seed is not None:  # bits keyed by the seed and these inputs: a replay redraws them exactly
         p.sr_key = call_key(p.sr_seed, qw, kw, vw)
     fill = -torch.finfo(rc.scores).max
@@ -206,7 +252,7 @@ def forward(q, k, v, knobs: AttentionKnobs, stats: Optional[AttnStats] = None, c
             l = p.r("stats", alpha * l + rowsum)
             tie = _clamped(p, pbar, rep)
             pbar_pv = pbar if tie is None else torch.where(tie, PBAR_CLAMP, pbar)  # l above: the unclamped P̄
-            pbar_in = p.r("pbar", pbar_pv, p.o_keep)
+            pbar_in = p.r("pbar", pbar_pv, p.o_keep, scale=rc.pbar_scale)
             if count:
                 p1 = None if fired is None else fired & (pbar_in >= 1).any(dim=-1, keepdim=True)
                 stats.update(rep, rm, sfa_p1=p1)
@@ -219,12 +265,15 @@ def forward(q, k, v, knobs: AttentionKnobs, stats: Optional[AttnStats] = None, c
                                              mask=mask, rm=rm, m=m_new))
         if count:  # row sum under the floor (or NaN): the row's P̄ all underflowed (exact Algorithm 3)
             stats.update_underflow(~(l_raw >= (rc.rowsum_floor or torch.finfo(w).tiny)))
-        o_saved[:, :, qs:qe] = p.r("o_store", acc / l, p.o_keep)
+        o_saved[:, :, qs:qe] = (acc / l) if o_fp8 else p.r("o_store", acc / l, p.o_keep)
         lse[:, :, qs:qe] = torch.log(l) + m
         if capture is not None:
             capture["o_bar"][:, :, qs:qe] = acc
             capture["l"][:, :, qs:qe] = l
             capture["m"][:, :, qs:qe] = m
+    if o_fp8:  # per-tensor current scaling of the complete O; kept in the working dtype (FP8 has no arithmetic)
+        o_saved = p.r("o_store", o_saved, p.o_keep, scale=fmt.amax_scale(o_saved, rc.o_store, (0, 1, 2, 3)))
+        return o_saved.to(rc.out), o_saved, lse
     # Saved for the backward in its storage dtype (BF16 for paper_bf16 / fa2), unless some heads keep FP32.
     return o_saved.to(rc.out), (o_saved if p.o_keep is not None else o_saved.to(rc.o_store)), lse
 
@@ -261,7 +310,7 @@ def _tile_delta(p: _Plan, qi, kw, vw, doi, o_saved, lse_i, qs: int, qe: int):
     o_hp = torch.zeros_like(doi)
     for ks, ke, pt, tie in _key_tiles(p, qi, kw, qs, qe, lse_i, doi.device):
         if p.delta == "dP_P":
-            dp = p.r("bwd_out", doi @ vw[:, :, ks:ke].transpose(-1, -2))
+            dp = p.r("bwd_out", doi @ vw[:, :, ks:ke].transpose(-1, -2), dtype=p.rc.operand("dp_out"))
             delta = delta + (dp * _tie_scaled(pt, tie)).sum(dim=-1, keepdim=True)
         else:  # recompute_fp32: O = P V with nothing rounded
             o_hp = o_hp + _tie_scaled(pt, tie) @ vw[:, :, ks:ke]
@@ -272,8 +321,7 @@ def row_delta(q, k, v, o_saved, lse, do, knobs: AttentionKnobs) -> torch.Tensor:
     """delta (B, H, T, 1) in the working dtype exactly as `backward` computes it for these knobs (the probes'
     delta_recipe, orchestrator/probes); o_saved and lse are `forward`'s."""
     p = _plan(knobs, q)
-    rc = p.rc
-    qw, kw, vw, dow = (round_to(x.to(rc.work), rc.inputs) for x in (q, k, v, do))
+    qw, kw, vw, dow = _bwd_inputs(p, q, k, v, do)
     T = q.shape[2]
     with torch.no_grad(), torch.autocast(device_type=q.device.type, enabled=False):
         return torch.cat([_tile_delta(p, qw[:, :, qs:min(qs + p.bq, T)], kw, vw, dow[:, :, qs:min(qs + p.bq, T)],
@@ -281,7 +329,16 @@ def row_delta(q, k, v, o_saved, lse, do, knobs: AttentionKnobs) -> torch.Tensor:
                           for qs in range(0, T, p.bq)], dim=2)
 
 
-def backward(q, k, v, o_saved, lse, do, knobs: AttentionKnobs, trace: Optional[dict] = None):
+def _bwd_inputs(p: _Plan, q, k, v, do):
+    """Q, K, V in the backward's input format (rotated if incoherent) and dO in its own (kernels/recipes.py)."""
+    rc = p.rc
+    qw, kw, vw = p.inputs((q, k, v), rc.operand("bwd_inputs"), (p.bq, p.bk, p.bk), rotate=(0, 1))
+    (dow,) = p.inputs((do,), rc.operand("do_in"), (p.bq,))
+    return qw, kw, vw, dow
+
+
+def backward(q, k, v, o_saved, lse, do, knobs: AttentionKnobs, trace: Optional[dict] = None,
+             stats: Optional[AttnStats] = None):
     """Gradients (dq, dk, dv) in the inputs' dtypes, from the forward's stored O and lse (`trace` as in forward).
 
     pbar_clamp: O = (c o P) V with c = PBAR_CLAMP where the forward clamped P̄ (`tie`) and 1 elsewhere, P the
@@ -290,10 +347,11 @@ def backward(q, k, v, o_saved, lse, do, knobs: AttentionKnobs, trace: Optional[d
     delta = rowsum(dO o O) = rowsum(dP o c o P), which is what dP_P sums and what recompute_fp32's O = (c o P) V gives.
     """
     B, H, T, D = q.shape
-    p = _plan(knobs, q, trace)
+    p = _plan(knobs, q, trace, stats)
     rc, w = p.rc, p.rc.work
     dev = q.device
-    qw, kw, vw, dow = (round_to(x.to(w), rc.inputs) for x in (q, k, v, do))
+    qw, kw, vw, dow = _bwd_inputs(p, q, k, v, do)
+    ds_in, dp_out = rc.operand("ds_in"), rc.operand("dp_out")
     dq = torch.zeros(B, H, T, D, dtype=w, device=dev)
     dk = torch.zeros_like(dq)
     dv = torch.zeros_like(dq)
@@ -305,13 +363,16 @@ def backward(q, k, v, o_saved, lse, do, knobs: AttentionKnobs, trace: Optional[d
         dq_i = torch.zeros(B, H, qe - qs, D, dtype=w, device=dev)
         for ks, ke, pt, tie in _key_tiles(p, qi, kw, qs, qe, lse_i, dev):
             kj, vj = kw[:, :, ks:ke], vw[:, :, ks:ke]
-            dv_c = p.r("bwd_out", p.r("bwd_gemm_in", _tie_scaled(pt, tie)).transpose(-1, -2) @ doi)
+            p_in = p.r("bwd_gemm_in", _tie_scaled(pt, tie), scale=rc.pbar_scale)
+            dv_c = p.r("bwd_out", p_in.transpose(-1, -2) @ doi)
             dv[:, :, ks:ke] = p.r("grad_acc", dv[:, :, ks:ke] + dv_c)
-            dp = p.r("bwd_out", doi @ vj.transpose(-1, -2))
-            ds = p.r("bwd_gemm_in", (pt * p.scale) * (_tie_scaled(dp, tie) - delta))
+            dp = p.r("bwd_out", doi @ vj.transpose(-1, -2), dtype=dp_out)
+            ds = p.r("bwd_gemm_in", (pt * p.scale) * (_tie_scaled(dp, tie) - delta), dtype=ds_in)
             dq_i = p.r("grad_acc", dq_i + p.r("bwd_out", ds @ kj))
             dk[:, :, ks:ke] = p.r("grad_acc", dk[:, :, ks:ke] + p.r("bwd_out", ds.transpose(-1, -2) @ qi))
         dq[:, :, qs:qe] = dq_i
+    if p.rot is not None:  # incoherent: the gradients of the rotated Q, K, rotated back (M orthogonal)
+        dq, dk = dq @ p.rot.transpose(0, 1), dk @ p.rot.transpose(0, 1)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
@@ -321,6 +382,7 @@ class _FlashAttention(torch.autograd.Function):
         with torch.autocast(device_type=q.device.type, enabled=False):
             o, o_saved, lse = forward(q, k, v, knobs, stats)
         ctx.knobs = knobs
+        ctx.stats = stats  # the backward's stores are counted too (format counters only)
         ctx.save_for_backward(q, k, v, o_saved, lse)
         return o
 
@@ -328,7 +390,7 @@ class _FlashAttention(torch.autograd.Function):
     def backward(ctx, do):
         q, k, v, o_saved, lse = ctx.saved_tensors
         with torch.autocast(device_type=q.device.type, enabled=False):
-            dq, dk, dv = backward(q, k, v, o_saved, lse, do, ctx.knobs)
+            dq, dk, dv = backward(q, k, v, o_saved, lse, do, ctx.knobs, stats=ctx.stats)
         return dq, dk, dv, None, None
 
 
@@ -355,6 +417,10 @@ def check_inputs(q, k, v, cfg, stats=None) -> AttentionKnobs:
         if x.device != q.device:
             raise ValueError(f"{name}.device={x.device} is not allowed: expected q's device {q.device}")
     cfg.validate(n_head=q.shape[1])
+    D = q.shape[-1]
+    if getattr(cfg, "incoherent", False) and (D & (D - 1)):
+        raise ValueError(f"attention.incoherent=True is not allowed for head_dim {D}: expected a power-of-two head "
+                         "dimension (Hadamard rotation)")
     if stats is not None:
         if not isinstance(stats, AttnStats):
             raise ValueError(f"stats={type(stats).__name__} is not allowed: expected "

@@ -1,12 +1,16 @@
-"""BF16 forensics: explain one rounding bit by bit, and trace where a P̄V row's error comes from (the paper, Sec. 3.3.2).
+"""Rounding forensics: one rounding bit by bit, and where a P̄V row's error comes from (the paper's Sec. 3.3.2).
 
-    flash-forensics forensics add -2.4071154594421387 -2.296875
+    flash-forensics forensics add -2.4071154594421387 -2.296875 [--format bf16|fp16|e4m3|e5m2]
+    flash-forensics forensics example --format e4m3    # the paper's worked example, P̄ = 1 and the bias, per format
     flash-forensics forensics pv-trace --out results/forensics/pv_trace.png
     flash-forensics forensics pv-trace --input row.pt      # {"p": P̄ row, "v": V column} or a (2, T) tensor
 
-`add`: the exact sum of two FP32 operands (integer arithmetic on their significands), rounded once to BF16 with
-round-to-nearest-even, every step printed. In the paper's example the first operand is an FP32 partial sum of P̄V
+`add`: the exact sum of two FP32 operands (integer arithmetic on their significands), rounded once to BF16 (or
+`--format`: FP16, e4m3, e5m2; FP8 saturating as kernels/formats.py casts) with round-to-nearest-even, every step
+printed. In the paper's example the first operand is an FP32 partial sum of P̄V
 (not a BF16 value: its low 16 bits are set), the second a BF16 V entry added with P̄ = 1.
+`example`: the paper's worked example in one format (V rounded to it), where P̄ = 1 arises there (the P̄ window that
+rounds to 1 and the score gap it means, with the FP8 recipes' P̄ scales) and where rounding on the P̄V path is biased.
 `pv-trace`: the paper's Fig. 6: cumulative error of one row's P̄V along key positions, low precision minus FP64,
 with the positions where P̄ = 1 marked, and how much of the error those positions carry.
 """
@@ -24,7 +28,29 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from flash_forensics.kernels.formats import PBAR_SCALES, cast, quantize
+
 F32_FRAC, BF16_FRAC = 23, 7
+
+
+@dataclass(frozen=True)
+class Spec:
+    """A target format for `explain_add`: stored fraction bits, smallest normal exponent, largest finite value,
+    whether overflow saturates (FP8, kernels/formats.py) or goes to inf, its torch dtype and an int view dtype."""
+
+    name: str
+    frac: int
+    emin: int
+    max: float
+    saturates: bool
+    dtype: torch.dtype
+    view: torch.dtype
+
+
+SPECS = {"bf16": Spec("bf16", 7, -126, float(torch.finfo(torch.bfloat16).max), False, torch.bfloat16, torch.int16),
+         "fp16": Spec("fp16", 10, -14, 65504.0, False, torch.float16, torch.int16),
+         "e4m3": Spec("e4m3", 3, -6, 448.0, True, torch.float8_e4m3fn, torch.uint8),
+         "e5m2": Spec("e5m2", 2, -14, 57344.0, True, torch.float8_e5m2, torch.uint8)}
 
 
 # --------------------------------------------------------------------------------------------------- bit helpers
@@ -54,6 +80,23 @@ def split_bits(bits: int, frac: int) -> str:
 
 def to_bf16(x: float) -> float:
     return torch.tensor(x, dtype=torch.float64).to(torch.bfloat16).item()
+
+
+def to_format(x: float, spec: Spec) -> float:
+    """x rounded to `spec` as the emulator casts (FP8 saturating: kernels/formats.py)."""
+    return cast(torch.tensor(x, dtype=torch.float32), spec.dtype).item()
+
+
+def format_bits(x: float, spec: Spec) -> int:
+    """The bit pattern of x (a value of `spec`)."""
+    mask = (1 << (1 + spec.frac + (8 if spec.name == "bf16" else 5 if spec.name in ("fp16", "e5m2") else 4))) - 1
+    return torch.tensor(x, dtype=torch.float32).to(spec.dtype).view(spec.view).item() & mask
+
+
+def split_format(bits: int, spec: Spec) -> str:
+    ebits = {"bf16": 8, "fp16": 5, "e4m3": 4, "e5m2": 5}[spec.name]
+    s = format(bits, f"0{1 + ebits + spec.frac}b")
+    return f"{s[0]} | {s[1:1 + ebits]} | {s[1 + ebits:]}"
 
 
 def bf16_bits(x: float) -> int:
@@ -101,10 +144,15 @@ class AddExplanation:
     error: float  # bf16 - exact
     torch_fp32_then_bf16: float  # cross-checks: torch's own rounding
     torch_exact_to_bf16: float
+    format: str = "bf16"  # the target format (SPECS); the bf16_* fields hold that format's values
 
 
-def explain_add(a: float, b: float) -> AddExplanation:
-    """The BF16 result of a + b (a, b FP32 values), computed exactly and rounded once, step by step."""
+def explain_add(a: float, b: float, fmt: str = "bf16") -> AddExplanation:
+    """The BF16 (or `fmt`: SPECS) result of a + b (a, b FP32 values), computed exactly and rounded
+    once, step by step. The field names say bf16 for every format (the JSON keeps one shape); `format` names it."""
+    if fmt not in SPECS:
+        raise ValueError(f"--format={fmt!r} is not allowed: expected one of {', '.join(SPECS)}")
+    spec = SPECS[fmt]
     a, b = f32_from_bits(f32_bits(a)), f32_from_bits(f32_bits(b))  # as the FP32 values the hardware sees
     (sa, ea, ma), (sb, eb, mb) = _decompose(a), _decompose(b)
     exact = Fraction(a) + Fraction(b)
@@ -131,9 +179,9 @@ def explain_add(a: float, b: float) -> AddExplanation:
         nbits = mag.bit_length()
         e_res = (e_lo - 23) + nbits - 1  # |sum| in [2**e_res, 2**(e_res+1))
         overflow_shift = max(e_res - e_hi, 0)
-        drop = nbits - (BF16_FRAC + 1)  # bits below the kept 8-bit significand
-        if e_res < -126:  # BF16 subnormal: fewer kept bits
-            drop += -126 - e_res
+        drop = nbits - (spec.frac + 1)  # bits below the kept significand (8 bits in BF16)
+        if e_res < spec.emin:  # subnormal in the target format: fewer kept bits
+            drop += spec.emin - e_res
         if drop > 0:
             kept = mag >> drop
             rest = mag & ((1 << drop) - 1)
@@ -150,56 +198,123 @@ def explain_add(a: float, b: float) -> AddExplanation:
                 decision = f"exact tie: ties to even (last kept bit {lsb}) -> " + ("round up" if up else "truncate")
             kept_mag = kept + (1 if up else 0)
             bits = format(mag, "b")
-            normalized = f"{bits[0]}.{bits[1:BF16_FRAC + 1]} | g={g} r={r} s={st} | dropped {bits[BF16_FRAC + 1:]}"
+            normalized = f"{bits[0]}.{bits[1:spec.frac + 1]} | g={g} r={r} s={st} | dropped {bits[spec.frac + 1:]}"
             e_out = e_lo - 23 + drop
         else:
             kept_mag, g, r, st, e_out = mag, 0, 0, 0, e_lo - 23
-            decision = "fits in BF16: no rounding"
+            decision = f"fits in {spec.name.upper()}: no rounding"
             bits = format(mag, "b")
             normalized = f"{bits[0]}.{bits[1:]}"
     bf = Fraction(kept_mag) * (Fraction(2) ** e_out) if mag else Fraction(0)
     bf = -bf if total < 0 else bf
-    bf16 = float(bf) if abs(float(bf)) <= torch.finfo(torch.bfloat16).max else math.copysign(math.inf, float(bf))
-    t32 = (torch.tensor(a, dtype=torch.float32) + torch.tensor(b, dtype=torch.float32)).to(torch.bfloat16).item()
-    t64 = torch.tensor(float(exact), dtype=torch.float64).to(torch.bfloat16).item()
-    raw = format(bf16_bits(bf16), "016b")
+    bf16 = float(bf) if abs(float(bf)) <= spec.max else math.copysign(spec.max if spec.saturates else math.inf,
+                                                                       float(bf))
+    if spec.saturates and abs(float(bf)) > spec.max:
+        decision += f"; beyond {spec.max:g}: saturated to the max"
+    t32 = to_format(float(torch.tensor(a, dtype=torch.float32) + torch.tensor(b, dtype=torch.float32)), spec)
+    t64 = to_format(float(exact), spec) if fmt != "bf16" else \
+        torch.tensor(float(exact), dtype=torch.float64).to(torch.bfloat16).item()
+    nb = 1 + spec.frac + {"bf16": 8, "fp16": 5, "e4m3": 4, "e5m2": 5}[fmt]
+    raw = format(format_bits(bf16, spec), f"0{nb}b")
     return AddExplanation(
         a=a, b=b, a_bits=split_bits(f32_bits(a), 23), b_bits=split_bits(f32_bits(b), 23),
-        a_bf16_bits=split_bits(bf16_bits(a), 7), b_bf16_bits=split_bits(bf16_bits(b), 7),
-        a_is_bf16=to_bf16(a) == a, b_is_bf16=to_bf16(b) == b, shift=shift, aligned_a=aligned_a,
+        a_bf16_bits=split_format(format_bits(to_format(a, spec), spec), spec),
+        b_bf16_bits=split_format(format_bits(to_format(b, spec), spec), spec),
+        a_is_bf16=to_format(a, spec) == a, b_is_bf16=to_format(b, spec) == b, shift=shift, aligned_a=aligned_a,
         aligned_b=aligned_b, significand_sum=fixed(total), overflow_shift=overflow_shift, exponent=e_res,
         normalized=normalized, guard=g, round=r, sticky=st, decision=decision, exact=float(exact),
-        exact_is_float=Fraction(float(exact)) == exact, bf16=bf16, bf16_bits=split_bits(int(raw, 2), 7),
+        exact_is_float=Fraction(float(exact)) == exact, bf16=bf16, bf16_bits=split_format(int(raw, 2), spec),
         bf16_bits_raw=raw, error=float(Fraction(bf16) - exact) if math.isfinite(bf16) else math.inf,
-        torch_fp32_then_bf16=t32, torch_exact_to_bf16=t64)
+        torch_fp32_then_bf16=t32, torch_exact_to_bf16=t64, format=fmt)
 
 
 def format_add(x: AddExplanation) -> str:
+    F, spec = x.format.upper(), SPECS[x.format]
     lines = [
         f"A = {x.a!r}", f"  FP32 bits  {x.a_bits}",
-        f"  as BF16    {x.a_bf16_bits}   ("
-        + ("A is a BF16 value" if x.a_is_bf16 else "A is not a BF16 value: an FP32 accumulator (low 16 bits set)")
-        + ")",
+        f"  as {F:<7s} {x.a_bf16_bits}   (" + (f"A is a {F} value" if x.a_is_bf16 else
+                                                  f"A is not a {F} value: an FP32 accumulator (low bits set)") + ")",
         f"B = {x.b!r}", f"  FP32 bits  {x.b_bits}",
-        f"  as BF16    {x.b_bf16_bits}   ({'B is a BF16 value' if x.b_is_bf16 else 'B is not a BF16 value'})",
+        f"  as {F:<7s} {x.b_bf16_bits}   ({f'B is a {F} value' if x.b_is_bf16 else f'B is not a {F} value'})",
         f"1. align exponents: shift the smaller operand's significand right by {x.shift} bit(s) (nothing is lost yet)",
         f"     A  {x.aligned_a}", f"     B  {x.aligned_b}",
         f"2. add significands:  {x.significand_sum}",
         (f"3. significand overflow: carry out of the leading bit -> shift right by {x.overflow_shift}, exponent + "
          f"{x.overflow_shift}" if x.overflow_shift else "3. no significand overflow (no right shift)"),
         f"   normalised: {x.normalized}  x 2^{x.exponent}",
-        f"4. round to BF16 (8-bit significand, 7 stored): guard={x.guard} round={x.round} sticky={x.sticky}",
+        f"4. round to {F} ({spec.frac + 1}-bit significand, {spec.frac} stored): guard={x.guard} round={x.round} "
+        f"sticky={x.sticky}",
         f"   round-to-nearest-even: {x.decision}",
         f"exact sum   {x.exact!r}" + ("" if x.exact_is_float else "  (nearest double; the exact sum needs more bits)"),
-        f"BF16 result {x.bf16!r} = {x.bf16_bits_raw}  ({x.bf16_bits})",
-        f"error (BF16 - exact) {x.error!r}",
-        f"cross-check: torch bf16(exact) = {x.torch_exact_to_bf16!r}; torch bf16(fp32(A + B)) = "
+        f"{F} result {x.bf16!r} = {x.bf16_bits_raw}  ({x.bf16_bits})",
+        f"error ({F} - exact) {x.error!r}",
+        f"cross-check: torch {x.format}(exact) = {x.torch_exact_to_bf16!r}; torch {x.format}(fp32(A + B)) = "
         f"{x.torch_fp32_then_bf16!r}" + ("" if x.torch_fp32_then_bf16 == x.bf16 else
                                          "  (differs: double rounding through FP32)"),
     ]
     if x.error < 0 < abs(x.exact) and x.exact < 0:
         lines.append("the rounding made a negative sum more negative: a negative error, the bias of claim 3")
     return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------------- per format
+PAPER_A, PAPER_B = -2.4071154594421387, -2.296875  # the paper's Sec. 3.3.2 operands: an FP32 partial sum, a V entry
+
+
+def unit_window(fmt: str, scale: float = 1.0) -> float:
+    """The smallest P̄ (an FP32 value) that `fmt` with P̄ scale `scale` stores as exactly 1 (kernels/formats.py
+    quantize); every P̄ in [it, 1] becomes 1. Found by bisection on FP32 values."""
+    spec = SPECS[fmt]
+
+    def one(p: float) -> bool:
+        return quantize(torch.tensor([p], dtype=torch.float32), spec.dtype, scale).item() == 1.0
+
+    lo, hi = 0.5, 1.0  # one(lo) is False, one(hi) is True for every format here
+    for _ in range(40):
+        mid = f32_from_bits(f32_bits((lo + hi) / 2))
+        lo, hi = (lo, mid) if one(mid) else (mid, hi)
+    return hi
+
+
+def format_example(fmt: str) -> dict:
+    """The paper's worked example in `fmt` (V rounded to it), the P̄ = 1 window and the bias, as a dict."""
+    spec = SPECS[fmt]
+    b = to_format(PAPER_B, spec)
+    x = explain_add(PAPER_A, b, fmt)
+    below = float(1.0 - float(torch.finfo(spec.dtype).eps) / 2)
+    scales = {"none": 1.0} | ({k: v for k, v in PBAR_SCALES.items() if k != "none"} if fmt in ("e4m3", "e5m2") else {})
+    windows = {}
+    for name, sc in scales.items():
+        w = unit_window(fmt, sc)
+        windows[name] = dict(scale=sc, p_from=w, score_gap=-math.log(w), up_bias_max=1.0 - w)
+    ulp = 2.0 ** (math.floor(math.log2(abs(x.exact))) - spec.frac)
+    return dict(format=fmt, a=PAPER_A, b=b, b_exact_in_format=b == PAPER_B, sum=x.bf16, exact=x.exact,
+                error=x.error, error_ulps=x.error / ulp, overflow_shift=x.overflow_shift, decision=x.decision,
+                next_below_one=below, windows=windows, explanation=x)
+
+
+def print_example(fmt: str) -> None:
+    e = format_example(fmt)
+    F = fmt.upper()
+    print(f"== the paper's worked example in {F} (Sec. 3.3.2): A = FP32 partial sum of P̄V, B = a V entry in {F}")
+    if not e["b_exact_in_format"]:
+        print(f"   B = {PAPER_B!r} is no {F} value: stored as {e['b']!r}")
+    print(format_add(e["explanation"]))
+    print(f"== where P̄ = 1 arises in {F}: the value below 1 is {e['next_below_one']!r}")
+    for name, w in e["windows"].items():
+        print(f"   P̄ scale {name} ({w['scale']:g}): every P̄ in [{w['p_from']!r}, 1] is stored as 1, i.e. every "
+              f"score within {w['score_gap']:.4g} of the row max; rounding up there adds up to "
+              f"+{w['up_bias_max']:.4g} to P̄")
+    print(f"== where rounding of P̄V is biased in {F}")
+    print(f"   a P̄ = 1 term adds V exactly; two same-sign terms of one binade carry out of the significand "
+          f"(overflow shift {e['overflow_shift']}), and the rounding of that sum moves it by {e['error']!r} "
+          f"({e['error_ulps']:+.3f} ulp of {F}): "
+          + ("away from zero, with the sign of V (the bias of claim 3)." if e["error"] * e["exact"] > 0 else
+             "toward zero: in this format the example does not show the bias (it depends on the dropped bits)."))
+    print(f"   Such a rounding acts only where P̄V partial sums are stored in {F} (the pv_out / acc points: BF16 in "
+          f"paper_bf16); fa2, fp16, fp8_fa3 and fp8_te accumulate P̄V in FP32 and store O once (fp8_te: O in "
+          f"e4m3). P̄ itself is biased in every format: the window above rounds P̄ up to 1 (never down), in every "
+          f"row whose max repeats within it, so those V enter P̄V exactly as in the paper's example.")
 
 
 # --------------------------------------------------------------------------------------------------- pv-trace
@@ -228,8 +343,12 @@ class PVTrace:
             ones_share_signed=(s1 / (abs(s1) + abs(s0))) if (s1 or s0) else float("nan"))
 
 
-def pv_trace(p_row, v_col, accumulate: str = "fp32") -> PVTrace:
+def pv_trace(p_row, v_col, accumulate: str = "fp32", fmt: str = "bf16") -> PVTrace:
     """Cumulative error of one row's P̄V (P̄ rounded to BF16 as the GEMM input; V as given, taken to be BF16).
+
+    fmt (SPECS: bf16, fp16, e4m3, e5m2): the format P̄, V and the partial sums are stored in (FP8 saturating, no
+    scale: FA3's 2^8 changes only P̄ below e4m3's normal range); BF16 is the paper's case. `is_one`: the P̄ as fed
+    is 1, so FP8's rounded-up P̄ count.
 
     accumulate="fp32": the paper's definition: an FP32 running sum (tensor-core accumulation), each partial sum
     rounded to BF16 (the (.)_lp of Sec. 3.3.2). accumulate="bf16": the running sum itself is stored in BF16 after
@@ -237,23 +356,35 @@ def pv_trace(p_row, v_col, accumulate: str = "fp32") -> PVTrace:
     The reference is the FP64 running sum of P̄ V with P̄ unrounded.
     """
     if accumulate not in ("fp32", "bf16"):
-        raise ValueError(f"accumulate={accumulate!r} is not allowed: expected fp32 or bf16")
+        raise ValueError(f"accumulate={accumulate!r} is not allowed: expected fp32 or bf16 (bf16: the running sum "
+                         "stored in `fmt`)")
+    if fmt not in SPECS:
+        raise ValueError(f"--format={fmt!r} is not allowed: expected one of {', '.join(SPECS)}")
+    spec = SPECS[fmt]
     p = torch.as_tensor(np.asarray(p_row), dtype=torch.float64).flatten()
     v = torch.as_tensor(np.asarray(v_col), dtype=torch.float64).flatten()
     if p.shape != v.shape or p.numel() == 0:
         raise ValueError(f"p_row/v_col shapes {tuple(p.shape)}/{tuple(v.shape)} are not allowed: expected two "
                          "non-empty vectors of one length")
-    terms = (p.to(torch.bfloat16).to(torch.float32) * v.to(torch.float32)).numpy()  # exact BF16 x BF16 in FP32
+    if fmt == "bf16":
+        fed, vv = p.to(torch.bfloat16).to(torch.float32), v.to(torch.float32)
+        rnd = to_bf16
+    else:
+        fed, vv = cast(p.to(torch.float32), spec.dtype), cast(v.to(torch.float32), spec.dtype)
+
+        def rnd(x: float) -> float:
+            return to_format(x, spec)
+    terms = (fed * vv).numpy()  # exact in FP32: products of two <= 11-bit significands
     acc, lp = np.float32(0.0), np.empty(len(terms), dtype=np.float64)
     for t, x in enumerate(terms):  # sequential, as one dot-product lane accumulates
         acc = np.float32(acc + x)
         if accumulate == "bf16":
-            acc = np.float32(to_bf16(float(acc)))
-        lp[t] = to_bf16(float(acc))
+            acc = np.float32(rnd(float(acc)))
+        lp[t] = rnd(float(acc))
     hp = np.cumsum((p * v).numpy())
     err = lp - hp
     step = np.diff(err, prepend=0.0)
-    return PVTrace(err=err, step=step, is_one=(p == 1.0).numpy(), accumulate=accumulate)
+    return PVTrace(err=err, step=step, is_one=(fed == 1.0).numpy(), accumulate=accumulate)
 
 
 def example_row(length: int = 1024, ones: int = 16, seed: int = 0):
@@ -320,6 +451,7 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="examples:\n  flash-forensics forensics add -2.4071154594421387 -2.296875\n"
                "  flash-forensics forensics add 11000000000110100000111000101110 11000000000100110000000000000000\n"
+               "  flash-forensics forensics example --format e4m3\n"
                "  flash-forensics forensics pv-trace --out results/forensics/pv_trace.png")
     sub = ap.add_subparsers(dest="cmd", required=True)
     a = sub.add_parser("add", help="explain one addition rounded to BF16, bit by bit",
@@ -328,6 +460,14 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("a", help="first operand: decimal, 32 binary digits (FP32 bits) or 0x-hex FP32 bits")
     a.add_argument("b", help="second operand, same forms")
     a.add_argument("--json", action="store_true", help="print the explanation as JSON")
+    a.add_argument("--format", choices=tuple(SPECS), default="bf16",
+                   help="the format the sum is rounded to (default bf16; FP8 saturates as kernels/formats.py)")
+    e = sub.add_parser("example", help="the paper's worked example, P̄ = 1 and the P̄V bias in one format",
+                       description="The paper's worked BF16 addition redone in --format (V rounded to it), the P̄ "
+                                   "window that rounds to 1 (with the FP8 recipes' P̄ scales) and where the "
+                                   "rounding of P̄V is biased.")
+    e.add_argument("--format", choices=tuple(SPECS), default="bf16", help="bf16 (default), fp16, e4m3 or e5m2")
+    e.add_argument("--json", action="store_true", help="print the numbers as JSON")
     t = sub.add_parser("pv-trace", help="cumulative P̄V error of one row along key positions (paper Fig. 6)",
                        description="Cumulative error of one row's P̄V (low precision minus FP64) along key "
                                    "positions, P̄ = 1 positions marked; writes a PNG and prints a summary. Without "
@@ -341,6 +481,8 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--accumulate", choices=("fp32", "bf16"), default="fp32",
                    help="fp32: FP32 running sum, each partial sum rounded to BF16 (the paper's definition); "
                         "bf16: the running sum stored in BF16 after each addition")
+    t.add_argument("--format", choices=tuple(SPECS), default="bf16",
+                   help="format of P̄, V and the stored partial sums (default bf16, the paper's)")
     t.add_argument("--out", default="results/forensics/pv_trace.png", help="PNG path (default: %(default)s)")
     t.add_argument("--json", action="store_true", help="print the summary as JSON")
     return ap
@@ -349,8 +491,15 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     if args.cmd == "add":
-        x = explain_add(parse_operand(args.a), parse_operand(args.b))
+        x = explain_add(parse_operand(args.a), parse_operand(args.b), args.format)
         print(json.dumps(asdict(x), indent=2) if args.json else format_add(x))
+        return 0
+    if args.cmd == "example":
+        if args.json:
+            e = format_example(args.format)
+            print(json.dumps({**e, "explanation": asdict(e["explanation"])}, indent=2))
+        else:
+            print_example(args.format)
         return 0
     if args.input:
         p, v = load_row(args.input, args.p_key, args.v_key)
@@ -360,7 +509,7 @@ def main(argv=None) -> int:
             raise SystemExit(f"--length={args.length} --ones={args.ones}: expected length > 0 and 0 <= ones <= length")
         p, v = example_row(args.length, args.ones, args.seed)
         title = f"P̄V cumulative error: generated row (seed {args.seed}, {args.ones} x P̄ = 1)"
-    tr = pv_trace(p, v, args.accumulate)
+    tr = pv_trace(p, v, args.accumulate, args.format)
     png = plot_trace(tr, args.out, title)
     s = dict(tr.summary(), png=str(png))
     if args.json:

@@ -21,7 +21,8 @@ from dataclasses import KW_ONLY, dataclass, replace
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 from flash_forensics.kernels.checks import is_int, is_num
-from flash_forensics.kernels.recipes import RECIPES, ROUNDING_POINTS
+from flash_forensics.kernels.formats import FORMATS, PBAR_SCALES
+from flash_forensics.kernels.recipes import FP8_POINTS, INPUT_SCALINGS, RECIPES, ROUNDING_POINTS
 
 IMPLEMENTATIONS = ("emulator", "triton", "standard", "sdpa")
 FLASH = ("emulator", "triton")  # the tiled kernels (impl=flash)
@@ -150,6 +151,18 @@ def _points(value, _n_head) -> Optional[str]:
     return None if ok else f"a list of distinct rounding points from {', '.join(ROUNDING_POINTS)}"
 
 
+def _formats(value, _n_head) -> Optional[str]:
+    ok = (isinstance(value, Mapping) and all(isinstance(pt, str) and pt in ROUNDING_POINTS for pt in value)
+          and all(isinstance(f, str) and f in FORMATS for f in value.values()))
+    return None if ok else (f"a mapping {{rounding point: format}} with points from {', '.join(ROUNDING_POINTS)} "
+                            f"and formats from {', '.join(FORMATS)} (FP8 only at {', '.join(FP8_POINTS)})")
+
+
+def _formats_label(k) -> Optional[str]:
+    forms = dict(k.formats or {})
+    return "formats=" + ",".join(f"{pt}:{forms[pt]}" for pt in ROUNDING_POINTS if pt in forms) if forms else None
+
+
 def _points_label(name: str) -> Label:
     return lambda k: f"{name}=" + ",".join(getattr(k, name)) if list(getattr(k, name)) else None
 
@@ -170,7 +183,8 @@ KNOBS: Tuple[Knob, ...] = (
          computed_by={"emulator": ("emulator",), "triton": ("triton",)}, off="auto", ignored_by=("standard", "sdpa"),
          choices=BACKENDS, label=_elsewhere),
     Knob("recipe", str, "paper_bf16", "the dtype of every attention intermediate (kernels/recipes.py)",
-         computed_by={"emulator": ("fa2", "fp32"), "triton": ("fa2", "fp32"), "standard": ("fa2", "fp32"),
+         computed_by={"emulator": ("fa2", "fp32", "fp16", "fp8_fa3", "fp8_te"), "triton": ("fa2", "fp32"),
+                      "standard": ("fa2", "fp32"),
                       "sdpa": ("fa2", "fp32")}, off="paper_bf16", choices=RECIPES, label=_elsewhere),
     Knob("tiling", bool, True, "False: one block spans the whole sequence (block size = T)",
          computed_by=FLASH, off=True, label=lambda k: None if k.tiling else "untiled"),
@@ -205,6 +219,22 @@ KNOBS: Tuple[Knob, ...] = (
          "[pbar, pv_out, acc]", computed_by=FLASH, off=[], check=_points, label=_points_label("keep_fp32")),
     Knob("round_bf16", List[str], [], "rounding points rounded to BF16 (e.g. recipe=fp32 with [pv_out])",
          computed_by=FLASH, off=[], check=_points, label=_points_label("round_bf16")),
+    # Formats per point (kernels/formats.py) and the FP8 recipes' accuracy tricks: the emulator only (Triton's kernels
+    # store BF16 or FP32; kernels/recipes.py formats_problem checks the fit to the recipe)
+    Knob("formats", Dict[str, str], {}, "rounding point -> format (fp32, bf16, fp16, e4m3, e5m2), e.g. "
+         "{pbar: e4m3}; keep_fp32 / round_bf16 are its fp32 / bf16 shorthands", computed_by=("emulator",), off={},
+         check=_formats, label=_formats_label),
+    Knob("input_scaling", str, "recipe", "scale of FP8 Q, K, V, dO: tensor (one amax), head (FA3's per-(batch, "
+         "head) descales), block (one scale per tile: FA3's block quantization); recipe: the recipe's own",
+         computed_by={"emulator": INPUT_SCALINGS}, off="recipe", choices=("recipe",) + INPUT_SCALINGS,
+         label=lambda k: None if k.input_scaling == "recipe" else f"scaling={k.input_scaling}"),
+    Knob("pbar_scale", str, "recipe", "P̄'s fixed scale before an FP8 cast: fa3 (2^8), sage (448), none (1); "
+         "recipe: the recipe's own", computed_by={"emulator": tuple(PBAR_SCALES)}, off="recipe",
+         choices=("recipe",) + tuple(PBAR_SCALES),
+         label=lambda k: None if k.pbar_scale == "recipe" else f"pbar_scale={k.pbar_scale}"),
+    Knob("incoherent", bool, False, "FA3's incoherent processing: Q and K rotated by a random-sign Hadamard matrix "
+         "along the head dimension before their cast (QK^T unchanged in exact arithmetic)",
+         computed_by=("emulator",), off=False),
     Knob("pbar_clamp", bool, False, f"where a tile's row max repeats, P̄ = 1 becomes {PBAR_CLAMP} before P̄V "
          "(m and l unchanged): the clamp-only ablation", computed_by=("emulator",), off=False),
     # stochastic rounding (emulator only; kernels/emulator.py `_stochastic`): its own rows, read by nothing else

@@ -65,7 +65,7 @@ def tie_rows(q, k, knobs: AttentionKnobs) -> Tuple[torch.Tensor, torch.Tensor]:
     p = emulator._plan(knobs, q)
     rc = p.rc
     T, dev = q.shape[2], q.device
-    qw, kw = (round_to(x.to(rc.work), rc.inputs) for x in (q, k))
+    qw, kw = p.inputs((q, k), rc.inputs, (p.bq, p.bk), rotate=(0, 1))  # as the forward (FP8: with its scales)
     fill = -torch.finfo(rc.scores).max
     tie = torch.zeros(q.shape[:3], dtype=torch.bool, device=dev)
     created = torch.zeros_like(tie)

@@ -60,9 +60,29 @@ Knobs that override a recipe (kernels/config.py):
 - o_fp32 / o_fp32_heads: for those heads, everything pv_fp32 lifts *and* O_stored stays in `math`, so delta
   (dO_O) uses the FP32 O (and the dO*O product is not rounded, as BF16 * FP32 promotes to FP32 in PyTorch). The
   returned O is still `out` (BF16): the next layer sees the same dtype. Other heads are bit-identical.
+- formats: {point: fp32 | bf16 | fp16 | e4m3 | e5m2} (see "Formats" above; `formats_problem` validates it);
+  input_scaling / pbar_scale: the FP8 scales (tensor | head | block; fa3 | sage | none); incoherent: FA3's Hadamard
+  rotation of Q and K. Emulator only (the knob table refuses them for Triton, standard and sdpa).
 - tiling=False: one tile spans the sequence (block_q = block_k = T).
 - stochastic_round: the `pv_out` and `acc` roundings (BF16 in paper_bf16 only) are stochastic instead of nearest
   even (kernels/stochastic.py, seed `sr_seed`); every other point stays nearest even. Refused where both are FP32.
+
+Formats (kernels/formats.py has the casts, their overflow/saturation rules and the scales): each point is stored in
+one of fp32, bf16, fp16, e4m3, e5m2. The knob `formats` ({point: format}) sets any point to any format; keep_fp32 /
+round_bf16 are its shorthands for fp32 / bf16 (bit-identical to before). FP8 is allowed only at FP8_POINTS (GEMM
+operands and stores FP8 kernels quantise: pbar, o_store, bwd_gemm_in, bwd_out); accumulators, statistics and the
+arguments of exp keep >= 16 bits. An FP8 store carries a scale (cast(x * s) / s):
+    Q, K, V, dO (`inputs`, `bwd_inputs`, `do_in` in FP8): `input_scaling` tensor (one amax, current scaling) |
+        head (FA3's per-(batch, KV-head) descales) | block (one scale per tile: FA3's block quantization)
+    pbar and the backward's P (bwd_gemm_in): the fixed `pbar_scale` (FA3 2^8, SageAttention 448, or 1)
+    o_store: per-tensor current scaling, applied once O is complete
+    dP, dS and the dQ/dK/dV chunks: the tile's own amax per (batch, head) (tile current scaling: an optimistic
+        stand-in for Transformer Engine's delayed per-tensor scales, whose amax history the emulator does not keep)
+Operand fields (not points; None = the point's format): `bwd_inputs` (Q, K, V in the backward; None = `inputs`),
+`do_in` (dO; None = the backward's inputs), `ds_in` (dS as fed to dQ/dK; None = bwd_gemm_in), `dp_out` (dP; None =
+bwd_out). Setting a point's format moves its operands with it (formats={bwd_gemm_in: bf16} on fp8_te stores both P
+and dS in BF16). `incoherent` (knob): Q and K rotated by a random-sign Hadamard matrix along the head dimension
+before their input cast (kernels/formats.py), in both passes, and dQ, dK rotated back.
 
 Recipes:
 - paper_bf16: the paper's plain-PyTorch FA2 (ucker/why-low-precision-training-fails, attention.py) under CUDA
@@ -96,6 +116,23 @@ Recipes:
   GEMM inputs and FP32 outputs and accumulators.
 - fp32: everything in the working dtype = the inputs' precision if it is >= FP32 (FP64 inputs compute in FP64: the
   float64 tests and gradcheck), else FP32. Output in that dtype.
+- fp16: fa2 with FP16 in place of BF16 (Q, K, V, dO, P̄, stored O, backward GEMM inputs, returned O): what
+  FlashAttention-2 computes on FP16 inputs. FP16 overflows to inf beyond 65504 (counted: AttnStats.fp16_overflow).
+- fp8_fa3: FlashAttention-3's FP8 forward (Shah et al. 2024, arXiv 2407.08608, Sec. 3.3; flash_attn_interface's
+  q_descale / k_descale / v_descale of shape (batch, kv_heads)): Q, K, V in e4m3 with per-(batch, head) descales
+  (current scaling, input_scaling=head), S, m, l and the O accumulator in FP32, P̄ multiplied by 2^8 (pbar_scale)
+  before its e4m3 cast for the P̄V GEMM (FP32 accumulate), O returned and stored in BF16. FA3's FP8 kernel has no
+  backward: the backward is fa2's on the BF16 Q, K, V (bwd_inputs=BF16) with the FP8 forward's O and lse (what a
+  hybrid FP8-forward / BF16-backward training computes; P = exp(S_bf16 - lse_fp8) need not sum to exactly 1).
+  FA3's accuracy tricks are knobs: incoherent=true, input_scaling=block.
+- fp8_te: Transformer Engine's fp8_dpa with the DelayedScaling(fp8_format=HYBRID) recipe (cuDNN fused FP8
+  attention; e4m3 forward, e5m2 backward): Q, K, V e4m3 (per-tensor scales), S = QK^T and the softmax statistics
+  M and ZInv in FP32, the softmax output (P̄) e4m3 with scale 448 (TE's S quantizer: 448 / amax, amax = 1 as soon
+  as one P̄ = 1 was seen, i.e. always), O stored in e4m3 with its per-tensor scale and returned in BF16 (fp8_dpa
+  without fp8_mha casts O back at the boundary); backward: dO e5m2 (per-tensor), delta = rowsum(dO * O) in FP32
+  from the FP8 O, dP = dO V^T stored e5m2, dS = P (dP - delta) in FP32 stored e5m2 for dQ/dK, P e4m3 (scale 448)
+  for dV, FP32 accumulation. Not modelled: TE's delayed (amax-history) scales (current scaling here), the final
+  FP8 cast of dQ/dK/dV where fp8_mha is on.
 Gradients are returned in the inputs' dtypes.
 
 `resolve(name, input_dtype)` gives the concrete Recipe; `reference_attention` in kernels/emulator.py is the pure
@@ -104,18 +141,26 @@ function other kernels test against.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
-from typing import Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 
+from flash_forensics.kernels import formats as fmt
+
 BF16 = torch.bfloat16
 F32 = torch.float32
+F16 = torch.float16
+E4M3, E5M2 = fmt.E4M3, fmt.E5M2
 
-RECIPES = ("paper_bf16", "fa2", "fp32")
+RECIPES = ("paper_bf16", "fa2", "fp32", "fp16", "fp8_fa3", "fp8_te")
+FP8_RECIPES = ("fp8_fa3", "fp8_te")
 # Every storage point of a recipe, in the order of the computation (module docstring). Each one is a Recipe field.
 ROUNDING_POINTS = ("scores", "shift", "stats", "pbar", "pv_out", "acc", "o_store", "delta_prod", "bwd_gemm_in",
                    "bwd_out", "grad_acc")
 PV_POINTS = ("pbar", "pv_out", "acc")  # what pv_fp32 lifts (the P̄V path)
+FP8_POINTS = ("pbar", "o_store", "bwd_gemm_in", "bwd_out")  # where FP8 is allowed (module docstring)
+INPUT_SCALINGS = ("tensor", "head", "block")
+_OPERANDS = {"bwd_gemm_in": "ds_in", "bwd_out": "dp_out"}  # a point's operand fields that follow its format
 POINT_MEANINGS = {  # one line per point, for generated files and reports (the docstring above has the detail)
     "scores": "S = QK^T and S * scale",
     "shift": "S - m and m_old - m_new, the arguments of exp",
@@ -152,6 +197,13 @@ class Recipe:
     bwd_out: torch.dtype  # backward GEMM outputs (dP and the dQ/dK/dV chunks)
     grad_acc: torch.dtype  # dQ/dK/dV accumulators
     rowsum_floor: float = 0.0  # each tile's row sum is clamped at this (paper_bf16: 1e-10, as in its code)
+    # operands and scales of the other formats (module docstring, "Formats"); the defaults change nothing
+    bwd_inputs: Optional[torch.dtype] = None  # Q, K, V in the backward (None: `inputs`; fp8_fa3: BF16)
+    do_in: Optional[torch.dtype] = None  # dO in the backward (None: the backward's inputs; fp8_te: e5m2)
+    ds_in: Optional[torch.dtype] = None  # dS as fed to dQ/dK (None: bwd_gemm_in; fp8_te: e5m2)
+    dp_out: Optional[torch.dtype] = None  # dP (None: bwd_out; fp8_te: e5m2)
+    input_scaling: str = "tensor"  # scale of FP8 inputs: tensor | head | block (read only where an input is FP8)
+    pbar_scale: float = 1.0  # P̄ (and the backward's P) multiplied by this before an FP8 cast
 
     def describe(self) -> dict:
         """Field -> dtype name, for MLflow params and reports."""
@@ -162,15 +214,35 @@ class Recipe:
         """The points this recipe stores in BF16, in ROUNDING_POINTS order."""
         return tuple(pt for pt in ROUNDING_POINTS if getattr(self, pt) == BF16)
 
+    def formats(self) -> Dict[str, str]:
+        """{point: format name} for every rounding point (fp64 where the working dtype is FP64)."""
+        return {pt: fmt.name_of(getattr(self, pt)) for pt in ROUNDING_POINTS}
+
+    def operand(self, field: str) -> torch.dtype:
+        """The dtype of an operand field, its None resolved (bwd_inputs -> inputs, do_in -> the backward's inputs,
+        ds_in -> bwd_gemm_in, dp_out -> bwd_out)."""
+        value = getattr(self, field)
+        if value is not None:
+            return value
+        return {"bwd_inputs": lambda: self.inputs, "do_in": lambda: self.operand("bwd_inputs"),
+                "ds_in": lambda: self.bwd_gemm_in, "dp_out": lambda: self.bwd_out}[field]()
+
+    def has_fp8(self) -> bool:
+        return any(fmt.is_fp8(getattr(self, f)) for f in ROUNDING_POINTS + ("inputs", "bwd_inputs", "do_in",
+                                                                             "ds_in", "dp_out"))
+
 
 def work_dtype(name: str, input_dtype: torch.dtype) -> torch.dtype:
     """FP64 for the fp32 recipe on FP64 inputs ("the input's precision if it is >= FP32"), else FP32."""
     return torch.float64 if (name == "fp32" and input_dtype == torch.float64) else F32
 
 
-def resolve(name: str, input_dtype: torch.dtype = BF16, keep_fp32=(), round_bf16=()) -> Recipe:
+def resolve(name: str, input_dtype: torch.dtype = BF16, keep_fp32=(), round_bf16=(), formats=None,
+            input_scaling: Optional[str] = None, pbar_scale: Optional[float] = None) -> Recipe:
     """The concrete Recipe for `name` and inputs of `input_dtype`, with the points in `keep_fp32` stored in the
-    working dtype (FP32) and those in `round_bf16` in BF16 (validated by `points_problem` before launch)."""
+    working dtype (FP32), those in `round_bf16` in BF16 and those in `formats` ({point: format name}) in theirs
+    (validated by `points_problem` / `formats_problem` before launch); `input_scaling` / `pbar_scale` (None: the
+    recipe's own) replace the FP8 scales."""
     if name not in RECIPES:
         raise ValueError(f"attention.recipe={name!r} is not allowed: expected one of {', '.join(RECIPES)}")
     w = work_dtype(name, input_dtype)
@@ -181,10 +253,30 @@ def resolve(name: str, input_dtype: torch.dtype = BF16, keep_fp32=(), round_bf16
     elif name == "fa2":
         rc = Recipe(name, work=w, inputs=BF16, scores=F32, shift=F32, stats=F32, pbar=BF16, pv_out=F32, acc=F32,
                     o_store=BF16, out=BF16, math=F32, delta_prod=F32, bwd_gemm_in=BF16, bwd_out=F32, grad_acc=F32)
+    elif name == "fp16":
+        rc = Recipe(name, work=w, inputs=F16, scores=F32, shift=F32, stats=F32, pbar=F16, pv_out=F32, acc=F32,
+                    o_store=F16, out=F16, math=F32, delta_prod=F32, bwd_gemm_in=F16, bwd_out=F32, grad_acc=F32)
+    elif name == "fp8_fa3":
+        rc = Recipe(name, work=w, inputs=E4M3, scores=F32, shift=F32, stats=F32, pbar=E4M3, pv_out=F32, acc=F32,
+                    o_store=BF16, out=BF16, math=F32, delta_prod=F32, bwd_gemm_in=BF16, bwd_out=F32, grad_acc=F32,
+                    bwd_inputs=BF16, input_scaling="head", pbar_scale=fmt.PBAR_SCALES["fa3"])
+    elif name == "fp8_te":
+        rc = Recipe(name, work=w, inputs=E4M3, scores=F32, shift=F32, stats=F32, pbar=E4M3, pv_out=F32, acc=F32,
+                    o_store=E4M3, out=BF16, math=F32, delta_prod=F32, bwd_gemm_in=E4M3, bwd_out=F32, grad_acc=F32,
+                    do_in=E5M2, ds_in=E5M2, dp_out=E5M2, input_scaling="tensor",
+                    pbar_scale=fmt.PBAR_SCALES["sage"])
     else:
         rc = Recipe(name, work=w, inputs=w, scores=w, shift=w, stats=w, pbar=w, pv_out=w, acc=w, o_store=w, out=w,
                     math=w, delta_prod=w, bwd_gemm_in=w, bwd_out=w, grad_acc=w)
-    moved = {**{pt: w for pt in keep_fp32}, **{pt: BF16 for pt in round_bf16}}
+    moved = {**{pt: w for pt in keep_fp32}, **{pt: BF16 for pt in round_bf16},
+             **{pt: (w if f == "fp32" else fmt.dtype_of(f)) for pt, f in dict(formats or {}).items()}}
+    for pt in list(moved):  # a point's operands follow its format (module docstring)
+        if pt in _OPERANDS:
+            moved[_OPERANDS[pt]] = None
+    if input_scaling is not None:
+        moved["input_scaling"] = input_scaling
+    if pbar_scale is not None:
+        moved["pbar_scale"] = float(pbar_scale)
     return replace(rc, **moved) if moved else rc
 
 
@@ -195,8 +287,14 @@ def lifted_points(knobs) -> tuple:
 
 
 def for_knobs(knobs, input_dtype: torch.dtype = BF16) -> Recipe:
-    """The Recipe a layer computes: its recipe with keep_fp32 / pv_fp32 lifted and round_bf16 rounded."""
-    return resolve(knobs.recipe, input_dtype, lifted_points(knobs), tuple(knobs.round_bf16))
+    """The Recipe a layer computes: its recipe with keep_fp32 / pv_fp32 lifted, round_bf16 rounded, `formats`
+    applied and the FP8 scale knobs (input_scaling, pbar_scale; "recipe" = the recipe's own)."""
+    forms = dict(getattr(knobs, "formats", None) or {})
+    scaling = getattr(knobs, "input_scaling", "recipe")
+    pscale = getattr(knobs, "pbar_scale", "recipe")
+    return resolve(knobs.recipe, input_dtype, lifted_points(knobs), tuple(knobs.round_bf16), forms,
+                   None if scaling == "recipe" else scaling,
+                   None if pscale == "recipe" else fmt.PBAR_SCALES[pscale])
 
 
 def points_problem(recipe: str, keep_fp32, round_bf16, pv_fp32: bool = False) -> Optional[Tuple[str, object, str]]:
@@ -218,28 +316,69 @@ def points_problem(recipe: str, keep_fp32, round_bf16, pv_fp32: bool = False) ->
     if both:
         return "round_bf16", lists[1][1], (f"no point that pv_fp32=true lifts ({', '.join(PV_POINTS)}; "
                                            f"{', '.join(both)} is in both)")
-    for knob, pts, dtype, word in (("keep_fp32", lists[0][1], BF16, "lift"), ("round_bf16", lists[1][1], F32,
+    for knob, pts, target, word in (("keep_fp32", lists[0][1], "fp32", "lift"), ("round_bf16", lists[1][1], "bf16",
                                                                                "round")):
-        same = [pt for pt in pts if (getattr(base, pt) == BF16) != (dtype == BF16)]
+        same = [pt for pt in pts if _format_of(base, pt) == target]
         if same:
-            have, other = ("FP32", "BF16") if dtype == BF16 else ("BF16", "FP32")
-            allowed = [pt for pt in ROUNDING_POINTS if (getattr(base, pt) == BF16) == (dtype == BF16)]
-            return knob, pts, (f"points that recipe {recipe} stores in {other}: recipe {recipe} keeps "
-                               f"{', '.join(same)} in {have} already ({word} would change nothing); allowed: "
-                               f"{', '.join(allowed) or 'none'}")
+            allowed = [pt for pt in ROUNDING_POINTS if _format_of(base, pt) != target]
+            stored = (sorted({_format_of(base, pt) for pt in allowed}, key=_FORMAT_ORDER.index)
+                      or ["bf16" if target == "fp32" else "fp32"])
+            return knob, pts, (f"points that recipe {recipe} stores in {' or '.join(f.upper() for f in stored)}: "
+                               f"recipe {recipe} keeps {', '.join(same)} in {target.upper()} already ({word} would "
+                               f"change nothing); allowed: {', '.join(allowed) or 'none'}")
     return None
 
 
-def round_to(x: torch.Tensor, dtype: torch.dtype, keep: torch.Tensor | None = None) -> torch.Tensor:
+_FORMAT_ORDER = ("fp32", "bf16", "fp16", "e4m3", "e5m2")
+
+
+def _format_of(rc: Recipe, pt: str) -> str:
+    """A point's format name, the working dtype (FP32 or FP64) read as fp32."""
+    dt = getattr(rc, pt)
+    return "fp32" if dt in (F32, torch.float64) else fmt.name_of(dt)
+
+
+def formats_problem(recipe: str, formats, keep_fp32=(), round_bf16=(), pv_fp32: bool = False
+                    ) -> Optional[Tuple[str, object, str]]:
+    """None, or (knob, value, what is allowed) for a `formats` mapping that does not fit `recipe`: an unknown point
+    or format, FP8 outside FP8_POINTS, a point also set by keep_fp32 / round_bf16 / pv_fp32, or a point already in
+    that format (it would change nothing)."""
+    if not formats:
+        return None
+    forms = dict(formats)
+    base = resolve(recipe if recipe in RECIPES else "paper_bf16")
+    for pt, f in forms.items():
+        if pt not in ROUNDING_POINTS:
+            return "formats", forms, f"rounding points from {', '.join(ROUNDING_POINTS)} ({pt!r} unknown)"
+        if f not in fmt.FORMATS:
+            return "formats", forms, f"formats from {', '.join(fmt.FORMATS)} ({pt}: {f!r} unknown)"
+        if fmt.is_fp8(fmt.dtype_of(f)) and pt not in FP8_POINTS:
+            return "formats", forms, (f"FP8 ({f}) only at {', '.join(FP8_POINTS)} (GEMM operands and stores); {pt} "
+                                      f"allows fp32, bf16, fp16")
+        others = {"keep_fp32": list(keep_fp32 or ()), "round_bf16": list(round_bf16 or ()),
+                  "pv_fp32": list(PV_POINTS) if pv_fp32 else []}
+        for knob, pts in others.items():
+            if pt in pts:
+                return "formats", forms, f"no point also set by {knob} ({pt} is in both)"
+        operand = _OPERANDS.get(pt)  # e.g. fp8_te's e5m2 dP under its FP32 bwd_out: {bwd_out: fp32} lifts dP
+        if _format_of(base, pt) == f and (operand is None or getattr(base, operand) is None):
+            return "formats", forms, (f"a format other than the recipe's: recipe {recipe} keeps {pt} in "
+                                      f"{f.upper()} already (it would change nothing)")
+    return None
+
+
+def round_to(x: torch.Tensor, dtype: torch.dtype, keep: torch.Tensor | None = None, scale=None) -> torch.Tensor:
     """x rounded (nearest even) to `dtype` and returned in x's dtype; where `keep` is True, x unchanged.
 
-    `keep` broadcasts against x (e.g. (1, H, 1, 1) for heads whose values stay in the working precision).
+    `keep` broadcasts against x (e.g. (1, H, 1, 1) for heads whose values stay in the working precision). FP8
+    saturates and takes `scale` (kernels/formats.py: cast(x * scale) / scale); BF16 / FP16 casts are torch's.
     """
     if dtype == x.dtype or torch.finfo(dtype).bits >= torch.finfo(x.dtype).bits:
         return x
-    y = x.to(dtype).to(x.dtype)
+    y = fmt.quantize(x, dtype, scale)
     return y if keep is None else torch.where(keep, x, y)
 
 
-__all__ = ["Recipe", "RECIPES", "ROUNDING_POINTS", "PV_POINTS", "POINT_MEANINGS", "resolve", "for_knobs",
-           "lifted_points", "points_problem", "round_to", "work_dtype"]
+__all__ = ["Recipe", "RECIPES", "FP8_RECIPES", "ROUNDING_POINTS", "PV_POINTS", "FP8_POINTS", "INPUT_SCALINGS",
+           "POINT_MEANINGS", "resolve", "for_knobs", "lifted_points", "points_problem", "formats_problem", "round_to",
+           "work_dtype"]

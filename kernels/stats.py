@@ -5,7 +5,9 @@ from typing import Optional, Tuple
 
 import torch
 
-COUNTERS = ("repeated_max_rows", "rows_seen", "underflow_rows", "sfa_p1_rows")  # (H,) int64 each
+COUNTERS = ("repeated_max_rows", "rows_seen", "underflow_rows", "sfa_p1_rows", "fp16_overflow", "fp8_saturated",
+            "pbar_flushed")  # (H,) int64 each
+FORMAT_COUNTERS = ("fp16_overflow", "fp8_saturated", "pbar_flushed")  # what a cast did (kernels/formats.py)
 
 
 class AttnStats:
@@ -20,6 +22,12 @@ class AttnStats:
         Algorithm 3 does for large repeated maxima. Such a row returns NaN (fa2, fp32) or zeros (paper_bf16).
     sfa_p1_rows: (H,) int64, (query row, key tile) pairs where the stabilized shift fired (or, guarded, should have)
         but some P̄ fed to the P̄V GEMM still rounded to 1 (e.g. beta = 1.0001 in BF16): the shift did nothing there.
+    fp16_overflow: (H,) int64, finite values an FP16 store (inputs, scores, P̄, O, ...) turned into inf, forward and
+        backward (kernels/formats.py: |x| >= 65520).
+    fp8_saturated: (H,) int64, values an FP8 store clipped at the format's max (|x * scale| >= 464 for e4m3,
+        61440 for e5m2), forward and backward.
+    pbar_flushed: (H,) int64, P̄ entries > 0 that the P̄V store rounded to 0 (below the format's smallest
+        subnormal after its scale: e4m3 unscaled flushes P̄ < 2^-10).
     max_logit: () float32, running max of the scaled scores S = QK^T / sqrt(D) (masked entries excluded).
     """
 
@@ -56,6 +64,10 @@ class AttnStats:
         torch.maximum(self.max_logit, tile_max.max().to(torch.float32), out=self.max_logit)
         if sfa_p1 is not None:
             self.sfa_p1_rows.add_(sfa_p1.sum(dim=(0, 2, 3)))
+
+    def update_format(self, name: str, mask: torch.Tensor) -> None:
+        """Add a (B, H, ...) bool mask of one store into the format counter `name` (FORMAT_COUNTERS), per head."""
+        getattr(self, name).add_(mask.transpose(0, 1).reshape(mask.shape[1], -1).sum(-1))
 
     def update_underflow(self, under: torch.Tensor) -> None:
         """`under` (B, H, rows, 1) bool: rows of one query tile whose final row sum is under the floor."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
@@ -47,7 +48,8 @@ class MonitorConfig:
         return self
 
 
-NUMERICS = ("underflow_rows", "sfa_p1_rows")  # AttnStats counters of numerical failures, logged per (layer, head)
+NUMERICS = ("underflow_rows", "sfa_p1_rows", "fp16_overflow", "fp8_saturated", "pbar_flushed")  # AttnStats
+# counters of numerical failures, logged per (layer, head); the last three (kernels/formats.py) also warn once each
 
 
 def _unwrap(model):
@@ -73,6 +75,7 @@ class Monitors:
         self.peak_wq_where: Optional[str] = None
         self.flushes = 0
         self.numerics = {name: 0 for name in NUMERICS}  # run totals of the failure counters (host ints)
+        self._warned: set = set()  # format counters already warned about
 
     def reset_clock(self) -> None:
         """Call right before the first step (after compile/warm-up) so tokens/s measures training only."""
@@ -160,6 +163,7 @@ class Monitors:
             for layer in range(len(stats)):
                 for name in NUMERICS:
                     self.numerics[name] += int(sum(values[f"{name}@{layer}"]))
+                    self._warn_format(name, layer, values[f"{name}@{layer}"])
         if self.tracker is None:
             return losses
         for k, step in enumerate(steps):
@@ -185,6 +189,15 @@ class Monitors:
             self.tracker.log_metrics(self._wq_metrics(values[f"wq@{wstep}"]), step=wstep)
         return losses
 
+    def _warn_format(self, name: str, layer: int, per_head: List[float]) -> None:
+        """The first non-zero count of a format counter (FP16 overflow, FP8 saturation, P̄ flushed), warned once."""
+        if name not in NUMERICS[2:] or name in self._warned or not any(per_head):
+            return
+        self._warned.add(name)
+        h = max(range(len(per_head)), key=lambda i: per_head[i])
+        warnings.warn(f"attention {name}: layer {layer} head {h} counted {int(per_head[h])} (metric "
+                      f"{name}/L{layer}.H{h}; kernels/formats.py); warned once per run", RuntimeWarning, stacklevel=2)
+
     def numerics_warning(self) -> Optional[str]:
         """One sentence when a numerical failure was counted during the run, else None."""
         uf, p1 = self.numerics["underflow_rows"], self.numerics["sfa_p1_rows"]
@@ -196,6 +209,7 @@ class Monitors:
         if p1:
             parts.append(f"{p1} (row, tile) pairs where the stabilized softmax fired but P̄ still rounded to 1 "
                          f"(metric sfa_p1_rows/L*.H*)")
+        parts += [f"{self.numerics[n]} {n} (metric {n}/L*.H*)" for n in NUMERICS[2:] if self.numerics[n]]
         return "; ".join(parts) or None
 
     def _n_head(self) -> int:
