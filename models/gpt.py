@@ -266,15 +266,8 @@ class GPT(nn.Module):
         cfg = self.config
         D = cfg.head_dim
         w = torch.stack([b.attn.c_attn.weight[: cfg.n_embd] for b in self.transformer.h]).float()
-        w = w.view(cfg.n_layer * cfg.n_head, D, cfg.n_embd)
-        g = w @ w.transpose(-2, -1)
-        tiny = torch.finfo(torch.float32).tiny
-        a = g / _trace(g).clamp_min(tiny)[:, None, None]
-        for _ in range(iters):
-            a = a @ a
-            a = a / _trace(a).clamp_min(tiny)[:, None, None]
-        top = _trace(a @ g) / _trace(a).clamp_min(tiny)
-        return top.clamp_min(0).sqrt().view(cfg.n_layer, cfg.n_head)
+        return top_singular_values(w.view(cfg.n_layer * cfg.n_head, D, cfg.n_embd), iters).view(cfg.n_layer,
+                                                                                                 cfg.n_head)
 
     def layer_knobs(self) -> List[AttentionKnobs]:
         """The resolved knobs of each layer (AttentionConfig.for_layer applied), e.g. for the run's parameters."""
@@ -308,8 +301,21 @@ def z_loss_term(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return (lse.square() * valid).sum() / valid.sum().clamp_min(1.0)
 
 
+@torch.no_grad()
+def top_singular_values(w: torch.Tensor, iters: int = 30) -> torch.Tensor:
+    """sigma_max of each matrix of w (N, D, C) FP32, without a host sync (GPT.wq_spectral_norms says how)."""
+    g = w @ w.transpose(-2, -1)
+    tiny = torch.finfo(torch.float32).tiny
+    a = g / _trace(g).clamp_min(tiny)[:, None, None]
+    for _ in range(iters):
+        a = a @ a
+        a = a / _trace(a).clamp_min(tiny)[:, None, None]
+    top = _trace(a @ g) / _trace(a).clamp_min(tiny)
+    return top.clamp_min(0).sqrt()
+
+
 def _trace(a: torch.Tensor) -> torch.Tensor:
     return a.diagonal(dim1=-2, dim2=-1).sum(-1)
 
 
-__all__ = ["GPT", "ModelConfig", "asdict", "z_loss_term"]
+__all__ = ["GPT", "ModelConfig", "asdict", "z_loss_term", "top_singular_values"]
