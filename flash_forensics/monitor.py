@@ -124,7 +124,8 @@ class Monitor:
         for layer in range(len(self.states)):
             for name in COUNTERS:
                 for h, c in enumerate(vals[f"{name}@{layer}"]):
-                    last[f"{name}/{record.head_where(layer, h)}"] = c
+                    last[record.rmax_rows_name(layer, h) if name == "repeated_max_rows" else
+                         f"{name}/{record.head_where(layer, h)}"] = c
             logit = vals[f"logit@{layer}"][0]
             if logit != float("-inf"):  # nothing measured (counters off)
                 last[record.max_logit_name(layer)] = logit
@@ -166,8 +167,15 @@ class Monitor:
 
     def close(self, status: str = "FINISHED") -> None:
         """Flush what is left and end the MLflow run."""
-        if self._losses or self._wq or self._host:
+        if self._losses or self._wq:
             self.flush()
+        elif self._host:  # host values only (Trainer's end-of-run summary): no device counters to read again
+            if self.history:
+                for vals in self._host.values():
+                    self.history[-1].update(vals)
+            if self._client is not None:
+                self._log_mlflow(self._host)
+            self._host = {}
         for st in self.states:
             st.probe = False
         if self._client is not None and self.run_id is not None:
