@@ -20,6 +20,8 @@ import torch.nn.functional as F
 from kernels.config import AttentionConfig, AttentionKnobs
 from models.attention import attend, new_stats, resolve_backend, route_name
 
+FAMILIES = ("gpt", "llama")  # model.family: this file's GPT-2, or a transformers Llama (models/hf.py)
+
 
 def _bad(key: str, value, allowed: str) -> ValueError:
     return ValueError(f"{key}={value!r} is not allowed: expected {allowed}")
@@ -40,6 +42,12 @@ class ModelConfig:
     qk_norm: bool = False  # RMSNorm on q and k per head (a stabilizer to compare with SFA)
     attn_gate: bool = False  # a sigmoid output gate per head (gated attention; new parameters: CausalSelfAttention)
     z_loss: float = 0.0  # PaLM's z-loss coefficient on the output logits (no parameters: z_loss_term)
+    # gpt: this file's GPT-2; llama: a transformers Llama (RoPE, GQA, SwiGLU, RMSNorm, tied embeddings) with
+    # attn_implementation="forensics" (models/hf.py). The fields below are the llama family's.
+    family: str = "gpt"
+    n_kv_head: Optional[int] = None  # key/value heads (GQA); None = n_head
+    mlp_hidden: Optional[int] = None  # SwiGLU width; None = 8/3 * n_embd rounded up to a multiple of 64
+    rope_theta: float = 10000.0
 
     def validate(self, key: str = "model") -> "ModelConfig":
         """Raise ValueError naming key, value and what is allowed; return self."""
@@ -60,7 +68,35 @@ class ModelConfig:
         if isinstance(self.z_loss, bool) or not isinstance(self.z_loss, (int, float)) or \
                 not 0 <= self.z_loss < math.inf:
             raise _bad(f"{key}.z_loss", self.z_loss, "a finite number >= 0 (0: off; PaLM uses 1e-4)")
+        self._validate_family(key)
         return self
+
+    def _validate_family(self, key: str) -> None:
+        """The family's own fields; a patch of models/gpt.py's attention is refused on a transformers family."""
+        if self.family not in FAMILIES:
+            raise _bad(f"{key}.family", self.family, "one of " + ", ".join(FAMILIES))
+        if self.family == "gpt":
+            for name, off in (("n_kv_head", None), ("mlp_hidden", None), ("rope_theta", 10000.0)):
+                if getattr(self, name) != off:
+                    raise _bad(f"{key}.{name}", getattr(self, name), f"{off} for {key}.family=gpt (a field of the "
+                                                                     "transformers families: the GPT has none)")
+            return
+        for name, what in (("qk_norm", "RMSNorm on q and k inside models/gpt.py's attention"),
+                           ("attn_gate", "the gated-attention output gate of models/gpt.py's attention")):
+            if getattr(self, name):
+                raise _bad(f"{key}.{name}", True, f"false for {key}.family={self.family}: it is {what}, which the "
+                                                  f"transformers {self.family} model does not have (use family=gpt)")
+        if self.dropout:
+            raise _bad(f"{key}.dropout", self.dropout, f"0 for {key}.family={self.family} (it has no dropout)")
+        kv = self.n_head if self.n_kv_head is None else self.n_kv_head
+        if isinstance(kv, bool) or not isinstance(kv, int) or kv <= 0 or self.n_head % kv:
+            raise _bad(f"{key}.n_kv_head", self.n_kv_head, f"a divisor of {key}.n_head={self.n_head} or null")
+        if self.mlp_hidden is not None and (isinstance(self.mlp_hidden, bool) or not isinstance(self.mlp_hidden, int)
+                                            or self.mlp_hidden <= 0):
+            raise _bad(f"{key}.mlp_hidden", self.mlp_hidden, "an integer > 0 or null")
+        if isinstance(self.rope_theta, bool) or not isinstance(self.rope_theta, (int, float)) or \
+                not 0 < self.rope_theta < math.inf:
+            raise _bad(f"{key}.rope_theta", self.rope_theta, "a finite number > 0")
 
     @property
     def head_dim(self) -> int:

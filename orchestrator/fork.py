@@ -135,10 +135,11 @@ def _check_parameters(header: Dict[str, Any], obj, key: str, path) -> None:
     if not shapes:
         return
     import torch
-    from models import GPT
+
+    from models.hf import build_model
 
     with torch.device("meta"):
-        want = {n: tuple(t.shape) for n, t in GPT(obj.model).state_dict().items()}
+        want = {n: tuple(t.shape) for n, t in build_model(obj.model).state_dict().items()}
     have = {n: tuple(s) for n, s in shapes.items()}
     bad = sorted(set(want) ^ set(have)) + sorted(n for n in set(want) & set(have) if want[n] != have[n])
     if bad:

@@ -134,10 +134,10 @@ class Job:
 
     def _build_model(self, device):
         """Model and optimizer, then the start state's weights and optimizer state (resume or fork)."""
-        from models import GPT
+        from models.hf import build_model  # GPT, or a transformers family (model.family)
 
         seed_everything(self.cfg.train.seed)
-        model = GPT(self.cfg.model, self.attention).to(device)
+        model = build_model(self.cfg.model, self.attention).to(device)
         self.result["attention_routes"] = model.attention_routes()
         if self.is_main:
             print(f"[job] {precision_line(self.cfg.train.precision, self.result['attention_routes'])}")

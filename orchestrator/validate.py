@@ -384,6 +384,12 @@ def _validate(cfg, overrides: Sequence[str] = (), check_resume: bool = True, che
     except ValueError as e:
         raise ConfigError(f"{e} (attention with intervention={obj.intervention.name})") from None
     check_knob_combos(att, obj.model.n_layer)
+    if obj.model.family != "gpt":  # a transformers family: every layer on the emulator (models/hf.py)
+        from models.hf import check_attention
+        try:
+            check_attention(att, obj.model)
+        except ValueError as e:
+            raise ConfigError(f"{e} (intervention={obj.intervention.name})") from None
     if check_resume and (obj.from_checkpoint is not None or obj.resume is not None):
         from orchestrator.fork import check_fork, check_model, check_resume_hooks, source_header
         try:
