@@ -3,7 +3,9 @@
 The source of truth for the recipes of kernels/recipes.py (read its docstring for the exact rounding points). Runs on
 CPU and CUDA, causal, vectorised over batch and heads; the only Python loops are over tiles, and tiles wholly above
 the diagonal are skipped. Autocast is disabled inside so that every intermediate's dtype comes from the recipe.
-Nothing here reads a value back to the host: counters go to AttnStats as device tensors.
+Nothing here reads a value back to the host: counters go to AttnStats as device tensors. `masking=` (kernels/masking.py)
+adds what torch's SDPA allows beyond that (bool / additive masks, Tk != Tq, no causality, another scale); without it
+the computation is the causal one, op for op.
 
 Two stabilized softmaxes (the tile max m_t of a tile whose row max rm repeats within eps):
 - `stabilized`: the paper's Algorithm 3 as written: m_t = beta * rm (rm > 0) or 0 (rm < 0). Kept for fidelity. It
