@@ -37,7 +37,7 @@ def main(argv=None) -> int:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     torch.manual_seed(0)
-    block, batch = 64, 8
+    block, batch = 64, 4
     config = LlamaConfig(vocab_size=50304, hidden_size=64, intermediate_size=192, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=block,
                          tie_word_embeddings=True, bos_token_id=None, eos_token_id=None, pad_token_id=None)
