@@ -2,7 +2,8 @@
 
 - `attention(q, k, v, ...)`: a drop-in for `torch.nn.functional.scaled_dot_product_attention` with an explicit
   precision recipe; `patch_sdpa(...)` routes unchanged SDPA code through it.
-- `import flash_forensics` registers `attn_implementation="flash_forensics"` with transformers (when installed);
+- `import flash_forensics` registers `attn_implementation="forensics"` with transformers (when installed; not
+  "flash_forensics": transformers takes every name containing "flash" for a flash-attn kernel to load);
   `use(model, recipe=..., overrides=...)` sets the recipe and knobs per layer and head.
 - `Monitor` (your own loop) and `TrainerCallback` (transformers' Trainer): repeated maxima, max logit, entropy,
   W_Q's spectral norm per head.
@@ -47,7 +48,7 @@ def __getattr__(name: str):
 
 
 # ------------------------------------------------------------------------------ transformers registration
-# `attn_implementation="flash_forensics"` is registered with transformers' AttentionInterface (in
+# `attn_implementation="forensics"` is registered with transformers' AttentionInterface (in
 # transformers.modeling_utils) and AttentionMaskInterface (transformers.masking_utils). Importing those costs seconds
 # (`import transformers` alone ~1 s on this project's CPU machine), which internal imports (`flash_forensics.kernels`)
 # must not pay: each table is registered right away when its module is loaded already, else right after it loads

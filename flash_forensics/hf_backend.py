@@ -1,4 +1,4 @@
-"""transformers' `attn_implementation="flash_forensics"`: every attention layer through the kernels' emulator.
+"""transformers' `attn_implementation="forensics"`: every attention layer through the kernels' emulator.
 
 Registered under one name with both of transformers' tables (`import flash_forensics` does it, lazily; see
 flash_forensics/__init__.py):
@@ -174,7 +174,7 @@ def _overrides(overrides, n_layer: int):
 
 def use(model, recipe: str = "paper_bf16", overrides: Optional[Dict[int, dict]] = None, **knobs):
     """Set the recipe and knobs of every attention layer of a transformers model built with
-    attn_implementation="flash_forensics" (`overrides`: {layer_idx: {knob: value}}, later wins; per head:
+    attn_implementation="forensics" (`overrides`: {layer_idx: {knob: value}}, later wins; per head:
     o_fp32_heads). Validates everything before changing anything; fresh counters per layer. Returns the model."""
     from flash_forensics import families
 
