@@ -235,7 +235,11 @@ def forward(q, k, v, knobs: AttentionKnobs, stats: Optional[AttnStats] = None, c
             pbar_in = p.r("pbar", pbar_pv, p.o_keep)
             if count:
                 p1 = None if fired is None else fired & (pbar_in >= 1).any(dim=-1, keepdim=True)
-                stats.update(rep, rm, sfa_p1=p1)
+                # a mask other than causal: a (row, tile) pair counts where the row has a key in the tile, so
+                # rows_seen matches the causal path, which skips the tiles wholly above the diagonal
+                seen = (None if masking is None or mask is None else
+                        (~mask).any(dim=-1, keepdim=True).expand(B, H, -1, 1))
+                stats.update(rep, rm, sfa_p1=p1, seen=seen)
             tile = ((qs // p.bq) << 16 | (ks // p.bk)) << 2  # stream ids of this tile's stochastic_round points
             pv = p.r_sr("pv_out", pbar_in @ vw[:, :, ks:ke], tile)
             acc = p.r_sr("acc", p.r_sr("acc", acc * alpha, tile | 1) + pv, tile | 2)
