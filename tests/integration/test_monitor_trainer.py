@@ -53,6 +53,7 @@ def test_monitor_logs_every_signal_once_per_interval_and_resets(tmp_path):
 
 
 def test_trainer_callback_in_a_tiny_trainer_run(tmp_path):
+    pytest.importorskip("accelerate")  # transformers' Trainer needs it (pyproject's [trainer] extra)
     model = _llama()
     flash_forensics.use(model, recipe="paper_bf16")
     g = torch.Generator().manual_seed(0)
