@@ -63,6 +63,18 @@ def check_attention(att: AttentionConfig, cfg: ModelConfig, key: str = "attentio
             raise ValueError(f"{e} (model.family={cfg.family}, layer {i})") from None
 
 
+def check_job(obj) -> None:
+    """What a job of a transformers family cannot run: train hooks and mechanism probes act on models/gpt.py's
+    layers (qk_observer, probe_capture, c_attn), which the family's model does not have."""
+    fam = obj.model.family
+    if list(obj.intervention.hooks):
+        raise ValueError(f"intervention.hooks={list(obj.intervention.hooks)!r} is not allowed for model.family={fam}: "
+                         "expected none (train hooks act on models/gpt.py's attention layers; use family=gpt)")
+    if obj.monitor.probes.enabled:
+        raise ValueError(f"monitor.probes.enabled=True is not allowed for model.family={fam}: expected false (the "
+                         "mechanism probes read models/gpt.py's layers; use family=gpt)")
+
+
 class HFModel(nn.Module):
     def __init__(self, model_cfg, attention_cfg=None):
         super().__init__()
@@ -136,4 +148,4 @@ def build_model(model_cfg, attention_cfg=None) -> nn.Module:
     return GPT(cfg, attention_cfg) if cfg.family == "gpt" else HFModel(cfg, attention_cfg)
 
 
-__all__ = ["build_model", "HFModel", "hf_config", "check_attention", "mlp_width"]
+__all__ = ["build_model", "HFModel", "hf_config", "check_attention", "check_job", "mlp_width"]

@@ -385,9 +385,10 @@ def _validate(cfg, overrides: Sequence[str] = (), check_resume: bool = True, che
         raise ConfigError(f"{e} (attention with intervention={obj.intervention.name})") from None
     check_knob_combos(att, obj.model.n_layer)
     if obj.model.family != "gpt":  # a transformers family: every layer on the emulator (models/hf.py)
-        from models.hf import check_attention
+        from models.hf import check_attention, check_job
         try:
             check_attention(att, obj.model)
+            check_job(obj)
         except ValueError as e:
             raise ConfigError(f"{e} (intervention={obj.intervention.name})") from None
     if check_resume and (obj.from_checkpoint is not None or obj.resume is not None):

@@ -38,7 +38,9 @@ def test_llama_configs_validate_and_patches_of_our_gpt_are_refused_naming_the_fa
                               (["intervention=gated_attn"], "model.attn_gate=True"),
                               (["intervention=standard_layer"], "impl='standard'"),
                               (["attention.backend=triton"], "backend='triton'"),
-                              (["model.n_kv_head=3"], "model.n_kv_head=3")):
+                              (["model.n_kv_head=3"], "model.n_kv_head=3"),
+                              (["intervention=qk_clip"], "intervention.hooks="),
+                              (["monitor.probes.enabled=true"], "monitor.probes.enabled=True")):
         with pytest.raises(ConfigError) as e:
             _validate(tmp_path, *overrides)
         assert needle in str(e.value), str(e.value)
