@@ -3,7 +3,9 @@
 The source of truth for the recipes of kernels/recipes.py (read its docstring for the exact rounding points). Runs on
 CPU and CUDA, causal, vectorised over batch and heads; the only Python loops are over tiles, and tiles wholly above
 the diagonal are skipped. Autocast is disabled inside so that every intermediate's dtype comes from the recipe.
-Nothing here reads a value back to the host: counters go to AttnStats as device tensors.
+Nothing here reads a value back to the host: counters go to AttnStats as device tensors. `masking=` (kernels/masking.py)
+adds what torch's SDPA allows beyond that (bool / additive masks, Tk != Tq, no causality, another scale); without it
+the computation is the causal one, op for op.
 
 Two stabilized softmaxes (the tile max m_t of a tile whose row max rm repeats within eps):
 - `stabilized`: the paper's Algorithm 3 as written: m_t = beta * rm (rm > 0) or 0 (rm < 0). Kept for fidelity. It
@@ -37,6 +39,7 @@ import torch
 from flash_forensics.kernels import formats as fmt
 from flash_forensics.kernels.config import AttentionKnobs
 from flash_forensics.kernels.knobs import PBAR_CLAMP
+from flash_forensics.kernels.masking import Masking
 from flash_forensics.kernels.recipes import Recipe, for_knobs, round_to
 from flash_forensics.kernels.stats import AttnStats
 from flash_forensics.kernels.stochastic import call_key, stochastic_round, uniform16
@@ -66,6 +69,24 @@ class _Plan:
     sr_key: Optional[torch.Tensor] = None  # stochastic_round: the call's key (kernels/stochastic.py), set by forward
     stats: Optional[AttnStats] = None  # where the format counters go (counters on), else None
     rot: Optional[torch.Tensor] = None  # incoherent: the (D, D) rotation of Q and K
+    masking: Optional[Masking] = None  # None: causal self-attention (kernels/masking.py)
+    tk: int = 0  # the number of keys
+
+    def key_stop(self, qe: int) -> int:
+        """End of the key tiles a query tile ending at row qe visits: past the last query row (causal) all masked."""
+        return min(qe, self.tk) if self.masking is None or self.masking.causal else self.tk
+
+    def tile(self, qs: int, qe: int, ks: int, ke: int, dev):
+        """(mask True = masked, or None; the additive bias of the tile, or None)."""
+        if self.masking is None:
+            return _causal_mask(qs, qe, ks, ke, dev), None
+        mk = self.masking
+        mask = _causal_mask(qs, qe, ks, ke, dev) if mk.causal else None
+        if mk.keep is not None:
+            drop = ~mk.keep[:, :, qs:qe, ks:ke]
+            mask = drop if mask is None else (mask | drop)
+        bias = None if mk.bias is None else mk.bias[:, :, qs:qe, ks:ke].to(self.rc.work)
+        return mask, bias
 
     def r(self, point: str, x: torch.Tensor, keep: Optional[torch.Tensor] = None,
           dtype: Optional[torch.dtype] = None, scale=None) -> torch.Tensor:
@@ -123,22 +144,26 @@ class _Plan:
 
 
 def _plan(knobs: AttentionKnobs, q: torch.Tensor, trace: Optional[dict] = None,
-          stats: Optional[AttnStats] = None) -> _Plan:
+          stats: Optional[AttnStats] = None, masking: Optional[Masking] = None,
+          tk: Optional[int] = None) -> _Plan:
     B, H, T, D = q.shape
+    tk = T if tk is None else tk
     rc = for_knobs(knobs, q.dtype)  # the recipe with keep_fp32 / pv_fp32 / round_bf16 applied
-    bq, bk = (knobs.block_q, knobs.block_k) if knobs.tiling else (T, T)
+    bq, bk = (knobs.block_q, knobs.block_k) if knobs.tiling else (T, tk)
     heads = knobs.fp32_o_heads(H)
     o_keep = None
     if heads:
         o_keep = torch.zeros(1, H, 1, 1, dtype=torch.bool, device=q.device)
         o_keep[0, heads] = True
-    return _Plan(rc=rc, bq=min(bq, T), bk=min(bk, T), scale=D ** -0.5,
+    scale = D ** -0.5 if masking is None or masking.scale is None else float(masking.scale)
+    return _Plan(rc=rc, bq=min(bq, T), bk=min(bk, tk), scale=scale,
                  stabilized=knobs.softmax in ("stabilized", "stabilized_guarded"),
                  guarded=knobs.softmax == "stabilized_guarded", beta=float(knobs.beta), eps=float(knobs.eps),
                  delta=knobs.delta, o_keep=o_keep, clamp=bool(knobs.pbar_clamp), trace=trace,
                  sr_seed=int(knobs.sr_seed) if knobs.stochastic_round else None,
                  stats=stats if (stats is not None and knobs.counters) else None,
-                 rot=fmt.rotation(D, rc.work, q.device) if getattr(knobs, "incoherent", False) else None)
+                 rot=fmt.rotation(D, rc.work, q.device) if getattr(knobs, "incoherent", False) else None,
+                 masking=masking, tk=tk)
 
 
 def _causal_mask(qs: int, qe: int, ks: int, ke: int, device) -> Optional[torch.Tensor]:
@@ -148,9 +173,11 @@ def _causal_mask(qs: int, qe: int, ks: int, ke: int, device) -> Optional[torch.T
     return torch.arange(ks, ke, device=device)[None, :] > torch.arange(qs, qe, device=device)[:, None]
 
 
-def _scores(p: _Plan, qi: torch.Tensor, kj: torch.Tensor, mask, fill: float) -> torch.Tensor:
+def _scores(p: _Plan, qi: torch.Tensor, kj: torch.Tensor, mask, fill: float, bias=None) -> torch.Tensor:
     s = p.r("scores", qi @ kj.transpose(-1, -2))
     s = p.r("scores", s * p.scale)
+    if bias is not None:  # SDPA's additive mask: added to the scaled scores, a `scores` op
+        s = p.r("scores", s + bias)
     return s if mask is None else s.masked_fill(mask, fill)
 
 
@@ -206,7 +233,7 @@ def _clamped(p: _Plan, pbar: torch.Tensor, rep: Optional[torch.Tensor]) -> Optio
 
 
 def forward(q, k, v, knobs: AttentionKnobs, stats: Optional[AttnStats] = None, capture: Optional[dict] = None,
-            trace: Optional[dict] = None):
+            trace: Optional[dict] = None, masking: Optional[Masking] = None):
     """One forward pass without autograd. Returns (O returned, O stored for delta, lse (B, H, T, 1) in the working
     dtype).
 
@@ -216,7 +243,7 @@ def forward(q, k, v, knobs: AttentionKnobs, stats: Optional[AttnStats] = None, c
     per tile, "o_bar" = the O accumulator before the division (B, H, T, D), "l", "m" (B, H, T, 1).
     """
     B, H, T, D = q.shape
-    p = _plan(knobs, q, trace, stats)
+    p = _plan(knobs, q, trace, stats, masking, k.shape[2])
     rc, w = p.rc, p.rc.work
     dev = q.device
     count = stats is not None and knobs.counters
@@ -237,10 +264,10 @@ def forward(q, k, v, knobs: AttentionKnobs, stats: Optional[AttnStats] = None, c
         l = torch.zeros_like(m)
         acc = torch.zeros(B, H, qe - qs, D, dtype=w, device=dev)
         l_raw = torch.zeros_like(m) if count else None
-        for ks in range(0, qe, p.bk):  # key tiles past the last query row are wholly masked: skipped
-            ke = min(ks + p.bk, T)
-            mask = _causal_mask(qs, qe, ks, ke, dev)
-            s = _scores(p, qi, kw[:, :, ks:ke], mask, fill)
+        for ks in range(0, p.key_stop(qe), p.bk):  # key tiles past the last query row are wholly masked: skipped
+            ke = min(ks + p.bk, p.tk)
+            mask, bias = p.tile(qs, qe, ks, ke, dev)
+            s = _scores(p, qi, kw[:, :, ks:ke], mask, fill, bias)
             rm, rep, m_new, fired = _tile_shift(p, s, m, mask, count or capture is not None or p.clamp)
             pbar = torch.exp(p.r("shift", s - m_new))
             alpha = torch.exp(p.r("shift", m - m_new))
@@ -255,7 +282,11 @@ def forward(q, k, v, knobs: AttentionKnobs, stats: Optional[AttnStats] = None, c
             pbar_in = p.r("pbar", pbar_pv, p.o_keep, scale=rc.pbar_scale)
             if count:
                 p1 = None if fired is None else fired & (pbar_in >= 1).any(dim=-1, keepdim=True)
-                stats.update(rep, rm, sfa_p1=p1)
+                # a mask other than causal: a (row, tile) pair counts where the row has a key in the tile, so
+                # rows_seen matches the causal path, which skips the tiles wholly above the diagonal
+                seen = (None if masking is None or mask is None else
+                        (~mask).any(dim=-1, keepdim=True).expand(B, H, -1, 1))
+                stats.update(rep, rm, sfa_p1=p1, seen=seen)
             tile = ((qs // p.bq) << 16 | (ks // p.bk)) << 2  # stream ids of this tile's stochastic_round points
             pv = p.r_sr("pv_out", pbar_in @ vw[:, :, ks:ke], tile)
             acc = p.r_sr("acc", p.r_sr("acc", acc * alpha, tile | 1) + pv, tile | 2)
@@ -283,10 +314,10 @@ def _key_tiles(p: _Plan, qi, kw, qs: int, qe: int, lse_i, dev):
     forward's pbar_clamp mask (None when off), rebuilt from the running max exactly as the forward computed it."""
     T = kw.shape[2]
     m = torch.full_like(lse_i, -torch.finfo(p.rc.stats).max) if p.clamp else None
-    for ks in range(0, qe, p.bk):
+    for ks in range(0, p.key_stop(qe), p.bk):
         ke = min(ks + p.bk, T)
-        mask = _causal_mask(qs, qe, ks, ke, dev)
-        s = _scores(p, qi, kw[:, :, ks:ke], mask, float("-inf"))
+        mask, bias = p.tile(qs, qe, ks, ke, dev)
+        s = _scores(p, qi, kw[:, :, ks:ke], mask, float("-inf"), bias)
         tie = None
         if p.clamp:  # masked scores are -inf here (-max there): neither moves m, nor is P̄ = 1 at them
             _, rep, m, _ = _tile_shift(p, s, m, mask, True)
@@ -338,7 +369,7 @@ def _bwd_inputs(p: _Plan, q, k, v, do):
 
 
 def backward(q, k, v, o_saved, lse, do, knobs: AttentionKnobs, trace: Optional[dict] = None,
-             stats: Optional[AttnStats] = None):
+             stats: Optional[AttnStats] = None, masking: Optional[Masking] = None):
     """Gradients (dq, dk, dv) in the inputs' dtypes, from the forward's stored O and lse (`trace` as in forward).
 
     pbar_clamp: O = (c o P) V with c = PBAR_CLAMP where the forward clamped P̄ (`tie`) and 1 elsewhere, P the
@@ -347,14 +378,14 @@ def backward(q, k, v, o_saved, lse, do, knobs: AttentionKnobs, trace: Optional[d
     delta = rowsum(dO o O) = rowsum(dP o c o P), which is what dP_P sums and what recompute_fp32's O = (c o P) V gives.
     """
     B, H, T, D = q.shape
-    p = _plan(knobs, q, trace, stats)
+    p = _plan(knobs, q, trace, stats, masking, k.shape[2])
     rc, w = p.rc, p.rc.work
     dev = q.device
     qw, kw, vw, dow = _bwd_inputs(p, q, k, v, do)
     ds_in, dp_out = rc.operand("ds_in"), rc.operand("dp_out")
     dq = torch.zeros(B, H, T, D, dtype=w, device=dev)
-    dk = torch.zeros_like(dq)
-    dv = torch.zeros_like(dq)
+    dk = torch.zeros(B, H, p.tk, D, dtype=w, device=dev)
+    dv = torch.zeros_like(dk)
 
     for qs in range(0, T, p.bq):
         qe = min(qs + p.bq, T)
@@ -378,10 +409,10 @@ def backward(q, k, v, o_saved, lse, do, knobs: AttentionKnobs, trace: Optional[d
 
 class _FlashAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, knobs, stats):
+    def forward(ctx, q, k, v, knobs, stats, masking=None):
         with torch.autocast(device_type=q.device.type, enabled=False):
-            o, o_saved, lse = forward(q, k, v, knobs, stats)
-        ctx.knobs = knobs
+            o, o_saved, lse = forward(q, k, v, knobs, stats, masking=masking)
+        ctx.knobs, ctx.masking = knobs, masking
         ctx.stats = stats  # the backward's stores are counted too (format counters only)
         ctx.save_for_backward(q, k, v, o_saved, lse)
         return o
@@ -390,11 +421,11 @@ class _FlashAttention(torch.autograd.Function):
     def backward(ctx, do):
         q, k, v, o_saved, lse = ctx.saved_tensors
         with torch.autocast(device_type=q.device.type, enabled=False):
-            dq, dk, dv = backward(q, k, v, o_saved, lse, do, ctx.knobs, stats=ctx.stats)
-        return dq, dk, dv, None, None
+            dq, dk, dv = backward(q, k, v, o_saved, lse, do, ctx.knobs, stats=ctx.stats, masking=ctx.masking)
+        return dq, dk, dv, None, None, None
 
 
-def check_inputs(q, k, v, cfg, stats=None) -> AttentionKnobs:
+def check_inputs(q, k, v, cfg, stats=None, masking: Optional[Masking] = None) -> AttentionKnobs:
     """Validate before computing: ValueError naming the argument or key, the value and what is allowed."""
     if not isinstance(cfg, AttentionKnobs):
         raise ValueError(f"cfg={type(cfg).__name__} is not allowed: expected "
@@ -409,7 +440,12 @@ def check_inputs(q, k, v, cfg, stats=None) -> AttentionKnobs:
     if any(n == 0 for n in q.shape):
         raise ValueError(f"q.shape={tuple(q.shape)} is not allowed: expected every dim > 0")
     for name, x in (("k", k), ("v", v)):
-        if x.shape != q.shape:
+        if masking is not None:  # keys of their own count (Tk), the rest as q's
+            want = (*q.shape[:2], k.shape[2], q.shape[3])
+            if x.shape != want or k.shape[2] == 0:
+                raise ValueError(f"{name}.shape={tuple(x.shape)} is not allowed: expected (B, H, Tk, D) = "
+                                 f"{(*q.shape[:2], 'Tk > 0', q.shape[3])} with k and v of one Tk")
+        elif x.shape != q.shape:
             raise ValueError(f"{name}.shape={tuple(x.shape)} is not allowed: expected q's shape {tuple(q.shape)} "
                              "(causal self-attention)")
         if x.dtype != q.dtype:
@@ -421,6 +457,13 @@ def check_inputs(q, k, v, cfg, stats=None) -> AttentionKnobs:
     if getattr(cfg, "incoherent", False) and (D & (D - 1)):
         raise ValueError(f"attention.incoherent=True is not allowed for head_dim {D}: expected a power-of-two head "
                          "dimension (Hadamard rotation)")
+    if masking is not None:
+        if not isinstance(masking, Masking):
+            raise ValueError(f"masking={type(masking).__name__} is not allowed: expected kernels.masking.Masking "
+                             "or None")
+        why = masking.problem(q, k.shape[2])
+        if why:
+            raise ValueError(why)
     if stats is not None:
         if not isinstance(stats, AttnStats):
             raise ValueError(f"stats={type(stats).__name__} is not allowed: expected "
@@ -431,29 +474,34 @@ def check_inputs(q, k, v, cfg, stats=None) -> AttentionKnobs:
     return cfg
 
 
-def flash_attention(q, k, v, cfg: AttentionKnobs, stats: Optional[AttnStats] = None) -> torch.Tensor:
+def flash_attention(q, k, v, cfg: AttentionKnobs, stats: Optional[AttnStats] = None,
+                    masking: Optional[Masking] = None) -> torch.Tensor:
     """Causal flash attention O = softmax(QK^T / sqrt(D)) V with the recipe and knobs of `cfg`; differentiable.
 
     q, k, v: (B, H, T, D), same dtype and device. Returns O (B, H, T, D) in the recipe's output dtype (BF16 for
     paper_bf16 / fa2; the working dtype for fp32); gradients come back in the inputs' dtypes. `stats`, if given,
     accumulates repeated-maxima counts and the max logit on the device (when cfg.counters). This is always the
     tiled (flash) computation: cfg.impl and cfg.backend are routing decisions made by models/ before calling here.
+    `masking` (kernels/masking.py): other masks, Tk != Tq keys (k, v: (B, H, Tk, D)), another scale; None: causal.
     """
-    knobs = check_inputs(q, k, v, cfg, stats)
-    return _FlashAttention.apply(q, k, v, knobs, stats)
+    knobs = check_inputs(q, k, v, cfg, stats, masking)
+    if masking is None:
+        return _FlashAttention.apply(q, k, v, knobs, stats)
+    return _FlashAttention.apply(q, k, v, knobs, stats, masking)
 
 
 def reference_attention(q, k, v, cfg: AttentionKnobs, do: Optional[torch.Tensor] = None,
-                        trace: Optional[dict] = None):
+                        trace: Optional[dict] = None, masking: Optional[Masking] = None):
     """Pure function for testing other kernels against: (O, lse, dq, dk, dv); gradients None without `do`.
 
     O is the returned O (recipe's `out` dtype), lse (B, H, T) in the working dtype. `trace`, if a dict, receives
     each rounding point's (value before, value stored) pairs, forward then backward (see `forward`).
     """
-    knobs = check_inputs(q, k, v, cfg)
+    knobs = check_inputs(q, k, v, cfg, masking=masking)
     with torch.no_grad(), torch.autocast(device_type=q.device.type, enabled=False):
-        o, o_saved, lse = forward(q, k, v, knobs, trace=trace)
-        grads = backward(q, k, v, o_saved, lse, do, knobs, trace) if do is not None else (None, None, None)
+        o, o_saved, lse = forward(q, k, v, knobs, trace=trace, masking=masking)
+        grads = (backward(q, k, v, o_saved, lse, do, knobs, trace, masking=masking) if do is not None
+                 else (None, None, None))
     return (o, lse.squeeze(-1), *grads)
 
 

@@ -56,11 +56,16 @@ class AttnStats:
         for name, t in zip(COUNTERS + ("max_logit",), snap):
             getattr(self, name).copy_(t)
 
-    def update(self, repeated: torch.Tensor, tile_max: torch.Tensor, sfa_p1: Optional[torch.Tensor] = None) -> None:
+    def update(self, repeated: torch.Tensor, tile_max: torch.Tensor, sfa_p1: Optional[torch.Tensor] = None,
+               seen: Optional[torch.Tensor] = None) -> None:
         """Fold one tile in: `repeated` (B, H, rows, 1) bool, `tile_max` any-shape scores' max, `sfa_p1` (B, H, rows,
-        1) bool rows where the shift fired but P̄ = 1 survived. In place, no sync."""
+        1) bool rows where the shift fired but P̄ = 1 survived, `seen` (B, H, rows, 1) bool the rows with a key in
+        the tile (masks other than causal; None: every row). In place, no sync."""
         self.repeated_max_rows.add_(repeated.sum(dim=(0, 2, 3)))
-        self.rows_seen.add_(repeated.shape[0] * repeated.shape[2])
+        if seen is None:
+            self.rows_seen.add_(repeated.shape[0] * repeated.shape[2])
+        else:
+            self.rows_seen.add_(seen.sum(dim=(0, 2, 3)))
         torch.maximum(self.max_logit, tile_max.max().to(torch.float32), out=self.max_logit)
         if sfa_p1 is not None:
             self.sfa_p1_rows.add_(sfa_p1.sum(dim=(0, 2, 3)))

@@ -20,6 +20,8 @@ import torch.nn.functional as F
 from flash_forensics.kernels.config import AttentionConfig, AttentionKnobs
 from flash_forensics.models.attention import attend, new_stats, resolve_backend, route_name
 
+FAMILIES = ("gpt", "llama")  # model.family: this file's GPT-2, or a transformers Llama (models/hf.py)
+
 
 def _bad(key: str, value, allowed: str) -> ValueError:
     return ValueError(f"{key}={value!r} is not allowed: expected {allowed}")
@@ -40,6 +42,12 @@ class ModelConfig:
     qk_norm: bool = False  # RMSNorm on q and k per head (a stabilizer to compare with SFA)
     attn_gate: bool = False  # a sigmoid output gate per head (gated attention; new parameters: CausalSelfAttention)
     z_loss: float = 0.0  # PaLM's z-loss coefficient on the output logits (no parameters: z_loss_term)
+    # gpt: this file's GPT-2; llama: a transformers Llama (RoPE, GQA, SwiGLU, RMSNorm, tied embeddings) with
+    # attn_implementation="forensics" (models/hf.py). The fields below are the llama family's.
+    family: str = "gpt"
+    n_kv_head: Optional[int] = None  # key/value heads (GQA); None = n_head
+    mlp_hidden: Optional[int] = None  # SwiGLU width; None = 8/3 * n_embd rounded up to a multiple of 64
+    rope_theta: float = 10000.0
 
     def validate(self, key: str = "model") -> "ModelConfig":
         """Raise ValueError naming key, value and what is allowed; return self."""
@@ -60,7 +68,35 @@ class ModelConfig:
         if isinstance(self.z_loss, bool) or not isinstance(self.z_loss, (int, float)) or \
                 not 0 <= self.z_loss < math.inf:
             raise _bad(f"{key}.z_loss", self.z_loss, "a finite number >= 0 (0: off; PaLM uses 1e-4)")
+        self._validate_family(key)
         return self
+
+    def _validate_family(self, key: str) -> None:
+        """The family's own fields; a patch of models/gpt.py's attention is refused on a transformers family."""
+        if self.family not in FAMILIES:
+            raise _bad(f"{key}.family", self.family, "one of " + ", ".join(FAMILIES))
+        if self.family == "gpt":
+            for name, off in (("n_kv_head", None), ("mlp_hidden", None), ("rope_theta", 10000.0)):
+                if getattr(self, name) != off:
+                    raise _bad(f"{key}.{name}", getattr(self, name), f"{off} for {key}.family=gpt (a field of the "
+                                                                     "transformers families: the GPT has none)")
+            return
+        for name, what in (("qk_norm", "RMSNorm on q and k inside models/gpt.py's attention"),
+                           ("attn_gate", "the gated-attention output gate of models/gpt.py's attention")):
+            if getattr(self, name):
+                raise _bad(f"{key}.{name}", True, f"false for {key}.family={self.family}: it is {what}, which the "
+                                                  f"transformers {self.family} model does not have (use family=gpt)")
+        if self.dropout:
+            raise _bad(f"{key}.dropout", self.dropout, f"0 for {key}.family={self.family} (it has no dropout)")
+        kv = self.n_head if self.n_kv_head is None else self.n_kv_head
+        if isinstance(kv, bool) or not isinstance(kv, int) or kv <= 0 or self.n_head % kv:
+            raise _bad(f"{key}.n_kv_head", self.n_kv_head, f"a divisor of {key}.n_head={self.n_head} or null")
+        if self.mlp_hidden is not None and (isinstance(self.mlp_hidden, bool) or not isinstance(self.mlp_hidden, int)
+                                            or self.mlp_hidden <= 0):
+            raise _bad(f"{key}.mlp_hidden", self.mlp_hidden, "an integer > 0 or null")
+        if isinstance(self.rope_theta, bool) or not isinstance(self.rope_theta, (int, float)) or \
+                not 0 < self.rope_theta < math.inf:
+            raise _bad(f"{key}.rope_theta", self.rope_theta, "a finite number > 0")
 
     @property
     def head_dim(self) -> int:
@@ -267,15 +303,8 @@ class GPT(nn.Module):
         cfg = self.config
         D = cfg.head_dim
         w = torch.stack([b.attn.c_attn.weight[: cfg.n_embd] for b in self.transformer.h]).float()
-        w = w.view(cfg.n_layer * cfg.n_head, D, cfg.n_embd)
-        g = w @ w.transpose(-2, -1)
-        tiny = torch.finfo(torch.float32).tiny
-        a = g / _trace(g).clamp_min(tiny)[:, None, None]
-        for _ in range(iters):
-            a = a @ a
-            a = a / _trace(a).clamp_min(tiny)[:, None, None]
-        top = _trace(a @ g) / _trace(a).clamp_min(tiny)
-        return top.clamp_min(0).sqrt().view(cfg.n_layer, cfg.n_head)
+        return top_singular_values(w.view(cfg.n_layer * cfg.n_head, D, cfg.n_embd), iters).view(cfg.n_layer,
+                                                                                                 cfg.n_head)
 
     def layer_knobs(self) -> List[AttentionKnobs]:
         """The resolved knobs of each layer (AttentionConfig.for_layer applied), e.g. for the run's parameters."""
@@ -309,8 +338,21 @@ def z_loss_term(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return (lse.square() * valid).sum() / valid.sum().clamp_min(1.0)
 
 
+@torch.no_grad()
+def top_singular_values(w: torch.Tensor, iters: int = 30) -> torch.Tensor:
+    """sigma_max of each matrix of w (N, D, C) FP32, without a host sync (GPT.wq_spectral_norms says how)."""
+    g = w @ w.transpose(-2, -1)
+    tiny = torch.finfo(torch.float32).tiny
+    a = g / _trace(g).clamp_min(tiny)[:, None, None]
+    for _ in range(iters):
+        a = a @ a
+        a = a / _trace(a).clamp_min(tiny)[:, None, None]
+    top = _trace(a @ g) / _trace(a).clamp_min(tiny)
+    return top.clamp_min(0).sqrt()
+
+
 def _trace(a: torch.Tensor) -> torch.Tensor:
     return a.diagonal(dim1=-2, dim2=-1).sum(-1)
 
 
-__all__ = ["GPT", "ModelConfig", "asdict", "z_loss_term"]
+__all__ = ["GPT", "ModelConfig", "asdict", "z_loss_term", "top_singular_values"]

@@ -19,6 +19,7 @@ from flash_forensics.kernels import knobs as knob_table
 from flash_forensics.kernels.checks import bad, int_range, is_int, is_num
 from flash_forensics.kernels.config import AttentionConfig, AttentionKnobs, LayerOverride
 from flash_forensics.kernels.recipes import for_knobs
+from flash_forensics.models.hf import check_attention, check_job
 from flash_forensics.orchestrator.config.schema import COMPILES, DEVICES, EXPECTS, OPTIMIZERS, PRECISIONS, Config
 from flash_forensics.orchestrator.data.corpora import open_corpus
 from flash_forensics.orchestrator.data.prepare import dataset_dir
@@ -381,6 +382,12 @@ def _validate(cfg, overrides: Sequence[str] = (), check_resume: bool = True, che
     except ValueError as e:
         raise ConfigError(f"{e} (attention with intervention={obj.intervention.name})") from None
     check_knob_combos(att, obj.model.n_layer)
+    if obj.model.family != "gpt":  # a transformers family: every layer on the emulator (models/hf.py)
+        try:
+            check_attention(att, obj.model)
+            check_job(obj)
+        except ValueError as e:
+            raise ConfigError(f"{e} (intervention={obj.intervention.name})") from None
     if check_resume and (obj.from_checkpoint is not None or obj.resume is not None):
         try:
             if obj.from_checkpoint is not None:

@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-from flash_forensics.models.gpt import GPT
+from flash_forensics.models.hf import build_model
 from flash_forensics.orchestrator import record
 from flash_forensics.orchestrator.data.config import DataError
 from flash_forensics.orchestrator.data.replay import OrderHeader, OrderReader, read_header
@@ -140,8 +140,9 @@ def _check_parameters(header: Dict[str, Any], obj, key: str, path) -> None:
         return
     import torch
 
+
     with torch.device("meta"):
-        want = {n: tuple(t.shape) for n, t in GPT(obj.model).state_dict().items()}
+        want = {n: tuple(t.shape) for n, t in build_model(obj.model).state_dict().items()}
     have = {n: tuple(s) for n, s in shapes.items()}
     bad = sorted(set(want) ^ set(have)) + sorted(n for n in set(want) & set(have) if want[n] != have[n])
     if bad:

@@ -25,7 +25,7 @@ import torch
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
-from flash_forensics.models.gpt import GPT
+from flash_forensics.models.hf import build_model
 from flash_forensics.orchestrator import record
 from flash_forensics.orchestrator.data import BatchStream, ensure_prepared, val_batches
 from flash_forensics.orchestrator.errors import ConfigError, remove_stale_temps
@@ -149,7 +149,7 @@ class Job:
         """Model and optimizer, then the start state's weights and optimizer state (resume or fork)."""
 
         seed_everything(self.cfg.train.seed)
-        model = GPT(self.cfg.model, self.attention).to(device)
+        model = build_model(self.cfg.model, self.attention).to(device)
         self.result["attention_routes"] = model.attention_routes()
         if self.is_main:
             print(f"[job] {precision_line(self.cfg.train.precision, self.result['attention_routes'])}")

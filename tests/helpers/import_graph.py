@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Dict, List, Set, Tuple
 
 ROOT = Path(__file__).resolve().parents[2]
+LAZY = "# lazy:"  # a function-level import that says why (an optional heavy dependency) is allowed
 PACKAGES = {"flash_forensics": "flash_forensics", "flash_forensics.kernels": "kernels",
             "flash_forensics.models": "models", "flash_forensics.orchestrator": "orchestrator"}
 
@@ -73,7 +74,7 @@ def _targets(mods, current: str, node) -> Set[str]:
             parts = current.split(".")
             parts = parts if mods[current].name == "__init__.py" else parts[:-1]
             base = ".".join(parts[:len(parts) - node.level + 1] + ([node.module] if node.module else []))
-        names = [base] + [f"{base}.{a.name}" for a in node.names]
+        names = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names]
     found = set()
     for n in names:
         while n and n not in mods:
@@ -87,18 +88,20 @@ def build() -> Graph:
     mods = _modules()
     g = Graph(mods)
     for name, path in mods.items():
-        tree = ast.parse(path.read_text(), filename=str(path))
+        text = path.read_text()
+        tree = ast.parse(text, filename=str(path))
+        lines = text.split("\n")
         g.edges[name] = set()
 
-        def walk(node, in_function: bool, name: str = name) -> None:
+        def walk(node, in_function: bool, name: str = name, lines=lines) -> None:
             for child in ast.iter_child_nodes(node):
                 if isinstance(child, (ast.Import, ast.ImportFrom)):
                     t = _targets(mods, name, child)
                     g.edges[name] |= t
-                    if in_function:
+                    if in_function and LAZY not in lines[child.lineno - 1]:
                         g.function_imports += [(name, child.lineno, x) for x in sorted(t)]
                 inner = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
-                walk(child, inner, name)
+                walk(child, inner, name, lines)
 
         walk(tree, False)
     return g

@@ -1,0 +1,179 @@
+"""A drop-in for torch's scaled_dot_product_attention that computes with a precision recipe (the kernels' emulator).
+
+`attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *, recipe=...,
+**knobs)` takes SDPA's arguments in SDPA's order (so positional calls keep their meaning) and SDPA's semantics:
+
+- q (B, H, Tq, D), k and v (B, Hk, Tk, D); Tq != Tk as in a KV cache. 4-D only.
+- attn_mask: bool (True = attend) or float (added to the scaled scores; -inf = masked), broadcastable to
+  (B, H, Tq, Tk). A row with no key left returns 0 (as SDPA does) and passes no gradient.
+- is_causal: torch's `ones(Tq, Tk).tril(diagonal=0)`, top-left aligned also when Tq != Tk.
+- scale: None = 1/sqrt(D). enable_gqa: Hk divides H and key head j serves query heads j*H/Hk .. (j+1)*H/Hk - 1
+  (repeat_interleave); without it Hk must equal H.
+- The result has q's dtype, as SDPA's does (the recipe's own output dtype, BF16 for paper_bf16, cast exactly to
+  FP32 for FP32 inputs; an fp32-recipe O on BF16 inputs is rounded to BF16 there, as SDPA would return it).
+Refused, with the argument's name and what is allowed: dropout_p > 0 (the flash kernels have no dropout), is_causal
+together with attn_mask, a mask that needs a gradient, and any knob the emulator does not compute (impl=standard or
+sdpa, backend=triton: masks and Tq != Tk exist only in the emulator).
+
+Knobs are AttentionKnobs fields (kernels/knobs.py), validated there. `stats=` (an AttnStats of H heads) accumulates
+the repeated-maxima counters and the max logit on the device. Each call is reported to flash_forensics.hooks.
+
+`patch_sdpa(recipe=..., **knobs)`: a context manager that points torch.nn.functional.scaled_dot_product_attention at
+this function (restored on exit, also on an exception), so unchanged nanoGPT-style code runs through the recipe.
+Code that bound the function to another name before the patch (`from torch.nn.functional import
+scaled_dot_product_attention`) keeps torch's.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator, Optional
+
+import torch
+import torch.nn.functional as F
+
+import flash_forensics.kernels.knobs as knob_table
+from flash_forensics import hooks
+from flash_forensics.kernels.config import AttentionKnobs
+from flash_forensics.kernels.emulator import flash_attention
+from flash_forensics.kernels.masking import Masking
+from flash_forensics.kernels.stats import AttnStats
+
+_FIELDS = tuple(r.name for r in knob_table.KNOBS)
+
+
+def make_knobs(recipe: str = "paper_bf16", key: str = "flash_forensics", n_head: Optional[int] = None,
+               **knobs) -> AttentionKnobs:
+    """AttentionKnobs for the emulator from keyword knobs: unknown names, bad values and knobs the emulator does not
+    compute are refused (ValueError naming the knob, the value and what is allowed)."""
+    unknown = sorted(set(knobs) - set(_FIELDS))
+    if unknown:
+        raise ValueError(f"{key}: unknown knob(s) {unknown}; allowed: {', '.join(_FIELDS)}")
+    if "recipe" in knobs:
+        raise ValueError(f"{key}: give the recipe as recipe=..., not among the knobs")
+    cfg = AttentionKnobs(recipe=recipe, **knobs).validate(n_head, key=key)
+    return check_emulated(cfg, key)
+
+
+def check_emulated(cfg: AttentionKnobs, key: str = "flash_forensics") -> AttentionKnobs:
+    """cfg, if the emulator computes every knob it sets; else a ValueError naming the first knob it would drop."""
+    if cfg.impl != "flash":
+        raise ValueError(f"{key}.impl={cfg.impl!r} is not allowed: expected 'flash' (flash_forensics computes "
+                         "attention with the kernels' emulator; impl=standard/sdpa exist only inside our GPT)")
+    if cfg.backend == "triton":
+        raise ValueError(f"{key}.backend='triton' is not allowed: expected auto or emulator (masks, Tq != Tk and "
+                         "GQA are computed by the emulator only)")
+    lacking = knob_table.unsupported(cfg, "emulator")
+    if lacking:
+        row = lacking[0]
+        raise ValueError(f"{key}.{row.name}={getattr(cfg, row.name)!r} is not allowed here: the emulator does not "
+                         f"compute it (computed by: {knob_table.computed_by_words(row, getattr(cfg, row.name))})")
+    return cfg
+
+
+def _masks(attn_mask, B: int, H: int, Tq: int, Tk: int):
+    """(keep, bias) as kernels/masking.py takes them, and the rows with no key (B or 1, H or 1, Tq, 1) or None."""
+    if attn_mask is None:
+        return None, None, None
+    if not isinstance(attn_mask, torch.Tensor):
+        raise ValueError(f"attn_mask={type(attn_mask).__name__} is not allowed: expected a bool or float tensor "
+                         "or None")
+    if attn_mask.requires_grad:
+        raise ValueError("attn_mask requires grad: not allowed (no gradient flows to the mask here)")
+    m = attn_mask
+    if m.dim() > 4:
+        raise ValueError(f"attn_mask.shape={tuple(m.shape)} is not allowed: expected at most 4 dims, broadcastable "
+                         f"to (B, H, Tq, Tk) = {(B, H, Tq, Tk)}")
+    while m.dim() < 4:
+        m = m.unsqueeze(0)
+    for got, want in zip(m.shape, (B, H, Tq, Tk), strict=True):
+        if got not in (1, want):
+            raise ValueError(f"attn_mask.shape={tuple(attn_mask.shape)} is not allowed: expected a shape "
+                             f"broadcastable to (B, H, Tq, Tk) = {(B, H, Tq, Tk)}")
+    m = m.expand(m.shape[0], m.shape[1], Tq, Tk)  # batch and head stay 1 where they are: no copy per head
+    if m.dtype == torch.bool:
+        keep, bias = m, None
+    elif m.dtype.is_floating_point:
+        keep = m != float("-inf")
+        bias = torch.where(keep, m, torch.zeros((), dtype=m.dtype, device=m.device))
+    else:
+        raise ValueError(f"attn_mask.dtype={m.dtype} is not allowed: expected torch.bool or a float dtype")
+    return keep, bias, ~keep.any(dim=-1, keepdim=True)
+
+
+def attention(q, k, v, attn_mask=None, dropout_p: float = 0.0, is_causal: bool = False, scale=None,
+              enable_gqa: bool = False, *, recipe: str = "paper_bf16", stats: Optional[AttnStats] = None,
+              layer: Optional[int] = None, family: str = "sdpa", **knobs) -> torch.Tensor:
+    """SDPA with a precision recipe (module docstring); `layer` and `family` only label the hooks' AttentionCall."""
+    cfg = make_knobs(recipe, **knobs)
+    return attend(q, k, v, cfg, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                  enable_gqa=enable_gqa, stats=stats, layer=layer, family=family)
+
+
+def attend(q, k, v, cfg: AttentionKnobs, attn_mask=None, dropout_p: float = 0.0, is_causal: bool = False, scale=None,
+           enable_gqa: bool = False, stats: Optional[AttnStats] = None, layer: Optional[int] = None,
+           family: str = "sdpa") -> torch.Tensor:
+    """`attention` with knobs already built (make_knobs): what the transformers backend calls per layer."""
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or dropout_p != 0:
+        raise ValueError(f"dropout_p={dropout_p!r} is not allowed: expected 0.0 (the flash kernels have no attention "
+                         "dropout; pass dropout_p=0.0, e.g. the model's attention dropout set to 0)")
+    if not isinstance(is_causal, bool):
+        raise ValueError(f"is_causal={is_causal!r} is not allowed: expected true or false")
+    if is_causal and attn_mask is not None:
+        raise ValueError("is_causal=True with attn_mask is not allowed: expected one of them (put causality into "
+                         "the mask, or pass attn_mask=None)")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor) or x.dim() != 4:
+            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"{name}.shape={shape} is not allowed: expected 4 dims (B, H, T, D)")
+    B, H, Tq, D = q.shape
+    Hk, Tk = k.shape[1], k.shape[2]
+    if v.shape[1] != Hk or v.shape[2] != Tk:
+        raise ValueError(f"v.shape={tuple(v.shape)} is not allowed: expected k's heads and length {(Hk, Tk)}")
+    if v.shape[3] != D or k.shape[3] != D:
+        raise ValueError(f"k.shape={tuple(k.shape)}, v.shape={tuple(v.shape)} are not allowed: expected the head dim "
+                         f"of q ({D}) for both")
+    if Hk != H:
+        if not enable_gqa:
+            raise ValueError(f"k.shape[1]={Hk} is not allowed with enable_gqa=False: expected q's {H} heads "
+                             "(or enable_gqa=True)")
+        if H % Hk:
+            raise ValueError(f"k.shape[1]={Hk} is not allowed: expected a divisor of q's {H} heads (GQA)")
+        k, v = k.repeat_interleave(H // Hk, dim=1), v.repeat_interleave(H // Hk, dim=1)
+    keep, bias, dead = _masks(attn_mask, B, H, Tq, Tk)
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
+        raise ValueError(f"scale={scale!r} is not allowed: expected a number > 0 or None (1/sqrt(D))")
+    plain = is_causal and Tq == Tk and scale is None and keep is None  # the emulator's own path, op for op
+    masking = None if plain else Masking(causal=is_causal, keep=keep, bias=bias, scale=scale)
+    o = flash_attention(q, k, v, cfg, stats, masking)
+    if dead is not None:  # rows with no key: 0, as SDPA (the emulator averages V there; its gradient is 0 already)
+        o = torch.where(dead, torch.zeros((), dtype=o.dtype, device=o.device), o)
+    o = o.to(q.dtype)
+    if hooks.active():
+        hooks.emit(hooks.AttentionCall(q=q, k=k, v=v, o=o, lse=None, recipe=cfg.recipe, knobs=cfg.knob_values(),
+                                       layer=layer, family=family, is_causal=is_causal,
+                                       scale=float(scale) if scale is not None else D ** -0.5,
+                                       implementation="emulator"))
+    return o
+
+
+@contextmanager
+def patch_sdpa(recipe: str = "paper_bf16", stats: Optional[AttnStats] = None, **knobs) -> Iterator[AttentionKnobs]:
+    """Route torch.nn.functional.scaled_dot_product_attention through `attention` inside the block; yields the knobs.
+
+    Knobs are validated once, on entry. Restored on exit, also when the block raises.
+    """
+    cfg = make_knobs(recipe, key="patch_sdpa", **knobs)
+    original = F.scaled_dot_product_attention
+
+    def patched(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        return attend(query, key, value, cfg, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                      scale=scale, enable_gqa=enable_gqa, stats=stats)
+
+    F.scaled_dot_product_attention = patched
+    try:
+        yield cfg
+    finally:
+        F.scaled_dot_product_attention = original
+
+
+__all__ = ["attention", "attend", "patch_sdpa", "make_knobs", "check_emulated"]

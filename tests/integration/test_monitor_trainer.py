@@ -1,0 +1,68 @@
+"""flash_forensics.Monitor in a user's loop (dicts and an MLflow run) and TrainerCallback in a real tiny Trainer run."""
+import pytest
+import torch
+
+import flash_forensics
+from flash_forensics import families
+from flash_forensics.hf_backend import NAME
+
+transformers = pytest.importorskip("transformers")
+V = 128
+
+
+def _llama():
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=NAME)
+
+
+def test_monitor_logs_every_signal_once_per_interval_and_resets(tmp_path):
+    model = _llama()
+    flash_forensics.use(model, recipe="paper_bf16", overrides={1: {"pv_fp32": True}})
+    opt = torch.optim.AdamW(model.parameters(), 1e-3)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    with flash_forensics.Monitor(model, log_every=3, wq_every=3, mlflow=True, tracking_uri=uri,
+                                 experiment="t") as mon:
+        outs = []
+        for _ in range(6):
+            ids = torch.randint(0, V, (2, 32))
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            outs.append(mon.step(loss))
+    assert [o is not None for o in outs] == [False, False, True, False, False, True]
+    last = outs[-1]
+    assert {f"train/loss@{s}" for s in (3, 4, 5)} <= set(last)
+    for layer in (0, 1):
+        assert last[f"max_logit/L{layer}"] > 0
+        for h in range(4):
+            # 3 steps of 2 sequences x 32 rows since the last flush; 64-key tiles: one tile per row
+            assert last[f"rows_seen/L{layer}.H{h}"] == 3 * 2 * 32
+            assert 0 <= last[f"rmax_rows/L{layer}.H{h}"] <= 3 * 2 * 32
+            assert 0 < last[f"attn_entropy/L{layer}.H{h}"] < torch.log(torch.tensor(32.0)).item()
+            assert last[f"wq_sigma/L{layer}.H{h}"] > 0
+    sigma = families.wq_spectral_norms(model)
+    assert sigma.shape == (2, 4)
+    from mlflow.tracking import MlflowClient
+    client = MlflowClient(tracking_uri=uri)
+    run = client.get_run(mon.run_id)
+    assert run.info.status == "FINISHED" and run.data.params["family"] == "llama"
+    assert len(client.get_metric_history(mon.run_id, "train/loss")) == 6
+
+
+def test_trainer_callback_in_a_tiny_trainer_run(tmp_path):
+    pytest.importorskip("accelerate")  # transformers' Trainer needs it (pyproject's [trainer] extra)
+    model = _llama()
+    flash_forensics.use(model, recipe="paper_bf16")
+    g = torch.Generator().manual_seed(0)
+    data = [{"input_ids": x, "labels": x} for x in torch.randint(0, V, (16, 16), generator=g)]
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=4,
+                                          logging_steps=2, report_to=[], use_cpu=True, save_strategy="no",
+                                          disable_tqdm=True)
+    cb = flash_forensics.TrainerCallback(wq_every=2)
+    transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=[cb]).train()
+    assert [h["step"] for h in cb.history] == [1, 3]
+    assert all(h["rows_seen/L1.H3"] == 2 * 4 * 16 for h in cb.history)  # 2 steps of 4 x 16 rows per flush
+    assert "trainer/loss" in cb.history[-1] and "wq_sigma/L0.H0" in cb.history[-1]
