@@ -13,7 +13,9 @@
   FP32 for FP32 inputs; an fp32-recipe O on BF16 inputs is rounded to BF16 there, as SDPA would return it).
 Refused, with the argument's name and what is allowed: dropout_p > 0 (the flash kernels have no dropout), is_causal
 together with attn_mask, a mask that needs a gradient, and any knob the emulator does not compute (impl=standard or
-sdpa, backend=triton: masks and Tq != Tk exist only in the emulator).
+sdpa, backend=triton: masks and Tq != Tk exist only in the emulator). On CUDA a plain causal call (is_causal=True,
+no mask, Tq == Tk, the default scale) runs on the Triton kernels when they compute every knob (backend=auto, as
+our GPT's layers route); everything else on the emulator.
 
 Knobs are AttentionKnobs fields (kernels/knobs.py), validated there. `stats=` (an AttnStats of H heads) accumulates
 the repeated-maxima counters and the max logit on the device. Each call is reported to flash_forensics.hooks.
@@ -37,6 +39,8 @@ from flash_forensics.kernels.config import AttentionKnobs
 from flash_forensics.kernels.emulator import flash_attention
 from flash_forensics.kernels.masking import Masking
 from flash_forensics.kernels.stats import AttnStats
+from flash_forensics.models.attention import _triton_flash as triton_flash
+from flash_forensics.models.attention import resolve_backend
 
 _FIELDS = tuple(r.name for r in knob_table.KNOBS)
 
@@ -144,15 +148,26 @@ def attend(q, k, v, cfg: AttentionKnobs, attn_mask=None, dropout_p: float = 0.0,
         raise ValueError(f"scale={scale!r} is not allowed: expected a number > 0 or None (1/sqrt(D))")
     plain = is_causal and Tq == Tk and scale is None and keep is None  # the emulator's own path, op for op
     masking = None if plain else Masking(causal=is_causal, keep=keep, bias=bias, scale=scale)
-    o = flash_attention(q, k, v, cfg, stats, masking)
+    # plain causal calls on CUDA go to the Triton kernels when they compute every knob (backend=auto; the same
+    # routing as our GPT's layers); masks, Tq != Tk and other scales exist only in the emulator
+    route = resolve_backend(cfg, q.device, q=q, key="flash_forensics.backend") if plain and q.is_cuda else "emulator"
+    if route == "triton":
+        o = triton_flash.flash_attention_triton(q, k, v, cfg, stats)
+    else:
+        o = flash_attention(q, k, v, cfg, stats, masking)
     if dead is not None:  # rows with no key: 0, as SDPA (the emulator averages V there; its gradient is 0 already)
         o = torch.where(dead, torch.zeros((), dtype=o.dtype, device=o.device), o)
     o = o.to(q.dtype)
     if hooks.active():
+        # a mask that is exactly the causal triangle (what transformers materialises without padding) is a causal
+        # call for whoever observes it; checked only here, when someone observes (it reads the mask back)
+        causal = is_causal or (keep is not None and bias is None and Tq == Tk and bool(
+            torch.equal(keep.expand(B, H, Tq, Tk), torch.ones(Tq, Tk, dtype=torch.bool, device=keep.device)
+                        .tril().expand(B, H, Tq, Tk))))
         hooks.emit(hooks.AttentionCall(q=q, k=k, v=v, o=o, lse=None, recipe=cfg.recipe, knobs=cfg.knob_values(),
-                                       layer=layer, family=family, is_causal=is_causal,
+                                       layer=layer, family=family, is_causal=causal,
                                        scale=float(scale) if scale is not None else D ** -0.5,
-                                       implementation="emulator"))
+                                       implementation=route))
     return o
 
 

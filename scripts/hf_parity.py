@@ -31,6 +31,7 @@ from flash_forensics.kernels.emulator import flash_attention  # noqa: E402
 from flash_forensics.kernels.masking import Masking  # noqa: E402
 
 V, T = 128, 21
+DEVICE = torch.device("cpu")  # --device
 
 
 def configs():
@@ -49,16 +50,17 @@ def pair(cfg, dtype):
     ref = AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation="eager")
     ff = AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation=NAME)
     ff.load_state_dict(ref.state_dict())
-    return ref.to(dtype), ff.to(dtype)
+    return ref.to(DEVICE, dtype), ff.to(DEVICE, dtype)
 
 
 def fp32_parity(cfg):
     ref, ff = pair(cfg, torch.float32)
     use(ff, recipe="fp32", block_q=8, block_k=8)
     g = torch.Generator().manual_seed(3)
-    ids = torch.randint(0, V, (2, T), generator=g)
+    ids = torch.randint(0, V, (2, T), generator=g).to(DEVICE)
     am = torch.ones(2, T, dtype=torch.long)
     am[1, :4] = 0
+    am = am.to(DEVICE)
     out = []
     for m in (ref, ff):
         m.train()
@@ -73,7 +75,7 @@ def fp32_parity(cfg):
 def bit_identity(name, cfg):
     _, ff = pair(cfg, torch.bfloat16)
     use(ff, recipe="paper_bf16")
-    ids = torch.randint(0, V, (2, T), generator=torch.Generator().manual_seed(3))
+    ids = torch.randint(0, V, (2, T), generator=torch.Generator().manual_seed(3)).to(DEVICE)
     calls = []
     with hooks.observing(calls.append), torch.no_grad():
         ff(input_ids=ids)
@@ -82,7 +84,7 @@ def bit_identity(name, cfg):
     for c in calls:
         if name == "mistral":  # key j visible to query i when i - 8 < j <= i
             i, j = torch.arange(T)[:, None], torch.arange(T)[None, :]
-            keep = ((j <= i) & (j > i - cfg.sliding_window))[None, None]
+            keep = ((j <= i) & (j > i - cfg.sliding_window))[None, None].to(DEVICE)
             want = flash_attention(c.q, c.k, c.v, knobs, masking=Masking(causal=False, keep=keep))
         else:
             want = flash_attention(c.q, c.k, c.v, knobs)
@@ -93,12 +95,17 @@ def bit_identity(name, cfg):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=str(ROOT / "results" / "own_model" / "hf_parity.md"))
+    ap.add_argument("--device", default="cpu", help="cpu or cuda: where the models and both attentions run")
     args = ap.parse_args(argv)
+    global DEVICE
+    DEVICE = torch.device(args.device)
+    torch.backends.cuda.matmul.allow_tf32 = False  # eager's FP32 GEMMs in IEEE FP32, as the emulator's
     import transformers
     t0 = time.perf_counter()
     lines = ["# attn_implementation=\"forensics\" on four transformers families", "",
-             f"transformers {transformers.__version__}, torch {torch.__version__}, CPU. Command: "
-             "`python scripts/hf_parity.py`.", "",
+             f"transformers {transformers.__version__}, torch {torch.__version__}, "
+             f"{torch.cuda.get_device_name() if DEVICE.type == 'cuda' else 'CPU'}. Command: "
+             f"`python scripts/hf_parity.py{' --device ' + args.device if args.device != 'cpu' else ''}`.", "",
              "| family | fp32 vs eager: logits max err (largest logit) | grads max err (relative to max grad) | "
              "paper_bf16 layers bit-identical to flash_attention |", "|---|---|---|---|"]
     for name, cfg in configs().items():

@@ -8,6 +8,7 @@ from flash_forensics.hf_backend import NAME
 
 transformers = pytest.importorskip("transformers")
 V = 128
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 def _llama():
@@ -17,8 +18,9 @@ def _llama():
     return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=NAME)
 
 
-def test_monitor_logs_every_signal_once_per_interval_and_resets(tmp_path):
-    model = _llama()
+@pytest.mark.parametrize("device", DEVICES)
+def test_monitor_logs_every_signal_once_per_interval_and_resets(tmp_path, device):
+    model = _llama().to(device)
     flash_forensics.use(model, recipe="paper_bf16", overrides={1: {"pv_fp32": True}})
     opt = torch.optim.AdamW(model.parameters(), 1e-3)
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
@@ -26,7 +28,7 @@ def test_monitor_logs_every_signal_once_per_interval_and_resets(tmp_path):
                                  experiment="t") as mon:
         outs = []
         for _ in range(6):
-            ids = torch.randint(0, V, (2, 32))
+            ids = torch.randint(0, V, (2, 32), device=device)
             loss = model(input_ids=ids, labels=ids).loss
             loss.backward()
             opt.step()
@@ -52,17 +54,36 @@ def test_monitor_logs_every_signal_once_per_interval_and_resets(tmp_path):
     assert len(client.get_metric_history(mon.run_id, "train/loss")) == 6
 
 
-def test_trainer_callback_in_a_tiny_trainer_run(tmp_path):
+@pytest.mark.parametrize("device", DEVICES)
+def test_trainer_callback_in_a_tiny_trainer_run(tmp_path, device):
     pytest.importorskip("accelerate")  # transformers' Trainer needs it (pyproject's [trainer] extra)
     model = _llama()
     flash_forensics.use(model, recipe="paper_bf16")
     g = torch.Generator().manual_seed(0)
     data = [{"input_ids": x, "labels": x} for x in torch.randint(0, V, (16, 16), generator=g)]
     args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=4,
-                                          logging_steps=2, report_to=[], use_cpu=True, save_strategy="no",
+                                          logging_steps=2, report_to=[], use_cpu=device == "cpu", save_strategy="no",
                                           disable_tqdm=True)
     cb = flash_forensics.TrainerCallback(wq_every=2)
     transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=[cb]).train()
     assert [h["step"] for h in cb.history] == [1, 3]
     assert all(h["rows_seen/L1.H3"] == 2 * 4 * 16 for h in cb.history)  # 2 steps of 4 x 16 rows per flush
     assert "trainer/loss" in cb.history[-1] and "wq_sigma/L0.H0" in cb.history[-1]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_capture_through_the_backend_and_analyze(tmp_path, device):
+    """A transformers model's attention call captured through the backend's hooks (with dO), then analyzed."""
+    model = _llama().to(device, torch.bfloat16)
+    flash_forensics.use(model, recipe="paper_bf16")
+    ids = torch.randint(0, V, (2, 32), device=device)
+    with flash_forensics.capture(tmp_path, layers=[1], heads=[0, 3], say=None) as rec:
+        model(input_ids=ids, labels=ids).loss.backward()
+    (path,) = rec.paths
+    from flash_forensics.capture import analyze, read
+    snap = read(path)
+    assert snap.meta["family"] == "llama" and snap.meta["recipe"] == "paper_bf16" and "do" in snap.tensors
+    assert snap.tensors["q"].shape == (2, 2, 32, 16)
+    report = analyze(path)
+    best = report["fingerprint"]["candidates"][0]
+    assert best["recipe"] == "paper_bf16" and best["o_identical"] == 1.0, best

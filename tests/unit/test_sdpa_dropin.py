@@ -135,3 +135,22 @@ def test_rows_whose_first_key_tiles_are_all_masked():
         o = attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), attn_mask=keep, recipe=recipe, block_q=8, block_k=8)
         assert torch.isfinite(o).all() and (o[:, :, 5] == 0).all()
         assert (o.double() - ref[0]).abs().max().item() < 0.05
+
+
+@pytest.mark.gpu
+def test_cuda_plain_causal_calls_run_on_triton_and_masked_ones_on_the_emulator():
+    from flash_forensics.kernels.triton_flash import flash_attention_triton
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 128, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    calls = []
+    with hooks.observing(calls.append):
+        o = attention(q, k, v, is_causal=True, recipe="paper_bf16")
+        keep = torch.ones(128, 128, dtype=torch.bool, device="cuda").tril()
+        o_masked = attention(q, k, v, attn_mask=keep, recipe="paper_bf16")
+    assert [c.implementation for c in calls] == ["triton", "emulator"]
+    assert torch.equal(o, flash_attention_triton(q, k, v, AttentionKnobs(recipe="paper_bf16")))
+    ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
+    assert (o_masked.float() - ref).abs().max().item() < 0.05 and (o.float() - ref).abs().max().item() < 0.05
+    o32 = attention(q.float(), k.float(), v.float(), is_causal=True, recipe="fp32")
+    assert (o32 - ref).abs().max().item() < 1e-4
