@@ -2,19 +2,16 @@
 forward/backward (dO, x, W_Q), named in result.json and MLflow; a fork captures the step before the source's
 divergence; bad settings are refused before anything runs. Also the analysis logged as an MLflow run."""
 import json
-import sys
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the in-process job helpers
-import _jobs  # noqa: E402
 
 import flash_forensics.orchestrator.config.schema  # noqa: E402,F401
 from flash_forensics.capture import snapshot as S  # noqa: E402
 from flash_forensics.capture.analysis import analyze  # noqa: E402
 from flash_forensics.orchestrator import record  # noqa: E402
 from flash_forensics.orchestrator.config.validate import ConfigError, validate_config  # noqa: E402
+from tests.helpers import jobs as _jobs
 
 BASE = ["experiment=smoke", "hydra.mode=RUN", "train.max_steps=7", "train.ckpt_every=4", "train.keep_checkpoints=0",
         "train.early_stop=false", "train.eval_every=0"]
