@@ -41,7 +41,7 @@ from flash_forensics.orchestrator.monitor import alarm
 from flash_forensics.orchestrator.monitor.monitors import Monitors
 from flash_forensics.orchestrator.monitor.probes import runner as probes
 from flash_forensics.orchestrator.record import CKPT_DIR, ORDER_FILE, RESOLVED_CONFIG
-from flash_forensics.orchestrator.tracking.tracker import Tracker, describe_run
+from flash_forensics.orchestrator.tracking.tracker import Tracker, describe_run, flatten_config
 from flash_forensics.orchestrator.verdict import DivergenceDetector
 
 SPOOL_FILE = "mlflow_spool.jsonl"  # metric points waiting for a failed MLflow store (orchestrator/tracking/tracker.py)
@@ -120,6 +120,8 @@ class Job:
         self.cfg, self.attention, self.job_dir, self.overrides = cfg, attention, Path(job_dir), list(overrides)
         self.result: Dict[str, Any] = run_end.new_result(cfg.intervention, self.overrides, self.job_dir,
                                                          cfg.verdict)
+        # what an FP32 control must share with this run (seed, data order, lr, ...): the report's control rule
+        self.result["setup"] = record.setup_of(flatten_config(cfg))
         self.hooks = build_hooks(cfg.intervention.hooks)  # the intervention's train hooks (checked by validation)
         self.fork: Optional[Dict[str, Any]] = None  # fork_info() when this run is (or resumes) a fork
         self.forking = False  # this process starts the fork (new MLflow run, fresh detector/monitors)

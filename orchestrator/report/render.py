@@ -31,8 +31,8 @@ from flash_forensics.orchestrator.tracking.tracker import (
     source_tags,
 )
 
-RUN_COL = 10  # the "MLflow run" column of _table
-NOTE_COL = 9  # the "vs baseline" column: on its own line in the terminal
+RUN_COL = 11  # the "MLflow run" column of _table
+NOTE_COL = 10  # the "vs baseline" column: on its own line in the terminal
 
 
 
@@ -81,7 +81,7 @@ def _fmt(x, nd=3) -> str:
 
 
 def _table(rows: Sequence[Dict]) -> List[List[str]]:
-    head = ["job", "intervention", "overrides", "expected", "observed", "div. step", "final loss",
+    head = ["job", "intervention", "overrides", "expected", "observed", "div. step", "cause", "final loss",
             "peak σ(W_Q)", "matches paper", "vs baseline", "MLflow run"]
     body = []
     common = R._common_overrides(rows)
@@ -91,7 +91,7 @@ def _table(rows: Sequence[Dict]) -> List[List[str]]:
         body.append([_fmt(r.get("job")), _fmt(r.get("intervention")),
                      " ".join(sorted(R._other_overrides(r) - common)) or "-",
                      _fmt(r.get("expected")), _fmt(r.get("observed")), _fmt(r.get("divergence_step")),
-                     _fmt(R._num(r.get("final_loss"))), peak, _fmt(r.get("matches_paper")),
+                     _fmt(r.get("cause")), _fmt(R._num(r.get("final_loss"))), peak, _fmt(r.get("matches_paper")),
                      r.get("vs_baseline") or "-", (r.get("mlflow_run_id") or "-")[:12]])
     return [head] + body
 
