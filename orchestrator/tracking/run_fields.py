@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Mapping, Optional
 
+from flash_forensics.orchestrator import record
 from flash_forensics.orchestrator.tracking.store import (
     MAX_METRICS_PER_BATCH,
     MAX_TAG_VAL_LENGTH,
@@ -50,16 +51,19 @@ def source_tags() -> Dict[str, str]:
 
 def describe_run(intervention: str, expect: Optional[str], paper: Optional[str], observed: Optional[str] = None,
                  divergence_step: Optional[int] = None, steps_done: Optional[int] = None,
-                 error: Optional[str] = None) -> str:
+                 error: Optional[str] = None, cause: Optional[str] = None, control: Optional[str] = None,
+                 control_step: Optional[int] = None) -> str:
     """The run's description (mlflow.note.content, markdown on the run page): the intervention, what the paper
-    says of it and, once known, the verdict."""
-    lines = [f"**{intervention}**" + (f": the paper expects it to **{expect.replace('diverges', 'diverge')}**"
-                                      if expect else "")]
+    says of it and, once known, the verdict with its FP32 control (record.verdict_line: a divergence counts as the
+    paper's only when its control stayed stable)."""
+    said = {"diverges": "diverge", "stable": "stay stable"}
+    lines = [f"**{intervention}**" + (f": the paper expects it to **{said.get(expect, expect)}**" if expect else "")]
     if paper:
         lines.append(f"Paper: {paper}")
     if observed in ("diverged", "stable"):
-        match = (observed == "diverged") == (expect == "diverges") if expect else None
-        what = (f"diverged at step {divergence_step}" if observed == "diverged"
+        match = record.matches_paper(expect, observed, cause) if expect else None
+        what = (record.verdict_line(observed, divergence_step, cause or record.CAUSE_NO_CONTROL, control,
+                                    control_step) if observed == "diverged"
                 else "stable" + (f" to step {steps_done}" if steps_done else ""))
         lines.append(f"Verdict: **{what}**" + ("" if match is None else
                                                 (" (matches the paper)" if match else " (**does not match the paper**)")))

@@ -140,16 +140,23 @@ def retry(fn, *args, attempts: int = 8, **kwargs):
             delay = min(delay * 2, 2.0)
 
 
+EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}  # MLflow 3: the model-training UI, not GenAI
+
+
 def get_or_create_experiment(client, name: str, tracking_uri: str) -> str:
+    """The experiment's id (created, or restored when deleted), marked a model-training experiment (MLflow 3 would
+    otherwise open an experiment without traces in its GenAI mode)."""
     exp = retry(client.get_experiment_by_name, name)
     if exp is not None:
         if exp.lifecycle_stage == "deleted":
             retry(client.restore_experiment, exp.experiment_id)
+        if not exp.tags.get("mlflow.experimentKind"):
+            retry(client.set_experiment_tag, exp.experiment_id, *next(iter(EXPERIMENT_KIND.items())))
         return exp.experiment_id
     root = artifact_root_for(tracking_uri)
     try:
         return retry(client.create_experiment, name,
-                      artifact_location=f"{root}/{name}" if root else None)
+                      artifact_location=f"{root}/{name}" if root else None, tags=EXPERIMENT_KIND)
     except Exception:  # another job created it first
         exp = retry(client.get_experiment_by_name, name)
         if exp is None:
