@@ -364,6 +364,12 @@ class Job:
         v = float(evaluate(model, val, device, self.cfg.train.precision))  # one sync per eval, not per step
         self.result["val_loss"] = v
         self.monitors.log_val(step, v)
+        if self.is_main:  # the progress summary run.log keeps (the bar's refreshes are the terminal's)
+            d = self.detector
+            state = f"diverged at step {d.divergence_step}" if d is not None and d.diverged else "not diverged"
+            loss = f"{d.final_loss:.4f}" if d is not None and d.final_loss is not None else "-"
+            print(f"[job] step {step + 1}/{self.cfg.train.max_steps}: train loss {loss}, val loss {v:.4f}, {state}",
+                  flush=True)
 
     def sync_monitors(self) -> None:
         """Flush the monitors' buffered steps into MLflow and the detector."""
