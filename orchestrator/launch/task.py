@@ -21,7 +21,6 @@ from flash_forensics.orchestrator import record
 from flash_forensics.orchestrator.config.validate import selected_interventions, validate_config
 from flash_forensics.orchestrator.errors import WriteError, _alive
 from flash_forensics.orchestrator.job import checkpoint
-from flash_forensics.orchestrator.launch import job_log
 from flash_forensics.orchestrator.job.folder import (  # noqa: F401  (re-exported)
     START_FILE,
     _write_json,
@@ -30,6 +29,7 @@ from flash_forensics.orchestrator.job.folder import (  # noqa: F401  (re-exporte
     write_result,
 )
 from flash_forensics.orchestrator.job.train import Job
+from flash_forensics.orchestrator.launch import job_log
 from flash_forensics.orchestrator.record import ERROR_FILE, RESULT_FILE
 from flash_forensics.orchestrator.report.sweep import write_run_report
 from flash_forensics.orchestrator.tracking.tracker import (

@@ -24,7 +24,8 @@ def test_tee_keeps_lines_warnings_and_the_final_bar(tmp_path):
 
 
 def test_a_failed_job_logs_its_traceback(tmp_path):
-    result = run_in(SMOKE, tmp_path, "job", "train.max_steps=3", "train.warmup_steps=1", "debug.raise_at_step=1", "train.record_batches=false")
+    result = run_in(SMOKE, tmp_path, "job", "train.max_steps=3", "train.warmup_steps=1", "debug.raise_at_step=1",
+                    "train.record_batches=false")
     assert result["observed"] == "failed"
     text = (tmp_path / "job" / job_log.LOG_FILE).read_text()
     assert "[job] train.precision=" in text  # the route/precision line
@@ -33,8 +34,8 @@ def test_a_failed_job_logs_its_traceback(tmp_path):
 
 def test_run_log_survives_kill_9(tmp_path):
     job = tmp_path / "job"
-    proc = run_cli(tmp_path, *SMOKE, "intervention=baseline", "debug.kill_at_step=3", "train.eval_every=2", f"hydra.run.dir={job}",
-                   timeout=300)
+    proc = run_cli(tmp_path, *SMOKE, "intervention=baseline", "debug.kill_at_step=3", "train.eval_every=2",
+                   f"hydra.run.dir={job}", timeout=300)
     assert proc.returncode != 0  # SIGKILLed
     text = (job / job_log.LOG_FILE).read_text()
     assert "[job] train.precision=" in text and "attention routes:" in text
