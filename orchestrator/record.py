@@ -42,6 +42,7 @@ VAL_LOSS = "val/loss"
 GRAD_NORM = "train/grad_norm"
 LR = "train/lr"
 TOKENS_PER_S = "perf/tokens_per_s"
+NONFINITE_SUFFIX = "_nonfinite"  # train/grad_norm_nonfinite = 1 at a step whose value was NaN/Inf (not logged)
 WQ_SIGMA, RMAX_ROWS, MAX_LOGIT = "wq_sigma/", "rmax_rows/", "max_logit/"
 PROBE = "probe/"  # mechanism probes (orchestrator/monitor/probes/): probe/<kind>/L<l> per layer, probe/<kind>/L<l>.H<h>
 PROBE_LAYER_KINDS = ("delta_err_mean", "delta_err_t", "delta_err_cumsum", "tie_share_signed", "tie_share_abs",
@@ -330,14 +331,30 @@ TAG_CAUSE = "verdict_cause"  # precision | not precision | no FP32 control (a di
 TAG_CONTROL = "verdict_control"  # the FP32 run the cause was judged against (job, run id)
 TAG_VERDICT_LINE = "verdict_line"  # verdict_line(): what a reader sees in one column
 # run metrics (one value, at the run's last step); divergence_step is absent for a run that did not diverge
-RUN_METRICS = ("divergence_step", "final_loss", "min_loss", "min_loss_step", "val_loss", "peak_wq_sigma",
-               "steps_done", "wall_s")
+# (one name per number: the last val loss is val/loss's last point, not a second metric "val_loss"; older runs'
+# "val_loss" and "diverged_at" are still read)
+RUN_METRICS = ("divergence_step", "final_loss", "min_loss", "min_loss_step", "peak_wq_sigma", "steps_done", "wall_s")
 _METRIC_FIELD = {"peak_wq_sigma": "peak_wq_norm"}  # metric name -> record field where they differ
 SWEEP_METRICS = ("runs", "runs_matching_paper", "runs_diverged", "runs_stable", "runs_failed")
 
 
 # where and how a run logs, not what it computes: left out of params (the resolved-config artifact keeps them)
 PLUMBING_KEYS = ("results_dir", "tracking", "debug", "hydra", "sweep_name", "resume", "from_checkpoint")
+
+
+_HYDRA_ESCAPE = re.compile(r"\\([\\()\[\]{}:=, '\"])")
+_NOT_CHOSEN = ("results_dir=", "tracking.uri=", "hydra.", "tracking.experiment=")  # where it ran and logged
+
+
+def user_overrides(overrides: Sequence[str]) -> List[str]:
+    """The overrides as the user wrote them, for the `overrides` tag: without where the run was written and logged
+    (results_dir, tracking.uri, hydra.*) and without the escapes Hydra's multirun adds (`sqlite\\:` -> `sqlite:`)."""
+    out = []
+    for o in overrides:
+        if str(o).lstrip("+~").startswith(_NOT_CHOSEN):
+            continue
+        out.append(_HYDRA_ESCAPE.sub(r"\1", str(o)))
+    return out
 
 
 def _set_only(d: Mapping[str, Any]) -> Dict[str, Any]:
@@ -439,6 +456,9 @@ def from_mlflow_run(run, history: Mapping[str, Sequence[Tuple[int, float]]]) -> 
             if v is not None:
                 setattr(r, _METRIC_FIELD.get(name, name), int(v) if name in _INT_FIELDS else v)
         r.divergence_step = int(m["divergence_step"]) if "divergence_step" in m else None
+        val = history.get(VAL_LOSS) or []
+        r.val_loss = (from_mlflow_value(m["val_loss"]) if "val_loss" in m else  # written before one name per metric
+                      val[-1][1] if val else (from_mlflow_value(m[VAL_LOSS]) if VAL_LOSS in m else None))
     else:  # older runs, or killed before the final record: from the histories
         r.divergence_step = int(t["divergence_step"]) if str(t.get("divergence_step", "")).isdigit() else None
         r.final_loss = losses[-1][1] if losses else None
@@ -467,5 +487,5 @@ __all__ = ["RunRecord", "RECORD_VERSION", "RESULT_FILE", "CKPT_DIR", "ORDER_FILE
            "parse_layer_metric", "encode", "decode_float", "from_mlflow_value", "dumps", "matches_paper", "write",
            "read", "result_path", "record_tags", "record_metrics", "sweep_metrics", "from_mlflow_run",
            "RUN_METRICS", "SWEEP_METRICS", "TAG_VERDICT", "TAG_MATCHES", "TAG_INTERVENTION", "TAG_EXPECT",
-           "REFERENCE", "CAUSES", "CAUSE_PRECISION", "CAUSE_NOT_PRECISION", "CAUSE_NO_CONTROL", "setup_of",
+           "REFERENCE", "NONFINITE_SUFFIX", "user_overrides", "CAUSES", "CAUSE_PRECISION", "CAUSE_NOT_PRECISION", "CAUSE_NO_CONTROL", "setup_of",
            "setup_differs", "control_cause", "verdict_line", "TAG_CAUSE", "TAG_CONTROL", "TAG_VERDICT_LINE"]

@@ -214,7 +214,7 @@ class Job:
         sweep_tags = {**fork_tags, "intervention": iv.name, "expect": iv.expect, "paper": iv.paper,
                       "sweep": cfg.sweep_name, "experiment": cfg.name, "job_dir": str(self.job_dir),
                       "job": self.job_dir.name,
-                      "overrides": " ".join(self.overrides), "attention_routes": ",".join(
+                      "overrides": " ".join(record.user_overrides(self.overrides)), "attention_routes": ",".join(
                           self.result["attention_routes"])}
         run_name = _run_name(iv.name, self.overrides) + (f" fork@{self.fork['fork_step']}" if self.fork else "")
         self.tracker = Tracker(cfg.tracking, run_name[:250],

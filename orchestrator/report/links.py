@@ -13,6 +13,7 @@ import urllib.parse
 from typing import List, Optional, Sequence
 
 MLFLOW_UI_DEFAULT = "http://127.0.0.1:5000"  # `mlflow ui`'s default host and port
+TRAINING_MODE = "workflowType=machine_learning"  # MLflow 3's model-training UI (its default is the GenAI one)
 UI_URL_ENV = "FF_MLFLOW_UI_URL"  # where the user's UI serves (e.g. http://127.0.0.1:5050): the links use it
 
 
@@ -43,14 +44,14 @@ def artifact_view_route(experiment_id: str, run_id: str, path: str) -> str:
 def view_route(experiment_id: str, share_key: str) -> str:
     """The runs table in a stored view (an experiment tag mlflow.sharedViewState.<key>, verdict_view.py): MLflow
     3.x and 2.x since shared views; an older UI opens the plain runs table."""
-    return f"{experiment_route(experiment_id)}?viewStateShareKey={share_key}"
+    return f"{experiment_route(experiment_id)}?viewStateShareKey={share_key}&{TRAINING_MODE}"
 
 
 def compare_route(experiment_id: str, run_ids: Sequence[str]) -> str:
     """MLflow's compare page for these runs (params, metrics, 'show diff only'): one click."""
     runs = urllib.parse.quote(json.dumps(list(run_ids), separators=(",", ":")))
     exps = urllib.parse.quote(json.dumps([str(experiment_id)], separators=(",", ":")))
-    return f"#/compare-runs?runs={runs}&experiments={exps}"
+    return f"#/compare-runs?runs={runs}&experiments={exps}&{TRAINING_MODE}"
 
 
 def mlflow_ui_command(tracking_uri: str) -> Optional[str]:

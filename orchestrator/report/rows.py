@@ -28,7 +28,8 @@ def _num(x) -> Optional[float]:
 def row_from_record(rec: record.RunRecord, job: Optional[str] = None, job_dir: Optional[Path] = None) -> Dict:
     d = rec.to_dict()
     row = {k: d.get(k) for k in ROW_KEYS}
-    row.update(job=job, vs_baseline=None, job_dir=str(job_dir) if job_dir else rec.job_dir)
+    row.update(job=job, vs_baseline=None, job_dir=str(job_dir) if job_dir else rec.job_dir,
+               overrides=record.user_overrides(rec.overrides))  # as the user wrote them, as the MLflow tag holds
     return row
 
 

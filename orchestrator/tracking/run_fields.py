@@ -117,18 +117,14 @@ FINITE_SUFFIX = "_finite"  # train/loss_finite: train/loss without its NaN/Inf p
 
 def record_outcome(uri: str, run_id: str, result: Mapping[str, Any], paper: Optional[str] = None,
                    keys: Iterable[str] = ("train/loss",)) -> None:
-    """After the job: the description with the verdict; for a diverged run the `diverged_at` metric (one point at
-    the divergence step: a marker in MLflow's charts) and, for each of `keys` whose history holds NaN/Inf, its finite
+    """After the job: the description with the verdict and, for each of `keys` whose history holds NaN/Inf, its finite
     points as `<key>_finite`: MLflow's run page draws no chart at all for a metric whose latest value is NaN, so a
     NaN-diverged run would show no loss curve. The NaN points stay in `<key>` (counted, never hidden)."""
     from mlflow.entities import Metric
     client = make_client(uri)
     note = describe_run(result.get("intervention") or "?", result.get("expected"), paper, result.get("observed"),
                         result.get("divergence_step"), result.get("steps_done"), result.get("error"))
-    metrics = []
-    d = result.get("divergence_step")
-    if result.get("observed") == "diverged" and isinstance(d, int):
-        metrics.append(Metric("diverged_at", float(d), int(time.time() * 1000), d))
+    metrics = []  # the divergence marker is the divergence_step metric itself, at that step (run_end.log_record)
     for key in keys:
         hist = retry(client.get_metric_history, run_id, key)
         finite = [m for m in hist if m.value == m.value and abs(m.value) != float("inf")]
