@@ -82,5 +82,6 @@ def link_lines(tracking_uri: str, experiment_id: Optional[str], run_id: Optional
     return out
 
 
-__all__ = ["ui_base", "experiment_route", "run_route", "view_route", "compare_route", "UI_URL_ENV", "artifact_view_route", "mlflow_ui_command", "link_lines",
+__all__ = ["ui_base", "experiment_route", "run_route", "view_route", "compare_route", "UI_URL_ENV",
+           "artifact_view_route", "mlflow_ui_command", "link_lines",
            "MLFLOW_UI_DEFAULT"]

@@ -30,7 +30,7 @@ PALETTES = {record.CAUSE_PRECISION: ("#d62728", "#a11d1e", "#f06a6b", "#7a1516")
             record.CAUSE_NOT_PRECISION: ("#ff7f0e", "#c25f05", "#ffab5e", "#8c4503"),
             record.CAUSE_NO_CONTROL: ("#9467bd", "#6c4494", "#b89bd6", "#4b2f68"),
             "stable": ("#2ca02c", "#1e6e1e", "#6fcf6f", "#134713", "#98df8a"),
-            "failed": ("#7f7f7f", "#4d4d4d", "#b3b3b3"), "running": ("#17becf",)}  # shades of red/orange/purple/green/grey: no hue is another's shade
+            "failed": ("#7f7f7f", "#4d4d4d", "#b3b3b3"), "running": ("#17becf",)}
 
 
 def column_key(kind: str, name: str) -> str:
@@ -103,7 +103,8 @@ def publish(client, rows: Sequence[Dict], experiments: Dict[str, str],
         return None
     exp = experiments[parent_run_id]
     mark_training(client, exp)
-    retry(client.log_batch, parent_run_id, tags=[RunTag(SWEEP_RUN_TAG, parent_run_id), RunTag(RUN_COLOR, PARENT_COLOR)])
+    retry(client.log_batch, parent_run_id,
+          tags=[RunTag(SWEEP_RUN_TAG, parent_run_id), RunTag(RUN_COLOR, PARENT_COLOR)])
     key = share_key(parent_run_id)
     retry(client.set_experiment_tag, exp, SHARED_VIEW_PREFIX + key, json.dumps(view_state(parent_run_id)))
     return key
