@@ -20,7 +20,7 @@ from omegaconf import DictConfig
 from flash_forensics.orchestrator import record
 from flash_forensics.orchestrator.config.validate import selected_interventions, validate_config
 from flash_forensics.orchestrator.errors import WriteError, _alive
-from flash_forensics.orchestrator.job import checkpoint
+from flash_forensics.orchestrator.job import checkpoint, folder_lock
 from flash_forensics.orchestrator.job.folder import (  # noqa: F401  (re-exported)
     START_FILE,
     _write_json,
@@ -127,15 +127,26 @@ def run_job(cfg: DictConfig, job_dir: Optional[Path] = None, overrides: Optional
     if os.environ.get("RANK", "0") != "0":
         return _run_job(cfg, job_dir, overrides)
     try:
-        log = job_log.tee(job_dir)
-        log.__enter__()
-    except OSError as e:  # an unwritable folder: the job says so itself when it writes there
-        print(f"[job] no {job_dir / job_log.LOG_FILE}: {e}")
-        return _run_job(cfg, job_dir, overrides)
+        lock = folder_lock.acquire(job_dir)
+    except folder_lock.FolderBusy as e:  # another live job owns the folder: write nothing there
+        print(f"[job] refused: {e}")
+        return record.RunRecord(intervention=str(cfg.intervention.get("name")), error=str(e)).to_dict()
+    except OSError:  # an unwritable folder: the job says so itself when it writes there
+        lock = None
     try:
-        return _run_job(cfg, job_dir, overrides)
+        try:
+            log = job_log.tee(job_dir)
+            log.__enter__()
+        except OSError as e:
+            print(f"[job] no {job_dir / job_log.LOG_FILE}: {e}")
+            return _run_job(cfg, job_dir, overrides)
+        try:
+            return _run_job(cfg, job_dir, overrides)
+        finally:
+            log.__exit__(None, None, None)
     finally:
-        log.__exit__(None, None, None)
+        if lock is not None:
+            folder_lock.release(lock)
 
 
 def _run_job(cfg: DictConfig, job_dir: Path, overrides: Optional[List[str]] = None) -> Dict[str, Any]:

@@ -30,6 +30,7 @@ def test_a_failed_job_logs_its_traceback(tmp_path):
     text = (tmp_path / "job" / job_log.LOG_FILE).read_text()
     assert "[job] train.precision=" in text  # the route/precision line
     assert "Traceback (most recent call last)" in text and "debug.raise_at_step=1: forced failure" in text
+    assert not (tmp_path / "job" / "job.lock").exists()  # the folder's lock goes with the job
 
 
 def test_run_log_survives_kill_9(tmp_path):
