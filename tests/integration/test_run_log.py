@@ -35,10 +35,17 @@ def test_a_failed_job_logs_its_traceback(tmp_path):
 
 def test_run_log_survives_kill_9(tmp_path):
     job = tmp_path / "job"
-    proc = run_cli(tmp_path, *SMOKE, "intervention=baseline", "debug.kill_at_step=3", "train.eval_every=2",
-                   f"hydra.run.dir={job}", timeout=300)
+    args = [*SMOKE, "intervention=baseline", "train.eval_every=2", "train.ckpt_every=2", f"hydra.run.dir={job}"]
+    proc = run_cli(tmp_path, *args, "debug.kill_at_step=3", timeout=300)
     assert proc.returncode != 0  # SIGKILLed
     text = (job / job_log.LOG_FILE).read_text()
     assert "[job] train.precision=" in text and "attention routes:" in text
     assert "[job] step 2/20: train loss" in text  # the progress summary flushed before the kill
-    assert not (job / "result.json").exists()
+    assert not (job / "result.json").exists() and (job / "job.lock").exists()  # the dead job's lock
+    # the same job again: the dead owner's lock is taken over, the auto-resume says from which checkpoint
+    proc = run_cli(tmp_path, *args, "train.max_steps=4", timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    again = (job / job_log.LOG_FILE).read_text()
+    assert again.startswith(text) and "is gone; this job takes the folder over" in proc.stdout
+    assert "[job] resuming from " in again and "at step 2 (auto-resume" in again
+    assert not (job / "job.lock").exists() and (job / "result.json").exists()
