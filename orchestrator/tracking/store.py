@@ -175,12 +175,23 @@ def _store_lock(db: Path):
         yield
         return
     db.parent.mkdir(parents=True, exist_ok=True)
-    with open(db.with_name(db.name + ".lock"), "a") as f:
+    path = db.with_name(db.name + ".lock")
+    while True:  # the file is removed by its holder (no lock file left behind): lock the one that is there now
+        f = open(path, "a")
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+            if os.fstat(f.fileno()).st_ino == os.stat(path).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        f.close()
+    try:
+        yield
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()  # while held: a waiter finds its inode gone and locks the next file
+        fcntl.flock(f, fcntl.LOCK_UN)
+        f.close()
 
 
 def make_client(uri: str):
@@ -188,6 +199,11 @@ def make_client(uri: str):
     db = sqlite_path(uri)
     if db is None:
         return retry(MlflowClient, tracking_uri=uri)
+    if db.is_file() and db.stat().st_size:  # a file that is not a database: one sentence, before MLflow's traceback
+        with open(db, "rb") as f:
+            if f.read(16) != b"SQLite format 3\x00":
+                raise ValueError(f"tracking uri {uri}: {db} is not an SQLite database (an MLflow sqlite store is a "
+                                 f"file MLflow created; give a new path or the right file)")
     with _store_lock(db):
         client = retry(MlflowClient, tracking_uri=uri)
         retry(client.search_experiments, max_results=1)  # opens (creates, migrates) the store under the lock
