@@ -319,6 +319,11 @@ class Job:
             if host:
                 self.detector.update(host)
                 tps = self.monitors.last_tokens_per_s
+                if tps and not getattr(self, "_said_eta", False) and self.is_main:
+                    self._said_eta = True  # once, from the first timed steps: what the whole run will take
+                    left = (tc.max_steps - done) * tokens_per_step / tps
+                    print(f"[job] {tps:,.0f} tokens/s: the {tc.max_steps - done:,} steps left take ~{_duration(left)}",
+                          flush=True)
                 bar.set_postfix(loss=f"{host[-1][1]:.4f}", tok_s=f"{tps:,.0f}" if tps else "-", refresh=False)
             bar.update(1)
             last = done == tc.max_steps
@@ -376,6 +381,13 @@ class Job:
         host = self.monitors.flush()
         if host:
             self.detector.update(host)
+
+
+def _duration(seconds: float) -> str:
+    for unit, n in (("years", 365 * 86400), ("days", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= n:
+            return f"{seconds / n:.3g} {unit}"
+    return f"{seconds:.0f} s"
 
 
 def guard_signal(guard) -> Optional[str]:
