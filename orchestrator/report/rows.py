@@ -132,7 +132,8 @@ def _comparable(row: Dict, cand: Dict) -> bool:
 
 
 def _plain(overrides: set) -> set:
-    return {o for o in overrides if not o.lstrip("+~").startswith(_PLUMBING)}
+    """The overrides that change the setup: not plumbing, not the intervention's own knobs (intervention.layer=...)."""
+    return {o for o in overrides if not o.lstrip("+~").startswith(_PLUMBING + ("intervention.",))}
 
 
 def control_for(row: Dict, rows: Sequence[Dict]) -> Optional[Dict]:
