@@ -4,6 +4,7 @@ train.max_steps, the estimate and the most that fits; the time it will take is s
 its first steps (orchestrator/job/train.py)."""
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 from typing import Dict
@@ -47,8 +48,32 @@ def _free(path: Path) -> int:
     return shutil.disk_usage(p).free
 
 
+def check_results_dir(results_dir: str) -> Path:
+    """results_dir can hold the job folders (Hydra makes them before the job runs): ConfigError naming it otherwise.
+    Tried by making (and removing) a temporary folder in it, or in its nearest existing parent."""
+    import tempfile
+    p = Path(os.path.expanduser(str(results_dir))).resolve()
+    base = p
+    while not base.exists() and base != base.parent:
+        base = base.parent
+    why = None
+    if not base.is_dir():
+        why = f"{base} is a file, not a folder"
+    else:
+        try:
+            os.rmdir(tempfile.mkdtemp(prefix=".ff-write-test-", dir=base))
+        except OSError as e:
+            why = f"a folder cannot be made in {base} ({e.strerror or e})"
+    if why:
+        raise ConfigError(f"results_dir={results_dir!r} is not allowed: {why}; expected a folder this user can write "
+                          f"(the job folders, checkpoints and reports go there)")
+    return base
+
+
 def check_budget(obj) -> Dict[str, float]:
-    """ConfigError when the run's estimated disk exceeds the free space of results_dir; the estimate otherwise."""
+    """ConfigError when results_dir cannot be written, or when the run's estimated disk exceeds its free space; the
+    estimate otherwise."""
+    check_results_dir(str(obj.results_dir))
     est = estimate(obj)
     total = sum(est.values())
     free = _free(Path(str(obj.results_dir)))

@@ -63,3 +63,10 @@ def test_a_sweep_with_a_bad_file_starts_no_job(tmp_path):
     assert proc.returncode != 0
     assert "is a binary file" in proc.stdout + proc.stderr
     assert not list((tmp_path / "results").rglob("result.json"))  # refused before any job
+
+
+def test_a_results_dir_that_cannot_be_made_is_refused(tmp_path):
+    (tmp_path / "a_file").write_text("x")
+    with pytest.raises(ConfigError, match=r"results_dir=.*is not allowed: .*a_file is a file, not a folder"):
+        check(tmp_path, f"results_dir={tmp_path / 'a_file' / 'results'}")
+    assert not list(tmp_path.glob("**/.ff-write-test-*"))
