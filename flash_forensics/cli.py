@@ -6,7 +6,9 @@ A tool is a module with `main(argv) -> int`; it is imported only when named, so 
 from __future__ import annotations
 
 import importlib
+import os
 import sys
+import traceback
 from typing import Dict, Optional, Sequence, Tuple
 
 # tool -> (module, what it does)
@@ -48,7 +50,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"flash-forensics: unknown tool {name!r}; expected one of {', '.join(TOOLS)}", file=sys.stderr)
         return 2
     module = importlib.import_module(TOOLS[name][0])
-    return int(module.main(rest) or 0)
+    try:
+        return int(module.main(rest) or 0)
+    except Exception as e:  # a missing, empty or garbage input: one line, not a traceback (FF_TRACEBACK=1 shows it)
+        if os.environ.get("FF_TRACEBACK"):
+            traceback.print_exc()
+        print(f"flash-forensics {name}: {one_line(e)}", file=sys.stderr)
+        return 1
+
+
+def one_line(e: BaseException) -> str:
+    """An error as one sentence: its first line, a store that is not a database said in plain words."""
+    text = str(e)
+    if "file is not a database" in text or "not a database" in text:
+        return ("the MLflow store is not a database (a sqlite:/// store is a file MLflow wrote; "
+                "a server is http(s)://host:port)")
+    first = next((line.strip() for line in text.splitlines() if line.strip()), "")
+    return f"{type(e).__name__}: {first}"[:500] if first else type(e).__name__
 
 
 if __name__ == "__main__":

@@ -8,9 +8,13 @@ read by the report, fork, localize and the isolation pipeline.
   f-strings elsewhere. Layers and heads are 0-based.
 - Non-finite floats: written as the strings "NaN", "Infinity", "-Infinity" (strict JSON) and read back as floats
   (`encode` / `decode`); MLflow stores +-inf as +-max float (`from_mlflow_value` maps it back).
-- The verdict against the paper: `matches_paper(expected, observed)`, the one formula (tags, rows, reports).
+- The verdict against the paper: `matches_paper(expected, observed, cause)`, the one formula (tags, rows, reports):
+  a divergence counts only with its cause 'precision', i.e. an FP32 control of the same setup stayed stable
+  (`control_cause`, `verdict_line`; the report's rows find the control, orchestrator/report/rows.py).
 - MLflow typing: the tags a reader filters by (TAG_*), the run metrics a reader sorts by (`record_metrics`), the
   aggregate metrics of a sweep's parent run (`sweep_metrics`), and `from_mlflow_run`, its inverse.
+Over 400 lines because it is the one contract every stage reads and writes (the job, the report, the tags, the
+verdict's control): split, the names and their parsers would drift apart.
 """
 from __future__ import annotations
 
@@ -40,6 +44,7 @@ VAL_LOSS = "val/loss"
 GRAD_NORM = "train/grad_norm"
 LR = "train/lr"
 TOKENS_PER_S = "perf/tokens_per_s"
+NONFINITE_SUFFIX = "_nonfinite"  # train/grad_norm_nonfinite = 1 at a step whose value was NaN/Inf (not logged)
 WQ_SIGMA, RMAX_ROWS, MAX_LOGIT = "wq_sigma/", "rmax_rows/", "max_logit/"
 PROBE = "probe/"  # mechanism probes (orchestrator/monitor/probes/): probe/<kind>/L<l> per layer, probe/<kind>/L<l>.H<h>
 PROBE_LAYER_KINDS = ("delta_err_mean", "delta_err_t", "delta_err_cumsum", "tie_share_signed", "tie_share_abs",
@@ -148,12 +153,74 @@ def dumps(obj) -> str:
 # ----------------------------------------------------------------------------------------- the verdict
 OBSERVED = ("stable", "diverged", "failed")
 EXPECTED = ("stable", "diverges")
+REFERENCE = "fp32"  # the intervention whose run is a divergence's control: every attention intermediate in FP32
+# Why a run diverged, judged against its control (an FP32 run of the same setup, `control_cause`):
+CAUSE_PRECISION = "precision"  # the FP32 control stayed stable past the divergence step: attention precision did it
+CAUSE_NOT_PRECISION = "not precision"  # the FP32 control diverged too: something else (lr, data, a bug) did it
+CAUSE_NO_CONTROL = "no FP32 control"  # no conclusive FP32 run of the same setup: nothing can be said
+CAUSES = (CAUSE_PRECISION, CAUSE_NOT_PRECISION, CAUSE_NO_CONTROL)
+# effective config keys (flattened, as MLflow params name them) a run and its control must share: seed, data
+# order, optimizer (learning rate), model and batch; keys either side lacks are not compared (older records)
+SETUP_PREFIXES = ("model.", "data.", "optimizer.", "train.seed", "train.batch_size", "train.grad_accum",
+                  "train.warmup_steps", "train.grad_clip", "train.precision")
+_SETUP_SKIP = ("data.num_proc", "data.root", "data.max_docs")  # how a corpus is prepared, not which batches
 
 
-def matches_paper(expected: Optional[str], observed: Optional[str]) -> bool:
-    """The run shows what the paper observed: it diverged where the paper's diverges, stayed stable where the
-    paper's is stable. A failed run, or one without an expectation, matches nothing."""
-    return (expected, observed) in (("diverges", "diverged"), ("stable", "stable"))
+def setup_of(flat: Mapping[str, Any]) -> Dict[str, str]:
+    """The part of a flattened config (dotted keys, e.g. MLflow params) that a run's FP32 control must share."""
+    return {k: str(v) for k, v in sorted(flat.items())
+            if k.startswith(SETUP_PREFIXES) and not k.startswith(_SETUP_SKIP) and v is not None}
+
+
+def setup_differs(a: Optional[Mapping[str, str]], b: Optional[Mapping[str, str]]) -> List[str]:
+    """The setup keys two runs both record with different values (empty: comparable)."""
+    if not a or not b:
+        return []
+    return sorted(k for k in set(a) & set(b) if str(a[k]) != str(b[k]))
+
+
+def control_cause(observed: Optional[str], divergence_step: Optional[int],
+                  control: Optional[Mapping[str, Any]]) -> Optional[str]:
+    """The cause of a divergence, from its control's record (observed, divergence_step, steps_done, fork_step):
+    precision only when the control stayed stable at least one step past the divergence (and, a fork, forked at
+    or before it). None for a run that did not diverge."""
+    if observed != "diverged":
+        return None
+    if not control or control.get("observed") not in ("stable", "diverged"):
+        return CAUSE_NO_CONTROL
+    if control["observed"] == "diverged":
+        return CAUSE_NOT_PRECISION
+    d = divergence_step if isinstance(divergence_step, int) else None
+    done, forked = control.get("steps_done"), control.get("fork_step")
+    if d is None or not isinstance(done, int) or done <= d or (isinstance(forked, int) and forked > d):
+        return CAUSE_NO_CONTROL  # the control never got as far as the divergence: it vouches for nothing
+    return CAUSE_PRECISION
+
+
+def matches_paper(expected: Optional[str], observed: Optional[str], cause: Optional[str] = None) -> bool:
+    """The run shows what the paper observed: it diverged where the paper's diverges AND its FP32 control stayed
+    stable (cause 'precision'), or it stayed stable where the paper's is stable. A divergence without a control, or
+    whose control diverged too, a failed run, or one without an expectation, matches nothing."""
+    if (expected, observed) == ("diverges", "diverged"):
+        return cause == CAUSE_PRECISION
+    return (expected, observed) == ("stable", "stable")
+
+
+def verdict_line(observed: Optional[str], divergence_step: Optional[int] = None, cause: Optional[str] = None,
+                 control: Optional[str] = None, control_step: Optional[int] = None) -> str:
+    """The verdict in one line, its control named: 'diverged at step 12; its FP32 control (job 1) stayed stable:
+    precision' | 'diverged at step 1; no FP32 control' | 'diverged at step 1; its FP32 control (...) diverged too
+    (step 1): the cause is not precision'."""
+    if observed != "diverged":
+        return str(observed or "running")
+    at = f"diverged at step {divergence_step}" if divergence_step is not None else "diverged"
+    named = f" ({control})" if control else ""
+    if cause == CAUSE_PRECISION:
+        return f"{at}; its FP32 control{named} stayed stable: precision"
+    if cause == CAUSE_NOT_PRECISION:
+        when = f" (step {control_step})" if control_step is not None else ""
+        return f"{at}; its FP32 control{named} diverged too{when}: the cause is not precision"
+    return f"{at}; no FP32 control"
 
 
 # ---------------------------------------------------------------------------------------------- record
@@ -195,11 +262,16 @@ class RunRecord:
     # monitor.alarm fired: step, signal, value, threshold, action, checkpoint, ...
     alarm: Optional[Dict[str, Any]] = None
     job_dir: Optional[str] = None
+    # the divergence's control: what must agree with an FP32 run (setup_of), the cause found against one (the sweep's
+    # report fills cause/control; a lone run has none) and which run it was (its job or MLflow run id)
+    setup: Optional[Dict[str, str]] = None
+    cause: Optional[str] = None
+    control: Optional[str] = None
     record_version: int = RECORD_VERSION
 
     @property
     def matches_paper(self) -> bool:
-        return matches_paper(self.expected, self.observed)
+        return matches_paper(self.expected, self.observed, self.cause)
 
     def to_dict(self) -> Dict[str, Any]:
         return {**asdict(self), "matches_paper": self.matches_paper}
@@ -258,15 +330,34 @@ TAG_WHERE = "peak_wq_where"
 TAG_REASON = "divergence_reason"
 TAG_VERSION = "record_version"
 TAG_ERROR = "error"
+TAG_CAUSE = "verdict_cause"  # precision | not precision | no FP32 control (a diverged run only)
+TAG_CONTROL = "verdict_control"  # the FP32 run the cause was judged against (job, run id)
+TAG_VERDICT_LINE = "verdict_line"  # verdict_line(): what a reader sees in one column
 # run metrics (one value, at the run's last step); divergence_step is absent for a run that did not diverge
-RUN_METRICS = ("divergence_step", "final_loss", "min_loss", "min_loss_step", "val_loss", "peak_wq_sigma",
-               "steps_done", "wall_s")
+# (one name per number: the last val loss is val/loss's last point, not a second metric "val_loss"; older runs'
+# "val_loss" and "diverged_at" are still read)
+RUN_METRICS = ("divergence_step", "final_loss", "min_loss", "min_loss_step", "peak_wq_sigma", "steps_done", "wall_s")
 _METRIC_FIELD = {"peak_wq_sigma": "peak_wq_norm"}  # metric name -> record field where they differ
 SWEEP_METRICS = ("runs", "runs_matching_paper", "runs_diverged", "runs_stable", "runs_failed")
 
 
 # where and how a run logs, not what it computes: left out of params (the resolved-config artifact keeps them)
 PLUMBING_KEYS = ("results_dir", "tracking", "debug", "hydra", "sweep_name", "resume", "from_checkpoint")
+
+
+_HYDRA_ESCAPE = re.compile(r"\\([\\()\[\]{}:=, '\"])")
+_NOT_CHOSEN = ("results_dir=", "tracking.uri=", "hydra.", "tracking.experiment=")  # where it ran and logged
+
+
+def user_overrides(overrides: Sequence[str]) -> List[str]:
+    """The overrides as the user wrote them, for the `overrides` tag: without where the run was written and logged
+    (results_dir, tracking.uri, hydra.*) and without the escapes Hydra's multirun adds (`sqlite\\:` -> `sqlite:`)."""
+    out = []
+    for o in overrides:
+        if str(o).lstrip("+~").startswith(_NOT_CHOSEN):
+            continue
+        out.append(_HYDRA_ESCAPE.sub(r"\1", str(o)))
+    return out
 
 
 def _set_only(d: Mapping[str, Any]) -> Dict[str, Any]:
@@ -314,6 +405,11 @@ def record_tags(r: RunRecord) -> Dict[str, str]:
         tags[TAG_REASON] = r.divergence_reason
     if r.error:
         tags[TAG_ERROR] = r.error
+    if r.observed == "diverged":
+        tags[TAG_CAUSE] = r.cause or CAUSE_NO_CONTROL
+        if r.control:
+            tags[TAG_CONTROL] = r.control
+    tags[TAG_VERDICT_LINE] = verdict_line(r.observed, r.divergence_step, r.cause or None, r.control)
     return tags
 
 
@@ -331,8 +427,8 @@ def sweep_metrics(records: Sequence[Any]) -> Dict[str, float]:
     """The parent run's aggregates over its rows (RunRecords or report rows with expected/observed)."""
     get = (lambda x, k: x.get(k)) if records and isinstance(records[0], Mapping) else getattr  # noqa: E731
     obs = [get(x, "observed") for x in records]
-    return {"runs": float(len(records)),
-            "runs_matching_paper": float(sum(matches_paper(get(x, "expected"), o) for x, o in zip(records, obs))),
+    match = [matches_paper(get(x, "expected"), o, get(x, "cause")) for x, o in zip(records, obs, strict=True)]
+    return {"runs": float(len(records)), "runs_matching_paper": float(sum(match)),
             "runs_diverged": float(obs.count("diverged")), "runs_stable": float(obs.count("stable")),
             "runs_failed": float(sum(o not in ("stable", "diverged") for o in obs))}
 
@@ -354,13 +450,18 @@ def from_mlflow_run(run, history: Mapping[str, Sequence[Tuple[int, float]]]) -> 
                   peak_wq_where=t.get(TAG_WHERE), divergence_reason=t.get(TAG_REASON),
                   verdict_margin=decode_float(p.get("verdict.margin")),
                   verdict_window=int(p["verdict.window"]) if str(p.get("verdict.window", "")).isdigit() else None,
-                  fork_baseline=p.get("verdict.fork_baseline"), record_version=int(t.get(TAG_VERSION) or 1))
+                  fork_baseline=p.get("verdict.fork_baseline"), record_version=int(t.get(TAG_VERSION) or 1),
+                  setup=setup_of(p) or None,
+                  cause=t.get(TAG_CAUSE) if t.get(TAG_CAUSE) in CAUSES else None, control=t.get(TAG_CONTROL))
     if r.record_version >= 2 and "steps_done" in m:
         for name in RUN_METRICS:
             v = final(name)
             if v is not None:
                 setattr(r, _METRIC_FIELD.get(name, name), int(v) if name in _INT_FIELDS else v)
         r.divergence_step = int(m["divergence_step"]) if "divergence_step" in m else None
+        val = history.get(VAL_LOSS) or []
+        r.val_loss = (from_mlflow_value(m["val_loss"]) if "val_loss" in m else  # written before one name per metric
+                      val[-1][1] if val else (from_mlflow_value(m[VAL_LOSS]) if VAL_LOSS in m else None))
     else:  # older runs, or killed before the final record: from the histories
         r.divergence_step = int(t["divergence_step"]) if str(t.get("divergence_step", "")).isdigit() else None
         r.final_loss = losses[-1][1] if losses else None
@@ -388,4 +489,7 @@ __all__ = ["RunRecord", "RECORD_VERSION", "RESULT_FILE", "CKPT_DIR", "ORDER_FILE
            "parse_where", "wq_sigma_name", "rmax_rows_name", "max_logit_name", "parse_head_metric",
            "parse_layer_metric", "encode", "decode_float", "from_mlflow_value", "dumps", "matches_paper", "write",
            "read", "result_path", "record_tags", "record_metrics", "sweep_metrics", "from_mlflow_run",
-           "RUN_METRICS", "SWEEP_METRICS", "TAG_VERDICT", "TAG_MATCHES", "TAG_INTERVENTION", "TAG_EXPECT"]
+           "RUN_METRICS", "SWEEP_METRICS", "TAG_VERDICT", "TAG_MATCHES", "TAG_INTERVENTION", "TAG_EXPECT",
+           "REFERENCE", "NONFINITE_SUFFIX", "user_overrides", "CAUSES", "CAUSE_PRECISION", "CAUSE_NOT_PRECISION",
+           "CAUSE_NO_CONTROL", "setup_of",
+           "setup_differs", "control_cause", "verdict_line", "TAG_CAUSE", "TAG_CONTROL", "TAG_VERDICT_LINE"]

@@ -259,6 +259,27 @@ class Pipeline:
         return paths
 
 
+def preflight(plan: Plan) -> None:
+    """Every name the pipeline will use, checked before the baseline trains for hours: the experiment preset, the
+    sweep files and each of their jobs' interventions. PipelineError names the first wrong one and what exists."""
+    conf = REPO / "conf"
+
+    def known(group: str, name: str, what: str) -> None:
+        if not (conf / group / f"{name}.yaml").is_file():
+            have = ", ".join(sorted(p.stem for p in (conf / group).glob("*.yaml")))
+            raise PipelineError(f"{what}={name!r} is not allowed: no conf/{group}/{name}.yaml; expected one of {have}")
+
+    known("experiment", plan.experiment, "--experiment")
+    for o in plan.overrides:
+        if o.split("=", 1)[0].lstrip("+~") == "intervention":
+            raise PipelineError(f"{o!r}: the pipeline chooses the interventions (baseline, then the sweeps' forks)")
+    for job, overrides in fork.sweep_file_jobs(plan.sweeps):  # ForkError (a ValueError) for a missing sweep file
+        for o in overrides:
+            if o.split("=", 1)[0].lstrip("+~") == "intervention":
+                for name in o.split("=", 1)[1].split("+"):
+                    known("intervention", name, f"{job}: intervention")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="flash-forensics isolate", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -286,6 +307,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 overrides=list(a.overrides), experiment=a.experiment, sweeps=tuple(a.sweeps),
                 fork_steps=a.fork_steps, margin=a.margin, per_gpu=a.per_gpu, stop_after=a.stop_after)
     try:
+        preflight(plan)
         Pipeline(plan).run()
     except (PipelineError, ValueError) as e:  # ForkError is a ValueError: no checkpoint to fork from, ...
         print(f"[paper_isolation] stopped: {e}", file=sys.stderr)

@@ -47,6 +47,10 @@ def start_state(job) -> Optional[Dict[str, Any]]:
         raise checkpoint.CheckpointError(f"resume={str(path)!r}: this fork checkpoint names its source's MLflow run "
                                          f"{state['mlflow_run_id']}; a fork never writes to its source's run")
     job.result["resumed_from"] = str(path)
+    if job.is_main:  # one line: a silent resume looks like a fresh run that started late
+        how = "auto-resume: the newest intact checkpoint of this job folder" if found is not None else "resume="
+        print(f"[job] resuming from {path} at step {state.get('step')} ({how}; MLflow run "
+              f"{state.get('mlflow_run_id')})", flush=True)
     if state.get("fork"):  # a requeued fork resumes its own run and still knows where it came from
         set_fork(job, state["fork"])
     return state

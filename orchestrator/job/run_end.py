@@ -83,7 +83,10 @@ def log_record(job, done: int) -> None:
     if r.divergence_step is not None:  # absent for a stable run, never the string "None"
         tags["divergence_step"] = r.divergence_step
     job.tracker.set_tags(tags)
-    job.tracker.log_metrics(record.record_metrics(r), step=max(done - 1, 0))
+    metrics = record.record_metrics(r)
+    if "divergence_step" in metrics:  # at the divergence step itself: the marker on the run's charts
+        job.tracker.log_metrics({"divergence_step": metrics.pop("divergence_step")}, step=int(r.divergence_step))
+    job.tracker.log_metrics(metrics, step=max(done - 1, 0))
 
 
 def _finite_params(model) -> bool:

@@ -42,7 +42,7 @@ from flash_forensics.orchestrator.monitor import capture as capture_job
 from flash_forensics.orchestrator.monitor.monitors import Monitors
 from flash_forensics.orchestrator.monitor.probes import runner as probes
 from flash_forensics.orchestrator.record import CKPT_DIR, ORDER_FILE, RESOLVED_CONFIG
-from flash_forensics.orchestrator.tracking.tracker import Tracker, describe_run
+from flash_forensics.orchestrator.tracking.tracker import Tracker, describe_run, flatten_config
 from flash_forensics.orchestrator.verdict import DivergenceDetector
 
 SPOOL_FILE = "mlflow_spool.jsonl"  # metric points waiting for a failed MLflow store (orchestrator/tracking/tracker.py)
@@ -121,6 +121,8 @@ class Job:
         self.cfg, self.attention, self.job_dir, self.overrides = cfg, attention, Path(job_dir), list(overrides)
         self.result: Dict[str, Any] = run_end.new_result(cfg.intervention, self.overrides, self.job_dir,
                                                          cfg.verdict)
+        # what an FP32 control must share with this run (seed, data order, lr, ...): the report's control rule
+        self.result["setup"] = record.setup_of(flatten_config(cfg))
         self.hooks = build_hooks(cfg.intervention.hooks)  # the intervention's train hooks (checked by validation)
         self.fork: Optional[Dict[str, Any]] = None  # fork_info() when this run is (or resumes) a fork
         self.forking = False  # this process starts the fork (new MLflow run, fresh detector/monitors)
@@ -214,7 +216,7 @@ class Job:
         sweep_tags = {**fork_tags, "intervention": iv.name, "expect": iv.expect, "paper": iv.paper,
                       "sweep": cfg.sweep_name, "experiment": cfg.name, "job_dir": str(self.job_dir),
                       "job": self.job_dir.name,
-                      "overrides": " ".join(self.overrides), "attention_routes": ",".join(
+                      "overrides": " ".join(record.user_overrides(self.overrides)), "attention_routes": ",".join(
                           self.result["attention_routes"])}
         run_name = _run_name(iv.name, self.overrides) + (f" fork@{self.fork['fork_step']}" if self.fork else "")
         self.tracker = Tracker(cfg.tracking, run_name[:250],
@@ -321,6 +323,11 @@ class Job:
             if host:
                 self.detector.update(host)
                 tps = self.monitors.last_tokens_per_s
+                if tps and not getattr(self, "_said_eta", False) and self.is_main:
+                    self._said_eta = True  # once, from the first timed steps: what the whole run will take
+                    left = (tc.max_steps - done) * tokens_per_step / tps
+                    print(f"[job] {tps:,.0f} tokens/s: the {tc.max_steps - done:,} steps left take ~{_duration(left)}",
+                          flush=True)
                 bar.set_postfix(loss=f"{host[-1][1]:.4f}", tok_s=f"{tps:,.0f}" if tps else "-", refresh=False)
             bar.update(1)
             last = done == tc.max_steps
@@ -366,12 +373,25 @@ class Job:
         v = float(evaluate(model, val, device, self.cfg.train.precision))  # one sync per eval, not per step
         self.result["val_loss"] = v
         self.monitors.log_val(step, v)
+        if self.is_main:  # the progress summary run.log keeps (the bar's refreshes are the terminal's)
+            d = self.detector
+            state = f"diverged at step {d.divergence_step}" if d is not None and d.diverged else "not diverged"
+            loss = f"{d.final_loss:.4f}" if d is not None and d.final_loss is not None else "-"
+            print(f"[job] step {step + 1}/{self.cfg.train.max_steps}: train loss {loss}, val loss {v:.4f}, {state}",
+                  flush=True)
 
     def sync_monitors(self) -> None:
         """Flush the monitors' buffered steps into MLflow and the detector."""
         host = self.monitors.flush()
         if host:
             self.detector.update(host)
+
+
+def _duration(seconds: float) -> str:
+    for unit, n in (("years", 365 * 86400), ("days", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= n:
+            return f"{seconds / n:.3g} {unit}"
+    return f"{seconds:.0f} s"
 
 
 def guard_signal(guard) -> Optional[str]:

@@ -20,7 +20,7 @@ from omegaconf import DictConfig
 from flash_forensics.orchestrator import record
 from flash_forensics.orchestrator.config.validate import selected_interventions, validate_config
 from flash_forensics.orchestrator.errors import WriteError, _alive
-from flash_forensics.orchestrator.job import checkpoint
+from flash_forensics.orchestrator.job import checkpoint, folder_lock
 from flash_forensics.orchestrator.job.folder import (  # noqa: F401  (re-exported)
     START_FILE,
     _write_json,
@@ -29,6 +29,7 @@ from flash_forensics.orchestrator.job.folder import (  # noqa: F401  (re-exporte
     write_result,
 )
 from flash_forensics.orchestrator.job.train import Job
+from flash_forensics.orchestrator.launch import job_log
 from flash_forensics.orchestrator.record import ERROR_FILE, RESULT_FILE
 from flash_forensics.orchestrator.report.sweep import write_run_report
 from flash_forensics.orchestrator.tracking.tracker import (
@@ -120,9 +121,36 @@ def exit_status(result: Dict[str, Any], multirun: bool) -> int:
 
 
 def run_job(cfg: DictConfig, job_dir: Optional[Path] = None, overrides: Optional[List[str]] = None) -> Dict[str, Any]:
+    """One job, everything it prints also in <job dir>/run.log (job_log.tee; DDP: rank 0's)."""
+    import os
+    job_dir = Path(job_dir) if job_dir is not None else _hydra_context()[0]
+    if os.environ.get("RANK", "0") != "0":
+        return _run_job(cfg, job_dir, overrides)
+    try:
+        lock = folder_lock.acquire(job_dir)
+    except folder_lock.FolderBusy as e:  # another live job owns the folder: write nothing there
+        print(f"[job] refused: {e}")
+        return record.RunRecord(intervention=str(cfg.intervention.get("name")), error=str(e)).to_dict()
+    except OSError:  # an unwritable folder: the job says so itself when it writes there
+        lock = None
+    try:
+        try:
+            log = job_log.tee(job_dir)
+            log.__enter__()
+        except OSError as e:
+            print(f"[job] no {job_dir / job_log.LOG_FILE}: {e}")
+            return _run_job(cfg, job_dir, overrides)
+        try:
+            return _run_job(cfg, job_dir, overrides)
+        finally:
+            log.__exit__(None, None, None)
+    finally:
+        if lock is not None:
+            folder_lock.release(lock)
 
+
+def _run_job(cfg: DictConfig, job_dir: Path, overrides: Optional[List[str]] = None) -> Dict[str, Any]:
     hydra_dir, hydra_overrides, multirun = _hydra_context()
-    job_dir = Path(job_dir) if job_dir is not None else hydra_dir
     overrides = list(overrides) if overrides is not None else hydra_overrides
     name = "+".join(selected_interventions(overrides)) or str(cfg.intervention.name)
     result: Dict[str, Any] = record.RunRecord(intervention=name, overrides=overrides,
@@ -154,6 +182,7 @@ def run_job(cfg: DictConfig, job_dir: Optional[Path] = None, overrides: Optional
             (job_dir / ERROR_FILE).parent.mkdir(parents=True, exist_ok=True)
             (job_dir / ERROR_FILE).write_text(traceback.format_exc())
             where = f" (traceback in {job_dir / ERROR_FILE})"
+            job_log.log_only(traceback.format_exc())
         except OSError:
             where = ""
         print(f"[job] {name} failed: {result['error']}{where}")

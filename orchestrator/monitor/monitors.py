@@ -167,8 +167,15 @@ class Monitors:
         if self.tracker is None:
             return losses
         for k, step in enumerate(steps):
-            self.tracker.log_metrics({record.LOSS: values["loss"][k], record.GRAD_NORM: values["grad_norm"][k],
-                                      record.LR: lrs[k]}, step=step)
+            point = {record.LOSS: values["loss"][k], record.LR: lrs[k]}
+            g = values["grad_norm"][k]
+            if math.isfinite(g):
+                point[record.GRAD_NORM] = g
+            else:  # a flag, not MLflow's float maximum on the chart's axis
+                point[record.GRAD_NORM + record.NONFINITE_SUFFIX] = 1.0
+            if not math.isfinite(values["loss"][k]):  # the NaN/Inf point stays in train/loss (train/loss_finite)
+                point[record.LOSS + record.NONFINITE_SUFFIX] = 1.0
+            self.tracker.log_metrics(point, step=step)
         if n:
             last = steps[-1]
             flushed = {}

@@ -7,13 +7,20 @@ the GenAI overview instead), `#/experiments/<id>/runs/<run id>` a run page.
 """
 from __future__ import annotations
 
-from typing import List, Optional
+import json
+import os
+import urllib.parse
+from typing import List, Optional, Sequence
 
 MLFLOW_UI_DEFAULT = "http://127.0.0.1:5000"  # `mlflow ui`'s default host and port
+TRAINING_MODE = "workflowType=machine_learning"  # MLflow 3's model-training UI (its default is the GenAI one)
+UI_URL_ENV = "FF_MLFLOW_UI_URL"  # where the user's UI serves (e.g. http://127.0.0.1:5050): the links use it
 
 
 def ui_base(tracking_uri: Optional[str], ui_url: Optional[str] = None) -> str:
-    """The UI's address: ui_url if given, else the server of an http(s) store, else what `mlflow ui` serves."""
+    """The UI's address: ui_url if given, else $FF_MLFLOW_UI_URL, else the server of an http(s) store, else what
+    `mlflow ui` serves."""
+    ui_url = ui_url or os.environ.get(UI_URL_ENV)
     if ui_url:
         return ui_url.rstrip("/")
     if tracking_uri and tracking_uri.startswith(("http://", "https://")):
@@ -34,6 +41,19 @@ def artifact_view_route(experiment_id: str, run_id: str, path: str) -> str:
     return f"{run_route(experiment_id, run_id)}/artifacts/{path}"
 
 
+def view_route(experiment_id: str, share_key: str) -> str:
+    """The runs table in a stored view (an experiment tag mlflow.sharedViewState.<key>, verdict_view.py): MLflow
+    3.x and 2.x since shared views; an older UI opens the plain runs table."""
+    return f"{experiment_route(experiment_id)}?viewStateShareKey={share_key}&{TRAINING_MODE}"
+
+
+def compare_route(experiment_id: str, run_ids: Sequence[str]) -> str:
+    """MLflow's compare page for these runs (params, metrics, 'show diff only'): one click."""
+    runs = urllib.parse.quote(json.dumps(list(run_ids), separators=(",", ":")))
+    exps = urllib.parse.quote(json.dumps([str(experiment_id)], separators=(",", ":")))
+    return f"#/compare-runs?runs={runs}&experiments={exps}&{TRAINING_MODE}"
+
+
 def mlflow_ui_command(tracking_uri: str) -> Optional[str]:
     """The command that serves a database store's UI; None for a server (it is its own UI)."""
     if tracking_uri.startswith(("http://", "https://")):
@@ -42,17 +62,26 @@ def mlflow_ui_command(tracking_uri: str) -> Optional[str]:
 
 
 def link_lines(tracking_uri: str, experiment_id: Optional[str], run_id: Optional[str] = None,
-               run_label: str = "parent run", ui_url: Optional[str] = None) -> List[str]:
-    """The lines printed at the end of a run or sweep: how to open the UI, the runs table, the (parent) run."""
+               run_label: str = "parent run", ui_url: Optional[str] = None, share_key: Optional[str] = None,
+               compare_ids: Sequence[str] = ()) -> List[str]:
+    """The lines printed at the end of a run or sweep: how to open the UI, the runs table (in the verdicts view
+    when share_key is given), the (parent) run, the compare page of compare_ids."""
     base = ui_base(tracking_uri, ui_url)
     cmd = mlflow_ui_command(tracking_uri)
-    out = [f"MLflow: {cmd}   (serves {base})" if cmd else f"MLflow: {base}"]
+    port = f"; another port: --port N and {UI_URL_ENV}=http://127.0.0.1:N" if cmd and not ui_url and not \
+        os.environ.get(UI_URL_ENV) else ""
+    out = [f"MLflow: {cmd}   (serves {base}{port})" if cmd else f"MLflow: {base}"]
     if experiment_id is not None:
+        if share_key:
+            out.append(f"  verdicts: {base}/{view_route(experiment_id, share_key)}")
         out.append(f"  runs table: {base}/{experiment_route(experiment_id)}")
         if run_id:
             out.append(f"  {run_label}: {base}/{run_route(experiment_id, run_id)}")
+        if len(compare_ids) > 1:
+            out.append(f"  compare: {base}/{compare_route(experiment_id, compare_ids)}")
     return out
 
 
-__all__ = ["ui_base", "experiment_route", "run_route", "artifact_view_route", "mlflow_ui_command", "link_lines",
+__all__ = ["ui_base", "experiment_route", "run_route", "view_route", "compare_route", "UI_URL_ENV",
+           "artifact_view_route", "mlflow_ui_command", "link_lines",
            "MLFLOW_UI_DEFAULT"]

@@ -71,6 +71,12 @@ def _moving_average(pts: List[Tuple[int, float]], n: int) -> List[Tuple[int, flo
 
 
 # --------------------------------------------------------------------------------------------------- loss
+def _same_curve(a, b, rtol: float = 1e-6) -> bool:
+    """Two (step, value) curves that would be drawn on top of each other."""
+    return len(a) == len(b) and all(sa == sb and abs(va - vb) <= rtol * max(1.0, abs(va))
+                                    for (sa, va), (sb, vb) in zip(a, b, strict=True))
+
+
 def loss_curves(runs: Sequence[Tuple[str, History]], path: Path,
                 divergence: Optional[Dict[str, Optional[int]]] = None, window: Optional[int] = None
                 ) -> Optional[Path]:
@@ -87,14 +93,21 @@ def loss_curves(runs: Sequence[Tuple[str, History]], path: Path,
     x_end = max(s for _, h in runs for s, _ in _finite(h["train/loss"]))
     x0 = window if window is not None else 0
     y_from = x0 if window is not None else x0 + 0.1 * (x_end - x0)
+    drawn: List[Tuple[str, List[Tuple[int, float]]]] = []
     for i, (label, h) in enumerate(runs):
         pts = _finite(h["train/loss"])
         if many:
             pts = _moving_average(pts, SMOOTH)
         d = (divergence or {}).get(label)
         color, style = colors[i % len(colors)], _STYLES[(i // len(colors)) % len(_STYLES)]
-        ax.plot([s for s, _ in pts], [v for _, v in pts], lw=1.4, ls=style, color=color,
-                label=_wrap(label + (f"  (diverged at {d})" if d is not None else "")))
+        twin = next((lab for lab, other in drawn if _same_curve(pts, other)), None)
+        drawn.append((label, pts))
+        # a curve on top of another's: dashed, with markers offset from the other's, and said in the legend
+        extra = dict(ls=(i % 4 * 2, (4, 3)), marker="o^sv"[i % 4], ms=4,
+                     markevery=(i % 4, 4) if len(pts) > 8 else None) if twin else {}
+        ax.plot([s for s, _ in pts], [v for _, v in pts], lw=1.4, **{"ls": style, **extra}, color=color,
+                label=_wrap(label + (f"  (diverged at {d})" if d is not None else "") +
+                            (f"  (the same curve as {twin})" if twin else "")))
         seen += [v for s, v in pts if s >= y_from]
         if d is not None:
             before = [p for p in pts if p[0] <= d] or pts[:1]

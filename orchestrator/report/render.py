@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from flash_forensics.orchestrator.report import html as report_html
-from flash_forensics.orchestrator.report import links, plots, readback
+from flash_forensics.orchestrator.report import links, plots, readback, verdict_view
 from flash_forensics.orchestrator.report import rows as R
 from flash_forensics.orchestrator.tracking.run_fields import git_info
 from flash_forensics.orchestrator.tracking.tracker import (
@@ -31,8 +31,8 @@ from flash_forensics.orchestrator.tracking.tracker import (
     source_tags,
 )
 
-RUN_COL = 10  # the "MLflow run" column of _table
-NOTE_COL = 9  # the "vs baseline" column: on its own line in the terminal
+RUN_COL = 11  # the "MLflow run" column of _table
+NOTE_COL = 10  # the "vs baseline" column: on its own line in the terminal
 
 
 
@@ -82,7 +82,7 @@ def _fmt(x, nd=3) -> str:
 
 
 def _table(rows: Sequence[Dict]) -> List[List[str]]:
-    head = ["job", "intervention", "overrides", "expected", "observed", "div. step", "final loss",
+    head = ["job", "intervention", "overrides", "expected", "observed", "div. step", "cause", "final loss",
             "peak σ(W_Q)", "matches paper", "vs baseline", "MLflow run"]
     body = []
     common = R._common_overrides(rows)
@@ -92,7 +92,7 @@ def _table(rows: Sequence[Dict]) -> List[List[str]]:
         body.append([_fmt(r.get("job")), _fmt(r.get("intervention")),
                      " ".join(sorted(R._other_overrides(r) - common)) or "-",
                      _fmt(r.get("expected")), _fmt(r.get("observed")), _fmt(r.get("divergence_step")),
-                     _fmt(R._num(r.get("final_loss"))), peak, _fmt(r.get("matches_paper")),
+                     _fmt(r.get("cause")), _fmt(R._num(r.get("final_loss"))), peak, _fmt(r.get("matches_paper")),
                      r.get("vs_baseline") or "-", (r.get("mlflow_run_id") or "-")[:12]])
     return [head] + body
 
@@ -112,7 +112,7 @@ def format_table(rows: Sequence[Dict]) -> str:
 
 
 _META_SHOWN = ("command", "git", "time_utc", "hardware", "versions", "tracking_uri", "parent_run_id", "experiment_id",
-               "ui_url")
+               "ui_url", "share_key", "compare_ids")
 Parts = List[Tuple[str, bool]]  # (text, is code)
 
 
@@ -231,7 +231,13 @@ def _mlflow_lines(meta) -> List[str]:
     out.append(f"`{cmd}`, then open {base}" if cmd else f"Server: {base}")
     exp, parent = meta.get("experiment_id"), meta.get("parent_run_id")
     if exp is not None:
-        out += ["", f"- [runs table]({base}/{links.experiment_route(exp)}) (experiment `{exp}`)"]
+        out.append("")
+        if meta.get("share_key"):
+            out.append(f"- [verdicts]({base}/{links.view_route(exp, meta['share_key'])}): the runs table with "
+                       f"the verdict columns")
+        if len(meta.get("compare_ids") or ()) > 1:
+            out.append(f"- [compare the runs]({base}/{links.compare_route(exp, meta['compare_ids'])})")
+        out += [f"- [runs table]({base}/{links.experiment_route(exp)}) (experiment `{exp}`)"]
         if parent:
             out.append(f"- [parent run]({base}/{links.run_route(exp, parent)}) (`{parent}`)")
     elif parent:
@@ -246,18 +252,24 @@ def _fork_lines(rows) -> List[str]:
     return [f"- forked from `{path}` at step {step}: metrics and verdicts from step {step} on" for path, step in forks]
 
 
-def parent_note(sweep: str, rows, urls: List[Optional[str]]) -> str:
-    """The sweep's parent run description (markdown on its run page): the verdicts at a glance, runs linked."""
+def parent_note(sweep: str, rows, urls: List[Optional[str]], view: Optional[str] = None,
+                compare: Optional[str] = None) -> str:
+    """The sweep's parent run description (markdown on its run page): the counts, then one line per run (its
+    verdict with the control; lines, not a table, so the UI's preview shows every run), the verdicts view and
+    compare links."""
     n_match = sum(1 for r in rows if r["matches_paper"])
     failed = sum(1 for r in rows if r["observed"] == "failed")
     out = [f"**{sweep}**: {len(rows)} runs; {n_match} match the paper; {failed} failed. Full report: "
-           f"`verdicts.html` (artifacts).", "",
-           "| job | intervention | observed | div. step | matches paper |", "|---|---|---|---|---|"]
-    for r, url in zip(rows, urls):
-        job = _md_link(_fmt(r.get("job")), url)
-        out.append(f"| {job} | {_fmt(r.get('intervention'))} | {_fmt(r.get('observed'))} | "
-                   f"{_fmt(r.get('divergence_step'))} | {_fmt(r.get('matches_paper'))} |")
-    return "\n".join(out)
+           f"`verdicts.html` (artifacts)."]
+    links_line = " · ".join(x for x in ((f"[verdicts table]({view})" if view else None),
+                                          (f"[compare the runs]({compare})" if compare else None)) if x)
+    if links_line:
+        out.append(links_line)
+    out += [" ".join(f"{i + 1}. {_md_link(_fmt(r.get('job')), url)} **{_fmt(r.get('intervention'))}**: "
+                     f"{r.get('verdict') or _fmt(r.get('observed'))}"
+                     f" ({'matches the paper' if r.get('matches_paper') else 'does not match the paper'})".split())
+            for i, (r, url) in enumerate(zip(rows, urls, strict=True))]
+    return "\n\n".join(out)
 
 
 # ------------------------------------------------------------------------------------------------ plots
@@ -343,6 +355,12 @@ def write_report(rows: List[Dict], out_dir: os.PathLike, tracking_uri: Optional[
     experiments = _experiments(uri, rows, parent_run_id)
     if meta.get("experiment_id") is None:
         meta["experiment_id"] = experiments.get(parent_run_id) or next(iter(experiments.values()), None)
+    if uri and experiments:  # every run's judged verdict and colour; a sweep's verdicts view
+        try:
+            meta["share_key"] = verdict_view.publish(make_client(uri), rows, experiments, parent_run_id)
+            meta["compare_ids"] = [r["mlflow_run_id"] for r in rows if r.get("mlflow_run_id") in experiments]
+        except Exception as e:  # the report is still worth writing
+            print(f"[report] verdict tags not written to {uri}: {type(e).__name__}: {e}")
     plot_paths = make_plots(rows, histories, out_dir / "plots")
     paths = {"md": out_dir / "verdicts.md", "json": out_dir / "verdicts.json", "html": out_dir / "verdicts.html",
              **plot_paths}
@@ -378,7 +396,12 @@ def write_report(rows: List[Dict], out_dir: os.PathLike, tracking_uri: Optional[
         for name in plot_paths:
             retry(client.log_artifact, parent_run_id, str(paths[name]), "plots")
         from mlflow.entities import RunTag
-        std = {**source_tags(), "mlflow.note.content": parent_note(sweep, rows, run_urls(rows, experiments, None))}
+        key = meta.get("share_key")
+        view = links.view_route(exp, key) if key else None
+        ids = meta.get("compare_ids") or []
+        cmp = links.compare_route(exp, ids) if len(ids) > 1 else None
+        std = {**source_tags(), "mlflow.note.content": parent_note(sweep, rows, run_urls(rows, experiments, None),
+                                                                   view, cmp)}
         retry(client.log_batch, parent_run_id, tags=_summary_tags(doc["summary"]) +
                [RunTag(k, str(v)[:MAX_TAG_VAL_LENGTH]) for k, v in std.items()])
     if echo:
@@ -388,7 +411,8 @@ def write_report(rows: List[Dict], out_dir: os.PathLike, tracking_uri: Optional[
             single = parent_run_id is None and len(experiments) == 1
             print("\n".join(links.link_lines(uri, meta.get("experiment_id"),
                                              parent_run_id or (next(iter(experiments)) if single else None),
-                                             "parent run" if parent_run_id else "run", meta.get("ui_url"))))
+                                             "parent run" if parent_run_id else "run", meta.get("ui_url"),
+                                             meta.get("share_key"), meta.get("compare_ids") or ())))
     return paths
 
 

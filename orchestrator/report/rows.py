@@ -16,7 +16,7 @@ from flash_forensics.orchestrator.record import RESULT_FILE, matches_paper
 BASELINE, REFERENCE = "baseline", "fp32"
 ROW_KEYS = ("job", "intervention", "overrides", "expected", "observed", "matches_paper", "divergence_step",
             "final_loss", "min_loss", "peak_wq_norm", "peak_wq_where", "steps_done", "wall_s", "vs_baseline",
-            "mlflow_run_id", "error", "job_dir", "fork_step", "forked_from")
+            "mlflow_run_id", "error", "job_dir", "fork_step", "forked_from", "verdict", "cause", "control", "setup")
 
 
 def _num(x) -> Optional[float]:
@@ -29,7 +29,8 @@ def _num(x) -> Optional[float]:
 def row_from_record(rec: record.RunRecord, job: Optional[str] = None, job_dir: Optional[Path] = None) -> Dict:
     d = rec.to_dict()
     row = {k: d.get(k) for k in ROW_KEYS}
-    row.update(job=job, vs_baseline=None, job_dir=str(job_dir) if job_dir else rec.job_dir)
+    row.update(job=job, vs_baseline=None, job_dir=str(job_dir) if job_dir else rec.job_dir,
+               overrides=record.user_overrides(rec.overrides))  # as the user wrote them, as the MLflow tag holds
     return row
 
 
@@ -110,12 +111,68 @@ def _peer(row: Dict, rows: Sequence[Dict], name: str) -> Optional[Dict]:
     cands = [r for r in rows if r.get("intervention") == name and r is not row]
     if not cands:
         return None
-    mine = _other_overrides(row)
-    return max(cands, key=lambda r: len(_other_overrides(r) & mine) - len(_other_overrides(r) ^ mine))
+    mine = _other_overrides(row)  # the same setup (seed, lr, ...) first, then the closest overrides
+    return max(cands, key=lambda r: (_comparable(row, r),
+                                     len(_other_overrides(r) & mine) - len(_other_overrides(r) ^ mine)))
+
+
+def _control_name(row: Dict) -> str:
+    """How a verdict names its control: the job (and MLflow run) it was."""
+    rid = row.get("mlflow_run_id")
+    job = row.get("job") or (Path(row["job_dir"]).name if row.get("job_dir") else None)
+    return " ".join(x for x in (f"job {job}" if job else None, f"run {rid[:12]}" if rid else None) if x) or "?"
+
+
+def _comparable(row: Dict, cand: Dict) -> bool:
+    """cand could be row's control: same setup (seed, data order, optimizer, model, batch) where both record one,
+    else the same other overrides (older records without a setup)."""
+    a, b = row.get("setup"), cand.get("setup")
+    if a and b:
+        return not record.setup_differs(a, b)
+    return _plain(_other_overrides(row)) == _plain(_other_overrides(cand))
+
+
+def _plain(overrides: set) -> set:
+    """The overrides that change the setup: not plumbing, not the intervention's own knobs (intervention.layer=...)."""
+    return {o for o in overrides if not o.lstrip("+~").startswith(_PLUMBING + ("intervention.",))}
+
+
+def control_for(row: Dict, rows: Sequence[Dict]) -> Optional[Dict]:
+    """The FP32 run a divergence of `row` is judged against: an fp32 run of the same setup among rows (the sweep's
+    own, or stored runs read with it), the same fork point first, then the one that ran longest; the fp32 run is its
+    own control. None when there is none."""
+    if row.get("intervention") == REFERENCE:
+        return row
+    cands = [r for r in rows if r is not row and r.get("intervention") == REFERENCE and _comparable(row, r)]
+    if not cands:
+        return None
+    same_fork = lambda r: (r.get("forked_from"), r.get("fork_step")) == (row.get("forked_from"), row.get("fork_step"))  # noqa: E731
+    done = lambda r: r.get("steps_done") if isinstance(r.get("steps_done"), int) else -1  # noqa: E731
+    return max(cands, key=lambda r: (same_fork(r), r.get("observed") in ("stable", "diverged"), done(r)))
+
+
+def judge(row: Dict, rows: Sequence[Dict]) -> Dict:
+    """Fill row's cause, control, verdict (one line) and matches_paper: the control rule (record.control_cause)."""
+    ctrl = control_for(row, rows) if row.get("observed") == "diverged" else None
+    cause = record.control_cause(row.get("observed"), row.get("divergence_step"), ctrl)
+    if ctrl is row:
+        cause = record.CAUSE_NOT_PRECISION  # FP32 attention diverged: precision is ruled out by the run itself
+    name = None if ctrl is None or ctrl is row else _control_name(ctrl)
+    row.update(cause=cause, control=name, control_step=ctrl.get("divergence_step") if name else None,
+               matches_paper=matches_paper(row.get("expected"), row.get("observed"), cause))
+    line = record.verdict_line(row.get("observed"), row.get("divergence_step"), cause, name,
+                               ctrl.get("divergence_step") if ctrl is not None else None)
+    if ctrl is row:
+        line = f"diverged at step {row.get('divergence_step')} in FP32 attention: the cause is not precision"
+    row["verdict"] = line
+    return row
 
 
 def compare(rows: List[Dict]) -> List[Dict]:
-    """Fill matches_paper and a `vs_baseline` note (vs the baseline's divergence and the fp32 final loss)."""
+    """Fill the verdict with its control (judge), matches_paper and a `vs_baseline` note (vs the baseline's
+    divergence and the fp32 final loss)."""
+    for row in rows:
+        judge(row, rows)
     for row in rows:
         notes = []
         name, obs = row.get("intervention"), row["observed"]
@@ -141,8 +198,9 @@ def compare(rows: List[Dict]) -> List[Dict]:
         fl, rl = _num(row.get("final_loss")), _num(ref.get("final_loss")) if ref else None
         if fl is not None and rl is not None and math.isfinite(fl) and math.isfinite(rl) and obs == "stable":
             notes.append(f"final loss {fl - rl:+.3f} vs fp32")
+        if row.get("cause") and row["cause"] != record.CAUSE_PRECISION:
+            notes.append(row["verdict"])
         row["vs_baseline"] = "; ".join(notes)
-        row["matches_paper"] = matches_paper(row.get("expected"), obs)
     return rows
 
 
@@ -170,5 +228,6 @@ def summary(rows: Sequence[Dict]) -> Dict[str, int]:
     return {k: int(v) for k, v in record.sweep_metrics(list(rows)).items()}
 
 
-__all__ = ["ROW_KEYS", "BASELINE", "REFERENCE", "row_from_record", "row_from_result", "job_row", "collect_rows",
+__all__ = ["ROW_KEYS", "BASELINE", "REFERENCE", "control_for", "judge", "row_from_record",
+           "row_from_result", "job_row", "collect_rows",
            "rows_from_dirs", "compare", "summary"]

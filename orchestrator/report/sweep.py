@@ -77,8 +77,10 @@ def write_run_report(result: Dict[str, Any], sweep: str, tracking_uri: Optional[
 
 
 def log_sweep_metrics(tracking_uri: str, parent_run_id: str, rows: Sequence[Dict]) -> None:
-    """The sweep's counts as metrics of its parent run (sortable in the runs table): record.sweep_metrics."""
+    """The sweep's counts as metrics of its parent run (sortable in the runs table): record.sweep_metrics, over the
+    rows judged with their controls (compare)."""
     import time
+    rows = compare([dict(r) for r in rows])
 
     from mlflow.entities import Metric
     now = int(time.time() * 1000)

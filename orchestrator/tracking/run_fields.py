@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import os
 import subprocess
-import time
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Mapping, Optional
 
+from flash_forensics.orchestrator import record
 from flash_forensics.orchestrator.tracking.store import (
     MAX_METRICS_PER_BATCH,
     MAX_TAG_VAL_LENGTH,
@@ -50,16 +50,19 @@ def source_tags() -> Dict[str, str]:
 
 def describe_run(intervention: str, expect: Optional[str], paper: Optional[str], observed: Optional[str] = None,
                  divergence_step: Optional[int] = None, steps_done: Optional[int] = None,
-                 error: Optional[str] = None) -> str:
+                 error: Optional[str] = None, cause: Optional[str] = None, control: Optional[str] = None,
+                 control_step: Optional[int] = None) -> str:
     """The run's description (mlflow.note.content, markdown on the run page): the intervention, what the paper
-    says of it and, once known, the verdict."""
-    lines = [f"**{intervention}**" + (f": the paper expects it to **{expect.replace('diverges', 'diverge')}**"
-                                      if expect else "")]
+    says of it and, once known, the verdict with its FP32 control (record.verdict_line: a divergence counts as the
+    paper's only when its control stayed stable)."""
+    said = {"diverges": "diverge", "stable": "stay stable"}
+    lines = [f"**{intervention}**" + (f": the paper expects it to **{said.get(expect, expect)}**" if expect else "")]
     if paper:
         lines.append(f"Paper: {paper}")
     if observed in ("diverged", "stable"):
-        match = (observed == "diverged") == (expect == "diverges") if expect else None
-        what = (f"diverged at step {divergence_step}" if observed == "diverged"
+        match = record.matches_paper(expect, observed, cause) if expect else None
+        what = (record.verdict_line(observed, divergence_step, cause or record.CAUSE_NO_CONTROL, control,
+                                    control_step) if observed == "diverged"
                 else "stable" + (f" to step {steps_done}" if steps_done else ""))
         lines.append(f"Verdict: **{what}**" + ("" if match is None else
                                                 (" (matches the paper)" if match
@@ -114,18 +117,14 @@ FINITE_SUFFIX = "_finite"  # train/loss_finite: train/loss without its NaN/Inf p
 
 def record_outcome(uri: str, run_id: str, result: Mapping[str, Any], paper: Optional[str] = None,
                    keys: Iterable[str] = ("train/loss",)) -> None:
-    """After the job: the description with the verdict; for a diverged run the `diverged_at` metric (one point at
-    the divergence step: a marker in MLflow's charts) and, for each of `keys` whose history holds NaN/Inf, its finite
+    """After the job: the description with the verdict and, for each of `keys` whose history holds NaN/Inf, its finite
     points as `<key>_finite`: MLflow's run page draws no chart at all for a metric whose latest value is NaN, so a
     NaN-diverged run would show no loss curve. The NaN points stay in `<key>` (counted, never hidden)."""
     from mlflow.entities import Metric
     client = make_client(uri)
     note = describe_run(result.get("intervention") or "?", result.get("expected"), paper, result.get("observed"),
                         result.get("divergence_step"), result.get("steps_done"), result.get("error"))
-    metrics = []
-    d = result.get("divergence_step")
-    if result.get("observed") == "diverged" and isinstance(d, int):
-        metrics.append(Metric("diverged_at", float(d), int(time.time() * 1000), d))
+    metrics = []  # the divergence marker is the divergence_step metric itself, at that step (run_end.log_record)
     for key in keys:
         hist = retry(client.get_metric_history, run_id, key)
         finite = [m for m in hist if m.value == m.value and abs(m.value) != float("inf")]

@@ -140,16 +140,23 @@ def retry(fn, *args, attempts: int = 8, **kwargs):
             delay = min(delay * 2, 2.0)
 
 
+EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}  # MLflow 3: the model-training UI, not GenAI
+
+
 def get_or_create_experiment(client, name: str, tracking_uri: str) -> str:
+    """The experiment's id (created, or restored when deleted), marked a model-training experiment (MLflow 3 would
+    otherwise open an experiment without traces in its GenAI mode)."""
     exp = retry(client.get_experiment_by_name, name)
     if exp is not None:
         if exp.lifecycle_stage == "deleted":
             retry(client.restore_experiment, exp.experiment_id)
+        if not exp.tags.get("mlflow.experimentKind"):
+            retry(client.set_experiment_tag, exp.experiment_id, *next(iter(EXPERIMENT_KIND.items())))
         return exp.experiment_id
     root = artifact_root_for(tracking_uri)
     try:
         return retry(client.create_experiment, name,
-                      artifact_location=f"{root}/{name}" if root else None)
+                      artifact_location=f"{root}/{name}" if root else None, tags=EXPERIMENT_KIND)
     except Exception:  # another job created it first
         exp = retry(client.get_experiment_by_name, name)
         if exp is None:
@@ -168,12 +175,23 @@ def _store_lock(db: Path):
         yield
         return
     db.parent.mkdir(parents=True, exist_ok=True)
-    with open(db.with_name(db.name + ".lock"), "a") as f:
+    path = db.with_name(db.name + ".lock")
+    while True:  # the file is removed by its holder (no lock file left behind): lock the one that is there now
+        f = open(path, "a")
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+            if os.fstat(f.fileno()).st_ino == os.stat(path).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        f.close()
+    try:
+        yield
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()  # while held: a waiter finds its inode gone and locks the next file
+        fcntl.flock(f, fcntl.LOCK_UN)
+        f.close()
 
 
 def make_client(uri: str):
@@ -181,6 +199,11 @@ def make_client(uri: str):
     db = sqlite_path(uri)
     if db is None:
         return retry(MlflowClient, tracking_uri=uri)
+    if db.is_file() and db.stat().st_size:  # a file that is not a database: one sentence, before MLflow's traceback
+        with open(db, "rb") as f:
+            if f.read(16) != b"SQLite format 3\x00":
+                raise ValueError(f"tracking uri {uri}: {db} is not an SQLite database (an MLflow sqlite store is a "
+                                 f"file MLflow created; give a new path or the right file)")
     with _store_lock(db):
         client = retry(MlflowClient, tracking_uri=uri)
         retry(client.search_experiments, max_results=1)  # opens (creates, migrates) the store under the lock

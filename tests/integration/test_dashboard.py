@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from flash_forensics.orchestrator.report import verdict_view
 from tests.helpers import screenshots
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -47,10 +48,11 @@ def sweep(tmp_path_factory):
     assert res.returncode == 0, res.stdout + res.stderr
     uri = f"http://127.0.0.1:{port}"
     try:
-        # both runs go NaN at step 6: the baseline matches the paper, the fp32 reference does not
-        cmd = [sys.executable, "run.py", "-m", "experiment=smoke", "intervention=baseline,fp32",
+        # lr=1e3 blows both runs up at once: the baseline's FP32 control diverged too, so the cause is not precision
+        # and nothing matches the paper
+        cmd = [sys.executable, "run.py", "-m", "experiment=smoke", "intervention=baseline,fp32", "optimizer.lr=1e3",
                f"tracking.uri={uri}", f"results_dir={root / 'results'}", "sweep_name=dash", "train.max_steps=10",
-               "debug.nan_at_step=6", "tracking.system_metrics=true", "tracking.system_metrics_every_s=0.5",
+               "tracking.system_metrics=true", "tracking.system_metrics_every_s=0.5",
                "train.precision=fp32"]  # FP32 outside attention: CPU autocast's BF16 GEMMs cost most; none checked
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
         assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
@@ -85,6 +87,9 @@ def test_links_printed(sweep):
     parent = next(r for r in sweep["runs"] if _tags(r).get("role") == "sweep")["info"]["run_id"]
     assert f"runs table: {sweep['uri']}/#/experiments/{exp}/runs\n" in sweep["out"]
     assert f"parent run: {sweep['uri']}/#/experiments/{exp}/runs/{parent}" in sweep["out"]
+    assert f"verdicts: {sweep['uri']}/#/experiments/{exp}/runs?viewStateShareKey=" in sweep["out"]
+    compare = re.search(r"compare: (\S+)", sweep["out"]).group(1)
+    assert all(r["info"]["run_id"] in urllib.parse.unquote(compare) for r in _jobs(sweep).values())
 
 
 def test_runs_carry_standard_fields_description_and_artifacts(sweep):
@@ -96,7 +101,8 @@ def test_runs_carry_standard_fields_description_and_artifacts(sweep):
         assert t["mlflow.user"] and re.fullmatch(r"[0-9a-f]{40}", t["mlflow.source.git.commit"])
         note = t["mlflow.note.content"]
         assert f"**{name}**" in note and "Paper: Sec. 3" in note and "Verdict: **diverged at step" in note
-        assert ("(matches the paper)" in note) == (name == "baseline")
+        assert "(**does not match the paper**)" in note and "the cause is not precision" in note, note
+        assert "expects it to **stay stable**" in note or name != "fp32"
         arts = _artifacts(uri, rid)
         assert {"job/run.log", "job/result.json", "hydra/config.yaml", "hydra/overrides.yaml",
                 "config_resolved.yaml"} <= arts, arts
@@ -105,14 +111,20 @@ def test_runs_carry_standard_fields_description_and_artifacts(sweep):
         assert result["mlflow_run_id"] == rid and result["observed"] == "diverged"
         metrics = {m["key"]: m["value"] for m in run["data"].get("metrics", [])}
         assert any(k.startswith("system/cpu_utilization") for k in metrics), sorted(metrics)  # MLflow's own
-        assert metrics["diverged_at"] == result["divergence_step"]
-        hist = _api(uri, "metrics/get-history", run_id=rid, metric_key="train/loss_finite")["metrics"]
-        assert hist and all(isinstance(m["value"], float) for m in hist)  # the curve up to the NaN
-        assert max(m["step"] for m in hist) < result["divergence_step"] + 1
+        assert metrics["divergence_step"] == result["divergence_step"] and "diverged_at" not in metrics  # one name
+        assert "val_loss" not in metrics and "val/loss" in metrics
+        marker = _api(uri, "metrics/get-history", run_id=rid, metric_key="divergence_step")["metrics"]
+        assert [m["step"] for m in marker] == [result["divergence_step"]]  # the chart's marker at that step
+        ovr = t["overrides"]  # what the user chose, as written
+        assert "results_dir=" not in ovr and "\\" not in ovr and "tracking.uri" not in ovr and "optimizer.lr=" in ovr
     parent = next(r for r in sweep["runs"] if _tags(r).get("role") == "sweep")
     pt, pid = _tags(parent), parent["info"]["run_id"]
-    assert "2 runs; 1 match the paper; 0 failed" in pt["mlflow.note.content"]
-    assert "| baseline | diverged | " in pt["mlflow.note.content"]
+    assert "2 runs; 0 match the paper; 0 failed" in pt["mlflow.note.content"]
+    assert "**baseline**: diverged at step" in pt["mlflow.note.content"]
+    assert "[verdicts table](" in pt["mlflow.note.content"] and "[compare the runs](" in pt["mlflow.note.content"]
+    colors = [_tags(r)["mlflow.runColor"] for r in _jobs(sweep).values()]
+    assert len(set(colors)) == len(colors)  # distinct, by verdict (both: orange shades, not precision)
+    assert all(c in verdict_view.PALETTES["not precision"] for c in colors)
     assert pt["mlflow.user"] and "mlflow.source.name" in pt
     arts = _artifacts(uri, pid)
     assert {"verdicts.html", "report/verdicts.md", "report/verdicts.json", "plots/loss_curves.png"} <= arts, arts
@@ -126,12 +138,16 @@ def test_typed_verdict_fields(sweep):
     """The record engineer's typed fields (orchestrator/record.py), read back through REST."""
     record = pytest.importorskip("flash_forensics.orchestrator.record",
                                  reason="orchestrator/record.py not merged into this tree")
-    for name, run in _jobs(sweep).items():
+    for run in _jobs(sweep).values():
         t = _tags(run)
         metrics = {m["key"]: m["value"] for m in run["data"].get("metrics", [])}
         assert t[record.TAG_VERDICT] == "diverged"
-        assert t[record.TAG_MATCHES] == ("true" if name == "baseline" else "false")
-        assert isinstance(metrics["divergence_step"], float) and metrics["divergence_step"] == metrics["diverged_at"]
+        assert t[record.TAG_MATCHES] == "false" and t[record.TAG_CAUSE] == record.CAUSE_NOT_PRECISION
+        assert isinstance(metrics["divergence_step"], float)
+        assert "not precision" in t[record.TAG_VERDICT_LINE]
+    exp = _api(sweep["uri"], "experiments/get", experiment_id=sweep["exp"])["experiment"]
+    tags = {t["key"]: t["value"] for t in exp.get("tags", [])}
+    assert tags.get("mlflow.experimentKind") == "custom_model_development"
 
 
 def _need_browser():
@@ -167,6 +183,15 @@ def test_html_report_in_headless_chromium(sweep):
         assert screenshots.shoot(d, base, SHOTS / "mlflow_runs_table.png", wait_text="dash@")
         rid = _jobs(sweep)["baseline"]["info"]["run_id"]
         assert screenshots.shoot(d, f"{base}/{rid}", SHOTS / "mlflow_run_page.png", wait_text="Verdict:")
+        # the printed verdicts link: the runs table opens on the verdict columns, the sweep's runs flat
+        view = re.search(r"verdicts: (\S+)", sweep["out"]).group(1)
+        assert screenshots.shoot(d, view, SHOTS / "mlflow_verdicts_view.png", wait_text="verdict_cause")
+        body = d.find_element(By.TAG_NAME, "body").text
+        for col in ("intervention", "verdict", "matches_paper", "divergence_step", "final_loss", "peak_wq_sigma"):
+            assert col in body, col
+        assert body.count("not precision") == 2 and "3 matching runs" in body  # both runs and the parent, none folded
+        compare = re.search(r"compare: (\S+)", sweep["out"]).group(1)
+        assert screenshots.shoot(d, compare, SHOTS / "mlflow_compare.png", wait_text="Show diff only")
     finally:
         d.quit()
     assert (SHOTS / "verdicts_html.png").stat().st_size > 10_000

@@ -68,7 +68,7 @@ def test_report_cli_merges_a_job_dir_and_sweep_dirs(tmp_path, capsys):
     for i, (name, exp, obs, div, fl) in enumerate(iso_rows):
         _write_result(iso / str(i), intervention=name, expected=exp, observed=obs, divergence_step=div,
                       final_loss=fl, overrides=[f"intervention={name}", "intervention.layer=1"], fork_step=10,
-                      forked_from="/ckpt/step_10.pt")
+                      forked_from="/ckpt/step_10.pt", steps_done=40)  # the fp32 fork: the baseline's control
     beta = tmp_path / "runs" / "beta_sweep"
     _write_result(beta / "0", intervention="sfa", expected="stable", observed="stable", final_loss=4.2,
                   overrides=["intervention=sfa", "intervention.beta=2"], fork_step=10)
@@ -92,6 +92,7 @@ def test_report_cli_merges_a_job_dir_and_sweep_dirs(tmp_path, capsys):
         assert r["matches_paper"] == ((exp, obs) in (("stable", "stable"), ("diverges", "diverged")))
         assert r["fork_step"] == 10
     assert by_job["baseline"]["observed"] == "diverged" and by_job["baseline"]["matches_paper"] is True
+    assert by_job["baseline"]["cause"] == "precision" and by_job["baseline"]["control"] == "job paper_isolation/0"
     assert by_job["baseline"]["final_loss"] is None  # NaN -> null: strict JSON
     # the missing result.json is a failed row, named by its Hydra overrides
     dead = by_job["beta_sweep/1"]

@@ -21,7 +21,8 @@ ROOT = Path(__file__).resolve().parents[2]
 # ------------------------------------------------------------------------------------------ the record itself
 def test_non_finite_floats_round_trip_as_strict_json(tmp_path):
     rec = RunRecord(intervention="baseline", expected="diverges", observed="diverged", divergence_step=7,
-                    final_loss=math.nan, min_loss=3.25, peak_wq_norm=math.inf, val_loss=-math.inf, steps_done=11)
+                    final_loss=math.nan, min_loss=3.25, peak_wq_norm=math.inf, val_loss=-math.inf, steps_done=11,
+                    cause=record.CAUSE_PRECISION)
     path = record.write(tmp_path, rec)
     assert path == tmp_path / record.RESULT_FILE and not list(tmp_path.glob("*.tmp"))
     raw = json.loads(path.read_text(), parse_constant=lambda c: pytest.fail(f"non-strict JSON constant {c}"))
@@ -59,8 +60,16 @@ def test_matches_paper_is_the_one_formula():
              ("stable", "diverged"): False, ("stable", "failed"): False, ("diverges", "failed"): False,
              (None, "stable"): False, (None, "diverged"): False}
     for (expected, observed), want in cases.items():
-        assert record.matches_paper(expected, observed) is want, (expected, observed)
-        assert RunRecord(expected=expected, observed=observed).matches_paper is want
+        cause = record.control_cause(observed, 5, {"observed": "stable", "steps_done": 20})  # a stable control
+        assert record.matches_paper(expected, observed, cause) is want, (expected, observed)
+        assert RunRecord(expected=expected, observed=observed, cause=cause).matches_paper is want
+    # a divergence without its FP32 control, or whose control diverged too, is not precision's: no match
+    assert not record.matches_paper("diverges", "diverged")
+    for ctrl in (None, {"observed": "diverged", "divergence_step": 1, "steps_done": 4},
+                 {"observed": "stable", "steps_done": 5}, {"observed": "failed"}):
+        cause = record.control_cause("diverged", 5, ctrl)
+        assert cause == (record.CAUSE_NOT_PRECISION if ctrl and ctrl["observed"] == "diverged"
+                         else record.CAUSE_NO_CONTROL) and not record.matches_paper("diverges", "diverged", cause)
     # the formula train.py used to tag runs with: a failed run "matched" a stable expectation
     old = lambda e, o: (o == "diverged") == (e == "diverges")  # noqa: E731
     assert old("stable", "failed") and not record.matches_paper("stable", "failed")
@@ -73,8 +82,10 @@ def test_record_metrics_and_tags_are_typed():
     assert "divergence_step" not in m  # absent, never "None"
     assert m == {"final_loss": 4.0, "min_loss": 3.9, "peak_wq_sigma": 2.5, "steps_done": 20.0, "wall_s": 1.5}
     assert record.record_tags(stable) == {"verdict": "stable", "matches_paper": "true", "intervention": "fp32",
-                                          "record_version": str(record.RECORD_VERSION), "peak_wq_where": "L1.H0"}
-    rows = [{"expected": "diverges", "observed": "diverged"}, {"expected": "stable", "observed": "failed"},
+                                          "record_version": str(record.RECORD_VERSION), "peak_wq_where": "L1.H0",
+                                          "verdict_line": "stable"}
+    rows = [{"expected": "diverges", "observed": "diverged", "cause": record.CAUSE_PRECISION},
+            {"expected": "stable", "observed": "failed"},
             {"expected": "stable", "observed": "diverged"}]
     assert record.sweep_metrics(rows) == {"runs": 3.0, "runs_matching_paper": 1.0, "runs_diverged": 2.0,
                                           "runs_stable": 0.0, "runs_failed": 1.0}
@@ -188,8 +199,9 @@ def test_mlflow_fields_are_typed(smoke_sweep):
     for verdict, run in jobs.items():
         t, m, p = run.data.tags, run.data.metrics, run.data.params
         res = record.read(Path(t["job_dir"]))
-        assert t["intervention"] == "baseline" and t["matches_paper"] == ("true" if verdict == "diverged" else
-                                                                           "false")
+        # two baselines, no FP32 run: the divergence has no control and matches nothing
+        assert t["intervention"] == "baseline" and t["matches_paper"] == "false"
+        assert t.get("verdict_cause") == ("no FP32 control" if verdict == "diverged" else None)
         assert "matches_expect" not in t
         for key in ("final_loss", "min_loss", "peak_wq_sigma", "wall_s", "steps_done"):
             assert key in m, key
@@ -205,5 +217,5 @@ def test_mlflow_fields_are_typed(smoke_sweep):
     assert "divergence_step" not in jobs["stable"].data.metrics  # absent, not the string "None"
     assert "divergence_step" not in jobs["stable"].data.tags
     pm = c.get_run(parent_id).data.metrics
-    assert pm == {"runs": 2.0, "runs_matching_paper": 1.0, "runs_diverged": 1.0, "runs_stable": 1.0,
+    assert pm == {"runs": 2.0, "runs_matching_paper": 0.0, "runs_diverged": 1.0, "runs_stable": 1.0,
                   "runs_failed": 0.0}

@@ -108,7 +108,8 @@ def test_vs_baseline_notes_and_matching():
         {"intervention": "delta_dpp", "expected": "stable", "observed": "diverged", "divergence_step": 250,
          "overrides": ["intervention=delta_dpp", "train.seed=2"]}])
     assert rows[2]["matches_paper"] is False
-    assert rows[2]["vs_baseline"] == "diverged at step 250; baseline at 200 (+50 steps)"  # same-seed baseline
+    assert rows[2]["vs_baseline"] == ("diverged at step 250; baseline at 200 (+50 steps); "  # same-seed baseline
+                                      "diverged at step 250; no FP32 control")
 
 
 def test_single_run_report(tmp_path):
@@ -116,7 +117,8 @@ def test_single_run_report(tmp_path):
                               "observed": "diverged", "divergence_step": 7, "final_loss": float("nan")},
                              sweep="single", out_dir=tmp_path / "single", echo=False)
     doc = json.loads(paths["json"].read_text())
-    assert doc["runs"][0]["observed"] == "diverged" and doc["runs"][0]["matches_paper"] is True
+    assert doc["runs"][0]["observed"] == "diverged" and doc["runs"][0]["matches_paper"] is False  # no control
+    assert doc["runs"][0]["verdict"] == "diverged at step 7; no FP32 control"
     assert doc["runs"][0]["final_loss"] is None  # NaN written as JSON null
     assert paths["md"].is_file() and "loss_curves" not in paths  # no MLflow run: no curves
 
