@@ -28,6 +28,8 @@ stochastically (kernels/stochastic.py), nothing else does: P̄, m, l, the stored
 Other formats (kernels/formats.py, kernels/recipes.py "Formats"): every store goes through `_Plan.r`, which casts to
 the point's format (FP8 saturating, with its scale) and, with counters on, counts per head what the cast did
 (AttnStats.fp16_overflow, fp8_saturated, pbar_flushed), in the forward and in the backward, on the device.
+Over 400 lines because the forward and the backward share one plan of rounding points, formats, scales and masks
+(_Plan): split, the two halves of a recipe could drift apart.
 """
 from __future__ import annotations
 

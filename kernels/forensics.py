@@ -13,6 +13,8 @@ printed. In the paper's example the first operand is an FP32 partial sum of P̄V
 rounds to 1 and the score gap it means, with the FP8 recipes' P̄ scales) and where rounding on the P̄V path is biased.
 `pv-trace`: the paper's Fig. 6: cumulative error of one row's P̄V along key positions, low precision minus FP64,
 with the positions where P̄ = 1 marked, and how much of the error those positions carry.
+Over 400 lines because the bit-level explanation, the per-format worked example and the P̄V trace share their
+exact-arithmetic helpers (Fraction sums, round-to-format).
 """
 from __future__ import annotations
 

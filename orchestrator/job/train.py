@@ -12,6 +12,8 @@ the step a resumed run starts with.
 
 This module is the Job's setup and step loop; one optimizer step is orchestrator/job/step.py, checkpointing
 orchestrator/job/checkpoint_policy.py, the end-of-run bookkeeping orchestrator/job/run_end.py.
+Over 400 lines because Job is the one place that orders setup, the step loop and the run's end; each piece it
+calls lives in its own module of job/, monitor/ and tracking/.
 """
 from __future__ import annotations
 

@@ -5,6 +5,8 @@ orchestrator/report/sweep.py builds and compares the rows; this module only rend
 an image path means different things in the two places: on disk the images are `plots/x.png` beside verdicts.md;
 in MLflow, report/verdicts.md is shown inside the UI page, whose markdown viewer draws no images: its plots are
 links to the artifact viewer, its run links the UI's own routes. Run ids link to the run pages in both.
+Over 400 lines because the terminal table, verdicts.md, verdicts.json and the parent run's description render the
+same rows and must say the same thing; the HTML page is report/html.py.
 """
 from __future__ import annotations
 
