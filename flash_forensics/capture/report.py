@@ -12,6 +12,13 @@ from typing import List, Optional
 import torch
 
 
+def pct(share: float) -> str:
+    """A share of identical elements as a percentage that never reads 100% unless it is exactly 1."""
+    if share == 1.0:
+        return "100%"
+    text = f"{100 * share:.2f}%"
+    return text if text != "100.00%" else f"{100 * share:.6f}%"
+
 def _g(x, spec: str = ".3g") -> str:
     if x is None:
         return "-"
@@ -71,7 +78,7 @@ def markdown(res: dict) -> str:
         out += ["## Fingerprint: which recipe reproduces the captured O", "",
                 (f"**{best['label']}** reproduces the captured O bit for bit" if fpr["exact"] else
                  f"No candidate reproduces it bit for bit; closest: **{best['label']}** "
-                 f"({100 * best['o_identical']:.2f}% of O elements identical, mean |diff| "
+                 f"({pct(best['o_identical'])} of O elements identical, mean |diff| "
                  f"{best['o_mean_abs_diff']:.3g}): the nearest emulated computation, not proof of what the kernel "
                  "does (candidates marked refined combine variants greedily)") + f" (heads {fpr['heads']}, "
                 f"{len(fpr['candidates'])} "
@@ -79,10 +86,10 @@ def markdown(res: dict) -> str:
                 "| rank | candidate | O identical | lse identical | mean abs diff | max abs diff |",
                 "|---:|---|---:|---:|---:|---:|"]
         for i, c in enumerate(fpr["candidates"][:15], 1):
-            lse = "-" if c["lse_identical"] is None else f"{100 * c['lse_identical']:.2f}%"
+            lse = "-" if c["lse_identical"] is None else pct(c["lse_identical"])
             mark = " (the file says)" if c.get("is_base") else " (refined)" if c.get("refined") else ""
             out.append(f"| {i} | `{c['label']}`{mark} | "
-                       f"{100 * c['o_identical']:.2f}% | {lse} | "
+                       f"{pct(c['o_identical'])} | {lse} | "
                        f"{c['o_mean_abs_diff']:.3g} | {c['o_max_abs_diff']:.3g} |")
         if len(fpr["candidates"]) > 15:
             out.append(f"| | ({len(fpr['candidates']) - 15} more in the JSON) | | | | |")

@@ -94,3 +94,10 @@ def test_reports_md_html_json(tmp_path):
     data = json.loads((tmp_path / "rep" / "fa2.json").read_text())
     assert data["fingerprint"]["best"] == "fa2" and len(data["attribution"]["points"]) == 11
     assert data["per_head"][0]["rows"] == 2 * 64
+
+
+def test_a_near_miss_never_reads_as_100_percent():
+    from flash_forensics.capture.report import pct
+    assert pct(1.0) == "100%"
+    assert pct(1 - 4 / 262144) == "99.998474%"  # 4 of 262,144 elements differ: not "100.00%"
+    assert pct(0.5) == "50.00%"
