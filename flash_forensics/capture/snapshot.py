@@ -29,6 +29,8 @@ from typing import Dict, Optional
 
 import torch
 
+from flash_forensics.orchestrator.data.cache import atomic_write
+
 FORMAT = "flash-forensics.capture"
 FORMAT_VERSION = 1
 MiB = 1 << 20
@@ -176,17 +178,7 @@ def write(path, snap: Snapshot, max_bytes: int = DEFAULT_MAX_BYTES, say=print) -
     if say is not None:
         say(f"[capture] writing {path} ({len(data) / MiB:.2f} MiB, cap {max_bytes / MiB:.0f} MiB): "
             f"{meta.get('family')} layer {meta.get('layer')} heads {meta.get('heads')} step {meta.get('step')}")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+    atomic_write(path, data)  # temp file, fsync, rename: readers see no half-written capture
     try:  # the rename itself durable
         fd = os.open(path.parent, os.O_RDONLY)
         try:
