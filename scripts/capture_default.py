@@ -74,7 +74,7 @@ def main(argv=None) -> int:
     cmd = "python scripts/capture_default.py" + "".join(f" {a}" for a in (sys.argv[1:] if argv is None else argv))
     (out / "RUN.md").write_text(
         "# The default CPU model, captured and analyzed\n\n"
-        f"Command: `{cmd}` (then, on any machine: `python -m flash_forensics.capture {dest.name}`)\n\n"
+        f"Command: `{cmd}` (then, on any machine: `flash-forensics analyze {dest.name}`)\n\n"
         f"- job: `{' '.join(overrides[:7])}`; final loss {res.get('final_loss')}, observed {res.get('observed')}\n"
         f"- captured every layer at step {args.steps - 1}; tie rows per capture: "
         + ", ".join(f"{Path(p).stem}: {n}" for p, n in counts.items())

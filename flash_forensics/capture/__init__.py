@@ -2,7 +2,7 @@
 
 - `capture(out_dir, layers=..., heads=..., worst=..., sdpa=...)`: a context manager that writes each chosen attention
   call's q, k, v, o, lse and dO (with knobs, recipe, versions, commit) as one safetensors file (snapshot.py).
-- `analyze(path)`: the offline analysis (analysis.py) as a dict; `python -m flash_forensics.capture FILE` writes it as
+- `analyze(path)`: the offline analysis (analysis.py) as a dict; `flash-forensics analyze FILE` writes it as
   Markdown, HTML and JSON (cli.py, report.py).
 """
 from __future__ import annotations

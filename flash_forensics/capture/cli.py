@@ -1,4 +1,4 @@
-"""`python -m flash_forensics.capture FILE` (and `flash-forensics analyze FILE`): the offline report of a capture.
+"""`flash-forensics analyze FILE` (also `python -m flash_forensics.capture FILE`): the offline report of a capture.
 
 Writes <out>/<file stem>.md, .html (plots inline) and .json (default: beside the file) and prints the Markdown.
 A file that is not a readable capture is refused with one line naming what is wrong (exit 2).
@@ -27,7 +27,7 @@ def _heads(s: str) -> List[int]:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m flash_forensics.capture",
+    ap = argparse.ArgumentParser(prog="flash-forensics analyze",
                                  description="Analyze an attention capture offline: ties, delta error vs FP64, "
                                              "attribution per rounding point, the kernel's fingerprint.")
     ap.add_argument("file", help="a .safetensors capture (flash_forensics.capture / monitor.capture)")

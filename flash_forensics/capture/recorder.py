@@ -208,7 +208,7 @@ def capture(out_dir="captures", *, layers: Optional[Sequence[int]] = None, heads
         with flash_forensics.capture("captures", layers=[3], worst=2) as cap:
             loss = model(x).loss
             loss.backward()
-        print(cap.paths)                     # then: python -m flash_forensics.capture captures/<file>
+        print(cap.paths)                     # then: flash-forensics analyze captures/<file>
 
     layers: layer indices to keep (None: every layer; SDPA calls have none and are kept by call order); heads: head
     indices, or `worst`: the N heads with the most tie rows; max_bytes: the per-file cap (default 64 MiB);
