@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The paper's regime on ONE GPU, in one lease (issue 14): checkpoints cannot leave the machine, so every baseline and
+# The paper's regime on ONE GPU, in one lease: checkpoints cannot leave the machine, so every baseline and
 # every fork from it run here, in one go. One `python -m flash_forensics.orchestrator.analysis.isolate` per seed, all at once:
 #   seed 1337: baseline -> pre-divergence checkpoint -> controls (sweeps/paper_1gpu_controls) + the isolation table
 #              (sweeps/paper_isolation, sweeps/beta_sweep), localized by its own monitors;

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The paper's isolation experiments on the miniature, end to end (issue 7), one command:
+# The paper's isolation experiments on the miniature, end to end, one command:
 #   bash scripts/paper_isolation.sh [hydra overrides for every run, e.g. train.seed=2 data.seed=2]
 # A thin wrapper of `python -m flash_forensics.orchestrator.analysis.isolate` (baseline -> checkpoint pick -> localization -> forks, PER_GPU
 # at a time per GPU -> one report; the steps are documented there). Env, each optional: ROOT (run folder),
