@@ -14,7 +14,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from flash_forensics.orchestrator.config.validate import ConfigError, validate_config
-from flash_forensics.orchestrator.launch.cluster import check_launcher
+from flash_forensics.orchestrator.launch import cluster  # looked up at call time (tests stand in for the cluster)
 from flash_forensics.orchestrator.launch.task import close_dead_jobs
 
 
@@ -68,7 +68,7 @@ def _check_launcher(config: DictConfig) -> None:
                           f"submitit's local executor then hides every GPU from the jobs; expected >= 1 (the "
                           f"default ${{ff_gpu_count:}} gives each job all of this machine's GPUs)")
     try:
-        check_launcher(config)  # controller up (sbatch, scontrol ping); grad_accum splits over tasks x nodes
+        cluster.check_launcher(config)  # controller up (sbatch, scontrol ping); grad_accum splits over tasks x nodes
     except Exception as e:
         raise ConfigError(str(e)) from None
 

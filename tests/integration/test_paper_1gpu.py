@@ -94,7 +94,7 @@ def test_plan_dry_run():
     r = subprocess.run(["bash", "scripts/paper_1gpu.sh", "train.compile=true"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
-    lines = {s: next(ln for ln in r.stdout.splitlines() if f"seed {s}: flash-forensics isolate" in ln)
+    lines = {s: next(ln for ln in r.stdout.splitlines() if f"seed {s}: python -m flash_forensics.orchestrator.analysis.isolate" in ln)
              for s in (1337, 1, 2)}
     assert not Path("/tmp/ff-plan").exists()  # a dry run writes nothing
     for s, ln in lines.items():
