@@ -21,6 +21,7 @@ from flash_forensics.orchestrator import record
 from flash_forensics.orchestrator.config.validate import selected_interventions, validate_config
 from flash_forensics.orchestrator.errors import WriteError, _alive
 from flash_forensics.orchestrator.job import checkpoint, folder_lock
+from flash_forensics.orchestrator.job.distributed import detect_env
 from flash_forensics.orchestrator.job.folder import (  # noqa: F401  (re-exported)
     START_FILE,
     _write_json,
@@ -122,9 +123,8 @@ def exit_status(result: Dict[str, Any], multirun: bool) -> int:
 
 def run_job(cfg: DictConfig, job_dir: Optional[Path] = None, overrides: Optional[List[str]] = None) -> Dict[str, Any]:
     """One job, everything it prints also in <job dir>/run.log (job_log.tee; DDP: rank 0's)."""
-    import os
     job_dir = Path(job_dir) if job_dir is not None else _hydra_context()[0]
-    if os.environ.get("RANK", "0") != "0":
+    if detect_env()["rank"] != 0:  # the ranks of one DDP job share its folder: rank 0 holds the lock and the log
         return _run_job(cfg, job_dir, overrides)
     try:
         lock = folder_lock.acquire(job_dir)

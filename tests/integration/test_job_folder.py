@@ -40,3 +40,17 @@ def test_a_dead_owner_is_taken_over_and_the_lock_released(tmp_path, capsys):
         path.write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
     assert not (job / folder_lock.LOCK_FILE).exists()
     assert f"its job (pid {dead}) is gone" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("env", [{"SLURM_NTASKS": "2", "SLURM_PROCID": "1", "SLURM_STEP_ID": "0"},
+                                 {"WORLD_SIZE": "2", "RANK": "1"}])
+def test_the_other_ranks_of_one_ddp_job_share_its_folder(tmp_path, monkeypatch, env):
+    """Rank 0 holds the lock; rank 1 of the same job (SLURM tasks or torchrun) runs in the folder without it."""
+    from flash_forensics.orchestrator.launch import task
+    job = tmp_path / "job"
+    _lock(job, os.getppid())  # rank 0, alive
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    ran = []
+    monkeypatch.setattr(task, "_run_job", lambda cfg, job_dir, overrides=None: ran.append(job_dir) or {"ok": 1})
+    assert task.run_job(object(), job_dir=job) == {"ok": 1} and ran == [job]
