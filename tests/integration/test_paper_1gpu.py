@@ -94,8 +94,8 @@ def test_plan_dry_run():
     r = subprocess.run(["bash", "scripts/paper_1gpu.sh", "train.compile=true"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
-    lines = {s: next(ln for ln in r.stdout.splitlines() if f"seed {s}: python -m flash_forensics.orchestrator.analysis.isolate" in ln)
-             for s in (1337, 1, 2)}
+    cmd = "python -m flash_forensics.orchestrator.analysis.isolate"
+    lines = {s: next(ln for ln in r.stdout.splitlines() if f"seed {s}: {cmd}" in ln) for s in (1337, 1, 2)}
     assert not Path("/tmp/ff-plan").exists()  # a dry run writes nothing
     for s, ln in lines.items():
         assert f"--root /tmp/ff-plan/seed{s} " in ln and f"--uri sqlite:////tmp/ff-plan/seed{s}/mlflow.db" in ln
