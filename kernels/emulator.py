@@ -39,6 +39,7 @@ from typing import Optional
 import torch
 
 from flash_forensics.kernels import formats as fmt
+from flash_forensics.kernels import tf32x3
 from flash_forensics.kernels.config import AttentionKnobs
 from flash_forensics.kernels.knobs import PBAR_CLAMP
 from flash_forensics.kernels.masking import Masking
@@ -73,6 +74,11 @@ class _Plan:
     rot: Optional[torch.Tensor] = None  # incoherent: the (D, D) rotation of Q and K
     masking: Optional[Masking] = None  # None: causal self-attention (kernels/masking.py)
     tk: int = 0  # the number of keys
+    tf32x3: bool = False  # fp32_gemm=tf32x3: every GEMM as three TF32 passes (kernels/tf32x3.py)
+
+    def mm(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """A GEMM of the tile loops: a @ b, or its 3xTF32 model where fp32_gemm=tf32x3 (FP32 work dtype only)."""
+        return tf32x3.matmul(a, b) if self.tf32x3 else a @ b
 
     def key_stop(self, qe: int) -> int:
         """End of the key tiles a query tile ending at row qe visits: past the last query row (causal) all masked."""
@@ -165,7 +171,8 @@ def _plan(knobs: AttentionKnobs, q: torch.Tensor, trace: Optional[dict] = None,
                  sr_seed=int(knobs.sr_seed) if knobs.stochastic_round else None,
                  stats=stats if (stats is not None and knobs.counters) else None,
                  rot=fmt.rotation(D, rc.work, q.device) if getattr(knobs, "incoherent", False) else None,
-                 masking=masking, tk=tk)
+                 masking=masking, tk=tk,
+                 tf32x3=getattr(knobs, "fp32_gemm", "ieee") == "tf32x3" and rc.work == torch.float32)
 
 
 def _causal_mask(qs: int, qe: int, ks: int, ke: int, device) -> Optional[torch.Tensor]:
@@ -176,7 +183,7 @@ def _causal_mask(qs: int, qe: int, ks: int, ke: int, device) -> Optional[torch.T
 
 
 def _scores(p: _Plan, qi: torch.Tensor, kj: torch.Tensor, mask, fill: float, bias=None) -> torch.Tensor:
-    s = p.r("scores", qi @ kj.transpose(-1, -2))
+    s = p.r("scores", p.mm(qi, kj.transpose(-1, -2)))
     s = p.r("scores", s * p.scale)
     if bias is not None:  # SDPA's additive mask: added to the scaled scores, a `scores` op
         s = p.r("scores", s + bias)
@@ -290,7 +297,7 @@ def forward(q, k, v, knobs: AttentionKnobs, stats: Optional[AttnStats] = None, c
                         (~mask).any(dim=-1, keepdim=True).expand(B, H, -1, 1))
                 stats.update(rep, rm, sfa_p1=p1, seen=seen)
             tile = ((qs // p.bq) << 16 | (ks // p.bk)) << 2  # stream ids of this tile's stochastic_round points
-            pv = p.r_sr("pv_out", pbar_in @ vw[:, :, ks:ke], tile)
+            pv = p.r_sr("pv_out", p.mm(pbar_in, vw[:, :, ks:ke]), tile)
             acc = p.r_sr("acc", p.r_sr("acc", acc * alpha, tile | 1) + pv, tile | 2)
             m = m_new
             if capture is not None:
@@ -343,10 +350,10 @@ def _tile_delta(p: _Plan, qi, kw, vw, doi, o_saved, lse_i, qs: int, qe: int):
     o_hp = torch.zeros_like(doi)
     for ks, ke, pt, tie in _key_tiles(p, qi, kw, qs, qe, lse_i, doi.device):
         if p.delta == "dP_P":
-            dp = p.r("bwd_out", doi @ vw[:, :, ks:ke].transpose(-1, -2), dtype=p.rc.operand("dp_out"))
+            dp = p.r("bwd_out", p.mm(doi, vw[:, :, ks:ke].transpose(-1, -2)), dtype=p.rc.operand("dp_out"))
             delta = delta + (dp * _tie_scaled(pt, tie)).sum(dim=-1, keepdim=True)
         else:  # recompute_fp32: O = P V with nothing rounded
-            o_hp = o_hp + _tie_scaled(pt, tie) @ vw[:, :, ks:ke]
+            o_hp = o_hp + p.mm(_tie_scaled(pt, tie), vw[:, :, ks:ke])
     return delta if p.delta == "dP_P" else (doi * o_hp).sum(dim=-1, keepdim=True)
 
 
@@ -397,12 +404,12 @@ def backward(q, k, v, o_saved, lse, do, knobs: AttentionKnobs, trace: Optional[d
         for ks, ke, pt, tie in _key_tiles(p, qi, kw, qs, qe, lse_i, dev):
             kj, vj = kw[:, :, ks:ke], vw[:, :, ks:ke]
             p_in = p.r("bwd_gemm_in", _tie_scaled(pt, tie), scale=rc.pbar_scale)
-            dv_c = p.r("bwd_out", p_in.transpose(-1, -2) @ doi)
+            dv_c = p.r("bwd_out", p.mm(p_in.transpose(-1, -2), doi))
             dv[:, :, ks:ke] = p.r("grad_acc", dv[:, :, ks:ke] + dv_c)
-            dp = p.r("bwd_out", doi @ vj.transpose(-1, -2), dtype=dp_out)
+            dp = p.r("bwd_out", p.mm(doi, vj.transpose(-1, -2)), dtype=dp_out)
             ds = p.r("bwd_gemm_in", (pt * p.scale) * (_tie_scaled(dp, tie) - delta), dtype=ds_in)
-            dq_i = p.r("grad_acc", dq_i + p.r("bwd_out", ds @ kj))
-            dk[:, :, ks:ke] = p.r("grad_acc", dk[:, :, ks:ke] + p.r("bwd_out", ds.transpose(-1, -2) @ qi))
+            dq_i = p.r("grad_acc", dq_i + p.r("bwd_out", p.mm(ds, kj)))
+            dk[:, :, ks:ke] = p.r("grad_acc", dk[:, :, ks:ke] + p.r("bwd_out", p.mm(ds.transpose(-1, -2), qi)))
         dq[:, :, qs:qe] = dq_i
     if p.rot is not None:  # incoherent: the gradients of the rotated Q, K, rotated back (M orthogonal)
         dq, dk = dq @ p.rot.transpose(0, 1), dk @ p.rot.transpose(0, 1)

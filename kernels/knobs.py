@@ -30,6 +30,7 @@ IMPLS = ("flash", "standard", "sdpa")  # flash: tiled kernels; standard: materia
 BACKENDS = ("auto", "emulator", "triton")  # auto: triton on CUDA when it computes every set knob, else the emulator
 SOFTMAXES = ("safe", "stabilized", "stabilized_guarded")  # guarded: bounded shift (emulator only)
 DELTAS = ("dO_O", "dP_P", "recompute_fp32")
+FP32_GEMMS = ("ieee", "tf32x3")  # how a GEMM with FP32 operands runs: FMA units, or three TF32 tensor-core passes
 BLOCK = 64  # default block_q = block_k (the route label names other sizes)
 EPS = 1e-3
 PBAR_CLAMP = 0.99609375  # the largest BF16 value below 1 (1 - 2**-8): what pbar_clamp puts where P̄ = 1
@@ -219,6 +220,16 @@ KNOBS: Tuple[Knob, ...] = (
          "[pbar, pv_out, acc]", computed_by=FLASH, off=[], check=_points, label=_points_label("keep_fp32")),
     Knob("round_bf16", List[str], [], "rounding points rounded to BF16 (e.g. recipe=fp32 with [pv_out])",
          computed_by=FLASH, off=[], check=_points, label=_points_label("round_bf16")),
+    # How the tiled kernels run a GEMM whose operands are FP32 (the fp32 recipe's every GEMM; a lifted pbar, P or dS
+    # of the others). ieee: CUDA-core FMAs, every product exact and summed in FP32 (the reference unless this is set).
+    # tf32x3: x = hi + lo with hi = tf32(x), lo = tf32(x - hi), and hi*hi + hi*lo + lo*hi on the tensor cores (Triton's
+    # input_precision="tf32x3"; the emulator models it in kernels/emulator.py): FP32-accurate to a few units in the
+    # last place (error measured in benchmarks/fp32_reference.py, results/bench/fp32-reference-*.json), several
+    # times faster. Operands that are BF16 already (BF16 is a subset of TF32) split exactly: nothing changes there.
+    Knob("fp32_gemm", str, "ieee", "how a GEMM with FP32 operands runs: ieee (FMA, exact products) or tf32x3 (three "
+         "TF32 tensor-core passes, FP32-accurate to a few ulp, several times faster); standard and sdpa run torch's "
+         "matmul, whose FP32 mode is torch's own setting", computed_by={"emulator": ("tf32x3",), "triton": ("tf32x3",)},
+         off="ieee", ignored_by=("standard", "sdpa"), choices=FP32_GEMMS),
     # Formats per point (kernels/formats.py) and the FP8 recipes' accuracy tricks: the emulator only (Triton's kernels
     # store BF16 or FP32; kernels/recipes.py formats_problem checks the fit to the recipe)
     Knob("formats", Dict[str, str], {}, "rounding point -> format (fp32, bf16, fp16, e4m3, e5m2), e.g. "
@@ -288,4 +299,5 @@ def computed_by_words(row: Knob, value) -> str:
 
 
 __all__ = ["Knob", "KNOBS", "IMPLEMENTATIONS", "IMPLS", "BACKENDS", "RECIPES", "ROUNDING_POINTS", "SOFTMAXES", "DELTAS",
+           "FP32_GEMMS",
            "PBAR_CLAMP", "rows", "implementation", "unsupported", "as_computed", "route_labels", "computed_by_words"]

@@ -23,42 +23,42 @@ LIB = "flash_forensics"
 
 def _knobs(recipe: str, tiling: bool, block_q: int, block_k: int, softmax: str = "safe", beta: float = 2.0,
            eps: float = 1e-3, delta: str = "dO_O", pv_fp32: bool = False,
-           fp32_heads: Optional[List[int]] = None, rounding: int = -1) -> AttentionKnobs:
+           fp32_heads: Optional[List[int]] = None, rounding: int = -1, fp32_gemm: str = "ieee") -> AttentionKnobs:
     """The knobs an op call carries, as the launchers take them. `rounding`: the BF16 rounding points as
     flash_forensics.kernels.triton_flash.round_mask gives them (pv_fp32 included); -1: the recipe's own."""
     keep, rnd = tf.mask_points(recipe, rounding) if rounding >= 0 else ([], [])
     return AttentionKnobs(impl="flash", backend="triton", recipe=recipe, tiling=tiling, block_q=block_q,
                           block_k=block_k, softmax=softmax, beta=beta, eps=eps, delta=delta, pv_fp32=pv_fp32,
-                          o_fp32_heads=list(fp32_heads or ()), keep_fp32=keep, round_bf16=rnd)
+                          o_fp32_heads=list(fp32_heads or ()), keep_fp32=keep, round_bf16=rnd, fp32_gemm=fp32_gemm)
 
 
 def _fwd_body(q, k, v, rep, maxl, recipe, tiling, block_q, block_k, softmax, beta, eps, pv_fp32, fp32_heads,
-              rounding):
+              rounding, fp32_gemm="ieee"):
     o, lse, _, _ = tf._forward(q, k, v, _knobs(recipe, tiling, block_q, block_k, softmax, beta, eps, "dO_O", pv_fp32,
-                                               fp32_heads, rounding), rep, maxl)
+                                               fp32_heads, rounding, fp32_gemm), rep, maxl)
     return o, lse
 
 
-def _bwd_body(do, q, k, v, o, lse, recipe, tiling, block_q, block_k, delta, fp32_heads, rounding):
+def _bwd_body(do, q, k, v, o, lse, recipe, tiling, block_q, block_k, delta, fp32_heads, rounding, fp32_gemm="ieee"):
     return tf._backward(do, q, k, v, o, lse, _knobs(recipe, tiling, block_q, block_k, delta=delta,
-                                                    fp32_heads=fp32_heads, rounding=rounding))
+                                                    fp32_heads=fp32_heads, rounding=rounding, fp32_gemm=fp32_gemm))
 
 
 @torch.library.custom_op(f"{LIB}::flash_fwd", mutates_args=("repeated_max_rows", "max_logit"))
 def flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, repeated_max_rows: Optional[torch.Tensor],
               max_logit: Optional[torch.Tensor], recipe: str, tiling: bool, block_q: int, block_k: int, softmax: str,
               beta: float, eps: float, pv_fp32: bool, fp32_heads: List[int],
-              rounding: int = -1) -> Tuple[torch.Tensor, torch.Tensor]:
+              rounding: int = -1, fp32_gemm: str = "ieee") -> Tuple[torch.Tensor, torch.Tensor]:
     """Causal flash forward: (O as stored for the backward, lse (B, H, T) FP32). Counters are added into
     repeated_max_rows (H,) int64 and max_logit () FP32 when given (both or neither). `rounding`: the BF16 rounding
-    points (flash_forensics.kernels.triton_flash.round_mask)."""
+    points (flash_forensics.kernels.triton_flash.round_mask); `fp32_gemm`: how FP32 GEMMs run (ieee | tf32x3)."""
     return _fwd_body(q, k, v, repeated_max_rows, max_logit, recipe, tiling, block_q, block_k, softmax, beta, eps,
-                     pv_fp32, fp32_heads, rounding)
+                     pv_fp32, fp32_heads, rounding, fp32_gemm)
 
 
 @flash_fwd.register_fake
 def _flash_fwd_fake(q, k, v, repeated_max_rows, max_logit, recipe, tiling, block_q, block_k, softmax, beta, eps,
-                    pv_fp32, fp32_heads, rounding=-1):
+                    pv_fp32, fp32_heads, rounding=-1, fp32_gemm="ieee"):
     B, H, T, D = q.shape
     mask = rounding if rounding >= 0 else tf.round_mask(_knobs(recipe, tiling, block_q, block_k, pv_fp32=pv_fp32))
     return (q.new_empty((B, H, T, D), dtype=tf.saved_o_dtype(mask, fp32_heads)),
@@ -68,13 +68,15 @@ def _flash_fwd_fake(q, k, v, repeated_max_rows, max_logit, recipe, tiling, block
 @torch.library.custom_op(f"{LIB}::flash_bwd", mutates_args=())
 def flash_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
               recipe: str, tiling: bool, block_q: int, block_k: int, delta: str,
-              fp32_heads: List[int], rounding: int = -1) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              fp32_heads: List[int], rounding: int = -1,
+              fp32_gemm: str = "ieee") -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Causal flash backward from the forward's stored O and lse: (dq, dk, dv) in q's, k's, v's dtypes."""
-    return _bwd_body(do, q, k, v, o, lse, recipe, tiling, block_q, block_k, delta, fp32_heads, rounding)
+    return _bwd_body(do, q, k, v, o, lse, recipe, tiling, block_q, block_k, delta, fp32_heads, rounding, fp32_gemm)
 
 
 @flash_bwd.register_fake
-def _flash_bwd_fake(do, q, k, v, o, lse, recipe, tiling, block_q, block_k, delta, fp32_heads, rounding=-1):
+def _flash_bwd_fake(do, q, k, v, o, lse, recipe, tiling, block_q, block_k, delta, fp32_heads, rounding=-1,
+                    fp32_gemm="ieee"):
     shape = q.shape
     return (q.new_empty(shape), k.new_empty(shape, dtype=k.dtype), v.new_empty(shape, dtype=v.dtype))
 
@@ -84,15 +86,15 @@ class FlashAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, rep, maxl, recipe, tiling, block_q, block_k, softmax, beta, eps, delta, pv_fp32,
-                fp32_heads, rounding):
+                fp32_heads, rounding, fp32_gemm):
         args = (q, k, v, rep, maxl, recipe, tiling, block_q, block_k, softmax, beta, eps, pv_fp32, fp32_heads,
-                rounding)
+                rounding, fp32_gemm)
         if torch.compiler.is_compiling():
             o, lse = torch.ops.flash_forensics.flash_fwd(*args)
         else:  # the op's own body, without the dispatcher's per-call overhead
             o, lse = _fwd_body(*args)
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.bwd_args = (recipe, tiling, block_q, block_k, delta, fp32_heads, rounding)
+        ctx.bwd_args = (recipe, tiling, block_q, block_k, delta, fp32_heads, rounding, fp32_gemm)
         # returned O: BF16 for paper_bf16 / fa2 (also for heads whose stored O is FP32), FP32 for fp32
         out_dtype = torch.float32 if recipe == "fp32" else torch.bfloat16
         return o if o.dtype == out_dtype else o.to(out_dtype)
@@ -104,7 +106,7 @@ class FlashAttention(torch.autograd.Function):
             dq, dk, dv = torch.ops.flash_forensics.flash_bwd(do, q, k, v, o, lse, *ctx.bwd_args)
         else:
             dq, dk, dv = _bwd_body(do, q, k, v, o, lse, *ctx.bwd_args)
-        return (dq, dk, dv) + (None,) * 13
+        return (dq, dk, dv) + (None,) * 14
 
 
 def op_args(knobs: AttentionKnobs, n_head: int) -> tuple:
@@ -124,7 +126,7 @@ def flash_attention(q, k, v, knobs: AttentionKnobs, stats=None):
     B, H, T, _ = q.shape
     counters = stats is not None and knobs.counters
     rep, maxl = (stats.repeated_max_rows, stats.max_logit) if counters else (None, None)
-    o = FlashAttention.apply(q, k, v, rep, maxl, *op_args(knobs, H), op_rounding(knobs))
+    o = FlashAttention.apply(q, k, v, rep, maxl, *op_args(knobs, H), op_rounding(knobs), knobs.fp32_gemm)
     if counters and getattr(stats, "rows_seen", None) is not None:
         stats.rows_seen.add_(B * tf._rows_per_head(T, knobs))
     return o

@@ -68,33 +68,38 @@ def _r(x, keep, ON: tl.constexpr, HAS_OFP32: tl.constexpr):
         return _rb(x)
 
 @triton.jit
-def _dot_in(a, b, INPUT_F32: tl.constexpr):
-    """A GEMM of two inputs (Q, K, V, dO): IEEE FP32 on FP32 inputs (never TF32), else BF16 x BF16 -> FP32."""
-    if INPUT_F32 or INTERP_DOT:
+def _dot_in(a, b, INPUT_F32: tl.constexpr, F32_DOT: tl.constexpr):
+    """A GEMM of two inputs (Q, K, V, dO): on FP32 inputs an F32_DOT GEMM (fp32_gemm: "ieee", never plain TF32, or
+    "tf32x3"), else BF16 x BF16 -> FP32."""
+    if INPUT_F32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=F32_DOT)
+    elif INTERP_DOT:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     else:
         return tl.dot(a, b)
 
 @triton.jit
-def _dot_pt(p, x, ROUNDED: tl.constexpr, INPUT_F32: tl.constexpr):
+def _dot_pt(p, x, ROUNDED: tl.constexpr, INPUT_F32: tl.constexpr, F32_DOT: tl.constexpr):
     """A GEMM of a computed FP32 operand (P̄, P, dS) with an input: p rounded to BF16 when ROUNDED (its point),
-    else kept FP32 (the lifted point: an IEEE FP32 GEMM, never TF32)."""
+    else kept FP32 (the lifted point: an F32_DOT GEMM, "ieee" or "tf32x3", never plain TF32)."""
     if ROUNDED and not INPUT_F32 and not INTERP_DOT:
         return tl.dot(p.to(tl.bfloat16), x)
-    elif ROUNDED:
+    elif ROUNDED and INPUT_F32:
+        return tl.dot(_rb(p), x.to(tl.float32), input_precision=F32_DOT)
+    elif ROUNDED:  # the interpreter: BF16 values in an exact FP32 GEMM (see INTERP_DOT)
         return tl.dot(_rb(p), x.to(tl.float32), input_precision="ieee")
     else:
-        return tl.dot(p, x.to(tl.float32), input_precision="ieee")
+        return tl.dot(p, x.to(tl.float32), input_precision=F32_DOT)
 
 @triton.jit
 def _scores(q, k_ptrs, offs_m, offs_n, T, scale, ROUND: tl.constexpr, INPUT_F32: tl.constexpr,
-            GEMM_DT: tl.constexpr, MASKED: tl.constexpr):
+            GEMM_DT: tl.constexpr, MASKED: tl.constexpr, F32_DOT: tl.constexpr):
     """S for one tile, scaled; MASKED: causal and past-T entries set to the most negative BF16."""
     if MASKED:
         k = tl.load(k_ptrs, mask=(offs_n < T)[:, None], other=0.0).to(GEMM_DT)
     else:  # a tile wholly below the diagonal: every key exists and is visible
         k = tl.load(k_ptrs).to(GEMM_DT)
-    s = _dot_in(q, tl.trans(k), INPUT_F32)
+    s = _dot_in(q, tl.trans(k), INPUT_F32, F32_DOT)
     if (_SCORES & ROUND) != 0:  # QK^T stored in BF16, then scaled in BF16
         s = _rb(_rb(s) * scale)
     else:
@@ -115,11 +120,12 @@ def _fwd_inner(acc, l_i, m_i, raw_max, fired, pmax, q, k_base, v_base, skt, svt,
                lo, hi, T, scale, beta, eps, o_fp32,
                BLOCK_N: tl.constexpr, ROUND: tl.constexpr, INPUT_F32: tl.constexpr, FLOOR: tl.constexpr,
                GEMM_DT: tl.constexpr, STABILIZED: tl.constexpr, NEED_REP: tl.constexpr, PROBE: tl.constexpr,
-               HAS_OFP32: tl.constexpr, ONE_BLOCK: tl.constexpr, MASKED: tl.constexpr):
+               HAS_OFP32: tl.constexpr, ONE_BLOCK: tl.constexpr, MASKED: tl.constexpr, F32_DOT: tl.constexpr):
     """The forward over key tiles [lo, hi): online softmax (or, ONE_BLOCK, a fixed row max) and P̄V."""
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
-        s = _scores(q, k_base + cols[:, None] * skt, offs_m, cols, T, scale, ROUND, INPUT_F32, GEMM_DT, MASKED)
+        s = _scores(q, k_base + cols[:, None] * skt, offs_m, cols, T, scale, ROUND, INPUT_F32, GEMM_DT, MASKED,
+                    F32_DOT)
         if ONE_BLOCK:
             d_s = s - m_i[:, None]
             if (_SHIFT & ROUND) != 0:
@@ -169,9 +175,9 @@ def _fwd_inner(acc, l_i, m_i, raw_max, fired, pmax, q, k_base, v_base, skt, svt,
         else:
             v = tl.load(v_base + cols[:, None] * svt).to(GEMM_DT)
         if HAS_OFP32 and (_PBAR & ROUND) != 0:  # heads with FP32 O skip P̄'s rounding: FP32 GEMM
-            pv = _dot_pt(tl.where(o_fp32, p, _rb(p)), v, False, INPUT_F32)
+            pv = _dot_pt(tl.where(o_fp32, p, _rb(p)), v, False, INPUT_F32, F32_DOT)
         else:
-            pv = _dot_pt(p, v, (_PBAR & ROUND) != 0, INPUT_F32)
+            pv = _dot_pt(p, v, (_PBAR & ROUND) != 0, INPUT_F32, F32_DOT)
         if ONE_BLOCK:  # stored once, after the last tile
             acc += pv
         else:  # O_acc = r(r(O_acc * alpha) + r(P̄V))
@@ -186,7 +192,7 @@ def _fwd_kernel(Q, K, V, O, LSE, REP, MAXL, OFP32, PMAX, FIRED,
                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 ROUND: tl.constexpr, INPUT_F32: tl.constexpr, FLOOR: tl.constexpr, STABILIZED: tl.constexpr,
                 COUNTERS: tl.constexpr, HAS_OFP32: tl.constexpr, ONE_BLOCK: tl.constexpr,
-                PROBE: tl.constexpr):
+                PROBE: tl.constexpr, F32_DOT: tl.constexpr):
     start_m = tl.program_id(0)
     off_bh = tl.program_id(1)
     off_b = off_bh // H
@@ -216,7 +222,7 @@ def _fwd_kernel(Q, K, V, O, LSE, REP, MAXL, OFP32, PMAX, FIRED,
         # pass 1: the row max over the whole (causal) row, as one block would see it
         for start_n in range(0, hi, BLOCK_N):
             s = _scores(q, k_base + (start_n + offs_n)[:, None] * skt, offs_m, start_n + offs_n, T,
-                        scale, ROUND, INPUT_F32, GEMM_DT, True)
+                        scale, ROUND, INPUT_F32, GEMM_DT, True, F32_DOT)
             m_i = tl.maximum(m_i, tl.max(s, 1))
         raw_max = m_i
         if NEED_REP:
@@ -227,7 +233,7 @@ def _fwd_kernel(Q, K, V, O, LSE, REP, MAXL, OFP32, PMAX, FIRED,
             cnt = tl.zeros([BLOCK_M], dtype=tl.int32)
             for start_n in range(0, hi, BLOCK_N):
                 s = _scores(q, k_base + (start_n + offs_n)[:, None] * skt, offs_m, start_n + offs_n, T,
-                            scale, ROUND, INPUT_F32, GEMM_DT, True)
+                            scale, ROUND, INPUT_F32, GEMM_DT, True, F32_DOT)
                 near = _valid(offs_m, start_n + offs_n, T, True) & (s >= thr[:, None])
                 cnt += tl.sum(near.to(tl.int32), 1)
             fire = (cnt > 1) & row_ok
@@ -246,11 +252,11 @@ def _fwd_kernel(Q, K, V, O, LSE, REP, MAXL, OFP32, PMAX, FIRED,
     acc, l_i, m_i, raw_max, fired, pmax = _fwd_inner(
         acc, l_i, m_i, raw_max, fired, pmax, q, k_base, v_base, skt, svt, offs_m, offs_n, row_ok, 0, mid, T,
         scale, beta, eps, o_fp32, BLOCK_N, ROUND, INPUT_F32, FLOOR, GEMM_DT, STABILIZED, NEED_REP, PROBE,
-        HAS_OFP32, ONE_BLOCK, False)
+        HAS_OFP32, ONE_BLOCK, False, F32_DOT)
     acc, l_i, m_i, raw_max, fired, pmax = _fwd_inner(
         acc, l_i, m_i, raw_max, fired, pmax, q, k_base, v_base, skt, svt, offs_m, offs_n, row_ok, mid, hi, T,
         scale, beta, eps, o_fp32, BLOCK_N, ROUND, INPUT_F32, FLOOR, GEMM_DT, STABILIZED, NEED_REP, PROBE,
-        HAS_OFP32, ONE_BLOCK, True)
+        HAS_OFP32, ONE_BLOCK, True, F32_DOT)
 
     if ONE_BLOCK:  # one tile: l and the P̄V product stored once
         if FLOOR:
@@ -277,7 +283,7 @@ def _bwd_delta_kernel(Q, K, V, O, DO, LSE, DELTA, OFP32,
                       H, T, scale,
                       HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       ROUND: tl.constexpr, INPUT_F32: tl.constexpr, DELTA_MODE: tl.constexpr,
-                      HAS_OFP32: tl.constexpr):
+                      HAS_OFP32: tl.constexpr, F32_DOT: tl.constexpr):
     """delta = rowsum(r(dO*O)) | sum_j rowsum(dP_j*P_j) | rowsum(dO*(sum_j P_j V_j in FP32))."""
     start_m = tl.program_id(0)
     off_bh = tl.program_id(1)
@@ -307,17 +313,17 @@ def _bwd_delta_kernel(Q, K, V, O, DO, LSE, DELTA, OFP32,
         dsum = tl.zeros([BLOCK_M], dtype=tl.float32)
         for start_n in range(0, hi, BLOCK_N):
             s = _scores(q, k_base + (start_n + offs_n)[:, None] * skt, offs_m, start_n + offs_n, T,
-                        scale, ROUND, INPUT_F32, GEMM_DT, True)
+                        scale, ROUND, INPUT_F32, GEMM_DT, True, F32_DOT)
             p = tl.where(_valid(offs_m, start_n + offs_n, T, True), tl.exp(s - lse[:, None]), 0.0)
             v = tl.load(v_base + (start_n + offs_n)[:, None] * svt,
                         mask=((start_n + offs_n) < T)[:, None], other=0.0).to(GEMM_DT)
             if DELTA_MODE == 1:  # dP as the backward computes it (stored like its GEMM outputs)
-                dp = _dot_in(do, tl.trans(v), INPUT_F32)
+                dp = _dot_in(do, tl.trans(v), INPUT_F32, F32_DOT)
                 if (_BWD_OUT & ROUND) != 0:
                     dp = _rb(dp)
                 dsum += tl.sum(dp * p, 1)
             else:  # O recomputed as P V with nothing rounded
-                acc += tl.dot(p, v.to(tl.float32), input_precision="ieee")
+                acc += tl.dot(p, v.to(tl.float32), input_precision=F32_DOT)
         if DELTA_MODE == 1:
             delta = dsum
         else:
@@ -348,7 +354,7 @@ def _grad_end(g, ROUND: tl.constexpr, ONE_BLOCK: tl.constexpr):
 @triton.jit
 def _dkdv_inner(dk, dv, k, v, q_base, do_base, sqt, sdt, LSE, DELTA, off_bh, offs_n, offs_m0, lo, hi, T, scale,
                 BLOCK_M: tl.constexpr, ROUND: tl.constexpr, INPUT_F32: tl.constexpr, GEMM_DT: tl.constexpr,
-                ONE_BLOCK: tl.constexpr, MASKED: tl.constexpr):
+                ONE_BLOCK: tl.constexpr, MASKED: tl.constexpr, F32_DOT: tl.constexpr):
     """dK, dV of one key block over query tiles [lo, hi) (chunks at bwd_out, accumulators at grad_acc)."""
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + offs_m0
@@ -357,7 +363,7 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, sqt, sdt, LSE, DELTA, off_bh, off
         do = tl.load(do_base + offs_m[:, None] * sdt, mask=m_ok[:, None], other=0.0).to(GEMM_DT)
         lse = tl.load(LSE + off_bh * T + offs_m, mask=m_ok, other=0.0)
         delta = tl.load(DELTA + off_bh * T + offs_m, mask=m_ok, other=0.0)
-        sT = _dot_in(k, tl.trans(q), INPUT_F32)
+        sT = _dot_in(k, tl.trans(q), INPUT_F32, F32_DOT)
         if (_SCORES & ROUND) != 0:
             sT = _rb(_rb(sT) * scale)
         else:
@@ -365,12 +371,12 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, sqt, sdt, LSE, DELTA, off_bh, off
         pT = tl.exp(sT - lse[None, :])
         if MASKED:
             pT = tl.where((offs_n[:, None] <= offs_m[None, :]) & m_ok[None, :], pT, 0.0)
-        dv_c = _dot_pt(pT, do, (_BWD_GEMM_IN & ROUND) != 0, INPUT_F32)
-        dpT = _dot_in(v, tl.trans(do), INPUT_F32)
+        dv_c = _dot_pt(pT, do, (_BWD_GEMM_IN & ROUND) != 0, INPUT_F32, F32_DOT)
+        dpT = _dot_in(v, tl.trans(do), INPUT_F32, F32_DOT)
         if (_BWD_OUT & ROUND) != 0:
             dpT = _rb(dpT)
         dsT = (pT * scale) * (dpT - delta[None, :])
-        dk_c = _dot_pt(dsT, q, (_BWD_GEMM_IN & ROUND) != 0, INPUT_F32)
+        dk_c = _dot_pt(dsT, q, (_BWD_GEMM_IN & ROUND) != 0, INPUT_F32, F32_DOT)
         dv = _grad_add(dv, dv_c, ROUND, ONE_BLOCK)
         dk = _grad_add(dk, dk_c, ROUND, ONE_BLOCK)
     return dk, dv
@@ -381,7 +387,8 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
                      sgb, sgh, sgt, sgd,
                      H, T, scale,
                      HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     ROUND: tl.constexpr, INPUT_F32: tl.constexpr, ONE_BLOCK: tl.constexpr):
+                     ROUND: tl.constexpr, INPUT_F32: tl.constexpr, ONE_BLOCK: tl.constexpr,
+                     F32_DOT: tl.constexpr):
     """dK, dV for BLOCK_N keys, looping over query tiles of BLOCK_M (= block_q where rounding is emulated)."""
     start_n = tl.program_id(0)
     off_bh = tl.program_id(1)
@@ -404,9 +411,9 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
     # query tiles starting at or past this block's last key see every key of it: no mask there
     mid = tl.minimum(tl.cdiv((start_n + 1) * BLOCK_N - 1, BLOCK_M) * BLOCK_M, T)
     dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, sqt, sdt, LSE, DELTA, off_bh, offs_n, offs_m0, lo, mid, T,
-                         scale, BLOCK_M, ROUND, INPUT_F32, GEMM_DT, ONE_BLOCK, True)
+                         scale, BLOCK_M, ROUND, INPUT_F32, GEMM_DT, ONE_BLOCK, True, F32_DOT)
     dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, sqt, sdt, LSE, DELTA, off_bh, offs_n, offs_m0, mid, T, T,
-                         scale, BLOCK_M, ROUND, INPUT_F32, GEMM_DT, ONE_BLOCK, False)
+                         scale, BLOCK_M, ROUND, INPUT_F32, GEMM_DT, ONE_BLOCK, False, F32_DOT)
     dk = _grad_end(dk, ROUND, ONE_BLOCK)
     dv = _grad_end(dv, ROUND, ONE_BLOCK)
     g = off_b * sgb + off_h * sgh + offs_n[:, None] * sgt + offs_d[None, :] * sgd
@@ -416,12 +423,12 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
 @triton.jit
 def _dq_inner(dq, q, do, lse, delta, k_base, v_base, skt, svt, offs_m, offs_n0, lo, hi, T, scale,
               BLOCK_N: tl.constexpr, ROUND: tl.constexpr, INPUT_F32: tl.constexpr, GEMM_DT: tl.constexpr,
-              ONE_BLOCK: tl.constexpr, MASKED: tl.constexpr):
+              ONE_BLOCK: tl.constexpr, MASKED: tl.constexpr, F32_DOT: tl.constexpr):
     """dQ of one query block over key tiles [lo, hi) (chunks at bwd_out, the accumulator at grad_acc)."""
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_n0
         s = _scores(q, k_base + offs_n[:, None] * skt, offs_m, offs_n, T, scale, ROUND, INPUT_F32, GEMM_DT,
-                    MASKED)
+                    MASKED, F32_DOT)
         p = tl.exp(s - lse[:, None])
         if MASKED:
             p = tl.where(_valid(offs_m, offs_n, T, True), p, 0.0)
@@ -430,11 +437,11 @@ def _dq_inner(dq, q, do, lse, delta, k_base, v_base, skt, svt, offs_m, offs_n0, 
         else:
             v = tl.load(v_base + offs_n[:, None] * svt).to(GEMM_DT)
             k = tl.load(k_base + offs_n[:, None] * skt).to(GEMM_DT)
-        dp = _dot_in(do, tl.trans(v), INPUT_F32)
+        dp = _dot_in(do, tl.trans(v), INPUT_F32, F32_DOT)
         if (_BWD_OUT & ROUND) != 0:
             dp = _rb(dp)
         ds = (p * scale) * (dp - delta[:, None])
-        dq = _grad_add(dq, _dot_pt(ds, k, (_BWD_GEMM_IN & ROUND) != 0, INPUT_F32), ROUND, ONE_BLOCK)
+        dq = _grad_add(dq, _dot_pt(ds, k, (_BWD_GEMM_IN & ROUND) != 0, INPUT_F32, F32_DOT), ROUND, ONE_BLOCK)
     return dq
 
 @triton.jit
@@ -443,7 +450,8 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
                    sgb, sgh, sgt, sgd,
                    H, T, scale,
                    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   ROUND: tl.constexpr, INPUT_F32: tl.constexpr, ONE_BLOCK: tl.constexpr):
+                   ROUND: tl.constexpr, INPUT_F32: tl.constexpr, ONE_BLOCK: tl.constexpr,
+                   F32_DOT: tl.constexpr):
     """dQ for BLOCK_M queries, looping over key tiles of BLOCK_N (= block_k where rounding is emulated)."""
     start_m = tl.program_id(0)
     off_bh = tl.program_id(1)
@@ -466,9 +474,9 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
     hi = tl.minimum((start_m + 1) * BLOCK_M, T)
     mid = (start_m * BLOCK_M) // BLOCK_N * BLOCK_N  # key tiles before mid lie wholly below the diagonal
     dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, skt, svt, offs_m, offs_n0, 0, mid, T, scale,
-                   BLOCK_N, ROUND, INPUT_F32, GEMM_DT, ONE_BLOCK, False)
+                   BLOCK_N, ROUND, INPUT_F32, GEMM_DT, ONE_BLOCK, False, F32_DOT)
     dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, skt, svt, offs_m, offs_n0, mid, hi, T, scale,
-                   BLOCK_N, ROUND, INPUT_F32, GEMM_DT, ONE_BLOCK, True)
+                   BLOCK_N, ROUND, INPUT_F32, GEMM_DT, ONE_BLOCK, True, F32_DOT)
     dq = _grad_end(dq, ROUND, ONE_BLOCK)
     tl.store(DQ + off_b * sgb + off_h * sgh + offs_m[:, None] * sgt + offs_d[None, :] * sgd,
              _cast_out(dq, DQ), mask=row_ok[:, None])

@@ -77,6 +77,9 @@ FWD_TABLE = {  # D=64 and D=128: measured by benchmarks/tune.py on an H200 (resu
     "fa2_exact": {16: (64, 64, 4, 3), 32: (64, 64, 4, 3), 64: (64, 64, 4, 3), 128: (64, 64, 4, 3)},
     "paper_bf16": {16: (64, 64, 4, 3), 32: (64, 64, 4, 3), 64: (64, 64, 4, 3), 128: (64, 64, 4, 3)},
     "fp32": {16: (32, 32, 4, 2), 32: (32, 32, 4, 2), 64: (32, 32, 4, 2), 128: (32, 32, 8, 2)},
+    # fp32 with fp32_gemm=tf32x3: tensor-core dots on FP32 tiles (twice BF16's shared memory per tile): not tuned
+    # yet; benchmarks/fp32_reference.py times it beside paper_bf16
+    "fp32_tc": {16: (64, 64, 4, 2), 32: (64, 64, 4, 2), 64: (64, 64, 4, 2), 128: (64, 64, 8, 2)},
 }
 BWD_TABLE = {
     "fa2": {16: (32, 64, 64, 32, 4, 3), 32: (32, 64, 64, 32, 4, 3), 64: (32, 64, 64, 32, 4, 3),
@@ -85,6 +88,8 @@ BWD_TABLE = {
                    128: (64, 64, 64, 64, 4, 2)},
     "fp32": {16: (32, 32, 32, 32, 4, 2), 32: (32, 32, 32, 32, 4, 2), 64: (32, 32, 32, 32, 4, 2),
              128: (32, 32, 32, 32, 8, 2)},
+    "fp32_tc": {16: (32, 64, 64, 32, 4, 2), 32: (32, 64, 64, 32, 4, 2), 64: (32, 64, 64, 32, 4, 2),
+                128: (32, 64, 64, 32, 8, 2)},
 }
 SHAPE_TABLE: dict = {  # ("fwd" | "bwd", family, D, length class) -> config tuple, as above
     ("fwd", "fp32", 64, "short"): (16, 32, 4, 2),
@@ -97,7 +102,9 @@ def length_class(T: int) -> str:
 
 
 def fwd_family(knobs: AttentionKnobs) -> str:
-    if knobs.recipe in ("fp32", "paper_bf16"):
+    if knobs.recipe == "fp32":
+        return "fp32_tc" if knobs.fp32_gemm == "tf32x3" else "fp32"
+    if knobs.recipe == "paper_bf16":
         return knobs.recipe
     exact_n = knobs.tiling and (knobs.softmax == "stabilized" or knobs.counters)
     return "fa2_exact" if exact_n else "fa2"
@@ -118,8 +125,8 @@ def _fwd_blocks(knobs: AttentionKnobs, D: int, T: int = 1024):
 
 def _bwd_blocks(knobs: AttentionKnobs, D: int, T: int = 1024):
     """((dkdv BLOCK_M, BLOCK_N), (dq BLOCK_M, BLOCK_N), num_warps, num_stages) of the backward passes."""
-    m1, n1, m2, n2, warps, stages = (SHAPE_TABLE.get(("bwd", knobs.recipe, D, length_class(T)))
-                                     or BWD_TABLE[knobs.recipe][D])
+    fam = "fp32_tc" if knobs.recipe == "fp32" and knobs.fp32_gemm == "tf32x3" else knobs.recipe
+    m1, n1, m2, n2, warps, stages = (SHAPE_TABLE.get(("bwd", fam, D, length_class(T))) or BWD_TABLE[fam][D])
     if knobs.tiling and round_mask(knobs) & _BWD_TILED:  # BF16 chunks / accumulators rounded per emulator tile
         m1, n2 = knobs.block_q, knobs.block_k
     elif _interpret():
@@ -192,7 +199,7 @@ def _forward(q, k, v, knobs: AttentionKnobs, rep=None, maxl=None, probe: bool = 
                       HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, ROUND=mask, INPUT_F32=knobs.recipe == "fp32",
                       FLOOR=knobs.recipe == "paper_bf16", STABILIZED=knobs.softmax == "stabilized",
                       COUNTERS=counters, HAS_OFP32=has_ofp32, ONE_BLOCK=not knobs.tiling,
-                      PROBE=probe, num_warps=warps, num_stages=stages)
+                      PROBE=probe, F32_DOT=knobs.fp32_gemm, num_warps=warps, num_stages=stages)
     return o, lse, (pmax if probe else None), (fired if probe else None)
 
 
@@ -222,22 +229,22 @@ def _backward(do, q, k, v, o, lse, knobs: AttentionKnobs):
     dq = torch.empty((B, H, T, D), device=q.device, dtype=q.dtype)  # gradients in the inputs' dtypes
     dk = torch.empty((B, H, T, D), device=q.device, dtype=k.dtype)
     dv = torch.empty((B, H, T, D), device=q.device, dtype=v.dtype)
-    dbm, dbn = (16, 16) if _interpret() else (32, 32) if recipe == 0 else (64, 64)  # fp32: see FP32_*
+    dbm, dbn = (16, 16) if _interpret() else (32, 32) if recipe == 0 and knobs.fp32_gemm == "ieee" else (64, 64)
     _k._bwd_delta_kernel[(_cdiv(T, dbm), B * H)](
         q, k, v, o, do, lse, delta, ofp32,
         *_strides(q), *_strides(k), *_strides(v), *_strides(o), *_strides(do),
         H, T, scale, HEAD_DIM=D, BLOCK_M=dbm, BLOCK_N=dbn, ROUND=mask, INPUT_F32=f32_in,
-        DELTA_MODE=DELTA_IDS[knobs.delta], HAS_OFP32=has_ofp32, num_warps=4)
+        DELTA_MODE=DELTA_IDS[knobs.delta], HAS_OFP32=has_ofp32, F32_DOT=knobs.fp32_gemm, num_warps=4)
     _k._bwd_dkdv_kernel[(_cdiv(T, n1), B * H)](
         q, k, v, do, lse, delta, dk, dv,
         *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk), H, T, scale,
         HEAD_DIM=D, BLOCK_M=m1, BLOCK_N=n1, ROUND=mask, INPUT_F32=f32_in,
-        ONE_BLOCK=not knobs.tiling, num_warps=warps, num_stages=stages)
+        ONE_BLOCK=not knobs.tiling, F32_DOT=knobs.fp32_gemm, num_warps=warps, num_stages=stages)
     _k._bwd_dq_kernel[(_cdiv(T, m2), B * H)](
         q, k, v, do, lse, delta, dq,
         *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq), H, T, scale,
         HEAD_DIM=D, BLOCK_M=m2, BLOCK_N=n2, ROUND=mask, INPUT_F32=f32_in,
-        ONE_BLOCK=not knobs.tiling, num_warps=warps, num_stages=stages)
+        ONE_BLOCK=not knobs.tiling, F32_DOT=knobs.fp32_gemm, num_warps=warps, num_stages=stages)
     return dq, dk, dv
 
 

@@ -15,6 +15,9 @@
 #   isolation    the isolation table on the miniature (scripts/paper_isolation.sh ARGS: Hydra overrides)
 #   rounding     the miniature's rounding-point forks (flash-forensics isolate --sweeps rounding_refs rounding_points)
 #   paper-1gpu   the paper's regime on one GPU (scripts/paper_1gpu.sh ARGS)
+#   paper-table start|wait|collect
+#                the paper's regime in one lease: the FP32-reference benchmark, the baseline, every fork at once, the
+#                report; `wait` prints progress, `collect` packs reports, logs and compact MLflow exports into $OUT
 #   round start|status|collect
 #                one lease's work on one GPU, in the background: quiet benchmarks, then the miniature's rounding-point
 #                and stabilizer forks beside the paper_1gpu seeds, then the GPU tests; `status` prints progress,
@@ -217,6 +220,83 @@ EOF
       ls -la "$OUT"
     else
       die "usage: gpu.sh round start|status|collect"
+    fi
+    ;;
+  paper-table)
+    # The paper's regime, the whole method in one lease (one H200): the FP32-reference benchmark on a quiet GPU,
+    # then the seed's baseline alone, its pre-divergence checkpoint, every fork at once (controls, the isolation
+    # table, the beta sweep, the baseline again with dense mechanism probes), localization and the report; the GPU
+    # tests run beside the baseline's first minutes. Runs live under $R (default /tmp/paper, outside the checkout: a
+    # later call re-sends the tree, never under a running job); the code is a copy taken at start.
+    #   gpu.sh paper-table start          returns once the runs are in the background (benchmark + tests done)
+    #   gpu.sh paper-table wait [SECONDS] progress lines until the plan ends or SECONDS pass (default 540)
+    #   gpu.sh paper-table collect        (waits up to COLLECT_WAIT s, default 0, then) packs $OUT: <= 8 files
+    # Env: SEED (1337), BENCH (1), TESTS (1), and the plan's: STOP_AFTER (20), PICK (before-divergence), MARGIN (150),
+    # PAST_DIVERGENCE (310), FORK_MEMORY (24 GiB), PER_GPU_FIRST (6), FORK_OVERRIDES (attention.fp32_gemm=tf32x3),
+    # MAX_STEPS (20000): see scripts/paper_1gpu.sh.
+    R=${R:-/tmp/paper}; L=$R/logs; mode=${1:-start}
+    plan_alive() { [ -f "$R/plan.pid" ] && kill -0 "$(cat "$R/plan.pid")" 2>/dev/null; }
+    progress_line() {
+      local ck nd nf
+      ck=$( (ls "$R"/runs/seed*/baseline/checkpoints/ 2>/dev/null || true) | sed -n 's/step_\([0-9]*\)\.pt/\1/p' | sort -n | tail -1)
+      nd=$( (ls "$R"/runs/seed*/forks/*/result.json 2>/dev/null || true) | wc -l)
+      nf=$( (ls "$R"/runs/seed*/forks/*.log 2>/dev/null || true) | wc -l)
+      echo "[paper-table $(date -u +%T)] baseline ckpt ${ck:-none}; forks done $nd/$nf; GPU $(nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader | tr -d '\n'); disk $(df -h --output=avail "$R" | tail -1 | tr -d ' ')"
+      grep -a "1/5\|2/5\|3/5\|4/5\|5/5\|done\|FAILED\|stopped\|preflight" "$L/paper.log" 2>/dev/null | tail -3 | cut -c1-220
+      tail -c 2000 "$R"/runs/seed*/baseline/run.log 2>/dev/null | tr '\r' '\n' | grep -a "it/s\|s/it\|\[job\]" | tail -1 | cut -c1-200
+    }
+    if [ "$mode" = start ]; then
+      mkdir -p "$L" "$R/src"
+      cp -a . "$R/src" 2>/dev/null; cd "$R/src" || die "no copy"
+      setup; env_txt | tee "$L/env.txt"
+      t0=$(date +%s)
+      if [ "${BENCH:-1}" = 1 ]; then  # a quiet GPU: nothing else runs yet
+        timeout 240 $PY benchmarks/fp32_reference.py --rounds 3 --train-steps 6 --out "$L/fp32-reference-h200.json" \
+          > "$L/bench_fp32_reference.log" 2>&1; echo "[paper-table] benchmark exit $? at $(( $(date +%s) - t0 )) s"
+        grep -a "summary\|Error\|error" "$L/bench_fp32_reference.log" | tail -5 | cut -c1-600
+      fi
+      export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+      setsid nohup env ROOT="$R/runs" SEEDS="${SEED:-1337}" STOP_AFTER="${STOP_AFTER:-20}" \
+        PICK="${PICK:-before-divergence}" MARGIN="${MARGIN:-150}" PAST_DIVERGENCE="${PAST_DIVERGENCE:-310}" \
+        KEEP_CHECKPOINTS="${KEEP_CHECKPOINTS:-3}" FORK_MEMORY="${FORK_MEMORY:-24}" PER_GPU_FIRST="${PER_GPU_FIRST:-6}" \
+        FORK_OVERRIDES="${FORK_OVERRIDES-attention.fp32_gemm=tf32x3}" CONTROL_SWEEPS="${CONTROL_SWEEPS:-paper_1gpu_numerics}" \
+        ISOLATION_SWEEPS="${ISOLATION_SWEEPS-paper_isolation beta_sweep paper_1gpu_mechanism}" PROGRESS_EVERY=60 \
+        bash scripts/paper_1gpu.sh "train.max_steps=${MAX_STEPS:-20000}" > "$L/paper.log" 2>&1 < /dev/null &
+      echo $! > "$R/plan.pid"; date +%s > "$R/plan.t0"
+      echo "[paper-table] plan started (pid $(cat "$R/plan.pid")) at $(( $(date +%s) - t0 )) s"
+      if [ "${TESTS:-1}" = 1 ]; then  # correctness only, beside the baseline: nothing here is timed
+        WORKERS=${WORKERS:-4} gpu_tests "$L/pytest_gpu.log"; echo "[paper-table] tests done at $(( $(date +%s) - t0 )) s"
+      fi
+      progress_line
+    elif [ "$mode" = wait ]; then
+      end=$(( $(date +%s) + ${2:-540} ))
+      while plan_alive && [ "$(date +%s)" -lt "$end" ]; do progress_line; sleep 60; done
+      progress_line; plan_alive && echo "[paper-table] still running" || echo "[paper-table] plan ended"
+    elif [ "$mode" = collect ]; then
+      : "${OUT:?collect writes into \$OUT}"
+      end=$(( $(date +%s) + ${COLLECT_WAIT:-0} ))
+      while plan_alive && [ "$(date +%s)" -lt "$end" ]; do sleep 10; done
+      cd "$R/src" || die "no $R/src"; setup
+      state=ended; plan_alive && state=running
+      echo "[paper-table] plan $state after $(( $(date +%s) - $(cat "$R/plan.t0") )) s" | tee -a "$L/paper.log"
+      for d in "$R"/runs/seed*; do
+        s=${d##*seed}
+        if [ ! -f "$d/report/verdicts.json" ] || [ "$state" = running ]; then  # the finished rows, read-only
+          $PY -m flash_forensics.cli report "$d/baseline" "$d/forks" --out "$d/report_partial" --sweep paper_isolation \
+            --tracking-uri "sqlite:///$d/mlflow.db" --meta "partial=collected while the plan was $state" \
+            > "$L/report_partial_$s.log" 2>&1 || echo "[paper-table] partial report failed: $L/report_partial_$s.log"
+        fi
+        $PY scripts/mlflow_export.py "sqlite:///$d/mlflow.db" "$OUT/mlflow-seed$s.json.gz" || true
+      done
+      (cd "$R/runs" && find . \( -name '*.json' -o -name '*.md' -o -name '*.png' -o -name '*.csv' \) -type f -size -4M \
+          -not -path '*/checkpoints/*' -print > /tmp/paper_files; tar -cJf "$OUT/paper-reports.tar.xz" -T /tmp/paper_files)
+      (cd "$R" && find logs runs \( -name '*.log' -o -name '*.txt' \) -type f -not -path '*/checkpoints/*' -print \
+          > /tmp/paper_logs; tar -cJf "$OUT/paper-logs.tar.xz" -T /tmp/paper_logs)
+      cp "$L"/*.json "$OUT/" 2>/dev/null || true
+      [ -f "$L/pytest_gpu.log" ] && cp "$L/pytest_gpu.log" "$OUT/"
+      ls -la "$OUT"
+    else
+      die "usage: gpu.sh paper-table start|wait [SECONDS]|collect"
     fi
     ;;
   stage)

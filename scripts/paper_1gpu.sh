@@ -13,8 +13,14 @@
 #   ROOT          where everything goes (default results/runs/paper_1gpu/<date>): seed<S>/{baseline,forks,report,
 #                 mlflow.db}, seed<S>.log (that isolate's whole output), progress.log (the lines printed here)
 #   EXPERIMENT    the preset (paper_1gpu)          SEEDS        "1337 1 2" (the first also gets the isolation table)
-#   STOP_AFTER    steps each baseline runs past its divergence (300): batches for the forks, no GPU time wasted
+#   STOP_AFTER    steps each baseline runs past its divergence (300; the forks need no more of it: past its end they
+#                 continue its seeded batch order, data.replay_past_end=regenerate)
 #   FORK_STEPS    steps per fork from the picked checkpoint (0: to the baseline's end = divergence + STOP_AFTER)
+#   PAST_DIVERGENCE  forks run to the baseline's divergence + N steps ("" : FORK_STEPS decides)
+#   PICK / MARGIN the fork checkpoint (isolate --pick at-min|before-divergence --margin N; at-min, 0)
+#   KEEP_CHECKPOINTS  checkpoints each baseline keeps (its train.keep_checkpoints; 0 = all)
+#   FORK_OVERRIDES Hydra overrides of the forks only, space-separated (e.g. attention.fp32_gemm=tf32x3)
+#   FORK_MEMORY   GiB a fork needs free on its GPU before it starts ("" : no check)
 #   PER_GPU_FIRST forks at once for the first seed (2)        PER_GPU_OTHERS  for the other seeds (1)
 #                 (runs at once = seeds while the baselines train, then <= PER_GPU_FIRST + PER_GPU_OTHERS x (seeds-1);
 #                 GPT-2S at B=16, T=1024 holds a small part of an H200, but nothing here measured it: stay <= 4)
@@ -32,6 +38,12 @@ FORK_STEPS=${FORK_STEPS:-0}
 PER_GPU_FIRST=${PER_GPU_FIRST:-2}
 PER_GPU_OTHERS=${PER_GPU_OTHERS:-1}
 CKPT_EVERY_OTHERS=${CKPT_EVERY_OTHERS:-500}
+PAST_DIVERGENCE=${PAST_DIVERGENCE:-}
+PICK=${PICK:-at-min}
+MARGIN=${MARGIN:-0}
+KEEP_CHECKPOINTS=${KEEP_CHECKPOINTS:-0}
+FORK_OVERRIDES=${FORK_OVERRIDES:-}
+FORK_MEMORY=${FORK_MEMORY:-}
 CONTROL_SWEEPS=${CONTROL_SWEEPS:-paper_1gpu_controls}
 ISOLATION_SWEEPS=${ISOLATION_SWEEPS-paper_isolation beta_sweep}
 PROGRESS_EVERY=${PROGRESS_EVERY:-60}
@@ -56,10 +68,14 @@ for s in $SEEDS; do
   else
     sweeps="$CONTROL_SWEEPS" per=$PER_GPU_OTHERS extra=("train.ckpt_every=$CKPT_EVERY_OTHERS")
   fi
+  opts=(--pick "$PICK" --margin "$MARGIN" --keep-checkpoints "$KEEP_CHECKPOINTS")
+  [ -n "$PAST_DIVERGENCE" ] && opts+=(--past-divergence "$PAST_DIVERGENCE")
+  [ -n "$FORK_MEMORY" ] && opts+=(--fork-memory "$FORK_MEMORY")
+  for o in $FORK_OVERRIDES; do opts+=(--fork-override "$o"); done
   # shellcheck disable=SC2206
   cmd=(python -m flash_forensics.orchestrator.analysis.isolate --experiment "$EXPERIMENT" --root "$dir" --out "$dir/report"
        --uri "sqlite:///$dir/mlflow.db" --stop-after "$STOP_AFTER" --fork-steps "$FORK_STEPS" --per-gpu "$per"
-       --sweeps $sweeps -- "train.seed=$s" "data.seed=$s" train.keep_last=false ${extra[@]+"${extra[@]}"} "$@")
+       "${opts[@]}" --sweeps $sweeps -- "train.seed=$s" "data.seed=$s" train.keep_last=false ${extra[@]+"${extra[@]}"} "$@")
   say "seed $s: ${cmd[*]}"
   [ -n "${DRY_RUN:-}" ] && continue
   mkdir -p "$dir"

@@ -345,7 +345,8 @@ def check_data_fits(obj) -> None:
                               f"({'; '.join(diff)})")
         if tokens and h.n_tokens == tokens.get("train"):
             try:
-                OrderReader(path, h).check_covers(t.max_steps)  # checksum, offsets inside the corpus, length
+                # checksum, offsets inside the corpus, length (or the seeded order past the end, checked)
+                OrderReader(path, h, d.replay_past_end).check_covers(t.max_steps)
             except ValueError as e:
                 raise ConfigError(str(e)) from None
 

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from flash_forensics.orchestrator.data.config import DataError
-from flash_forensics.orchestrator.data.replay import OrderHeader, OrderReader, OrderWriter, order_paths
+from flash_forensics.orchestrator.data.replay import OrderHeader, OrderReader, OrderWriter, order_paths, seeded_offsets
 
 PathLike = Union[str, Path]
 Batch = Tuple[torch.Tensor, torch.Tensor]
@@ -47,11 +47,13 @@ class BatchStream:
     record_path / replay_path name the order file; with world_size > 1 each rank uses its own file
     (order_paths). start_step: the step a resumed run restarts at; the record file keeps steps < start_step.
     Steps must be fetched in order while recording (micro 0..grad_accum-1 of step s, then s + 1); fetching a
-    step already recorded again is fine."""
+    step already recorded again is fine. replay_past_end: what a replay does past the file's last step
+    (replay.PAST_END: regenerate its seeded order, checked against the recorded part, or refuse)."""
 
     def __init__(self, bin_path: PathLike, block_size: int, batch_size: int, seed: int, rank: int = 0,
                  world_size: int = 1, record_path: Optional[PathLike] = None,
-                 replay_path: Optional[PathLike] = None, grad_accum: int = 1, start_step: int = 0):
+                 replay_path: Optional[PathLike] = None, grad_accum: int = 1, start_step: int = 0,
+                 replay_past_end: str = "refuse"):
         for name, v, lo in (("block_size", block_size, 1), ("batch_size", batch_size, 1),
                             ("grad_accum", grad_accum, 1), ("world_size", world_size, 1), ("seed", seed, 0),
                             ("start_step", start_step, 0)):
@@ -65,7 +67,7 @@ class BatchStream:
         self.seed, self.rank, self.world_size = int(seed), int(rank), int(world_size)
         self.header = OrderHeader(self.block_size, self.batch_size, self.grad_accum, self.world_size, self.rank,
                                   self.seed, len(self.tokens))
-        self.reader = (OrderReader(order_paths(replay_path, world_size)[rank], self.header)
+        self.reader = (OrderReader(order_paths(replay_path, world_size)[rank], self.header, replay_past_end)
                        if replay_path is not None else None)
         self.writer: Optional[OrderWriter] = None
         self._pending: List[np.ndarray] = []
@@ -82,8 +84,7 @@ class BatchStream:
             raise DataError(f"micro step {micro} is outside 0..{self.grad_accum - 1} (grad_accum)")
         if self.reader is not None:
             return self.reader.offsets(step, micro)
-        rng = np.random.default_rng([self.seed, step, micro, self.rank])
-        return rng.integers(0, len(self.tokens) - self.block_size, size=self.batch_size, dtype=np.int64)
+        return seeded_offsets(self.seed, step, micro, self.rank, len(self.tokens), self.block_size, self.batch_size)
 
     def get(self, step: int, micro: int = 0) -> Batch:
         offs = self.offsets(step, micro)

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Callable, Iterator, List, Optional
 
 CORPORA = ("default", "text_files", "openwebtext", "debian_docs")
+PAST_END = ("regenerate", "refuse")  # data.replay_past_end: what a replay does at steps past the recorded end
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -29,6 +30,9 @@ class DataConfig:
     val_fraction: float = 0.05  # share of documents held out for val.bin
     seed: int = 1337  # batch-order seed: batch (step, micro, rank) is a pure function of it
     replay: Optional[str] = None  # a recorded batch-order file to replay instead of the seeded generator
+    # past the replayed file's last step (a fork running longer than its source): regenerate the file's seeded order,
+    # once it is checked to reproduce every recorded step, or refuse (orchestrator/data/replay.py)
+    replay_past_end: str = "regenerate"
     num_proc: int = 0  # tokenizer threads when preparing; 0 = all cores
     hf_dataset: str = "Skylion007/openwebtext"  # openwebtext: the Hugging Face dataset name
     max_docs: Optional[int] = None  # cap on documents read (quick looks at big corpora); None = all
@@ -51,6 +55,8 @@ class DataConfig:
         if self.max_docs is not None and (isinstance(self.max_docs, bool) or not isinstance(self.max_docs, int)
                                           or self.max_docs <= 0):
             raise _bad(f"{key}.max_docs", self.max_docs, "null or an integer > 0")
+        if self.replay_past_end not in PAST_END:
+            raise _bad(f"{key}.replay_past_end", self.replay_past_end, "one of " + ", ".join(PAST_END))
         if self.replay is not None and not str(self.replay):
             raise _bad(f"{key}.replay", self.replay, "null or the path of a recorded batch-order file")
         return self

@@ -10,6 +10,11 @@ keeps every whole step written before it; steps past `covered` (a partial traili
 wrote before its header update) are ignored on reading and cut on resume. Reading checks the checksum (a file whose
 offsets were changed is refused, naming it) and that every offset lies inside the corpus, before the first step.
 Version-1 files (no checksum) are still read, unverified. One file per rank: `order_paths(base, world_size)`.
+
+Past the recorded end: the seeded order is a pure function (`seeded_offsets`) of the header's seed, rank and corpus
+size and of the step, so with past_end="regenerate" a replay asks it for the steps the file does not hold, once the
+function is checked to reproduce every recorded step (a file recorded from another order, e.g. a fork that replayed
+another seed's batches, is refused, naming the first step that differs). A fork can then run as long as it needs.
 """
 from __future__ import annotations
 
@@ -19,11 +24,11 @@ import struct
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Union
+from typing import List, Optional, Union
 
 import numpy as np
 
-from flash_forensics.orchestrator.data.config import DataError
+from flash_forensics.orchestrator.data.config import PAST_END, DataError
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +37,13 @@ VERSION = 2
 _HEAD = struct.Struct("<8sHHIIIIIQQ")
 _SUM = struct.Struct("<IQ")  # crc32, covered steps: right after _HEAD
 HEADER_BYTES = 64
+
+
+def seeded_offsets(seed: int, step: int, micro: int, rank: int, n_tokens: int, block_size: int,
+                   batch_size: int) -> np.ndarray:
+    """The batch_size window starts of (step, micro, rank) under `seed`: the seeded batch order (batches.py)."""
+    rng = np.random.default_rng([seed, step, micro, rank])
+    return rng.integers(0, n_tokens - block_size, size=batch_size, dtype=np.int64)
 
 
 @dataclass(frozen=True)
@@ -100,9 +112,14 @@ def read_header(path: Path) -> OrderHeader:
 
 
 class OrderReader:
-    """Replay side: the recorded offsets, memory-mapped."""
+    """Replay side: the recorded offsets, memory-mapped; past their end, with past_end="regenerate", the seeded
+    order of the file's own seed (module docstring)."""
 
-    def __init__(self, path: Union[str, Path], expect: OrderHeader):
+    def __init__(self, path: Union[str, Path], expect: OrderHeader, past_end: str = "refuse"):
+        if past_end not in PAST_END:
+            raise DataError(f"data.replay_past_end={past_end!r} is not allowed: expected one of {', '.join(PAST_END)}")
+        self.past_end = past_end
+        self._seeded: Optional[str] = None  # "" once checked equal to the seeded order, else why not
         self.path = Path(path)
         if not self.path.is_file():
             raise DataError(f"data.replay: {self.path} does not exist")
@@ -143,14 +160,43 @@ class OrderReader:
 
     def offsets(self, step: int, micro: int) -> np.ndarray:
         if step >= self.n_steps:
-            raise DataError(f"data.replay: {self.path} holds {self.n_steps} steps; the run asked for step {step} "
-                            f"(0-based). Replay a file recorded for at least as many steps.")
+            self.check_covers(step + 1)
+            h = self.header
+            return seeded_offsets(h.seed, step, micro, h.rank, h.n_tokens, h.block_size, h.batch_size)
         return np.asarray(self._data[step, micro], dtype=np.int64)
 
+    def seeded_mismatch(self) -> str:
+        """'' when every recorded step is the seeded order of the header's seed (so steps past the end can be
+        regenerated), else which step differs. Computed once (~15 us a micro-batch)."""
+        if self._seeded is None:
+            h, why = self.header, ""
+            for step in range(self.n_steps):
+                for micro in range(h.grad_accum):
+                    want = seeded_offsets(h.seed, step, micro, h.rank, h.n_tokens, h.block_size, h.batch_size)
+                    if not np.array_equal(np.asarray(self._data[step, micro], dtype=np.int64), want):
+                        why = (f"its step {step} (micro-batch {micro}) is not the seeded order of its seed {h.seed}: "
+                               f"the file was recorded from another order (a replay of another seed's batches?)")
+                        break
+                if why:
+                    break
+            self._seeded = why
+        return self._seeded
+
+    def regenerates(self, n_steps: int) -> bool:
+        """True when a run of n_steps goes past the recorded end and the steps past it are regenerated."""
+        return n_steps > self.n_steps and self.past_end == "regenerate" and not self.seeded_mismatch()
+
     def check_covers(self, n_steps: int) -> None:
-        if n_steps > self.n_steps:
+        if n_steps <= self.n_steps:
+            return
+        if self.past_end != "regenerate":
             raise DataError(f"data.replay: {self.path} holds {self.n_steps} steps, shorter than the run's "
-                            f"{n_steps} steps")
+                            f"{n_steps} steps (data.replay_past_end=refuse; `regenerate` continues the file's seeded "
+                            f"order past its end)")
+        why = self.seeded_mismatch()
+        if why:
+            raise DataError(f"data.replay: {self.path} holds {self.n_steps} steps, shorter than the run's "
+                            f"{n_steps} steps, and the steps past its end cannot be regenerated: {why}")
 
 
 class OrderWriter:

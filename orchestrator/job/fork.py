@@ -190,12 +190,13 @@ def check_order(order: Path, obj, what: str) -> None:
     try:
         have = read_header(order)
         want = OrderHeader(obj.model.block_size, t.batch_size, t.grad_accum, 1, 0, obj.data.seed, have.n_tokens)
-        OrderReader(order, want).check_covers(t.max_steps)
+        OrderReader(order, want, obj.data.replay_past_end).check_covers(t.max_steps)
     except FileNotFoundError:
         raise ForkError(f"{what}: {order} does not exist") from None
     except DataError as e:
-        raise ForkError(f"{what}: {e}; allowed: train.max_steps <= the steps it holds, with the source's "
-                        f"block_size, batch_size and grad_accum") from None
+        raise ForkError(f"{what}: {e}; allowed: train.max_steps <= the steps it holds (or past them with "
+                        f"data.replay_past_end=regenerate on a seeded order), with the source's block_size, "
+                        f"batch_size and grad_accum") from None
 
 
 # ------------------------------------------------------------------------------------------ list and pick

@@ -193,8 +193,14 @@ class Job:
         # order replays on any number of ranks
         stream = BatchStream(data_dir / "train.bin", cfg.model.block_size, cfg.train.batch_size, cfg.data.seed,
                              rank=0, world_size=1, record_path=record, replay_path=replay,
-                             grad_accum=cfg.train.grad_accum, start_step=start)
+                             grad_accum=cfg.train.grad_accum, start_step=start,
+                             replay_past_end=cfg.data.replay_past_end)
         stream.check_covers(cfg.train.max_steps)
+        reader = stream.reader
+        if reader is not None and reader.regenerates(cfg.train.max_steps) and self.is_main:
+            print(f"[job] batch order: {reader.path} holds {reader.n_steps} steps; steps {reader.n_steps}.."
+                  f"{cfg.train.max_steps - 1} continue its seeded order (seed {reader.header.seed}), which reproduces "
+                  f"all {reader.n_steps} recorded steps (data.replay_past_end=regenerate)", flush=True)
         self.order_path = stream.paths[0] if stream.paths else None
         return stream
 
@@ -325,8 +331,11 @@ class Job:
             if host:
                 self.detector.update(host)
                 tps = self.monitors.last_tokens_per_s
-                if tps and not getattr(self, "_said_eta", False) and self.is_main:
-                    self._said_eta = True  # once, from the first timed steps: what the whole run will take
+                # once, what the rest of the run will take, from an interval past the warm-up (the first ones hold
+                # the kernels' compilation and the allocator's growth: an estimate there was 18x too long)
+                warm = done - start >= 3 * max(1, cfg.monitor.log_every)
+                if tps and warm and not getattr(self, "_said_eta", False) and self.is_main:
+                    self._said_eta = True
                     left = (tc.max_steps - done) * tokens_per_step / tps
                     print(f"[job] {tps:,.0f} tokens/s: the {tc.max_steps - done:,} steps left take ~{_duration(left)}",
                           flush=True)

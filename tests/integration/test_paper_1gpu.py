@@ -113,11 +113,15 @@ TINY = ["data=default", "model=tiny", "model.n_layer=2", "model.n_head=2", "mode
 
 def test_one_lease_plan_end_to_end_on_cpu(tmp_path):
     """Two seeds at once, each baseline NaN at step 8 and stopped 2 steps later (--stop-after), each forking the
-    four controls from its own checkpoint on its own batches, into its own root, report and MLflow store."""
+    four controls from its checkpoint 2 steps before the divergence (--pick before-divergence --margin 2) on its own
+    batches to the divergence + 6 steps, past the baseline's end (its seeded order continues), with the forks' own
+    overrides (the fast FP32 GEMMs; no forced NaN), into its own root, report and MLflow store."""
     root = tmp_path / "root"
     env = {k: v for k, v in os.environ.items() if k not in ("CUDA_VISIBLE_DEVICES",)}
     env.update(ROOT=str(root), SEEDS="1337 1", ISOLATION_SWEEPS="", STOP_AFTER="2", PER_GPU_FIRST="2",
-               PER_GPU_OTHERS="1", CKPT_EVERY_OTHERS="2", PROGRESS_EVERY="5", OMP_NUM_THREADS="1")
+               PER_GPU_OTHERS="1", CKPT_EVERY_OTHERS="2", PROGRESS_EVERY="5", OMP_NUM_THREADS="1",
+               PICK="before-divergence", MARGIN="2", PAST_DIVERGENCE="6", KEEP_CHECKPOINTS="4",
+               FORK_OVERRIDES="attention.fp32_gemm=tf32x3 debug.nan_at_step=null")
     r = subprocess.run(["bash", "scripts/paper_1gpu.sh", *TINY, f"results_dir={tmp_path}/results"], cwd=ROOT,
                        env=env, capture_output=True, text=True, timeout=900)
     logs = "".join(f"\n--- {p}\n{p.read_text()[-2500:]}" for p in sorted(root.glob("seed*.log")))
@@ -134,11 +138,23 @@ def test_one_lease_plan_end_to_end_on_cpu(tmp_path):
         assert all(row["observed"] != "failed" for row in rows.values()), [(j, x.get("error")) for j, x in
                                                                           rows.items()]
         assert rows["forks/paper_1gpu_controls-0"]["intervention"] == "fp32"
+        assert "attention.fp32_gemm=tf32x3" in rows["forks/paper_1gpu_controls-0"]["overrides"]
+        assert "attention.fp32_gemm=tf32x3" not in rows["baseline"]["overrides"]
         assert rows["forks/paper_1gpu_controls-0"]["expected"] == "stable"
+        kept = sorted(int(p.stem.split("_")[1]) for p in (d / "baseline" / "checkpoints").glob("step_*.pt"))
+        assert kept == [6, 8, 10, 11], kept  # KEEP_CHECKPOINTS=4: the newest four
+        order = (d / "baseline" / "batch_order.bin").read_bytes()
         for i in range(4):
-            fres = json.loads((d / f"forks/paper_1gpu_controls-{i}" / "result.json").read_text())
+            fd = d / f"forks/paper_1gpu_controls-{i}"
+            fres = json.loads((fd / "result.json").read_text())
             assert f"train.seed={s}" in rows[f"forks/paper_1gpu_controls-{i}"]["overrides"]
-            assert fres["steps_done"] == base["steps_done"]  # replayed the baseline's batches to its end
-            assert not list((d / f"forks/paper_1gpu_controls-{i}" / "checkpoints").glob("*.pt"))  # freed
+            assert fres["fork_step"] == 6  # the newest checkpoint at least 2 steps before the divergence
+            assert fres["steps_done"] == 8 + 6 > base["steps_done"]  # to the divergence + 6, past the baseline's end
+            assert fres["observed"] == "stable", fres  # its own overrides: no forced NaN
+            log = (fd / "run.log").read_text()
+            assert "continue its seeded order" in log and "reproduces all 11 recorded steps" in log
+            mine = (fd / "batch_order.bin").read_bytes()  # the baseline's 11 steps, then 3 regenerated ones
+            assert mine[64:len(order)] == order[64:] and len(mine) > len(order)
+            assert not list((fd / "checkpoints").glob("*.pt"))  # freed
         assert (d / "mlflow.db").is_file()
         assert f"seed {s}: done" in r.stdout

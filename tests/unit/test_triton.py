@@ -114,6 +114,8 @@ FP32_CASES = [
     dict(delta="dP_P"),
     dict(delta="recompute_fp32", softmax="stabilized"),
     dict(block_q=32, block_k=16),
+    dict(fp32_gemm="tf32x3"),  # the interpreter's tl.dot ignores the precision: this checks the plumbing
+    dict(fp32_gemm="tf32x3", delta="recompute_fp32", tiling=False),
 ]
 
 
@@ -199,6 +201,11 @@ GPU_CASES = [
     ("paper_bf16", {}), ("paper_bf16", dict(softmax="stabilized")), ("paper_bf16", dict(tiling=False)),
     ("paper_bf16", dict(delta="dP_P")), ("paper_bf16", dict(delta="recompute_fp32")),
     ("paper_bf16", dict(pv_fp32=True)), ("paper_bf16", dict(o_fp32=True)),
+    ("fp32", dict(fp32_gemm="tf32x3")), ("fp32", dict(fp32_gemm="tf32x3", softmax="stabilized", block_q=128,
+                                                       block_k=128)),
+    ("fp32", dict(fp32_gemm="tf32x3", tiling=False, delta="dP_P")),
+    ("paper_bf16", dict(pv_fp32=True, fp32_gemm="tf32x3")), ("fa2", dict(o_fp32_heads=[1], fp32_gemm="tf32x3")),
+    ("paper_bf16", dict(delta="recompute_fp32", fp32_gemm="tf32x3")),
     ("paper_bf16", dict(o_fp32_heads=[1, 3])), ("paper_bf16", dict(block_q=128, block_k=32)),
 ]
 BUDGET_EMU = {"fp32": (1e-4, 1e-4), "fa2": (2e-2, 5e-2), "paper_bf16": (3e-2, 5e-2)}
@@ -211,7 +218,8 @@ def _rel(a, b):
 
 GPU_PARAMS = [(r, c, 64) for r, c in GPU_CASES] + [
     ("fp32", {}, 128), ("fa2", {}, 128), ("fa2", dict(softmax="stabilized"), 128), ("paper_bf16", {}, 128),
-    ("paper_bf16", dict(softmax="stabilized", delta="dP_P"), 128), ("paper_bf16", dict(o_fp32_heads=[0]), 128)]
+    ("paper_bf16", dict(softmax="stabilized", delta="dP_P"), 128), ("paper_bf16", dict(o_fp32_heads=[0]), 128),
+    ("fp32", dict(fp32_gemm="tf32x3"), 128)]
 
 
 @pytest.mark.gpu
@@ -245,11 +253,46 @@ def test_gpu_matches_emulator_and_fp64(recipe, case, D):
     ct, ce = st_t.repeated_max_rows, st_e.repeated_max_rows
     assert ce.sum() > 0
     assert torch.equal(st_t.rows_seen, st_e.rows_seen)
-    if recipe == "fp32":
+    if recipe == "fp32" and knobs.fp32_gemm == "ieee":
         assert torch.equal(ct, ce)
     else:
         assert (ct - ce).abs().sum().item() <= max(2, int(0.01 * ce.sum().item()))
     torch.testing.assert_close(st_t.max_logit, st_e.max_logit, atol=3e-2, rtol=1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [64, 128])
+def test_gpu_tf32x3_is_fp32_accurate_and_not_ieee(D):
+    """fp32_gemm=tf32x3 on the tensor cores: within a few times IEEE FP32's own error against FP64 (O and grads),
+    not bit-identical to IEEE (the knob reaches the GEMMs), and far closer than one TF32 pass would be."""
+    from flash_forensics.kernels import triton_flash as tf
+    q, k, v = planted(2, 4, 512, D, "cuda", dtype=torch.float32, seed=11)
+    g = torch.randn(2, 4, 512, D, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    r = reference(q, k, v)
+    gr = _grads(r, (q, k, v), g.double())
+    out = {}
+    for mode in ("ieee", "tf32x3"):
+        o = tf.flash_attention_triton(q, k, v, AttentionKnobs(recipe="fp32", backend="triton", fp32_gemm=mode))
+        out[mode] = (o, _grads(o, (q, k, v), g))
+    err = {m: [_rel(o, r)] + [_rel(a, c) for a, c in zip(gs, gr)] for m, (o, gs) in out.items()}
+    assert not torch.equal(out["ieee"][0], out["tf32x3"][0])
+    for e_ieee, e_tc in zip(err["ieee"], err["tf32x3"]):
+        assert e_tc <= max(4 * e_ieee, 2e-6), err
+    assert max(err["tf32x3"]) < 1e-4, err  # one TF32 pass (10-bit fraction) would err ~1e-3 here
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", ["fa2", "paper_bf16"])
+def test_gpu_tf32x3_changes_nothing_without_fp32_gemms(recipe):
+    """BF16 recipes have no FP32 GEMM (their operands are BF16): the knob leaves O and the gradients bit-identical."""
+    from flash_forensics.kernels import triton_flash as tf
+    q, k, v = planted(2, 4, 256, 64, "cuda", dtype=torch.bfloat16, seed=12)
+    g = torch.randn(2, 4, 256, 64, device="cuda").to(torch.bfloat16)
+    res = []
+    for mode in ("ieee", "tf32x3"):
+        o = tf.flash_attention_triton(q, k, v, AttentionKnobs(recipe=recipe, backend="triton", fp32_gemm=mode))
+        res.append([o, *_grads(o, (q, k, v), g)])
+    assert all(torch.equal(a, b) for a, b in zip(*res))
 
 
 @pytest.mark.gpu
