@@ -232,7 +232,7 @@ EOF
     #   gpu.sh paper-table wait [SECONDS] progress lines until the plan ends or SECONDS pass (default 540)
     #   gpu.sh paper-table collect        (waits up to COLLECT_WAIT s, default 0, then) packs $OUT: <= 8 files
     # Env: SEED (1337), BENCH (1), TESTS (1), and the plan's: STOP_AFTER (20), PICK (before-divergence), MARGIN (150),
-    # PAST_DIVERGENCE (310), FORK_MEMORY (24 GiB), PER_GPU_FIRST (6), FORK_OVERRIDES (attention.fp32_gemm=tf32x3),
+    # PAST_DIVERGENCE (310), FORK_MEMORY (26 GiB), PER_GPU_FIRST (6), FORK_OVERRIDES (attention.fp32_gemm=tf32x3),
     # MAX_STEPS (20000): see scripts/paper_1gpu.sh.
     R=${R:-/tmp/paper}; L=$R/logs; mode=${1:-start}
     plan_alive() { [ -f "$R/plan.pid" ] && kill -0 "$(cat "$R/plan.pid")" 2>/dev/null; }
@@ -258,7 +258,7 @@ EOF
       export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
       setsid nohup env ROOT="$R/runs" SEEDS="${SEED:-1337}" STOP_AFTER="${STOP_AFTER:-20}" \
         PICK="${PICK:-before-divergence}" MARGIN="${MARGIN:-150}" PAST_DIVERGENCE="${PAST_DIVERGENCE:-310}" \
-        KEEP_CHECKPOINTS="${KEEP_CHECKPOINTS:-3}" FORK_MEMORY="${FORK_MEMORY:-24}" PER_GPU_FIRST="${PER_GPU_FIRST:-6}" \
+        KEEP_CHECKPOINTS="${KEEP_CHECKPOINTS:-3}" FORK_MEMORY="${FORK_MEMORY:-26}" PER_GPU_FIRST="${PER_GPU_FIRST:-6}" \
         FORK_OVERRIDES="${FORK_OVERRIDES-attention.fp32_gemm=tf32x3}" CONTROL_SWEEPS="${CONTROL_SWEEPS:-paper_1gpu_numerics}" \
         ISOLATION_SWEEPS="${ISOLATION_SWEEPS-paper_isolation beta_sweep paper_1gpu_mechanism}" PROGRESS_EVERY=60 \
         bash scripts/paper_1gpu.sh "train.max_steps=${MAX_STEPS:-20000}" > "$L/paper.log" 2>&1 < /dev/null &
@@ -266,6 +266,15 @@ EOF
       echo "[paper-table] plan started (pid $(cat "$R/plan.pid")) at $(( $(date +%s) - t0 )) s"
       if [ "${TESTS:-1}" = 1 ]; then  # correctness only, beside the baseline: nothing here is timed
         WORKERS=${WORKERS:-4} gpu_tests "$L/pytest_gpu.log"; echo "[paper-table] tests done at $(( $(date +%s) - t0 )) s"
+      fi
+      if [ "${CAPTURES:-1}" = 1 ]; then  # real kernels' captures for `flash-forensics analyze` (numerics, not timed)
+        timeout 240 $PY scripts/capture_kernels.py --out "$R/captures" > "$L/capture_kernels.log" 2>&1
+        echo "[paper-table] captures exit $? at $(( $(date +%s) - t0 )) s: $(tail -1 "$L/capture_kernels.log")"
+      fi
+      if [ -n "${OUT:-}" ]; then  # what is done so far comes back with this call
+        cp "$L"/*.json "$L/pytest_gpu.log" "$L/env.txt" "$OUT/" 2>/dev/null
+        [ -d "$R/captures" ] && tar -cJf - -C "$R" captures | split -b 15M -d - "$OUT/captures.tar.xz.part"
+        ls -la "$OUT"
       fi
       progress_line
     elif [ "$mode" = wait ]; then

@@ -223,19 +223,22 @@ def capture(out_dir="captures", *, layers: Optional[Sequence[int]] = None, heads
 def write_call(path, q, k, v, o, do=None, lse=None, *, recipe: Optional[str] = None, knobs: Optional[dict] = None,
                family: str = "tensors", layer: Optional[int] = None, heads: Optional[Sequence[int]] = None,
                step: Optional[int] = None, x=None, w_q=None, implementation: str = "", is_causal: bool = True,
-               max_bytes: int = snap_io.DEFAULT_MAX_BYTES, say: Optional[Callable[[str], None]] = None, **meta):
-    """Write one call's tensors directly (no hooks): a snapshot with the same meta a Recorder writes."""
+               max_bytes: int = snap_io.DEFAULT_MAX_BYTES, say: Optional[Callable[[str], None]] = None,
+               dq=None, dk=None, dv=None, **meta):
+    """Write one call's tensors directly (no hooks): a snapshot with the same meta a Recorder writes. dq, dk, dv:
+    the kernel's own gradients for `do` (a real kernel's backward, fingerprinted like its forward)."""
     call = AttentionCall(q, k, v, o, lse, recipe or "", dict(knobs or {}), layer, family, is_causal, None,
                          implementation)
     rec = Recorder(Path(path).parent, heads=heads, step=step, max_bytes=max_bytes, say=say, extra_meta=meta)
     tensors = {"q": q, "k": k, "v": v, "o": o}
-    for name, t in (("do", do), ("lse", lse), ("x", x), ("w_q", w_q)):
+    for name, t in (("do", do), ("lse", lse), ("x", x), ("w_q", w_q), ("dq", dq), ("dk", dk), ("dv", dv)):
         if t is not None:
             tensors[name] = t.float() if name == "lse" else t
     m = rec._meta(call, list(heads) if heads is not None else list(range(q.shape[1])), q.shape[1], 0)
-    m.update(has_do=do is not None)
-    if do is not None:
-        m["dtypes"]["do"] = str(do.dtype).replace("torch.", "")
+    m.update(has_do=do is not None, has_grads=dq is not None)
+    for name, t in (("do", do), ("dq", dq), ("dk", dk), ("dv", dv)):
+        if t is not None:
+            m["dtypes"][name] = str(t.dtype).replace("torch.", "")
     if heads is not None and len(heads) != q.shape[1]:  # the tensors hold all heads: keep the named ones
         sel = torch.tensor(list(heads), device=q.device)
         tensors = {n: (t.index_select(0 if n == "w_q" else 1, sel.to(t.device)) if n != "x" else t)

@@ -36,7 +36,7 @@ FORMAT_VERSION = 1
 MiB = 1 << 20
 DEFAULT_MAX_BYTES = 64 * MiB
 REQUIRED = ("q", "k", "v", "o")
-OPTIONAL = ("do", "lse", "x", "w_q")
+OPTIONAL = ("do", "lse", "x", "w_q", "dq", "dk", "dv")  # dq, dk, dv: the kernel's own gradients for dO
 _HEADER_LIMIT = 100 * MiB  # a safetensors header longer than this is not one (the library's own limit)
 
 

@@ -102,7 +102,7 @@ class Plan:
     keep_checkpoints: int = 0  # the baseline's train.keep_checkpoints (0: all; a GPT-2S checkpoint is ~1.5 GB)
     fork_overrides: List[str] = field(default_factory=list)  # Hydra overrides of the forks only
     fork_memory_gib: Optional[float] = None  # GPU memory a fork needs free before it starts (None: no check)
-    settle_s: float = 45.0  # with fork_memory_gib: how long a started fork has to take its memory
+    settle_s: float = 40.0  # with fork_memory_gib: how long a started fork has to take its memory
 
 
 @dataclass
