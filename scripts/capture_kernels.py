@@ -78,8 +78,9 @@ def fp8_products(out: Path, dev) -> dict:
         vt = v8.t().contiguous().t()  # _scaled_mm wants the second operand column-major
         prods = {fast: torch._scaled_mm(p8, vt, scale_a=one, scale_b=one, out_dtype=torch.float32,
                                         use_fast_accum=fast) for fast in (False, True)}
-        res[case] = dict(p8=p8.view(torch.uint8).cpu(), v8=v8.view(torch.uint8).cpu(), pbar_scale=fmt.PBAR_SCALES["fa3"],
-                         v_scale=float(v_scale), out=prods[False].cpu(), out_fast=prods[True].cpu())
+        res[case] = dict(p8=p8.view(torch.uint8).cpu(), v8=v8.view(torch.uint8).cpu(),
+                         pbar_scale=fmt.PBAR_SCALES["fa3"], v_scale=float(v_scale), out=prods[False].cpu(),
+                         out_fast=prods[True].cpu())
     torch.save(res, out / "fp8_scaled_mm.pt")
     return {c: {k: list(t.shape) for k, t in d.items() if torch.is_tensor(t)} for c, d in res.items()}
 
