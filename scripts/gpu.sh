@@ -259,8 +259,8 @@ EOF
       setsid nohup env ROOT="$R/runs" SEEDS="${SEED:-1337}" STOP_AFTER="${STOP_AFTER:-20}" \
         PICK="${PICK:-before-divergence}" MARGIN="${MARGIN:-150}" PAST_DIVERGENCE="${PAST_DIVERGENCE:-310}" \
         KEEP_CHECKPOINTS="${KEEP_CHECKPOINTS:-3}" FORK_MEMORY="${FORK_MEMORY:-26}" PER_GPU_FIRST="${PER_GPU_FIRST:-6}" \
-        FORK_OVERRIDES="${FORK_OVERRIDES-attention.fp32_gemm=tf32x3}" CONTROL_SWEEPS="${CONTROL_SWEEPS:-paper_1gpu_numerics}" \
-        ISOLATION_SWEEPS="${ISOLATION_SWEEPS-paper_isolation beta_sweep paper_1gpu_mechanism}" PROGRESS_EVERY=60 \
+        FORK_OVERRIDES="${FORK_OVERRIDES-attention.fp32_gemm=tf32x3}" CONTROL_SWEEPS="${CONTROL_SWEEPS:-paper_isolation}" \
+        ISOLATION_SWEEPS="${ISOLATION_SWEEPS-paper_1gpu_numerics paper_1gpu_mechanism beta_sweep}" PROGRESS_EVERY=60 \
         bash scripts/paper_1gpu.sh "train.max_steps=${MAX_STEPS:-20000}" > "$L/paper.log" 2>&1 < /dev/null &
       echo $! > "$R/plan.pid"; date +%s > "$R/plan.t0"
       echo "[paper-table] plan started (pid $(cat "$R/plan.pid")) at $(( $(date +%s) - t0 )) s"

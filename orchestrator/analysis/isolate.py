@@ -102,7 +102,7 @@ class Plan:
     keep_checkpoints: int = 0  # the baseline's train.keep_checkpoints (0: all; a GPT-2S checkpoint is ~1.5 GB)
     fork_overrides: List[str] = field(default_factory=list)  # Hydra overrides of the forks only
     fork_memory_gib: Optional[float] = None  # GPU memory a fork needs free before it starts (None: no check)
-    settle_s: float = 40.0  # with fork_memory_gib: how long a started fork has to take its memory
+    settle_s: float = 25.0  # with fork_memory_gib: how long a started fork has to take its memory
 
 
 @dataclass
@@ -166,10 +166,7 @@ class Pipeline:
         self.say(f"1/5 baseline -> {job}")
         # stop_after: early stop N steps past the divergence, so the forks have batches to replay past it and no
         # GPU time goes on a run that has already blown up; without it, every batch of max_steps is recorded
-        n = self.plan.stop_after
-        stop = ["train.early_stop=false"] if n is None else ["train.early_stop=true", f"verdict.early_stop_after={n}"]
-        rc = self._run_py(["intervention=baseline", *self.plan.overrides,
-                           f"train.keep_checkpoints={self.plan.keep_checkpoints}", *stop,
+        rc = self._run_py([*baseline_overrides(self.plan),
                            f"sweep_name={EXPERIMENT}_runs/baseline", f"hydra.run.dir={job}"])
         try:
             rec = record.read(job)
@@ -357,6 +354,13 @@ def _run_key(override: str) -> str:
     return override.split("=", 1)[0].lstrip("+~")
 
 
+def baseline_overrides(plan: Plan) -> List[str]:
+    """The baseline's own overrides (the job folder and sweep name aside): what run.py gets and preflight checks."""
+    n = plan.stop_after
+    stop = ["train.early_stop=false"] if n is None else ["train.early_stop=true", f"verdict.early_stop_after={n}"]
+    return ["intervention=baseline", *plan.overrides, f"train.keep_checkpoints={plan.keep_checkpoints}", *stop]
+
+
 def preflight_configs(plan: Plan) -> int:
     """Compose and validate every run's config (the baseline's, each fork's with the fork overrides) the way run.py
     will, before the baseline trains: a knob a fork's implementation cannot compute, a bad value in a sweep file or
@@ -365,8 +369,10 @@ def preflight_configs(plan: Plan) -> int:
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    runs = [("baseline", ["intervention=baseline", *plan.overrides])]
-    runs += [(name, [*ov, *plan.overrides, *plan.fork_overrides]) for name, ov in fork.sweep_file_jobs(plan.sweeps)]
+    runs = [("baseline", baseline_overrides(plan))]
+    # as forks() launches them, less from_checkpoint and the end step, which the baseline decides
+    runs += [(name, [*ov, *plan.overrides, *plan.fork_overrides, "train.ckpt_every=0"])
+             for name, ov in fork.sweep_file_jobs(plan.sweeps)]
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(version_base="1.3", config_dir=str(REPO / "conf")):

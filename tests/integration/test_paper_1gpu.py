@@ -158,3 +158,78 @@ def test_one_lease_plan_end_to_end_on_cpu(tmp_path):
             assert not list((fd / "checkpoints").glob("*.pt"))  # freed
         assert (d / "mlflow.db").is_file()
         assert f"seed {s}: done" in r.stdout
+
+
+def _baseline_with_checkpoints(tmp_path, steps, divergence, min_loss_step, done):
+    from flash_forensics.orchestrator import record
+    job = tmp_path / "baseline"
+    (job / "checkpoints").mkdir(parents=True)
+    for s in steps:
+        (job / "checkpoints" / f"step_{s}.pt").write_bytes(b"")
+    rec = record.RunRecord(intervention="baseline", observed="diverged", divergence_step=divergence,
+                           min_loss_step=min_loss_step, steps_done=done)
+    record.write(job, rec)
+    return job, record.read(job)
+
+
+@pytest.mark.parametrize("rule,margin,past,want", [
+    ("at-min", 0, None, (8750, 9750)),  # the lowest loss at 8885: 1,000 steps of forks to the baseline's end
+    ("before-divergence", 150, None, (9500, 9750)),
+    ("before-divergence", 150, 310, (9500, 10007)),  # past the baseline's end: its seeded order continues
+    ("at-min", 0, 310, (8750, 10007)),
+])
+def test_pick_rules_and_fork_end(tmp_path, rule, margin, past, want):
+    job, rec = _baseline_with_checkpoints(tmp_path, [8500, 8750, 9000, 9250, 9500, 9750], 9697, 8885, 9750)
+    plan = isolate.Plan(root=tmp_path, out=tmp_path / "r", uri="sqlite:///x.db", pick_rule=rule, margin=margin,
+                        past_divergence=past)
+    step, ckpt, end = isolate.Pipeline(plan).pick(job, rec)
+    assert (step, end) == want and ckpt.name == f"step_{want[0]}.pt"
+
+
+def test_fork_overrides_reach_forks_only_and_are_checked_before_the_baseline(tmp_path, monkeypatch, capsys):
+    seen = []
+    monkeypatch.setattr(isolate.Pipeline, "_run_py", lambda self, ov, log=None, gpu=None: seen.append(list(ov)) or 0)
+    plan = isolate.Plan(root=tmp_path, out=tmp_path / "r", uri="sqlite:///x.db", sweeps=("paper_1gpu_numerics",),
+                        fork_overrides=["attention.fp32_gemm=tf32x3"], keep_checkpoints=3)
+    with pytest.raises(isolate.PipelineError):
+        isolate.Pipeline(plan).baseline()
+    assert "train.keep_checkpoints=3" in seen[0] and "attention.fp32_gemm=tf32x3" not in seen[0]
+    seen.clear()
+    isolate.Pipeline(plan).forks(tmp_path / "ck.pt", 20, [])
+    assert len(seen) == 2 and all("attention.fp32_gemm=tf32x3" in ov and "train.max_steps=20" in ov for ov in seen)
+    # a bad value in a fork override is refused by the preflight, naming the job, before any run starts
+    plan = isolate.Plan(root=tmp_path, out=tmp_path / "r", uri="sqlite:///x.db", experiment="paper_1gpu",
+                        overrides=CPU, sweeps=("paper_1gpu_numerics",), fork_overrides=["attention.fp32_gemm=fast"])
+    with pytest.raises(isolate.PipelineError, match=r"paper_1gpu_numerics-0 .*attention.fp32_gemm='fast' is not "
+                                                    r"allowed: expected one of ieee, tf32x3"):
+        isolate.preflight_configs(plan)
+    with pytest.raises(SystemExit):
+        isolate.main(["--fork-override", "nokey"])
+    assert "--fork-override='nokey' is not allowed: expected KEY=VALUE" in capsys.readouterr().err
+
+
+def test_memory_gate_waits_for_free_memory(tmp_path, monkeypatch):
+    free = iter([3.0, 10.0, 30.0])
+    monkeypatch.setattr(isolate, "gpu_free_gib", lambda gpu: next(free))
+    monkeypatch.setattr(isolate.time, "sleep", lambda s: None)
+    pipe = isolate.Pipeline(isolate.Plan(root=tmp_path, out=tmp_path, uri="sqlite:///x.db", fork_memory_gib=26))
+    pipe.wait_for_memory("0", "job")
+    with pytest.raises(StopIteration):
+        next(free)  # asked until 30 >= 26, then started
+    monkeypatch.setattr(isolate, "gpu_free_gib", lambda gpu: None)  # no nvidia-smi: no wait
+    pipe.wait_for_memory("0", "job")
+
+
+def test_preflight_checks_the_runs_as_launched():
+    """The lease's plan (20K-step baseline keeping 3 checkpoints, stopped 20 steps after its divergence; forks with
+    no periodic checkpoints) passes the preflight: it checks each run with the overrides the run gets. Without them
+    the baseline would keep all ~80 checkpoints (~121 GB) and be refused, as it was once on a lent GPU."""
+    plan = isolate.Plan(root=Path("/tmp/x"), out=Path("/tmp/x/r"), uri="sqlite:////tmp/x.db", experiment="paper_1gpu",
+                        overrides=[*CPU, "train.max_steps=20000"], keep_checkpoints=3, stop_after=20,
+                        sweeps=("paper_isolation", "paper_1gpu_numerics", "paper_1gpu_mechanism", "beta_sweep"),
+                        fork_overrides=["attention.fp32_gemm=tf32x3"])
+    assert isolate.preflight_configs(plan) == 1 + 11 + 2 + 1 + 4
+    assert "train.keep_checkpoints=3" in isolate.baseline_overrides(plan)
+    plan.keep_checkpoints = 0
+    with pytest.raises(isolate.PipelineError, match=r"baseline .*the run would write ~1\d\d GB"):
+        isolate.preflight_configs(plan)
