@@ -233,7 +233,9 @@ EOF
     #   gpu.sh paper-table collect        (waits up to COLLECT_WAIT s, default 0, then) packs $OUT: <= 8 files
     # Env: SEED (1337), BENCH (1), TESTS (1), and the plan's: STOP_AFTER (20), PICK (before-divergence), MARGIN (150),
     # PAST_DIVERGENCE (310), FORK_MEMORY (26 GiB), PER_GPU_FIRST (6), FORK_OVERRIDES (attention.fp32_gemm=tf32x3),
-    # MAX_STEPS (20000): see scripts/paper_1gpu.sh.
+    # MAX_STEPS (20000), CKPT_START (8500: seed 1337 diverges at step 9,697; the 34 checkpoints before 8,500 cost
+    # ~2 min of a 30-minute lease and are never forked from; 0 for a seed whose divergence is not known):
+    # see scripts/paper_1gpu.sh.
     R=${R:-/tmp/paper}; L=$R/logs; mode=${1:-start}
     plan_alive() { [ -f "$R/plan.pid" ] && kill -0 "$(cat "$R/plan.pid")" 2>/dev/null; }
     progress_line() {
@@ -261,7 +263,8 @@ EOF
         KEEP_CHECKPOINTS="${KEEP_CHECKPOINTS:-3}" FORK_MEMORY="${FORK_MEMORY:-26}" PER_GPU_FIRST="${PER_GPU_FIRST:-6}" \
         FORK_OVERRIDES="${FORK_OVERRIDES-attention.fp32_gemm=tf32x3}" CONTROL_SWEEPS="${CONTROL_SWEEPS:-paper_isolation}" \
         ISOLATION_SWEEPS="${ISOLATION_SWEEPS-paper_1gpu_numerics paper_1gpu_mechanism beta_sweep}" PROGRESS_EVERY=60 \
-        bash scripts/paper_1gpu.sh "train.max_steps=${MAX_STEPS:-20000}" > "$L/paper.log" 2>&1 < /dev/null &
+        bash scripts/paper_1gpu.sh "train.max_steps=${MAX_STEPS:-20000}" "train.ckpt_start=${CKPT_START:-8500}" \
+        > "$L/paper.log" 2>&1 < /dev/null &
       echo $! > "$R/plan.pid"; date +%s > "$R/plan.t0"
       echo "[paper-table] plan started (pid $(cat "$R/plan.pid")) at $(( $(date +%s) - t0 )) s"
       if [ "${TESTS:-1}" = 1 ]; then  # correctness only, beside the baseline: nothing here is timed
@@ -288,8 +291,8 @@ EOF
       cd "$R/src" || die "no $R/src"; setup
       state=ended; plan_alive && state=running
       echo "[paper-table] plan $state after $(( $(date +%s) - $(cat "$R/plan.t0") )) s" | tee -a "$L/paper.log"
-      for d in "$R"/runs/seed*; do
-        s=${d##*seed}
+      for d in "$R"/runs/seed*/; do  # the seed folders, not their seed<S>.log files
+        d=${d%/}; s=${d##*seed}
         if [ ! -f "$d/report/verdicts.json" ] || [ "$state" = running ]; then  # the finished rows, read-only
           $PY -m flash_forensics.cli report "$d/baseline" "$d/forks" --out "$d/report_partial" --sweep paper_isolation \
             --tracking-uri "sqlite:///$d/mlflow.db" --meta "partial=collected while the plan was $state" \

@@ -4,8 +4,9 @@ the system metrics (system/*), as one gzipped JSON: what comes back from a lent 
 
     python scripts/mlflow_export.py sqlite:///path/mlflow.db OUT.json.gz [--keep-system]
 
-It reads the store's tables with sqlite3 (one query per table: seconds for a store MLflow's client would take minutes
-to walk run by run) and checks the export against the store's row counts before it writes.
+It reads the store's tables with sqlite3 in one read transaction (one query per table: seconds for a store MLflow's
+client would take minutes to walk run by run; runs still writing do not tear it) and checks the export against the
+store's row count in that same snapshot before it writes.
 """
 from __future__ import annotations
 
@@ -28,8 +29,9 @@ def _path(uri: str) -> Path:
 
 
 def export(uri: str, keep_system: bool = False) -> dict:
-    con = sqlite3.connect(f"file:{_path(uri)}?mode=ro", uri=True)
+    con = sqlite3.connect(f"file:{_path(uri)}?mode=ro", uri=True, isolation_level=None)
     try:
+        con.execute("BEGIN")  # one read transaction: every query sees the same snapshot of a store still being written
         exps = {r[0]: r[1] for r in con.execute("SELECT experiment_id, name FROM experiments")}
         runs = {}
         for run_id, name, status, start, end, exp in con.execute(

@@ -35,7 +35,7 @@ def estimate(obj) -> Dict[str, float]:
     steps = int(t.max_steps)
     order = steps * t.grad_accum * t.batch_size * 8 if t.record_batches else 0
     points = steps * POINTS_PER_STEP * POINT_BYTES
-    saves = steps // t.ckpt_every + 1 if t.ckpt_every else 1
+    saves = (max(0, steps - t.ckpt_start) // t.ckpt_every + 1) if t.ckpt_every else 1
     kept = min(saves, t.keep_checkpoints + 2) if t.keep_checkpoints else saves  # + last.pt, + the pre-divergence one
     ckpts = kept * n_params(obj.model) * 4 * ADAM_COPIES
     return {"batch order": float(order), "MLflow points": float(points), "checkpoints": float(ckpts)}

@@ -238,7 +238,7 @@ def check_train(t) -> None:
 
     for name in ("batch_size", "grad_accum", "max_steps", "eval_batches"):
         _int(f"train.{name}", getattr(t, name), 1)
-    for name in ("eval_every", "ckpt_every", "seed", "keep_checkpoints"):
+    for name in ("eval_every", "ckpt_every", "ckpt_start", "seed", "keep_checkpoints"):
         _int(f"train.{name}", getattr(t, name), 0)
     _int("train.warmup_steps", t.warmup_steps, 0, t.max_steps)
     _num("train.grad_clip", t.grad_clip, 0, strict=False)

@@ -342,7 +342,7 @@ class Job:
                 bar.set_postfix(loss=f"{host[-1][1]:.4f}", tok_s=f"{tps:,.0f}" if tps else "-", refresh=False)
             bar.update(1)
             last = done == tc.max_steps
-            ckpt = bool(tc.ckpt_every and done % tc.ckpt_every == 0) or last
+            ckpt = bool(tc.ckpt_every and done % tc.ckpt_every == 0 and done >= tc.ckpt_start) or last
             self.probes.step_end(step, checkpoint=ckpt)  # mechanism probes: every N steps and at checkpoints
             if (tc.eval_every and done % tc.eval_every == 0) or last:
                 self._log_val(model, val, device, step)
