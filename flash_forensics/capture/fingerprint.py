@@ -109,11 +109,23 @@ def refinements(best, n_head: int, T: int, dtype, seen: set) -> List[Candidate]:
     return _distinct(pool, n_head, T, dtype, seen)
 
 
+_INT_OF = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def identical_count(ref: torch.Tensor, got: torch.Tensor) -> tuple:
+    """(elements of `got` bit-identical to `ref`, elements), integers. `got` is cast to ref's dtype first (exact for
+    a BF16 value into FP32). Bits, not `==`: -0.0 differs from +0.0; every NaN equals every NaN (payloads vary)."""
+    got = got.to(ref.dtype).contiguous()
+    ref = ref.contiguous()
+    as_int = _INT_OF[ref.element_size()]
+    eq = (ref.view(as_int) == got.view(as_int)) | (torch.isnan(ref) & torch.isnan(got))
+    return int(eq.sum()), eq.numel()
+
+
 def identical_share(ref: torch.Tensor, got: torch.Tensor) -> float:
-    """Share of elements of `got` (cast to ref's dtype: exact for a BF16 value into FP32) bit-equal to `ref`."""
-    got = got.to(ref.dtype)
-    eq = (ref == got) | (torch.isnan(ref) & torch.isnan(got))
-    return float(eq.float().mean())
+    """identical_count as a share (a Python float of two integers: a near miss of 2^25 elements stays < 1)."""
+    n, total = identical_count(ref, got)
+    return n / total if total else 1.0
 
 
 def _score(q, k, v, o, lse, c: Candidate, base, default: dict) -> dict:
@@ -121,18 +133,26 @@ def _score(q, k, v, o, lse, c: Candidate, base, default: dict) -> dict:
         oc, _, lc = emulator.forward(q, k, v, c.knobs)
     d = (oc.double() - o.double()).abs()
     d = torch.where(torch.isnan(d), torch.zeros_like(d), d)
+    n_o, tot = identical_count(o, oc)
+    n_l = identical_count(lse.float(), lc.squeeze(-1).float()) if lse is not None else None
     return {"label": c.label, "recipe": c.knobs.recipe, "knobs": c.knobs.knob_values(),
-            "o_identical": identical_share(o, oc),
-            "lse_identical": identical_share(lse.float(), lc.squeeze(-1).float()) if lse is not None else None,
+            "o_identical": n_o / tot, "o_differ": tot - n_o, "o_elements": tot,
+            "lse_identical": None if n_l is None else n_l[0] / n_l[1],
+            "lse_differ": None if n_l is None else n_l[1] - n_l[0],
             "o_mean_abs_diff": float(d.mean()), "o_max_abs_diff": float(d.max()),
             "is_base": base is not None and c.knobs is base,
             "changes": sum(1 for n, x in c.knobs.knob_values().items()
                            if n not in ("recipe", "counters", "backend") and x != default[n])}
 
 
+def is_exact(row: dict) -> bool:
+    """Whether a scored candidate reproduces every O (and lse, when captured) element bit for bit (integer counts)."""
+    return row["o_differ"] == 0 and row.get("lse_differ") in (None, 0)
+
+
 def _rank(rows: List[dict]) -> List[dict]:
-    # equal scores: the file's own knobs first, then the plainest variant (fewest knobs away from the defaults)
-    return sorted(rows, key=lambda r: (-r["o_identical"], -(r["lse_identical"] or 0.0), r["o_mean_abs_diff"],
+    # integer counts of differing elements; equal: the file's own knobs first, then the plainest variant
+    return sorted(rows, key=lambda r: (r["o_differ"], r["lse_differ"] or 0, r["o_mean_abs_diff"],
                                        not r["is_base"], r["changes"]))
 
 
@@ -150,7 +170,7 @@ def run(q, k, v, o, lse=None, base=None, progress: Optional[Callable] = None, re
     rows = _rank(rows)
     for _ in range(refine_rounds):
         best = rows[0]
-        if best["o_identical"] == 1.0 and best["lse_identical"] in (None, 1.0):
+        if is_exact(best):
             break
         more = [dict(_score(q, k, v, o, lse, c, base, default), refined=True)
                 for c in refinements(knobs_of(best["knobs"]), q.shape[1], q.shape[2], q.dtype, seen)]
@@ -160,5 +180,6 @@ def run(q, k, v, o, lse=None, base=None, progress: Optional[Callable] = None, re
     return rows
 
 
-__all__ = ["Candidate", "candidates", "refinements", "variants", "run", "identical_share", "label", "FWD_POINTS",
+__all__ = ["Candidate", "candidates", "refinements", "variants", "run", "identical_share", "identical_count",
+           "is_exact", "label", "FWD_POINTS",
            "BLOCKS"]
