@@ -395,7 +395,8 @@ def analyze(path, heads: Optional[Sequence[int]] = None, top: int = 2, fingerpri
     sel = torch.tensor(idx)
     q, k, v, o = (t.index_select(1, sel) for t in (snap.q, snap.k, snap.v, snap.o))
     do = snap.do.index_select(1, sel) if snap.do is not None else None
-    n_cand = len(fp.candidates(fq.shape[1], fq.shape[2], fq.dtype, flash_knobs)) if fingerprint else 0
+    n_cand = len(fp.candidates(fq.shape[1], fq.shape[2], fq.dtype, flash_knobs, shape=tuple(fq.shape))) \
+        if fingerprint else 0
     n_att = (2 + 2 * len(ROUNDING_POINTS)) if attribute and do is not None else 0
     bar = tqdm(total=n_cand + n_att + 2, desc="analyze", disable=not progress, dynamic_ncols=True)
     timing = {}
