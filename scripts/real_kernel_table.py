@@ -21,9 +21,8 @@ sys.path.insert(0, str(ROOT))
 
 from flash_forensics.capture import fingerprint as fp  # noqa: E402
 from flash_forensics.capture import snapshot as snap_io  # noqa: E402
-from flash_forensics.kernels import emulator, real_kernels, tensor_core  # noqa: E402
+from flash_forensics.kernels import real_kernels, tensor_core  # noqa: E402
 from flash_forensics.kernels.config import AttentionKnobs  # noqa: E402
-from flash_forensics.kernels.masking import Masking  # noqa: E402
 
 OWN_RULE = {"sdpa_flash": "torch_flash_sm90", "sdpa_cudnn": "cudnn_sm90", "sdpa_efficient": "efficient_sm90",
             "triton_paper_bf16": "triton_paper_bf16", "triton_fa2": "triton_fa2"}
@@ -32,15 +31,10 @@ TARGET = {"sdpa_flash": 0.9999, "sdpa_cudnn": 0.9999, "sdpa_efficient": 0.9999, 
 
 
 def backward_shares(snap, knobs, causal: bool) -> dict:
-    """Shares of the kernel's dQ, dK, dV the emulator's backward under `knobs` reproduces, from the captured O."""
     if snap.tensors.get("dq") is None or snap.do is None:
         return {}
-    masking = None if causal else Masking(causal=False)
-    with torch.no_grad():
-        _, o_saved, lse = emulator.forward(snap.q, snap.k, snap.v, knobs, masking=masking)
-        grads = emulator.backward(snap.q, snap.k, snap.v, snap.o.to(o_saved.dtype), lse, snap.do, knobs,
-                                  masking=masking)
-    return {n: fp.identical_share(snap.tensors[n], g) for n, g in zip(("dq", "dk", "dv"), grads, strict=True)}
+    grads = {n: snap.tensors[n] for n in ("dq", "dk", "dv")}
+    return fp.backward_shares(snap.q, snap.k, snap.v, snap.o, snap.do, grads, knobs, causal)
 
 
 def one(path: Path, entry: dict, refine: int) -> dict:

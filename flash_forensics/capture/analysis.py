@@ -410,6 +410,10 @@ def analyze(path, heads: Optional[Sequence[int]] = None, top: int = 2, fingerpri
     res["fingerprint"] = {"heads": [file_heads[j] for j in fp_idx], "unchecked_heads": unchecked,
                           "candidates": ranked, "best": ranked[0]["label"] if ranked else None,
                           "exact": bool(ranked) and fp.is_exact(ranked[0])}
+    grads = {n: snap.tensors[n].index_select(1, fp_sel) for n in ("dq", "dk", "dv") if n in snap.tensors}
+    if ranked and grads and snap.do is not None:  # the kernel's own backward, under the best forward candidate
+        res["fingerprint"]["backward"] = fp.backward_shares(fq, fk, fv, fo, snap.do.index_select(1, fp_sel), grads,
+                                                            knobs_of(ranked[0]["knobs"]))
     if unchecked:
         notes.append(f"the fingerprint checked heads {res['fingerprint']['heads']} only: heads {unchecked} of the "
                      "file were not checked (a difference there goes unseen; fingerprint_heads_mode='all' or "

@@ -163,6 +163,16 @@ def is_exact(row: dict) -> bool:
     return row["o_differ"] == 0 and row.get("lse_differ") in (None, 0)
 
 
+def backward_shares(q, k, v, o, do, grads: dict, knobs, causal: bool = True) -> dict:
+    """{dq, dk, dv: share of the kernel's own gradient (grads) bit-identical to the emulator's backward under
+    `knobs`}, from the captured O (what a kernel's backward reads) and the candidate's lse."""
+    masking = None if causal else Masking(causal=False)
+    with torch.no_grad(), torch.autocast(device_type=q.device.type, enabled=False):
+        _, o_saved, lse = emulator.forward(q, k, v, knobs, masking=masking)
+        mine = emulator.backward(q, k, v, o.to(o_saved.dtype), lse, do, knobs, masking=masking)
+    return {n: identical_share(grads[n], g) for n, g in zip(("dq", "dk", "dv"), mine, strict=True) if n in grads}
+
+
 def _rank(rows: List[dict]) -> List[dict]:
     # integer counts of differing elements; equal: the file's own knobs first, then the plainest variant
     return sorted(rows, key=lambda r: (r["o_differ"], r["lse_differ"] or 0, r["o_mean_abs_diff"],
@@ -198,5 +208,5 @@ def run(q, k, v, o, lse=None, base=None, progress: Optional[Callable] = None, re
 
 
 __all__ = ["Candidate", "candidates", "refinements", "variants", "run", "identical_share", "identical_count",
-           "is_exact", "label", "rule_candidates", "FWD_POINTS", "REAL_FORMS",
+           "is_exact", "label", "rule_candidates", "backward_shares", "FWD_POINTS", "REAL_FORMS",
            "BLOCKS"]

@@ -96,6 +96,9 @@ def markdown(res: dict) -> str:
         if len(fpr["candidates"]) > 15:
             out.append(f"| | ({len(fpr['candidates']) - 15} more in the JSON) | | | | |")
         out.append("")
+        if fpr.get("backward"):
+            out += ["The kernel's own backward against the emulator's under the best candidate (from the captured O, "
+                    "dO): " + ", ".join(f"{n} {pct(x)} identical" for n, x in fpr["backward"].items()) + ".", ""]
     out += ["## Per head: ties and the delta error against FP64", "",
             "| head | rows | tie rows | exact in FP32 | created by rounding | P̄=1 tie rows | delta err mean | t | "
             "tie share (signed) | tie share (abs) | dQ rel err | dK rel err | dQ rel err from delta | "

@@ -98,3 +98,17 @@ def test_fa2_rule_splits_as_flash_api_does():
     AttentionKnobs(**d128).validate()
     with pytest.raises(ValueError, match="rule 'fa9'"):
         real_kernels.rule_knobs("fa9", 1, 1, 1, 1)
+
+
+def test_analyze_fingerprints_the_kernels_own_backward(tmp_path):
+    from flash_forensics.capture.analysis import analyze
+    from flash_forensics.capture.recorder import write_call
+    from flash_forensics.kernels.emulator import reference_attention
+    q, k, v, do = tied_inputs(1, 2, 64, 32, seed=5)
+    kn = AttentionKnobs(recipe="fa2")
+    o, lse, dq, dk, dv = reference_attention(q, k, v, kn, do=do)
+    dk = dk.clone()
+    dk.view(torch.int16)[0, 1, 3, 4] += 1  # one element of the kernel's dK differs
+    path = write_call(tmp_path / "g.safetensors", q, k, v, o, do, dq=dq, dk=dk, dv=dv, family="test", layer=0)
+    bwd = analyze(path, attribute=False, progress=False)["fingerprint"]["backward"]
+    assert bwd["dq"] == 1.0 and bwd["dv"] == 1.0 and bwd["dk"] == 1 - 1 / dk.numel()
