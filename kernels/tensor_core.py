@@ -8,12 +8,14 @@ FP32 for FP8: the "limited accumulation precision" of FP8 GEMMs on H800 (DeepSee
 bits); cuBLAS' default FP8 GEMM (torch._scaled_mm, use_fast_accum=False) promotes the accumulator to an FP32 sum in
 CUDA cores every PROMOTE products; fast accumulation and FlashAttention-3 never do.
 
-The parameters are measurements, not specifications (results/real_kernels/README.md):
-- BF16, BLOCK 16, F 25: torch SDPA's flash backend (FlashAttention-2, mma.sync) on an H200, with the
-  kernel's own tiles, loop order and exp2 softmax, reproduces 100% of O on repeated-maxima inputs, 99.75-99.89%
-  with F = 23, 24 or 26 and 96-99% with round-to-nearest accumulation (scripts/real_kernel_table.py).
+The parameters are measurements, not specifications (a grid run once on the H200 captures of issue 30; the table
+they give is results/real_kernels/table.md, its README says how it was made):
+- BF16, BLOCK 16, F 25: torch SDPA's flash backend (FlashAttention-2, mma.sync) with the kernel's own tiles, loop
+  order and exp2 softmax reproduces 100% of O on the D 64 repeated-maxima captures; F = 23, 24 or 26 gave
+  99.73-99.89%, blocks of 8 or 32 99.77-99.90%, round-to-nearest accumulation 99.1-99.7%.
 - FP8, BLOCK 32, F 13, PROMOTE 128: the best of a grid (blocks 16/32/64, F 10..25, promotion none/64/128/256)
-  against torch._scaled_mm on an H200 (results/real_kernels/fp8_scaled_mm.md): a partial fit, not bit-exact.
+  against torch._scaled_mm: 53-73% of the default products, 75-89% of use_fast_accum's without promotion; a
+  partial fit, not bit-exact.
 Values are FP32 (the working dtype) holding BF16 / FP8 values; the arithmetic runs in FP64, where the products and
 the aligned sums are exact.
 """
