@@ -56,7 +56,24 @@ class _Knobs:
                 knob, value, why = problem
                 raise bad(f"{key}.{knob}", _shown(value), why)
             self._check_scales(key)
+        if {"exp_form", "kv_split"} <= names:
+            self._check_real_kernel_forms(key)
         return self
+
+    def _check_real_kernel_forms(self, key: str) -> None:
+        """exp_form / kv_split model the safe softmax of real kernels: Algorithm 3's shift and the clamp read the
+        scaled scores and one running state, so they do not combine with them."""
+        for name, off in (("exp_form", "exp"), ("kv_split", 0)):
+            value = getattr(self, name)
+            if value == off:
+                continue
+            if self.softmax != "safe":
+                raise bad(f"{key}.softmax", self.softmax, f"safe ({name}={value!r} models the safe softmax of real "
+                          "kernels)")
+            if self.pbar_clamp:
+                raise bad(f"{key}.pbar_clamp", True, f"false ({name}={value!r} models kernels without the clamp)")
+            if name == "kv_split" and self.stochastic_round:
+                raise bad(f"{key}.stochastic_round", True, "false (kv_split has no per-tile stream ids across parts)")
 
     def _check_scales(self, key: str) -> None:
         """The FP8 scale knobs must have an FP8 store to scale (else they would change nothing, silently)."""

@@ -39,6 +39,7 @@ from typing import Optional
 import torch
 
 from flash_forensics.kernels import formats as fmt
+from flash_forensics.kernels import tensor_core as tc
 from flash_forensics.kernels import tf32x3
 from flash_forensics.kernels.config import AttentionKnobs
 from flash_forensics.kernels.knobs import PBAR_CLAMP
@@ -50,6 +51,8 @@ from flash_forensics.kernels.stochastic import call_key, stochastic_round, unifo
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 SFA_GUARD_LO = 2.0 ** -6  # smallest shift above rm: exp(-2^-6) = 0.9845 rounds to 0.984375 in BF16, not to 1
 SFA_GUARD_HI = 8.0  # largest: exp(-8) = 3.4e-4, far from FP32/BF16 underflow and from paper_bf16's 1e-10 floor
+LOG2E = float(torch.tensor(1.4426950408889634, dtype=torch.float32))  # log2(e) as an FP32 constant (kernels)
+LN2 = float(torch.tensor(0.6931471805599453, dtype=torch.float32))
 
 
 @dataclass
@@ -75,10 +78,53 @@ class _Plan:
     masking: Optional[Masking] = None  # None: causal self-attention (kernels/masking.py)
     tk: int = 0  # the number of keys
     tf32x3: bool = False  # fp32_gemm=tf32x3: every GEMM as three TF32 passes (kernels/tf32x3.py)
+    exp_form: str = "exp"  # how P̄ = exp(S - m) is evaluated (knob exp_form; `expd`, `alpha`)
+    c_log2: float = 0.0  # exp2_folded: scale * log2(e) rounded to FP32, as FlashAttention-2 passes it
+    reverse: bool = False  # key_order=reverse: a query tile visits its key tiles last to first
+    reciprocal: bool = False  # normalize=reciprocal: O = acc * (1 / l)
+    kv_split: int = 0  # keys per split-KV part (0: none)
+    tc: Optional[str] = None  # tensor_core knob (None: exact GEMMs)
+    thread_sums: bool = False  # rowsum_order=fa2_threads: l as 4 per-thread partial sums (`_thread_sums`)
 
-    def mm(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        """A GEMM of the tile loops: a @ b, or its 3xTF32 model where fp32_gemm=tf32x3 (FP32 work dtype only)."""
-        return tf32x3.matmul(a, b) if self.tf32x3 else a @ b
+    def mm(self, a: torch.Tensor, b: torch.Tensor, acc: Optional[torch.Tensor] = None,
+           narrow: bool = False) -> torch.Tensor:
+        """A GEMM of the tile loops: acc + a @ b (acc None: a @ b), or its 3xTF32 model where fp32_gemm=tf32x3 (FP32
+        work dtype only), or the tensor-core model (kernels/tensor_core.py) where the knob asks for it and the
+        operands are `narrow` (stored in 16 bits or fewer): acc then enters the MMA as its C operand."""
+        if self.tc is not None and narrow:
+            fp8 = fmt.is_fp8(self.rc.inputs) or fmt.is_fp8(self.rc.pbar)
+            return tc.matmul(a, b, acc, *tc.params(self.tc, fp8))
+        out = tf32x3.matmul(a, b) if self.tf32x3 else a @ b
+        return out if acc is None else acc + out
+
+    def expd(self, x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+        """P̄ = exp(x - m) for stored scores x and running max m, as exp_form evaluates it (the difference stored at
+        `shift`). exp2_folded: x, m are the unscaled scores and exp2(fl(x * c) - fl(m * c)), c = fl(scale *
+        log2(e)); exp2_mul: exp2(fl(d * log2(e))), Triton's tl.exp. exp2 is exact-then-rounded to FP32 (the GPUs'
+        ex2.approx is not specified bit for bit: results/real_kernels/README.md)."""
+        if self.exp_form == "exp":
+            return torch.exp(self.r("shift", x - m))
+        if self.exp_form == "exp2_folded":
+            return _exp2(self.r("shift", _f32(x * self.c_log2) - _f32(m * self.c_log2)))
+        return _exp2(_f32(self.r("shift", x - m) * LOG2E))
+
+    def alpha(self, m_old: torch.Tensor, m_new: torch.Tensor) -> torch.Tensor:
+        """The rescale exp(m_old - m_new) of the running state (exp2_folded: exp2(fl((m_old - m_new) * c)))."""
+        if self.exp_form == "exp":
+            return torch.exp(self.r("shift", m_old - m_new))
+        c = self.c_log2 if self.exp_form == "exp2_folded" else LOG2E
+        return _exp2(_f32(self.r("shift", m_old - m_new) * c))
+
+    def normalized(self, acc: torch.Tensor, l: torch.Tensor) -> torch.Tensor:
+        """O = acc / l, or acc * fl(1 / l) (normalize=reciprocal, FlashAttention-2's normalize_softmax_lse)."""
+        return acc * _f32(1.0 / l) if self.reciprocal else acc / l
+
+    def lse(self, l: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+        """log(l) + m in the scale of the scaled scores (exp2_folded keeps m unscaled: m * scale + log(l))."""
+        if self.exp_form == "exp":
+            return torch.log(l) + m
+        mm = m * self.scale if self.exp_form == "exp2_folded" else m
+        return _f32(mm.double() + _logf(l).double()).to(l.dtype)  # FMA: one rounding
 
     def key_stop(self, qe: int) -> int:
         """End of the key tiles a query tile ending at row qe visits: past the last query row (causal) all masked."""
@@ -151,6 +197,21 @@ class _Plan:
         return y
 
 
+def _f32(x: torch.Tensor) -> torch.Tensor:
+    """x rounded to FP32 and back to its dtype (the FP32 ops of the working dtype; a no-op on FP32 x)."""
+    return x.to(torch.float32).to(x.dtype)
+
+
+def _exp2(x: torch.Tensor) -> torch.Tensor:
+    """2^x computed in FP64 and rounded to x's dtype (correctly rounded but for rare double roundings)."""
+    return torch.exp2(x.to(torch.float64)).to(x.dtype)
+
+
+def _logf(x: torch.Tensor) -> torch.Tensor:
+    """log(x) as fast-math __logf computes it: log2(x) (rounded) times ln 2 (rounded)."""
+    return _f32(_f32(torch.log2(x.to(torch.float64)).to(x.dtype)) * LN2)
+
+
 def _plan(knobs: AttentionKnobs, q: torch.Tensor, trace: Optional[dict] = None,
           stats: Optional[AttnStats] = None, masking: Optional[Masking] = None,
           tk: Optional[int] = None) -> _Plan:
@@ -172,7 +233,14 @@ def _plan(knobs: AttentionKnobs, q: torch.Tensor, trace: Optional[dict] = None,
                  stats=stats if (stats is not None and knobs.counters) else None,
                  rot=fmt.rotation(D, rc.work, q.device) if getattr(knobs, "incoherent", False) else None,
                  masking=masking, tk=tk,
-                 tf32x3=getattr(knobs, "fp32_gemm", "ieee") == "tf32x3" and rc.work == torch.float32)
+                 tf32x3=getattr(knobs, "fp32_gemm", "ieee") == "tf32x3" and rc.work == torch.float32,
+                 exp_form=getattr(knobs, "exp_form", "exp"),
+                 c_log2=float(torch.tensor(scale * 1.4426950408889634, dtype=torch.float32)),
+                 reverse=getattr(knobs, "key_order", "forward") == "reverse",
+                 reciprocal=getattr(knobs, "normalize", "divide") == "reciprocal",
+                 kv_split=int(getattr(knobs, "kv_split", 0)),
+                 tc=None if getattr(knobs, "tensor_core", "exact") == "exact" else knobs.tensor_core,
+                 thread_sums=getattr(knobs, "rowsum_order", "torch") == "fa2_threads")
 
 
 def _causal_mask(qs: int, qe: int, ks: int, ke: int, device) -> Optional[torch.Tensor]:
@@ -182,8 +250,17 @@ def _causal_mask(qs: int, qe: int, ks: int, ke: int, device) -> Optional[torch.T
     return torch.arange(ks, ke, device=device)[None, :] > torch.arange(qs, qe, device=device)[:, None]
 
 
-def _scores(p: _Plan, qi: torch.Tensor, kj: torch.Tensor, mask, fill: float, bias=None) -> torch.Tensor:
-    s = p.r("scores", p.mm(qi, kj.transpose(-1, -2)))
+def _narrow(*dtypes) -> bool:
+    return all(fmt.bits(d) <= 16 for d in dtypes)
+
+
+def _scores(p: _Plan, qi: torch.Tensor, kj: torch.Tensor, mask, fill: float, bias=None, raw: bool = False,
+            operand: Optional[torch.dtype] = None) -> torch.Tensor:
+    """S of one tile, scaled (raw: unscaled, exp_form=exp2_folded's forward), masked to `fill`. `operand`: the
+    dtype Q, K entered in (the tensor-core model runs where it is narrow)."""
+    s = p.r("scores", p.mm(qi, kj.transpose(-1, -2), narrow=_narrow(operand or p.rc.inputs)))
+    if raw:
+        return s if mask is None else s.masked_fill(mask, fill)
     s = p.r("scores", s * p.scale)
     if bias is not None:  # SDPA's additive mask: added to the scaled scores, a `scores` op
         s = p.r("scores", s + bias)
@@ -241,6 +318,105 @@ def _clamped(p: _Plan, pbar: torch.Tensor, rep: Optional[torch.Tensor]) -> Optio
     return (rep & (pbar == 1)) if p.clamp else None
 
 
+def _key_schedule(p: _Plan, qe: int):
+    """The key tiles a query tile ending at row qe visits, as lists of (ks, ke) per split-KV part (one part without
+    kv_split), each in the knob's key order. Tiles past the last query row are wholly masked (causal): skipped."""
+    starts = list(range(0, p.key_stop(qe), p.bk))
+    if p.kv_split:
+        groups = [[ks for ks in starts if ks // p.kv_split == g] for g in range(-(-p.tk // p.kv_split))]
+        groups = [g for g in groups if g]
+    else:
+        groups = [starts]
+    return [[(ks, min(ks + p.bk, p.tk)) for ks in (g[::-1] if p.reverse else g)] for g in groups]
+
+
+def _online(p: _Plan, qi, kw, vw, qs: int, qe: int, tiles, fill: float, m_init: float, stats, capture, masking):
+    """The online softmax of one query tile over `tiles`: (O accumulator, l, m, the unfloored row sum or None)."""
+    rc, w = p.rc, p.rc.work
+    B, H, _, D = qi.shape
+    dev = qi.device
+    count = stats is not None
+    m = torch.full((B, H, qe - qs, 1), m_init, dtype=w, device=dev)
+    l = torch.zeros_like(m)
+    acc = torch.zeros(B, H, qe - qs, D, dtype=w, device=dev)
+    l_raw = torch.zeros_like(m) if count else None
+    fused = p.tc is not None and rc.pv_out == w and rc.acc == w  # P̄V accumulates into O_acc (the MMA's C)
+    quad = torch.zeros(B, H, qe - qs, 4, dtype=w, device=dev) if p.thread_sums else None
+    narrow = _narrow(rc.pbar, rc.inputs)
+    for ks, ke in tiles:
+        mask, bias = p.tile(qs, qe, ks, ke, dev)
+        s = _scores(p, qi, kw[:, :, ks:ke], mask, fill, bias, raw=p.exp_form == "exp2_folded")
+        rm, rep, m_new, fired = _tile_shift(p, s, m, mask, count or capture is not None or p.clamp)
+        pbar = p.expd(s, m_new)
+        alpha = p.alpha(m, m_new)
+        rowsum = pbar.sum(dim=-1, keepdim=True)
+        if count:  # the unfloored row sum: what tells an underflowed row from a small tile contribution
+            l_raw = alpha * l_raw + rowsum
+        if rc.rowsum_floor:
+            rowsum = rowsum.clamp_min(rc.rowsum_floor)
+        if quad is not None:
+            quad = _thread_sums(quad * alpha, pbar)
+            l = p.r("stats", (quad[..., 0:1] + quad[..., 2:3]) + (quad[..., 1:2] + quad[..., 3:4]))
+        else:
+            l = p.r("stats", alpha * l + rowsum)
+        tie = _clamped(p, pbar, rep)
+        pbar_pv = pbar if tie is None else torch.where(tie, PBAR_CLAMP, pbar)  # l above: the unclamped P̄
+        pbar_in = p.r("pbar", pbar_pv, p.o_keep, scale=rc.pbar_scale)
+        if count:
+            p1 = None if fired is None else fired & (pbar_in >= 1).any(dim=-1, keepdim=True)
+            # a mask other than causal: a (row, tile) pair counts where the row has a key in the tile, so
+            # rows_seen matches the causal path, which skips the tiles wholly above the diagonal
+            seen = (None if masking is None or mask is None else
+                    (~mask).any(dim=-1, keepdim=True).expand(B, H, -1, 1))
+            stats.update(rep, rm, sfa_p1=p1, seen=seen)
+        tile = ((qs // p.bq) << 16 | (ks // p.bk)) << 2  # stream ids of this tile's stochastic_round points
+        if fused:
+            acc = p.mm(pbar_in, vw[:, :, ks:ke], acc * alpha, narrow=narrow)
+        else:
+            pv = p.r_sr("pv_out", p.mm(pbar_in, vw[:, :, ks:ke], narrow=narrow), tile)
+            acc = p.r_sr("acc", p.r_sr("acc", acc * alpha, tile | 1) + pv, tile | 2)
+        m = m_new
+        if capture is not None:
+            capture["tiles"].append(dict(qs=qs, ks=ks, p_bar=pbar.clone(), p_bar_pv=pbar_pv.clone(), rep=rep,
+                                         mask=mask, rm=rm, m=m_new))
+    return acc, l, m, l_raw
+
+
+def _thread_sums(quad: torch.Tensor, pbar: torch.Tensor) -> torch.Tensor:
+    """rowsum_order=fa2_threads: the 4 threads of an mma.sync row each add their own columns of the tile, in
+    order, to their running partial sum (thread t: columns 8j + 2t, 8j + 2t + 1; FlashAttention-2's reduce_sum
+    without warp_reduce); quad (B, H, rows, 4), already rescaled."""
+    n = pbar.shape[-1]
+    for j in range(0, n, 8):
+        for half in (0, 1):
+            cols = [j + 2 * t + half for t in range(4)]
+            ok = [c < n for c in cols]
+            vals = torch.stack([pbar[..., c] if c < n else torch.zeros_like(pbar[..., 0]) for c in cols], -1)
+            quad = torch.where(torch.tensor(ok, device=quad.device), quad + vals, quad)
+    return quad
+
+
+def _combine(p: _Plan, parts):
+    """FlashAttention-2's split-KV combine of the parts' (O, lse): lse = log(sum exp(lse_i - max)) + max, O = sum
+    exp(lse_i - lse) O_i as FMAs in part order; exp and log as the exp_form computes them (fast-math expf/logf
+    outside exp_form=exp). Parts with no key (lse -inf) weigh 0."""
+    fast = p.exp_form != "exp"
+    ex = (lambda x: _exp2(_f32(x * LOG2E))) if fast else torch.exp
+    lg = _logf if fast else torch.log
+    lses = [x[1] for x in parts]
+    top = lses[0]
+    for x in lses[1:]:
+        top = torch.maximum(top, x)
+    total = torch.zeros_like(top)
+    for x in lses:
+        total = total + ex(x - top)
+    lse = lg(total) + top
+    o = torch.zeros_like(parts[0][0])
+    for o_i, x in parts:
+        o = _f32(o.double() + ex(x - lse).double() * o_i.double())  # an FMA: one rounding
+    return o, lse
+
+
 def forward(q, k, v, knobs: AttentionKnobs, stats: Optional[AttnStats] = None, capture: Optional[dict] = None,
             trace: Optional[dict] = None, masking: Optional[Masking] = None):
     """One forward pass without autograd. Returns (O returned, O stored for delta, lse (B, H, T, 1) in the working
@@ -253,6 +429,9 @@ def forward(q, k, v, knobs: AttentionKnobs, stats: Optional[AttnStats] = None, c
     """
     B, H, T, D = q.shape
     p = _plan(knobs, q, trace, stats, masking, k.shape[2])
+    if p.exp_form == "exp2_folded" and masking is not None and masking.bias is not None:
+        raise ValueError("attention.exp_form='exp2_folded' is not allowed with an additive attn_mask: expected "
+                         "exp or exp2_mul (the folded form scales the scores inside exp2, after the bias)")
     rc, w = p.rc, p.rc.work
     dev = q.device
     count = stats is not None and knobs.counters
@@ -268,45 +447,20 @@ def forward(q, k, v, knobs: AttentionKnobs, stats: Optional[AttnStats] = None, c
         capture.update(tiles=[], o_bar=torch.empty_like(o_saved), l=torch.empty_like(lse), m=torch.empty_like(lse))
     for qs in range(0, T, p.bq):
         qe = min(qs + p.bq, T)
-        qi = qw[:, :, qs:qe]
-        m = torch.full((B, H, qe - qs, 1), m_init, dtype=w, device=dev)
-        l = torch.zeros_like(m)
-        acc = torch.zeros(B, H, qe - qs, D, dtype=w, device=dev)
-        l_raw = torch.zeros_like(m) if count else None
-        for ks in range(0, p.key_stop(qe), p.bk):  # key tiles past the last query row are wholly masked: skipped
-            ke = min(ks + p.bk, p.tk)
-            mask, bias = p.tile(qs, qe, ks, ke, dev)
-            s = _scores(p, qi, kw[:, :, ks:ke], mask, fill, bias)
-            rm, rep, m_new, fired = _tile_shift(p, s, m, mask, count or capture is not None or p.clamp)
-            pbar = torch.exp(p.r("shift", s - m_new))
-            alpha = torch.exp(p.r("shift", m - m_new))
-            rowsum = pbar.sum(dim=-1, keepdim=True)
-            if count:  # the unfloored row sum: what tells an underflowed row from a small tile contribution
-                l_raw = alpha * l_raw + rowsum
-            if rc.rowsum_floor:
-                rowsum = rowsum.clamp_min(rc.rowsum_floor)
-            l = p.r("stats", alpha * l + rowsum)
-            tie = _clamped(p, pbar, rep)
-            pbar_pv = pbar if tie is None else torch.where(tie, PBAR_CLAMP, pbar)  # l above: the unclamped P̄
-            pbar_in = p.r("pbar", pbar_pv, p.o_keep, scale=rc.pbar_scale)
-            if count:
-                p1 = None if fired is None else fired & (pbar_in >= 1).any(dim=-1, keepdim=True)
-                # a mask other than causal: a (row, tile) pair counts where the row has a key in the tile, so
-                # rows_seen matches the causal path, which skips the tiles wholly above the diagonal
-                seen = (None if masking is None or mask is None else
-                        (~mask).any(dim=-1, keepdim=True).expand(B, H, -1, 1))
-                stats.update(rep, rm, sfa_p1=p1, seen=seen)
-            tile = ((qs // p.bq) << 16 | (ks // p.bk)) << 2  # stream ids of this tile's stochastic_round points
-            pv = p.r_sr("pv_out", p.mm(pbar_in, vw[:, :, ks:ke]), tile)
-            acc = p.r_sr("acc", p.r_sr("acc", acc * alpha, tile | 1) + pv, tile | 2)
-            m = m_new
-            if capture is not None:
-                capture["tiles"].append(dict(qs=qs, ks=ks, p_bar=pbar.clone(), p_bar_pv=pbar_pv.clone(), rep=rep,
-                                             mask=mask, rm=rm, m=m_new))
+        parts = [_online(p, qw[:, :, qs:qe], kw, vw, qs, qe, tiles, fill, m_init, stats if count else None,
+                         capture, masking) for tiles in _key_schedule(p, qe)]
+        if len(parts) == 1:
+            acc, l, m, l_raw = parts[0]
+            o_i, lse_i = p.normalized(acc, l), p.lse(l, m)
+        else:  # split-KV: each part's O and lse, combined (FlashAttention-2's combine kernel)
+            acc, l, m, l_raw = parts[0]  # capture: the first part's
+            o_i, lse_i = _combine(p, [(p.normalized(a_, l_), p.lse(l_, m_)) for a_, l_, m_, _ in parts])
+            if count:  # the row underflowed when every part did
+                l_raw = torch.stack([x[3] for x in parts]).amax(dim=0)
         if count:  # row sum under the floor (or NaN): the row's P̄ all underflowed (exact Algorithm 3)
             stats.update_underflow(~(l_raw >= (rc.rowsum_floor or torch.finfo(w).tiny)))
-        o_saved[:, :, qs:qe] = (acc / l) if o_fp8 else p.r("o_store", acc / l, p.o_keep)
-        lse[:, :, qs:qe] = torch.log(l) + m
+        o_saved[:, :, qs:qe] = o_i if o_fp8 else p.r("o_store", o_i, p.o_keep)
+        lse[:, :, qs:qe] = lse_i
         if capture is not None:
             capture["o_bar"][:, :, qs:qe] = acc
             capture["l"][:, :, qs:qe] = l
@@ -326,7 +480,7 @@ def _key_tiles(p: _Plan, qi, kw, qs: int, qe: int, lse_i, dev):
     for ks in range(0, p.key_stop(qe), p.bk):
         ke = min(ks + p.bk, T)
         mask, bias = p.tile(qs, qe, ks, ke, dev)
-        s = _scores(p, qi, kw[:, :, ks:ke], mask, float("-inf"), bias)
+        s = _scores(p, qi, kw[:, :, ks:ke], mask, float("-inf"), bias, operand=p.rc.operand("bwd_inputs"))
         tie = None
         if p.clamp:  # masked scores are -inf here (-max there): neither moves m, nor is P̄ = 1 at them
             _, rep, m, _ = _tile_shift(p, s, m, mask, True)
@@ -392,6 +546,8 @@ def backward(q, k, v, o_saved, lse, do, knobs: AttentionKnobs, trace: Optional[d
     dev = q.device
     qw, kw, vw, dow = _bwd_inputs(p, q, k, v, do)
     ds_in, dp_out = rc.operand("ds_in"), rc.operand("dp_out")
+    bwd_in, do_in = rc.operand("bwd_inputs"), rc.operand("do_in")  # where the tensor-core model applies
+    nar_pv, nar_dp, nar_ds = _narrow(rc.bwd_gemm_in, do_in), _narrow(do_in, bwd_in), _narrow(ds_in, bwd_in)
     dq = torch.zeros(B, H, T, D, dtype=w, device=dev)
     dk = torch.zeros(B, H, p.tk, D, dtype=w, device=dev)
     dv = torch.zeros_like(dk)
@@ -404,12 +560,13 @@ def backward(q, k, v, o_saved, lse, do, knobs: AttentionKnobs, trace: Optional[d
         for ks, ke, pt, tie in _key_tiles(p, qi, kw, qs, qe, lse_i, dev):
             kj, vj = kw[:, :, ks:ke], vw[:, :, ks:ke]
             p_in = p.r("bwd_gemm_in", _tie_scaled(pt, tie), scale=rc.pbar_scale)
-            dv_c = p.r("bwd_out", p.mm(p_in.transpose(-1, -2), doi))
+            dv_c = p.r("bwd_out", p.mm(p_in.transpose(-1, -2), doi, narrow=nar_pv))
             dv[:, :, ks:ke] = p.r("grad_acc", dv[:, :, ks:ke] + dv_c)
-            dp = p.r("bwd_out", p.mm(doi, vj.transpose(-1, -2)), dtype=dp_out)
+            dp = p.r("bwd_out", p.mm(doi, vj.transpose(-1, -2), narrow=nar_dp), dtype=dp_out)
             ds = p.r("bwd_gemm_in", (pt * p.scale) * (_tie_scaled(dp, tie) - delta), dtype=ds_in)
-            dq_i = p.r("grad_acc", dq_i + p.r("bwd_out", p.mm(ds, kj)))
-            dk[:, :, ks:ke] = p.r("grad_acc", dk[:, :, ks:ke] + p.r("bwd_out", p.mm(ds.transpose(-1, -2), qi)))
+            dq_i = p.r("grad_acc", dq_i + p.r("bwd_out", p.mm(ds, kj, narrow=nar_ds)))
+            dk[:, :, ks:ke] = p.r("grad_acc", dk[:, :, ks:ke] + p.r("bwd_out", p.mm(ds.transpose(-1, -2), qi,
+                                                                                     narrow=nar_ds)))
         dq[:, :, qs:qe] = dq_i
     if p.rot is not None:  # incoherent: the gradients of the rotated Q, K, rotated back (M orthogonal)
         dq, dk = dq @ p.rot.transpose(0, 1), dk @ p.rot.transpose(0, 1)

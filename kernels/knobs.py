@@ -31,6 +31,11 @@ BACKENDS = ("auto", "emulator", "triton")  # auto: triton on CUDA when it comput
 SOFTMAXES = ("safe", "stabilized", "stabilized_guarded")  # guarded: bounded shift (emulator only)
 DELTAS = ("dO_O", "dP_P", "recompute_fp32")
 FP32_GEMMS = ("ieee", "tf32x3")  # how a GEMM with FP32 operands runs: FMA units, or three TF32 tensor-core passes
+EXP_FORMS = ("exp", "exp2_folded", "exp2_mul")  # how exp(S - m) is evaluated (real kernels' forms)
+KEY_ORDERS = ("forward", "reverse")
+NORMALIZES = ("divide", "reciprocal")
+TENSOR_CORES = ("exact", "sm90", "sm90_fast_fp8")  # kernels/tensor_core.py
+ROWSUM_ORDERS = ("torch", "fa2_threads")
 BLOCK = 64  # default block_q = block_k (the route label names other sizes)
 EPS = 1e-3
 PBAR_CLAMP = 0.99609375  # the largest BF16 value below 1 (1 - 2**-8): what pbar_clamp puts where P̄ = 1
@@ -152,6 +157,10 @@ def _points(value, _n_head) -> Optional[str]:
     return None if ok else f"a list of distinct rounding points from {', '.join(ROUNDING_POINTS)}"
 
 
+def _split(value, _n_head) -> Optional[str]:
+    return None if is_int(value, 0) else "an integer >= 0 (keys per split-KV part; 0: no split)"
+
+
 def _formats(value, _n_head) -> Optional[str]:
     ok = (isinstance(value, Mapping) and all(isinstance(pt, str) and pt in ROUNDING_POINTS for pt in value)
           and all(isinstance(f, str) and f in FORMATS for f in value.values()))
@@ -248,6 +257,46 @@ KNOBS: Tuple[Knob, ...] = (
          computed_by=("emulator",), off=False),
     Knob("pbar_clamp", bool, False, f"where a tile's row max repeats, P̄ = 1 becomes {PBAR_CLAMP} before P̄V "
          "(m and l unchanged): the clamp-only ablation", computed_by=("emulator",), off=False),
+    # How real kernels evaluate the same recipe (issue 30; emulator only: kernels/emulator.py, kernels/tensor_core.py;
+    # results/real_kernels/ measures each against torch SDPA's backends on an H200).
+    # exp2_folded: FlashAttention-2's softmax (csrc/flash_attn/src/softmax.h scale_apply_exp2, Dao-AILab/
+    # flash-attention): the row max of the *unscaled* S, P̄ = exp2(S * c - m * c) with c = scale * log2(e) in FP32
+    # (the two products rounded apart: measured, 99.7% vs 94.7% of O with one FMA on repeated maxima), the rescale
+    # exp2((m_old - m_new) * c). exp2_mul: Triton's tl.exp (exp2 of x * log2(e), x rounded first). exp2 is exact then
+    # rounded: the GPU's ex2.approx.f32 is not specified bit for bit (the one term the table leaves open).
+    Knob("exp_form", str, "exp", "how P̄ = exp(S - m) is evaluated: exp, exp2_folded (FlashAttention-2: scale and "
+         "log2(e) folded into one multiply of the unscaled scores, exp2), exp2_mul (Triton's tl.exp)",
+         computed_by={"emulator": ("exp2_folded", "exp2_mul")}, off="exp", choices=EXP_FORMS,
+         label=lambda k: None if k.exp_form == "exp" else k.exp_form),
+    # FlashAttention-2's forward visits key blocks from the last to the first (flash_fwd_kernel.h
+    # compute_attn_1rowblock: n_block from n_block_max - 1 down), so the online softmax rescales in that order.
+    Knob("key_order", str, "forward", "order of a query tile's key tiles in the forward: forward (first to last) "
+         "or reverse (FlashAttention-2's, last to first)", computed_by={"emulator": ("reverse",)}, off="forward",
+         choices=KEY_ORDERS, label=lambda k: None if k.key_order == "forward" else "keys_reversed"),
+    # FlashAttention-2's normalize_softmax_lse: inv_sum = 1 / l, acc_o *= inv_sum (softmax.h)
+    Knob("normalize", str, "divide", "O = acc / l (divide) or acc * (1 / l) (reciprocal, FlashAttention-2's)",
+         computed_by={"emulator": ("reciprocal",)}, off="divide", choices=NORMALIZES,
+         label=lambda k: None if k.normalize == "divide" else "rcp"),
+    # FlashAttention-2's split-KV path (flash_fwd_kernel.h compute_attn_splitkv + combine_attn_seqk_parallel): torch
+    # takes it when the grid is small (flash_api.cpp num_splits_heuristic); each part an online softmax of its own keys,
+    # O_i = acc_i / l_i and lse_i, then lse = log(sum exp(lse_i - max)) + max, O = sum exp(lse_i - lse) O_i.
+    Knob("kv_split", int, 0, "keys per split-KV part (0: none): each part's online softmax apart, then "
+         "FlashAttention-2's combine of the parts' O and lse", computed_by=("emulator",), off=0, check=_split,
+         label=lambda k: f"kvsplit{k.kv_split}" if k.kv_split else None),
+    # FlashAttention-2's row sum: each of the 4 threads holding a row of the mma.sync accumulator sums its own columns
+    # across the tiles (softmax.h reduce_sum<zero_init=false, warp_reduce=false>), the 4 partials added at the end
+    # by the quad all-reduce ((t0 + t2) + (t1 + t3), shfl_xor 2 then 1). Measured: 99.84% -> 100% of O (D 64).
+    Knob("rowsum_order", str, "torch", "the FP32 summation order of the running row sum l: torch (one sum per "
+         "tile) or fa2_threads (FlashAttention-2's four per-thread partial sums)",
+         computed_by={"emulator": ("fa2_threads",)}, off="torch", choices=ROWSUM_ORDERS,
+         label=lambda k: None if k.rowsum_order == "torch" else "fa2_rowsum"),
+    # Hopper tensor-core accumulation (kernels/tensor_core.py: block FMA with alignment truncation; parameters
+    # measured on an H200, results/real_kernels/): every GEMM whose operands are stored in 16 bits or fewer.
+    Knob("tensor_core", str, "exact", "GEMMs with BF16/FP16/FP8 operands as Hopper's tensor cores accumulate them "
+         "(sm90: 16-product blocks truncated to 25 bits, FP8 32-product blocks to 13 bits promoted to FP32 every 128 "
+         "as cuBLAS does; sm90_fast_fp8: FP8 never promoted, as FlashAttention-3 and use_fast_accum) or exact",
+         computed_by={"emulator": ("sm90", "sm90_fast_fp8")}, off="exact", choices=TENSOR_CORES,
+         label=lambda k: None if k.tensor_core == "exact" else f"tc={k.tensor_core}"),
     # stochastic rounding (emulator only; kernels/emulator.py `_stochastic`): its own rows, read by nothing else
     Knob("stochastic_round", bool, False, "the BF16 stores of the P̄V product and of the O accumulator round "
          "stochastically (unbiased) instead of to nearest; a recipe that keeps them in FP32 has nothing to round",
@@ -299,5 +348,5 @@ def computed_by_words(row: Knob, value) -> str:
 
 
 __all__ = ["Knob", "KNOBS", "IMPLEMENTATIONS", "IMPLS", "BACKENDS", "RECIPES", "ROUNDING_POINTS", "SOFTMAXES", "DELTAS",
-           "FP32_GEMMS",
+           "FP32_GEMMS", "EXP_FORMS", "KEY_ORDERS", "NORMALIZES", "TENSOR_CORES", "ROWSUM_ORDERS",
            "PBAR_CLAMP", "rows", "implementation", "unsupported", "as_computed", "route_labels", "computed_by_words"]

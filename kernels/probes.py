@@ -60,8 +60,10 @@ def delta_recipe(q, k, v, o, do, knobs: AttentionKnobs) -> torch.Tensor:
 
 
 def tie_rows(q, k, knobs: AttentionKnobs) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(tie, exact), (B, H, T) bool: rows with a repeated max in some key tile (recipe's scores dtype, block_k), and
-    those of them whose tied entries are equal in FP32 scores too in every such tile (the rest: created by BF16)."""
+    """(tie, exact), (B, H, T) bool: rows with a repeated max in some key tile (recipe's scores dtype, block_k) or
+    whose row max repeats across key tiles (two tiles each holding it: P̄ = 1 twice in the accumulated O, since the
+    running max is that row max when the second tile comes), and those of them whose tied entries are equal in FP32
+    scores too in every such tile and across them (the rest: created by BF16)."""
     p = emulator._plan(knobs, q)
     rc = p.rc
     T, dev = q.shape[2], q.device
@@ -69,19 +71,37 @@ def tie_rows(q, k, knobs: AttentionKnobs) -> Tuple[torch.Tensor, torch.Tensor]:
     fill = -torch.finfo(rc.scores).max
     tie = torch.zeros(q.shape[:3], dtype=torch.bool, device=dev)
     created = torch.zeros_like(tie)
+    tiles = []
     for ks in range(0, T, p.bk):
         ke = min(ks + p.bk, T)
         mask = emulator._causal_mask(0, T, ks, ke, dev)
         s = emulator._scores(p, qw, kw[:, :, ks:ke], mask, fill)
+        s32 = (q.float() @ k[:, :, ks:ke].float().transpose(-1, -2)) * p.scale
+        tiles.append((s, s32, mask))
         close = s >= round_to(s.amax(dim=-1, keepdim=True) - p.eps, rc.scores)  # as emulator._tile_max
         if mask is not None:
             close = close & ~mask
         rep = close.sum(dim=-1) > 1
-        s32 = (q.float() @ k[:, :, ks:ke].float().transpose(-1, -2)) * p.scale
         hi = s32.masked_fill(~close, -math.inf).amax(dim=-1)
         lo = s32.masked_fill(~close, math.inf).amin(dim=-1)
         tie |= rep
         created |= rep & (hi != lo)
+    # across tiles: the row max, reached (within eps) in two or more tiles
+    row_max = torch.stack([s.amax(dim=-1) for s, _, _ in tiles], -1).amax(dim=-1, keepdim=True)
+    thr = round_to(row_max - p.eps, rc.scores)
+    n_tiles = torch.zeros_like(tie, dtype=torch.int32)
+    hi = torch.full(tie.shape, -math.inf, device=dev)
+    lo = torch.full(tie.shape, math.inf, device=dev)
+    for s, s32, mask in tiles:
+        close = s >= thr
+        if mask is not None:
+            close = close & ~mask
+        n_tiles += close.any(dim=-1).to(torch.int32)
+        hi = torch.maximum(hi, s32.masked_fill(~close, -math.inf).amax(dim=-1))
+        lo = torch.minimum(lo, s32.masked_fill(~close, math.inf).amin(dim=-1))
+    across = n_tiles > 1
+    tie |= across
+    created |= across & (hi != lo)
     return tie, tie & ~created
 
 

@@ -12,9 +12,12 @@ Per head (the heads named, else the `top` worst by tie count):
   same values; and the part delta alone causes (the FP64 backward with the recipe's delta). With the layer's input x
   and W_Q in the file: the W_Q gradient error's projection on W_Q's top singular pair (flash_forensics.kernels.probes).
 - attribution: the recipe with each rounding point lifted alone to FP32, and the fp32 recipe with each point rounded
-  alone to BF16; for each, the delta error's mean and t over the analysed heads and the dQ error. A lift that brings
-  |t| under REMOVED_T removes the bias; a lone rounding that gives |t| >= SIGNIFICANT_T with the base's sign
-  reproduces it.
+  alone to BF16; for each, the delta error's mean and t over the analysed heads (and per head, Holm-corrected) and
+  the dQ error. A lift that brings |t| under REMOVED_T and the mean back near the fp32 recipe's removes the bias; a
+  lone rounding with |t| >= SIGNIFICANT_T that moves the mean by at least SIZE_SHARE of the base's excess over fp32,
+  same sign, reproduces it (`verdict`).
+- fingerprint: on every head of the file when that is cheap (FINGERPRINT_ALL_ELEMENTS), else on the analysed ones,
+  the others listed as unchecked.
 The recipe analysed is the file's knobs (a flash layer of ours), else the fingerprint's best match (torch SDPA, a
 transformers model), said in the output.
 """
@@ -31,6 +34,7 @@ import torch
 from flash_forensics.capture import fingerprint as fp
 from flash_forensics.capture import snapshot as snap_io
 from flash_forensics.capture.recorder import knobs_of
+from flash_forensics.capture.report import pct
 from flash_forensics.kernels import emulator
 from flash_forensics.kernels import probes as P
 from flash_forensics.kernels.recipes import ROUNDING_POINTS, for_knobs, points_problem, resolve, round_to
@@ -39,6 +43,8 @@ F64 = torch.float64
 SIGNIFICANT_T = 3.0
 REMOVED_T = 2.0
 BWD_POINTS = ("bwd_gemm_in", "bwd_out", "grad_acc")  # delta (dO_O) never reads them: they move dQ/dK only
+FINGERPRINT_ALL_ELEMENTS = 2 ** 24  # B * heads * T * T up to which every head is fingerprinted (seconds on a CPU)
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 class AnalysisError(ValueError):
@@ -178,7 +184,8 @@ def _run_config(q, k, v, do, kn, delta64, dq64, captured_o=None):
     return delta - delta64, dq
 
 
-def attribution(q, k, v, o, do, base, delta64, dq64, tick: Callable = lambda n=1: None) -> dict:
+def attribution(q, k, v, o, do, base, delta64, dq64, tick: Callable = lambda n=1: None,
+                heads: Optional[Sequence[int]] = None) -> dict:
     """The delta error's mean and t (over the analysed heads, and per head) and the dQ error, for the base as
     captured, the fp32 recipe, and each point lifted alone / rounded alone; with the verdict sentence."""
     H = q.shape[1]
@@ -193,7 +200,8 @@ def attribution(q, k, v, o, do, base, delta64, dq64, tick: Callable = lambda n=1
                    stochastic_round=False, counters=False)
     e32, dq32 = _run_config(q, k, v, do, fp32, delta64, dq64)
     tick()
-    out = {"base": {"label": fp.label(base), **summary(e0, dq0)}, "fp32": summary(e32, dq32), "points": []}
+    out = {"base": {"label": fp.label(base), **summary(e0, dq0)}, "fp32": summary(e32, dq32), "points": [],
+           "heads": list(heads) if heads is not None else list(range(H))}
     for pt in ROUNDING_POINTS:
         row = {"point": pt, "backward_only": pt in BWD_POINTS}
         for kind in ("lift", "round"):
@@ -209,36 +217,93 @@ def attribution(q, k, v, o, do, base, delta64, dq64, tick: Callable = lambda n=1
     return out
 
 
+def holm(pvalues: Sequence[float]) -> List[float]:
+    """Holm-Bonferroni adjusted p-values (same order): the family-wise error of len(pvalues) tests held at alpha."""
+    m = len(pvalues)
+    order = sorted(range(m), key=lambda i: pvalues[i])
+    out, run = [1.0] * m, 0.0
+    for rank, i in enumerate(order):
+        run = max(run, min(1.0, (m - rank) * pvalues[i]))
+        out[i] = run
+    return out
+
+
+def p_two_sided(t: float) -> float:
+    """Two-sided p of a t statistic (normal: the rows number thousands); NaN t reads as no evidence."""
+    return 1.0 if math.isnan(t) else math.erfc(abs(t) / math.sqrt(2.0))
+
+
+ALPHA = p_two_sided(SIGNIFICANT_T)  # one test at |t| >= 3; Holm keeps the family of per-head tests at this level
+# Sizes against the base's excess over the fp32 recipe's mean: a lone rounding reproduces the bias only with at
+# least REPRO_SHARE of it (the share is printed: fa2's P̄ alone gives a quarter, P̄ with the stored O all of it);
+# a lift removes it only leaving less than LEFT_SHARE. A point delta never reads moves nothing: share 0.
+REPRO_SHARE = 0.1
+LEFT_SHARE = 0.5
+
+
+def per_head_tests(per_head: Sequence[dict], heads: Sequence[int]) -> List[dict]:
+    """Per head: mean, t, p and the Holm-adjusted p over the heads tested, and whether it is significant."""
+    ps = [p_two_sided(r["t"]) for r in per_head]
+    adj = holm(ps)
+    return [{"head": h, "mean": r["mean"], "t": r["t"], "p": p, "p_holm": a, "significant": a <= ALPHA}
+            for h, r, p, a in zip(heads, per_head, ps, adj, strict=True)]
+
+
+def _moves(r: dict, ref: float, excess: float) -> float:
+    """How far a variant's mean moves from the reference, in units of the base's excess over it (signed)."""
+    return (r["mean"] - ref) / excess if excess else 0.0
+
+
 def verdict(att: dict) -> dict:
-    """Which single change removes the bias (lifts with |t| < REMOVED_T) and which reproduces it alone (lone
-    roundings with |t| >= SIGNIFICANT_T and the base's sign); one sentence."""
+    """Which single change removes the bias and which reproduces it alone; one sentence.
+
+    Biased: the pooled |t| >= SIGNIFICANT_T, or one head's test significant after Holm's correction over the heads
+    (a pooled t can hide one head's bias). Sizes are measured against the fp32 recipe's mean (0 without it): the
+    base's excess over it. Removes: lifted alone, |t| < REMOVED_T and less than LEFT_SHARE of the excess left.
+    Reproduces: rounded alone, |t| >= SIGNIFICANT_T and at least REPRO_SHARE of the excess, same sign. A point delta
+    never reads (backward only) leaves the fp32 mean as it is and so reproduces nothing, however large its t."""
     b = att["base"]
-    if not abs(b["t"]) >= SIGNIFICANT_T:
-        return {"biased": False, "removes": [], "reproduces": [],
-                "sentence": f"no significant delta bias to attribute (t = {b['t']:.2f}, |t| < {SIGNIFICANT_T:g})"}
-    sign = math.copysign(1.0, b["mean"])
+    ref = att.get("fp32", {}).get("mean", 0.0)
+    heads = per_head_tests(b["per_head"], att.get("heads") or list(range(len(b["per_head"])))) \
+        if b.get("per_head") else []
+    hot = [h for h in heads if h["significant"]]
+    pooled = abs(b["t"]) >= SIGNIFICANT_T
+    head_words = ("; per head (Holm over " + str(len(heads)) + "): "
+                  + ", ".join(f"head {h['head']} t = {h['t']:.1f}{' *' if h['significant'] else ''}"
+                              for h in heads)) if heads else ""
+    if not pooled and not hot:
+        return {"biased": False, "removes": [], "reproduces": [], "head_tests": heads,
+                "sentence": f"no significant delta bias to attribute (t = {b['t']:.2f}, |t| < {SIGNIFICANT_T:g})"
+                            + head_words}
+    excess = b["mean"] - ref
+    if not pooled:  # the bias sits in some heads: attribute on the worst one's size
+        worst = max(hot, key=lambda h: abs(h["t"]))
+        excess = worst["mean"] - ref
     removes = [r["point"] for r in att["points"] if r["lift"].get("state") == "run"
-               and abs(r["lift"]["t"]) < REMOVED_T]
+               and abs(r["lift"]["t"]) < REMOVED_T and abs(_moves(r["lift"], ref, excess)) < LEFT_SHARE]
     repro = [r["point"] for r in att["points"] if r["round"].get("state") == "run"
-             and abs(r["round"]["t"]) >= SIGNIFICANT_T and math.copysign(1.0, r["round"]["mean"]) == sign]
+             and abs(r["round"]["t"]) >= SIGNIFICANT_T and _moves(r["round"], ref, excess) >= REPRO_SHARE]
     by = {r["point"]: r for r in att["points"]}
     parts = []
     both = [p for p in removes if p in repro]
     for p in both:
         parts.append(f"the bias needs BF16 at `{p}`: lifting it alone removes it (t {b['t']:.1f} -> "
-                     f"{by[p]['lift']['t']:.1f}) and rounding it alone in FP32 reproduces it (t = "
-                     f"{by[p]['round']['t']:.1f})")
+                     f"{by[p]['lift']['t']:.1f}) and rounding it alone in FP32 reproduces "
+                     f"{100 * _moves(by[p]['round'], ref, excess):.0f}% of it (t = {by[p]['round']['t']:.1f})")
     for p in removes:
         if p not in both:
             parts.append(f"lifting `{p}` alone removes it (t {b['t']:.1f} -> {by[p]['lift']['t']:.1f})")
     for p in repro:
         if p not in both:
-            parts.append(f"rounding `{p}` alone in FP32 reproduces it (t = {by[p]['round']['t']:.1f})")
+            parts.append(f"rounding `{p}` alone in FP32 reproduces {100 * _moves(by[p]['round'], ref, excess):.0f}% "
+                         f"of it (t = {by[p]['round']['t']:.1f})")
     if not parts:
         parts.append("no single rounding point explains it (no lift alone removes it, no rounding alone "
                      "reproduces it)")
-    return {"biased": True, "removes": removes, "reproduces": repro,
-            "sentence": f"delta error mean {b['mean']:.3g}, t = {b['t']:.1f}: " + "; ".join(parts)}
+    where = "" if pooled else f" in head{'s' if len(hot) > 1 else ''} {', '.join(str(h['head']) for h in hot)}"
+    return {"biased": True, "removes": removes, "reproduces": repro, "head_tests": heads,
+            "sentence": f"delta error mean {b['mean']:.3g}, t = {b['t']:.1f}{where}: " + "; ".join(parts)
+                        + head_words}
 
 
 # ------------------------------------------------------------------------------------------------ per head
@@ -280,11 +345,34 @@ def head_stats(q, k, v, o, do, knobs, delta64, dq64, dk64, x=None, w_q=None) -> 
 
 
 # ------------------------------------------------------------------------------------------------ the whole
+def fingerprint_heads(snap: snap_io.Snapshot, chosen_idx: Sequence[int], which: str) -> List[int]:
+    """Indices of the file's heads to fingerprint: `all`, `chosen` (the analysed ones), or `auto` (all when
+    B * heads * T^2 <= FINGERPRINT_ALL_ELEMENTS, else the chosen)."""
+    if which not in ("auto", "all", "chosen"):
+        raise AnalysisError(f"fingerprint_heads={which!r} is not allowed: expected auto, all or chosen")
+    B, H, T, _ = snap.q.shape
+    if which == "all" or (which == "auto" and B * H * T * T <= FINGERPRINT_ALL_ELEMENTS):
+        return list(range(H))
+    return list(chosen_idx)
+
+
+def _upcast_fp8(snap: snap_io.Snapshot, notes: List[str]) -> snap_io.Snapshot:
+    """FP8 tensors as FP32 (exact): the emulator's arithmetic and the FP64 reference read FP32 values."""
+    fp8 = [n for n, t in snap.tensors.items() if t.dtype in FP8]
+    if not fp8:
+        return snap
+    notes.append(f"{', '.join(fp8)} are FP8 ({str(snap.tensors[fp8[0]].dtype).replace('torch.', '')}) in the file: "
+                 "read as their exact FP32 values")
+    return snap_io.Snapshot({n: (t.float() if t.dtype in FP8 else t) for n, t in snap.tensors.items()}, snap.meta)
+
+
 def analyze(path, heads: Optional[Sequence[int]] = None, top: int = 2, fingerprint: bool = True,
-            attribute: bool = True, progress: bool = True, blind: bool = False) -> dict:
+            attribute: bool = True, progress: bool = True, blind: bool = False,
+            fingerprint_heads_mode: str = "auto") -> dict:
     """The analysis of the capture at `path` (or a Snapshot) as a JSON-able dict (flash_forensics.capture.report
     renders it). heads: the file's head numbers to analyse (default: the `top` worst by tie rows). blind: ignore
-    the recipe and knobs the file names (the fingerprint alone says what computed it)."""
+    the recipe and knobs the file names (the fingerprint alone says what computed it). fingerprint_heads_mode:
+    auto | all | chosen (`fingerprint_heads`); heads not fingerprinted are listed in the result and the report."""
     from tqdm import tqdm
     t0 = time.perf_counter()
     snap = path if isinstance(path, snap_io.Snapshot) else snap_io.read(path)
@@ -293,29 +381,43 @@ def analyze(path, heads: Optional[Sequence[int]] = None, top: int = 2, fingerpri
     meta = snap.meta
     file_knobs = None if blind else knobs_of(meta.get("knobs"))
     flash_knobs = file_knobs if file_knobs is not None and file_knobs.impl == "flash" else None
-    notes = []
+    notes: List[str] = []
+    snap = _upcast_fp8(snap, notes)
     q, k, v, o = snap.q, snap.k, snap.v, snap.o
     sel_knobs = flash_knobs or knobs_of({"recipe": "paper_bf16"})
     idx, chosen, counts, how = head_choice(_as_read(snap, sel_knobs), sel_knobs, heads, top)
     if flash_knobs is None:
         how += " (ties counted as paper_bf16 rounds S, the file naming no flash recipe)"
+    fp_idx = fingerprint_heads(snap, idx, fingerprint_heads_mode) if fingerprint else []
+    fp_sel = torch.tensor(fp_idx, dtype=torch.long)
+    fq, fk, fv, fo = (t.index_select(1, fp_sel) for t in (snap.q, snap.k, snap.v, snap.o))
+    flse = snap.lse.index_select(1, fp_sel) if snap.lse is not None else None
     sel = torch.tensor(idx)
-    q, k, v, o = (t.index_select(1, sel) for t in (q, k, v, o))
+    q, k, v, o = (t.index_select(1, sel) for t in (snap.q, snap.k, snap.v, snap.o))
     do = snap.do.index_select(1, sel) if snap.do is not None else None
-    lse = snap.lse.index_select(1, sel) if snap.lse is not None else None
-    n_cand = len(fp.candidates(q.shape[1], q.shape[2], q.dtype, flash_knobs)) if fingerprint else 0
+    n_cand = len(fp.candidates(fq.shape[1], fq.shape[2], fq.dtype, flash_knobs, shape=tuple(fq.shape))) \
+        if fingerprint else 0
     n_att = (2 + 2 * len(ROUNDING_POINTS)) if attribute and do is not None else 0
     bar = tqdm(total=n_cand + n_att + 2, desc="analyze", disable=not progress, dynamic_ncols=True)
     timing = {}
     res = {"file": where, "meta": meta, "heads": {"chosen": chosen, "how": how, "tie_rows": counts},
            "notes": notes}
     t = time.perf_counter()
-    ranked = fp.run(q, k, v, o, lse, flash_knobs, progress=bar.update) if fingerprint else []
+    ranked = fp.run(fq, fk, fv, fo, flse, flash_knobs, progress=bar.update) if fingerprint else []
     timing["fingerprint_s"] = time.perf_counter() - t
-    res["fingerprint"] = {"heads": chosen, "candidates": ranked,
-                          "best": ranked[0]["label"] if ranked else None,
-                          "exact": bool(ranked) and ranked[0]["o_identical"] == 1.0
-                          and ranked[0]["lse_identical"] in (None, 1.0)}
+    file_heads = snap.heads
+    unchecked = [file_heads[j] for j in range(len(file_heads)) if j not in fp_idx] if fingerprint else []
+    res["fingerprint"] = {"heads": [file_heads[j] for j in fp_idx], "unchecked_heads": unchecked,
+                          "candidates": ranked, "best": ranked[0]["label"] if ranked else None,
+                          "exact": bool(ranked) and fp.is_exact(ranked[0])}
+    grads = {n: snap.tensors[n].index_select(1, fp_sel) for n in ("dq", "dk", "dv") if n in snap.tensors}
+    if ranked and grads and snap.do is not None:  # the kernel's own backward, under the best forward candidate
+        res["fingerprint"]["backward"] = fp.backward_shares(fq, fk, fv, fo, snap.do.index_select(1, fp_sel), grads,
+                                                            knobs_of(ranked[0]["knobs"]))
+    if unchecked:
+        notes.append(f"the fingerprint checked heads {res['fingerprint']['heads']} only: heads {unchecked} of the "
+                     "file were not checked (a difference there goes unseen; fingerprint_heads_mode='all' or "
+                     "--fingerprint-heads all checks them)")
     knobs = flash_knobs
     if knobs is None:
         if ranked:
@@ -323,7 +425,7 @@ def analyze(path, heads: Optional[Sequence[int]] = None, top: int = 2, fingerpri
             why = "--blind" if blind else "the file names no flash recipe"
             notes.append(f"{why} ({meta.get('implementation') or meta.get('family')}): "
                          f"ties, delta and attribution use the fingerprint's best match, {ranked[0]['label']} "
-                         f"({100 * ranked[0]['o_identical']:.2f}% of O identical)")
+                         f"({pct(ranked[0]['o_identical'])} of O identical)")
         else:
             knobs = sel_knobs
             notes.append("the file names no flash recipe and no fingerprint ran: analysed as paper_bf16")
@@ -359,7 +461,7 @@ def analyze(path, heads: Optional[Sequence[int]] = None, top: int = 2, fingerpri
         bar.update(2)
         if attribute:
             t = time.perf_counter()
-            res["attribution"] = attribution(q, k, v, o, do, knobs, delta64, dq64, tick=bar.update)
+            res["attribution"] = attribution(q, k, v, o, do, knobs, delta64, dq64, tick=bar.update, heads=chosen)
             timing["attribution_s"] = time.perf_counter() - t
     bar.close()
     timing["total_s"] = time.perf_counter() - t0
@@ -370,4 +472,5 @@ def analyze(path, heads: Optional[Sequence[int]] = None, top: int = 2, fingerpri
 
 
 __all__ = ["analyze", "attribution", "verdict", "head_stats", "head_choice", "pbar1_rows", "fp64_reference",
-           "AnalysisError", "SIGNIFICANT_T", "REMOVED_T"]
+           "AnalysisError", "SIGNIFICANT_T", "REMOVED_T", "holm", "per_head_tests", "ALPHA", "REPRO_SHARE",
+           "LEFT_SHARE"]

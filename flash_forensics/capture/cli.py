@@ -38,6 +38,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--blind", action="store_true", help="ignore the recipe the file names: the fingerprint alone "
                                                         "says what computed it (and the rest uses its best match)")
     ap.add_argument("--no-fingerprint", action="store_true", help="skip the fingerprint")
+    ap.add_argument("--fingerprint-heads", choices=("auto", "all", "chosen"), default="auto",
+                    help="heads the fingerprint checks: all, the analysed ones, or auto (all when cheap; default)")
     ap.add_argument("--no-attribution", action="store_true", help="skip the attribution per rounding point")
     ap.add_argument("--mlflow", default=None, metavar="URI", help="also log a run to this MLflow tracking URI")
     ap.add_argument("--threads", type=int, default=1,
@@ -61,7 +63,8 @@ def main(argv: Optional[List[str]] = None) -> int:
 def _run(args) -> int:
     try:
         res = analyze(args.file, heads=args.heads, top=args.top, fingerprint=not args.no_fingerprint,
-                      attribute=not args.no_attribution, progress=not args.quiet, blind=args.blind)
+                      attribute=not args.no_attribution, progress=not args.quiet, blind=args.blind,
+                      fingerprint_heads_mode=args.fingerprint_heads)
     except (SnapshotError, AnalysisError) as e:
         print(f"flash-forensics analyze: {e}", file=sys.stderr)
         return 2

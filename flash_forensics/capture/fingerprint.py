@@ -3,10 +3,11 @@
 Candidates are built at run time from kernels.recipes.RECIPES (a recipe added there joins automatically) and the
 knob table's variants the emulator computes: tile sizes (blocks 16/32/64/128, untiled), pv_fp32, the stabilized
 softmaxes, and each forward rounding point lifted alone (keep_fp32) or rounded alone (round_bf16) where the recipe
-allows it (kernels.recipes.points_problem). Candidates that compute the same thing (same dtypes at every point, same
-tiles, same softmax) are tried once. Each runs the emulator's forward on the captured q, k, v; the share of O
-elements identical to the captured O (NaN equals NaN) ranks them, then the share of identical lse, then the mean
-absolute difference.
+allows it (kernels.recipes.points_problem), and the real-kernel rules at the capture's shape (kernels/real_kernels.py:
+torch's FlashAttention-2, cuDNN, memory-efficient and the project's Triton kernels as knob settings). Candidates that
+compute the same thing (same dtypes at every point, same tiles, same softmax and forms) are tried once. Each runs the
+emulator's forward on the captured q, k, v; the integer count of O elements bit-identical to the captured O (NaN
+equals NaN, -0.0 differs from +0.0) ranks them, then the count of identical lse, then the mean absolute difference.
 """
 from __future__ import annotations
 
@@ -17,12 +18,14 @@ import torch
 
 import flash_forensics.kernels.recipes as recipes
 from flash_forensics.capture.recorder import knobs_of
-from flash_forensics.kernels import emulator
+from flash_forensics.kernels import emulator, real_kernels
 from flash_forensics.kernels.config import AttentionKnobs
+from flash_forensics.kernels.masking import Masking
 from flash_forensics.kernels.recipes import for_knobs
 from flash_forensics.models.attention import route_name
 
 FWD_POINTS = ("scores", "shift", "stats", "pbar", "pv_out", "acc", "o_store")  # the points O depends on
+REAL_FORMS = ("exp_form", "key_order", "normalize", "kv_split", "rowsum_order", "tensor_core")  # how, not what
 BLOCKS = (64, 32, 128, 16)
 
 
@@ -41,7 +44,8 @@ def _key(knobs, T: int, dtype: torch.dtype):
     rc = for_knobs(knobs, dtype).describe()
     rc.pop("name")
     bq, bk = (min(knobs.block_q, T), min(knobs.block_k, T)) if knobs.tiling else (T, T)
-    return tuple(sorted(rc.items())), bq, bk, knobs.softmax, knobs.beta if knobs.softmax != "safe" else None
+    forms = tuple(getattr(knobs, f) for f in REAL_FORMS)
+    return tuple(sorted(rc.items())), bq, bk, knobs.softmax, knobs.beta if knobs.softmax != "safe" else None, forms
 
 
 def variants(rec: str, dtype: torch.dtype = torch.bfloat16) -> Iterable[dict]:
@@ -75,7 +79,8 @@ def _merged(knobs, change: dict):
 
 def _distinct(pool, n_head: int, T: int, dtype, seen: set) -> List[Candidate]:
     out = []
-    for kn in pool:
+    for item in pool:
+        name, kn = item if isinstance(item, tuple) else (None, item)
         try:
             kn.validate(n_head=n_head)
             key = _key(kn, T, dtype)
@@ -84,15 +89,23 @@ def _distinct(pool, n_head: int, T: int, dtype, seen: set) -> List[Candidate]:
         if key in seen:
             continue
         seen.add(key)
-        out.append(Candidate(label(kn), kn))
+        out.append(Candidate(label(kn) if name is None else f"{name}: {label(kn)}", kn))
     return out
 
 
+def rule_candidates(B: int, n_head: int, T: int, D: int) -> list:
+    """(name, knobs) of each real-kernel rule (kernels/real_kernels.py) at this shape."""
+    return [(name, AttentionKnobs(**real_kernels.rule_knobs(name, B, n_head, T, D))) for name in real_kernels.RULES]
+
+
 def candidates(n_head: int, T: int, dtype: torch.dtype = torch.bfloat16, base=None,
-               seen: Optional[set] = None) -> List[Candidate]:
+               seen: Optional[set] = None, shape: Optional[tuple] = None) -> List[Candidate]:
     """Every distinct candidate for inputs of `dtype` and length T. `base` (AttentionKnobs, e.g. the file's own
-    knobs) is tried first, so a capture of a known run is checked against what it says it ran."""
+    knobs) is tried first, so a capture of a known run is checked against what it says it ran. `shape` (B, H, T,
+    D): the real-kernel rules at that shape join (labelled by the rule's name)."""
     pool = [base] if base is not None else []
+    if shape is not None:
+        pool += rule_candidates(shape[0], shape[1], shape[2], shape[3])
     for rec in recipes.RECIPES:  # read at run time: recipes added elsewhere join the fingerprint
         for v in variants(rec, dtype):
             try:
@@ -109,50 +122,84 @@ def refinements(best, n_head: int, T: int, dtype, seen: set) -> List[Candidate]:
     return _distinct(pool, n_head, T, dtype, seen)
 
 
+_INT_OF = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def identical_count(ref: torch.Tensor, got: torch.Tensor) -> tuple:
+    """(elements of `got` bit-identical to `ref`, elements), integers. `got` is cast to ref's dtype first (exact for
+    a BF16 value into FP32). Bits, not `==`: -0.0 differs from +0.0; every NaN equals every NaN (payloads vary)."""
+    got = got.to(ref.dtype).contiguous()
+    ref = ref.contiguous()
+    as_int = _INT_OF[ref.element_size()]
+    eq = (ref.view(as_int) == got.view(as_int)) | (torch.isnan(ref) & torch.isnan(got))
+    return int(eq.sum()), eq.numel()
+
+
 def identical_share(ref: torch.Tensor, got: torch.Tensor) -> float:
-    """Share of elements of `got` (cast to ref's dtype: exact for a BF16 value into FP32) bit-equal to `ref`."""
-    got = got.to(ref.dtype)
-    eq = (ref == got) | (torch.isnan(ref) & torch.isnan(got))
-    return float(eq.float().mean())
+    """identical_count as a share (a Python float of two integers: a near miss of 2^25 elements stays < 1)."""
+    n, total = identical_count(ref, got)
+    return n / total if total else 1.0
 
 
-def _score(q, k, v, o, lse, c: Candidate, base, default: dict) -> dict:
+def _score(q, k, v, o, lse, c: Candidate, base, default: dict, masking=None) -> dict:
     with torch.no_grad(), torch.autocast(device_type=q.device.type, enabled=False):
-        oc, _, lc = emulator.forward(q, k, v, c.knobs)
+        oc, _, lc = emulator.forward(q, k, v, c.knobs, masking=masking)
     d = (oc.double() - o.double()).abs()
     d = torch.where(torch.isnan(d), torch.zeros_like(d), d)
+    n_o, tot = identical_count(o, oc)
+    n_l = identical_count(lse.float(), lc.squeeze(-1).float()) if lse is not None else None
     return {"label": c.label, "recipe": c.knobs.recipe, "knobs": c.knobs.knob_values(),
-            "o_identical": identical_share(o, oc),
-            "lse_identical": identical_share(lse.float(), lc.squeeze(-1).float()) if lse is not None else None,
+            "o_identical": n_o / tot, "o_differ": tot - n_o, "o_elements": tot,
+            "lse_identical": None if n_l is None else n_l[0] / n_l[1],
+            "lse_differ": None if n_l is None else n_l[1] - n_l[0],
             "o_mean_abs_diff": float(d.mean()), "o_max_abs_diff": float(d.max()),
             "is_base": base is not None and c.knobs is base,
             "changes": sum(1 for n, x in c.knobs.knob_values().items()
                            if n not in ("recipe", "counters", "backend") and x != default[n])}
 
 
+def is_exact(row: dict) -> bool:
+    """Whether a scored candidate reproduces every O (and lse, when captured) element bit for bit (integer counts)."""
+    return row["o_differ"] == 0 and row.get("lse_differ") in (None, 0)
+
+
+def backward_shares(q, k, v, o, do, grads: dict, knobs, causal: bool = True) -> dict:
+    """{dq, dk, dv: share of the kernel's own gradient (grads) bit-identical to the emulator's backward under
+    `knobs`}, from the captured O (what a kernel's backward reads) and the candidate's lse."""
+    masking = None if causal else Masking(causal=False)
+    with torch.no_grad(), torch.autocast(device_type=q.device.type, enabled=False):
+        _, o_saved, lse = emulator.forward(q, k, v, knobs, masking=masking)
+        mine = emulator.backward(q, k, v, o.to(o_saved.dtype), lse, do, knobs, masking=masking)
+    return {n: identical_share(grads[n], g) for n, g in zip(("dq", "dk", "dv"), mine, strict=True) if n in grads}
+
+
 def _rank(rows: List[dict]) -> List[dict]:
-    # equal scores: the file's own knobs first, then the plainest variant (fewest knobs away from the defaults)
-    return sorted(rows, key=lambda r: (-r["o_identical"], -(r["lse_identical"] or 0.0), r["o_mean_abs_diff"],
+    # integer counts of differing elements; equal: the file's own knobs first, then the plainest variant
+    return sorted(rows, key=lambda r: (r["o_differ"], r["lse_differ"] or 0, r["o_mean_abs_diff"],
                                        not r["is_base"], r["changes"]))
 
 
-def run(q, k, v, o, lse=None, base=None, progress: Optional[Callable] = None, refine_rounds: int = 2) -> List[dict]:
-    """The ranked fingerprint (best first): one dict per candidate with label, knobs, o_identical, lse_identical
-    (None without a captured lse), o_mean_abs_diff, o_max_abs_diff. When no candidate reproduces O bit for bit,
-    up to `refine_rounds` greedy rounds combine the best one with each variant of its recipe (`refined`: True)."""
+def run(q, k, v, o, lse=None, base=None, progress: Optional[Callable] = None, refine_rounds: int = 2,
+        causal: bool = True, rules: bool = True) -> List[dict]:
+    """The ranked fingerprint (best first): one dict per candidate with label, knobs, o_identical, o_differ and
+    o_elements (integers), lse_identical (None without a captured lse), o_mean_abs_diff, o_max_abs_diff. When no
+    candidate reproduces O bit for bit, up to `refine_rounds` greedy rounds combine the best one with each variant
+    of its recipe (`refined`: True). causal False: the call attended to every key. rules: the real-kernel rules
+    join the candidates."""
     default = AttentionKnobs().knob_values()
+    masking = None if causal else Masking(causal=False)
     seen: set = set()
     rows = []
-    for c in candidates(q.shape[1], q.shape[2], q.dtype, base, seen):
-        rows.append(_score(q, k, v, o, lse, c, base, default))
+    for c in candidates(q.shape[1], q.shape[2], q.dtype, base, seen, tuple(q.shape) if rules else None):
+        rows.append(_score(q, k, v, o, lse, c, base, default, masking))
         if progress is not None:
             progress(1)
     rows = _rank(rows)
     for _ in range(refine_rounds):
         best = rows[0]
-        if best["o_identical"] == 1.0 and best["lse_identical"] in (None, 1.0):
+        if is_exact(best):
             break
-        more = [dict(_score(q, k, v, o, lse, c, base, default), refined=True)
+        more = [dict(_score(q, k, v, o, lse, c, base, default, masking), refined=True)
                 for c in refinements(knobs_of(best["knobs"]), q.shape[1], q.shape[2], q.dtype, seen)]
         rows = _rank(rows + more)
         if rows[0] is best:
@@ -160,5 +207,6 @@ def run(q, k, v, o, lse=None, base=None, progress: Optional[Callable] = None, re
     return rows
 
 
-__all__ = ["Candidate", "candidates", "refinements", "variants", "run", "identical_share", "label", "FWD_POINTS",
+__all__ = ["Candidate", "candidates", "refinements", "variants", "run", "identical_share", "identical_count",
+           "is_exact", "label", "rule_candidates", "backward_shares", "FWD_POINTS", "REAL_FORMS",
            "BLOCKS"]

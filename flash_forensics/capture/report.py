@@ -59,7 +59,7 @@ def _meta_lines(res: dict) -> List[str]:
 
 
 def _equivalent(fpr: dict) -> str:
-    same = [c["label"] for c in fpr["candidates"] if c["o_identical"] == 1.0 and c["lse_identical"] in (None, 1.0)]
+    same = [c["label"] for c in fpr["candidates"] if c.get("o_differ") == 0 and c.get("lse_differ") in (None, 0)]
     if len(same) < 2:
         return ""
     return (f" {len(same)} candidates reproduce it bit for bit, so on this input they cannot be told apart: "
@@ -78,10 +78,12 @@ def markdown(res: dict) -> str:
         out += ["## Fingerprint: which recipe reproduces the captured O", "",
                 (f"**{best['label']}** reproduces the captured O bit for bit" if fpr["exact"] else
                  f"No candidate reproduces it bit for bit; closest: **{best['label']}** "
-                 f"({pct(best['o_identical'])} of O elements identical, mean |diff| "
+                 f"({pct(best['o_identical'])} of O elements identical: {best.get('o_differ')} of "
+                 f"{best.get('o_elements')} differ; mean |diff| "
                  f"{best['o_mean_abs_diff']:.3g}): the nearest emulated computation, not proof of what the kernel "
-                 "does (candidates marked refined combine variants greedily)") + f" (heads {fpr['heads']}, "
-                f"{len(fpr['candidates'])} "
+                 "does (candidates marked refined combine variants greedily)") + f" (heads {fpr['heads']}"
+                + (f"; heads {fpr['unchecked_heads']} NOT checked" if fpr.get("unchecked_heads") else "")
+                + f", {len(fpr['candidates'])} "
                 "candidates from flash_forensics.kernels.recipes.RECIPES and the knob table)." + _equivalent(fpr), "",
                 "| rank | candidate | O identical | lse identical | mean abs diff | max abs diff |",
                 "|---:|---|---:|---:|---:|---:|"]
@@ -94,6 +96,9 @@ def markdown(res: dict) -> str:
         if len(fpr["candidates"]) > 15:
             out.append(f"| | ({len(fpr['candidates']) - 15} more in the JSON) | | | | |")
         out.append("")
+        if fpr.get("backward"):
+            out += ["The kernel's own backward against the emulator's under the best candidate (from the captured O, "
+                    "dO): " + ", ".join(f"{n} {pct(x)} identical" for n, x in fpr["backward"].items()) + ".", ""]
     out += ["## Per head: ties and the delta error against FP64", "",
             "| head | rows | tie rows | exact in FP32 | created by rounding | P̄=1 tie rows | delta err mean | t | "
             "tie share (signed) | tie share (abs) | dQ rel err | dK rel err | dQ rel err from delta | "
@@ -115,6 +120,12 @@ def markdown(res: dict) -> str:
                 f"Base as captured (`{b['label']}`): mean {b['mean']:.3g}, t {b['t']:.2f}; fp32 (nothing "
                 f"rounded): mean {att['fp32']['mean']:.3g}, t {att['fp32']['t']:.2f}. Delta error over the "
                 f"analysed heads together; dQ rel err per head.", "",
+                "| head | delta err mean | t | p | p (Holm over the heads) | significant |",
+                "|---:|---:|---:|---:|---:|---|"]
+        for h in att.get("head_tests") or []:
+            out.append(f"| {h['head']} | {_g(h['mean'])} | {_g(h['t'], '.2f')} | {_g(h['p'], '.2g')} | "
+                       f"{_g(h['p_holm'], '.2g')} | {'yes' if h['significant'] else 'no'} |")
+        out += ["",
                 "| point | lifted alone: mean | t | dQ rel err | rounded alone (rest FP32): mean | t | dQ rel err |",
                 "|---|---:|---:|---|---:|---:|---|"]
         for r in att["points"]:

@@ -74,7 +74,7 @@ def test_attribution_names_pbar_behind_the_fa2_bias(tmp_path):
 def test_verdict_sentence_cases():
     base = {"mean": -1.0, "t": -8.0}
     run = lambda t, m=-1.0: {"state": "run", "t": t, "mean": m}  # noqa: E731
-    pts = [{"point": "pbar", "lift": run(-0.5), "round": run(-6.0)},
+    pts = [{"point": "pbar", "lift": run(-0.5, -0.05), "round": run(-6.0)},  # a removal leaves a small mean
            {"point": "acc", "lift": run(-7.0), "round": run(4.0, 1.0)}]
     v = A.verdict({"base": base, "points": pts})
     assert v["removes"] == ["pbar"] and v["reproduces"] == ["pbar"] and "needs BF16 at `pbar`" in v["sentence"]
