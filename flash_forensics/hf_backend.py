@@ -9,8 +9,10 @@ flash_forensics/__init__.py):
 
 What a call honours, or refuses (never ignores): GQA (k, v arrive un-repeated: repeat_interleave, as repeat_kv),
 `scaling` (GPT-2 passes its own, None = 1/sqrt(D)), padding and sliding windows (in the mask), is_causal without a
-mask (Tq == Tk, or a single decoding query). Refused with a ValueError naming the argument: dropout > 0, softcap,
-attention sinks (s_aux), position_bias, paged caches, output_attentions, a sliding window without a mask.
+mask (Tq == Tk, or a single decoding query). On CUDA a call whose mask is the bare causal triangle runs as a plain
+causal call, on the Triton kernels where they compute the knobs (flash_forensics/fast_path.py). Refused with a
+ValueError naming the argument: dropout > 0, softcap, attention sinks (s_aux), position_bias, paged caches,
+output_attentions, a sliding window without a mask.
 
 `use(model, recipe=..., overrides={where: {knob: value}}, **knobs)` sets the knobs (kernels/knobs.py; per head:
 o_fp32_heads) of every attention module that dispatches through AttentionInterface (flash_forensics/sites.py:
@@ -27,8 +29,8 @@ from typing import Dict, Optional
 
 import torch
 
+from flash_forensics import fast_path, watch
 from flash_forensics import sites as sites_mod
-from flash_forensics import watch
 from flash_forensics.kernels.config import AttentionConfig, AttentionKnobs
 from flash_forensics.kernels.stats import AttnStats
 from flash_forensics.overrides import layer_overrides
@@ -126,6 +128,8 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
                 raise ValueError(f"{where}: causal attention with Tq={Tq} != Tk={Tk} and no mask is not allowed: "
                                  f"expected the mask of AttentionMaskInterface[{NAME!r}]")
             causal = True
+    if query.is_cuda and fast_path.causal_only(mask, Tq, Tk):  # the Triton route takes plain causal calls only
+        mask, causal, scaling = None, True, fast_path.plain_scale(scaling, query.shape[-1])
     o = attend(query, key, value, st.knobs, attn_mask=mask, dropout_p=0.0, is_causal=causal, scale=scaling,
                enable_gqa=key.shape[1] != H, stats=st.stats if st.knobs.counters else None,
                layer=getattr(module, "layer_idx", None), family=_family(module))
