@@ -26,7 +26,8 @@ this function (restored on exit, also on an exception), so unchanged nanoGPT-sty
 torch.compile: a compiled emulator call computes the recipe bit for bit only when inductor rounds casts as eager
 does (`torch._inductor.config.emulate_precision_casts`); patch_sdpa sets it inside its block, and everywhere else
 (attention(), the transformers backend) a compiled emulator call is refused while dynamo traces it, naming the
-setting. The Triton route is opaque to inductor and needs nothing.
+setting; the emulator itself then runs eagerly inside the graph (a graph break per call). The Triton route is
+opaque to inductor (torch.library operators) and needs neither.
 Code that bound the function to another name before the patch (`from torch.nn.functional import
 scaled_dot_product_attention`) keeps torch's.
 """
@@ -99,6 +100,12 @@ def _inductor_rounds_as_eager() -> bool:
                          "torch._inductor.config.emulate_precision_casts = True before the first compiled call, "
                          "or compute inside flash_forensics.patch_sdpa(), which sets it in its scope")
     return True
+
+
+# Inside a compiled graph the emulator runs eagerly (a graph break per call, its autograd node eager too): inductor
+# would otherwise generate its FP32 steps (exp, row sums, rescales) with its own reduction order and contractions,
+# which the fp32 recipe shows in the last bits and paper_bf16's roundings hide only by chance.
+_eager_emulator = torch.compiler.disable(flash_attention)
 
 
 def check_compiled() -> None:
@@ -188,7 +195,7 @@ def attend(q, k, v, cfg: AttentionKnobs, attn_mask=None, dropout_p: float = 0.0,
         o = triton_flash.flash_attention_triton(q, k, v, cfg, stats)
     else:
         check_compiled()  # the Triton route is opaque to inductor (torch.library ops): faithful as it is
-        o = flash_attention(q, k, v, cfg, stats, masking)
+        o = (_eager_emulator if torch.compiler.is_compiling() else flash_attention)(q, k, v, cfg, stats, masking)
     if dead is not None:  # rows with no key: 0, as SDPA (the emulator averages V there; its gradient is 0 already)
         o = torch.where(dead, torch.zeros((), dtype=o.dtype, device=o.device), o)
     o = o.to(q.dtype)

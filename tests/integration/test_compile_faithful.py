@@ -44,14 +44,17 @@ def test_compiling_without_emulated_casts_is_refused_naming_the_setting(monkeypa
         torch.compile(lambda q, k, v: attention(q, k, v, is_causal=True))(q, k, v)
 
 
-@pytest.mark.parametrize("masked", [False, True])
-def test_attention_compiled_equals_eager_bit_for_bit(monkeypatch, masked):
+@pytest.mark.parametrize("masked,recipe", [(False, "paper_bf16"), (True, "paper_bf16"), (True, "fp32")])
+def test_attention_compiled_equals_eager_bit_for_bit(monkeypatch, masked, recipe):
+    """fp32: inductor's own FP32 code for the emulator's steps differed in the last bits (the emulator now runs
+    eagerly inside the graph); paper_bf16: 488 of 1,024 outputs differed without emulated casts."""
     monkeypatch.setattr(inductor, "emulate_precision_casts", True)
-    q, k, v = _qkv()
+    q, k, v = (x.detach().to(torch.float32 if recipe == "fp32" else torch.bfloat16).requires_grad_()
+               for x in _qkv())
     mask = _padded() if masked else None
 
     def f(q, k, v):
-        return attention(q, k, v, attn_mask=mask, is_causal=not masked, block_q=8, block_k=8)
+        return attention(q, k, v, attn_mask=mask, is_causal=not masked, recipe=recipe, block_q=8, block_k=8)
 
     for a, b in zip(_run(torch.compile(f), q, k, v), _run(f, q, k, v), strict=True):
         assert torch.equal(a, b)
