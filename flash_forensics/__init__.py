@@ -33,7 +33,7 @@ _EXPORTS = {
     "patch_sdpa": "flash_forensics.sdpa",
     "use": "flash_forensics.hf_backend",
     "Monitor": "flash_forensics.monitor",
-    "TrainerCallback": "flash_forensics.monitor",
+    "TrainerCallback": "flash_forensics.trainer_callback",
     "capture": "flash_forensics.capture",
     "analyze": "flash_forensics.capture",
 }

@@ -9,24 +9,31 @@ flash_forensics/__init__.py):
 
 What a call honours, or refuses (never ignores): GQA (k, v arrive un-repeated: repeat_interleave, as repeat_kv),
 `scaling` (GPT-2 passes its own, None = 1/sqrt(D)), padding and sliding windows (in the mask), is_causal without a
-mask (Tq == Tk, or a single decoding query). Refused with a ValueError naming the argument: dropout > 0, softcap,
-attention sinks (s_aux), position_bias, paged caches, output_attentions, a sliding window without a mask.
+mask (Tq == Tk, or a single decoding query). On CUDA a call whose mask is the bare causal triangle runs as a plain
+causal call, on the Triton kernels where they compute the knobs (flash_forensics/fast_path.py). Refused with a
+ValueError naming the argument: dropout > 0, softcap, attention sinks (s_aux), position_bias, paged caches,
+output_attentions, a sliding window without a mask.
 
-`use(model, recipe=..., overrides={layer_idx: {knob: value}}, **knobs)` sets each layer's knobs (kernels/knobs.py;
-per head: o_fp32_heads) and gives it fresh counters (AttnStats of the query heads). A layer never set computes
-the defaults (paper_bf16).
+`use(model, recipe=..., overrides={where: {knob: value}}, **knobs)` sets the knobs (kernels/knobs.py; per head:
+o_fp32_heads) of every attention module that dispatches through AttentionInterface (flash_forensics/sites.py:
+encoder, decoder and cross-attention alike), `where` a module path, a pattern or a unique layer_idx
+(flash_forensics/overrides.py), and gives each fresh counters (AttnStats of its query heads). Modules it cannot
+route are named (NotRoutedWarning, or refused with strict=True); hooks notice when the model's forwards stop
+reaching the backend (flash_forensics/watch.py). A module never set computes the defaults (paper_bf16).
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
-from typing import Dict, Mapping, Optional
+from typing import Dict, Optional
 
 import torch
 
-from flash_forensics import families
-from flash_forensics.kernels.checks import is_int
-from flash_forensics.kernels.config import AttentionConfig, AttentionKnobs, LayerOverride
+from flash_forensics import fast_path, watch
+from flash_forensics import sites as sites_mod
+from flash_forensics.kernels.config import AttentionConfig, AttentionKnobs
 from flash_forensics.kernels.stats import AttnStats
+from flash_forensics.overrides import layer_overrides
 from flash_forensics.sdpa import attend, check_emulated, make_knobs
 
 NAME = "forensics"  # not "flash_forensics": transformers takes every name containing "flash" for a flash-attn kernel
@@ -44,23 +51,38 @@ class LayerState:
     probe: bool = False  # this forward also measures the attention entropy (an extra softmax pass, no grad)
     entropy_sum: Optional[torch.Tensor] = None  # (H,) FP32: sum over rows of each row's entropy, since the last reset
     entropy_rows: Optional[torch.Tensor] = None  # (H,) FP32: rows summed
+    path: str = ""  # the module's path in the model (flash_forensics/sites.py)
+    calls: Optional[torch.Tensor] = None  # () int64 on the device: calls since the last reset (counted under compile)
+    seen: bool = False  # called since the model's last forward began (eager only; flash_forensics/watch.py)
 
     def reset(self) -> None:
         self.stats.reset()
+        if self.calls is not None:
+            self.calls.zero_()
         if self.entropy_sum is not None:
             self.entropy_sum.zero_()
             self.entropy_rows.zero_()
 
 
-def layer_state(module, n_head: int, device) -> LayerState:
+def layer_state(module, n_head: int, device, path: str = "") -> LayerState:
     st = getattr(module, "ff_state", None)
     if st is None:
-        st = LayerState(make_knobs(), AttnStats(n_head, device))
+        st = LayerState(make_knobs(), AttnStats(n_head, device), path=path)
         module.ff_state = st
-    if st.stats.device != torch.device(device):  # the model moved: counters start fresh there
-        st.stats = AttnStats(n_head, device)
+    if st.stats.device != torch.device(device) or st.stats.n_head != n_head:  # moved, or a head count use() guessed
+        st.stats = AttnStats(n_head, device)  # wrong: counters start fresh
         st.entropy_sum = st.entropy_rows = None
+    if st.calls is None or st.calls.device != torch.device(device):
+        st.calls = torch.zeros((), dtype=torch.int64, device=device)
     return st
+
+
+def _shown(value) -> str:
+    """A refused argument in a message: a tensor by its shape and dtype only (never its values)."""
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)} and dtype {value.dtype}"
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _family(module) -> str:
@@ -70,10 +92,12 @@ def _family(module) -> str:
 def attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
                       is_causal=None, **kwargs):
     """transformers' attention-function contract: q (B, H, Tq, D), k/v (B, Hk, Tk, D) -> ((B, Tq, H, D), None)."""
-    where = f"{NAME} attention (layer {getattr(module, 'layer_idx', '?')}, {_family(module)})"
+    st0 = getattr(module, "ff_state", None)
+    place = st0.path if st0 is not None and st0.path else f"layer {getattr(module, 'layer_idx', '?')}"
+    where = f"{NAME} attention ({place}, {_family(module)})"
     for name, what in _REFUSED.items():
         if kwargs.get(name) is not None:
-            raise ValueError(f"{where}: {name}={kwargs[name]!r} is not allowed: expected None ({what} is not "
+            raise ValueError(f"{where}: {name}={_shown(kwargs[name])} is not allowed: expected None ({what} is not "
                              "computed by the emulator)")
     if kwargs.get("output_attentions"):
         raise ValueError(f"{where}: output_attentions=True is not allowed: expected False (flash attention keeps no "
@@ -86,6 +110,9 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
                          "dropout, e.g. attention_dropout or GPT-2's attn_pdrop, to 0; the flash kernels have none)")
     H, Tq, Tk = query.shape[1], query.shape[2], key.shape[2]
     st = layer_state(module, H, query.device)
+    st.calls.add_(1)  # a device op: counted also in compiled graphs (the Monitor reads it at each flush)
+    if not torch.compiler.is_compiling():
+        st.seen = True  # a Python flag: dynamo would guard on it and recompile, so eager only
     mask, causal = attention_mask, False
     if mask is not None:
         if mask.dim() == 4 and mask.shape[-1] > Tk:  # a mask built for a longer cache: its first Tk keys (as eager)
@@ -101,6 +128,8 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
                 raise ValueError(f"{where}: causal attention with Tq={Tq} != Tk={Tk} and no mask is not allowed: "
                                  f"expected the mask of AttentionMaskInterface[{NAME!r}]")
             causal = True
+    if query.is_cuda and fast_path.causal_only(mask, Tq, Tk):  # the Triton route takes plain causal calls only
+        mask, causal, scaling = None, True, fast_path.plain_scale(scaling, query.shape[-1])
     o = attend(query, key, value, st.knobs, attn_mask=mask, dropout_p=0.0, is_causal=causal, scale=scaling,
                enable_gqa=key.shape[1] != H, stats=st.stats if st.knobs.counters else None,
                layer=getattr(module, "layer_idx", None), family=_family(module))
@@ -152,56 +181,75 @@ def register_mask(masking_utils=None) -> None:
     masking_utils.AttentionMaskInterface.register(NAME, mask_interface)
 
 
-def _overrides(overrides, n_layer: int):
-    if overrides is None:
-        return []
-    if not isinstance(overrides, Mapping):
-        raise ValueError(f"overrides={type(overrides).__name__} is not allowed: expected a dict {{layer_idx: "
-                         "{knob: value}}, e.g. {2: {'pv_fp32': True}, 3: {'o_fp32_heads': [0, 5]}}")
-    out = []
-    for layer, patch in overrides.items():
-        if not is_int(layer, 0, n_layer - 1):
-            raise ValueError(f"overrides key {layer!r} is not allowed: expected a layer_idx in 0..{n_layer - 1}")
-        if not isinstance(patch, Mapping):
-            raise ValueError(f"overrides[{layer}]={patch!r} is not allowed: expected a dict {{knob: value}}")
-        try:
-            out.append(LayerOverride(layers=[layer], **dict(patch)))
-        except TypeError:
-            names = [f for f in AttentionKnobs.__dataclass_fields__]
-            unknown = sorted(set(patch) - set(names))
-            raise ValueError(f"overrides[{layer}]: unknown knob(s) {unknown}; allowed: {', '.join(names)}") from None
-    return out
+def _routable(sites, model):
+    """(routed sites, reasons for the modules use() cannot route): a site whose own config names another
+    implementation (a sub-model's config), and attention-like modules that do not dispatch at all."""
+    routed, skipped = [], []
+    for s in sites:
+        impl = getattr(getattr(s.module, "config", model.config), "_attn_implementation", None)
+        if impl == NAME:
+            routed.append(s)
+        else:
+            skipped.append(f"{s.path} (its config's _attn_implementation={impl!r})")
+    skipped += [f"{p} (its class computes attention itself, not through transformers' AttentionInterface)"
+                for p in sites_mod.attention_like(model)]
+    return routed, skipped
 
 
-def use(model, recipe: str = "paper_bf16", overrides: Optional[Dict[int, dict]] = None, **knobs):
-    """Set the recipe and knobs of every attention layer of a transformers model built with
-    attn_implementation="forensics" (`overrides`: {layer_idx: {knob: value}}, later wins; per head:
-    o_fp32_heads). Validates everything before changing anything; fresh counters per layer. Returns the model."""
+def use(model, recipe: str = "paper_bf16", overrides: Optional[Dict[object, dict]] = None, strict: bool = False,
+        **knobs):
+    """Set the recipe and knobs of every attention module of a transformers model built with
+    attn_implementation="forensics". `overrides`: {module path, path pattern or layer_idx: {knob: value}}
+    (flash_forensics/overrides.py; later wins; per head: o_fp32_heads). Attention modules it cannot route are
+    named in a NotRoutedWarning (strict=True: a ValueError). Validates everything before changing anything; fresh
+    counters per module. Returns the model."""
 
-    impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
-    if impl != NAME:
+    all_sites = sites_mod.attention_sites(model)
+    routed, skipped = _routable(all_sites, model)
+    if not routed:
+        impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
         raise ValueError(f"model.config._attn_implementation={impl!r} is not allowed: expected {NAME!r} (build the "
-                         f"model with attn_implementation={NAME!r}, or call model.set_attn_implementation({NAME!r}))")
-    layers = families.attention_layers(model)
-    H = families.n_heads(model)
+                         f"model with attn_implementation={NAME!r}, or call model.set_attn_implementation({NAME!r}))"
+                         + (f"; no attention module routes: {'; '.join(skipped[:4])}" if skipped else ""))
+    if skipped:
+        msg = (f"use(): {len(skipped)} attention module(s) of {type(model).__name__} cannot run the {NAME} backend "
+               f"and keep their own attention: {'; '.join(skipped[:6])}{'; ...' if len(skipped) > 6 else ''}")
+        if strict:
+            raise ValueError(msg + " (strict=True: expected every attention module routed)")
+        warnings.warn(msg, watch.NotRoutedWarning, stacklevel=2)
     base = make_knobs(recipe, key="use", **knobs)
-    cfg = AttentionConfig(**base.knob_values(), overrides=_overrides(overrides, len(layers)))
-    cfg.validate(H, key="use", n_layer=len(layers))
-    per_layer = [check_emulated(cfg.for_layer(i), key=f"use.overrides[{i}]" if overrides and i in overrides
-                                else "use") for i in range(len(layers))]
+    pairs = layer_overrides(routed, overrides)
+    cfg = AttentionConfig(**base.knob_values(), overrides=[ov for _, ov in pairs])
+    cfg.validate(None, key="use", n_layer=len(routed))
+    per_site = []
+    for i, s in enumerate(routed):
+        keys = [k for k, ov in pairs if i in ov.layers]
+        where = f"use.overrides[{keys[-1]!r}]" if keys else "use"
+        per_site.append(check_emulated(cfg.for_layer(i).validate(s.n_head, key=where), key=where))
     device = next(model.parameters()).device
-    for mod, k in zip(layers, per_layer, strict=True):
-        mod.ff_state = LayerState(k, AttnStats(H, device))
+    states = []
+    for s, k in zip(routed, per_site, strict=True):
+        s.module.ff_state = LayerState(k, AttnStats(s.n_head, device), path=s.path,
+                                       calls=torch.zeros((), dtype=torch.int64, device=device))
+        states.append(s.module.ff_state)
+    watch.install(model, routed, states, NAME)
     return model
 
 
+def sites(model):
+    """The attention modules the backend routes (flash_forensics/sites.py Site), in module order: those use() set
+    up (also after their config was switched away: flash_forensics/watch.py says so), else those it would route."""
+    found = sites_mod.attention_sites(model)
+    set_up = [s for s in found if getattr(s.module, "ff_state", None) is not None]
+    return set_up or _routable(found, model)[0]
+
+
 def layer_states(model):
-    """Each attention layer's LayerState (created with the defaults where `use` was never called)."""
+    """Each routed attention module's LayerState (created with the defaults where `use` was never called)."""
 
     device = next(model.parameters()).device
-    H = families.n_heads(model)
-    return [layer_state(m, H, device) for m in families.attention_layers(model)]
+    return [layer_state(s.module, s.n_head, device, s.path) for s in sites(model)]
 
 
-__all__ = ["NAME", "use", "attention_forward", "mask_interface", "register_attention", "register_mask",
+__all__ = ["NAME", "use", "sites", "attention_forward", "mask_interface", "register_attention", "register_mask",
            "LayerState", "layer_states"]

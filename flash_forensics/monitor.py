@@ -17,16 +17,22 @@ plus rows_seen/, underflow_rows/, sfa_p1_rows/ and attn_entropy/ per head.
         monitor.step(loss)            # a dict on logging steps, else None
     monitor.close()
 
-Trainer: `Trainer(..., callbacks=[flash_forensics.TrainerCallback()])` (log_every defaults to args.logging_steps).
+Trainer: `Trainer(..., callbacks=[flash_forensics.TrainerCallback()])` (flash_forensics/trainer_callback.py).
+
+Every attention module the backend routes is monitored (flash_forensics/sites.py): metric names carry its label,
+L<layer> where layer numbers are unique (the names above), else its module path (encoder-decoder models:
+rmax_rows/model.decoder.layers.0.encoder_attn.H3). A module that made no call since the last flush (its device
+call counter is read with the rest) is named in a NotRoutedWarning with the cause (flash_forensics/watch.py).
 """
 from __future__ import annotations
 
+import warnings
 from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from flash_forensics import families
-from flash_forensics.hf_backend import layer_states
+from flash_forensics import families, watch
+from flash_forensics.hf_backend import NAME, layer_states, sites
 from flash_forensics.kernels.checks import is_int
 from flash_forensics.kernels.stats import COUNTERS
 from flash_forensics.orchestrator import record
@@ -45,9 +51,12 @@ class Monitor:
                 raise ValueError(f"Monitor.{key}={value!r} is not allowed: expected an integer > 0")
         self.model, self.log_every, self.wq_every = model, log_every, wq_every
         self.family = families.family(model)  # an unknown family is refused here, naming how to register it
-        self.states = layer_states(model)
-        self.n_head = families.n_heads(model)
+        self.sites = sites(model)
+        self.states = layer_states(model)  # the sites' states, in the same order
+        self.labels = [st.label for st in self.sites]
+        self._said: set = set()
         self._step = 0  # the next step's index
+        self._flushed = -1  # the last step a flush covered
         self._losses: List[Tuple[int, torch.Tensor]] = []
         self._wq: List[Tuple[int, torch.Tensor]] = []
         self._host: Dict[int, Dict[str, float]] = {}  # values already on the host (Trainer's logs)
@@ -73,11 +82,15 @@ class Monitor:
             self._losses.append((s, loss.detach().reshape(()).float() if torch.is_tensor(loss)
                                  else torch.tensor(float(loss))))
         if s % self.wq_every == 0:
-            self._wq.append((s, families.wq_spectral_norms(self.model)))
+            self._wq.append((s, torch.cat(families.site_sigmas(self.model, sites=self.sites))))
         self._step = s + 1
         out = self.flush(s) if (s + 1) % self.log_every == 0 else None
         self._arm(self._step)
         return out
+
+    def pending(self) -> bool:
+        """True when steps since the last flush are buffered (counters, losses or norms not yet read)."""
+        return self._step - 1 > self._flushed or bool(self._losses or self._wq)
 
     def log_host(self, step: int, values: Dict[str, float]) -> None:
         """Host values (e.g. Trainer's logged loss) to send with the next flush."""
@@ -98,12 +111,14 @@ class Monitor:
             add(f"loss@{s}", loss)
         for s, wq in self._wq:
             add(f"wq@{s}", wq)
-        for layer, st in enumerate(self.states):
+        for i, st in enumerate(self.states):
             for name in COUNTERS:
-                add(f"{name}@{layer}", getattr(st.stats, name))
-            add(f"logit@{layer}", st.stats.max_logit)
+                add(f"{name}@{i}", getattr(st.stats, name))
+            add(f"logit@{i}", st.stats.max_logit)
+            if st.calls is not None:
+                add(f"calls@{i}", st.calls)
             if st.entropy_sum is not None:
-                add(f"ent@{layer}", st.entropy_sum / st.entropy_rows.clamp_min(1))
+                add(f"ent@{i}", st.entropy_sum / st.entropy_rows.clamp_min(1))
         dev = parts[0].device if parts else torch.device("cpu")
         host = torch.cat([p.to(dev) for p in parts]).cpu().tolist() if parts else []  # the one sync
         for st in self.states:
@@ -111,33 +126,49 @@ class Monitor:
         vals, i = {}, 0
         for name, n in layout:
             vals[name], i = host[i:i + n], i + n
+        self._check_calls(vals)
         out: Dict[str, float] = {}
         per_step: Dict[int, Dict[str, float]] = {s: dict(v) for s, v in self._host.items()}
         for s, _ in self._losses:
             per_step.setdefault(s, {})[record.LOSS] = vals[f"loss@{s}"][0]
             out[f"{record.LOSS}@{s}"] = vals[f"loss@{s}"][0]
+        heads = [(lab, h) for lab, st in zip(self.labels, self.states) for h in range(st.stats.n_head)]
         for s, _ in self._wq:
-            flat = vals[f"wq@{s}"]
-            per_step.setdefault(s, {}).update({record.wq_sigma_name(j // self.n_head, j % self.n_head): v
-                                               for j, v in enumerate(flat)})
+            per_step.setdefault(s, {}).update({f"{record.WQ_SIGMA}{lab}.H{h}": v
+                                               for (lab, h), v in zip(heads, vals[f"wq@{s}"], strict=True)})
         last = per_step.setdefault(step, {})
-        for layer in range(len(self.states)):
+        for i, lab in enumerate(self.labels):
             for name in COUNTERS:
-                for h, c in enumerate(vals[f"{name}@{layer}"]):
-                    last[record.rmax_rows_name(layer, h) if name == "repeated_max_rows" else
-                         f"{name}/{record.head_where(layer, h)}"] = c
-            logit = vals[f"logit@{layer}"][0]
+                prefix = record.RMAX_ROWS if name == "repeated_max_rows" else f"{name}/"
+                for h, c in enumerate(vals[f"{name}@{i}"]):
+                    last[f"{prefix}{lab}.H{h}"] = c
+            logit = vals[f"logit@{i}"][0]
             if logit != float("-inf"):  # nothing measured (counters off)
-                last[record.max_logit_name(layer)] = logit
-            for h, e in enumerate(vals.get(f"ent@{layer}", [])):
-                last[f"{ENTROPY}{record.head_where(layer, h)}"] = e
+                last[f"{record.MAX_LOGIT}{lab}"] = logit
+            for h, e in enumerate(vals.get(f"ent@{i}", [])):
+                last[f"{ENTROPY}{lab}.H{h}"] = e
         for s in sorted(per_step):
             out.update(per_step[s])
         self._losses, self._wq, self._host = [], [], {}
+        self._flushed = max(self._flushed, step)
         self.history.append(dict(out, step=step))
         if self._client is not None:
             self._log_mlflow(per_step)
         return out
+
+    def _check_calls(self, vals) -> None:
+        """A NotRoutedWarning (once per message) for the modules that made no call in this interval."""
+        idle = [i for i in range(len(self.states)) if f"calls@{i}" in vals and vals[f"calls@{i}"][0] == 0]
+        if not idle:
+            return
+        quiet = [self.sites[i] for i in idle]
+        what = ("no attention call reached" if len(idle) == len(self.states) else
+                f"{len(idle)} of {len(self.states)} attention modules ({', '.join(s.path for s in quiet[:4])}"
+                f"{', ...' if len(idle) > 4 else ''}) made no call to")
+        msg = f"Monitor: {what} the {NAME} backend since the last flush: {watch.cause(quiet, NAME)}"
+        if msg not in self._said:
+            self._said.add(msg)
+            warnings.warn(msg, watch.NotRoutedWarning, stacklevel=3)
 
     # ------------------------------------------------------------------------------------------ MLflow
     def _open_mlflow(self, uri, experiment, run_name, params) -> None:
@@ -151,8 +182,9 @@ class Monitor:
         run = self._client.create_run(exp_id, run_name=run_name, tags={"family": self.family})
         self.run_id = run.info.run_id
         knobs = self.states[0].knobs
-        base = {"family": self.family, "recipe": knobs.recipe, "n_layer": len(self.states), "n_head": self.n_head,
-                **{f"layer{i}.route": f"flash/emulator/{st.knobs.recipe}" for i, st in enumerate(self.states)}}
+        base = {"family": self.family, "recipe": knobs.recipe, "n_layer": len(self.states),
+                "n_head": self.states[0].stats.n_head,
+                **{f"{lab}.route": f"flash/emulator/{st.knobs.recipe}" for lab, st in zip(self.labels, self.states)}}
         self._client.log_batch(self.run_id, params=[mlflow.entities.Param(k, str(v)[:500])
                                                     for k, v in {**base, **(params or {})}.items()])
 
@@ -189,53 +221,4 @@ class Monitor:
         self.close("FAILED" if exc_type else "FINISHED")
 
 
-def _callback_class():
-    """transformers.TrainerCallback's subclass, built on first use (importing transformers costs seconds)."""
-    from transformers import TrainerCallback as Base
-
-    class TrainerCallback(Base):
-        """Adds flash_forensics' monitors to a Trainer: `callbacks=[flash_forensics.TrainerCallback()]`.
-
-        log_every: None = args.logging_steps. Trainer's logged loss goes out with the next flush. `history`: the
-        flushed dicts; `monitor`: the Monitor (from on_train_begin)."""
-
-        def __init__(self, log_every: Optional[int] = None, wq_every: int = 50, mlflow: bool = False, **mlflow_kw):
-            self.log_every, self.wq_every, self.mlflow, self.mlflow_kw = log_every, wq_every, mlflow, mlflow_kw
-            self.monitor: Optional[Monitor] = None
-
-        @property
-        def history(self):
-            return self.monitor.history if self.monitor is not None else []
-
-        def on_train_begin(self, args, state, control, model=None, **kwargs):
-            every = self.log_every or (int(args.logging_steps) if args.logging_steps >= 1 else 10)
-            self.monitor = Monitor(model, log_every=every, wq_every=self.wq_every, mlflow=self.mlflow,
-                                   **self.mlflow_kw)
-
-        def on_step_end(self, args, state, control, **kwargs):
-            self.monitor.step(step=state.global_step - 1)
-
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            if logs:
-                self.monitor.log_host(max(state.global_step - 1, 0),
-                                      {f"trainer/{k}": v for k, v in logs.items() if isinstance(v, (int, float))})
-
-        def on_train_end(self, args, state, control, **kwargs):
-            self.monitor.close()
-
-    return TrainerCallback
-
-
-_CALLBACK = None
-
-
-def __getattr__(name: str):
-    global _CALLBACK
-    if name == "TrainerCallback":
-        if _CALLBACK is None:
-            _CALLBACK = _callback_class()
-        return _CALLBACK
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-__all__ = ["Monitor", "TrainerCallback", "ENTROPY"]  # noqa: F822  (TrainerCallback: built by __getattr__)
+__all__ = ["Monitor", "ENTROPY"]

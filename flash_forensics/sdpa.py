@@ -22,6 +22,12 @@ the repeated-maxima counters and the max logit on the device. Each call is repor
 
 `patch_sdpa(recipe=..., **knobs)`: a context manager that points torch.nn.functional.scaled_dot_product_attention at
 this function (restored on exit, also on an exception), so unchanged nanoGPT-style code runs through the recipe.
+
+torch.compile: a compiled emulator call computes the recipe bit for bit only when inductor rounds casts as eager
+does (`torch._inductor.config.emulate_precision_casts`); patch_sdpa sets it inside its block, and everywhere else
+(attention(), the transformers backend) a compiled emulator call is refused while dynamo traces it, naming the
+setting; the emulator itself then runs eagerly inside the graph (a graph break per call). The Triton route is
+opaque to inductor (torch.library operators) and needs neither.
 Code that bound the function to another name before the patch (`from torch.nn.functional import
 scaled_dot_product_attention`) keeps torch's.
 """
@@ -72,6 +78,40 @@ def check_emulated(cfg: AttentionKnobs, key: str = "flash_forensics") -> Attenti
         raise ValueError(f"{key}.{row.name}={getattr(cfg, row.name)!r} is not allowed here: the emulator does not "
                          f"compute it (computed by: {knob_table.computed_by_words(row, getattr(cfg, row.name))})")
     return cfg
+
+
+@torch.compiler.assume_constant_result
+def _inductor_rounds_as_eager() -> bool:
+    """Run by dynamo while it traces a call (its result is baked into the graph), so the refusal is raised then.
+
+    Inductor fuses a chain of ops and, by default, keeps their BF16 intermediates in FP32: the recipe's rounding
+    points would silently vanish. Its emulate_precision_casts rounds them as eager does (orchestrator/job/train.py
+    sets it for the project's own training)."""
+    import torch._inductor.config as inductor  # lazy: only while compiling (inductor's config is not light)
+
+    if not hasattr(inductor, "emulate_precision_casts"):
+        raise ValueError(f"torch.compile with torch {torch.__version__} is not allowed here: its inductor has no "
+                         "emulate_precision_casts, so a compiled emulator would keep BF16 intermediates in FP32; "
+                         "expected eager mode (or a torch that has the setting)")
+    if not inductor.emulate_precision_casts:
+        raise ValueError("torch._inductor.config.emulate_precision_casts=False is not allowed while compiling "
+                         "flash_forensics attention: expected True (inductor otherwise keeps the recipe's BF16 "
+                         "intermediates in FP32, and the compiled model computes another recipe); set "
+                         "torch._inductor.config.emulate_precision_casts = True before the first compiled call, "
+                         "or compute inside flash_forensics.patch_sdpa(), which sets it in its scope")
+    return True
+
+
+# Inside a compiled graph the emulator runs eagerly (a graph break per call, its autograd node eager too): inductor
+# would otherwise generate its FP32 steps (exp, row sums, rescales) with its own reduction order and contractions,
+# which the fp32 recipe shows in the last bits and paper_bf16's roundings hide only by chance.
+_eager_emulator = torch.compiler.disable(flash_attention)
+
+
+def check_compiled() -> None:
+    """Refuse, while dynamo traces an emulator call, an inductor that would not round as eager does."""
+    if torch.compiler.is_compiling():
+        _inductor_rounds_as_eager()
 
 
 def _masks(attn_mask, B: int, H: int, Tq: int, Tk: int):
@@ -154,7 +194,8 @@ def attend(q, k, v, cfg: AttentionKnobs, attn_mask=None, dropout_p: float = 0.0,
     if route == "triton":
         o = triton_flash.flash_attention_triton(q, k, v, cfg, stats)
     else:
-        o = flash_attention(q, k, v, cfg, stats, masking)
+        check_compiled()  # the Triton route is opaque to inductor (torch.library ops): faithful as it is
+        o = (_eager_emulator if torch.compiler.is_compiling() else flash_attention)(q, k, v, cfg, stats, masking)
     if dead is not None:  # rows with no key: 0, as SDPA (the emulator averages V there; its gradient is 0 already)
         o = torch.where(dead, torch.zeros((), dtype=o.dtype, device=o.device), o)
     o = o.to(q.dtype)
@@ -186,9 +227,22 @@ def patch_sdpa(recipe: str = "paper_bf16", stats: Optional[AttnStats] = None, **
 
     F.scaled_dot_product_attention = patched
     try:
-        yield cfg
+        with _rounding_as_eager():
+            yield cfg
     finally:
         F.scaled_dot_product_attention = original
+
+
+@contextmanager
+def _rounding_as_eager():
+    """inductor's emulate_precision_casts on inside the block (code compiled there rounds as eager), as it was after."""
+    import torch._inductor.config as inductor  # lazy: inductor's config is not light, and only patch_sdpa needs it
+
+    if not hasattr(inductor, "emulate_precision_casts"):
+        yield  # an older torch: a compiled call is refused by check_compiled, naming why
+        return
+    with inductor.patch(emulate_precision_casts=True):
+        yield
 
 
 __all__ = ["attention", "attend", "patch_sdpa", "make_knobs", "check_emulated"]

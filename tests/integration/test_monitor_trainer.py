@@ -54,21 +54,48 @@ def test_monitor_logs_every_signal_once_per_interval_and_resets(tmp_path, device
     assert len(client.get_metric_history(mon.run_id, "train/loss")) == 6
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_trainer_callback_in_a_tiny_trainer_run(tmp_path, device):
-    pytest.importorskip("accelerate")  # transformers' Trainer needs it (pyproject's [trainer] extra)
+def _trainer(tmp_path, device, report_to, cb, max_steps=4):
     model = _llama()
     flash_forensics.use(model, recipe="paper_bf16")
     g = torch.Generator().manual_seed(0)
     data = [{"input_ids": x, "labels": x} for x in torch.randint(0, V, (16, 16), generator=g)]
-    args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=4,
-                                          logging_steps=2, report_to=[], use_cpu=device == "cpu", save_strategy="no",
-                                          disable_tqdm=True)
+    args = transformers.TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=max_steps,
+                                          per_device_train_batch_size=4, logging_steps=2, report_to=report_to,
+                                          use_cpu=device == "cpu", save_strategy="no", disable_tqdm=True)
+    return transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=[cb])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_trainer_callback_in_a_tiny_trainer_run(tmp_path, device):
+    pytest.importorskip("accelerate")  # transformers' Trainer needs it (pyproject's [trainer] extra)
     cb = flash_forensics.TrainerCallback(wq_every=2)
-    transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=[cb]).train()
-    assert [h["step"] for h in cb.history] == [1, 3]
-    assert all(h["rows_seen/L1.H3"] == 2 * 4 * 16 for h in cb.history)  # 2 steps of 4 x 16 rows per flush
-    assert "trainer/loss" in cb.history[-1] and "wq_sigma/L0.H0" in cb.history[-1]
+    trainer = _trainer(tmp_path, device, [], cb, max_steps=5)
+    trainer.train()
+    assert [h["step"] for h in cb.history] == [1, 3, 4]  # the last, partial interval before the summary log
+    assert all(h["rows_seen/L1.H3"] == 2 * 4 * 16 for h in cb.history[:2])  # 2 steps of 4 x 16 rows per flush
+    assert cb.history[2]["rows_seen/L1.H3"] == 4 * 16
+    assert "trainer/loss" in cb.history[1] and "wq_sigma/L0.H0" in cb.history[-1]
+    logged = [e for e in trainer.state.log_history if "rows_seen/L0.H0" in e]  # in the Trainer's own logs
+    assert [e["step"] for e in logged] == [2, 4, 5] and all("loss" in e for e in logged[:2])
+    assert logged[0]["rows_seen/L0.H0"] == 2 * 4 * 16 and "trainer/loss" not in logged[0]
+
+
+def test_trainer_callback_values_in_report_tos_mlflow_run_only(tmp_path, monkeypatch):
+    pytest.importorskip("accelerate")
+    from mlflow.tracking import MlflowClient
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "hf")
+    with pytest.raises(ValueError, match=r"TrainerCallback\(mlflow=True\) with TrainingArguments.report_to="
+                       r"\['mlflow'\] is not allowed"):
+        _trainer(tmp_path, "cpu", ["mlflow"], flash_forensics.TrainerCallback(mlflow=True, tracking_uri=uri))
+    _trainer(tmp_path, "cpu", ["mlflow"], flash_forensics.TrainerCallback(wq_every=2)).train()
+    client = MlflowClient(tracking_uri=uri)
+    runs = [r for e in client.search_experiments() for r in client.search_runs([e.experiment_id])]
+    assert len(runs) == 1  # one training, one run: the Trainer's
+    hist = client.get_metric_history(runs[0].info.run_id, "rmax_rows/L1.H2")
+    assert [m.step for m in hist] == [2, 4]
+    assert client.get_metric_history(runs[0].info.run_id, "loss")  # the Trainer's own metrics beside them
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -1,0 +1,96 @@
+"""The CUDA fast path of the transformers backend (flash_forensics/fast_path.py): a call whose mask is the bare
+causal triangle runs as a plain causal call (the Triton kernels' route); padded masks stay on the emulator. The
+detection and its once-per-mask cache on CPU; the Triton route itself in the gpu-marked tests."""
+import copy
+
+import pytest
+import torch
+
+from flash_forensics import fast_path, hooks
+from flash_forensics.hf_backend import NAME, use
+from flash_forensics.kernels.config import AttentionKnobs
+from flash_forensics.kernels.emulator import flash_attention
+from flash_forensics.kernels.masking import Masking
+
+transformers = pytest.importorskip("transformers")
+V = 128
+
+
+def _llama(device="cpu", dtype=torch.bfloat16, layers=2):
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    return transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation=NAME).to(device,
+                                                                                                         dtype)
+
+
+def _masks(model, **batch):
+    """The mask object each layer's call got."""
+    seen = []
+    orig = fast_path.causal_only
+
+    def spy(mask, Tq, Tk):
+        seen.append(mask)
+        return orig(mask, Tq, Tk)
+
+    fast_path.causal_only, cuda = spy, torch.Tensor.is_cuda
+    try:
+        torch.Tensor.is_cuda = property(lambda self: True)  # the CUDA branch of attention_forward, on CPU tensors
+        with torch.no_grad():
+            model(**batch)
+    finally:
+        fast_path.causal_only, torch.Tensor.is_cuda = orig, cuda
+    return seen
+
+
+def test_causal_only_masks_are_told_from_padded_ones_once_per_forward():
+    model = _llama(dtype=torch.float32)
+    use(model)
+    ids = torch.randint(0, V, (2, 12))
+    plain = _masks(model, input_ids=ids)
+    assert len(plain) == 2 and plain[0] is plain[1]  # one mask object for every layer: one sync per forward
+    assert fast_path.causal_only(plain[0], 12, 12) and fast_path.cached(plain[0]) is True
+    am = torch.ones(2, 12, dtype=torch.long)
+    am[1, :3] = 0
+    padded = _masks(model, input_ids=ids, attention_mask=am)
+    assert not fast_path.causal_only(padded[0], 12, 12)
+    tri = torch.ones(1, 1, 5, 5, dtype=torch.bool).tril()
+    assert fast_path.causal_only(tri, 5, 5)
+    tri[0, 0, 4, 0] = False  # changed in place: answered again, not from the cache
+    assert not fast_path.causal_only(tri, 5, 5)
+    assert not fast_path.causal_only(tri[..., :4], 5, 4) and not fast_path.causal_only(None, 5, 5)
+    assert fast_path.plain_scale(64 ** -0.5, 64) is None and fast_path.plain_scale(0.5, 64) == 0.5
+
+
+def test_the_plain_route_computes_what_the_triangle_mask_computes():
+    """On the emulator the two routes agree bit for bit, so taking the plain route changes nothing but the code
+    that computes it (the Triton kernels on CUDA)."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 40, 64, generator=g).to(torch.bfloat16) for _ in range(3))
+    knobs = AttentionKnobs(recipe="paper_bf16", block_q=16, block_k=16)
+    tri = torch.ones(40, 40, dtype=torch.bool).tril().expand(2, 4, 40, 40)
+    assert torch.equal(flash_attention(q, k, v, knobs),
+                       flash_attention(q, k, v, knobs, None, Masking(keep=tri, scale=64 ** -0.5)))
+
+
+def _calls(model, **batch):
+    calls = []
+    with hooks.observing(calls.append), torch.no_grad():
+        model(**batch)
+    return calls
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", ["paper_bf16", "fp32"])
+def test_cuda_plain_calls_run_on_triton_bit_for_bit_with_the_emulator(recipe):
+    model = _llama("cuda", torch.float32 if recipe == "fp32" else torch.bfloat16)
+    use(model, recipe=recipe, block_q=64, block_k=64)
+    knobs = AttentionKnobs(recipe=recipe, block_q=64, block_k=64)
+    ids = torch.randint(0, V, (2, 128), device="cuda")
+    calls = _calls(model, input_ids=ids)
+    assert [c.implementation for c in calls] == ["triton", "triton"]
+    for c in calls:
+        assert torch.equal(c.o, flash_attention(c.q, c.k, c.v, knobs).to(c.o.dtype))  # same tiles, same bits
+    am = torch.ones(2, 128, dtype=torch.long, device="cuda")
+    am[1, :10] = 0  # key padding: the emulator (the kernels take no key mask)
+    assert [c.implementation for c in _calls(model, input_ids=ids, attention_mask=am)] == ["emulator", "emulator"]
