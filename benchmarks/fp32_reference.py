@@ -171,7 +171,8 @@ def main(argv=None):
     dev = torch.device("cuda")
     from flash_forensics.kernels import triton_flash as tf
     env = environment(argv)
-    env["command"] = "python " + " ".join([os.path.relpath(__file__, ROOT)] + list(argv))  # this script, not attention.py
+    # this script, not attention.py
+    env["command"] = "python " + " ".join([os.path.relpath(__file__, ROOT)] + list(argv))
     out = dict(env, launch_configs={m: tf.launch_config(kn, SHAPE[3], SHAPE[2])
                                                   for m, kn in METHODS.items()})
     path = args.out or os.path.join(ROOT, "results", "bench", f"fp32-reference-{out['gpu'].split()[-1].lower()}.json")
