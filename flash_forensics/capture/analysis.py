@@ -241,6 +241,18 @@ def verdict(att: dict) -> dict:
             "sentence": f"delta error mean {b['mean']:.3g}, t = {b['t']:.1f}: " + "; ".join(parts)}
 
 
+def named_vs_found(ranked: List[dict]) -> Optional[str]:
+    """The sentence when the recipe the file names reproduces less of O than the fingerprint's best (another
+    recipe or variant); None when the named one is best or ties it."""
+    base = next((r for r in ranked if r["is_base"]), None)
+    best = ranked[0] if ranked else None
+    if base is None or best is base or best["o_identical"] <= base["o_identical"]:
+        return None
+    return (f"the file names {base['label']} ({100 * base['o_identical']:.2f}% of O identical), but the fingerprint "
+            f"finds {best['label']} ({100 * best['o_identical']:.2f}%): analysed as named; --blind analyses it as "
+            f"{best['label']}")
+
+
 # ------------------------------------------------------------------------------------------------ per head
 def head_stats(q, k, v, o, do, knobs, delta64, dq64, dk64, x=None, w_q=None) -> dict:
     """Per analysed head: ties, P̄ = 1 rows, the delta error's statistics, dQ/dK errors and (x, w_q) projections."""
@@ -316,6 +328,10 @@ def analyze(path, heads: Optional[Sequence[int]] = None, top: int = 2, fingerpri
                           "best": ranked[0]["label"] if ranked else None,
                           "exact": bool(ranked) and ranked[0]["o_identical"] == 1.0
                           and ranked[0]["lse_identical"] in (None, 1.0)}
+    conflict = named_vs_found(ranked) if flash_knobs is not None else None
+    if conflict:
+        notes.append(conflict)
+        res["conflict"] = conflict
     knobs = flash_knobs
     if knobs is None:
         if ranked:
