@@ -383,6 +383,14 @@ def check_debug(d, t) -> None:
             _int(f"debug.{name}", v, 0, t.max_steps - 1)
 
 
+def check_capture_steps(c, t) -> None:
+    """Every capture step is one the run trains (0-based, < train.max_steps): a later one would capture nothing."""
+    late = [s for s in (c.steps or []) if isinstance(s, int) and s >= t.max_steps]
+    if late:
+        raise _bad("monitor.capture.steps", list(c.steps),
+                   f"0-based steps the run trains, < train.max_steps={t.max_steps} (step {late[0]} is never run)")
+
+
 def _validate(cfg, overrides: Sequence[str] = (), check_resume: bool = True, check_store: bool = True):
     """validate_config without the memo."""
     obj = to_object(cfg)
@@ -396,6 +404,7 @@ def _validate(cfg, overrides: Sequence[str] = (), check_resume: bool = True, che
                         ("optimizer", lambda: check_optimizer(obj.optimizer)),
                         ("train", lambda: check_train(obj.train)),
                         ("debug", lambda: check_debug(obj.debug, obj.train)),
+                        ("monitor.capture", lambda: check_capture_steps(obj.monitor.capture, obj.train)),
                         ("intervention.model", lambda: apply_model_patch(obj)),
                         ("intervention", lambda: check_intervention(obj.intervention, obj.model)),
                         ("intervention.hooks", lambda: check_hooks(obj.intervention, obj.model)),

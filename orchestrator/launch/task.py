@@ -18,6 +18,7 @@ from typing import Any, Dict, List, Optional
 from omegaconf import DictConfig
 
 from flash_forensics.orchestrator import record
+from flash_forensics.orchestrator.config.folders import check_capture_dir
 from flash_forensics.orchestrator.config.validate import selected_interventions, validate_config
 from flash_forensics.orchestrator.errors import WriteError, _alive
 from flash_forensics.orchestrator.job import checkpoint, folder_lock
@@ -167,6 +168,7 @@ def _run_job(cfg: DictConfig, job_dir: Path, overrides: Optional[List[str]] = No
         write_job_start(job_dir, intervention=name, overrides=overrides, expected=result["expected"],
                         pid=os.getpid(), host=_host(), started=__import__("time").time())
         obj, attention = validate_config(cfg, overrides)
+        check_capture_dir(obj.monitor.capture, job_dir)  # other entry points than run.py (isolate, fork, tests)
         obj.intervention.name = name
         job = Job(obj, attention, job_dir, overrides)
         result = job.result
