@@ -22,7 +22,8 @@ from flash_forensics.kernels.recipes import for_knobs
 from flash_forensics.models.hf import check_attention, check_job
 from flash_forensics.orchestrator.config.budget import check_budget
 from flash_forensics.orchestrator.config.schema import COMPILES, DEVICES, EXPECTS, OPTIMIZERS, PRECISIONS, Config
-from flash_forensics.orchestrator.data.corpora import open_corpus, resolve_files
+from flash_forensics.orchestrator.data.config import DataError
+from flash_forensics.orchestrator.data.corpora import check_text, open_corpus
 from flash_forensics.orchestrator.data.prepare import dataset_dir
 from flash_forensics.orchestrator.data.replay import OrderReader, read_header
 from flash_forensics.orchestrator.errors import ConfigError  # noqa: F401  (re-exported)
@@ -275,36 +276,12 @@ def check_intervention(iv, model) -> None:
             raise ConfigError(str(e)) from None
 
 
-TEXT_SNIFF_MB = 16
-
-
 def check_text_files(d) -> None:
-    """corpus=text_files: every file exists, is not empty and holds text (no NUL bytes, UTF-8), before any job starts
-    (preparing would find it only once a job runs)."""
-    if d.corpus != "text_files":
-        return
-    import codecs
-    for p in resolve_files(list(d.files)):  # missing, folder, suffix, empty: DataError naming the file
-        if p.suffix == ".parquet":
-            continue
-        dec = codecs.getincrementaldecoder("utf-8")()
-        text = False
-        with open(p, "rb") as f:
-            for _ in range(TEXT_SNIFF_MB):  # the first TEXT_SNIFF_MB MiB: a corpus of GBs is checked in a second
-                chunk = f.read(1 << 20)
-                end = len(chunk) < 1 << 20
-                if b"\0" in chunk:
-                    raise ConfigError(f"data.files: {p} is a binary file (NUL bytes), not text")
-                try:
-                    s = dec.decode(chunk, final=end)
-                except UnicodeDecodeError as e:
-                    raise ConfigError(f"data.files: {p} is not UTF-8 text ({e.reason} near byte {e.start} of a "
-                                      f"1 MiB read); convert it, e.g. iconv -t UTF-8") from None
-                text = text or bool(s.strip())
-                if end:
-                    break
-        if not text:
-            raise ConfigError(f"data.files: {p} holds no text (only whitespace)")
+    """corpus=text_files: every file holds text, before any job starts (orchestrator/data/corpora.py)."""
+    try:
+        check_text(d)
+    except DataError as e:
+        raise ConfigError(str(e)) from None
 
 
 def check_data_fits(obj) -> None:
