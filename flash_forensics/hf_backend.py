@@ -18,6 +18,7 @@ the defaults (paper_bf16).
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Dict, Mapping, Optional
 
@@ -186,7 +187,12 @@ def use(model, recipe: str = "paper_bf16", overrides: Optional[Dict[int, dict]] 
     H = families.n_heads(model)
     base = make_knobs(recipe, key="use", **knobs)
     cfg = AttentionConfig(**base.knob_values(), overrides=_overrides(overrides, len(layers)))
-    cfg.validate(H, key="use", n_layer=len(layers))
+    try:
+        cfg.validate(H, key="use", n_layer=len(layers))
+    except ValueError as e:  # AttentionConfig names an override by its list index; use() takes them by layer
+        by_layer = [ov.layers[0] for ov in cfg.overrides]
+        raise ValueError(re.sub(r"use\.overrides\[(\d+)\]", lambda m: f"use.overrides[{by_layer[int(m[1])]}]",
+                                str(e))) from None
     per_layer = [check_emulated(cfg.for_layer(i), key=f"use.overrides[{i}]" if overrides and i in overrides
                                 else "use") for i in range(len(layers))]
     device = next(model.parameters()).device
