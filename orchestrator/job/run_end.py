@@ -65,10 +65,24 @@ def _settle_quietly(job, done: int) -> None:
 
 
 def interrupted(job, stream, done: int, by: str) -> None:
-    """Preemption signal (SystemExit after the checkpoint) or ^C: result.json counts the steps done."""
+    """Preemption signal (SystemExit after the checkpoint) or ^C (mid-step, no checkpoint of its own): result.json
+    counts the steps done and says which checkpoint a rerun resumes from, if any; the verdict tag leaves 'running'."""
     _settle_quietly(job, done)
-    job.result["error"] = (f"stopped by {by} after {done} steps; the checkpoint is saved: rerun the same job "
-                           f"(auto-resume) or resume=<its last.pt>")
+    saved = getattr(job, "saved_step", None)  # the newest checkpoint on disk: saved or resumed by this process
+    path = job.result.get("checkpoint") or job.job_dir / snapshot.CKPT_DIR / "last.pt"
+    if saved is not None and saved == done:
+        then = f"the checkpoint at step {done} is saved ({path}): rerun the same job (auto-resume) or resume={path}"
+    elif saved is not None:
+        then = (f"the newest checkpoint is step {saved} ({path}): a rerun of the same job resumes there and "
+                f"trains the {done - saved} steps after it again")
+    else:
+        then = (f"no checkpoint was saved (train.ckpt_every={job.cfg.train.ckpt_every}): a rerun starts from step 0")
+    job.result["error"] = f"stopped by {by} after {done} steps; {then}"
+    if job.tracker is not None and job.is_main:
+        try:  # verdict=failed and the error on the run, as on the crash path (not the 'running' set at start)
+            log_record(job, done)
+        except Exception:
+            pass
     close_quietly(job, stream, "KILLED")
 
 

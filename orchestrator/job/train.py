@@ -138,6 +138,7 @@ class Job:
         self.dist = None
         self.is_main = True
         self._done = 0  # steps done so far (the crash path records them)
+        self.saved_step: Optional[int] = None  # the newest checkpoint on disk (run_end.interrupted says it)
 
     # ---------------------------------------------------------------------------------------------- setup
     def _init_dist(self):
@@ -266,6 +267,8 @@ class Job:
         self.probes = probes.build(cfg, model, data_dir, device, self.tracker, self.is_main)
         self.capture = capture_job.build(self, model)  # monitor.capture: attention snapshots at chosen steps
         self.detector = DivergenceDetector(cfg.verdict)
+        if resuming:  # the checkpoint it resumed is on disk: an interrupted rerun starts there again
+            self.saved_step = start
         if state:
             snapshot.restore_run_state(self, state, resuming)
             checkpoint.set_rng_state(state["rng"])  # last: model building above consumed the RNG
