@@ -243,6 +243,8 @@ def check_train(t) -> None:
         _int(f"train.{name}", getattr(t, name), 0)
     _int("train.warmup_steps", t.warmup_steps, 0, t.max_steps)
     _num("train.grad_clip", t.grad_clip, 0, strict=False)
+    if t.max_hours is not None:
+        _num("train.max_hours", t.max_hours, 0)
     if t.precision not in PRECISIONS:
         raise _bad("train.precision", t.precision, "one of " + ", ".join(PRECISIONS))
     if t.device not in DEVICES:

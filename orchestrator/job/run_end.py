@@ -107,14 +107,15 @@ def _finite_params(model) -> bool:
     return all(torch.isfinite(p).all() for p in model.parameters())  # crash path only: syncing is fine here
 
 
-def crash(job, model, optimizer, done: int, stream) -> None:
-    """Record what is known: monitors flushed, verdict 'failed', a crash checkpoint when the weights are sane."""
+def crash(job, model, optimizer, done: int, stream, save: bool = True) -> None:
+    """Record what is known: monitors flushed, verdict 'failed', a crash checkpoint when the weights are sane (and
+    `save`: not for a run refused for its length, whose weights nobody will resume)."""
 
     if job.monitors is not None:
         _settle_quietly(job, done)
     job.result["observed"] = "failed"
     try:
-        if job.detector is not None and done > 0 and _finite_params(model):
+        if save and job.detector is not None and done > 0 and _finite_params(model):
             snapshot.save(job, model, optimizer, done, "crash.pt")
     except Exception:
         pass
