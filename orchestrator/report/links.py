@@ -54,11 +54,19 @@ def compare_route(experiment_id: str, run_ids: Sequence[str]) -> str:
     return f"#/compare-runs?runs={runs}&experiments={exps}&{TRAINING_MODE}"
 
 
-def mlflow_ui_command(tracking_uri: str) -> Optional[str]:
-    """The command that serves a database store's UI; None for a server (it is its own UI)."""
+def mlflow_ui_command(tracking_uri: str, base: Optional[str] = None) -> Optional[str]:
+    """The command that serves a database store's UI at `base` (the address the links use: its --port, and its
+    --host unless local), so that run as printed every link opens; None for a server (it is its own UI)."""
     if tracking_uri.startswith(("http://", "https://")):
         return None
-    return f"mlflow ui --backend-store-uri {tracking_uri}"
+    cmd = f"mlflow ui --backend-store-uri {tracking_uri}"
+    if not base or base.rstrip("/") == MLFLOW_UI_DEFAULT:
+        return cmd
+    url = urllib.parse.urlsplit(base)
+    if url.hostname and url.hostname not in ("127.0.0.1", "localhost"):
+        cmd += f" --host {url.hostname}"
+    port = url.port or (443 if url.scheme == "https" else 80)
+    return cmd + (f" --port {port}" if port != 5000 else "")
 
 
 def link_lines(tracking_uri: str, experiment_id: Optional[str], run_id: Optional[str] = None,
@@ -67,7 +75,7 @@ def link_lines(tracking_uri: str, experiment_id: Optional[str], run_id: Optional
     """The lines printed at the end of a run or sweep: how to open the UI, the runs table (in the verdicts view
     when share_key is given), the (parent) run, the compare page of compare_ids."""
     base = ui_base(tracking_uri, ui_url)
-    cmd = mlflow_ui_command(tracking_uri)
+    cmd = mlflow_ui_command(tracking_uri, base)
     port = f"; another port: --port N and {UI_URL_ENV}=http://127.0.0.1:N" if cmd and not ui_url and not \
         os.environ.get(UI_URL_ENV) else ""
     out = [f"MLflow: {cmd}   (serves {base}{port})" if cmd else f"MLflow: {base}"]

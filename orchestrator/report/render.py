@@ -228,8 +228,8 @@ def _mlflow_lines(meta) -> List[str]:
     if not uri:
         return []
     out = ["", "## MLflow", ""]
-    cmd = links.mlflow_ui_command(uri)
     base = links.ui_base(uri, meta.get("ui_url"))
+    cmd = links.mlflow_ui_command(uri, base)
     out.append(f"`{cmd}`, then open {base}" if cmd else f"Server: {base}")
     exp, parent = meta.get("experiment_id"), meta.get("parent_run_id")
     if exp is not None:

@@ -4,8 +4,10 @@ diverged too. Plus what the MLflow side shows of it (tags, colours, view, links)
 import json
 import urllib.parse
 
+import pytest
+
 from flash_forensics.orchestrator import record
-from flash_forensics.orchestrator.report import links, plots, verdict_view
+from flash_forensics.orchestrator.report import links, plots, render, verdict_view
 from flash_forensics.orchestrator.report.rows import compare, control_for
 from flash_forensics.orchestrator.tracking.run_fields import describe_run
 
@@ -104,6 +106,20 @@ def test_ui_url_from_the_environment(monkeypatch):
     assert links.link_lines("sqlite:///x.db", "1")[1] == "  runs table: http://127.0.0.1:5050/#/experiments/1/runs"
     monkeypatch.delenv(links.UI_URL_ENV)
     assert "FF_MLFLOW_UI_URL" in links.link_lines("sqlite:///x.db", "1")[0]
+
+
+@pytest.mark.parametrize("ui_url, serves", [
+    ("http://127.0.0.1:5055", "mlflow ui --backend-store-uri sqlite:///x.db --port 5055"),
+    ("http://localhost:5000/", "mlflow ui --backend-store-uri sqlite:///x.db"),
+    ("http://gpu-node:8080", "mlflow ui --backend-store-uri sqlite:///x.db --host gpu-node --port 8080"),
+])
+def test_the_printed_ui_command_serves_where_the_links_point(monkeypatch, ui_url, serves):
+    """Run as printed, `mlflow ui` listens at the address every printed link uses (FF_MLFLOW_UI_URL's port)."""
+    monkeypatch.setenv(links.UI_URL_ENV, ui_url)
+    first = links.link_lines("sqlite:///x.db", "1")[0]
+    assert first.startswith(f"MLflow: {serves}   (serves {ui_url.rstrip('/')})"), first
+    md = "\n".join(render._mlflow_lines({"tracking_uri": "sqlite:///x.db", "experiment_id": "1"}))
+    assert f"`{serves}`, then open {ui_url.rstrip('/')}" in md  # verdicts.md says the same
 
 
 def test_user_overrides():
