@@ -427,7 +427,9 @@ def sweep_metrics(records: Sequence[Any]) -> Dict[str, float]:
     """The parent run's aggregates over its rows (RunRecords or report rows with expected/observed)."""
     get = (lambda x, k: x.get(k)) if records and isinstance(records[0], Mapping) else getattr  # noqa: E731
     obs = [get(x, "observed") for x in records]
-    match = [matches_paper(get(x, "expected"), o, get(x, "cause")) for x, o in zip(records, obs, strict=True)]
+    # a report row's own matches_paper first: it knows the sweep (a stable run whose baseline never diverged is void)
+    match = [bool(x["matches_paper"]) if isinstance(x, Mapping) and "matches_paper" in x else
+             matches_paper(get(x, "expected"), o, get(x, "cause")) for x, o in zip(records, obs, strict=True)]
     return {"runs": float(len(records)), "runs_matching_paper": float(sum(match)),
             "runs_diverged": float(obs.count("diverged")), "runs_stable": float(obs.count("stable")),
             "runs_failed": float(sum(o not in ("stable", "diverged") for o in obs))}

@@ -94,7 +94,8 @@ def _table(rows: Sequence[Dict]) -> List[List[str]]:
         body.append([_fmt(r.get("job")), _fmt(r.get("intervention")),
                      " ".join(sorted(R._other_overrides(r) - common)) or "-",
                      _fmt(r.get("expected")), _fmt(r.get("observed")), _fmt(r.get("divergence_step")),
-                     _fmt(r.get("cause")), _fmt(R._num(r.get("final_loss"))), peak, _fmt(r.get("matches_paper")),
+                     _fmt(r.get("cause")), _fmt(R._num(r.get("final_loss"))), peak,
+                     "void" if r.get("paper_void") else _fmt(r.get("matches_paper")),
                      r.get("vs_baseline") or "-", (r.get("mlflow_run_id") or "-")[:12]])
     return [head] + body
 
@@ -194,10 +195,8 @@ def _markdown(rows, meta, plot_paths, out_dir: Path, sweep: str, urls: Optional[
     image by its path relative to out_dir, for the copy on disk); cause: the Cause section (cause_lines)."""
     t = _table(rows)
     esc = lambda s: s.replace("|", "\\|")  # noqa: E731
-    n_match = sum(1 for r in rows if r["matches_paper"])
     failed = [r for r in rows if r["observed"] == "failed"]
-    md = [f"# Verdicts: {sweep}", "",
-          f"{len(rows)} runs; {n_match} match the paper; {len(failed)} failed.", ""]
+    md = [f"# Verdicts: {sweep}", "", R.counts(rows), ""]
     md += cause_lines(cause, out_dir, plot_line)
     md += ["- " + _md_parts(p) for p in meta_items(rows, meta)]
     md += ["", "| " + " | ".join(t[0]) + " |", "|" + "---|" * len(t[0])]
@@ -254,22 +253,25 @@ def _fork_lines(rows) -> List[str]:
     return [f"- forked from `{path}` at step {step}: metrics and verdicts from step {step} on" for path, step in forks]
 
 
+def _paper_words(r) -> str:
+    if r.get("paper_void"):
+        return "void: its baseline did not diverge"
+    return "matches the paper" if r.get("matches_paper") else "does not match the paper"
+
+
 def parent_note(sweep: str, rows, urls: List[Optional[str]], view: Optional[str] = None,
                 compare: Optional[str] = None) -> str:
     """The sweep's parent run description (markdown on its run page): the counts, then one line per run (its
     verdict with the control; lines, not a table, so the UI's preview shows every run), the verdicts view and
     compare links."""
-    n_match = sum(1 for r in rows if r["matches_paper"])
-    failed = sum(1 for r in rows if r["observed"] == "failed")
-    out = [f"**{sweep}**: {len(rows)} runs; {n_match} match the paper; {failed} failed. Full report: "
-           f"`verdicts.html` (artifacts)."]
+    out = [f"**{sweep}**: {R.counts(rows)} Full report: `verdicts.html` (artifacts)."]
     links_line = " · ".join(x for x in ((f"[verdicts table]({view})" if view else None),
                                           (f"[compare the runs]({compare})" if compare else None)) if x)
     if links_line:
         out.append(links_line)
     out += [" ".join(f"{i + 1}. {_md_link(_fmt(r.get('job')), url)} **{_fmt(r.get('intervention'))}**: "
                      f"{r.get('verdict') or _fmt(r.get('observed'))}"
-                     f" ({'matches the paper' if r.get('matches_paper') else 'does not match the paper'})".split())
+                     f" ({_paper_words(r)})".split())
             for i, (r, url) in enumerate(zip(rows, urls, strict=True))]
     return "\n\n".join(out)
 
@@ -368,6 +370,7 @@ def write_report(rows: List[Dict], out_dir: os.PathLike, tracking_uri: Optional[
              **plot_paths}
     doc = {"sweep": sweep, "meta": meta, "runs": [{k: r.get(k) for k in R.ROW_KEYS} for r in rows],
            "summary": {"runs": len(rows), "matches_paper": sum(1 for r in rows if r["matches_paper"]),
+                       "void": sum(1 for r in rows if r.get("paper_void")),
                        "failed": sum(1 for r in rows if r["observed"] == "failed")},
            "plots": {k: str(p) for k, p in plot_paths.items()}}
     if cause:

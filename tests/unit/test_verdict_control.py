@@ -8,6 +8,7 @@ import pytest
 
 from flash_forensics.orchestrator import record
 from flash_forensics.orchestrator.report import links, plots, render, verdict_view
+from flash_forensics.orchestrator.report import rows as R
 from flash_forensics.orchestrator.report.rows import compare, control_for
 from flash_forensics.orchestrator.tracking.run_fields import describe_run
 
@@ -120,6 +121,24 @@ def test_the_printed_ui_command_serves_where_the_links_point(monkeypatch, ui_url
     assert first.startswith(f"MLflow: {serves}   (serves {ui_url.rstrip('/')})"), first
     md = "\n".join(render._mlflow_lines({"tracking_uri": "sqlite:///x.db", "experiment_id": "1"}))
     assert f"`{serves}`, then open {ui_url.rstrip('/')}" in md  # verdicts.md says the same
+
+
+def test_stable_runs_are_void_when_the_baseline_never_diverged(tmp_path):
+    """'3 runs; 2 match the paper' read as a reproduction when the baseline never diverged: nothing was prevented."""
+    rows = compare([row("baseline", "diverges", "stable", job="0"), row("fp32", "stable", "stable", job="1"),
+                    row("qk_norm", "stable", "stable", job="2")])
+    assert [r["matches_paper"] for r in rows] == [False, False, False]
+    assert [bool(r.get("paper_void")) for r in rows] == [False, True, True]
+    line = "3 runs; 0 match the paper (2 stable runs void: their baseline did not diverge); 0 failed."
+    assert R.counts(rows) == line and record.sweep_metrics(rows)["runs_matching_paper"] == 0.0
+    assert line in render.parent_note("s", rows, [None] * 3) and "void: its baseline did not diverge" in \
+        rows[2]["vs_baseline"]
+    table = render._table(rows)
+    assert [r[table[0].index("matches paper")] for r in table[1:]] == ["NO", "void", "void"]
+    # with a baseline that diverged (and its stable FP32 control), the same stable runs match
+    rows = compare([row("baseline", "diverges", "diverged", 9, job="0"), row("fp32", "stable", "stable", job="1"),
+                    row("qk_norm", "stable", "stable", job="2")])
+    assert R.counts(rows) == "3 runs; 3 match the paper; 0 failed."
 
 
 def test_user_overrides():
