@@ -168,3 +168,18 @@ def test_identical_loss_curves_each_show(tmp_path):
     lines = [ln for ln in captured["ax"].get_lines() if not ln.get_label().startswith("_")]
     assert "the same curve as 0:baseline" in lines[1].get_label()
     assert lines[1].get_marker() not in (None, "None", "") and lines[1].get_linestyle() != lines[0].get_linestyle()
+
+
+def test_close_loss_curves_each_show(tmp_path):
+    """An all-stable sweep: three curves 0.001 apart (under a pixel) each keep a visible share of the plot."""
+    import math
+
+    import matplotlib.image as mpimg
+    import numpy as np
+    base = [(s, 4 + 2 * math.exp(-s / 10)) for s in range(60)]
+    runs = [(f"{i}:{n}", {"train/loss": [(s, v + 1e-3 * i) for s, v in base]})
+            for i, n in enumerate(["baseline", "fp32", "qk_norm"])]
+    img = mpimg.imread(plots.loss_curves(runs, tmp_path / "loss.png"))[..., :3]
+    axes = img[:, : img.shape[1] // 2]  # the axes' left half: the legend (outside, right) counts no pixel here
+    shown = [int((np.abs(axes - np.array(c)).max(-1) < 0.08).sum()) for c in plots.palette(3)]
+    assert min(shown) > 0.2 * max(shown), shown  # drawn solid on top of each other, the first showed none
