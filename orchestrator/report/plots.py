@@ -195,12 +195,15 @@ def _layer_legend(fig, axes, layers: List[int], colors, what: str) -> None:
 
 
 def wq_spectral_norms(runs: Sequence[Tuple[str, History]], path: Path, window: Optional[int] = None,
-                      annotate: int = 3) -> Optional[Path]:
-    """One panel per run, one line per layer: sigma_max(W_Q) of that layer's top head (largest peak); the
-    `annotate` largest heads of the run are named at their peak. Same y axis in every panel."""
+                      annotate: int = 3, named: Sequence[Tuple[int, int]] = ()) -> Optional[Path]:
+    """One panel per run: sigma_max(W_Q) of each layer's top head (largest peak), thin, and of every head in
+    `named` (the heads the verdicts name, e.g. each run's peak_wq_where), bold and labelled in every panel, so a
+    head a verdict names is read beside the same head of the other runs; the `annotate` largest other heads are
+    named at their peak. Same y axis in every panel."""
     runs = _per_head_runs(runs, "wq_sigma/")
     if not runs:
         return None
+    named = sorted(set(named))
     layers = sorted({layer for _, heads in runs for layer, _ in heads})
     colors = palette(len(layers))
     fig, axes = _panels(len(runs))
@@ -209,17 +212,31 @@ def wq_spectral_norms(runs: Sequence[Tuple[str, History]], path: Path, window: O
         for (layer, head), pts in heads.items():
             if layer not in tops or max(v for _, v in pts) > max(v for _, v in heads[(layer, tops[layer])]):
                 tops[layer] = head
+        cut = lambda pts: [(s, v) for s, v in pts if window is None or s >= window]  # noqa: E731
         for layer, head in sorted(tops.items()):
-            pts = [(s, v) for s, v in heads[(layer, head)] if window is None or s >= window]
-            ax.plot([s for s, _ in pts], [v for _, v in pts], color=colors[layers.index(layer)], lw=1.2)
-        ranked = sorted(tops.items(), key=lambda lh: -max(v for _, v in heads[lh]))[:annotate]
+            if (layer, head) not in named:
+                pts = cut(heads[(layer, head)])
+                ax.plot([s for s, _ in pts], [v for _, v in pts], color=colors[layers.index(layer)], lw=1.0,
+                        alpha=0.75)
+        for k, (layer, head) in enumerate(named):
+            pts = cut(heads.get((layer, head), []))
+            if not pts or layer not in layers:
+                continue
+            ax.plot([s for s, _ in pts], [v for _, v in pts], color=colors[layers.index(layer)], lw=2.4,
+                    ls=_STYLES[k % len(_STYLES)])
+            ax.annotate(f"L{layer}.H{head}", pts[-1], fontsize=7.5, fontweight="bold", xytext=(2, 0),
+                        textcoords="offset points", color=colors[layers.index(layer)])
+        ranked = sorted((lh for lh in tops.items() if lh not in named),
+                        key=lambda lh: -max(v for _, v in heads[lh]))[:annotate]
         for layer, head in ranked:
             s, v = max(heads[(layer, head)], key=lambda p: p[1])
             ax.annotate(f"L{layer}.H{head}", (s, v), fontsize=7, xytext=(2, 2), textcoords="offset points",
                         color=colors[layers.index(layer)])
         ax.set_title(_wrap(label), fontsize=8)
-    return _finish_layer_panels(fig, axes, len(runs), layers, colors, path, ylabel="σ_max(W_Q), top head",
-                                legend="layer (its top head)", title="W_Q spectral norm: the top head of each layer")
+    what = ("bold: " + ", ".join(f"L{lh[0]}.H{lh[1]}" for lh in named) + " (the verdicts' heads); thin: each "
+            "layer's top head") if named else "the top head of each layer"
+    return _finish_layer_panels(fig, axes, len(runs), layers, colors, path, ylabel="σ_max(W_Q)",
+                                legend="layer (its top head)", title=f"W_Q spectral norm: {what}")
 
 
 def _finish_layer_panels(fig, axes, n_runs: int, layers, colors, path: Path, ylabel: str, legend: str,

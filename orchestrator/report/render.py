@@ -21,6 +21,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from flash_forensics.orchestrator import record
 from flash_forensics.orchestrator.report import html as report_html
 from flash_forensics.orchestrator.report import links, plots, readback, verdict_view
 from flash_forensics.orchestrator.report import rows as R
@@ -297,6 +298,16 @@ def _delay_items(rows, labels: Sequence[str]):
     return out
 
 
+def verdict_heads(rows) -> List[Tuple[int, int]]:
+    """The (layer, head)s the rows' verdicts name: each run's peak W_Q head (peak_wq_where), first seen first."""
+    out: List[Tuple[int, int]] = []
+    for r in rows:
+        where = record.parse_where(r.get("peak_wq_where"))
+        if where is not None and where not in out:
+            out.append(where)
+    return out
+
+
 def make_plots(rows, histories: Dict[str, Dict], pdir: Path) -> Dict[str, Path]:
     common = R._common_overrides(rows)
     labels = [R._label(r, common) for r in rows]
@@ -304,7 +315,8 @@ def make_plots(rows, histories: Dict[str, Dict], pdir: Path) -> Dict[str, Path]:
     div = {lab: r.get("divergence_step") for lab, r in zip(labels, rows)}
     window = _fork_window(rows)
     made = (("loss_curves", plots.loss_curves(labelled, pdir / "loss_curves.png", div, window=window)),
-            ("wq_spectral_norm", plots.wq_spectral_norms(labelled, pdir / "wq_spectral_norm.png", window=window)),
+            ("wq_spectral_norm", plots.wq_spectral_norms(labelled, pdir / "wq_spectral_norm.png", window=window,
+                                                         named=verdict_heads(rows))),
             ("repeated_maxima", plots.repeated_maxima(labelled, pdir / "repeated_maxima.png", window=window)),
             ("probes", plots.probes(labelled, pdir / "probes.png")),
             ("delays", plots.delays(_delay_items(rows, labels), pdir / "delays.png")))

@@ -183,3 +183,26 @@ def test_close_loss_curves_each_show(tmp_path):
     axes = img[:, : img.shape[1] // 2]  # the axes' left half: the legend (outside, right) counts no pixel here
     shown = [int((np.abs(axes - np.array(c)).max(-1) < 0.08).sum()) for c in plots.palette(3)]
     assert min(shown) > 0.2 * max(shown), shown  # drawn solid on top of each other, the first showed none
+
+
+def test_the_wq_plot_draws_the_heads_the_verdicts_name(tmp_path, monkeypatch):
+    """Each run's peak head (peak_wq_where) in every panel, bold and labelled, even where it is not its layer's
+    top head in that run: the baseline's L0.H1 is read beside the same head of the fp32 run."""
+    import matplotlib.pyplot as plt
+
+    def hist(peak):
+        return {f"wq_sigma/L{layer}.H{h}": [(s, 1 + 0.01 * s * (1 + h + layer) + (3.0 if (layer, h) == peak else 0))
+                                           for s in range(20)] for layer in range(2) for h in range(4)}
+    rows = [{"peak_wq_where": "L0.H1"}, {"peak_wq_where": "L1.H2"}, {"peak_wq_where": "L0.H1"}, {}]
+    assert render.verdict_heads(rows) == [(0, 1), (1, 2)]
+    panels = []
+    real = plt.subplots
+    monkeypatch.setattr(plt, "subplots", lambda *a, **k: panels.append(real(*a, **k)) or panels[-1])
+    assert plots.wq_spectral_norms([("0:baseline", hist((0, 1))), ("1:fp32", hist((1, 2)))], tmp_path / "wq.png",
+                                   named=render.verdict_heads(rows)).is_file()
+    _, axes = panels[-1]
+    for ax in axes.flat:
+        bold = [ln for ln in ax.get_lines() if ln.get_linewidth() > 2]
+        assert len(bold) == 2  # both named heads, in both runs (the fp32 run's L0 top head is H3, not H1)
+        labels = {t.get_text() for t in ax.texts if t.get_fontweight() == "bold"}
+        assert labels == {"L0.H1", "L1.H2"}
