@@ -38,9 +38,11 @@ def finish(job, stream, done: int, status: str = "FINISHED") -> None:
     if job.is_main:
         r = job.result
         warning = job.monitors.numerics_warning()
+        # the failure counters' run totals, zeros too: their metrics are logged only from a first non-zero count
+        job.tracker.set_tags({f"numerics.{k}": v for k, v in job.monitors.numerics.items()})
         if warning:  # counted numerical failures: a tag on the run and a line in result.json, never silent
             r["warnings"] = [*r.get("warnings", []), warning]
-            job.tracker.set_tags({"warning": warning, **{f"numerics.{k}": v for k, v in job.monitors.numerics.items()}})
+            job.tracker.set_tags({"warning": warning})
             print(f"[job] warning: {warning}")
         log_record(job, done)
         hook_metrics = job.hooks.final_metrics() if getattr(job, "hooks", None) else {}
