@@ -39,6 +39,18 @@ def test_no_top_level_package_of_ours_shadows_others():
         assert not (ROOT / folder / "__init__.py").exists(), folder
 
 
+def _inside(path, folder) -> bool:
+    """path lies in folder, compared as paths: a venv at <dir>/p-venv is not inside a checkout at <dir>/p."""
+    return Path(path).resolve().is_relative_to(Path(folder).resolve())
+
+
+def test_inside_compares_paths_not_prefixes(tmp_path):
+    (tmp_path / "p").mkdir()
+    venv = tmp_path / "p-venv" / "lib" / "site-packages" / "kernels" / "__init__.py"
+    assert str(venv).startswith(str(tmp_path / "p"))  # what the string test took for "inside the checkout"
+    assert not _inside(venv, tmp_path / "p") and _inside(tmp_path / "p" / "kernels" / "x.py", tmp_path / "p")
+
+
 def _installed(dist: str) -> bool:
     try:
         importlib.metadata.distribution(dist)
@@ -56,7 +68,7 @@ def test_beside_the_kernels_package(where, tmp_path):
                 "print(kernels.__file__); print(e.__file__); print(g.__file__)", cwd)
     assert r.returncode == 0, r.stderr
     theirs, emulator, gpt = r.stdout.split()
-    assert "site-packages" in theirs and not theirs.startswith(str(ROOT)), theirs
+    assert "site-packages" in theirs and not _inside(theirs, ROOT), theirs
     assert Path(emulator) == ROOT / "kernels" / "emulator.py" and Path(gpt) == ROOT / "models" / "gpt.py"
 
 
