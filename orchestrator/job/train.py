@@ -222,7 +222,7 @@ class Job:
             fork_tags = {"forked_from": self.fork["forked_from"], "fork_step": self.fork["fork_step"]}
             if self.fork.get("source_run_id"):
                 fork_tags["forked_from_run"] = self.fork["source_run_id"]
-        sweep_tags = {**fork_tags, "intervention": iv.name, "expect": iv.expect, "paper": iv.paper,
+        sweep_tags = {**fork_tags, "intervention": iv.name, record.TAG_EXPECT: iv.expect, "paper": iv.paper,
                       "sweep": cfg.sweep_name, "experiment": cfg.name, "job_dir": str(self.job_dir),
                       "job": self.job_dir.name,
                       "overrides": " ".join(record.user_overrides(self.overrides)), "attention_routes": ",".join(

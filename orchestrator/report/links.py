@@ -2,8 +2,9 @@
 
 The UI of an http(s) tracking store is the server itself; a database store (sqlite) is opened with
 `mlflow ui --backend-store-uri <uri>`, which serves http://127.0.0.1:5000 (pass ui_url for another address).
-Routes are MLflow 3's: `#/experiments/<id>/runs` opens the training runs table (an experiment's bare route opens
-the GenAI overview instead), `#/experiments/<id>/runs/<run id>` a run page.
+Routes are MLflow 3's, each with workflowType=machine_learning (its model-training UI, not GenAI):
+`#/experiments/<id>/runs` opens the runs table (an experiment's bare route opens the GenAI overview instead),
+`#/experiments/<id>/runs/<run id>` a run page.
 """
 from __future__ import annotations
 
@@ -28,23 +29,29 @@ def ui_base(tracking_uri: Optional[str], ui_url: Optional[str] = None) -> str:
     return MLFLOW_UI_DEFAULT
 
 
+def _training(route: str) -> str:
+    """route in MLflow 3's model-training UI: the page reads `workflowType` from its URL, else from the browser's
+    localStorage (mlflow.workflowType, GenAI until the user picks), so a printed link carries it."""
+    return f"{route}{'&' if '?' in route else '?'}{TRAINING_MODE}"
+
+
 def experiment_route(experiment_id: str) -> str:
-    return f"#/experiments/{experiment_id}/runs"
+    return _training(f"#/experiments/{experiment_id}/runs")
 
 
 def run_route(experiment_id: str, run_id: str) -> str:
-    return f"#/experiments/{experiment_id}/runs/{run_id}"
+    return _training(f"#/experiments/{experiment_id}/runs/{run_id}")
 
 
 def artifact_view_route(experiment_id: str, run_id: str, path: str) -> str:
     """A run's artifact, opened in the UI's artifact viewer."""
-    return f"{run_route(experiment_id, run_id)}/artifacts/{path}"
+    return _training(f"#/experiments/{experiment_id}/runs/{run_id}/artifacts/{path}")
 
 
 def view_route(experiment_id: str, share_key: str) -> str:
     """The runs table in a stored view (an experiment tag mlflow.sharedViewState.<key>, verdict_view.py): MLflow
     3.x and 2.x since shared views; an older UI opens the plain runs table."""
-    return f"{experiment_route(experiment_id)}?viewStateShareKey={share_key}&{TRAINING_MODE}"
+    return _training(f"#/experiments/{experiment_id}/runs?viewStateShareKey={share_key}")
 
 
 def compare_route(experiment_id: str, run_ids: Sequence[str]) -> str:
@@ -80,9 +87,10 @@ def link_lines(tracking_uri: str, experiment_id: Optional[str], run_id: Optional
         os.environ.get(UI_URL_ENV) else ""
     out = [f"MLflow: {cmd}   (serves {base}{port})" if cmd else f"MLflow: {base}"]
     if experiment_id is not None:
-        if share_key:
+        if share_key:  # the runs table itself, flat, on the verdict columns (the plain table folds the runs)
             out.append(f"  verdicts: {base}/{view_route(experiment_id, share_key)}")
-        out.append(f"  runs table: {base}/{experiment_route(experiment_id)}")
+        else:
+            out.append(f"  runs table: {base}/{experiment_route(experiment_id)}")
         if run_id:
             out.append(f"  {run_label}: {base}/{run_route(experiment_id, run_id)}")
         if len(compare_ids) > 1:

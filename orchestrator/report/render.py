@@ -239,7 +239,8 @@ def _mlflow_lines(meta) -> List[str]:
                        f"the verdict columns")
         if len(meta.get("compare_ids") or ()) > 1:
             out.append(f"- [compare the runs]({base}/{links.compare_route(exp, meta['compare_ids'])})")
-        out += [f"- [runs table]({base}/{links.experiment_route(exp)}) (experiment `{exp}`)"]
+        if not meta.get("share_key"):
+            out += [f"- [runs table]({base}/{links.experiment_route(exp)}) (experiment `{exp}`)"]
         if parent:
             out.append(f"- [parent run]({base}/{links.run_route(exp, parent)}) (`{parent}`)")
     elif parent:

@@ -159,6 +159,8 @@ def judge(row: Dict, rows: Sequence[Dict]) -> Dict:
         cause = record.CAUSE_NOT_PRECISION  # FP32 attention diverged: precision is ruled out by the run itself
     name = None if ctrl is None or ctrl is row else _control_name(ctrl)
     row.update(cause=cause, control=name, control_step=ctrl.get("divergence_step") if name else None,
+               control_job=ctrl.get("job") if name else None,
+               control_run_id=ctrl.get("mlflow_run_id") if name else None,
                matches_paper=matches_paper(row.get("expected"), row.get("observed"), cause))
     line = record.verdict_line(row.get("observed"), row.get("divergence_step"), cause, name,
                                ctrl.get("divergence_step") if ctrl is not None else None)

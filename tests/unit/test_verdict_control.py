@@ -104,7 +104,8 @@ def test_view_state_and_links():
 def test_ui_url_from_the_environment(monkeypatch):
     monkeypatch.setenv(links.UI_URL_ENV, "http://127.0.0.1:5050/")
     assert links.ui_base("sqlite:///x.db") == "http://127.0.0.1:5050"
-    assert links.link_lines("sqlite:///x.db", "1")[1] == "  runs table: http://127.0.0.1:5050/#/experiments/1/runs"
+    assert links.link_lines("sqlite:///x.db", "1")[1] == ("  runs table: http://127.0.0.1:5050/#/experiments/1/runs"
+                                                           "?workflowType=machine_learning")
     monkeypatch.delenv(links.UI_URL_ENV)
     assert "FF_MLFLOW_UI_URL" in links.link_lines("sqlite:///x.db", "1")[0]
 
