@@ -33,6 +33,27 @@ def test_package_list_matches_the_folders():
     assert set(cfg["packages"]) == found
 
 
+def test_the_import_names_are_links_to_the_folders():
+    for pkg, folder in FOLDERS.items():
+        if pkg != "flash_forensics":
+            link = ROOT / "flash_forensics" / pkg.split(".")[1]
+            assert link.is_symlink() and os.readlink(link) == f"../{folder}", link
+            assert link.resolve() == ROOT / folder
+
+
+def test_a_static_reader_follows_the_import_names():
+    """jedi (an editor's go-to-definition engine) given the checkout alone, no editable install and no import run:
+    flash_forensics.kernels / .models / .orchestrator resolve to the top-level folders' files."""
+    jedi = pytest.importorskip("jedi", reason="jedi is a dev dependency (pyproject [dev])")
+    project = jedi.Project(str(ROOT), sys_path=[str(ROOT)], smart_sys_path=False, added_sys_path=[])
+    for module, name, path in (("flash_forensics.kernels.emulator", "flash_attention", "kernels/emulator.py"),
+                               ("flash_forensics.models.gpt", "GPT", "models/gpt.py"),
+                               ("flash_forensics.orchestrator.launch.task", "run_job", "orchestrator/launch/task.py")):
+        script = jedi.Script(f"from {module} import {name}\n{name}\n", path=str(ROOT / "x.py"), project=project)
+        found = script.goto(2, 1, follow_imports=True)
+        assert found and found[0].module_path.resolve() == ROOT / path, (module, found)
+
+
 def test_no_top_level_package_of_ours_shadows_others():
     """kernels/, models/, orchestrator/ have no __init__.py: from the repo root `import kernels` is not ours."""
     for folder in ("kernels", "models", "orchestrator"):
@@ -69,7 +90,8 @@ def test_beside_the_kernels_package(where, tmp_path):
     assert r.returncode == 0, r.stderr
     theirs, emulator, gpt = r.stdout.split()
     assert "site-packages" in theirs and not _inside(theirs, ROOT), theirs
-    assert Path(emulator) == ROOT / "kernels" / "emulator.py" and Path(gpt) == ROOT / "models" / "gpt.py"
+    assert Path(emulator).resolve() == ROOT / "kernels" / "emulator.py"  # through flash_forensics/kernels -> ../kernels
+    assert Path(gpt).resolve() == ROOT / "models" / "gpt.py"
 
 
 def test_wheel_holds_everything_under_flash_forensics(tmp_path):
