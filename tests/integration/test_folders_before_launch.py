@@ -76,3 +76,15 @@ def test_a_sweep_into_a_file_opens_no_parent_run(tmp_path):
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert p.returncode == 1 and "hydra.sweep.dir=" in p.stderr and "Traceback" not in p.stderr + p.stdout
     assert not (tmp_path / "m.db").exists()  # the report callback never opened the sweep's parent run
+
+
+def test_a_sweep_whose_every_job_failed_exits_nonzero(tmp_path):
+    from flash_forensics.orchestrator.launch.task import sweep_status
+    assert sweep_status([{"observed": "failed"}, {"observed": "stable"}]) == 0  # some failures: per job
+    assert sweep_status([{"observed": "failed"}, {"observed": "failed"}]) == 1
+    p = subprocess.run([sys.executable, "run.py", "-m", "experiment=smoke", "train.seed=1,2", "debug.raise_at_step=0",
+                        "train.max_steps=2", "train.warmup_steps=0", f"tracking.uri=sqlite:///{tmp_path}/m.db",
+                        f"results_dir={tmp_path}/r",
+                        f"hydra.sweep.dir={tmp_path}/sweep"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 1, p.stdout[-2000:] + p.stderr[-2000:]
+    assert "debug.raise_at_step=0: forced failure" in p.stdout
