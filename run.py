@@ -6,19 +6,21 @@ import hydra
 from omegaconf import DictConfig
 
 import flash_forensics.orchestrator.config.schema  # noqa: F401  registers the structured config `base_config`
-from flash_forensics.orchestrator.launch.task import exit_status, is_multirun, run_job
+from flash_forensics.orchestrator.launch.task import exit_status, is_multirun, run_job, sweep_status
 
 _status = 0
+_results = []  # this process's jobs (a multirun's, with the basic launcher)
 
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig):
     global _status
     result = run_job(cfg)
+    _results.append(result)
     _status = max(_status, exit_status(result, is_multirun()))  # a failed single run exits 1
     return result
 
 
 if __name__ == "__main__":
     main()
-    sys.exit(_status)
+    sys.exit(max(_status, sweep_status(_results)))  # a multirun whose every job failed exits 1 too

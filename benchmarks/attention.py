@@ -34,10 +34,9 @@ if ROOT not in sys.path:
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from benchmarks.shapes import SHAPES  # noqa: E402  (tune.py reads them too: one module, no import cycle)
 from flash_forensics.kernels.config import AttentionKnobs  # noqa: E402
 
-SHAPES = {"gpt2s_T1024": (16, 12, 1024, 64), "T4096": (4, 12, 4096, 64), "mini_T256": (32, 12, 256, 64),
-          "D128_T2048": (8, 16, 2048, 128)}
 SDPA = ("sdpa_flash", "sdpa_cudnn", "sdpa_efficient")
 KNOBS = {  # method -> knobs (counters on means the layer's AttnStats is passed)
     "triton_fa2": AttentionKnobs(recipe="fa2", backend="triton", counters=False),

@@ -137,7 +137,7 @@ def load_shape_table(path) -> dict:
 
 
 def main(argv=None):
-    from benchmarks.attention import SHAPES
+    from benchmarks.shapes import SHAPES
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--out", default=None)

@@ -12,20 +12,16 @@
 
 The project's own packages stand at the repository's top level (kernels/, models/, orchestrator/), where a reader
 finds them, and are imported as `flash_forensics.kernels`, `flash_forensics.models`, `flash_forensics.orchestrator`:
-top-level names such as `kernels` (the package `transformers[kernels]` installs) and `models` belong to others.
+top-level names such as `kernels` (the package `transformers[kernels]` installs) and `models` belong to others. In a
+checkout flash_forensics/kernels etc. are symbolic links to those folders, so the import name is a path that Python,
+an editor's go-to-definition and an import-graph tool all follow (tests/unit/test_packaging.py asks jedi); an
+installed wheel has the folders inside it (pyproject's package-dir).
 """
 from __future__ import annotations
 
 import importlib
 import importlib.abc
 import sys
-from pathlib import Path
-
-# From a checkout (editable install, or the repo root on sys.path) the three packages are folders beside this one;
-# an installed wheel has them inside it (pyproject's package-dir). Only a checkout of this project is added.
-_ROOT = Path(__file__).resolve().parent.parent
-if (_ROOT / "orchestrator").is_dir() and (_ROOT / "kernels").is_dir() and (_ROOT / "run.py").is_file():
-    __path__.append(str(_ROOT))  # noqa: F821  (a package's __path__)
 
 # public name -> the module that defines it; imported on first use so `import flash_forensics` stays light
 _EXPORTS = {

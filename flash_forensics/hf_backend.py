@@ -23,6 +23,7 @@ reaching the backend (flash_forensics/watch.py). A module never set computes the
 """
 from __future__ import annotations
 
+import re
 import warnings
 from dataclasses import dataclass
 from typing import Dict, Optional
@@ -220,7 +221,11 @@ def use(model, recipe: str = "paper_bf16", overrides: Optional[Dict[object, dict
     base = make_knobs(recipe, key="use", **knobs)
     pairs = layer_overrides(routed, overrides)
     cfg = AttentionConfig(**base.knob_values(), overrides=[ov for _, ov in pairs])
-    cfg.validate(None, key="use", n_layer=len(routed))
+    try:
+        cfg.validate(None, key="use", n_layer=len(routed))
+    except ValueError as e:  # AttentionConfig names an override by its list index; use() takes them by key
+        raise ValueError(re.sub(r"use\.overrides\[(\d+)\]", lambda m: f"use.overrides[{pairs[int(m[1])][0]!r}]",
+                                str(e))) from None
     per_site = []
     for i, s in enumerate(routed):
         keys = [k for k, ov in pairs if i in ov.layers]

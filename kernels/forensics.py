@@ -69,9 +69,27 @@ def parse_operand(text: str) -> float:
     t = text.strip().replace("_", "").replace(" ", "")
     if len(t) == 32 and set(t) <= {"0", "1"}:
         return f32_from_bits(int(t, 2))
-    if t.lower().startswith("0x"):
-        return f32_from_bits(int(t, 16))
-    return float(t)
+    try:
+        if t.lower().startswith("0x"):
+            bits = int(t, 16)
+            if bits >> 32:
+                raise ValueError
+            return f32_from_bits(bits)
+        return float(t)
+    except ValueError:
+        raise ValueError(f"{text!r} is not an operand: expected a decimal number (-2.40), 32 binary digits (FP32 "
+                         "bits) or 0x-hex FP32 bits (0xc01a0e2e)") from None
+
+
+def _operand(name: str):
+    """argparse type for operand `name`: the refusal names it (not Python's float error)."""
+    def parse(text: str) -> float:
+        try:
+            return parse_operand(text)
+        except ValueError as e:
+            why = str(e).replace(" is not an operand", " is not allowed")
+            raise argparse.ArgumentTypeError(f"{name}={why}") from None
+    return parse
 
 
 def split_bits(bits: int, frac: int) -> str:
@@ -459,8 +477,9 @@ def _parser() -> argparse.ArgumentParser:
     a = sub.add_parser("add", help="explain one addition rounded to BF16, bit by bit",
                        description="Exact sum of two FP32 operands rounded once to BF16 (round to nearest even), "
                                    "with alignment, significand overflow, guard/round/sticky bits and the error.")
-    a.add_argument("a", help="first operand: decimal, 32 binary digits (FP32 bits) or 0x-hex FP32 bits")
-    a.add_argument("b", help="second operand, same forms")
+    a.add_argument("a", type=_operand("a"), help="first operand: decimal, 32 binary digits (FP32 bits) or 0x-hex "
+                                                  "FP32 bits")
+    a.add_argument("b", type=_operand("b"), help="second operand, same forms")
     a.add_argument("--json", action="store_true", help="print the explanation as JSON")
     a.add_argument("--format", choices=tuple(SPECS), default="bf16",
                    help="the format the sum is rounded to (default bf16; FP8 saturates as kernels/formats.py)")
@@ -493,7 +512,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     if args.cmd == "add":
-        x = explain_add(parse_operand(args.a), parse_operand(args.b), args.format)
+        x = explain_add(args.a, args.b, args.format)
         print(json.dumps(asdict(x), indent=2) if args.json else format_add(x))
         return 0
     if args.cmd == "example":

@@ -325,13 +325,15 @@ def result_path(job_dir: Path) -> Path:
 TAG_VERDICT = "verdict"  # running | stable | diverged | failed
 TAG_MATCHES = "matches_paper"  # "true" | "false"
 TAG_INTERVENTION = "intervention"
-TAG_EXPECT = "expect"
+TAG_EXPECT = "expected"  # what the paper expects: diverges | stable (older runs: tag "expect")
 TAG_WHERE = "peak_wq_where"
 TAG_REASON = "divergence_reason"
 TAG_VERSION = "record_version"
 TAG_ERROR = "error"
-TAG_CAUSE = "verdict_cause"  # precision | not precision | no FP32 control (a diverged run only)
-TAG_CONTROL = "verdict_control"  # the FP32 run the cause was judged against (job, run id)
+TAG_CAUSE = "cause"  # precision | not precision | no FP32 control (a diverged run only)
+TAG_CONTROL = "control"  # the FP32 run the cause was judged against, short: "job 1" (its run id: TAG_CONTROL_RUN)
+TAG_CONTROL_RUN = "control_run"
+OLD_TAGS = {TAG_EXPECT: "expect", TAG_CAUSE: "verdict_cause", TAG_CONTROL: "verdict_control"}  # record_version 2
 TAG_VERDICT_LINE = "verdict_line"  # verdict_line(): what a reader sees in one column
 # run metrics (one value, at the run's last step); divergence_step is absent for a run that did not diverge
 # (one name per number: the last val loss is val/loss's last point, not a second metric "val_loss"; older runs'
@@ -427,7 +429,9 @@ def sweep_metrics(records: Sequence[Any]) -> Dict[str, float]:
     """The parent run's aggregates over its rows (RunRecords or report rows with expected/observed)."""
     get = (lambda x, k: x.get(k)) if records and isinstance(records[0], Mapping) else getattr  # noqa: E731
     obs = [get(x, "observed") for x in records]
-    match = [matches_paper(get(x, "expected"), o, get(x, "cause")) for x, o in zip(records, obs, strict=True)]
+    # a report row's own matches_paper first: it knows the sweep (a stable run whose baseline never diverged is void)
+    match = [bool(x["matches_paper"]) if isinstance(x, Mapping) and "matches_paper" in x else
+             matches_paper(get(x, "expected"), o, get(x, "cause")) for x, o in zip(records, obs, strict=True)]
     return {"runs": float(len(records)), "runs_matching_paper": float(sum(match)),
             "runs_diverged": float(obs.count("diverged")), "runs_stable": float(obs.count("stable")),
             "runs_failed": float(sum(o not in ("stable", "diverged") for o in obs))}
@@ -443,6 +447,7 @@ def from_mlflow_run(run, history: Mapping[str, Sequence[Tuple[int, float]]]) -> 
     final = lambda k: from_mlflow_value(m[k]) if k in m else None  # noqa: E731
     losses = list(history.get(LOSS) or [])
     last = losses[-1][0] if losses else None
+    t = {**{new: t[old] for new, old in OLD_TAGS.items() if old in t and new not in t}, **t}  # older runs' names
     r = RunRecord(intervention=t.get(TAG_INTERVENTION), expected=t.get(TAG_EXPECT), observed=observed,
                   overrides=(t.get("overrides") or "").split(), mlflow_run_id=run.info.run_id,
                   job_dir=t.get("job_dir"), forked_from=t.get("forked_from"), source_run_id=t.get("forked_from_run"),
@@ -492,4 +497,5 @@ __all__ = ["RunRecord", "RECORD_VERSION", "RESULT_FILE", "CKPT_DIR", "ORDER_FILE
            "RUN_METRICS", "SWEEP_METRICS", "TAG_VERDICT", "TAG_MATCHES", "TAG_INTERVENTION", "TAG_EXPECT",
            "REFERENCE", "NONFINITE_SUFFIX", "user_overrides", "CAUSES", "CAUSE_PRECISION", "CAUSE_NOT_PRECISION",
            "CAUSE_NO_CONTROL", "setup_of",
-           "setup_differs", "control_cause", "verdict_line", "TAG_CAUSE", "TAG_CONTROL", "TAG_VERDICT_LINE"]
+           "setup_differs", "control_cause", "verdict_line", "TAG_CAUSE", "TAG_CONTROL", "TAG_VERDICT_LINE",
+           "TAG_CONTROL_RUN"]

@@ -306,6 +306,18 @@ def verdict(att: dict) -> dict:
                         + head_words}
 
 
+def named_vs_found(ranked: List[dict]) -> Optional[str]:
+    """The sentence when the recipe the file names reproduces less of O than the fingerprint's best (another
+    recipe or variant); None when the named one is best or ties it."""
+    base = next((r for r in ranked if r["is_base"]), None)
+    best = ranked[0] if ranked else None
+    if base is None or best is base or best.get("o_differ", 0) >= base.get("o_differ", 0):
+        return None  # integer counts of differing elements (fingerprint rows): a tie is no contradiction
+    return (f"the file names {base['label']} ({100 * base['o_identical']:.2f}% of O identical), but the fingerprint "
+            f"finds {best['label']} ({100 * best['o_identical']:.2f}%): analysed as named; --blind analyses it as "
+            f"{best['label']}")
+
+
 # ------------------------------------------------------------------------------------------------ per head
 def head_stats(q, k, v, o, do, knobs, delta64, dq64, dk64, x=None, w_q=None) -> dict:
     """Per analysed head: ties, P̄ = 1 rows, the delta error's statistics, dQ/dK errors and (x, w_q) projections."""
@@ -418,6 +430,10 @@ def analyze(path, heads: Optional[Sequence[int]] = None, top: int = 2, fingerpri
         notes.append(f"the fingerprint checked heads {res['fingerprint']['heads']} only: heads {unchecked} of the "
                      "file were not checked (a difference there goes unseen; fingerprint_heads_mode='all' or "
                      "--fingerprint-heads all checks them)")
+    conflict = named_vs_found(ranked) if flash_knobs is not None else None
+    if conflict:
+        notes.append(conflict)
+        res["conflict"] = conflict
     knobs = flash_knobs
     if knobs is None:
         if ranked:

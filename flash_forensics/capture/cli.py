@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import List, Optional
 
 from flash_forensics.capture.analysis import AnalysisError, analyze
+from flash_forensics.capture.inputs import InputError, check_file, check_mlflow, check_out
 from flash_forensics.capture.report import log_mlflow, markdown, write_all
 from flash_forensics.capture.snapshot import SnapshotError
 
@@ -51,6 +52,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         ap.error(f"--top={args.top} is not allowed: expected an integer >= 1")
     if args.threads < 1:
         ap.error(f"--threads={args.threads} is not allowed: expected an integer >= 1")
+    try:  # before the analysis (minutes): a bad path or store is said now, not after the work
+        check_file(args.file)
+        check_out(args.out or str(Path(args.file).parent))
+        args.store = check_mlflow(args.mlflow)
+    except InputError as e:
+        print(f"flash-forensics analyze: {e}", file=sys.stderr)
+        return 2
     import torch
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
@@ -68,13 +76,15 @@ def _run(args) -> int:
     except (SnapshotError, AnalysisError) as e:
         print(f"flash-forensics analyze: {e}", file=sys.stderr)
         return 2
+    if res.get("conflict"):  # said on stderr as well: a --quiet run must not read the contradiction as agreement
+        print(f"flash-forensics analyze: warning: {res['conflict']}", file=sys.stderr)
     path = Path(args.file)
     paths = write_all(res, args.out or path.parent, path.stem)
     if not args.quiet:
         print(markdown(res))
     print("wrote " + ", ".join(str(p) for p in paths.values()), file=sys.stderr)
-    if args.mlflow:
-        run_id = log_mlflow(res, args.mlflow, paths)
+    if args.store:
+        run_id = log_mlflow(res, *args.store, paths)
         print(f"MLflow run {run_id} at {args.mlflow}", file=sys.stderr)
     return 0
 

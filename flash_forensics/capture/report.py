@@ -6,10 +6,13 @@ import html
 import io
 import json
 import math
+import time
 from pathlib import Path
-from typing import List, Optional
+from typing import List
 
 import torch
+
+from flash_forensics.orchestrator.tracking.store import get_or_create_experiment, retry
 
 
 def pct(share: float) -> str:
@@ -254,31 +257,37 @@ def write_all(res: dict, out_dir, stem: str) -> dict:
     return paths
 
 
-def log_mlflow(res: dict, uri: str, paths: dict, experiment: str = "flash-forensics-capture") -> Optional[str]:
+def log_mlflow(res: dict, uri: str, client, paths: dict, experiment: str = "flash-forensics-capture") -> str:
     """One MLflow run: the headline numbers as metrics, the recipe and file as params, the three reports as
-    artifacts. Returns the run id."""
-    import mlflow
-    mlflow.set_tracking_uri(uri)
-    mlflow.set_experiment(experiment)
-    with mlflow.start_run(run_name=f"capture {Path(res['file']).name}") as run:
-        m = res["meta"]
-        mlflow.log_params({"file": res["file"], "recipe": res["recipe"], "family": m.get("family"),
-                           "layer": m.get("layer"), "heads": ",".join(map(str, res["heads"]["chosen"])),
-                           "fingerprint_best": (res.get("fingerprint") or {}).get("best")})
-        metrics = {}
-        for r in res["per_head"]:
-            h = r["head"]
-            metrics[f"tie_rows/H{h}"] = r["tie_rows"]
-            if r.get("delta"):
-                metrics[f"delta_err_mean/H{h}"] = r["delta"]["mean"]
-                metrics[f"delta_err_t/H{h}"] = r["delta"]["t"]
-        fpr = (res.get("fingerprint") or {}).get("candidates") or []
-        if fpr:
-            metrics["fingerprint_o_identical"] = fpr[0]["o_identical"]
-        mlflow.log_metrics({k: float(v) for k, v in metrics.items() if v is not None and math.isfinite(float(v))})
-        for p in paths.values():
-            mlflow.log_artifact(str(p))
-        return run.info.run_id
+    artifacts. The experiment is a model-training one (not MLflow's GenAI mode) with its artifacts beside a sqlite
+    store (not ./mlruns of the current folder). Returns the run id."""
+    from mlflow.entities import Metric, Param
+
+    exp_id = get_or_create_experiment(client, experiment, uri)
+    run = retry(client.create_run, exp_id, run_name=f"capture {Path(res['file']).name}")
+    run_id = run.info.run_id
+    m = res["meta"]
+    params = {"file": res["file"], "recipe": res["recipe"], "family": m.get("family"), "layer": m.get("layer"),
+              "heads": ",".join(map(str, res["heads"]["chosen"])),
+              "fingerprint_best": (res.get("fingerprint") or {}).get("best")}
+    metrics = {}
+    for r in res["per_head"]:
+        h = r["head"]
+        metrics[f"tie_rows/H{h}"] = r["tie_rows"]
+        if r.get("delta"):
+            metrics[f"delta_err_mean/H{h}"] = r["delta"]["mean"]
+            metrics[f"delta_err_t/H{h}"] = r["delta"]["t"]
+    fpr = (res.get("fingerprint") or {}).get("candidates") or []
+    if fpr:
+        metrics["fingerprint_o_identical"] = fpr[0]["o_identical"]
+    now = int(time.time() * 1000)
+    retry(client.log_batch, run_id, params=[Param(k, str(v)) for k, v in params.items()],
+          metrics=[Metric(k, float(v), now, 0) for k, v in metrics.items()
+                   if v is not None and math.isfinite(float(v))])
+    for p in paths.values():
+        retry(client.log_artifact, run_id, str(p))
+    retry(client.set_terminated, run_id, "FINISHED")
+    return run_id
 
 
 __all__ = ["markdown", "html_page", "plots", "write_all", "to_json", "log_mlflow"]

@@ -143,9 +143,23 @@ def check(snap: Snapshot, where: str) -> None:
     if heads is not None and len(heads) != h:
         raise SnapshotError(f"{where}: mismatched shapes: meta lists {len(heads)} heads ({heads}), the tensors "
                             f"hold {h}")
+    _check_heads(heads, snap.meta.get("n_head"), where)
     for name in ("q", "k", "v", "o", "do"):
         if name in t and not t[name].is_floating_point():
             raise SnapshotError(f"{where}: {name} has dtype {t[name].dtype}; expected a floating-point tensor")
+
+
+def _check_heads(heads, n_head, where: str) -> None:
+    """meta's head numbers name the tensors' heads: distinct integers in [0, n_head) (a head the model lacks, or one
+    listed twice, would be analysed and reported under a number no tensor holds)."""
+    if heads is None:
+        return
+    bad = [x for x in heads if isinstance(x, bool) or not isinstance(x, int) or x < 0]
+    if bad or len(set(heads)) != len(heads):
+        raise SnapshotError(f"{where}: meta heads={heads}: expected distinct head numbers >= 0")
+    if isinstance(n_head, int) and any(x >= n_head for x in heads):
+        raise SnapshotError(f"{where}: meta heads={heads} names head {max(heads)}, but meta n_head={n_head}: "
+                            f"expected head numbers 0..{n_head - 1}")
 
 
 # ------------------------------------------------------------------------------------------------ write

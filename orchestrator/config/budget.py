@@ -4,11 +4,11 @@ train.max_steps, the estimate and the most that fits; the time it will take is s
 its first steps (orchestrator/job/train.py)."""
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 from typing import Dict
 
+from flash_forensics.orchestrator.config.folders import check_folder
 from flash_forensics.orchestrator.errors import ConfigError
 
 POINT_BYTES = 200  # one MLflow metric point in a sqlite store (row + index), generously
@@ -49,25 +49,8 @@ def _free(path: Path) -> int:
 
 
 def check_results_dir(results_dir: str) -> Path:
-    """results_dir can hold the job folders (Hydra makes them before the job runs): ConfigError naming it otherwise.
-    Tried by making (and removing) a temporary folder in it, or in its nearest existing parent."""
-    import tempfile
-    p = Path(os.path.expanduser(str(results_dir))).resolve()
-    base = p
-    while not base.exists() and base != base.parent:
-        base = base.parent
-    why = None
-    if not base.is_dir():
-        why = f"{base} is a file, not a folder"
-    else:
-        try:
-            os.rmdir(tempfile.mkdtemp(prefix=".ff-write-test-", dir=base))
-        except OSError as e:
-            why = f"a folder cannot be made in {base} ({e.strerror or e})"
-    if why:
-        raise ConfigError(f"results_dir={results_dir!r} is not allowed: {why}; expected a folder this user can write "
-                          f"(the job folders, checkpoints and reports go there)")
-    return base
+    """results_dir can hold the job folders (Hydra makes them before the job runs): ConfigError naming it otherwise."""
+    return check_folder("results_dir", results_dir, "the job folders, checkpoints and reports go there")
 
 
 def check_budget(obj) -> Dict[str, float]:

@@ -81,6 +81,9 @@ class TrainConfig:
     keep_checkpoints: int = 3  # step_<k>.pt files kept (newest, plus the last one before a divergence); 0 = all
     compile: str = "auto"  # torch.compile the model: auto (CUDA without emulator layers) | true | false
     keep_last: bool = True  # false: a finished run drops last.pt (a copy of its final step_<k>.pt): half the disk
+    # the most the steps left may take, judged once past the warm-up from the measured tokens/s (the speed is
+    # not known before); null: no limit. 720 h = 30 days: max_steps=10^7 on a CPU (~1 year) stops there
+    max_hours: Optional[float] = 720.0
 
 
 @dataclass

@@ -22,7 +22,8 @@ from flash_forensics.kernels.recipes import for_knobs
 from flash_forensics.models.hf import check_attention, check_job
 from flash_forensics.orchestrator.config.budget import check_budget
 from flash_forensics.orchestrator.config.schema import COMPILES, DEVICES, EXPECTS, OPTIMIZERS, PRECISIONS, Config
-from flash_forensics.orchestrator.data.corpora import open_corpus, resolve_files
+from flash_forensics.orchestrator.data.config import DataError
+from flash_forensics.orchestrator.data.corpora import check_text, open_corpus
 from flash_forensics.orchestrator.data.prepare import dataset_dir
 from flash_forensics.orchestrator.data.replay import OrderReader, read_header
 from flash_forensics.orchestrator.errors import ConfigError  # noqa: F401  (re-exported)
@@ -242,6 +243,8 @@ def check_train(t) -> None:
         _int(f"train.{name}", getattr(t, name), 0)
     _int("train.warmup_steps", t.warmup_steps, 0, t.max_steps)
     _num("train.grad_clip", t.grad_clip, 0, strict=False)
+    if t.max_hours is not None:
+        _num("train.max_hours", t.max_hours, 0)
     if t.precision not in PRECISIONS:
         raise _bad("train.precision", t.precision, "one of " + ", ".join(PRECISIONS))
     if t.device not in DEVICES:
@@ -275,36 +278,12 @@ def check_intervention(iv, model) -> None:
             raise ConfigError(str(e)) from None
 
 
-TEXT_SNIFF_MB = 16
-
-
 def check_text_files(d) -> None:
-    """corpus=text_files: every file exists, is not empty and holds text (no NUL bytes, UTF-8), before any job starts
-    (preparing would find it only once a job runs)."""
-    if d.corpus != "text_files":
-        return
-    import codecs
-    for p in resolve_files(list(d.files)):  # missing, folder, suffix, empty: DataError naming the file
-        if p.suffix == ".parquet":
-            continue
-        dec = codecs.getincrementaldecoder("utf-8")()
-        text = False
-        with open(p, "rb") as f:
-            for _ in range(TEXT_SNIFF_MB):  # the first TEXT_SNIFF_MB MiB: a corpus of GBs is checked in a second
-                chunk = f.read(1 << 20)
-                end = len(chunk) < 1 << 20
-                if b"\0" in chunk:
-                    raise ConfigError(f"data.files: {p} is a binary file (NUL bytes), not text")
-                try:
-                    s = dec.decode(chunk, final=end)
-                except UnicodeDecodeError as e:
-                    raise ConfigError(f"data.files: {p} is not UTF-8 text ({e.reason} near byte {e.start} of a "
-                                      f"1 MiB read); convert it, e.g. iconv -t UTF-8") from None
-                text = text or bool(s.strip())
-                if end:
-                    break
-        if not text:
-            raise ConfigError(f"data.files: {p} holds no text (only whitespace)")
+    """corpus=text_files: every file holds text, before any job starts (orchestrator/data/corpora.py)."""
+    try:
+        check_text(d)
+    except DataError as e:
+        raise ConfigError(str(e)) from None
 
 
 def check_data_fits(obj) -> None:
@@ -383,6 +362,14 @@ def check_debug(d, t) -> None:
             _int(f"debug.{name}", v, 0, t.max_steps - 1)
 
 
+def check_capture_steps(c, t) -> None:
+    """Every capture step is one the run trains (0-based, < train.max_steps): a later one would capture nothing."""
+    late = [s for s in (c.steps or []) if isinstance(s, int) and s >= t.max_steps]
+    if late:
+        raise _bad("monitor.capture.steps", list(c.steps),
+                   f"0-based steps the run trains, < train.max_steps={t.max_steps} (step {late[0]} is never run)")
+
+
 def _validate(cfg, overrides: Sequence[str] = (), check_resume: bool = True, check_store: bool = True):
     """validate_config without the memo."""
     obj = to_object(cfg)
@@ -396,6 +383,7 @@ def _validate(cfg, overrides: Sequence[str] = (), check_resume: bool = True, che
                         ("optimizer", lambda: check_optimizer(obj.optimizer)),
                         ("train", lambda: check_train(obj.train)),
                         ("debug", lambda: check_debug(obj.debug, obj.train)),
+                        ("monitor.capture", lambda: check_capture_steps(obj.monitor.capture, obj.train)),
                         ("intervention.model", lambda: apply_model_patch(obj)),
                         ("intervention", lambda: check_intervention(obj.intervention, obj.model)),
                         ("intervention.hooks", lambda: check_hooks(obj.intervention, obj.model)),

@@ -95,6 +95,38 @@ def resolve_files(patterns: List[str], key: str = "data.files") -> List[Path]:
     return out
 
 
+TEXT_SNIFF_MB = 16
+
+
+def check_text(d) -> None:
+    """corpus=text_files: every file exists, is not empty and holds text (no NUL bytes, UTF-8), before any job starts
+    (preparing would find it only once a job runs); `data prepare` asks before its lock."""
+    if d.corpus != "text_files":
+        return
+    import codecs
+    for p in resolve_files(list(d.files)):  # missing, folder, suffix, empty: DataError naming the file
+        if p.suffix == ".parquet":
+            continue
+        dec = codecs.getincrementaldecoder("utf-8")()
+        text = False
+        with open(p, "rb") as f:
+            for _ in range(TEXT_SNIFF_MB):  # the first TEXT_SNIFF_MB MiB: a corpus of GBs is checked in a second
+                chunk = f.read(1 << 20)
+                end = len(chunk) < 1 << 20
+                if b"\0" in chunk:
+                    raise DataError(f"data.files: {p} is a binary file (NUL bytes), not text")
+                try:
+                    s = dec.decode(chunk, final=end)
+                except UnicodeDecodeError as e:
+                    raise DataError(f"data.files: {p} is not UTF-8 text ({e.reason} near byte {e.start} of a "
+                                      f"1 MiB read); convert it, e.g. iconv -t UTF-8") from None
+                text = text or bool(s.strip())
+                if end:
+                    break
+        if not text:
+            raise DataError(f"data.files: {p} holds no text (only whitespace)")
+
+
 def _txt_docs(path: Path) -> Iterator[str]:
     try:
         text = path.read_text(encoding="utf-8")

@@ -68,15 +68,32 @@ def _apt_get_download(pkg: DebPackage, dest: Path) -> Path:
     if proc.returncode != 0:
         err = (proc.stderr or proc.stdout).strip()
         if re.search(r"not found|Unable to locate|Can't select|has no installation candidate", err):
-            raise DataError(f"{pkg.name} version {pkg.version} (pinned in orchestrator/data/debian.py) is not served "
-                            f"by this machine's apt sources any more ({err.splitlines()[-1]}); see `apt-cache "
-                            f"policy {pkg.name}`: a new pin (version + sha256) prepares a new corpus folder")
+            # what apt knows is its package lists: stale (or emptied, as in container images) they miss a version
+            # the archive serves, and `apt-get update` is the fix far more often than a new pin
+            raise DataError(f"{pkg.name}={pkg.version} (pinned in orchestrator/data/debian.py) is not in this "
+                            f"machine's apt package lists ({err.splitlines()[-1]}; {_lists_age()}): run "
+                            f"`apt-get update` (as root) and prepare again; only if it is still missing then has the "
+                            f"archive dropped it (see `apt-cache policy {pkg.name}`), and a new pin (version + "
+                            f"sha256) prepares a new corpus folder")
         raise DataError(f"`apt-get download {pkg.name}={pkg.version}` failed (exit {proc.returncode}): "
                         f"{' | '.join(err.splitlines()[-3:])}")
     debs = sorted(dest.glob("*.deb"))
     if len(debs) != 1:
         raise DataError(f"`apt-get download {pkg.name}={pkg.version}` left {len(debs)} .deb files in {dest}")
     return debs[0]
+
+
+APT_LISTS = Path("/var/lib/apt/lists")
+
+
+def _lists_age() -> str:
+    """How old the apt package lists are, in words (their newest Packages file), or that there are none."""
+    import time
+    lists = list(APT_LISTS.glob("*Packages*")) if APT_LISTS.is_dir() else []
+    if not lists:
+        return f"{APT_LISTS} holds no package lists"
+    days = (time.time() - max(p.stat().st_mtime for p in lists)) / 86400
+    return f"the lists in {APT_LISTS} were last updated {days:.0f} days ago"
 
 
 # The downloader: (package, empty folder) -> the .deb it put there. Tests inject one that copies a local file.

@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from flash_forensics.orchestrator.data.cache import sha256_file
 from flash_forensics.orchestrator.data.config import DataConfig, DataError
-from flash_forensics.orchestrator.data.corpora import Corpus, open_corpus
+from flash_forensics.orchestrator.data.corpora import Corpus, check_text, open_corpus
 from flash_forensics.orchestrator.data.tokenizer import EOT, gpt2_encoding, tokenizer_info
 
 FORMAT = "flash-forensics-tokens"
@@ -40,18 +40,30 @@ def dataset_dir(cfg: DataConfig, corpus: Corpus) -> Path:
 
 @contextlib.contextmanager
 def _file_lock(path: Path):
+    """An exclusive lock on `path`, removed by its holder (no .lock left beside the corpus, prepared or refused): a
+    waiter that finds the inode it locked unlinked locks the file that is there now."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+") as f:
-        try:
-            import fcntl
-        except ImportError:  # no fcntl (Windows): the atomic rename below still keeps the folder whole
-            yield
-            return
+    try:
+        import fcntl
+    except ImportError:  # no fcntl (Windows): the atomic rename below still keeps the folder whole
+        yield
+        return
+    while True:
+        f = open(path, "a+")
         fcntl.flock(f.fileno(), fcntl.LOCK_EX)
         try:
-            yield
-        finally:
-            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+            if os.fstat(f.fileno()).st_ino == os.stat(path).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        f.close()
+    try:
+        yield
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+        fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+        f.close()
 
 
 def _chunks(docs: Iterator[str], n: int, limit) -> Iterator[List[str]]:
@@ -151,6 +163,7 @@ def _tail_split(out: Path, val_fraction: float) -> None:
 def prepare(cfg: DataConfig, force: bool = False) -> Path:
     """Prepare cfg's corpus (if not already there, or always with force); return its folder."""
     cfg = DataConfig.from_any(cfg).validate()
+    check_text(cfg)  # a binary or empty file: refused before the lock and the tokenizer
     corpus = open_corpus(cfg)
     final = dataset_dir(cfg, corpus)
     with _file_lock(final.with_name(f".{final.name}.lock")):

@@ -114,6 +114,7 @@ def save(job, model, optimizer, done: int, name: str, keep_step: bool = False,
     else:
         checkpoint.save(path, state)
     job.result["checkpoint"] = str(path)
+    job.saved_step = done  # what an interrupted run says a rerun resumes from (run_end.interrupted)
     return path
 
 

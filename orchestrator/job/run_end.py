@@ -38,9 +38,11 @@ def finish(job, stream, done: int, status: str = "FINISHED") -> None:
     if job.is_main:
         r = job.result
         warning = job.monitors.numerics_warning()
+        # the failure counters' run totals, zeros too: their metrics are logged only from a first non-zero count
+        job.tracker.set_tags({f"numerics.{k}": v for k, v in job.monitors.numerics.items()})
         if warning:  # counted numerical failures: a tag on the run and a line in result.json, never silent
             r["warnings"] = [*r.get("warnings", []), warning]
-            job.tracker.set_tags({"warning": warning, **{f"numerics.{k}": v for k, v in job.monitors.numerics.items()}})
+            job.tracker.set_tags({"warning": warning})
             print(f"[job] warning: {warning}")
         log_record(job, done)
         hook_metrics = job.hooks.final_metrics() if getattr(job, "hooks", None) else {}
@@ -65,10 +67,24 @@ def _settle_quietly(job, done: int) -> None:
 
 
 def interrupted(job, stream, done: int, by: str) -> None:
-    """Preemption signal (SystemExit after the checkpoint) or ^C: result.json counts the steps done."""
+    """Preemption signal (SystemExit after the checkpoint) or ^C (mid-step, no checkpoint of its own): result.json
+    counts the steps done and says which checkpoint a rerun resumes from, if any; the verdict tag leaves 'running'."""
     _settle_quietly(job, done)
-    job.result["error"] = (f"stopped by {by} after {done} steps; the checkpoint is saved: rerun the same job "
-                           f"(auto-resume) or resume=<its last.pt>")
+    saved = getattr(job, "saved_step", None)  # the newest checkpoint on disk: saved or resumed by this process
+    path = job.result.get("checkpoint") or job.job_dir / snapshot.CKPT_DIR / "last.pt"
+    if saved is not None and saved == done:
+        then = f"the checkpoint at step {done} is saved ({path}): rerun the same job (auto-resume) or resume={path}"
+    elif saved is not None:
+        then = (f"the newest checkpoint is step {saved} ({path}): a rerun of the same job resumes there and "
+                f"trains the {done - saved} steps after it again")
+    else:
+        then = (f"no checkpoint was saved (train.ckpt_every={job.cfg.train.ckpt_every}): a rerun starts from step 0")
+    job.result["error"] = f"stopped by {by} after {done} steps; {then}"
+    if job.tracker is not None and job.is_main:
+        try:  # verdict=failed and the error on the run, as on the crash path (not the 'running' set at start)
+            log_record(job, done)
+        except Exception:
+            pass
     close_quietly(job, stream, "KILLED")
 
 
@@ -93,14 +109,15 @@ def _finite_params(model) -> bool:
     return all(torch.isfinite(p).all() for p in model.parameters())  # crash path only: syncing is fine here
 
 
-def crash(job, model, optimizer, done: int, stream) -> None:
-    """Record what is known: monitors flushed, verdict 'failed', a crash checkpoint when the weights are sane."""
+def crash(job, model, optimizer, done: int, stream, save: bool = True) -> None:
+    """Record what is known: monitors flushed, verdict 'failed', a crash checkpoint when the weights are sane (and
+    `save`: not for a run refused for its length, whose weights nobody will resume)."""
 
     if job.monitors is not None:
         _settle_quietly(job, done)
     job.result["observed"] = "failed"
     try:
-        if job.detector is not None and done > 0 and _finite_params(model):
+        if save and job.detector is not None and done > 0 and _finite_params(model):
             snapshot.save(job, model, optimizer, done, "crash.pt")
     except Exception:
         pass

@@ -138,6 +138,7 @@ class Job:
         self.dist = None
         self.is_main = True
         self._done = 0  # steps done so far (the crash path records them)
+        self.saved_step: Optional[int] = None  # the newest checkpoint on disk (run_end.interrupted says it)
 
     # ---------------------------------------------------------------------------------------------- setup
     def _init_dist(self):
@@ -221,7 +222,7 @@ class Job:
             fork_tags = {"forked_from": self.fork["forked_from"], "fork_step": self.fork["fork_step"]}
             if self.fork.get("source_run_id"):
                 fork_tags["forked_from_run"] = self.fork["source_run_id"]
-        sweep_tags = {**fork_tags, "intervention": iv.name, "expect": iv.expect, "paper": iv.paper,
+        sweep_tags = {**fork_tags, "intervention": iv.name, record.TAG_EXPECT: iv.expect, "paper": iv.paper,
                       "sweep": cfg.sweep_name, "experiment": cfg.name, "job_dir": str(self.job_dir),
                       "job": self.job_dir.name,
                       "overrides": " ".join(record.user_overrides(self.overrides)), "attention_routes": ",".join(
@@ -266,6 +267,8 @@ class Job:
         self.probes = probes.build(cfg, model, data_dir, device, self.tracker, self.is_main)
         self.capture = capture_job.build(self, model)  # monitor.capture: attention snapshots at chosen steps
         self.detector = DivergenceDetector(cfg.verdict)
+        if resuming:  # the checkpoint it resumed is on disk: an interrupted rerun starts there again
+            self.saved_step = start
         if state:
             snapshot.restore_run_state(self, state, resuming)
             checkpoint.set_rng_state(state["rng"])  # last: model building above consumed the RNG
@@ -297,7 +300,7 @@ class Job:
                 self.result["checkpoint"] = str(final)
         except Exception as e:
             self.result["error"] = f"{type(e).__name__}: {e}"
-            run_end.crash(self, model, optimizer, self._done, stream)
+            run_end.crash(self, model, optimizer, self._done, stream, save=not isinstance(e, TimeBudgetError))
             raise
         except BaseException as e:  # preemption (SystemExit) or ^C: the checkpoint is saved
             run_end.interrupted(self, stream, self._done, guard_signal(guard) or type(e).__name__)
@@ -339,6 +342,7 @@ class Job:
                     left = (tc.max_steps - done) * tokens_per_step / tps
                     print(f"[job] {tps:,.0f} tokens/s: the {tc.max_steps - done:,} steps left take ~{_duration(left)}",
                           flush=True)
+                    check_hours(tc, done, left, tokens_per_step / tps, self.dist.world_size)
                 bar.set_postfix(loss=f"{host[-1][1]:.4f}", tok_s=f"{tps:,.0f}" if tps else "-", refresh=False)
             bar.update(1)
             last = done == tc.max_steps
@@ -396,6 +400,25 @@ class Job:
         host = self.monitors.flush()
         if host:
             self.detector.update(host)
+
+
+class TimeBudgetError(ValueError):
+    """The steps left would take longer than train.max_hours at the speed measured."""
+
+
+def check_hours(tc, done: int, left_s: float, step_s: float, world_size: int) -> None:
+    """Stop (TimeBudgetError naming train.max_steps, the estimate and what fits) when the steps left would take
+    more than train.max_hours. One process only: a lone rank that stopped would hang the others' all-reduce."""
+    if tc.max_hours is None or left_s <= tc.max_hours * 3600:
+        return
+    fits = done + int(tc.max_hours * 3600 / step_s)
+    msg = (f"train.max_steps={tc.max_steps} is not allowed at this speed: the {tc.max_steps - done:,} steps left "
+           f"take ~{_duration(left_s)}, over train.max_hours={tc.max_hours:g}; expected train.max_steps <= ~{fits:,}, "
+           f"or a larger train.max_hours (null: no limit)")
+    if world_size > 1:
+        print(f"[job] warning: {msg}", flush=True)
+        return
+    raise TimeBudgetError(msg)
 
 
 def _duration(seconds: float) -> str:

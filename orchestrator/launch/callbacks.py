@@ -7,12 +7,14 @@ before the report callback that opens the parent run).
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import List
 
 from hydra.core.global_hydra import GlobalHydra
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from flash_forensics.orchestrator.config.folders import check_capture_dir, check_folder
 from flash_forensics.orchestrator.config.validate import ConfigError, validate_config
 from flash_forensics.orchestrator.launch import cluster  # looked up at call time (tests stand in for the cluster)
 from flash_forensics.orchestrator.launch.task import close_dead_jobs
@@ -48,11 +50,16 @@ def validate_sweep(config: DictConfig) -> int:
         uri = OmegaConf.select(job_cfg, "tracking.uri")
         try:
             validate_config(job_cfg, overrides, check_store=uri not in checked_uris)
+            # the job folder's place under the sweep folder (its subdir is numbered at launch)
+            check_capture_dir(OmegaConf.select(job_cfg, "monitor.capture"), Path(str(config.hydra.sweep.dir)) / "job")
         except ConfigError as e:
             raise ConfigError(f"job {overrides}: {e}") from None
         checked_uris.add(uri)
     _check_launcher(config)
     return len(jobs)
+
+
+JOB_FOLDER = "the job folder: run.log, result.json, checkpoints"
 
 
 def _check_launcher(config: DictConfig) -> None:
@@ -82,7 +89,8 @@ class ValidateSweep(Callback):
     """Hydra callback: validate all jobs at multirun start (and the single job at run start)."""
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
-        try:
+        try:  # Hydra makes the folder after this callback (and the report callback's parent run): check it first
+            check_folder("hydra.sweep.dir", config.hydra.sweep.dir, "the sweep's job folders and report")
             n = validate_sweep(config)
         except (ConfigError, ValueError) as e:
             _reject(e)
@@ -96,7 +104,9 @@ class ValidateSweep(Callback):
             _reject(ConfigError(f"{launcher[0]} is not allowed without -m: Hydra uses a launcher only for a multirun; "
                                 f"add -m (python run.py -m {launcher[0]} ...) to launch through it"))
         try:
+            check_folder("hydra.run.dir", config.hydra.run.dir, JOB_FOLDER)
             validate_config(config, list(config.hydra.overrides.task))
+            check_capture_dir(OmegaConf.select(config, "monitor.capture"), Path(str(config.hydra.run.dir)))
         except (ConfigError, ValueError) as e:
             _reject(e)
 
@@ -108,8 +118,6 @@ class CloseDeadJobs(Callback):
     them (flash_forensics.orchestrator.launch.task.close_dead_jobs)."""
 
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
-        from pathlib import Path
-
         sweep_dir = OmegaConf.select(config, "hydra.sweep.dir")
         if sweep_dir and Path(sweep_dir).is_dir():
             close_dead_jobs(Path(sweep_dir))

@@ -18,6 +18,7 @@ from typing import Any, Dict, List, Optional
 from omegaconf import DictConfig
 
 from flash_forensics.orchestrator import record
+from flash_forensics.orchestrator.config.folders import check_capture_dir
 from flash_forensics.orchestrator.config.validate import selected_interventions, validate_config
 from flash_forensics.orchestrator.errors import WriteError, _alive
 from flash_forensics.orchestrator.job import checkpoint, folder_lock
@@ -121,6 +122,12 @@ def exit_status(result: Dict[str, Any], multirun: bool) -> int:
     return 1 if (not multirun and result.get("observed") == "failed") else 0
 
 
+def sweep_status(results: List[Dict[str, Any]]) -> int:
+    """run.py's exit status after a multirun: 1 when every job it ran failed (nothing to report but errors), else 0
+    (some failures among results are recorded per job). Jobs run elsewhere (submitit) are not counted here."""
+    return 1 if len(results) > 1 and all(r.get("observed") == "failed" for r in results) else 0
+
+
 def run_job(cfg: DictConfig, job_dir: Optional[Path] = None, overrides: Optional[List[str]] = None) -> Dict[str, Any]:
     """One job, everything it prints also in <job dir>/run.log (job_log.tee; DDP: rank 0's)."""
     job_dir = Path(job_dir) if job_dir is not None else _hydra_context()[0]
@@ -167,6 +174,7 @@ def _run_job(cfg: DictConfig, job_dir: Path, overrides: Optional[List[str]] = No
         write_job_start(job_dir, intervention=name, overrides=overrides, expected=result["expected"],
                         pid=os.getpid(), host=_host(), started=__import__("time").time())
         obj, attention = validate_config(cfg, overrides)
+        check_capture_dir(obj.monitor.capture, job_dir)  # other entry points than run.py (isolate, fork, tests)
         obj.intervention.name = name
         job = Job(obj, attention, job_dir, overrides)
         result = job.result
@@ -231,4 +239,4 @@ def is_multirun() -> bool:
 
 
 __all__ = ["run_job", "write_result", "RESULT_FILE", "START_FILE", "write_job_start", "read_job_start",
-           "close_dead_jobs", "exit_status", "is_multirun"]
+           "close_dead_jobs", "exit_status", "is_multirun", "sweep_status"]

@@ -75,6 +75,7 @@ class Monitors:
         self.peak_wq_where: Optional[str] = None
         self.flushes = 0
         self.numerics = {name: 0 for name in NUMERICS}  # run totals of the failure counters (host ints)
+        self._counting: set = set()  # failure-counter metrics logged so far (each since its first non-zero count)
         self._warned: set = set()  # format counters already warned about
 
     def reset_clock(self) -> None:
@@ -185,9 +186,12 @@ class Monitors:
                 if self.cfg.counters:
                     for h, c in enumerate(values[f"rmax@{layer}"]):
                         flushed[record.rmax_rows_name(layer, h)] = c
-                    for name in NUMERICS:
-                        for h, c in enumerate(values[f"{name}@{layer}"]):
-                            flushed[f"{name}/L{layer}.H{h}"] = c
+                    for name in NUMERICS:  # a failure counter's series starts at its first non-zero count:
+                        for h, c in enumerate(values[f"{name}@{layer}"]):  # 40 zero charts hid the loss
+                            key = f"{name}/L{layer}.H{h}"
+                            if c or key in self._counting:
+                                self._counting.add(key)
+                                flushed[key] = c
                 logit = values[f"logit@{layer}"][0] if self.cfg.max_logit else -math.inf
                 if logit != -math.inf:  # -inf: nothing measured this interval (sdpa without probe)
                     flushed[record.max_logit_name(layer)] = logit

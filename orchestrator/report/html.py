@@ -11,6 +11,8 @@ import html
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from flash_forensics.orchestrator.report.rows import counts
+
 _CSS = """
 body{font:14px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;margin:24px;color:#1b1b1b;max-width:1800px}
 h1{font-size:22px;margin:0 0 6px} h2{font-size:17px;margin:26px 0 8px}
@@ -59,14 +61,11 @@ def render(sweep: str, rows: Sequence[Dict], table: List[List[str]], meta_items:
     """The page. table: report_render._table's [head] + body; meta_items: report_render.meta_items; urls: each
     row's run page or None."""
     head, body = table[0], table[1:]
-    n_match = sum(1 for r in rows if r.get("matches_paper"))
-    failed = [r for r in rows if r.get("observed") == "failed"]
     h = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
          '<meta name="viewport" content="width=device-width, initial-scale=1">',
          f"<title>Verdicts: {_esc(sweep)}</title><style>{_CSS}</style></head><body>",
          f"<h1>Verdicts: {_esc(sweep)}</h1>",
-         f'<p class="summary"><b>{len(rows)}</b> runs; <b>{n_match}</b> match the paper; '
-         f"<b>{len(failed)}</b> failed.</p>",
+         f'<p class="summary">{_esc(counts(rows))}</p>',
          '<ul class="meta">' + "".join(f"<li>{_parts(p)}</li>" for p in meta_items) + "</ul>",
          '<table id="verdicts"><thead><tr>' + "".join(f"<th>{_esc(c)}</th>" for c in head) + "</tr></thead><tbody>"]
     for i, r in enumerate(body):
@@ -79,6 +78,7 @@ def render(sweep: str, rows: Sequence[Dict], table: List[List[str]], meta_items:
             cells.append(f'<td class="{cls}">{text}</td>' if cls else f"<td>{text}</td>")
         h.append("<tr>" + "".join(cells) + "</tr>")
     h.append("</tbody></table>")
+    failed = [r for r in rows if r.get("observed") == "failed"]
     if failed:
         h += ["<h2>Failed runs</h2>", "<ul>"]
         h += [f"<li>job {_esc(r.get('job'))} ({_esc(r.get('intervention'))}): "

@@ -2,8 +2,9 @@
 
 The UI of an http(s) tracking store is the server itself; a database store (sqlite) is opened with
 `mlflow ui --backend-store-uri <uri>`, which serves http://127.0.0.1:5000 (pass ui_url for another address).
-Routes are MLflow 3's: `#/experiments/<id>/runs` opens the training runs table (an experiment's bare route opens
-the GenAI overview instead), `#/experiments/<id>/runs/<run id>` a run page.
+Routes are MLflow 3's, each with workflowType=machine_learning (its model-training UI, not GenAI):
+`#/experiments/<id>/runs` opens the runs table (an experiment's bare route opens the GenAI overview instead),
+`#/experiments/<id>/runs/<run id>` a run page.
 """
 from __future__ import annotations
 
@@ -28,23 +29,29 @@ def ui_base(tracking_uri: Optional[str], ui_url: Optional[str] = None) -> str:
     return MLFLOW_UI_DEFAULT
 
 
+def _training(route: str) -> str:
+    """route in MLflow 3's model-training UI: the page reads `workflowType` from its URL, else from the browser's
+    localStorage (mlflow.workflowType, GenAI until the user picks), so a printed link carries it."""
+    return f"{route}{'&' if '?' in route else '?'}{TRAINING_MODE}"
+
+
 def experiment_route(experiment_id: str) -> str:
-    return f"#/experiments/{experiment_id}/runs"
+    return _training(f"#/experiments/{experiment_id}/runs")
 
 
 def run_route(experiment_id: str, run_id: str) -> str:
-    return f"#/experiments/{experiment_id}/runs/{run_id}"
+    return _training(f"#/experiments/{experiment_id}/runs/{run_id}")
 
 
 def artifact_view_route(experiment_id: str, run_id: str, path: str) -> str:
     """A run's artifact, opened in the UI's artifact viewer."""
-    return f"{run_route(experiment_id, run_id)}/artifacts/{path}"
+    return _training(f"#/experiments/{experiment_id}/runs/{run_id}/artifacts/{path}")
 
 
 def view_route(experiment_id: str, share_key: str) -> str:
     """The runs table in a stored view (an experiment tag mlflow.sharedViewState.<key>, verdict_view.py): MLflow
     3.x and 2.x since shared views; an older UI opens the plain runs table."""
-    return f"{experiment_route(experiment_id)}?viewStateShareKey={share_key}&{TRAINING_MODE}"
+    return _training(f"#/experiments/{experiment_id}/runs?viewStateShareKey={share_key}")
 
 
 def compare_route(experiment_id: str, run_ids: Sequence[str]) -> str:
@@ -54,11 +61,19 @@ def compare_route(experiment_id: str, run_ids: Sequence[str]) -> str:
     return f"#/compare-runs?runs={runs}&experiments={exps}&{TRAINING_MODE}"
 
 
-def mlflow_ui_command(tracking_uri: str) -> Optional[str]:
-    """The command that serves a database store's UI; None for a server (it is its own UI)."""
+def mlflow_ui_command(tracking_uri: str, base: Optional[str] = None) -> Optional[str]:
+    """The command that serves a database store's UI at `base` (the address the links use: its --port, and its
+    --host unless local), so that run as printed every link opens; None for a server (it is its own UI)."""
     if tracking_uri.startswith(("http://", "https://")):
         return None
-    return f"mlflow ui --backend-store-uri {tracking_uri}"
+    cmd = f"mlflow ui --backend-store-uri {tracking_uri}"
+    if not base or base.rstrip("/") == MLFLOW_UI_DEFAULT:
+        return cmd
+    url = urllib.parse.urlsplit(base)
+    if url.hostname and url.hostname not in ("127.0.0.1", "localhost"):
+        cmd += f" --host {url.hostname}"
+    port = url.port or (443 if url.scheme == "https" else 80)
+    return cmd + (f" --port {port}" if port != 5000 else "")
 
 
 def link_lines(tracking_uri: str, experiment_id: Optional[str], run_id: Optional[str] = None,
@@ -67,14 +82,15 @@ def link_lines(tracking_uri: str, experiment_id: Optional[str], run_id: Optional
     """The lines printed at the end of a run or sweep: how to open the UI, the runs table (in the verdicts view
     when share_key is given), the (parent) run, the compare page of compare_ids."""
     base = ui_base(tracking_uri, ui_url)
-    cmd = mlflow_ui_command(tracking_uri)
+    cmd = mlflow_ui_command(tracking_uri, base)
     port = f"; another port: --port N and {UI_URL_ENV}=http://127.0.0.1:N" if cmd and not ui_url and not \
         os.environ.get(UI_URL_ENV) else ""
     out = [f"MLflow: {cmd}   (serves {base}{port})" if cmd else f"MLflow: {base}"]
     if experiment_id is not None:
-        if share_key:
+        if share_key:  # the runs table itself, flat, on the verdict columns (the plain table folds the runs)
             out.append(f"  verdicts: {base}/{view_route(experiment_id, share_key)}")
-        out.append(f"  runs table: {base}/{experiment_route(experiment_id)}")
+        else:
+            out.append(f"  runs table: {base}/{experiment_route(experiment_id)}")
         if run_id:
             out.append(f"  {run_label}: {base}/{run_route(experiment_id, run_id)}")
         if len(compare_ids) > 1:

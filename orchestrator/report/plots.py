@@ -72,9 +72,30 @@ def _moving_average(pts: List[Tuple[int, float]], n: int) -> List[Tuple[int, flo
 
 # --------------------------------------------------------------------------------------------------- loss
 def _same_curve(a, b, rtol: float = 1e-6) -> bool:
-    """Two (step, value) curves that would be drawn on top of each other."""
+    """Two (step, value) curves equal to rtol (identical runs)."""
     return len(a) == len(b) and all(sa == sb and abs(va - vb) <= rtol * max(1.0, abs(va))
                                     for (sa, va), (sb, vb) in zip(a, b, strict=True))
+
+
+DASH = 5.0  # points: the dash of a curve drawn on top of another
+OVERLAP = 0.01  # of the y range: two curves closer than this everywhere are drawn on top of each other
+
+
+def _gap(a, b) -> Optional[float]:
+    """The largest |a - b| over the steps both curves have (None: fewer than half of a's steps in common)."""
+    bv = dict(b)
+    common = [(v, bv[s]) for s, v in a if s in bv]
+    if len(common) < max(2, len(a) // 2):
+        return None
+    return max(abs(x - y) for x, y in common)
+
+
+def _y_range(values: List[float]) -> Tuple[float, float]:
+    """The loss axis' range: the lowest value to the 99.5th percentile (a spike to 1e3 would flatten the rest)."""
+    if not values:
+        return 0.0, 1.0
+    values = sorted(values)
+    return values[0], values[min(len(values) - 1, int(0.995 * len(values)))]
 
 
 def loss_curves(runs: Sequence[Tuple[str, History]], path: Path,
@@ -93,21 +114,33 @@ def loss_curves(runs: Sequence[Tuple[str, History]], path: Path,
     x_end = max(s for _, h in runs for s, _ in _finite(h["train/loss"]))
     x0 = window if window is not None else 0
     y_from = x0 if window is not None else x0 + 0.1 * (x_end - x0)
-    drawn: List[Tuple[str, List[Tuple[int, float]]]] = []
-    for i, (label, h) in enumerate(runs):
-        pts = _finite(h["train/loss"])
-        if many:
-            pts = _moving_average(pts, SMOOTH)
+    curves = [_moving_average(_finite(h["train/loss"]), SMOOTH) if many else _finite(h["train/loss"])
+              for _, h in runs]
+    lo, hi = _y_range([v for pts in curves for s, v in pts if s >= y_from])
+    # a curve on top of an earlier one (the same, or closer than a few pixels): grouped with it; the group's first
+    # curve is drawn solid, each later one in dashes that leave the others' turns free, its markers offset from
+    # theirs, and said in the legend, so that every run shows
+    over: List[Optional[Tuple[int, str]]] = []
+    for i, pts in enumerate(curves):
+        hit = next(((j, "same") for j in range(i) if over[j] is None and _same_curve(pts, curves[j])), None)
+        hit = hit or next(((j, f"{g:.2g}") for j in range(i) if over[j] is None and (g := _gap(pts, curves[j]))
+                           is not None and g <= OVERLAP * (hi - lo)), None)
+        over.append(hit)
+    size = {j: 1 + sum(1 for o in over if o and o[0] == j) for j in range(len(curves))}
+    for i, ((label, _), pts) in enumerate(zip(runs, curves)):
         d = (divergence or {}).get(label)
         color, style = colors[i % len(colors)], _STYLES[(i // len(colors)) % len(_STYLES)]
-        twin = next((lab for lab, other in drawn if _same_curve(pts, other)), None)
-        drawn.append((label, pts))
-        # a curve on top of another's: dashed, with markers offset from the other's, and said in the legend
-        extra = dict(ls=(i % 4 * 2, (4, 3)), marker="o^sv"[i % 4], ms=4,
-                     markevery=(i % 4, 4) if len(pts) > 8 else None) if twin else {}
+        extra, said = {}, ""
+        if over[i]:
+            j, how = over[i]
+            n = size[j]
+            k = 1 + sum(1 for o in over[:i] if o and o[0] == j)  # its place in the group (the first one: 0)
+            extra = dict(ls=((n - k) * DASH % (n * DASH), (DASH, (n - 1) * DASH)), marker="o^sv"[k % 4], ms=4,
+                         markevery=(k % 4, 4) if len(pts) > 8 else None)
+            said = (f"  (the same curve as {runs[j][0]})" if how == "same" else
+                    f"  (within {how} of {runs[j][0]}: on top of it)")
         ax.plot([s for s, _ in pts], [v for _, v in pts], lw=1.4, **{"ls": style, **extra}, color=color,
-                label=_wrap(label + (f"  (diverged at {d})" if d is not None else "") +
-                            (f"  (the same curve as {twin})" if twin else "")))
+                label=_wrap(label + (f"  (diverged at {d})" if d is not None else "") + said))
         seen += [v for s, v in pts if s >= y_from]
         if d is not None:
             before = [p for p in pts if p[0] <= d] or pts[:1]
@@ -117,8 +150,6 @@ def loss_curves(runs: Sequence[Tuple[str, History]], path: Path,
         ax.text(window, 1.0, f" fork: step {window}", transform=ax.get_xaxis_transform(), va="bottom", fontsize=8)
     ax.set_xlim(x0, x_end)
     if seen:
-        seen.sort()
-        lo, hi = seen[0], seen[min(len(seen) - 1, int(0.995 * len(seen)))]  # a spike to 1e3 would flatten the rest
         pad = 0.04 * (hi - lo or 1.0)
         ax.set_ylim(lo - pad, hi + pad)
     ax.set_xlabel("step")
@@ -164,12 +195,15 @@ def _layer_legend(fig, axes, layers: List[int], colors, what: str) -> None:
 
 
 def wq_spectral_norms(runs: Sequence[Tuple[str, History]], path: Path, window: Optional[int] = None,
-                      annotate: int = 3) -> Optional[Path]:
-    """One panel per run, one line per layer: sigma_max(W_Q) of that layer's top head (largest peak); the
-    `annotate` largest heads of the run are named at their peak. Same y axis in every panel."""
+                      annotate: int = 3, named: Sequence[Tuple[int, int]] = ()) -> Optional[Path]:
+    """One panel per run: sigma_max(W_Q) of each layer's top head (largest peak), thin, and of every head in
+    `named` (the heads the verdicts name, e.g. each run's peak_wq_where), bold and labelled in every panel, so a
+    head a verdict names is read beside the same head of the other runs; the `annotate` largest other heads are
+    named at their peak. Same y axis in every panel."""
     runs = _per_head_runs(runs, "wq_sigma/")
     if not runs:
         return None
+    named = sorted(set(named))
     layers = sorted({layer for _, heads in runs for layer, _ in heads})
     colors = palette(len(layers))
     fig, axes = _panels(len(runs))
@@ -178,17 +212,31 @@ def wq_spectral_norms(runs: Sequence[Tuple[str, History]], path: Path, window: O
         for (layer, head), pts in heads.items():
             if layer not in tops or max(v for _, v in pts) > max(v for _, v in heads[(layer, tops[layer])]):
                 tops[layer] = head
+        cut = lambda pts: [(s, v) for s, v in pts if window is None or s >= window]  # noqa: E731
         for layer, head in sorted(tops.items()):
-            pts = [(s, v) for s, v in heads[(layer, head)] if window is None or s >= window]
-            ax.plot([s for s, _ in pts], [v for _, v in pts], color=colors[layers.index(layer)], lw=1.2)
-        ranked = sorted(tops.items(), key=lambda lh: -max(v for _, v in heads[lh]))[:annotate]
+            if (layer, head) not in named:
+                pts = cut(heads[(layer, head)])
+                ax.plot([s for s, _ in pts], [v for _, v in pts], color=colors[layers.index(layer)], lw=1.0,
+                        alpha=0.75)
+        for k, (layer, head) in enumerate(named):
+            pts = cut(heads.get((layer, head), []))
+            if not pts or layer not in layers:
+                continue
+            ax.plot([s for s, _ in pts], [v for _, v in pts], color=colors[layers.index(layer)], lw=2.4,
+                    ls=_STYLES[k % len(_STYLES)])
+            ax.annotate(f"L{layer}.H{head}", pts[-1], fontsize=7.5, fontweight="bold", xytext=(2, 0),
+                        textcoords="offset points", color=colors[layers.index(layer)])
+        ranked = sorted((lh for lh in tops.items() if lh not in named),
+                        key=lambda lh: -max(v for _, v in heads[lh]))[:annotate]
         for layer, head in ranked:
             s, v = max(heads[(layer, head)], key=lambda p: p[1])
             ax.annotate(f"L{layer}.H{head}", (s, v), fontsize=7, xytext=(2, 2), textcoords="offset points",
                         color=colors[layers.index(layer)])
         ax.set_title(_wrap(label), fontsize=8)
-    return _finish_layer_panels(fig, axes, len(runs), layers, colors, path, ylabel="σ_max(W_Q), top head",
-                                legend="layer (its top head)", title="W_Q spectral norm: the top head of each layer")
+    what = ("bold: " + ", ".join(f"L{lh[0]}.H{lh[1]}" for lh in named) + " (the verdicts' heads); thin: each "
+            "layer's top head") if named else "the top head of each layer"
+    return _finish_layer_panels(fig, axes, len(runs), layers, colors, path, ylabel="σ_max(W_Q)",
+                                legend="layer (its top head)", title=f"W_Q spectral norm: {what}")
 
 
 def _finish_layer_panels(fig, axes, n_runs: int, layers, colors, path: Path, ylabel: str, legend: str,

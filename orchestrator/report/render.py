@@ -21,6 +21,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from flash_forensics.orchestrator import record
 from flash_forensics.orchestrator.report import html as report_html
 from flash_forensics.orchestrator.report import links, plots, readback, verdict_view
 from flash_forensics.orchestrator.report import rows as R
@@ -94,7 +95,8 @@ def _table(rows: Sequence[Dict]) -> List[List[str]]:
         body.append([_fmt(r.get("job")), _fmt(r.get("intervention")),
                      " ".join(sorted(R._other_overrides(r) - common)) or "-",
                      _fmt(r.get("expected")), _fmt(r.get("observed")), _fmt(r.get("divergence_step")),
-                     _fmt(r.get("cause")), _fmt(R._num(r.get("final_loss"))), peak, _fmt(r.get("matches_paper")),
+                     _fmt(r.get("cause")), _fmt(R._num(r.get("final_loss"))), peak,
+                     "void" if r.get("paper_void") else _fmt(r.get("matches_paper")),
                      r.get("vs_baseline") or "-", (r.get("mlflow_run_id") or "-")[:12]])
     return [head] + body
 
@@ -194,10 +196,8 @@ def _markdown(rows, meta, plot_paths, out_dir: Path, sweep: str, urls: Optional[
     image by its path relative to out_dir, for the copy on disk); cause: the Cause section (cause_lines)."""
     t = _table(rows)
     esc = lambda s: s.replace("|", "\\|")  # noqa: E731
-    n_match = sum(1 for r in rows if r["matches_paper"])
     failed = [r for r in rows if r["observed"] == "failed"]
-    md = [f"# Verdicts: {sweep}", "",
-          f"{len(rows)} runs; {n_match} match the paper; {len(failed)} failed.", ""]
+    md = [f"# Verdicts: {sweep}", "", R.counts(rows), ""]
     md += cause_lines(cause, out_dir, plot_line)
     md += ["- " + _md_parts(p) for p in meta_items(rows, meta)]
     md += ["", "| " + " | ".join(t[0]) + " |", "|" + "---|" * len(t[0])]
@@ -228,8 +228,8 @@ def _mlflow_lines(meta) -> List[str]:
     if not uri:
         return []
     out = ["", "## MLflow", ""]
-    cmd = links.mlflow_ui_command(uri)
     base = links.ui_base(uri, meta.get("ui_url"))
+    cmd = links.mlflow_ui_command(uri, base)
     out.append(f"`{cmd}`, then open {base}" if cmd else f"Server: {base}")
     exp, parent = meta.get("experiment_id"), meta.get("parent_run_id")
     if exp is not None:
@@ -239,7 +239,8 @@ def _mlflow_lines(meta) -> List[str]:
                        f"the verdict columns")
         if len(meta.get("compare_ids") or ()) > 1:
             out.append(f"- [compare the runs]({base}/{links.compare_route(exp, meta['compare_ids'])})")
-        out += [f"- [runs table]({base}/{links.experiment_route(exp)}) (experiment `{exp}`)"]
+        if not meta.get("share_key"):
+            out += [f"- [runs table]({base}/{links.experiment_route(exp)}) (experiment `{exp}`)"]
         if parent:
             out.append(f"- [parent run]({base}/{links.run_route(exp, parent)}) (`{parent}`)")
     elif parent:
@@ -254,22 +255,25 @@ def _fork_lines(rows) -> List[str]:
     return [f"- forked from `{path}` at step {step}: metrics and verdicts from step {step} on" for path, step in forks]
 
 
+def _paper_words(r) -> str:
+    if r.get("paper_void"):
+        return "void: its baseline did not diverge"
+    return "matches the paper" if r.get("matches_paper") else "does not match the paper"
+
+
 def parent_note(sweep: str, rows, urls: List[Optional[str]], view: Optional[str] = None,
                 compare: Optional[str] = None) -> str:
     """The sweep's parent run description (markdown on its run page): the counts, then one line per run (its
     verdict with the control; lines, not a table, so the UI's preview shows every run), the verdicts view and
     compare links."""
-    n_match = sum(1 for r in rows if r["matches_paper"])
-    failed = sum(1 for r in rows if r["observed"] == "failed")
-    out = [f"**{sweep}**: {len(rows)} runs; {n_match} match the paper; {failed} failed. Full report: "
-           f"`verdicts.html` (artifacts)."]
+    out = [f"**{sweep}**: {R.counts(rows)} Full report: `verdicts.html` (artifacts)."]
     links_line = " · ".join(x for x in ((f"[verdicts table]({view})" if view else None),
                                           (f"[compare the runs]({compare})" if compare else None)) if x)
     if links_line:
         out.append(links_line)
     out += [" ".join(f"{i + 1}. {_md_link(_fmt(r.get('job')), url)} **{_fmt(r.get('intervention'))}**: "
                      f"{r.get('verdict') or _fmt(r.get('observed'))}"
-                     f" ({'matches the paper' if r.get('matches_paper') else 'does not match the paper'})".split())
+                     f" ({_paper_words(r)})".split())
             for i, (r, url) in enumerate(zip(rows, urls, strict=True))]
     return "\n\n".join(out)
 
@@ -295,6 +299,16 @@ def _delay_items(rows, labels: Sequence[str]):
     return out
 
 
+def verdict_heads(rows) -> List[Tuple[int, int]]:
+    """The (layer, head)s the rows' verdicts name: each run's peak W_Q head (peak_wq_where), first seen first."""
+    out: List[Tuple[int, int]] = []
+    for r in rows:
+        where = record.parse_where(r.get("peak_wq_where"))
+        if where is not None and where not in out:
+            out.append(where)
+    return out
+
+
 def make_plots(rows, histories: Dict[str, Dict], pdir: Path) -> Dict[str, Path]:
     common = R._common_overrides(rows)
     labels = [R._label(r, common) for r in rows]
@@ -302,7 +316,8 @@ def make_plots(rows, histories: Dict[str, Dict], pdir: Path) -> Dict[str, Path]:
     div = {lab: r.get("divergence_step") for lab, r in zip(labels, rows)}
     window = _fork_window(rows)
     made = (("loss_curves", plots.loss_curves(labelled, pdir / "loss_curves.png", div, window=window)),
-            ("wq_spectral_norm", plots.wq_spectral_norms(labelled, pdir / "wq_spectral_norm.png", window=window)),
+            ("wq_spectral_norm", plots.wq_spectral_norms(labelled, pdir / "wq_spectral_norm.png", window=window,
+                                                         named=verdict_heads(rows))),
             ("repeated_maxima", plots.repeated_maxima(labelled, pdir / "repeated_maxima.png", window=window)),
             ("probes", plots.probes(labelled, pdir / "probes.png")),
             ("delays", plots.delays(_delay_items(rows, labels), pdir / "delays.png")))
@@ -368,6 +383,7 @@ def write_report(rows: List[Dict], out_dir: os.PathLike, tracking_uri: Optional[
              **plot_paths}
     doc = {"sweep": sweep, "meta": meta, "runs": [{k: r.get(k) for k in R.ROW_KEYS} for r in rows],
            "summary": {"runs": len(rows), "matches_paper": sum(1 for r in rows if r["matches_paper"]),
+                       "void": sum(1 for r in rows if r.get("paper_void")),
                        "failed": sum(1 for r in rows if r["observed"] == "failed")},
            "plots": {k: str(p) for k, p in plot_paths.items()}}
     if cause:

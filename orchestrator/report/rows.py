@@ -159,6 +159,8 @@ def judge(row: Dict, rows: Sequence[Dict]) -> Dict:
         cause = record.CAUSE_NOT_PRECISION  # FP32 attention diverged: precision is ruled out by the run itself
     name = None if ctrl is None or ctrl is row else _control_name(ctrl)
     row.update(cause=cause, control=name, control_step=ctrl.get("divergence_step") if name else None,
+               control_job=ctrl.get("job") if name else None,
+               control_run_id=ctrl.get("mlflow_run_id") if name else None,
                matches_paper=matches_paper(row.get("expected"), row.get("observed"), cause))
     line = record.verdict_line(row.get("observed"), row.get("divergence_step"), cause, name,
                                ctrl.get("divergence_step") if ctrl is not None else None)
@@ -195,6 +197,10 @@ def compare(rows: List[Dict]) -> List[Dict]:
                 notes.append(f"diverged at step {d}; baseline at {bd}{delta}")
             elif base["observed"] == "stable" and obs == "diverged":
                 notes.append(f"diverged at step {row.get('divergence_step')} while the baseline did not")
+        if base is not None and base["observed"] == "stable" and (row.get("expected"), obs) == ("stable", "stable"):
+            # stable as the paper expects, but so is its baseline: nothing was prevented, nothing matched
+            row["matches_paper"], row["paper_void"] = False, True
+            notes.append("void: its baseline did not diverge")
         fl, rl = _num(row.get("final_loss")), _num(ref.get("final_loss")) if ref else None
         if fl is not None and rl is not None and math.isfinite(fl) and math.isfinite(rl) and obs == "stable":
             notes.append(f"final loss {fl - rl:+.3f} vs fp32")
@@ -223,6 +229,17 @@ def _label(row: Dict, common: set = frozenset()) -> str:
     return f"{row.get('job') or ''}:{row.get('intervention')}{tail}"
 
 
+def counts(rows: Sequence[Dict]) -> str:
+    """The sweep in one sentence: '3 runs; 0 match the paper (2 stable runs void: their baseline did not diverge);
+    0 failed.' (the same words in verdicts.md, verdicts.html and the parent run's description)."""
+    n_match = sum(1 for r in rows if r.get("matches_paper"))
+    void = sum(1 for r in rows if r.get("paper_void"))
+    failed = sum(1 for r in rows if r.get("observed") == "failed")
+    why = (f" ({void} stable run{'s' if void > 1 else ''} void: {'their' if void > 1 else 'its'} baseline did not "
+           f"diverge)") if void else ""
+    return f"{len(rows)} runs; {n_match} match the paper{why}; {failed} failed."
+
+
 def summary(rows: Sequence[Dict]) -> Dict[str, int]:
     """The sweep's counts, as verdicts.json and the parent run's metrics give them."""
     return {k: int(v) for k, v in record.sweep_metrics(list(rows)).items()}
@@ -230,4 +247,4 @@ def summary(rows: Sequence[Dict]) -> Dict[str, int]:
 
 __all__ = ["ROW_KEYS", "BASELINE", "REFERENCE", "control_for", "judge", "row_from_record",
            "row_from_result", "job_row", "collect_rows",
-           "rows_from_dirs", "compare", "summary"]
+           "rows_from_dirs", "compare", "summary", "counts"]

@@ -5,9 +5,10 @@ the control, matches_paper, its description) and a colour fixed by its verdict (
 did it, orange when its control diverged too, purple without a control, green when stable, grey when failed;
 shades tell runs of one verdict apart). The experiment gets a stored view (the tag mlflow.sharedViewState.<key>,
 which MLflow's runs table loads from `?viewStateShareKey=<key>`): the sweep's runs (the filter shows them flat, none
-folded under the parent) with intervention, verdict, cause, matches_paper, divergence step, final loss and peak W_Q σ
-as columns. The state is plain JSON, the form MLflow 2.x wrote and 3.17 still reads; the experiment is marked
-model-training (mlflow.experimentKind), so MLflow 3 does not open it in GenAI mode.
+folded under the parent) with expected, verdict, matches_paper, cause, control, job, divergence step, final loss
+and peak W_Q σ as columns; job numbers zero-padded (tags sort as text). The state is plain JSON, the form
+MLflow 2.x wrote and 3.17 still reads; the experiment is marked model-training (mlflow.experimentKind), so MLflow 3
+does not open it in GenAI mode.
 """
 from __future__ import annotations
 
@@ -15,16 +16,21 @@ import json
 from typing import Dict, List, Optional, Sequence
 
 from flash_forensics.orchestrator import record
-from flash_forensics.orchestrator.tracking.run_fields import describe_run
+from flash_forensics.orchestrator.report.links import artifact_view_route
+from flash_forensics.orchestrator.tracking.run_fields import RUN_LOG, describe_run
 from flash_forensics.orchestrator.tracking.store import MAX_TAG_VAL_LENGTH, _truncate, retry
 
 SHARED_VIEW_PREFIX = "mlflow.sharedViewState."
 RUN_COLOR = "mlflow.runColor"
 PARENT_COLOR = "#1f3b73"  # the sweep's own row: navy, no verdict's hue
 SWEEP_RUN_TAG = "sweep_run"  # the parent's run id, on the parent and its runs: the view's filter
-COLUMNS = (("tags", record.TAG_INTERVENTION), ("tags", record.TAG_VERDICT), ("tags", record.TAG_CAUSE),
-           ("tags", record.TAG_MATCHES), ("metrics", "divergence_step"), ("metrics", "final_loss"),
-           ("metrics", "peak_wq_sigma"), ("tags", record.TAG_CONTROL), ("tags", "job"))
+# left to right as the verdict reads: what the paper expects, what happened, whether that matches, why (the cause,
+# against which control), the job; then the numbers. No intervention column: the run name starts with it, and MLflow's
+# Run Name, Created and Duration columns (always shown) plus its assistant panel (open on a first visit) leave
+# 4 columns at 1600 px: the verdict's four come first (MLflow orders tag columns by first write, not by this list)
+COLUMNS = (("tags", record.TAG_EXPECT), ("tags", record.TAG_VERDICT), ("tags", record.TAG_MATCHES),
+           ("tags", record.TAG_CAUSE), ("tags", record.TAG_CONTROL), ("tags", "job"),
+           ("metrics", "divergence_step"), ("metrics", "final_loss"), ("metrics", "peak_wq_sigma"))
 # verdict -> shades (darkest first): one hue per verdict, a new shade per run of that verdict
 PALETTES = {record.CAUSE_PRECISION: ("#d62728", "#a11d1e", "#f06a6b", "#7a1516"),
             record.CAUSE_NOT_PRECISION: ("#ff7f0e", "#c25f05", "#ffab5e", "#8c4503"),
@@ -82,6 +88,8 @@ def publish(client, rows: Sequence[Dict], experiments: Dict[str, str],
     """Tag every row's run with its judged verdict, colour and description; with a parent run, store the verdicts
     view and return its share key. Rows are compare()d report rows."""
     from mlflow.entities import RunTag
+    jobs = [str(r.get("job") or "") for r in rows]
+    job_width = max(map(len, jobs)) if jobs and all(j.isdigit() for j in jobs) else 0
     for r, color in zip(rows, colors(rows), strict=True):
         rid = r.get("mlflow_run_id")
         if not rid or rid not in experiments:
@@ -89,13 +97,22 @@ def publish(client, rows: Sequence[Dict], experiments: Dict[str, str],
         paper = retry(client.get_run, rid).data.tags.get("paper")
         note = describe_run(r.get("intervention") or "?", r.get("expected"), paper, r.get("observed"),
                             r.get("divergence_step"), r.get("steps_done"), r.get("error"), r.get("cause"),
-                            r.get("control"), r.get("control_step"))
+                            r.get("control"), r.get("control_step"),
+                            log_route=artifact_view_route(experiments[rid], rid, RUN_LOG))
         tags = {record.TAG_MATCHES: "true" if r.get("matches_paper") else "false", RUN_COLOR: color,
                 record.TAG_VERDICT_LINE: r.get("verdict") or str(r.get("observed")), "mlflow.note.content": note}
         if r.get("cause"):
             tags[record.TAG_CAUSE] = r["cause"]
-        if r.get("control"):
-            tags[record.TAG_CONTROL] = r["control"]
+        if r.get("control"):  # short, so the column shows it whole; the run id in its own tag
+            cj = str(r.get("control_job") or "")
+            tags[record.TAG_CONTROL] = f"job {cj.zfill(job_width) if cj.isdigit() else cj}" if cj else r["control"]
+            if r.get("control_run_id"):
+                tags[record.TAG_CONTROL_RUN] = r["control_run_id"]
+        if job_width and str(r.get("job") or "").isdigit():  # the job tag sorts as text: 00, 01, ..., 10
+            # set anew: MLflow orders tag columns by when a tag was first written, and the job's tag (written at
+            # its start) would push the verdict's columns right
+            retry(client.delete_tag, rid, "job")
+            tags["job"] = str(r["job"]).zfill(job_width)
         if parent_run_id:
             tags[SWEEP_RUN_TAG] = parent_run_id
         retry(client.log_batch, rid, tags=[RunTag(k, _truncate(str(v), MAX_TAG_VAL_LENGTH)) for k, v in tags.items()])

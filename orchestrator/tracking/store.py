@@ -77,6 +77,9 @@ def check_tracking(uri: Optional[str], timeout_s: float = 3.0) -> str:
     db = sqlite_path(uri)
     if db is not None:
         folder = db.parent
+        if db.is_dir():
+            raise TrackingUnreachable(f"tracking.uri={uri!r}: {db} is a folder; expected the path of an sqlite "
+                                      "file (sqlite:///<folder>/mlflow.db)")
         try:
             folder.mkdir(parents=True, exist_ok=True)
         except OSError as e:

@@ -54,9 +54,9 @@ class Graph:
         return out
 
 
-def _modules() -> Dict[str, Path]:
+def _modules(packages: Dict[str, str]) -> Dict[str, Path]:
     mods = {}
-    for pkg, folder in PACKAGES.items():
+    for pkg, folder in packages.items():
         for f in (ROOT / folder).rglob("*.py"):
             rel = f.relative_to(ROOT / folder).with_suffix("")
             name = ".".join((pkg, *rel.parts))
@@ -84,8 +84,9 @@ def _targets(mods, current: str, node) -> Set[str]:
     return found
 
 
-def build() -> Graph:
-    mods = _modules()
+def build(packages: Dict[str, str] = PACKAGES) -> Graph:
+    """The graph of the modules under `packages` ({import name: folder}; default the project's four)."""
+    mods = _modules(packages)
     g = Graph(mods)
     for name, path in mods.items():
         text = path.read_text()

@@ -85,8 +85,9 @@ def test_analysis_as_an_mlflow_run(source, tmp_path):
     path = Path(res["captures"][0])
     out = analyze(path, progress=False, attribute=False)
     from flash_forensics.capture.report import log_mlflow, write_all
+    from flash_forensics.orchestrator.tracking.store import make_client
     uri = f"sqlite:///{tmp}/mlflow.db"
-    run_id = log_mlflow(out, uri, write_all(out, tmp_path, "x"))
+    run_id = log_mlflow(out, uri, make_client(uri), write_all(out, tmp_path, "x"))
     from mlflow.tracking import MlflowClient
     run = MlflowClient(uri).get_run(run_id)
     assert run.data.params["fingerprint_best"] == "paper_bf16"

@@ -85,8 +85,9 @@ def _artifacts(uri, run_id, path=""):
 def test_links_printed(sweep):
     exp = sweep["exp"]
     parent = next(r for r in sweep["runs"] if _tags(r).get("role") == "sweep")["info"]["run_id"]
-    assert f"runs table: {sweep['uri']}/#/experiments/{exp}/runs\n" in sweep["out"]
-    assert f"parent run: {sweep['uri']}/#/experiments/{exp}/runs/{parent}" in sweep["out"]
+    ml = "workflowType=machine_learning"  # every printed page in MLflow 3's model-training UI
+    assert "runs table: " not in sweep["out"]  # the verdicts link is the runs table (the plain one folds the runs)
+    assert f"parent run: {sweep['uri']}/#/experiments/{exp}/runs/{parent}?{ml}" in sweep["out"]
     assert f"verdicts: {sweep['uri']}/#/experiments/{exp}/runs?viewStateShareKey=" in sweep["out"]
     compare = re.search(r"compare: (\S+)", sweep["out"]).group(1)
     assert all(r["info"]["run_id"] in urllib.parse.unquote(compare) for r in _jobs(sweep).values())
@@ -129,9 +130,12 @@ def test_runs_carry_standard_fields_description_and_artifacts(sweep):
     arts = _artifacts(uri, pid)
     assert {"verdicts.html", "report/verdicts.md", "report/verdicts.json", "plots/loss_curves.png"} <= arts, arts
     md = urllib.request.urlopen(f"{uri}/get-artifact?path=report/verdicts.md&run_uuid={pid}", timeout=30).read()
-    assert f"#/experiments/{sweep['exp']}/runs/{pid}/artifacts/plots/loss_curves.png".encode() in md
+    ml = "workflowType=machine_learning"
+    assert f"#/experiments/{sweep['exp']}/runs/{pid}/artifacts/plots/loss_curves.png?{ml}".encode() in md
     for run in jobs.values():  # run ids link to their run pages
-        assert f"(#/experiments/{sweep['exp']}/runs/{run['info']['run_id']})".encode() in md
+        assert f"(#/experiments/{sweep['exp']}/runs/{run['info']['run_id']}?{ml})".encode() in md
+        assert f"[run.log](#/experiments/{sweep['exp']}/runs/{run['info']['run_id']}/artifacts/job/run.log?{ml})" \
+            in _tags(run)["mlflow.note.content"]  # one click from the run page
 
 
 def test_typed_verdict_fields(sweep):
@@ -175,7 +179,8 @@ def test_html_report_in_headless_chromium(sweep):
             assert d.execute_script("return arguments[0].complete && arguments[0].naturalWidth", img) > 100
         hrefs = [a.get_attribute("href") for a in d.find_elements(By.CSS_SELECTOR, "table#verdicts a")]
         for run in _jobs(sweep).values():
-            assert any(h.endswith(f"#/experiments/{sweep['exp']}/runs/{run['info']['run_id']}") for h in hrefs)
+            assert any(h.endswith(f"#/experiments/{sweep['exp']}/runs/{run['info']['run_id']}"
+                                  "?workflowType=machine_learning") for h in hrefs)
         SHOTS.mkdir(parents=True, exist_ok=True)
         d.save_screenshot(str(SHOTS / "verdicts_html.png"))
         # the same server's UI: the runs table route and one run page render the runs
@@ -185,9 +190,9 @@ def test_html_report_in_headless_chromium(sweep):
         assert screenshots.shoot(d, f"{base}/{rid}", SHOTS / "mlflow_run_page.png", wait_text="Verdict:")
         # the printed verdicts link: the runs table opens on the verdict columns, the sweep's runs flat
         view = re.search(r"verdicts: (\S+)", sweep["out"]).group(1)
-        assert screenshots.shoot(d, view, SHOTS / "mlflow_verdicts_view.png", wait_text="verdict_cause")
+        assert screenshots.shoot(d, view, SHOTS / "mlflow_verdicts_view.png", wait_text="matches_paper")
         body = d.find_element(By.TAG_NAME, "body").text
-        for col in ("intervention", "verdict", "matches_paper", "divergence_step", "final_loss", "peak_wq_sigma"):
+        for col in ("expected", "verdict", "matches_paper", "cause", "divergence_step", "final_loss", "peak_wq_sigma"):
             assert col in body, col
         assert body.count("not precision") == 2 and "3 matching runs" in body  # both runs and the parent, none folded
         compare = re.search(r"compare: (\S+)", sweep["out"]).group(1)

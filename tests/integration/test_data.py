@@ -139,15 +139,15 @@ def test_concurrent_ensure_prepared_prepares_once(tmp_path, offline):
     [t.start() for t in threads]
     [t.join() for t in threads]
     assert not errs and len(set(out)) == 1
-    assert [p.name for p in (tmp_path / "d").iterdir() if not p.name.endswith(".lock")] == [out[0].name]
+    assert [p.name for p in (tmp_path / "d").iterdir()] == [out[0].name]  # the lock file removed by its holder
 
 
 # ------------------------------------------------------------------ bad input -> clear error, nothing left behind
 def _leftovers(root: Path):
-    return [p.name for p in root.iterdir() if not p.name.endswith(".lock")] if root.exists() else []
+    return [p.name for p in root.iterdir()] if root.exists() else []  # a .lock counts: none is left
 
 
-@pytest.mark.parametrize("case", ["missing", "empty", "bad_suffix", "bad_jsonl", "blank_docs"])
+@pytest.mark.parametrize("case", ["missing", "empty", "bad_suffix", "bad_jsonl", "blank_docs", "binary", "latin1"])
 def test_bad_text_files_fail_clearly_and_leave_nothing(tmp_path, offline, case):
     good = _write(tmp_path / "good.txt", "some text " * 50)
     if case == "missing":
@@ -158,6 +158,12 @@ def test_bad_text_files_fail_clearly_and_leave_nothing(tmp_path, offline, case):
         files, expect = [str(_write(tmp_path / "x.csv", "a,b"))], "suffix"
     elif case == "bad_jsonl":  # fails mid-way, after good.txt was tokenized
         files, expect = [str(good), str(_write(tmp_path / "b.jsonl", '{"text": "ok"}\n{broken\n'))], "b.jsonl:2"
+    elif case == "binary":
+        (tmp_path / "b.txt").write_bytes(bytes(range(256)) * 4)
+        files, expect = [str(tmp_path / "b.txt")], "is a binary file"
+    elif case == "latin1":
+        (tmp_path / "l.txt").write_bytes("caf\xe9 ".encode("latin-1") * 50)
+        files, expect = [str(tmp_path / "l.txt")], "is not UTF-8 text"
     else:
         files, expect = [str(_write(tmp_path / "w.txt", "  \n<|endoftext|>\n"))], "no text"
     root = tmp_path / "data"

@@ -171,7 +171,17 @@ def test_version_gone_is_named(pinned, tmp_path, monkeypatch):
     b = _fake_bin(tmp_path, "apt-get", "echo \"E: Version '1.0' for 'dict-gcide' was not found\" >&2; exit 100\n")
     monkeypatch.setattr(debian, "DOWNLOADER", debian._apt_get_download)
     monkeypatch.setenv("PATH", f"{b}:{os.environ['PATH']}")
-    with pytest.raises(DataError, match=r"dict-gcide version 1.0 .* is not served .*apt-cache policy dict-gcide"):
+    lists = tmp_path / "lists"
+    monkeypatch.setattr(debian, "APT_LISTS", lists)
+    # stale or emptied lists: `apt-get update` comes first in the advice (it was all a stale machine needed)
+    with pytest.raises(DataError, match=r"dict-gcide=1.0 .* is not in this machine's apt package lists .*holds no "
+                                        r"package lists\): run `apt-get update` .*apt-cache policy dict-gcide"):
+        debian.deb_path(debian.PACKAGES[0])
+    lists.mkdir()
+    (lists / "deb.debian.org_debian_dists_bookworm_main_binary-amd64_Packages").write_text("")
+    old = __import__("time").time() - 40 * 86400
+    os.utime(lists / "deb.debian.org_debian_dists_bookworm_main_binary-amd64_Packages", (old, old))
+    with pytest.raises(DataError, match=r"last updated 40 days ago\): run `apt-get update`"):
         debian.deb_path(debian.PACKAGES[0])
 
 

@@ -310,3 +310,33 @@ def test_fork_never_writes_to_its_source_run(ref):
     after = c.get_run(ref_res["mlflow_run_id"])
     assert after.data.tags == before.data.tags and after.info.status == before.info.status
     assert {n: (tmp / "ref" / n).read_bytes() for n in files} == files
+
+
+@pytest.mark.parametrize("ckpt_every", [0, 3])
+def test_ctrl_c_says_which_checkpoint_there_is_and_leaves_running(tmp_path, ckpt_every):
+    """^C lands mid-step (no checkpoint of its own): the error names the checkpoint a rerun resumes from, or that
+    there is none, and the MLflow run's verdict tag is no longer 'running'."""
+    import signal
+    import time
+
+    from mlflow.tracking import MlflowClient
+    cmd = [sys.executable, "run.py", *BASE, "train.max_steps=2000", f"train.ckpt_every={ckpt_every}",
+           f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", f"results_dir={tmp_path}/results",
+           f"hydra.run.dir={tmp_path}/int"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    order = tmp_path / "int" / "batch_order.bin"
+    deadline = time.time() + 300
+    while time.time() < deadline and (not order.is_file() or order.stat().st_size < 64 + 8 * 4 * 4):
+        time.sleep(0.5)  # past the first periodic checkpoint when there is one
+    proc.send_signal(signal.SIGINT)
+    proc.communicate(timeout=300)
+    res = json.loads((tmp_path / "int" / "result.json").read_text())
+    says = "no checkpoint was saved (train.ckpt_every=0): a rerun starts from step 0"
+    if ckpt_every:  # ^C during the step right after a checkpoint: that one is the run's last step
+        saved = checkpoint.load(tmp_path / "int" / "checkpoints" / "last.pt")["step"]
+        says = (f"the checkpoint at step {saved} is saved" if saved == res["steps_done"] else
+                f"the newest checkpoint is step {saved} ")
+    assert "stopped by KeyboardInterrupt" in res["error"] and says in res["error"], res["error"]
+    assert "the checkpoint is saved" not in res["error"]
+    run = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db").get_run(res["mlflow_run_id"])
+    assert run.data.tags["verdict"] == "failed" and run.info.status == "KILLED"

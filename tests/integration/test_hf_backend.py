@@ -91,7 +91,10 @@ def test_use_validates_layers_knobs_and_the_model():
     assert layers[1].ff_state.knobs.o_fp32_heads == [0, 3]
     for overrides, needle in (({2: {"pv_fp32": True}}, "layer_idx in 0..1"), ({0: {"pvfp32": True}}, "unknown knob"),
                               ({0: {"o_fp32_heads": [4]}}, "o_fp32_heads"), ({0: {"impl": "sdpa"}}, "impl='sdpa'"),
-                              ([1], "expected a dict")):
+                              ([1], "expected a dict"),
+                              # named by the layer the user keyed, not the override's place in the list
+                              ({0: {"pv_fp32": True}, 1: {"o_fp32_heads": [9]}}, "use.overrides[1].o_fp32_heads=[9]"),
+                              ({1: {"pv_fp32": "yes"}}, "use.overrides[1].pv_fp32='yes' is not allowed")):
         with pytest.raises(ValueError, match="not allowed|unknown"):
             try:
                 use(ff, overrides=overrides)

@@ -102,7 +102,7 @@ def test_report_cli_merges_a_job_dir_and_sweep_dirs(tmp_path, capsys):
     assert "+3 steps" in by_job["paper_isolation/1"]["vs_baseline"]
     assert doc["sweep"] == "merged" and doc["meta"]["fork_checkpoint"] == "/ckpt/step_10.pt"
     assert doc["meta"]["tracking_uri"] is None  # no MLflow looked up without run ids and --tracking-uri
-    assert doc["summary"] == {"runs": 6, "matches_paper": 4, "failed": 1}
+    assert doc["summary"] == {"runs": 6, "matches_paper": 4, "void": 0, "failed": 1}
     md = (out / "verdicts.md").read_text()
     assert "paper_isolation/2" in md and "beta_sweep/1" in md
 

@@ -42,7 +42,7 @@ def test_multirun_three_interventions(tmp_path):
         rid = r.info.run_id
         assert r.info.status == "FINISHED"
         assert r.data.tags["verdict"] in ("stable", "diverged")
-        assert r.data.tags["expect"] in ("stable", "diverges")
+        assert r.data.tags["expected"] in ("stable", "diverges")
         assert r.data.params["intervention.name"] == r.data.tags["intervention"]
         assert steps(c, rid, "train/loss") == list(range(20))  # every step, once
         assert steps(c, rid, "train/grad_norm") == list(range(20))

@@ -201,7 +201,7 @@ def test_mlflow_fields_are_typed(smoke_sweep):
         res = record.read(Path(t["job_dir"]))
         # two baselines, no FP32 run: the divergence has no control and matches nothing
         assert t["intervention"] == "baseline" and t["matches_paper"] == "false"
-        assert t.get("verdict_cause") == ("no FP32 control" if verdict == "diverged" else None)
+        assert t.get("cause") == ("no FP32 control" if verdict == "diverged" else None)
         assert "matches_expect" not in t
         for key in ("final_loss", "min_loss", "peak_wq_sigma", "wall_s", "steps_done"):
             assert key in m, key

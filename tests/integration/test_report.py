@@ -76,7 +76,7 @@ def test_report_from_synthetic_results_and_real_store(sweep, capsys):
     assert "final loss +0.000 vs fp32" in rows[2]["vs_baseline"]
     assert "CUDA out of memory" in rows[4]["error"] and "no result.json" in rows[5]["error"]
     assert rows[5]["overrides"] == ["intervention=head_upcast", "seed=1"]
-    assert doc["summary"] == {"runs": 6, "matches_paper": 3, "failed": 2}
+    assert doc["summary"] == {"runs": 6, "matches_paper": 3, "void": 0, "failed": 2}
     assert doc["meta"]["git"]["git.commit"] and doc["meta"]["command"].startswith("python")
     md = (out / "verdicts.md").read_text()
     assert "| 3 | tiling_off | - |" in md and "## Failed runs" in md and "CUDA out of memory" in md

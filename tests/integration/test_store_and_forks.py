@@ -314,7 +314,7 @@ def test_report_cli_from_mlflow(tmp_path, capsys):
                                                    "paper_isolation-2", "paper_isolation-10"]
     # the baseline (diverged at 30) has no FP32 control that ran past step 30 (the fp32 fork stops at 23): no match;
     # its fork paper_isolation-0 (diverged at 22) has one, stable past it: a match
-    assert doc["summary"] == {"runs": 9, "matches_paper": 7, "failed": 1}
+    assert doc["summary"] == {"runs": 9, "matches_paper": 7, "void": 0, "failed": 1}
     assert doc["runs"][0]["final_loss"] is None  # NaN -> null
     assert "mlflow experiment x" in doc["meta"]["sources"]
     png = out / "plots" / "loss_curves.png"

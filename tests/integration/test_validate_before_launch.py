@@ -83,7 +83,11 @@ def test_numerics_counters_become_metrics_and_a_warning():
     stats = model.attention_stats()[0]
     stats.underflow_rows[1] += 3  # as the kernel adds them on the device
     mon.step_end(0, torch.tensor(1.0), torch.tensor(1.0), 1e-3, 32)
-    assert sink.points["underflow_rows/L0.H1"] == (0, 3.0) and sink.points["sfa_p1_rows/L0.H0"] == (0, 0.0)
+    assert sink.points["underflow_rows/L0.H1"] == (0, 3.0)
+    assert "sfa_p1_rows/L0.H0" not in sink.points and "underflow_rows/L0.H0" not in sink.points  # zero: no series
     assert mon.numerics["underflow_rows"] == 3 and "3 attention rows" in mon.numerics_warning()
     assert int(stats.underflow_rows.sum()) == 0  # reset after the flush
+    mon.step_end(1, torch.tensor(1.0), torch.tensor(1.0), 1e-3, 32)
+    assert sink.points["underflow_rows/L0.H1"] == (1, 0.0)  # a started series goes on through its zeros
+    assert "underflow_rows/L0.H0" not in sink.points
     del x

@@ -95,8 +95,12 @@ def test_links_and_descriptions():
     assert links.ui_base("sqlite:////x.db") == "http://127.0.0.1:5000"
     assert links.ui_base("http://h:5000/") == "http://h:5000"
     lines = links.link_lines("http://h:1", "7", "r1")
-    assert lines == ["MLflow: http://h:1", "  runs table: http://h:1/#/experiments/7/runs",
-                     "  parent run: http://h:1/#/experiments/7/runs/r1"]
+    ml = "workflowType=machine_learning"  # MLflow 3's model-training UI on every page a link opens
+    assert lines == ["MLflow: http://h:1", f"  runs table: http://h:1/#/experiments/7/runs?{ml}",
+                     f"  parent run: http://h:1/#/experiments/7/runs/r1?{ml}"]
+    assert links.artifact_view_route("7", "r1", "job/run.log") == f"#/experiments/7/runs/r1/artifacts/job/run.log?{ml}"
+    with_view = links.link_lines("http://h:1", "7", "r1", share_key="k")  # the verdicts view is the runs table
+    assert not any("runs table" in line for line in with_view) and "verdicts: " in with_view[1]
     assert links.link_lines("sqlite:////x.db", None)[0].startswith("MLflow: mlflow ui --backend-store-uri sqlite")
     d = describe_run("fp32", "stable", "Sec. 3: FP32 is stable", "diverged", 12)
     assert "**fp32**" in d and "Sec. 3: FP32 is stable" in d and "diverged at step 12" in d

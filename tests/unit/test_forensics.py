@@ -91,3 +91,15 @@ def test_help_is_clear(capsys):
         fx.main(["pv-trace", "--help"])
     out = capsys.readouterr().out
     assert "--input" in out and "--accumulate" in out and "P̄ = 1" in out
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["abc", "def"], "argument a: a='abc' is not allowed: expected a decimal number"),
+    (["1.5", "0xZZ"], "argument b: b='0xZZ' is not allowed"),
+    (["0x1ffffffff", "1"], "a='0x1ffffffff' is not allowed"),  # more than 32 bits
+])
+def test_bad_operands_name_the_argument(capsys, argv, says):
+    with pytest.raises(SystemExit) as e:
+        fx.main(["add", *argv])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and says in err and "could not convert" not in err

@@ -8,6 +8,12 @@ def test_no_import_cycle():
     assert cycles == [], "import cycles:\n" + "\n".join(" <-> ".join(c) for c in cycles)
 
 
+def test_no_import_cycle_among_the_benchmarks():
+    """benchmarks/ scripts import one another's helpers (attention.py and tune.py once imported each other)."""
+    cycles = import_graph.build({"benchmarks": "benchmarks"}).cycles()
+    assert cycles == [], "import cycles:\n" + "\n".join(" <-> ".join(c) for c in cycles)
+
+
 def test_no_function_level_project_import():
     found = import_graph.build().function_imports
     assert found == [], "import these at module level (or break the cycle they hide):\n" + "\n".join(

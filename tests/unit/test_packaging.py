@@ -33,10 +33,43 @@ def test_package_list_matches_the_folders():
     assert set(cfg["packages"]) == found
 
 
+def test_the_import_names_are_links_to_the_folders():
+    for pkg, folder in FOLDERS.items():
+        if pkg != "flash_forensics":
+            link = ROOT / "flash_forensics" / pkg.split(".")[1]
+            assert link.is_symlink() and os.readlink(link) == f"../{folder}", link
+            assert link.resolve() == ROOT / folder
+
+
+def test_a_static_reader_follows_the_import_names():
+    """jedi (an editor's go-to-definition engine) given the checkout alone, no editable install and no import run:
+    flash_forensics.kernels / .models / .orchestrator resolve to the top-level folders' files."""
+    jedi = pytest.importorskip("jedi", reason="jedi is a dev dependency (pyproject [dev])")
+    project = jedi.Project(str(ROOT), sys_path=[str(ROOT)], smart_sys_path=False, added_sys_path=[])
+    for module, name, path in (("flash_forensics.kernels.emulator", "flash_attention", "kernels/emulator.py"),
+                               ("flash_forensics.models.gpt", "GPT", "models/gpt.py"),
+                               ("flash_forensics.orchestrator.launch.task", "run_job", "orchestrator/launch/task.py")):
+        script = jedi.Script(f"from {module} import {name}\n{name}\n", path=str(ROOT / "x.py"), project=project)
+        found = script.goto(2, 1, follow_imports=True)
+        assert found and found[0].module_path.resolve() == ROOT / path, (module, found)
+
+
 def test_no_top_level_package_of_ours_shadows_others():
     """kernels/, models/, orchestrator/ have no __init__.py: from the repo root `import kernels` is not ours."""
     for folder in ("kernels", "models", "orchestrator"):
         assert not (ROOT / folder / "__init__.py").exists(), folder
+
+
+def _inside(path, folder) -> bool:
+    """path lies in folder, compared as paths: a venv at <dir>/p-venv is not inside a checkout at <dir>/p."""
+    return Path(path).resolve().is_relative_to(Path(folder).resolve())
+
+
+def test_inside_compares_paths_not_prefixes(tmp_path):
+    (tmp_path / "p").mkdir()
+    venv = tmp_path / "p-venv" / "lib" / "site-packages" / "kernels" / "__init__.py"
+    assert str(venv).startswith(str(tmp_path / "p"))  # what the string test took for "inside the checkout"
+    assert not _inside(venv, tmp_path / "p") and _inside(tmp_path / "p" / "kernels" / "x.py", tmp_path / "p")
 
 
 def _installed(dist: str) -> bool:
@@ -56,8 +89,9 @@ def test_beside_the_kernels_package(where, tmp_path):
                 "print(kernels.__file__); print(e.__file__); print(g.__file__)", cwd)
     assert r.returncode == 0, r.stderr
     theirs, emulator, gpt = r.stdout.split()
-    assert "site-packages" in theirs and not theirs.startswith(str(ROOT)), theirs
-    assert Path(emulator) == ROOT / "kernels" / "emulator.py" and Path(gpt) == ROOT / "models" / "gpt.py"
+    assert "site-packages" in theirs and not _inside(theirs, ROOT), theirs
+    assert Path(emulator).resolve() == ROOT / "kernels" / "emulator.py"  # through flash_forensics/kernels -> ../kernels
+    assert Path(gpt).resolve() == ROOT / "models" / "gpt.py"
 
 
 def test_wheel_holds_everything_under_flash_forensics(tmp_path):
