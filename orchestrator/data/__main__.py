@@ -11,6 +11,7 @@ import sys
 from dataclasses import dataclass, field, fields
 from typing import Any, List
 
+import flash_forensics.orchestrator.config.schema  # noqa: F401  registers base_config (the root config compose_data may need)
 from flash_forensics.orchestrator.data.config import REPO_ROOT, DataConfig, DataError
 from flash_forensics.orchestrator.data.corpora import kjv_path
 from flash_forensics.orchestrator.data.prepare import ensure_prepared

@@ -160,6 +160,10 @@ class OrderReader:
 
     def offsets(self, step: int, micro: int) -> np.ndarray:
         if step >= self.n_steps:
+            if self.past_end != "regenerate":
+                raise DataError(f"data.replay: {self.path} holds {self.n_steps} steps; the run asked for step {step} "
+                                f"(0-based). Replay a file recorded for at least as many steps, or continue its "
+                                f"seeded order with data.replay_past_end=regenerate.")
             self.check_covers(step + 1)
             h = self.header
             return seeded_offsets(h.seed, step, micro, h.rank, h.n_tokens, h.block_size, h.batch_size)
