@@ -6,7 +6,6 @@ probability val_fraction (seeded, so streaming corpora split the same way every 
 """
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
@@ -23,6 +22,7 @@ from flash_forensics.orchestrator.data.cache import sha256_file
 from flash_forensics.orchestrator.data.config import DataConfig, DataError
 from flash_forensics.orchestrator.data.corpora import Corpus, check_text, open_corpus
 from flash_forensics.orchestrator.data.tokenizer import EOT, gpt2_encoding, tokenizer_info
+from flash_forensics.orchestrator.lockfile import exclusive
 
 FORMAT = "flash-forensics-tokens"
 FORMAT_VERSION = 1
@@ -38,32 +38,9 @@ def dataset_dir(cfg: DataConfig, corpus: Corpus) -> Path:
     return cfg.root_path / f"{corpus.name}-{key}"
 
 
-@contextlib.contextmanager
 def _file_lock(path: Path):
-    """An exclusive lock on `path`, removed by its holder (no .lock left beside the corpus, prepared or refused): a
-    waiter that finds the inode it locked unlinked locks the file that is there now."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        import fcntl
-    except ImportError:  # no fcntl (Windows): the atomic rename below still keeps the folder whole
-        yield
-        return
-    while True:
-        f = open(path, "a+")
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
-        try:
-            if os.fstat(f.fileno()).st_ino == os.stat(path).st_ino:
-                break
-        except FileNotFoundError:
-            pass
-        f.close()
-    try:
-        yield
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
-        fcntl.flock(f.fileno(), fcntl.LOCK_UN)
-        f.close()
+    """An exclusive lock on `path`, removed by its holder (no .lock left beside the corpus, prepared or refused)."""
+    return exclusive(path)
 
 
 def _chunks(docs: Iterator[str], n: int, limit) -> Iterator[List[str]]:

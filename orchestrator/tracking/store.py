@@ -2,7 +2,6 @@
 store, MLflow's size limits, the sweep's parent-run file and closing a dead job's run."""
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import socket
@@ -12,6 +11,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, Optional
+
+from flash_forensics.orchestrator.lockfile import exclusive
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 RESULTS_DIR = REPO_ROOT / "results"
@@ -167,34 +168,11 @@ def get_or_create_experiment(client, name: str, tracking_uri: str) -> str:
         return exp.experiment_id
 
 
-@contextlib.contextmanager
 def _store_lock(db: Path):
     """An exclusive lock on <db>.lock: two processes that open a new sqlite store at once both run MLflow's table
     creation and schema migration, and one fails (alembic 'expected to match one row', '_alembic_tmp_* already
     exists'; seen with two runs started together on a fresh store)."""
-    try:
-        import fcntl
-    except ImportError:  # no flock (Windows): unserialized, as MLflow itself
-        yield
-        return
-    db.parent.mkdir(parents=True, exist_ok=True)
-    path = db.with_name(db.name + ".lock")
-    while True:  # the file is removed by its holder (no lock file left behind): lock the one that is there now
-        f = open(path, "a")
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            if os.fstat(f.fileno()).st_ino == os.stat(path).st_ino:
-                break
-        except FileNotFoundError:
-            pass
-        f.close()
-    try:
-        yield
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()  # while held: a waiter finds its inode gone and locks the next file
-        fcntl.flock(f, fcntl.LOCK_UN)
-        f.close()
+    return exclusive(Path(db).with_name(Path(db).name + ".lock"))
 
 
 def make_client(uri: str):
