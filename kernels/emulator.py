@@ -33,6 +33,7 @@ Over 400 lines because the forward and the backward share one plan of rounding p
 """
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 from typing import Optional
 
@@ -235,12 +236,17 @@ def _plan(knobs: AttentionKnobs, q: torch.Tensor, trace: Optional[dict] = None,
                  masking=masking, tk=tk,
                  tf32x3=getattr(knobs, "fp32_gemm", "ieee") == "tf32x3" and rc.work == torch.float32,
                  exp_form=getattr(knobs, "exp_form", "exp"),
-                 c_log2=float(torch.tensor(scale * 1.4426950408889634, dtype=torch.float32)),
+                 c_log2=_as_f32(scale * 1.4426950408889634),
                  reverse=getattr(knobs, "key_order", "forward") == "reverse",
                  reciprocal=getattr(knobs, "normalize", "divide") == "reciprocal",
                  kv_split=int(getattr(knobs, "kv_split", 0)),
                  tc=None if getattr(knobs, "tensor_core", "exact") == "exact" else knobs.tensor_core,
                  thread_sums=getattr(knobs, "rowsum_order", "torch") == "fa2_threads")
+
+
+def _as_f32(x: float) -> float:
+    """x rounded to FP32, in plain Python: a tensor's .item() would break a torch.compile graph here."""
+    return struct.unpack("f", struct.pack("f", x))[0]
 
 
 def _causal_mask(qs: int, qe: int, ks: int, ke: int, device) -> Optional[torch.Tensor]:

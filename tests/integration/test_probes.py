@@ -69,7 +69,10 @@ def test_without_ties_the_tie_share_is_about_zero():
     q, k, v = tied_inputs(B=4, ties=False)
     st, tie = probe_stats(q, k, v, AttentionKnobs(recipe="paper_bf16"))
     assert float(tie.float().mean()) < 0.05  # only near-ties that BF16 scores create
-    assert st["tie_share_abs"] < 0.05 and abs(st["tie_share_signed"]) < 0.5
+    # no bias without ties, so the signed share (a ratio over a sum near zero) is ill-conditioned: it is not checked;
+    # the tie rows (near-ties found within and across key tiles) carry about their row share of |e|
+    assert abs(st["delta_err_t"]) < 3
+    assert st["tie_share_abs"] < 0.05
     assert st["tie_rows_exact"] == 0
 
 
