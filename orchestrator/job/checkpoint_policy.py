@@ -6,7 +6,10 @@ A checkpoint holds `step` = steps done, i.e. the step a resumed run starts with.
 """
 from __future__ import annotations
 
+import contextlib
 import math
+import signal
+import threading
 from pathlib import Path
 from typing import Any, Dict, Optional
 
@@ -108,14 +111,34 @@ def save(job, model, optimizer, done: int, name: str, keep_step: bool = False,
     state = job_state(job, model, optimizer, done)
     if kill_mid_write:
         checkpoint.KILL_AFTER_BYTES = 1 << 20
-    if keep_step:
-        checkpoint.save_step(path.parent, done, state, keep=job.cfg.train.keep_checkpoints,
-                             protect_before=job.detector.divergence_step, last=name)
-    else:
-        checkpoint.save(path, state)
-    job.result["checkpoint"] = str(path)
-    job.saved_step = done  # what an interrupted run says a rerun resumes from (run_end.interrupted)
+    with sigint_deferred():  # a ^C inside torch.save's zip writer left a RuntimeError, not the interrupt
+        if keep_step:
+            checkpoint.save_step(path.parent, done, state, keep=job.cfg.train.keep_checkpoints,
+                                 protect_before=job.detector.divergence_step, last=name)
+        else:
+            checkpoint.save(path, state)
+        job.result["checkpoint"] = str(path)
+        job.saved_step = done  # what an interrupted run says a rerun resumes from (run_end.interrupted)
     return path
+
+
+@contextlib.contextmanager
+def sigint_deferred():
+    """Hold a ^C (SIGINT) until the checkpoint and its bookkeeping are complete, then deliver it through the
+    handler that was there (KeyboardInterrupt by default): the run stops with that checkpoint saved and says so."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(frame))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if caught and callable(previous):
+        previous(signal.SIGINT, caught[0])
+    elif caught and previous == signal.SIG_DFL:
+        raise KeyboardInterrupt
 
 
 __all__ = ["CKPT_DIR", "start_state", "set_fork", "restore_run_state", "job_state", "save"]

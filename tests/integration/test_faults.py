@@ -323,13 +323,14 @@ def test_ctrl_c_says_which_checkpoint_there_is_and_leaves_running(tmp_path, ckpt
     cmd = [sys.executable, "run.py", *BASE, "train.max_steps=2000", f"train.ckpt_every={ckpt_every}",
            f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", f"results_dir={tmp_path}/results",
            f"hydra.run.dir={tmp_path}/int"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    with open(tmp_path / "out.log", "w") as log:  # a file, not a pipe: nobody reads a pipe while we wait
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True)
     order = tmp_path / "int" / "batch_order.bin"
     deadline = time.time() + 300
     while time.time() < deadline and (not order.is_file() or order.stat().st_size < 64 + 8 * 4 * 4):
         time.sleep(0.5)  # past the first periodic checkpoint when there is one
     proc.send_signal(signal.SIGINT)
-    proc.communicate(timeout=300)
+    proc.wait(timeout=300)
     res = json.loads((tmp_path / "int" / "result.json").read_text())
     says = "no checkpoint was saved (train.ckpt_every=0): a rerun starts from step 0"
     if ckpt_every:  # ^C during the step right after a checkpoint: that one is the run's last step
