@@ -331,6 +331,7 @@ def _max_overlap(intervals):
     return peak
 
 
+@pytest.mark.xdist_group("isolation_script")  # no module fixture: its 3+ minutes run beside its file
 def test_paper_isolation_script_end_to_end(tmp_path):
     """baseline (NaN at step 25, a checkpoint every 5 steps) -> fork from the newest checkpoint <= its lowest-loss
     step (not the one at the divergence) -> localize -> 11 + 4 forks as separate runs, 3 at a time, 15 steps each
