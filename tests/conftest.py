@@ -44,6 +44,13 @@ def _group_of(item) -> str:
     return str(mark.args[0] if mark.args else mark.kwargs.get("name", ""))
 
 
+def pytest_configure(config):
+    # xdist's loadgroup hands out groups by their number of tests unless told not to; HEAVY_FIRST's order needs
+    # the collection order (the same as `--no-loadscope-reorder`, kept out of the README's command)
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which turns the marks into node-id suffixes
 def pytest_collection_modifyitems(config, items):
     for item in items:

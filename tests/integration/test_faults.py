@@ -324,7 +324,9 @@ def test_ctrl_c_says_which_checkpoint_there_is_and_leaves_running(tmp_path, ckpt
            f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", f"results_dir={tmp_path}/results",
            f"hydra.run.dir={tmp_path}/int"]
     with open(tmp_path / "out.log", "w") as log:  # a file, not a pipe: nobody reads a pipe while we wait
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True)
+        # SIGINT back to its default in the child: a suite started in the background inherits it ignored
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     order = tmp_path / "int" / "batch_order.bin"
     deadline = time.time() + 300
     while time.time() < deadline and (not order.is_file() or order.stat().st_size < 64 + 8 * 4 * 4):

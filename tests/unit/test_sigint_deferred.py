@@ -16,6 +16,8 @@ STATE = {"resume": {"w": torch.arange(300_000, dtype=torch.float32)}}
 def sigint_mid_write(monkeypatch):
     """The first write of the checkpoint's bytes sends this process a SIGINT, as a user's ^C would."""
     orig, sent = checkpoint._HashingWriter.write, []
+    # Python's own ^C handler, whatever this process inherited (started in the background, a shell ignores SIGINT)
+    prev = signal.signal(signal.SIGINT, signal.default_int_handler)
 
     def write(self, b):
         if not sent:
@@ -24,7 +26,8 @@ def sigint_mid_write(monkeypatch):
         return orig(self, b)
 
     monkeypatch.setattr(checkpoint._HashingWriter, "write", write)
-    return sent
+    yield sent
+    signal.signal(signal.SIGINT, prev)
 
 
 def test_a_sigint_mid_write_is_delivered_after_the_checkpoint_is_whole(tmp_path, sigint_mid_write):
