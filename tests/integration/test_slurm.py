@@ -166,8 +166,10 @@ def test_preempted_job_resumes_with_the_uninterrupted_loss_curve(preempted_sweep
     assert pre["mlflow_run_id"] != twin["mlflow_run_id"]
     log_err = "".join(p.read_text() for p in info["sweep_dir"].glob(f".submitit/{info['job']}/*_log.err"))
     assert "checkpoint at the next step boundary" in log_err  # the guard caught it ...
-    assert re.search(r"Requeued job", log_err + "".join(
-        p.read_text() for p in info["sweep_dir"].glob(f".submitit/{info['job']}/*_log.out")))  # ... submitit requeued
+    logs = log_err + "".join(p.read_text() for p in info["sweep_dir"].glob(f".submitit/{info['job']}/*_log.out"))
+    # ... submitit requeued: its own line, or (that line can be lost with the killed process) rank 0 started twice
+    starts = logs.count(f"Starting with JobEnvironment(job_id={info['job']}, ")
+    assert re.search(r"Requeued job", logs) or starts >= 2 * 2, (starts, logs[-3000:])
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=f"sqlite:///{info['db']}")
