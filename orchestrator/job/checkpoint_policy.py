@@ -6,10 +6,7 @@ A checkpoint holds `step` = steps done, i.e. the step a resumed run starts with.
 """
 from __future__ import annotations
 
-import contextlib
 import math
-import signal
-import threading
 from pathlib import Path
 from typing import Any, Dict, Optional
 
@@ -17,6 +14,7 @@ from omegaconf import OmegaConf
 
 from flash_forensics.orchestrator.job import checkpoint
 from flash_forensics.orchestrator.job.fork import fork_info, resolve_order, source_decay
+from flash_forensics.orchestrator.job.preemption import sigint_deferred
 from flash_forensics.orchestrator.record import CKPT_DIR  # one definition: the run record's file names
 
 
@@ -120,25 +118,6 @@ def save(job, model, optimizer, done: int, name: str, keep_step: bool = False,
         job.result["checkpoint"] = str(path)
         job.saved_step = done  # what an interrupted run says a rerun resumes from (run_end.interrupted)
     return path
-
-
-@contextlib.contextmanager
-def sigint_deferred():
-    """Hold a ^C (SIGINT) until the checkpoint and its bookkeeping are complete, then deliver it through the
-    handler that was there (KeyboardInterrupt by default): the run stops with that checkpoint saved and says so."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    caught = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(frame))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-    if caught and callable(previous):
-        previous(signal.SIGINT, caught[0])
-    elif caught and previous == signal.SIG_DFL:
-        raise KeyboardInterrupt
 
 
 __all__ = ["CKPT_DIR", "start_state", "set_fork", "restore_run_state", "job_state", "save"]

@@ -22,6 +22,7 @@ The job wrapper must let SystemExit through (it is how submitit leaves without w
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -46,6 +47,26 @@ def preempt_signal() -> signal.Signals:
 
 def under_submitit() -> bool:
     return bool(os.environ.get("SUBMITIT_FOLDER"))
+
+
+@contextlib.contextmanager
+def sigint_deferred():
+    """Hold a ^C (SIGINT) until the block (a checkpoint write and its bookkeeping) is complete, then deliver it
+    through the handler that was there (KeyboardInterrupt by default): the run stops with that checkpoint saved."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(frame))
+    previous = previous if previous is not None else signal.SIG_DFL  # None: installed outside Python
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if caught and callable(previous):
+        previous(signal.SIGINT, caught[0])
+    elif caught and previous == signal.SIG_DFL:
+        raise KeyboardInterrupt
 
 
 class PreemptionGuard:

@@ -1,5 +1,6 @@
-"""A ^C (SIGINT) that lands while torch.save writes a checkpoint (orchestrator/job/checkpoint_policy.py): held until
-the file is whole, then delivered; without the guard the same ^C leaves a broken write, not a clean interrupt."""
+"""A ^C (SIGINT) that lands while torch.save writes a checkpoint (preemption.sigint_deferred, around
+checkpoint_policy.save): held until the file is whole, then delivered; without the guard the same ^C leaves a
+broken write, not a clean interrupt."""
 import os
 import signal
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 
 from flash_forensics.orchestrator.job import checkpoint
-from flash_forensics.orchestrator.job.checkpoint_policy import sigint_deferred
+from flash_forensics.orchestrator.job.preemption import sigint_deferred
 
 STATE = {"resume": {"w": torch.arange(300_000, dtype=torch.float32)}}
 
