@@ -3,6 +3,7 @@ report rows rebuilt from a store alone (`rows_from_mlflow`), from what each job 
 """
 from __future__ import annotations
 
+import math
 import re
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -95,4 +96,25 @@ def rows_from_mlflow(tracking_uri: str, experiment: str, source_run: Optional[st
     return [r for _, r in rows], histories
 
 
-__all__ = ["retry", "client_for", "history", "load_histories", "rows_from_mlflow"]
+def histories_from_export(path, prefixes: Sequence[str] = record.HISTORY_PREFIXES) -> Dict[str, History]:
+    """{mlflow_run_id: history} from a compact export (scripts/mlflow_export.py: gzipped JSON whose runs hold
+    {metric: [[step, value(, timestamp)]...]}), for a report when only the export came back from a machine."""
+    import gzip
+    import json
+    from pathlib import Path
+    p = Path(path)
+    try:
+        with gzip.open(p, "rt") as f:
+            doc = json.load(f)
+        runs = doc["runs"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"--histories {str(p)!r}: not an export of scripts/mlflow_export.py ({e})") from e
+    out: Dict[str, History] = {}
+    for run in runs:
+        value = lambda v: math.nan if v is None else record.from_mlflow_value(v)  # noqa: E731  (NaN: null)
+        out[run["run_id"]] = {k: sorted((int(pt[0]), value(pt[1])) for pt in pts)
+                              for k, pts in (run.get("metrics") or {}).items() if k.startswith(tuple(prefixes))}
+    return out
+
+
+__all__ = ["retry", "client_for", "history", "load_histories", "rows_from_mlflow", "histories_from_export"]

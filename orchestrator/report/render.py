@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from flash_forensics.orchestrator import record
+from flash_forensics.orchestrator.report import fork_health, links, plots, readback, verdict_view
 from flash_forensics.orchestrator.report import html as report_html
-from flash_forensics.orchestrator.report import links, plots, readback, verdict_view
 from flash_forensics.orchestrator.report import rows as R
 from flash_forensics.orchestrator.tracking.run_fields import git_info
 from flash_forensics.orchestrator.tracking.tracker import (
@@ -289,7 +289,7 @@ def _delay_items(rows, labels: Sequence[str]):
     """(label, observed, divergence step, last step, its baseline's divergence step) for the delay chart."""
     out = []
     for r, label in zip(rows, labels):
-        if r.get("intervention") == R.BASELINE:
+        if r.get("intervention") == R.BASELINE and R.control_of(r) is None:
             continue
         base = R._peer(r, rows, R.BASELINE)
         bd = base.get("divergence_step") if base is not None and base["observed"] == "diverged" else None
@@ -349,16 +349,17 @@ def _experiments(uri: Optional[str], rows, parent_run_id: Optional[str]) -> Dict
 def write_report(rows: List[Dict], out_dir: os.PathLike, tracking_uri: Optional[str] = None,
                  meta: Optional[Dict] = None, parent_run_id: Optional[str] = None, sweep: Optional[str] = None,
                  histories: Optional[Dict[str, Dict]] = None, echo: bool = True,
-                 cause: Optional[Dict] = None) -> Dict[str, Path]:
+                 cause: Optional[Dict] = None, offline: bool = False) -> Dict[str, Path]:
     """Write verdicts.md, verdicts.html, verdicts.json and plots/*.png into out_dir; log them to the parent run if
     given (report/verdicts.{md,json}, plots/, verdicts.html at the root). cause: the localization's verdict
     (orchestrator/analysis/localize/rounding_io.cause), rendered as the Cause section, its files logged under report/.
+    offline: open no MLflow store (histories come from a compact export: report --histories).
     Returns {'md', 'json', 'html', <plot name>...: path}."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     sweep = sweep or out_dir.name
-    uri = resolve_uri(tracking_uri) if tracking_uri is not None or any(r.get("mlflow_run_id") for r in rows) \
-        else None
+    uri = None if offline else resolve_uri(tracking_uri) if tracking_uri is not None or any(
+        r.get("mlflow_run_id") for r in rows) else None
     rows = R.compare([dict(r) for r in rows])
     meta = {**run_meta(uri), **(meta or {})}
     if parent_run_id:
@@ -369,6 +370,8 @@ def write_report(rows: List[Dict], out_dir: os.PathLike, tracking_uri: Optional[
         except Exception as e:  # the table is still worth writing without curves
             print(f"[report] could not read metric histories from {uri}: {e!r}")
             histories = {}
+    fork_health.annotate(rows, histories, lambda r: R._peer(r, rows, R.BASELINE),
+                         lambda r: R._peer(r, rows, R.REFERENCE))
     experiments = _experiments(uri, rows, parent_run_id)
     if meta.get("experiment_id") is None:
         meta["experiment_id"] = experiments.get(parent_run_id) or next(iter(experiments.values()), None)

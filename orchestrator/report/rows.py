@@ -16,7 +16,8 @@ from flash_forensics.orchestrator.record import RESULT_FILE, matches_paper
 BASELINE, REFERENCE = "baseline", "fp32"
 ROW_KEYS = ("job", "intervention", "overrides", "expected", "observed", "matches_paper", "divergence_step",
             "final_loss", "min_loss", "peak_wq_norm", "peak_wq_where", "steps_done", "wall_s", "vs_baseline",
-            "mlflow_run_id", "error", "job_dir", "fork_step", "forked_from", "verdict", "cause", "control", "setup")
+            "mlflow_run_id", "error", "job_dir", "fork_step", "forked_from", "verdict", "cause", "control", "setup",
+            "fork_jump", "loss_rise")
 
 
 def _num(x) -> Optional[float]:
@@ -106,9 +107,19 @@ def _other_overrides(row) -> set:
     return {o for o in row.get("overrides") or [] if o.split("=", 1)[0].lstrip("+~") != "intervention"}
 
 
+def control_of(row: Dict) -> Optional[str]:
+    """The control a run is (`+control=fa2`: fa2), else None. A control runs the baseline intervention on another
+    attention (conf/control/): it is compared with the baseline, never taken for it."""
+    return next((o.split("=", 1)[1] for o in row.get("overrides") or []
+                 if "=" in o and o.split("=", 1)[0].lstrip("+~") == "control"), None)
+
+
 def _peer(row: Dict, rows: Sequence[Dict], name: str) -> Optional[Dict]:
-    """The `name` run closest to `row`: same other overrides (e.g. same seed) first, else the first one."""
+    """The `name` run closest to `row`: same other overrides (e.g. same seed) first, else the first one. A
+    control is the baseline's peer only where no plain baseline ran."""
     cands = [r for r in rows if r.get("intervention") == name and r is not row]
+    if name == BASELINE and any(control_of(r) is None for r in cands):
+        cands = [r for r in cands if control_of(r) is None]
     if not cands:
         return None
     mine = _other_overrides(row)  # the same setup (seed, lr, ...) first, then the closest overrides
@@ -180,9 +191,12 @@ def compare(rows: List[Dict]) -> List[Dict]:
         name, obs = row.get("intervention"), row["observed"]
         if obs == "failed":
             notes.append("failed: " + (str(row.get("error") or "unknown error").splitlines() or ["?"])[0][:160])
-        base = _peer(row, rows, BASELINE) if name != BASELINE else None
+        ctrl = control_of(row) if name == BASELINE else None
+        base = _peer(row, rows, BASELINE) if name != BASELINE or ctrl else None
         ref = _peer(row, rows, REFERENCE) if name != REFERENCE else None
-        if name == BASELINE:
+        if ctrl:
+            notes.append(f"control {ctrl}")
+        elif name == BASELINE:
             notes.append("the baseline" + ("" if obs != "stable" else " did not diverge: run longer or check "
                                            "the recipe; comparisons with it are void"))
         elif name == REFERENCE:

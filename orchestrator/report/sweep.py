@@ -22,6 +22,7 @@ from hydra.experimental.callback import Callback
 
 from flash_forensics.orchestrator import record
 from flash_forensics.orchestrator.record import HISTORY_PREFIXES, REPORT_DIR, matches_paper  # noqa: F401  (re-exported)
+from flash_forensics.orchestrator.report import readback
 from flash_forensics.orchestrator.report.readback import load_histories, retry, rows_from_mlflow  # noqa: F401  (re-exported)
 from flash_forensics.orchestrator.report.render import (  # noqa: F401  (re-exported)
     _finite,
@@ -193,6 +194,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--out", required=True, help="where verdicts.{md,json} and plots/ go")
     ap.add_argument("--sweep", default=None, help="the report's name (default: the --out folder's name)")
     ap.add_argument("--tracking-uri", default=None, help="MLflow store with the runs' histories (plots)")
+    ap.add_argument("--histories", default=None, metavar="EXPORT.json.gz",
+                    help="the runs' metric histories from a compact export (scripts/mlflow_export.py) instead of a "
+                         "store: with job dirs and no --tracking-uri, no MLflow store is opened")
     ap.add_argument("--source-run", default=None, metavar="RUN_ID",
                     help="with --from-mlflow: only this source run and its forks")
     ap.add_argument("--meta", action="append", default=[], metavar="KEY=VALUE",
@@ -211,7 +215,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                                               if args.from_mlflow else [])
         if histories is not None and args.dirs:
             histories = None  # mixed sources: load every run's histories the usual way
-        write_report(rows, args.out, args.tracking_uri, meta=meta, sweep=args.sweep, histories=histories)
+        if args.histories:
+            if args.from_mlflow:
+                raise ValueError("--histories reads job dirs' histories from an export; --from-mlflow has its own")
+            histories = readback.histories_from_export(args.histories)
+            missing = [r.get("job") for r in rows if r.get("mlflow_run_id") and r["mlflow_run_id"] not in histories]
+            if missing:
+                print(f"[report] {len(missing)} run(s) not in {args.histories}: {', '.join(map(str, missing[:5]))}")
+        write_report(rows, args.out, args.tracking_uri, meta=meta, sweep=args.sweep, histories=histories,
+                     offline=bool(args.histories) and args.tracking_uri is None)
     except ValueError as e:
         print(f"Error: {e}", file=sys.stderr)
         return 1
