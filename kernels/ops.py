@@ -33,9 +33,9 @@ def _knobs(recipe: str, tiling: bool, block_q: int, block_k: int, softmax: str =
 
 
 def _fwd_body(q, k, v, rep, maxl, recipe, tiling, block_q, block_k, softmax, beta, eps, pv_fp32, fp32_heads,
-              rounding, fp32_gemm="ieee"):
+              rounding, fp32_gemm="ieee", under=None):
     o, lse, _, _ = tf._forward(q, k, v, _knobs(recipe, tiling, block_q, block_k, softmax, beta, eps, "dO_O", pv_fp32,
-                                               fp32_heads, rounding, fp32_gemm), rep, maxl)
+                                               fp32_heads, rounding, fp32_gemm), rep, maxl, under=under)
     return o, lse
 
 
@@ -44,21 +44,23 @@ def _bwd_body(do, q, k, v, o, lse, recipe, tiling, block_q, block_k, delta, fp32
                                                     fp32_heads=fp32_heads, rounding=rounding, fp32_gemm=fp32_gemm))
 
 
-@torch.library.custom_op(f"{LIB}::flash_fwd", mutates_args=("repeated_max_rows", "max_logit"))
+@torch.library.custom_op(f"{LIB}::flash_fwd", mutates_args=("repeated_max_rows", "max_logit", "underflow_rows"))
 def flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, repeated_max_rows: Optional[torch.Tensor],
               max_logit: Optional[torch.Tensor], recipe: str, tiling: bool, block_q: int, block_k: int, softmax: str,
               beta: float, eps: float, pv_fp32: bool, fp32_heads: List[int],
-              rounding: int = -1, fp32_gemm: str = "ieee") -> Tuple[torch.Tensor, torch.Tensor]:
+              rounding: int = -1, fp32_gemm: str = "ieee",
+              underflow_rows: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Causal flash forward: (O as stored for the backward, lse (B, H, T) FP32). Counters are added into
-    repeated_max_rows (H,) int64 and max_logit () FP32 when given (both or neither). `rounding`: the BF16 rounding
-    points (flash_forensics.kernels.triton_flash.round_mask); `fp32_gemm`: how FP32 GEMMs run (ieee | tf32x3)."""
+    repeated_max_rows (H,) int64 and max_logit () FP32 when given (both or neither), and into underflow_rows (H,)
+    int64 when given with them (rows whose row sum underflowed). `rounding`: the BF16 rounding points
+    (flash_forensics.kernels.triton_flash.round_mask); `fp32_gemm`: how FP32 GEMMs run (ieee | tf32x3)."""
     return _fwd_body(q, k, v, repeated_max_rows, max_logit, recipe, tiling, block_q, block_k, softmax, beta, eps,
-                     pv_fp32, fp32_heads, rounding, fp32_gemm)
+                     pv_fp32, fp32_heads, rounding, fp32_gemm, underflow_rows)
 
 
 @flash_fwd.register_fake
 def _flash_fwd_fake(q, k, v, repeated_max_rows, max_logit, recipe, tiling, block_q, block_k, softmax, beta, eps,
-                    pv_fp32, fp32_heads, rounding=-1, fp32_gemm="ieee"):
+                    pv_fp32, fp32_heads, rounding=-1, fp32_gemm="ieee", underflow_rows=None):
     B, H, T, D = q.shape
     mask = rounding if rounding >= 0 else tf.round_mask(_knobs(recipe, tiling, block_q, block_k, pv_fp32=pv_fp32))
     return (q.new_empty((B, H, T, D), dtype=tf.saved_o_dtype(mask, fp32_heads)),
@@ -86,9 +88,9 @@ class FlashAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, rep, maxl, recipe, tiling, block_q, block_k, softmax, beta, eps, delta, pv_fp32,
-                fp32_heads, rounding, fp32_gemm):
+                fp32_heads, rounding, fp32_gemm, under=None):
         args = (q, k, v, rep, maxl, recipe, tiling, block_q, block_k, softmax, beta, eps, pv_fp32, fp32_heads,
-                rounding, fp32_gemm)
+                rounding, fp32_gemm, under)
         if torch.compiler.is_compiling():
             o, lse = torch.ops.flash_forensics.flash_fwd(*args)
         else:  # the op's own body, without the dispatcher's per-call overhead
@@ -106,7 +108,7 @@ class FlashAttention(torch.autograd.Function):
             dq, dk, dv = torch.ops.flash_forensics.flash_bwd(do, q, k, v, o, lse, *ctx.bwd_args)
         else:
             dq, dk, dv = _bwd_body(do, q, k, v, o, lse, *ctx.bwd_args)
-        return (dq, dk, dv) + (None,) * 14
+        return (dq, dk, dv) + (None,) * 15
 
 
 def op_args(knobs: AttentionKnobs, n_head: int) -> tuple:
@@ -126,7 +128,8 @@ def flash_attention(q, k, v, knobs: AttentionKnobs, stats=None):
     B, H, T, _ = q.shape
     counters = stats is not None and knobs.counters
     rep, maxl = (stats.repeated_max_rows, stats.max_logit) if counters else (None, None)
-    o = FlashAttention.apply(q, k, v, rep, maxl, *op_args(knobs, H), op_rounding(knobs), knobs.fp32_gemm)
+    under = getattr(stats, "underflow_rows", None) if counters else None
+    o = FlashAttention.apply(q, k, v, rep, maxl, *op_args(knobs, H), op_rounding(knobs), knobs.fp32_gemm, under)
     if counters and getattr(stats, "rows_seen", None) is not None:
         stats.rows_seen.add_(B * tf._rows_per_head(T, knobs))
     return o

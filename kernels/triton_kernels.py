@@ -116,12 +116,15 @@ def _valid(offs_m, offs_n, T, MASKED: tl.constexpr):
         return offs_n[None, :] >= 0
 
 @triton.jit
-def _fwd_inner(acc, l_i, m_i, raw_max, fired, pmax, q, k_base, v_base, skt, svt, offs_m, offs_n, row_ok,
+def _fwd_inner(acc, l_i, m_i, raw_max, fired, pmax, l_raw, q, k_base, v_base, skt, svt, offs_m, offs_n, row_ok,
                lo, hi, T, scale, beta, eps, o_fp32,
                BLOCK_N: tl.constexpr, ROUND: tl.constexpr, INPUT_F32: tl.constexpr, FLOOR: tl.constexpr,
                GEMM_DT: tl.constexpr, STABILIZED: tl.constexpr, NEED_REP: tl.constexpr, PROBE: tl.constexpr,
-               HAS_OFP32: tl.constexpr, ONE_BLOCK: tl.constexpr, MASKED: tl.constexpr, F32_DOT: tl.constexpr):
-    """The forward over key tiles [lo, hi): online softmax (or, ONE_BLOCK, a fixed row max) and P̄V."""
+               HAS_OFP32: tl.constexpr, ONE_BLOCK: tl.constexpr, MASKED: tl.constexpr, F32_DOT: tl.constexpr,
+               COUNTERS: tl.constexpr):
+    """The forward over key tiles [lo, hi): online softmax (or, ONE_BLOCK, a fixed row max) and P̄V.
+    l_raw (COUNTERS, online path): the row sum before paper_bf16's floor and the BF16 rounding of l, in FP32: what
+    tells a row whose every P̄ underflowed (AttnStats.underflow_rows, as the emulator counts it)."""
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
         s = _scores(q, k_base + cols[:, None] * skt, offs_m, cols, T, scale, ROUND, INPUT_F32, GEMM_DT, MASKED,
@@ -161,6 +164,8 @@ def _fwd_inner(acc, l_i, m_i, raw_max, fired, pmax, q, k_base, v_base, skt, svt,
             alpha = tl.exp(d_m)
             p = tl.exp(d_s)
             rs = tl.sum(p, 1)
+            if COUNTERS:
+                l_raw = alpha * l_raw + rs
             if FLOOR:
                 rs = tl.maximum(rs, 1e-10)
             l_i = alpha * l_i + rs
@@ -183,10 +188,10 @@ def _fwd_inner(acc, l_i, m_i, raw_max, fired, pmax, q, k_base, v_base, skt, svt,
         else:  # O_acc = r(r(O_acc * alpha) + r(P̄V))
             acc = _r(acc + _r(pv, o_fp32, (_PV_OUT & ROUND) != 0, HAS_OFP32), o_fp32, (_ACC & ROUND) != 0,
                      HAS_OFP32)
-    return acc, l_i, m_i, raw_max, fired, pmax
+    return acc, l_i, m_i, raw_max, fired, pmax, l_raw
 
 @triton.jit
-def _fwd_kernel(Q, K, V, O, LSE, REP, MAXL, OFP32, PMAX, FIRED,
+def _fwd_kernel(Q, K, V, O, LSE, REP, MAXL, UNDER, OFP32, PMAX, FIRED,
                 sqb, sqh, sqt, sqd, skb, skh, skt, skd, svb, svh, svt, svd, sob, soh, sot, sod,
                 H, T, scale, beta, eps,
                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -216,6 +221,7 @@ def _fwd_kernel(Q, K, V, O, LSE, REP, MAXL, OFP32, PMAX, FIRED,
     raw_max = tl.zeros([BLOCK_M], dtype=tl.float32) - 3.3895313892515355e38
     fired = tl.zeros([BLOCK_M], dtype=tl.int32)
     pmax = tl.zeros([BLOCK_M], dtype=tl.float32)  # PROBE: largest P̄ in a tile where the SFA condition fired
+    l_raw = tl.zeros([BLOCK_M], dtype=tl.float32)  # COUNTERS: the unfloored row sum (online path)
     NEED_REP: tl.constexpr = STABILIZED or COUNTERS or PROBE
 
     if ONE_BLOCK:
@@ -249,16 +255,18 @@ def _fwd_kernel(Q, K, V, O, LSE, REP, MAXL, OFP32, PMAX, FIRED,
 
     # key tiles wholly below this query block's diagonal need no mask; the rest do
     mid = (start_m * BLOCK_M) // BLOCK_N * BLOCK_N
-    acc, l_i, m_i, raw_max, fired, pmax = _fwd_inner(
-        acc, l_i, m_i, raw_max, fired, pmax, q, k_base, v_base, skt, svt, offs_m, offs_n, row_ok, 0, mid, T,
+    acc, l_i, m_i, raw_max, fired, pmax, l_raw = _fwd_inner(
+        acc, l_i, m_i, raw_max, fired, pmax, l_raw, q, k_base, v_base, skt, svt, offs_m, offs_n, row_ok, 0, mid, T,
         scale, beta, eps, o_fp32, BLOCK_N, ROUND, INPUT_F32, FLOOR, GEMM_DT, STABILIZED, NEED_REP, PROBE,
-        HAS_OFP32, ONE_BLOCK, False, F32_DOT)
-    acc, l_i, m_i, raw_max, fired, pmax = _fwd_inner(
-        acc, l_i, m_i, raw_max, fired, pmax, q, k_base, v_base, skt, svt, offs_m, offs_n, row_ok, mid, hi, T,
+        HAS_OFP32, ONE_BLOCK, False, F32_DOT, COUNTERS)
+    acc, l_i, m_i, raw_max, fired, pmax, l_raw = _fwd_inner(
+        acc, l_i, m_i, raw_max, fired, pmax, l_raw, q, k_base, v_base, skt, svt, offs_m, offs_n, row_ok, mid, hi, T,
         scale, beta, eps, o_fp32, BLOCK_N, ROUND, INPUT_F32, FLOOR, GEMM_DT, STABILIZED, NEED_REP, PROBE,
-        HAS_OFP32, ONE_BLOCK, True, F32_DOT)
+        HAS_OFP32, ONE_BLOCK, True, F32_DOT, COUNTERS)
 
     if ONE_BLOCK:  # one tile: l and the P̄V product stored once
+        if COUNTERS:
+            l_raw = l_i  # the whole row's sum, not yet floored or rounded
         if FLOOR:
             l_i = tl.maximum(l_i, 1e-10)
         if (_STATS & ROUND) != 0:
@@ -275,6 +283,10 @@ def _fwd_kernel(Q, K, V, O, LSE, REP, MAXL, OFP32, PMAX, FIRED,
     if COUNTERS:
         tl.atomic_add(REP + off_h, tl.sum(fired, 0).to(tl.int64))
         tl.atomic_max(MAXL, tl.max(tl.where(row_ok, raw_max, -3.3895313892515355e38), 0))
+        # rows whose every P̄ underflowed (row sum under paper_bf16's 1e-10 floor or FP32's smallest normal, or
+        # NaN): Algorithm 3's shift beta * rowmax at huge logits; their O is 0 (floored) or NaN, never silent
+        under = ((l_raw < (1e-10 if FLOOR else 1.1754943508222875e-38)) | (l_raw != l_raw)) & row_ok
+        tl.atomic_add(UNDER + off_h, tl.sum(under.to(tl.int32), 0).to(tl.int64))
 
 @triton.jit
 def _bwd_delta_kernel(Q, K, V, O, DO, LSE, DELTA, OFP32,

@@ -172,10 +172,12 @@ def _rows_per_head(T: int, knobs: AttentionKnobs) -> int:
     return sum((min(qs + bq, T) - qs) * -(-min(qs + bq, T) // bk) for qs in range(0, T, bq))
 
 
-def _forward(q, k, v, knobs: AttentionKnobs, rep=None, maxl=None, probe: bool = False):
+def _forward(q, k, v, knobs: AttentionKnobs, rep=None, maxl=None, probe: bool = False, under=None):
     """Launch the forward: (O stored for delta, lse, pmax, fired); pmax/fired only if probe.
 
-    rep (H,) int64 / maxl () float32: the counters the kernel adds into (atomics, one per program); None: off."""
+    rep (H,) int64 / maxl () float32: the counters the kernel adds into (atomics, one per program); None: off.
+    under (H,) int64: rows whose row sum underflowed (AttnStats.underflow_rows), counted with rep; None: a scratch
+    counter (callers that predate it)."""
     B, H, T, D = q.shape
     dev = q.device
     mask = round_mask(knobs)
@@ -186,6 +188,9 @@ def _forward(q, k, v, knobs: AttentionKnobs, rep=None, maxl=None, probe: bool = 
     if not counters:  # unused pointers still need a tensor
         rep = _cached(("rep", dev), lambda: torch.zeros(1, device=dev, dtype=torch.int64))
         maxl = _cached(("maxl", dev), lambda: torch.zeros(1, device=dev, dtype=torch.float32))
+    if under is None:  # counters off: never written; on without one: a scratch the kernel adds into
+        under = torch.zeros(H, device=dev, dtype=torch.int64) if counters else _cached(("under", dev), lambda: (
+            torch.zeros(1, device=dev, dtype=torch.int64)))
     if probe:
         pmax = torch.zeros((B, H, T), device=dev, dtype=torch.float32)
         fired = torch.zeros((B, H, T), device=dev, dtype=torch.int32)
@@ -193,7 +198,7 @@ def _forward(q, k, v, knobs: AttentionKnobs, rep=None, maxl=None, probe: bool = 
         pmax = fired = lse
     bm, bn, warps, stages = _fwd_blocks(knobs, D, T)
     grid = (_cdiv(T, bm), B * H)
-    _k._fwd_kernel[grid](q, k, v, o, lse, rep, maxl, ofp32, pmax, fired,
+    _k._fwd_kernel[grid](q, k, v, o, lse, rep, maxl, under, ofp32, pmax, fired,
                       *_strides(q), *_strides(k), *_strides(v), *_strides(o),
                       H, T, 1.0 / math.sqrt(D), float(knobs.beta), float(knobs.eps),
                       HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, ROUND=mask, INPUT_F32=knobs.recipe == "fp32",

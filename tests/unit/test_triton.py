@@ -167,6 +167,26 @@ def test_interpreter_counters_match_emulator(tfi, blocks):
 
 
 @interp
+@pytest.mark.parametrize("tiling", [True, False])
+def test_interpreter_underflow_rows_match_emulator(tfi, tiling):
+    """Algorithm 3 at huge logits: the shift beta * rowmax underflows every P̄ of a row with repeated maxima (the
+    paper regime's SFA forks). The kernel counts those rows per head as the emulator does; safe softmax has none."""
+    flash_attention, AttnStats = _emulator()
+    knobs = AttentionKnobs(recipe="fp32", block_q=16, block_k=16, tiling=tiling, softmax="stabilized", counters=True)
+    q, k, v = planted(1, 2, 48, 16, "cpu", seed=4)
+    with torch.no_grad():
+        q.mul_(100.0)  # scores ~ 10^2: exp(-(beta - 1) * rowmax) is 0 in FP32
+    st_t, st_e = AttnStats(2, "cpu"), AttnStats(2, "cpu")
+    tfi.flash_attention_triton(q, k, v, knobs, st_t)
+    flash_attention(q, k, v, knobs, st_e)
+    assert st_e.underflow_rows.sum() > 0, "the inputs must underflow rows under exact Algorithm 3"
+    assert torch.equal(st_t.underflow_rows, st_e.underflow_rows)
+    st_safe = AttnStats(2, "cpu")
+    tfi.flash_attention_triton(q, k, v, replace(knobs, softmax="safe"), st_safe)
+    assert st_safe.underflow_rows.sum() == 0 and st_safe.repeated_max_rows.sum() > 0
+
+
+@interp
 def test_interpreter_stabilized_leaves_no_unit_pbar(tfi):
     q, k, v = planted(1, 2, 48, 16, "cpu", seed=3)
     safe = AttentionKnobs(recipe="fp32", block_q=16, block_k=16)
