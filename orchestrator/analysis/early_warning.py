@@ -202,8 +202,10 @@ def _replayed_divergence(history: Dict, r: Dict) -> Optional[int]:
 
 
 def load(sources: Sequence[str] = (), tracking_uri: Optional[str] = None, experiment: Optional[str] = None,
-         growth_window: int = 100, unfinished: bool = False) -> Tuple[List[Run], List[str]]:
-    """(runs, skipped): the judged runs with their signal series, and a line per run left out."""
+         growth_window: int = 100, unfinished: bool = False,
+         histories: Optional[Dict[str, Dict]] = None) -> Tuple[List[Run], List[str]]:
+    """(runs, skipped): the judged runs with their signal series, and a line per run left out. histories:
+    {run id: history} from a compact export (--histories) instead of the runs' MLflow stores."""
     skipped: List[str] = []
     rows: List[Tuple[Dict, Optional[str]]] = []
     for src in sources:
@@ -218,7 +220,13 @@ def load(sources: Sequence[str] = (), tracking_uri: Optional[str] = None, experi
     for r, uri in rows:
         name = str(r.get("job") or r["mlflow_run_id"])
         keys = signals.PREFIXES + ((record.LOSS,) if r["observed"] == "unfinished" else ())
-        hist = store.history(store.client_for(uri), r["mlflow_run_id"], keys)
+        if histories is not None:
+            if r["mlflow_run_id"] not in histories:
+                skipped.append(f"{name}: MLflow run {r['mlflow_run_id']} is not in the export")
+                continue
+            hist = {k: v for k, v in histories[r["mlflow_run_id"]].items() if k.startswith(keys)}
+        else:
+            hist = store.history(store.client_for(uri), r["mlflow_run_id"], keys)
         if r["observed"] == "unfinished" and (div := _replayed_divergence(hist, r)) is not None:
             skipped.append(f"{name}: unfinished, and its loss diverged at step {div} by its detector: no verdict")
             continue
@@ -347,6 +355,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--out", default="results/early_warning", help="folder for early_warning.{md,json,png}")
     ap.add_argument("--growth-window", type=int, default=100, help="steps of wq_growth's d ln sigma / d step")
     ap.add_argument("--thresholds", action="append", default=[], help="SIGNAL=a,b,...: extra thresholds")
+    ap.add_argument("--histories", default=None, metavar="EXPORT.json.gz",
+                    help="the runs' metric histories from a compact export (scripts/mlflow_export.py) instead of "
+                         "their MLflow stores (job folders as sources)")
     ap.add_argument("--include-unfinished", action="store_true", help="judge runs without a verdict whose loss "
                     "did not diverge as 'unfinished': alarms on them are listed apart, not counted as false alarms")
     a = ap.parse_args(argv)
@@ -354,7 +365,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         ap.error("give report dirs or --experiment (with --tracking-uri)")
     if a.growth_window <= 0:
         ap.error(f"--growth-window={a.growth_window} is not allowed: expected an integer > 0")
-    runs, skipped = load(a.sources, a.tracking_uri, a.experiment, a.growth_window, a.include_unfinished)
+    if a.histories and (a.experiment is not None or any(_is_store(x) for x in a.sources)):
+        ap.error("--histories reads job folders' runs from an export: give job or sweep folders, not a store")
+    try:
+        hist = store.histories_from_export(a.histories, signals.PREFIXES + (record.LOSS,)) if a.histories else None
+    except ValueError as e:
+        ap.error(str(e))
+    runs, skipped = load(a.sources, a.tracking_uri, a.experiment, a.growth_window, a.include_unfinished, hist)
     rows = table(runs, _extra(a.thresholds))
     chosen = choose(rows, len(runs))
     paths = write(Path(a.out), runs, rows, chosen, skipped, a.growth_window)

@@ -186,3 +186,30 @@ def test_cli_with_a_store_and_include_unfinished(tmp_path):
     doc = json.loads((tmp_path / "ew" / "early_warning.json").read_text())
     assert [(r["name"], r["observed"], r["last_step"]) for r in doc["runs"]] == [("store/calm", "unfinished", 39)]
     assert doc["chosen"] is None  # no diverged run: nothing to choose
+
+
+def test_cli_reads_job_folders_with_histories_from_a_compact_export(tmp_path):
+    """--histories: the runs' signals from scripts/mlflow_export.py's file, no store opened (what comes back from a
+    lent GPU); a run missing from the export is left out and said so."""
+    import gzip
+    for name, rec in (("base", {"intervention": "baseline", "observed": "diverged", "divergence_step": 100,
+                                "mlflow_run_id": "r0"}),
+                      ("calm", {"intervention": "fp32", "observed": "stable", "mlflow_run_id": "r1"}),
+                      ("lost", {"intervention": "fp32", "observed": "stable", "mlflow_run_id": "r9"})):
+        (tmp_path / "runs" / name).mkdir(parents=True)
+        (tmp_path / "runs" / name / "result.json").write_text(json.dumps({**rec, "expected": "stable",
+                                                                          "steps_done": 200}))
+    export = {"runs": [{"run_id": "r0", "metrics": {"max_logit/L0": [[s, float(s), 0] for s in FLUSH]}},
+                       {"run_id": "r1", "metrics": {"max_logit/L0": [[s, 30.0] for s in FLUSH]}}]}
+    with gzip.open(tmp_path / "e.json.gz", "wt") as f:
+        json.dump(export, f)
+    out = tmp_path / "ew"
+    assert ew.main([str(tmp_path / "runs"), "--histories", str(tmp_path / "e.json.gz"), "--out", str(out)]) == 0
+    doc = json.loads((out / "early_warning.json").read_text())
+    assert sorted(r["name"] for r in doc["runs"]) == ["runs/base", "runs/calm"]
+    assert any("r9 is not in the export" in s for s in doc["skipped"])
+    # the chosen rule: max_logit above the stable run's 30, first crossed at step 39 (value 39): lead 100 - 39
+    assert doc["chosen"]["signal"] == "max_logit" and doc["chosen"]["threshold"] == 30.0
+    assert doc["chosen"]["leads"] == {"runs/base": 61} and doc["chosen"]["false_alarms"] == 0
+    with pytest.raises(SystemExit):
+        ew.main(["sqlite:///x.db", "--histories", str(tmp_path / "e.json.gz")])
