@@ -8,6 +8,8 @@
 #                the GPT-2S / mini_repro training step (benchmarks/train_step.py)
 #   bench        the other benchmarks: emulator vs SDPA, monitor overhead, probe cost, stabilizer throughput
 #   e2e          a smoke sweep through run.py on CUDA (baseline, fp32, sfa, pv_fp32)
+#   own-model    the transformers backend on CUDA: its GPU tests and a Llama's training step, emulator vs Triton vs
+#                transformers' SDPA (benchmarks/hf_llama.py); transformers from .whl_hf/ (wheels) when the image lacks it
 #   ddp          2 GPUs (DDP) vs 1 GPU with gradient accumulation (benchmarks/ddp.py; needs 2 GPUs)
 #   mini-repro   the miniature over 3 seeds, baseline vs FP32 reference (sweeps/mini_repro_seeds)
 #   capture-mini the miniature's baseline (seed 1337) with a capture at step CAPTURE_STEP (850) of layer 2, heads 0
@@ -130,6 +132,20 @@ EOF
     timeout 240 $PY run.py -m experiment=smoke train.device=cuda intervention=baseline,fp32,sfa,pv_fp32 \
       results_dir="$LOG/results" > "$LOG/e2e.log" 2>&1; rc=$?
     tail -20 "$LOG/e2e.log"; exit $rc
+    ;;
+  own-model)
+    setup; logdir own-model; rc=0
+    if ! $PY -c "import transformers" 2>/dev/null && compgen -G ".whl_hf/*.whl" >/dev/null; then
+      $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "${FF_SITE:-/tmp/site}" \
+        .whl_hf/*.whl || die "installing .whl_hf/*.whl failed"
+    fi
+    $PY -c "import transformers" || die "transformers is not importable: carry .whl_hf/ (its wheels) or install it"
+    timeout "${TEST_TIMEOUT:-300}" $PY -m pytest -q -m gpu -n "${WORKERS:-4}" -p no:cacheprovider -o addopts="-ra" \
+      tests/integration/test_hf_fast_path.py tests/unit/test_triton.py tests/unit/test_ops.py \
+      > "$LOG/pytest_gpu_own_model.log" 2>&1 || rc=1
+    tail -8 "$LOG/pytest_gpu_own_model.log"
+    timeout "${BENCH_TIMEOUT:-240}" $PY benchmarks/hf_llama.py --out "$LOG/hf-llama.json" > "$LOG/hf_llama.log" 2>&1 || rc=1
+    tail -5 "$LOG/hf_llama.log"; exit $rc
     ;;
   ddp)
     setup; logdir ddp

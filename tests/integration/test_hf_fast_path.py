@@ -103,3 +103,24 @@ def test_cuda_plain_calls_run_on_our_triton_kernels_and_agree_with_the_emulator(
     am = torch.ones(2, 128, dtype=torch.long, device="cuda")
     am[1, :10] = 0  # key padding: the emulator (the kernels take no key mask)
     assert [c.implementation for c in _calls(model, input_ids=ids, attention_mask=am)] == ["emulator", "emulator"]
+
+
+def test_the_llama_speed_benchmark_runs_its_plumbing_on_cpu(tmp_path):
+    """benchmarks/hf_llama.py --device cpu: one model per method with the same weights, each call's route read from
+    the backend's hooks, the JSON written (a smoke run: its timings are not speeds; the GPU task is own-model)."""
+    import json
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from benchmarks import hf_llama
+    out = tmp_path / "hf.json"
+    assert hf_llama.main(["--device", "cpu", "--batch", "2", "--seq", "32", "--layers", "1", "--hidden", "64",
+                          "--heads", "4", "--kv-heads", "2", "--vocab", "128", "--rounds", "1",
+                          "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["smoke"] is True and set(doc["methods"]) == {"sdpa", "emulator"}
+    assert doc["methods"]["emulator"]["routes"] == ["emulator"]
+    # the same weights and batch: the paper_bf16 emulator's loss is within BF16's reach of transformers' SDPA
+    assert abs(doc["methods"]["emulator"]["loss"] - doc["methods"]["sdpa"]["loss"]) < 0.05
+    with pytest.raises(SystemExit):
+        hf_llama.main(["--device", "cpu", "--heads", "5", "--out", str(out)])

@@ -1,0 +1,186 @@
+"""A transformers Llama through the flash-forensics backend: the emulator route vs the Triton route vs transformers'
+own SDPA, one training step each, side by side in one process (issue 31: "the GPU speed of a transformers Llama
+through the backend").
+
+    python benchmarks/hf_llama.py [--batch 8 --seq 1024 --layers 12] [--recipe paper_bf16] [--rounds 3]
+                                  [--out results/bench/hf-llama-<gpu>.json]
+
+Methods, one model each with the same weights (BF16 parameters, CUDA):
+- sdpa: `attn_implementation="sdpa"` (transformers' default; the SDPA backend that ran is read from the profiler);
+- triton: `attn_implementation="flash_forensics"` + `use(model, recipe)`; plain causal batches take the Triton route
+  (flash_forensics/fast_path.py);
+- emulator: the same model with the fast path's causal test answering "no", so every call takes the emulator
+  (what a padded batch gets today).
+Each call's route is recorded from the backend's own hooks (flash_forensics/hooks.py), so a method that silently
+fell back would show it. The step is zero_grad + forward + loss + backward; it is timed with
+triton.testing.do_bench, the methods in turn in every round; a row's figure is the median over rounds. The loss of
+each method on the same batch and weights is recorded beside it (emulator and Triton compute the same recipe; they
+are not bit-identical: tests/integration/test_hf_fast_path.py). `--device cpu` is a smoke run of the plumbing
+(sdpa and emulator only, wall-clock medians, tiny shapes): its timings are not speeds.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import platform
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+
+from benchmarks.attention import _write  # noqa: E402
+
+
+def build(args, device):
+    import transformers
+
+    from flash_forensics.hf_backend import NAME, use
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden,
+                                   intermediate_size=args.hidden * 8 // 3, num_hidden_layers=args.layers,
+                                   num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+                                   max_position_embeddings=args.seq)
+    # a config object per model: transformers writes the attention choice into it (issue 31, "a shared config")
+    ours = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation=NAME)
+    sdpa = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation="sdpa")
+    sdpa.load_state_dict(ours.state_dict())
+    ours, sdpa = ours.to(device, torch.bfloat16), sdpa.to(device, torch.bfloat16)
+    use(ours, recipe=args.recipe)
+    return ours, sdpa
+
+
+def step_fn(model, ids, emulator: bool = False):
+    from flash_forensics import fast_path
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        orig = fast_path.causal_only
+        if emulator:  # the fast path's causal test says "no": every call takes the emulator route
+            fast_path.causal_only = lambda *a, **k: False
+        try:
+            model(input_ids=ids, labels=ids).loss.backward()
+        finally:
+            fast_path.causal_only = orig
+    return step
+
+
+def routes(model, ids, emulator: bool = False):
+    """The implementation each attention call of one forward ran on (the backend's hooks); sdpa has none."""
+    from flash_forensics import fast_path, hooks
+    calls = []
+    orig = fast_path.causal_only
+    if emulator:
+        fast_path.causal_only = lambda *a, **k: False
+    try:
+        with hooks.observing(calls.append), torch.no_grad():
+            loss = model(input_ids=ids, labels=ids).loss
+    finally:
+        fast_path.causal_only = orig
+    return sorted({str(getattr(c, "implementation", "?")) for c in calls}), float(loss)
+
+
+def sdpa_backend(step) -> str:
+    """Which SDPA kernels one step of the sdpa model ran (the profiler's CUDA kernel names; no guessing)."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    names = " ".join(e.key.lower() for e in prof.key_averages())
+    found = [b for w, b in (("cudnn", "cudnn"), ("flash", "flash"), ("efficient", "efficient"),
+                            ("mem_eff", "efficient")) if w in names]
+    return ",".join(sorted(set(found))) or "math or unknown"
+
+
+def timed(step, device, warmup_ms: int, rep_ms: int) -> float:
+    if device == "cuda":
+        import triton
+        return float(triton.testing.do_bench(step, warmup=warmup_ms, rep=rep_ms))
+    step()
+    ts = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        step()
+        ts.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(ts)
+
+
+def environment(argv, device) -> dict:
+    import transformers
+    env = dict(command="python benchmarks/hf_llama.py " + " ".join(argv), torch=torch.__version__,
+               transformers=transformers.__version__, python=platform.python_version(),
+               time=time.strftime("%Y-%m-%dT%H:%M:%S"), device=device)
+    if device == "cuda":
+        import triton
+        env.update(gpu=torch.cuda.get_device_name(), triton=triton.__version__, cuda=torch.version.cuda,
+                   cudnn=torch.backends.cudnn.version())
+    return env
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--hidden", type=int, default=768)
+    ap.add_argument("--heads", type=int, default=12)
+    ap.add_argument("--kv-heads", type=int, default=4)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--recipe", default="paper_bf16", choices=("paper_bf16", "fa2", "fp32"))
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--warmup-ms", type=int, default=200)
+    ap.add_argument("--rep-ms", type=int, default=1000)
+    ap.add_argument("--out", default=None, help="JSON path (default results/bench/hf-llama-<gpu>.json)")
+    a = ap.parse_args(argv)
+    if a.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: no CUDA device here (use --device cpu for a smoke run of the plumbing)")
+    if a.hidden % a.heads or a.heads % a.kv_heads:
+        ap.error(f"--hidden {a.hidden} / --heads {a.heads} / --kv-heads {a.kv_heads}: heads must divide hidden and "
+                 f"kv-heads must divide heads")
+    out_path = a.out or os.path.join(ROOT, "results", "bench", "hf-llama-" + (
+        torch.cuda.get_device_name().split()[-1].lower() if a.device == "cuda" else "cpu-smoke") + ".json")
+    ours, sdpa = build(a, a.device)
+    g = torch.Generator(device="cpu").manual_seed(1)
+    ids = torch.randint(0, a.vocab, (a.batch, a.seq), generator=g).to(a.device)
+    methods = {"sdpa": step_fn(sdpa, ids), "emulator": step_fn(ours, ids, emulator=True)}
+    if a.device == "cuda":
+        methods["triton"] = step_fn(ours, ids)
+    info = {"sdpa": {"routes": ["transformers sdpa"], "loss": float(sdpa(input_ids=ids, labels=ids).loss.detach())}}
+    for m in methods:
+        if m != "sdpa":
+            r, loss = routes(ours, ids, emulator=(m == "emulator"))
+            info[m] = {"routes": r, "loss": loss}
+    if a.device == "cuda":
+        info["sdpa"]["sdpa_backend"] = sdpa_backend(methods["sdpa"])
+    ms = {m: [] for m in methods}
+    for r in range(a.rounds):
+        for m, step in methods.items():
+            ms[m].append(timed(step, a.device, a.warmup_ms, a.rep_ms))
+            print(f"[hf_llama] round {r + 1}/{a.rounds} {m}: {ms[m][-1]:.2f} ms", flush=True)
+    tokens = a.batch * a.seq
+    rows = {m: dict(info[m], ms_rounds=ms[m], ms=statistics.median(ms[m]),
+                    tokens_per_s=tokens / (statistics.median(ms[m]) / 1e3)) for m in methods}
+    summary = {f"{m}_vs_sdpa": rows["sdpa"]["ms"] / rows[m]["ms"] for m in methods if m != "sdpa"}
+    if "triton" in rows:
+        summary["triton_vs_emulator"] = rows["emulator"]["ms"] / rows["triton"]["ms"]
+    out = dict(environment(argv, a.device), shape=dict(batch=a.batch, seq=a.seq, layers=a.layers, hidden=a.hidden,
+                                                       heads=a.heads, kv_heads=a.kv_heads, vocab=a.vocab),
+               recipe=a.recipe, step="zero_grad + forward + loss + backward, BF16 parameters", methods=rows,
+               summary=summary, smoke=a.device == "cpu")
+    _write(out, out_path)
+    for m, row in rows.items():
+        print(f"{m:9s} {row['ms']:9.2f} ms  {row['tokens_per_s']:12,.0f} tokens/s  routes {row['routes']}  "
+              f"loss {row['loss']:.4f}")
+    print("summary:", {k: round(v, 3) for k, v in summary.items()}, "->", out_path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
