@@ -71,3 +71,26 @@ def test_guarded_gradients_match_exact_softmax():
         g.append(torch.autograd.grad(o, (q, k, v), do))
     for a, b in zip(*g):
         torch.testing.assert_close(a, b)
+
+
+def test_sfa_switched_on_at_the_paper_regimes_logits_zeroes_the_rows_it_fires_on():
+    """results/paper_1gpu/lease-2026-12-04: SFA forked onto a checkpoint whose max logits are ~1e5 started 6 nats
+    above the baseline. With repeated maxima at a logit of ~1e5, beta * rowmax underflows every P̄ of the row:
+    paper_bf16's floor gives O = 0, and AttnStats counts each such row; safe softmax and the guarded shift lose none."""
+    g = torch.Generator().manual_seed(0)
+    T, D = 64, 64
+    k = torch.randn(1, 1, T, D, generator=g)
+    k[:, :, 1::2] = k[:, :, 0::2]  # every key twice: every row's max repeats
+    q = k[:, :, :1].expand(1, 1, T, D).clone()  # every query is key 0: its score is the row max
+    q = q * (1e5 / float((q @ k.transpose(-1, -2) / D ** 0.5).max()))  # max logit ~1e5
+    v = torch.randn(1, 1, T, D, generator=g)
+    q, k, v = (x.to(torch.bfloat16) for x in (q, k, v))
+    zero = {}
+    for sm in ("safe", "stabilized", "stabilized_guarded"):
+        st = AttnStats(1, "cpu")
+        o = flash_attention(q, k, v, AttentionKnobs(recipe="paper_bf16", softmax=sm, beta=2.0, counters=True,
+                                                    block_q=16, block_k=16), st)
+        assert float(st.max_logit) > 9e4
+        zero[sm] = (int((o.float().abs().amax(-1) == 0).sum()), int(st.underflow_rows.sum()))
+    assert zero["safe"] == (0, 0) and zero["stabilized_guarded"] == (0, 0)
+    assert zero["stabilized"][0] >= T - 1 and zero["stabilized"][1] == zero["stabilized"][0]  # row 0 has one key
