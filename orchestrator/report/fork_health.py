@@ -72,6 +72,7 @@ def annotate(rows: Sequence[Dict], histories: Dict[str, Dict], baseline_of, refe
                 notes.append(f"stable to step {last}, but its loss rose {rise:+.2f} nats from the fork's first to "
                              f"its last steps{vs}: degrading when it ended, a later divergence is not ruled out")
         if notes:
+            row["fork_notes"] = notes  # also the run's `fork_health` tag and its MLflow description (verdict_view)
             row["vs_baseline"] = "; ".join(x for x in (row.get("vs_baseline"), *notes) if x)
     return list(rows)
 

@@ -30,7 +30,8 @@ SWEEP_RUN_TAG = "sweep_run"  # the parent's run id, on the parent and its runs: 
 # 4 columns at 1600 px: the verdict's four come first (MLflow orders tag columns by first write, not by this list)
 COLUMNS = (("tags", record.TAG_EXPECT), ("tags", record.TAG_VERDICT), ("tags", record.TAG_MATCHES),
            ("tags", record.TAG_CAUSE), ("tags", record.TAG_CONTROL), ("tags", "job"),
-           ("metrics", "divergence_step"), ("metrics", "final_loss"), ("metrics", "peak_wq_sigma"))
+           ("metrics", "divergence_step"), ("metrics", "final_loss"), ("metrics", "peak_wq_sigma"),
+           ("tags", "fork_health"))
 # verdict -> shades (darkest first): one hue per verdict, a new shade per run of that verdict
 PALETTES = {record.CAUSE_PRECISION: ("#d62728", "#a11d1e", "#f06a6b", "#7a1516"),
             record.CAUSE_NOT_PRECISION: ("#ff7f0e", "#c25f05", "#ffab5e", "#8c4503"),
@@ -99,8 +100,12 @@ def publish(client, rows: Sequence[Dict], experiments: Dict[str, str],
                             r.get("divergence_step"), r.get("steps_done"), r.get("error"), r.get("cause"),
                             r.get("control"), r.get("control_step"),
                             log_route=artifact_view_route(experiments[rid], rid, RUN_LOG))
+        if r.get("fork_notes"):  # what the verdict alone does not say (orchestrator/report/fork_health.py)
+            note += "".join(f"\n\nCaveat: {n}." for n in r["fork_notes"])
         tags = {record.TAG_MATCHES: "true" if r.get("matches_paper") else "false", RUN_COLOR: color,
                 record.TAG_VERDICT_LINE: r.get("verdict") or str(r.get("observed")), "mlflow.note.content": note}
+        if r.get("fork_notes"):
+            tags["fork_health"] = "; ".join(r["fork_notes"])
         if r.get("cause"):
             tags[record.TAG_CAUSE] = r["cause"]
         if r.get("control"):  # short, so the column shows it whole; the run id in its own tag

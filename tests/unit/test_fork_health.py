@@ -5,6 +5,8 @@ baseline. Plus the report read offline from a compact MLflow export (`report --h
 import gzip
 import json
 
+import pytest
+
 from flash_forensics.orchestrator import record
 from flash_forensics.orchestrator.report import fork_health, readback
 from flash_forensics.orchestrator.report import rows as R
@@ -105,3 +107,33 @@ def test_the_report_reads_histories_from_a_compact_export_without_a_store(tmp_pa
     assert not list(tmp_path.glob("*.db")) and not (tmp_path / "mlruns").exists()  # no store was opened
     (tmp_path / "bad.json.gz").write_bytes(b"not gzip")
     assert report_main(["runs", "--out", str(out), "--histories", str(tmp_path / "bad.json.gz")]) == 1
+
+
+class _Client:
+    """The three calls verdict_view.publish makes, recorded."""
+
+    def __init__(self):
+        self.tags = {}
+
+    def get_run(self, rid):
+        from types import SimpleNamespace
+        return SimpleNamespace(data=SimpleNamespace(tags={}))
+
+    def log_batch(self, rid, tags=()):
+        self.tags.setdefault(rid, {}).update({t.key: t.value for t in tags})
+
+    def delete_tag(self, rid, key):
+        self.tags.get(rid, {}).pop(key, None)
+
+
+def test_the_caveats_reach_the_runs_mlflow_tags_and_description():
+    pytest.importorskip("mlflow")
+    from flash_forensics.orchestrator.report import verdict_view
+    hist = {"b": curve(0, 300, lambda s: 2.0), "s": curve(100, 400, lambda s: 8.0 if s == 100 else 2.2)}
+    rows = annotated([row("baseline", "diverged", 250, "b", rid="b"), row("sfa", "stable", None, "s", 100, "s")],
+                     hist)
+    client = _Client()
+    verdict_view.publish(client, rows, {"b": "1", "s": "1"})
+    assert "not a like-for-like continuation" in client.tags["s"]["fork_health"]
+    assert "Caveat: its loss at the fork step is +6.00 nats" in client.tags["s"]["mlflow.note.content"]
+    assert "fork_health" not in client.tags["b"]
