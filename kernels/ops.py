@@ -3,7 +3,9 @@
 `flash_forensics::flash_fwd` and `flash_forensics::flash_bwd` are custom ops with fake (meta) implementations:
 dynamo and AOTAutograd trace them from their schemas, and inductor treats them as opaque calls, so it never fuses
 into them or reorders their roundings: compiled and eager attention run the same kernels on the same inputs and
-agree bit for bit. The knobs travel as op arguments (str / bool / int / float / int[]); the forward adds into the
+agree bit for bit. An optional key_keep (1 or B, T) (bool / int8 / uint8, nonzero = attend) masks keys on top of
+causality (transformers' padded batches; kernels/triton_launch.py key_padding); None runs the kernels without key
+masks, as before. The knobs travel as op arguments (str / bool / int / float / int[]); the forward adds into the
 layer's AttnStats counters, which its schema declares as mutated (`Tensor(a!)?`). torch.library refuses an autograd
 formula on a mutating op, so autograd is one torch.autograd.Function around the two ops, which dynamo traces
 without a graph break. In eager mode the same Function calls the launchers directly (the dispatcher's Python
@@ -33,15 +35,18 @@ def _knobs(recipe: str, tiling: bool, block_q: int, block_k: int, softmax: str =
 
 
 def _fwd_body(q, k, v, rep, maxl, recipe, tiling, block_q, block_k, softmax, beta, eps, pv_fp32, fp32_heads,
-              rounding, fp32_gemm="ieee", under=None):
+              rounding, fp32_gemm="ieee", under=None, key_keep=None):
     o, lse, _, _ = tf._forward(q, k, v, _knobs(recipe, tiling, block_q, block_k, softmax, beta, eps, "dO_O", pv_fp32,
-                                               fp32_heads, rounding, fp32_gemm), rep, maxl, under=under)
+                                               fp32_heads, rounding, fp32_gemm), rep, maxl, under=under,
+                               key_keep=key_keep)
     return o, lse
 
 
-def _bwd_body(do, q, k, v, o, lse, recipe, tiling, block_q, block_k, delta, fp32_heads, rounding, fp32_gemm="ieee"):
+def _bwd_body(do, q, k, v, o, lse, recipe, tiling, block_q, block_k, delta, fp32_heads, rounding, fp32_gemm="ieee",
+              key_keep=None):
     return tf._backward(do, q, k, v, o, lse, _knobs(recipe, tiling, block_q, block_k, delta=delta,
-                                                    fp32_heads=fp32_heads, rounding=rounding, fp32_gemm=fp32_gemm))
+                                                    fp32_heads=fp32_heads, rounding=rounding, fp32_gemm=fp32_gemm),
+                        key_keep=key_keep)
 
 
 @torch.library.custom_op(f"{LIB}::flash_fwd", mutates_args=("repeated_max_rows", "max_logit", "underflow_rows"))
@@ -49,18 +54,20 @@ def flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, repeated_max_ro
               max_logit: Optional[torch.Tensor], recipe: str, tiling: bool, block_q: int, block_k: int, softmax: str,
               beta: float, eps: float, pv_fp32: bool, fp32_heads: List[int],
               rounding: int = -1, fp32_gemm: str = "ieee",
-              underflow_rows: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+              underflow_rows: Optional[torch.Tensor] = None,
+              key_keep: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Causal flash forward: (O as stored for the backward, lse (B, H, T) FP32). Counters are added into
     repeated_max_rows (H,) int64 and max_logit () FP32 when given (both or neither), and into underflow_rows (H,)
     int64 when given with them (rows whose row sum underflowed). `rounding`: the BF16 rounding points
-    (flash_forensics.kernels.triton_flash.round_mask); `fp32_gemm`: how FP32 GEMMs run (ieee | tf32x3)."""
+    (flash_forensics.kernels.triton_flash.round_mask); `fp32_gemm`: how FP32 GEMMs run (ieee | tf32x3);
+    `key_keep` (1 or B, T): keys masked on top of causality (rows with no key: O = 0, lse = +inf)."""
     return _fwd_body(q, k, v, repeated_max_rows, max_logit, recipe, tiling, block_q, block_k, softmax, beta, eps,
-                     pv_fp32, fp32_heads, rounding, fp32_gemm, underflow_rows)
+                     pv_fp32, fp32_heads, rounding, fp32_gemm, underflow_rows, key_keep)
 
 
 @flash_fwd.register_fake
 def _flash_fwd_fake(q, k, v, repeated_max_rows, max_logit, recipe, tiling, block_q, block_k, softmax, beta, eps,
-                    pv_fp32, fp32_heads, rounding=-1, fp32_gemm="ieee", underflow_rows=None):
+                    pv_fp32, fp32_heads, rounding=-1, fp32_gemm="ieee", underflow_rows=None, key_keep=None):
     B, H, T, D = q.shape
     mask = rounding if rounding >= 0 else tf.round_mask(_knobs(recipe, tiling, block_q, block_k, pv_fp32=pv_fp32))
     return (q.new_empty((B, H, T, D), dtype=tf.saved_o_dtype(mask, fp32_heads)),
@@ -70,15 +77,17 @@ def _flash_fwd_fake(q, k, v, repeated_max_rows, max_logit, recipe, tiling, block
 @torch.library.custom_op(f"{LIB}::flash_bwd", mutates_args=())
 def flash_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
               recipe: str, tiling: bool, block_q: int, block_k: int, delta: str,
-              fp32_heads: List[int], rounding: int = -1,
-              fp32_gemm: str = "ieee") -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Causal flash backward from the forward's stored O and lse: (dq, dk, dv) in q's, k's, v's dtypes."""
-    return _bwd_body(do, q, k, v, o, lse, recipe, tiling, block_q, block_k, delta, fp32_heads, rounding, fp32_gemm)
+              fp32_heads: List[int], rounding: int = -1, fp32_gemm: str = "ieee",
+              key_keep: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Causal flash backward from the forward's stored O and lse: (dq, dk, dv) in q's, k's, v's dtypes; key_keep
+    the forward's."""
+    return _bwd_body(do, q, k, v, o, lse, recipe, tiling, block_q, block_k, delta, fp32_heads, rounding, fp32_gemm,
+                     key_keep)
 
 
 @flash_bwd.register_fake
 def _flash_bwd_fake(do, q, k, v, o, lse, recipe, tiling, block_q, block_k, delta, fp32_heads, rounding=-1,
-                    fp32_gemm="ieee"):
+                    fp32_gemm="ieee", key_keep=None):
     shape = q.shape
     return (q.new_empty(shape), k.new_empty(shape, dtype=k.dtype), v.new_empty(shape, dtype=v.dtype))
 
@@ -88,14 +97,14 @@ class FlashAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, rep, maxl, recipe, tiling, block_q, block_k, softmax, beta, eps, delta, pv_fp32,
-                fp32_heads, rounding, fp32_gemm, under=None):
+                fp32_heads, rounding, fp32_gemm, under=None, key_keep=None):
         args = (q, k, v, rep, maxl, recipe, tiling, block_q, block_k, softmax, beta, eps, pv_fp32, fp32_heads,
-                rounding, fp32_gemm, under)
+                rounding, fp32_gemm, under, key_keep)
         if torch.compiler.is_compiling():
             o, lse = torch.ops.flash_forensics.flash_fwd(*args)
         else:  # the op's own body, without the dispatcher's per-call overhead
             o, lse = _fwd_body(*args)
-        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.save_for_backward(q, k, v, o, lse, key_keep)
         ctx.bwd_args = (recipe, tiling, block_q, block_k, delta, fp32_heads, rounding, fp32_gemm)
         # returned O: BF16 for paper_bf16 / fa2 (also for heads whose stored O is FP32), FP32 for fp32
         out_dtype = torch.float32 if recipe == "fp32" else torch.bfloat16
@@ -103,12 +112,12 @@ class FlashAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, o, lse = ctx.saved_tensors
+        q, k, v, o, lse, key_keep = ctx.saved_tensors
         if torch.compiler.is_compiling():
-            dq, dk, dv = torch.ops.flash_forensics.flash_bwd(do, q, k, v, o, lse, *ctx.bwd_args)
+            dq, dk, dv = torch.ops.flash_forensics.flash_bwd(do, q, k, v, o, lse, *ctx.bwd_args, key_keep)
         else:
-            dq, dk, dv = _bwd_body(do, q, k, v, o, lse, *ctx.bwd_args)
-        return (dq, dk, dv) + (None,) * 15
+            dq, dk, dv = _bwd_body(do, q, k, v, o, lse, *ctx.bwd_args, key_keep)
+        return (dq, dk, dv) + (None,) * 16
 
 
 def op_args(knobs: AttentionKnobs, n_head: int) -> tuple:
@@ -123,15 +132,21 @@ def op_rounding(knobs: AttentionKnobs) -> int:
     return tf.round_mask(knobs)
 
 
-def flash_attention(q, k, v, knobs: AttentionKnobs, stats=None):
-    """flash_attention_triton's body (kernels/triton_flash.py): the ops, then rows_seen (a Python int: no host sync)."""
+def flash_attention(q, k, v, knobs: AttentionKnobs, stats=None, key_keep=None):
+    """flash_attention_triton's body (kernels/triton_flash.py): the ops, then rows_seen (a Python int, or with
+    key_keep a device count as the emulator's masked path counts it: no host sync either way)."""
     B, H, T, _ = q.shape
     counters = stats is not None and knobs.counters
     rep, maxl = (stats.repeated_max_rows, stats.max_logit) if counters else (None, None)
     under = getattr(stats, "underflow_rows", None) if counters else None
-    o = FlashAttention.apply(q, k, v, rep, maxl, *op_args(knobs, H), op_rounding(knobs), knobs.fp32_gemm, under)
+    if key_keep is None:  # the call as before (no key mask argument at all)
+        o = FlashAttention.apply(q, k, v, rep, maxl, *op_args(knobs, H), op_rounding(knobs), knobs.fp32_gemm, under)
+    else:
+        o = FlashAttention.apply(q, k, v, rep, maxl, *op_args(knobs, H), op_rounding(knobs), knobs.fp32_gemm,
+                                 under, key_keep)
     if counters and getattr(stats, "rows_seen", None) is not None:
-        stats.rows_seen.add_(B * tf._rows_per_head(T, knobs))
+        stats.rows_seen.add_(B * tf._rows_per_head(T, knobs) if key_keep is None
+                             else tf.rows_seen_padded(key_keep, B, T, knobs))
     return o
 
 

@@ -1,6 +1,7 @@
 """Fused Triton flash attention: the fast path on CUDA for the emulator's recipes and knobs.
 
-Causal attention over q, k, v of shape (B, H, T, D). One kernel per pass, like Triton's fused-attention tutorial:
+Causal attention over q, k, v of shape (B, H, T, D), optionally with a per-batch key mask (key_keep (B, T): the
+key padding of a padded batch). One kernel per pass, like Triton's fused-attention tutorial:
 forward; backward preprocess (delta); backward dK/dV (one program per key block, looping over query tiles); backward
 dQ (one program per query block, looping over key tiles). dQ gets its own pass instead of atomics so that results are
 deterministic (a replayed run must reproduce bit for bit) and so that paper_bf16 can round its accumulator in the
@@ -17,6 +18,16 @@ recipe is a set of rounding points: the kernels take it as one constexpr bitmask
 flash_forensics.kernels.recipes.ROUNDING_POINTS entry), plus INPUT_F32 (the dtype Q, K, V, dO enter the GEMMs in) and
 FLOOR (paper_bf16's 1e-10 row-sum floor). So keep_fp32 / round_bf16 / pv_fp32 are compile-time switches, and a lifted
 GEMM operand is an IEEE FP32 GEMM (input_precision="ieee", never TF32).
+Key padding (`key_keep`, a constexpr KEYPAD in every kernel; None builds the kernels without it, unchanged): key j of
+batch element b is masked for every query when key_keep[b, j] is False, on top of causality, exactly as the
+emulator's Masking(keep=causal & key_keep[:, None, None, :]) masks it: the fill value in the forward, P = 0 in the
+backward, never in the counters (rows_seen counts, as the emulator's masked path does, the (row, key tile) pairs
+with a key). Key tiles before a batch element's first kept key are skipped (they add nothing). A row with no key
+at all (left padding: the queries before the first kept key) is the caller's to define: these kernels give it
+O = 0 (what SDPA returns, and what flash_forensics/sdpa.py returns on either route) and lse = +inf, and its
+gradients are 0; the emulator gives it the mean of the V of the key tiles it visits (an artefact of its tile
+sizes) and the same zero gradients. So O differs from the emulator's only in those rows, and dQ, dK, dV do not
+differ at all; the transformers backend's outputs are equal on both routes.
 Three modules: the jit kernels (kernels/triton_kernels.py, needs triton), their launchers (kernels/triton_launch.py)
 and the torch.library operators (kernels/ops.py); this one is the public face: `supports` and
 `flash_attention_triton`.
@@ -70,8 +81,11 @@ def supports(knobs: AttentionKnobs, q: torch.Tensor) -> bool:
     return not knobs.tiling or (knobs.block_q in TILE_SIZES and knobs.block_k in TILE_SIZES)
 
 
-def flash_attention_triton(q, k, v, knobs: AttentionKnobs, stats=None):
+def flash_attention_triton(q, k, v, knobs: AttentionKnobs, stats=None, key_keep=None):
     """Causal attention O for q, k, v of shape (B, H, T, D); autograd-capable; updates `stats` on the device.
+
+    key_keep: None, or (1 or B, T) bool / int8 / uint8 (nonzero = attend): keys masked on top of causality, as the
+    emulator's Masking(keep=tril & key_keep[:, None, None, :]); rows with no key return 0 (module docstring).
 
     Same contract as flash_forensics.kernels.emulator.flash_attention (the emulator): O in BF16 for paper_bf16 / fa2 and
     FP32 for fp32, gradients in the inputs' dtypes; `stats` (AttnStats) gains, per head, the (row, key tile) pairs where
@@ -80,7 +94,7 @@ def flash_attention_triton(q, k, v, knobs: AttentionKnobs, stats=None):
     """
     if triton is None:
         raise RuntimeError("flash_attention_triton needs triton; use the emulator (backend=emulator)")
-    return _ops.flash_attention(q, k, v, knobs, stats)
+    return _ops.flash_attention(q, k, v, knobs, stats, key_keep)
 
 
 __all__ = ["supports", "flash_attention_triton", "fired_pbar_max", "round_mask", "mask_points", "saved_o_dtype",

@@ -4,6 +4,14 @@ Importing this module needs triton; kernels/triton_launch.py imports it only whe
 launchers (block sizes, grids, arguments) are kernels/triton_launch.py; the recipe semantics are
 kernels/emulator.py's (the source of truth), documented at the top of kernels/triton_flash.py.
 Over 400 lines because the four kernels share their jit helpers (one rounding helper per storage point).
+
+KEYPAD (a constexpr, off: the kernels are built exactly as without it): a per-batch key-keep vector KP (B, T) uint8
+(1 = attend; row stride skpb) masks keys on top of causality, as the emulator's
+Masking(keep=causal & keep) does: masked scores are the fill value (-max BF16) in the forward, P = 0 in the
+backward, and never counted. FIRST (B,) int32 is each batch element's first kept key (T if none): query rows before
+it have no key at all, and key tiles before it are masked for every row, so they are skipped (adding nothing: the
+emulator visits them and its running state drops them, alpha = 0). Rows with no key store O = 0 and lse = +inf
+(the emulator gives them the mean of the V it visits, a tile-size artefact; see kernels/triton_flash.py).
 """
 import os
 
@@ -92,9 +100,16 @@ def _dot_pt(p, x, ROUNDED: tl.constexpr, INPUT_F32: tl.constexpr, F32_DOT: tl.co
         return tl.dot(p, x.to(tl.float32), input_precision=F32_DOT)
 
 @triton.jit
+def _key_ok(kp, offs_n, T):
+    """KEYPAD: the keep flags of keys offs_n (False past T), kp this batch element's row of KP."""
+    return tl.load(kp + offs_n, mask=offs_n < T, other=0) != 0
+
+@triton.jit
 def _scores(q, k_ptrs, offs_m, offs_n, T, scale, ROUND: tl.constexpr, INPUT_F32: tl.constexpr,
-            GEMM_DT: tl.constexpr, MASKED: tl.constexpr, F32_DOT: tl.constexpr):
-    """S for one tile, scaled; MASKED: causal and past-T entries set to the most negative BF16."""
+            GEMM_DT: tl.constexpr, MASKED: tl.constexpr, F32_DOT: tl.constexpr, kp,
+            KEYPAD: tl.constexpr):
+    """S for one tile, scaled; MASKED: causal and past-T entries set to the most negative BF16; KEYPAD: also the
+    keys KP masks."""
     if MASKED:
         k = tl.load(k_ptrs, mask=(offs_n < T)[:, None], other=0.0).to(GEMM_DT)
     else:  # a tile wholly below the diagonal: every key exists and is visible
@@ -106,29 +121,34 @@ def _scores(q, k_ptrs, offs_m, offs_n, T, scale, ROUND: tl.constexpr, INPUT_F32:
         s = s * scale
     if MASKED:
         s = tl.where((offs_n[None, :] <= offs_m[:, None]) & (offs_n < T)[None, :], s, -3.3895313892515355e38)
+    if KEYPAD:
+        s = tl.where(_key_ok(kp, offs_n, T)[None, :], s, -3.3895313892515355e38)
     return s
 
 @triton.jit
-def _valid(offs_m, offs_n, T, MASKED: tl.constexpr):
+def _valid(offs_m, offs_n, T, MASKED: tl.constexpr, kp, KEYPAD: tl.constexpr):
     if MASKED:
-        return (offs_n[None, :] <= offs_m[:, None]) & (offs_n < T)[None, :]
+        ok = (offs_n[None, :] <= offs_m[:, None]) & (offs_n < T)[None, :]
     else:
-        return offs_n[None, :] >= 0
+        ok = offs_n[None, :] >= 0
+    if KEYPAD:
+        ok = ok & _key_ok(kp, offs_n, T)[None, :]
+    return ok
 
 @triton.jit
 def _fwd_inner(acc, l_i, m_i, raw_max, fired, pmax, l_raw, q, k_base, v_base, skt, svt, offs_m, offs_n, row_ok,
-               lo, hi, T, scale, beta, eps, o_fp32,
+               lo, hi, T, scale, beta, eps, o_fp32, kp,
                BLOCK_N: tl.constexpr, ROUND: tl.constexpr, INPUT_F32: tl.constexpr, FLOOR: tl.constexpr,
                GEMM_DT: tl.constexpr, STABILIZED: tl.constexpr, NEED_REP: tl.constexpr, PROBE: tl.constexpr,
                HAS_OFP32: tl.constexpr, ONE_BLOCK: tl.constexpr, MASKED: tl.constexpr, F32_DOT: tl.constexpr,
-               COUNTERS: tl.constexpr):
+               COUNTERS: tl.constexpr, KEYPAD: tl.constexpr):
     """The forward over key tiles [lo, hi): online softmax (or, ONE_BLOCK, a fixed row max) and P̄V.
     l_raw (COUNTERS, online path): the row sum before paper_bf16's floor and the BF16 rounding of l, in FP32: what
     tells a row whose every P̄ underflowed (AttnStats.underflow_rows, as the emulator counts it)."""
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
         s = _scores(q, k_base + cols[:, None] * skt, offs_m, cols, T, scale, ROUND, INPUT_F32, GEMM_DT, MASKED,
-                    F32_DOT)
+                    F32_DOT, kp, KEYPAD)
         if ONE_BLOCK:
             d_s = s - m_i[:, None]
             if (_SHIFT & ROUND) != 0:
@@ -144,7 +164,7 @@ def _fwd_inner(acc, l_i, m_i, raw_max, fired, pmax, l_raw, q, k_base, v_base, sk
                 thr = rm - eps
                 if (_SCORES & ROUND) != 0:
                     thr = _rb(thr)
-                near = _valid(offs_m, cols, T, MASKED) & (s >= thr[:, None])
+                near = _valid(offs_m, cols, T, MASKED, kp, KEYPAD) & (s >= thr[:, None])
                 fire = (tl.sum(near.to(tl.int32), 1) > 1) & row_ok
                 fired += fire.to(tl.int32)
                 if STABILIZED:
@@ -191,13 +211,13 @@ def _fwd_inner(acc, l_i, m_i, raw_max, fired, pmax, l_raw, q, k_base, v_base, sk
     return acc, l_i, m_i, raw_max, fired, pmax, l_raw
 
 @triton.jit
-def _fwd_kernel(Q, K, V, O, LSE, REP, MAXL, UNDER, OFP32, PMAX, FIRED,
-                sqb, sqh, sqt, sqd, skb, skh, skt, skd, svb, svh, svt, svd, sob, soh, sot, sod,
+def _fwd_kernel(Q, K, V, O, LSE, REP, MAXL, UNDER, OFP32, PMAX, FIRED, KP, FIRST,
+                sqb, sqh, sqt, sqd, skb, skh, skt, skd, svb, svh, svt, svd, sob, soh, sot, sod, skpb,
                 H, T, scale, beta, eps,
                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 ROUND: tl.constexpr, INPUT_F32: tl.constexpr, FLOOR: tl.constexpr, STABILIZED: tl.constexpr,
                 COUNTERS: tl.constexpr, HAS_OFP32: tl.constexpr, ONE_BLOCK: tl.constexpr,
-                PROBE: tl.constexpr, F32_DOT: tl.constexpr):
+                PROBE: tl.constexpr, F32_DOT: tl.constexpr, KEYPAD: tl.constexpr):
     start_m = tl.program_id(0)
     off_bh = tl.program_id(1)
     off_b = off_bh // H
@@ -214,6 +234,11 @@ def _fwd_kernel(Q, K, V, O, LSE, REP, MAXL, UNDER, OFP32, PMAX, FIRED,
     # O kept in FP32 for this head (o_fp32 / o_fp32_heads): a runtime flag per program
     o_fp32 = tl.load(OFP32 + off_h) != 0  # used only where HAS_OFP32
     hi = tl.minimum((start_m + 1) * BLOCK_M, T)
+    kp = KP + off_b * skpb  # KEYPAD: this batch element's key-keep row
+    lo = 0  # KEYPAD: key tiles before the first kept key are masked for every row: skipped
+    if KEYPAD:
+        first = tl.load(FIRST + off_b)
+        lo = first // BLOCK_N * BLOCK_N
 
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - 3.3895313892515355e38
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -226,9 +251,9 @@ def _fwd_kernel(Q, K, V, O, LSE, REP, MAXL, UNDER, OFP32, PMAX, FIRED,
 
     if ONE_BLOCK:
         # pass 1: the row max over the whole (causal) row, as one block would see it
-        for start_n in range(0, hi, BLOCK_N):
+        for start_n in range(lo, hi, BLOCK_N):
             s = _scores(q, k_base + (start_n + offs_n)[:, None] * skt, offs_m, start_n + offs_n, T,
-                        scale, ROUND, INPUT_F32, GEMM_DT, True, F32_DOT)
+                        scale, ROUND, INPUT_F32, GEMM_DT, True, F32_DOT, kp, KEYPAD)
             m_i = tl.maximum(m_i, tl.max(s, 1))
         raw_max = m_i
         if NEED_REP:
@@ -237,10 +262,10 @@ def _fwd_kernel(Q, K, V, O, LSE, REP, MAXL, UNDER, OFP32, PMAX, FIRED,
             if (_SCORES & ROUND) != 0:
                 thr = _rb(thr)
             cnt = tl.zeros([BLOCK_M], dtype=tl.int32)
-            for start_n in range(0, hi, BLOCK_N):
+            for start_n in range(lo, hi, BLOCK_N):
                 s = _scores(q, k_base + (start_n + offs_n)[:, None] * skt, offs_m, start_n + offs_n, T,
-                            scale, ROUND, INPUT_F32, GEMM_DT, True, F32_DOT)
-                near = _valid(offs_m, start_n + offs_n, T, True) & (s >= thr[:, None])
+                            scale, ROUND, INPUT_F32, GEMM_DT, True, F32_DOT, kp, KEYPAD)
+                near = _valid(offs_m, start_n + offs_n, T, True, kp, KEYPAD) & (s >= thr[:, None])
                 cnt += tl.sum(near.to(tl.int32), 1)
             fire = (cnt > 1) & row_ok
             fired = fire.to(tl.int32)
@@ -255,14 +280,19 @@ def _fwd_kernel(Q, K, V, O, LSE, REP, MAXL, UNDER, OFP32, PMAX, FIRED,
 
     # key tiles wholly below this query block's diagonal need no mask; the rest do
     mid = (start_m * BLOCK_M) // BLOCK_N * BLOCK_N
+    lo1 = 0
+    lo2 = mid
+    if KEYPAD:
+        lo1 = tl.minimum(lo, mid)
+        lo2 = tl.maximum(lo, mid)
     acc, l_i, m_i, raw_max, fired, pmax, l_raw = _fwd_inner(
-        acc, l_i, m_i, raw_max, fired, pmax, l_raw, q, k_base, v_base, skt, svt, offs_m, offs_n, row_ok, 0, mid, T,
-        scale, beta, eps, o_fp32, BLOCK_N, ROUND, INPUT_F32, FLOOR, GEMM_DT, STABILIZED, NEED_REP, PROBE,
-        HAS_OFP32, ONE_BLOCK, False, F32_DOT, COUNTERS)
+        acc, l_i, m_i, raw_max, fired, pmax, l_raw, q, k_base, v_base, skt, svt, offs_m, offs_n, row_ok, lo1, mid, T,
+        scale, beta, eps, o_fp32, kp, BLOCK_N, ROUND, INPUT_F32, FLOOR, GEMM_DT, STABILIZED, NEED_REP, PROBE,
+        HAS_OFP32, ONE_BLOCK, False, F32_DOT, COUNTERS, KEYPAD)
     acc, l_i, m_i, raw_max, fired, pmax, l_raw = _fwd_inner(
-        acc, l_i, m_i, raw_max, fired, pmax, l_raw, q, k_base, v_base, skt, svt, offs_m, offs_n, row_ok, mid, hi, T,
-        scale, beta, eps, o_fp32, BLOCK_N, ROUND, INPUT_F32, FLOOR, GEMM_DT, STABILIZED, NEED_REP, PROBE,
-        HAS_OFP32, ONE_BLOCK, True, F32_DOT, COUNTERS)
+        acc, l_i, m_i, raw_max, fired, pmax, l_raw, q, k_base, v_base, skt, svt, offs_m, offs_n, row_ok, lo2, hi, T,
+        scale, beta, eps, o_fp32, kp, BLOCK_N, ROUND, INPUT_F32, FLOOR, GEMM_DT, STABILIZED, NEED_REP, PROBE,
+        HAS_OFP32, ONE_BLOCK, True, F32_DOT, COUNTERS, KEYPAD)
 
     if ONE_BLOCK:  # one tile: l and the P̄V product stored once
         if COUNTERS:
@@ -272,8 +302,14 @@ def _fwd_kernel(Q, K, V, O, LSE, REP, MAXL, UNDER, OFP32, PMAX, FIRED,
         if (_STATS & ROUND) != 0:
             l_i = _rb(l_i)
         acc = _r(acc, o_fp32, ((_PV_OUT | _ACC) & ROUND) != 0, HAS_OFP32)
+    if KEYPAD:  # rows with no key (before the first kept one): O = 0, lse = +inf (P = 0 in the backward)
+        live = offs_m >= first
+        l_i = tl.where(live, l_i, 1.0)  # (their l may be 0: every key tile skipped)
     o = _r(acc / l_i[:, None], o_fp32, (_O_STORE & ROUND) != 0, HAS_OFP32)  # O stored (for delta)
     lse = m_i + tl.log(l_i)
+    if KEYPAD:
+        o = tl.where(live[:, None], o, 0.0)
+        lse = tl.where(live, lse, float("inf"))
     tl.store(O + off_b * sob + off_h * soh + offs_m[:, None] * sot + offs_d[None, :] * sod,
              o.to(O.dtype.element_ty), mask=row_ok[:, None])
     tl.store(LSE + off_bh * T + offs_m, lse, mask=row_ok)
@@ -286,16 +322,18 @@ def _fwd_kernel(Q, K, V, O, LSE, REP, MAXL, UNDER, OFP32, PMAX, FIRED,
         # rows whose every P̄ underflowed (row sum under paper_bf16's 1e-10 floor or FP32's smallest normal, or
         # NaN): Algorithm 3's shift beta * rowmax at huge logits; their O is 0 (floored) or NaN, never silent
         under = ((l_raw < (1e-10 if FLOOR else 1.1754943508222875e-38)) | (l_raw != l_raw)) & row_ok
+        if KEYPAD:  # a row with no key at all is no underflow (it has no P̄ to lose)
+            under = under & live
         tl.atomic_add(UNDER + off_h, tl.sum(under.to(tl.int32), 0).to(tl.int64))
 
 @triton.jit
-def _bwd_delta_kernel(Q, K, V, O, DO, LSE, DELTA, OFP32,
+def _bwd_delta_kernel(Q, K, V, O, DO, LSE, DELTA, OFP32, KP, FIRST,
                       sqb, sqh, sqt, sqd, skb, skh, skt, skd, svb, svh, svt, svd,
-                      sob, soh, sot, sod, sdb, sdh, sdt, sdd,
+                      sob, soh, sot, sod, sdb, sdh, sdt, sdd, skpb,
                       H, T, scale,
                       HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       ROUND: tl.constexpr, INPUT_F32: tl.constexpr, DELTA_MODE: tl.constexpr,
-                      HAS_OFP32: tl.constexpr, F32_DOT: tl.constexpr):
+                      HAS_OFP32: tl.constexpr, F32_DOT: tl.constexpr, KEYPAD: tl.constexpr):
     """delta = rowsum(r(dO*O)) | sum_j rowsum(dP_j*P_j) | rowsum(dO*(sum_j P_j V_j in FP32))."""
     start_m = tl.program_id(0)
     off_bh = tl.program_id(1)
@@ -323,10 +361,14 @@ def _bwd_delta_kernel(Q, K, V, O, DO, LSE, DELTA, OFP32,
         hi = tl.minimum((start_m + 1) * BLOCK_M, T)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
         dsum = tl.zeros([BLOCK_M], dtype=tl.float32)
-        for start_n in range(0, hi, BLOCK_N):
+        kp = KP + off_b * skpb
+        lo = 0
+        if KEYPAD:  # key tiles before the first kept key: P = 0 there for every row
+            lo = tl.load(FIRST + off_b) // BLOCK_N * BLOCK_N
+        for start_n in range(lo, hi, BLOCK_N):
             s = _scores(q, k_base + (start_n + offs_n)[:, None] * skt, offs_m, start_n + offs_n, T,
-                        scale, ROUND, INPUT_F32, GEMM_DT, True, F32_DOT)
-            p = tl.where(_valid(offs_m, start_n + offs_n, T, True), tl.exp(s - lse[:, None]), 0.0)
+                        scale, ROUND, INPUT_F32, GEMM_DT, True, F32_DOT, kp, KEYPAD)
+            p = tl.where(_valid(offs_m, start_n + offs_n, T, True, kp, KEYPAD), tl.exp(s - lse[:, None]), 0.0)
             v = tl.load(v_base + (start_n + offs_n)[:, None] * svt,
                         mask=((start_n + offs_n) < T)[:, None], other=0.0).to(GEMM_DT)
             if DELTA_MODE == 1:  # dP as the backward computes it (stored like its GEMM outputs)
@@ -365,8 +407,8 @@ def _grad_end(g, ROUND: tl.constexpr, ONE_BLOCK: tl.constexpr):
 
 @triton.jit
 def _dkdv_inner(dk, dv, k, v, q_base, do_base, sqt, sdt, LSE, DELTA, off_bh, offs_n, offs_m0, lo, hi, T, scale,
-                BLOCK_M: tl.constexpr, ROUND: tl.constexpr, INPUT_F32: tl.constexpr, GEMM_DT: tl.constexpr,
-                ONE_BLOCK: tl.constexpr, MASKED: tl.constexpr, F32_DOT: tl.constexpr):
+                kcol, BLOCK_M: tl.constexpr, ROUND: tl.constexpr, INPUT_F32: tl.constexpr, GEMM_DT: tl.constexpr,
+                ONE_BLOCK: tl.constexpr, MASKED: tl.constexpr, F32_DOT: tl.constexpr, KEYPAD: tl.constexpr):
     """dK, dV of one key block over query tiles [lo, hi) (chunks at bwd_out, accumulators at grad_acc)."""
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + offs_m0
@@ -383,6 +425,8 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, sqt, sdt, LSE, DELTA, off_bh, off
         pT = tl.exp(sT - lse[None, :])
         if MASKED:
             pT = tl.where((offs_n[:, None] <= offs_m[None, :]) & m_ok[None, :], pT, 0.0)
+        if KEYPAD:  # this block's masked keys (kcol: their keep flags)
+            pT = tl.where(kcol[:, None], pT, 0.0)
         dv_c = _dot_pt(pT, do, (_BWD_GEMM_IN & ROUND) != 0, INPUT_F32, F32_DOT)
         dpT = _dot_in(v, tl.trans(do), INPUT_F32, F32_DOT)
         if (_BWD_OUT & ROUND) != 0:
@@ -394,13 +438,13 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, sqt, sdt, LSE, DELTA, off_bh, off
     return dk, dv
 
 @triton.jit
-def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
+def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, KP, FIRST,
                      sqb, sqh, sqt, sqd, skb, skh, skt, skd, svb, svh, svt, svd, sdb, sdh, sdt, sdd,
-                     sgb, sgh, sgt, sgd,
+                     sgb, sgh, sgt, sgd, skpb,
                      H, T, scale,
                      HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      ROUND: tl.constexpr, INPUT_F32: tl.constexpr, ONE_BLOCK: tl.constexpr,
-                     F32_DOT: tl.constexpr):
+                     F32_DOT: tl.constexpr, KEYPAD: tl.constexpr):
     """dK, dV for BLOCK_N keys, looping over query tiles of BLOCK_M (= block_q where rounding is emulated)."""
     start_n = tl.program_id(0)
     off_bh = tl.program_id(1)
@@ -422,10 +466,16 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
     lo = (start_n * BLOCK_N) // BLOCK_M * BLOCK_M  # first query tile touching this key block
     # query tiles starting at or past this block's last key see every key of it: no mask there
     mid = tl.minimum(tl.cdiv((start_n + 1) * BLOCK_N - 1, BLOCK_M) * BLOCK_M, T)
+    kcol = col_ok  # KEYPAD: the keep flags of this block's keys
+    lo2 = mid
+    if KEYPAD:  # query tiles before the first kept key have no key at all (P = 0): skipped
+        kcol = _key_ok(KP + off_b * skpb, offs_n, T)
+        lo = tl.maximum(lo, tl.load(FIRST + off_b) // BLOCK_M * BLOCK_M)
+        lo2 = tl.maximum(mid, lo)
     dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, sqt, sdt, LSE, DELTA, off_bh, offs_n, offs_m0, lo, mid, T,
-                         scale, BLOCK_M, ROUND, INPUT_F32, GEMM_DT, ONE_BLOCK, True, F32_DOT)
-    dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, sqt, sdt, LSE, DELTA, off_bh, offs_n, offs_m0, mid, T, T,
-                         scale, BLOCK_M, ROUND, INPUT_F32, GEMM_DT, ONE_BLOCK, False, F32_DOT)
+                         scale, kcol, BLOCK_M, ROUND, INPUT_F32, GEMM_DT, ONE_BLOCK, True, F32_DOT, KEYPAD)
+    dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, sqt, sdt, LSE, DELTA, off_bh, offs_n, offs_m0, lo2, T, T,
+                         scale, kcol, BLOCK_M, ROUND, INPUT_F32, GEMM_DT, ONE_BLOCK, False, F32_DOT, KEYPAD)
     dk = _grad_end(dk, ROUND, ONE_BLOCK)
     dv = _grad_end(dv, ROUND, ONE_BLOCK)
     g = off_b * sgb + off_h * sgh + offs_n[:, None] * sgt + offs_d[None, :] * sgd
@@ -433,20 +483,22 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
     tl.store(DV + g, _cast_out(dv, DV), mask=col_ok[:, None])
 
 @triton.jit
-def _dq_inner(dq, q, do, lse, delta, k_base, v_base, skt, svt, offs_m, offs_n0, lo, hi, T, scale,
+def _dq_inner(dq, q, do, lse, delta, k_base, v_base, skt, svt, offs_m, offs_n0, lo, hi, T, scale, kp,
               BLOCK_N: tl.constexpr, ROUND: tl.constexpr, INPUT_F32: tl.constexpr, GEMM_DT: tl.constexpr,
-              ONE_BLOCK: tl.constexpr, MASKED: tl.constexpr, F32_DOT: tl.constexpr):
+              ONE_BLOCK: tl.constexpr, MASKED: tl.constexpr, F32_DOT: tl.constexpr, KEYPAD: tl.constexpr):
     """dQ of one query block over key tiles [lo, hi) (chunks at bwd_out, the accumulator at grad_acc)."""
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_n0
         s = _scores(q, k_base + offs_n[:, None] * skt, offs_m, offs_n, T, scale, ROUND, INPUT_F32, GEMM_DT,
-                    MASKED, F32_DOT)
+                    MASKED, F32_DOT, kp, KEYPAD)
         p = tl.exp(s - lse[:, None])
         if MASKED:
-            p = tl.where(_valid(offs_m, offs_n, T, True), p, 0.0)
+            p = tl.where(_valid(offs_m, offs_n, T, True, kp, KEYPAD), p, 0.0)
             v = tl.load(v_base + offs_n[:, None] * svt, mask=(offs_n < T)[:, None], other=0.0).to(GEMM_DT)
             k = tl.load(k_base + offs_n[:, None] * skt, mask=(offs_n < T)[:, None], other=0.0).to(GEMM_DT)
         else:
+            if KEYPAD:  # a tile below the diagonal: only the keys KP masks
+                p = tl.where(_key_ok(kp, offs_n, T)[None, :], p, 0.0)
             v = tl.load(v_base + offs_n[:, None] * svt).to(GEMM_DT)
             k = tl.load(k_base + offs_n[:, None] * skt).to(GEMM_DT)
         dp = _dot_in(do, tl.trans(v), INPUT_F32, F32_DOT)
@@ -457,13 +509,13 @@ def _dq_inner(dq, q, do, lse, delta, k_base, v_base, skt, svt, offs_m, offs_n0, 
     return dq
 
 @triton.jit
-def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
+def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, KP, FIRST,
                    sqb, sqh, sqt, sqd, skb, skh, skt, skd, svb, svh, svt, svd, sdb, sdh, sdt, sdd,
-                   sgb, sgh, sgt, sgd,
+                   sgb, sgh, sgt, sgd, skpb,
                    H, T, scale,
                    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    ROUND: tl.constexpr, INPUT_F32: tl.constexpr, ONE_BLOCK: tl.constexpr,
-                   F32_DOT: tl.constexpr):
+                   F32_DOT: tl.constexpr, KEYPAD: tl.constexpr):
     """dQ for BLOCK_M queries, looping over key tiles of BLOCK_N (= block_k where rounding is emulated)."""
     start_m = tl.program_id(0)
     off_bh = tl.program_id(1)
@@ -485,10 +537,17 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     hi = tl.minimum((start_m + 1) * BLOCK_M, T)
     mid = (start_m * BLOCK_M) // BLOCK_N * BLOCK_N  # key tiles before mid lie wholly below the diagonal
-    dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, skt, svt, offs_m, offs_n0, 0, mid, T, scale,
-                   BLOCK_N, ROUND, INPUT_F32, GEMM_DT, ONE_BLOCK, False, F32_DOT)
-    dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, skt, svt, offs_m, offs_n0, mid, hi, T, scale,
-                   BLOCK_N, ROUND, INPUT_F32, GEMM_DT, ONE_BLOCK, True, F32_DOT)
+    kp = KP + off_b * skpb
+    lo1 = 0
+    lo2 = mid
+    if KEYPAD:  # key tiles before the first kept key: P = 0 for every row, skipped
+        lo = tl.load(FIRST + off_b) // BLOCK_N * BLOCK_N
+        lo1 = tl.minimum(lo, mid)
+        lo2 = tl.maximum(lo, mid)
+    dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, skt, svt, offs_m, offs_n0, lo1, mid, T, scale, kp,
+                   BLOCK_N, ROUND, INPUT_F32, GEMM_DT, ONE_BLOCK, False, F32_DOT, KEYPAD)
+    dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, skt, svt, offs_m, offs_n0, lo2, hi, T, scale, kp,
+                   BLOCK_N, ROUND, INPUT_F32, GEMM_DT, ONE_BLOCK, True, F32_DOT, KEYPAD)
     dq = _grad_end(dq, ROUND, ONE_BLOCK)
     tl.store(DQ + off_b * sgb + off_h * sgh + offs_m[:, None] * sgt + offs_d[None, :] * sgd,
              _cast_out(dq, DQ), mask=row_ok[:, None])

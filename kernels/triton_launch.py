@@ -172,14 +172,38 @@ def _rows_per_head(T: int, knobs: AttentionKnobs) -> int:
     return sum((min(qs + bq, T) - qs) * -(-min(qs + bq, T) // bk) for qs in range(0, T, bq))
 
 
-def _forward(q, k, v, knobs: AttentionKnobs, rep=None, maxl=None, probe: bool = False, under=None):
+def key_padding(key_keep, B: int, T: int, dev):
+    """(KP, FIRST, KEYPAD) for the kernels: key_keep (1 or B, T) bool / int8 / uint8 (nonzero = attend), or None.
+
+    KP (B, T) uint8, FIRST (B,) int32 the first kept key of each batch element (T where none is kept: every row
+    has no key). Device ops only (no sync). None: dummies and KEYPAD=False (the kernels without key masks)."""
+    if key_keep is None:
+        return _cached(("kp", dev), lambda: torch.zeros(1, device=dev, dtype=torch.uint8)), \
+            _cached(("first", dev), lambda: torch.zeros(1, device=dev, dtype=torch.int32)), False
+    if not isinstance(key_keep, torch.Tensor) or key_keep.dtype not in (torch.bool, torch.int8, torch.uint8):
+        raise ValueError(f"key_keep={getattr(key_keep, 'dtype', type(key_keep).__name__)} is not allowed: expected a "
+                         "bool, int8 or uint8 tensor (B, T) or None")
+    if key_keep.dim() != 2 or key_keep.shape[0] not in (1, B) or key_keep.shape[1] != T:
+        raise ValueError(f"key_keep.shape={tuple(key_keep.shape)} is not allowed: expected (1 or {B}, {T})")
+    if key_keep.device != dev:
+        raise ValueError(f"key_keep.device={key_keep.device} is not allowed: expected q's device {dev}")
+    keep = key_keep != 0
+    kp = keep.expand(B, T).contiguous().view(torch.uint8)
+    idx = torch.arange(T, device=dev, dtype=torch.int32)
+    first = torch.where(keep, idx, torch.full((), T, device=dev, dtype=torch.int32)).amin(dim=1)
+    return kp, first.expand(B).contiguous(), True
+
+
+def _forward(q, k, v, knobs: AttentionKnobs, rep=None, maxl=None, probe: bool = False, under=None, key_keep=None):
     """Launch the forward: (O stored for delta, lse, pmax, fired); pmax/fired only if probe.
 
     rep (H,) int64 / maxl () float32: the counters the kernel adds into (atomics, one per program); None: off.
     under (H,) int64: rows whose row sum underflowed (AttnStats.underflow_rows), counted with rep; None: a scratch
-    counter (callers that predate it)."""
+    counter (callers that predate it).
+    key_keep (1 or B, T): keys masked on top of causality (key_padding); rows with no key get O = 0, lse = +inf."""
     B, H, T, D = q.shape
     dev = q.device
+    kp, first, keypad = key_padding(key_keep, B, T, dev)
     mask = round_mask(knobs)
     ofp32, has_ofp32 = _ofp32_flags(knobs, H, dev)
     o = torch.empty((B, H, T, D), device=dev, dtype=saved_o_dtype(mask, knobs.fp32_o_heads(H)))
@@ -198,13 +222,13 @@ def _forward(q, k, v, knobs: AttentionKnobs, rep=None, maxl=None, probe: bool = 
         pmax = fired = lse
     bm, bn, warps, stages = _fwd_blocks(knobs, D, T)
     grid = (_cdiv(T, bm), B * H)
-    _k._fwd_kernel[grid](q, k, v, o, lse, rep, maxl, under, ofp32, pmax, fired,
-                      *_strides(q), *_strides(k), *_strides(v), *_strides(o),
+    _k._fwd_kernel[grid](q, k, v, o, lse, rep, maxl, under, ofp32, pmax, fired, kp, first,
+                      *_strides(q), *_strides(k), *_strides(v), *_strides(o), kp.stride(0),
                       H, T, 1.0 / math.sqrt(D), float(knobs.beta), float(knobs.eps),
                       HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, ROUND=mask, INPUT_F32=knobs.recipe == "fp32",
                       FLOOR=knobs.recipe == "paper_bf16", STABILIZED=knobs.softmax == "stabilized",
                       COUNTERS=counters, HAS_OFP32=has_ofp32, ONE_BLOCK=not knobs.tiling,
-                      PROBE=probe, F32_DOT=knobs.fp32_gemm, num_warps=warps, num_stages=stages)
+                      PROBE=probe, F32_DOT=knobs.fp32_gemm, KEYPAD=keypad, num_warps=warps, num_stages=stages)
     return o, lse, (pmax if probe else None), (fired if probe else None)
 
 
@@ -222,9 +246,10 @@ def _ofp32_flags(knobs: AttentionKnobs, H: int, dev):
     return hit
 
 
-def _backward(do, q, k, v, o, lse, knobs: AttentionKnobs):
-    """Launch the backward (delta, dK/dV, dQ): (dq, dk, dv) in the inputs' dtypes."""
+def _backward(do, q, k, v, o, lse, knobs: AttentionKnobs, key_keep=None):
+    """Launch the backward (delta, dK/dV, dQ): (dq, dk, dv) in the inputs' dtypes; key_keep as the forward's."""
     B, H, T, D = q.shape
+    kp, first, keypad = key_padding(key_keep, B, T, q.device)
     recipe = RECIPE_IDS[knobs.recipe]
     mask, f32_in = round_mask(knobs), knobs.recipe == "fp32"
     scale = 1.0 / math.sqrt(D)
@@ -236,21 +261,35 @@ def _backward(do, q, k, v, o, lse, knobs: AttentionKnobs):
     dv = torch.empty((B, H, T, D), device=q.device, dtype=v.dtype)
     dbm, dbn = (16, 16) if _interpret() else (32, 32) if recipe == 0 and knobs.fp32_gemm == "ieee" else (64, 64)
     _k._bwd_delta_kernel[(_cdiv(T, dbm), B * H)](
-        q, k, v, o, do, lse, delta, ofp32,
-        *_strides(q), *_strides(k), *_strides(v), *_strides(o), *_strides(do),
+        q, k, v, o, do, lse, delta, ofp32, kp, first,
+        *_strides(q), *_strides(k), *_strides(v), *_strides(o), *_strides(do), kp.stride(0),
         H, T, scale, HEAD_DIM=D, BLOCK_M=dbm, BLOCK_N=dbn, ROUND=mask, INPUT_F32=f32_in,
-        DELTA_MODE=DELTA_IDS[knobs.delta], HAS_OFP32=has_ofp32, F32_DOT=knobs.fp32_gemm, num_warps=4)
+        DELTA_MODE=DELTA_IDS[knobs.delta], HAS_OFP32=has_ofp32, F32_DOT=knobs.fp32_gemm, KEYPAD=keypad,
+        num_warps=4)
     _k._bwd_dkdv_kernel[(_cdiv(T, n1), B * H)](
-        q, k, v, do, lse, delta, dk, dv,
-        *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk), H, T, scale,
+        q, k, v, do, lse, delta, dk, dv, kp, first,
+        *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk), kp.stride(0), H, T, scale,
         HEAD_DIM=D, BLOCK_M=m1, BLOCK_N=n1, ROUND=mask, INPUT_F32=f32_in,
-        ONE_BLOCK=not knobs.tiling, F32_DOT=knobs.fp32_gemm, num_warps=warps, num_stages=stages)
+        ONE_BLOCK=not knobs.tiling, F32_DOT=knobs.fp32_gemm, KEYPAD=keypad, num_warps=warps, num_stages=stages)
     _k._bwd_dq_kernel[(_cdiv(T, m2), B * H)](
-        q, k, v, do, lse, delta, dq,
-        *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq), H, T, scale,
+        q, k, v, do, lse, delta, dq, kp, first,
+        *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq), kp.stride(0), H, T, scale,
         HEAD_DIM=D, BLOCK_M=m2, BLOCK_N=n2, ROUND=mask, INPUT_F32=f32_in,
-        ONE_BLOCK=not knobs.tiling, F32_DOT=knobs.fp32_gemm, num_warps=warps, num_stages=stages)
+        ONE_BLOCK=not knobs.tiling, F32_DOT=knobs.fp32_gemm, KEYPAD=keypad, num_warps=warps, num_stages=stages)
     return dq, dk, dv
+
+
+def rows_seen_padded(key_keep, B: int, T: int, knobs: AttentionKnobs) -> torch.Tensor:
+    """() int64 on the device: (query row, key tile) pairs per head over the batch that have a key, as the emulator
+    counts AttnStats.rows_seen under Masking(keep=causal & key_keep): row i sees tile t when a kept key j <= i lies
+    in it, i.e. for i >= the tile's first kept key f, T - f rows (key tiles of block_k; one tile untiled)."""
+    keep = (key_keep != 0).expand(B, T)
+    bk = min(knobs.block_k, T) if knobs.tiling else T
+    nt = _cdiv(T, bk)
+    idx = torch.arange(nt * bk, device=keep.device).view(nt, bk)
+    pad = torch.nn.functional.pad(keep, (0, nt * bk - T)).view(B, nt, bk)
+    f = torch.where(pad, idx, torch.full((), T, device=keep.device)).amin(dim=-1)
+    return (T - f).sum()
 
 
 def fired_pbar_max(q, k, v, knobs: AttentionKnobs):

@@ -186,6 +186,76 @@ def test_interpreter_underflow_rows_match_emulator(tfi, tiling):
     assert st_safe.underflow_rows.sum() == 0 and st_safe.repeated_max_rows.sum() > 0
 
 
+def _padded_keep(B, T):
+    """Left, right and inner padding in three batch elements (nonzero = attend)."""
+    keep = torch.ones(B, T, dtype=torch.bool)
+    keep[0, :19] = False  # left padding: rows 0..18 have no key at all
+    keep[1, 30:] = False  # right padding
+    keep[2, :3] = False
+    keep[2, 10:25] = False  # a hole
+    return keep
+
+
+KEYPAD_CASES = [dict(), dict(softmax="stabilized"), dict(tiling=False), dict(delta="dP_P"),
+                dict(delta="recompute_fp32"), dict(block_q=32, block_k=16), dict(block_q=16, block_k=32)]
+
+
+@interp
+@pytest.mark.parametrize("case", KEYPAD_CASES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()) or "default")
+def test_interpreter_key_padding_matches_the_emulators_mask(tfi, case):
+    """key_keep masks keys on top of causality as the emulator's Masking(keep=tril & keep) does: O and its gradients
+    on every row with a key, and every counter; rows with no key give O = 0 (as SDPA and the backend's dead rows)."""
+    from flash_forensics.kernels.masking import Masking
+    B, H, T, D = 3, 2, 40, 16
+    q, k, v = (x.detach() for x in planted(B, H, T, D, "cpu", seed=5))
+    keep = _padded_keep(B, T)
+    knobs = replace(AttentionKnobs(recipe="fp32", block_q=16, block_k=16, counters=True), **case)
+    xt = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    xe = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    st_t, st_e = AttnStats(H), AttnStats(H)
+    o_t = tfi.flash_attention_triton(*xt, knobs, st_t, key_keep=keep)
+    m = torch.ones(T, T, dtype=torch.bool).tril()[None, None] & keep[:, None, None, :]
+    o_e = emulator.flash_attention(*xe, knobs, st_e, Masking(keep=m))
+    live = m.any(-1, keepdim=True).expand_as(o_t)
+    assert (~live).any() and torch.equal(o_t[~live], torch.zeros_like(o_t[~live]))
+    torch.testing.assert_close(o_t[live], o_e[live], atol=2e-6, rtol=2e-6)
+    g = torch.randn_like(o_t).masked_fill(~live, 0.0)  # no gradient into rows without a key
+    for a, b in zip(torch.autograd.grad(o_t, xt, g), torch.autograd.grad(o_e, xe, g)):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert st_e.repeated_max_rows.sum() > 0
+    for name in ("repeated_max_rows", "rows_seen", "underflow_rows"):
+        assert torch.equal(getattr(st_t, name), getattr(st_e, name)), name
+    torch.testing.assert_close(st_t.max_logit, st_e.max_logit)
+
+
+@interp
+@pytest.mark.parametrize("tiling", [True, False])
+def test_interpreter_an_all_true_key_keep_is_the_plain_call_bit_for_bit(tfi, tiling):
+    B, H, T, D = 3, 2, 40, 16
+    q, k, v = (x.detach() for x in planted(B, H, T, D, "cpu", seed=6))
+    knobs = AttentionKnobs(recipe="fp32", block_q=16, block_k=16, tiling=tiling, counters=True)
+    out = []
+    for kk in (None, torch.ones(B, T, dtype=torch.bool), torch.ones(1, T, dtype=torch.uint8)):
+        x = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        st = AttnStats(H)
+        o = tfi.flash_attention_triton(*x, knobs, st, key_keep=kk)
+        out.append((o, *torch.autograd.grad(o, x, torch.ones_like(o)), st.repeated_max_rows, st.rows_seen,
+                    st.max_logit))
+    for other in out[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(out[0], other))
+
+
+@interp
+def test_interpreter_key_padding_refuses_what_it_cannot_read(tfi):
+    q, k, v = (x.detach() for x in planted(2, 1, 16, 16, "cpu", seed=7))
+    knobs = AttentionKnobs(recipe="fp32", block_q=16, block_k=16)
+    for bad, what in ((torch.ones(2, 15, dtype=torch.bool), "key_keep.shape"),
+                      (torch.ones(3, 16, dtype=torch.bool), "key_keep.shape"),
+                      (torch.ones(2, 16), "key_keep=torch.float32")):
+        with pytest.raises(ValueError, match=what):
+            tfi.flash_attention_triton(q, k, v, knobs, key_keep=bad)
+
+
 @interp
 def test_interpreter_stabilized_leaves_no_unit_pbar(tfi):
     q, k, v = planted(1, 2, 48, 16, "cpu", seed=3)
@@ -278,6 +348,39 @@ def test_gpu_matches_emulator_and_fp64(recipe, case, D):
     else:
         assert (ct - ce).abs().sum().item() <= max(2, int(0.01 * ce.sum().item()))
     torch.testing.assert_close(st_t.max_logit, st_e.max_logit, atol=3e-2, rtol=1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", ["paper_bf16", "fa2", "fp32"])
+def test_gpu_key_padding_matches_the_emulators_mask(recipe):
+    """The key-padded route on CUDA (BF16 numerics only here): within the same budgets as the plain calls, on every
+    row with a key; rows without one give 0; the repeated-maxima counts within the plain calls' slack."""
+    from flash_forensics.kernels import triton_flash as tf
+    from flash_forensics.kernels.masking import Masking
+    flash_attention, AttnStats = _emulator()
+    knobs = AttentionKnobs(recipe=recipe, backend="triton")
+    B, H, T, D = 3, 4, 256, 64
+    dt = torch.float32 if recipe == "fp32" else torch.bfloat16
+    q, k, v = planted(B, H, T, D, "cuda", dtype=dt, seed=11)
+    keep = torch.ones(B, T, dtype=torch.bool)
+    keep[0, :70] = False
+    keep[1, 200:] = False
+    keep[2, 30:150] = False
+    keep = keep.cuda()
+    st_t, st_e = AttnStats(H, "cuda"), AttnStats(H, "cuda")
+    o_t = tf.flash_attention_triton(q, k, v, knobs, st_t, key_keep=keep)
+    m = torch.ones(T, T, dtype=torch.bool, device="cuda").tril()[None, None] & keep[:, None, None, :]
+    o_e = flash_attention(q, k, v, replace(knobs, backend="emulator"), st_e, Masking(keep=m))
+    live = m.any(-1, keepdim=True).expand_as(o_t)
+    assert torch.equal(o_t[~live].float(), torch.zeros_like(o_t[~live].float()))
+    fo_e, fg_e = BUDGET_EMU[recipe]
+    assert (o_t.double() - o_e.double())[live].abs().max().item() <= fo_e
+    g = torch.randn_like(o_t.float()).masked_fill(~live, 0.0).to(o_t.dtype)
+    for name, a, b in zip("qkv", _grads(o_t, (q, k, v), g), _grads(o_e, (q, k, v), g.to(o_e.dtype))):
+        assert _rel(a, b) <= fg_e, f"d{name} vs emulator"
+    ct, ce = st_t.repeated_max_rows, st_e.repeated_max_rows
+    assert ce.sum() > 0 and torch.equal(st_t.rows_seen, st_e.rows_seen)
+    assert (ct - ce).abs().sum().item() <= max(2, int(0.01 * ce.sum().item()))
 
 
 @pytest.mark.gpu
