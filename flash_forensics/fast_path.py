@@ -8,7 +8,9 @@ otherwise keep every call on the emulator.
   per forward, not per layer. Never while dynamo traces (a data-dependent branch: a graph break per layer), so a
   compiled model keeps its masked calls on the emulator.
 - `plain_scale(scaling, D)`: None where the module's scale is the default 1/sqrt(D) (what the kernels use).
-Key-padded masks (causal and padding) stay on the emulator: the Triton kernels take no key mask (yet).
+- `key_padding(mask, Tq, Tk)`: the (B, T) key-keep vector when a bool mask is the causal triangle and a per-batch key
+  padding (left, right or holes: transformers' padded batches), else None; the Triton kernels take it as key_keep.
+  One sync per mask object, cached as causal_only's answer; never while dynamo traces.
 """
 from __future__ import annotations
 
@@ -46,6 +48,26 @@ def causal_only(mask: Optional[torch.Tensor], Tq: int, Tk: int) -> bool:
     return answer
 
 
+_PADS: Dict[int, tuple] = {}  # id(mask) -> (weakref, _version, Tq, key-keep (B, T) or None), as _SEEN
+
+
+def key_padding(mask: Optional[torch.Tensor], Tq: int, Tk: int) -> Optional[torch.Tensor]:
+    if mask is None or mask.dtype != torch.bool or mask.dim() != 4 or Tq != Tk or Tq < 2:
+        return None
+    if mask.shape[1] != 1 or mask.shape[-2:] != (Tq, Tk) or torch.compiler.is_compiling():
+        return None
+    hit = _PADS.get(id(mask))
+    if hit is not None and hit[0]() is mask and hit[1] == mask._version:
+        return hit[3]
+    keys = mask[:, 0, -1, :]  # the last row sees every key causality allows: the batch's kept keys
+    tri = torch.ones(Tq, Tk, dtype=torch.bool, device=mask.device).tril()
+    answer = keys.contiguous() if bool(torch.equal(mask[:, 0], tri & keys[:, None, :])) else None  # the one sync
+    if len(_PADS) > 8:
+        _PADS.clear()
+    _PADS[id(mask)] = (weakref.ref(mask), mask._version, Tq, answer)
+    return answer
+
+
 def plain_scale(scaling, D: int):
     """None for the default scale (as a float it may be written 1/sqrt(D) or D**-0.5: both round alike), else it."""
     if scaling is None:
@@ -54,4 +76,4 @@ def plain_scale(scaling, D: int):
     return None if s in (D ** -0.5, 1.0 / D ** 0.5) else scaling
 
 
-__all__ = ["causal_only", "plain_scale"]
+__all__ = ["causal_only", "key_padding", "plain_scale"]

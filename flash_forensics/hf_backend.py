@@ -129,13 +129,20 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
                 raise ValueError(f"{where}: causal attention with Tq={Tq} != Tk={Tk} and no mask is not allowed: "
                                  f"expected the mask of AttentionMaskInterface[{NAME!r}]")
             causal = True
-    if query.is_cuda and fast_path.causal_only(mask, Tq, Tk):  # the Triton route takes plain causal calls only
+    key_keep = None  # the Triton route takes plain causal calls and causal calls with key padding
+    if query.is_cuda and fast_path.causal_only(mask, Tq, Tk):
+        mask, causal, scaling = None, True, fast_path.plain_scale(scaling, query.shape[-1])
+    elif query.is_cuda and (key_keep := fast_path.key_padding(mask, Tq, Tk)) is not None:
+        padded_mask = mask  # the probes' entropy reads the mask itself
         mask, causal, scaling = None, True, fast_path.plain_scale(scaling, query.shape[-1])
     o = attend(query, key, value, st.knobs, attn_mask=mask, dropout_p=0.0, is_causal=causal, scale=scaling,
                enable_gqa=key.shape[1] != H, stats=st.stats if st.knobs.counters else None,
-               layer=getattr(module, "layer_idx", None), family=_family(module))
+               layer=getattr(module, "layer_idx", None), family=_family(module), key_keep=key_keep)
     if st.probe:
-        _entropy(st, query, key, mask, causal, scaling)
+        if key_keep is not None:
+            _entropy(st, query, key, padded_mask, False, scaling)
+        else:
+            _entropy(st, query, key, mask, causal, scaling)
     return o.transpose(1, 2).contiguous(), None
 
 

@@ -155,8 +155,10 @@ def attention(q, k, v, attn_mask=None, dropout_p: float = 0.0, is_causal: bool =
 
 def attend(q, k, v, cfg: AttentionKnobs, attn_mask=None, dropout_p: float = 0.0, is_causal: bool = False, scale=None,
            enable_gqa: bool = False, stats: Optional[AttnStats] = None, layer: Optional[int] = None,
-           family: str = "sdpa") -> torch.Tensor:
-    """`attention` with knobs already built (make_knobs): what the transformers backend calls per layer."""
+           family: str = "sdpa", key_keep: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """`attention` with knobs already built (make_knobs): what the transformers backend calls per layer.
+    key_keep (B or 1, T) bool, with is_causal and no attn_mask: keys masked on top of causality (transformers'
+    padded batches, flash_forensics/fast_path.key_padding); the Triton kernels take it on CUDA."""
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or dropout_p != 0:
         raise ValueError(f"dropout_p={dropout_p!r} is not allowed: expected 0.0 (the flash kernels have no attention "
                          "dropout; pass dropout_p=0.0, e.g. the model's attention dropout set to 0)")
@@ -183,16 +185,27 @@ def attend(q, k, v, cfg: AttentionKnobs, attn_mask=None, dropout_p: float = 0.0,
         if H % Hk:
             raise ValueError(f"k.shape[1]={Hk} is not allowed: expected a divisor of q's {H} heads (GQA)")
         k, v = k.repeat_interleave(H // Hk, dim=1), v.repeat_interleave(H // Hk, dim=1)
+    if key_keep is not None:
+        if not is_causal or attn_mask is not None or Tq != Tk or key_keep.shape[-1] != Tk:
+            given = "given" if attn_mask is not None else None
+            raise ValueError(f"key_keep with is_causal={is_causal}, attn_mask={given}, Tq={Tq}, Tk={Tk} is not "
+                             f"allowed: expected a causal call with no attn_mask and key_keep (B, {Tk})")
+        tri = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril()
+        attn_mask = (tri & key_keep.to(torch.bool)[:, None, :])[:, None]  # what the emulator and observers see
+        is_causal = False
     keep, bias, dead = _masks(attn_mask, B, H, Tq, Tk)
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
         raise ValueError(f"scale={scale!r} is not allowed: expected a number > 0 or None (1/sqrt(D))")
     plain = is_causal and Tq == Tk and scale is None and keep is None  # the emulator's own path, op for op
     masking = None if plain else Masking(causal=is_causal, keep=keep, bias=bias, scale=scale)
-    # plain causal calls on CUDA go to the Triton kernels when they compute every knob (backend=auto; the same
-    # routing as our GPT's layers); masks, Tq != Tk and other scales exist only in the emulator
-    route = resolve_backend(cfg, q.device, q=q, key="flash_forensics.backend") if plain and q.is_cuda else "emulator"
+    # plain causal calls (and causal calls with key padding) on CUDA go to the Triton kernels when they compute
+    # every knob (backend=auto; the same routing as our GPT's layers); other masks, Tq != Tk and other scales exist
+    # only in the emulator
+    padded = key_keep is not None and scale is None
+    route = resolve_backend(cfg, q.device, q=q, key="flash_forensics.backend") if (plain or padded) and q.is_cuda \
+        else "emulator"
     if route == "triton":
-        o = triton_flash.flash_attention_triton(q, k, v, cfg, stats)
+        o = triton_flash.flash_attention_triton(q, k, v, cfg, stats, key_keep=key_keep if padded else None)
     else:
         check_compiled()  # the Triton route is opaque to inductor (torch.library ops): faithful as it is
         o = (_eager_emulator if torch.compiler.is_compiling() else flash_attention)(q, k, v, cfg, stats, masking)

@@ -63,6 +63,47 @@ def test_causal_only_masks_are_told_from_padded_ones_once_per_forward():
     assert fast_path.plain_scale(64 ** -0.5, 64) is None and fast_path.plain_scale(0.5, 64) == 0.5
 
 
+def test_key_padded_masks_give_their_key_vector_once_per_forward_and_others_none():
+    model = _llama(dtype=torch.float32)
+    use(model)
+    ids = torch.randint(0, V, (3, 12))
+    am = torch.ones(3, 12, dtype=torch.long)
+    am[0, :4] = 0  # left
+    am[1, 9:] = 0  # right
+    padded = _masks(model, input_ids=ids, attention_mask=am)
+    assert padded[0] is padded[1]
+    kk = fast_path.key_padding(padded[0], 12, 12)
+    assert torch.equal(kk, am.bool()) and fast_path.key_padding(padded[0], 12, 12) is kk  # cached: no second sync
+    tri = torch.ones(1, 1, 6, 6, dtype=torch.bool).tril()
+    assert torch.equal(fast_path.key_padding(tri, 6, 6), torch.ones(1, 6, dtype=torch.bool))
+    window = tri & ~torch.ones(6, 6, dtype=torch.bool).tril(-3)  # a sliding window: not key padding
+    assert fast_path.key_padding(window, 6, 6) is None
+    assert fast_path.key_padding(None, 6, 6) is None and fast_path.key_padding(tri.float(), 6, 6) is None
+
+
+def test_attend_with_key_keep_is_the_same_call_as_its_mask():
+    """On the emulator (CPU) a key_keep call is the causal & padding mask it stands for, bit for bit, O and counts;
+    rows with no key are 0 either way. A key_keep beside a mask, or without causality, is refused."""
+    from flash_forensics.kernels.stats import AttnStats
+    from flash_forensics.sdpa import attend
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, 4, 24, 16, generator=g) for _ in range(3))
+    keep = torch.ones(2, 24, dtype=torch.bool)
+    keep[0, :5] = False
+    keep[1, 20:] = False
+    knobs = AttentionKnobs(recipe="fp32", block_q=16, block_k=16, counters=True)
+    m = (torch.ones(24, 24, dtype=torch.bool).tril() & keep[:, None, :])[:, None]
+    s1, s2 = AttnStats(4), AttnStats(4)
+    a = attend(q, k, v, knobs, is_causal=True, key_keep=keep, stats=s1)
+    b = attend(q, k, v, knobs, attn_mask=m, stats=s2)
+    assert torch.equal(a, b) and (a[0, :, :5] == 0).all()
+    assert torch.equal(s1.repeated_max_rows, s2.repeated_max_rows) and torch.equal(s1.rows_seen, s2.rows_seen)
+    with pytest.raises(ValueError, match="key_keep with is_causal=False"):
+        attend(q, k, v, knobs, key_keep=keep)
+    with pytest.raises(ValueError, match="attn_mask=given"):
+        attend(q, k, v, knobs, attn_mask=m, is_causal=False, key_keep=keep)
+
+
 def test_the_plain_route_computes_what_the_triangle_mask_computes():
     """On the emulator the two routes agree bit for bit, so taking the plain route changes nothing but the code
     that computes it (the Triton kernels on CUDA)."""
@@ -101,8 +142,17 @@ def test_cuda_plain_calls_run_on_our_triton_kernels_and_agree_with_the_emulator(
         tol = 1e-4 if recipe == "fp32" else 2 * 2 ** -7 * ref.abs().max().item()
         assert (c.o.double() - ref).abs().max().item() <= tol
     am = torch.ones(2, 128, dtype=torch.long, device="cuda")
-    am[1, :10] = 0  # key padding: the emulator (the kernels take no key mask)
-    assert [c.implementation for c in _calls(model, input_ids=ids, attention_mask=am)] == ["emulator", "emulator"]
+    am[1, :10] = 0  # left padding: the Triton kernels with key_keep, within the same tolerances on rows with a key
+    padded = _calls(model, input_ids=ids, attention_mask=am)
+    assert [c.implementation for c in padded] == ["triton", "triton"]
+    m = torch.ones(128, 128, dtype=torch.bool, device="cuda").tril()[None, None] & am.bool()[:, None, None, :]
+    live = m.any(-1, keepdim=True).expand(2, 4, 128, 16)
+    for c in padded:
+        assert torch.equal(c.o, flash_attention_triton(c.q, c.k, c.v, knobs, key_keep=am.bool()).to(c.o.dtype))
+        ref = flash_attention(c.q, c.k, c.v, replace(knobs, backend="emulator"), None,
+                              Masking(keep=m.expand(2, 4, 128, 128))).double()
+        tol = 1e-4 if recipe == "fp32" else 2 * 2 ** -7 * ref.abs().max().item()
+        assert (c.o.double() - ref)[live].abs().max().item() <= tol and (c.o[~live] == 0).all()
 
 
 def test_the_llama_speed_benchmark_runs_its_plumbing_on_cpu(tmp_path):
