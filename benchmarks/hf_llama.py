@@ -9,8 +9,8 @@ Methods, one model each with the same weights (BF16 parameters, CUDA):
 - sdpa: `attn_implementation="sdpa"` (transformers' default; the SDPA backend that ran is read from the profiler);
 - triton: `attn_implementation="flash_forensics"` + `use(model, recipe)`; plain causal batches take the Triton route
   (flash_forensics/fast_path.py);
-- emulator: the same model with the fast path's causal test answering "no", so every call takes the emulator
-  (what a padded batch gets today).
+- emulator: the same model with the fast path's tests answering "no", so every call takes the emulator.
+`--left-pad N` pads every other sequence on the left (an attention_mask): the key-padded route.
 Each call's route is recorded from the backend's own hooks (flash_forensics/hooks.py), so a method that silently
 fell back would show it. The step is zero_grad + forward + loss + backward; it is timed with
 triton.testing.do_bench, the methods in turn in every round; a row's figure is the median over rounds. The loss of
@@ -55,33 +55,43 @@ def build(args, device):
     return ours, sdpa
 
 
-def step_fn(model, ids, emulator: bool = False):
-    from flash_forensics import fast_path
+class _EmulatorOnly:
+    """The fast path's tests answer "no" inside the block: every call takes the emulator route."""
+
+    def __enter__(self):
+        from flash_forensics import fast_path
+        self.saved = fast_path.causal_only, fast_path.key_padding
+        fast_path.causal_only = lambda *a, **k: False
+        fast_path.key_padding = lambda *a, **k: None
+
+    def __exit__(self, *exc):
+        from flash_forensics import fast_path
+        fast_path.causal_only, fast_path.key_padding = self.saved
+
+
+def _batch(ids, am):
+    labels = ids if am is None else ids.masked_fill(am == 0, -100)  # padded positions carry no loss
+    return dict(input_ids=ids, labels=labels, **({} if am is None else {"attention_mask": am}))
+
+
+def step_fn(model, ids, am=None, emulator: bool = False):
+    from contextlib import nullcontext
 
     def step():
         model.zero_grad(set_to_none=True)
-        orig = fast_path.causal_only
-        if emulator:  # the fast path's causal test says "no": every call takes the emulator route
-            fast_path.causal_only = lambda *a, **k: False
-        try:
-            model(input_ids=ids, labels=ids).loss.backward()
-        finally:
-            fast_path.causal_only = orig
+        with _EmulatorOnly() if emulator else nullcontext():
+            model(**_batch(ids, am)).loss.backward()
     return step
 
 
-def routes(model, ids, emulator: bool = False):
+def routes(model, ids, am=None, emulator: bool = False):
     """The implementation each attention call of one forward ran on (the backend's hooks); sdpa has none."""
-    from flash_forensics import fast_path, hooks
+    from contextlib import nullcontext
+
+    from flash_forensics import hooks
     calls = []
-    orig = fast_path.causal_only
-    if emulator:
-        fast_path.causal_only = lambda *a, **k: False
-    try:
-        with hooks.observing(calls.append), torch.no_grad():
-            loss = model(input_ids=ids, labels=ids).loss
-    finally:
-        fast_path.causal_only = orig
+    with _EmulatorOnly() if emulator else nullcontext(), hooks.observing(calls.append), torch.no_grad():
+        loss = model(**_batch(ids, am)).loss
     return sorted({str(getattr(c, "implementation", "?")) for c in calls}), float(loss)
 
 
@@ -134,6 +144,8 @@ def main(argv=None) -> int:
     ap.add_argument("--kv-heads", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--recipe", default="paper_bf16", choices=("paper_bf16", "fa2", "fp32"))
+    ap.add_argument("--left-pad", type=int, default=0,
+                    help="left-pad every other sequence by this many tokens (attention_mask): the key-padded route")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--warmup-ms", type=int, default=200)
     ap.add_argument("--rep-ms", type=int, default=1000)
@@ -149,13 +161,20 @@ def main(argv=None) -> int:
     ours, sdpa = build(a, a.device)
     g = torch.Generator(device="cpu").manual_seed(1)
     ids = torch.randint(0, a.vocab, (a.batch, a.seq), generator=g).to(a.device)
-    methods = {"sdpa": step_fn(sdpa, ids), "emulator": step_fn(ours, ids, emulator=True)}
+    if not 0 <= a.left_pad < a.seq:
+        ap.error(f"--left-pad {a.left_pad} is not allowed: expected 0 <= it < --seq {a.seq}")
+    am = None
+    if a.left_pad:
+        am = torch.ones(a.batch, a.seq, dtype=torch.long, device=a.device)
+        am[1::2, :a.left_pad] = 0
+    methods = {"sdpa": step_fn(sdpa, ids, am), "emulator": step_fn(ours, ids, am, emulator=True)}
     if a.device == "cuda":
-        methods["triton"] = step_fn(ours, ids)
-    info = {"sdpa": {"routes": ["transformers sdpa"], "loss": float(sdpa(input_ids=ids, labels=ids).loss.detach())}}
+        methods["triton"] = step_fn(ours, ids, am)
+    with torch.no_grad():
+        info = {"sdpa": {"routes": ["transformers sdpa"], "loss": float(sdpa(**_batch(ids, am)).loss)}}
     for m in methods:
         if m != "sdpa":
-            r, loss = routes(ours, ids, emulator=(m == "emulator"))
+            r, loss = routes(ours, ids, am, emulator=(m == "emulator"))
             info[m] = {"routes": r, "loss": loss}
     if a.device == "cuda":
         info["sdpa"]["sdpa_backend"] = sdpa_backend(methods["sdpa"])
@@ -171,7 +190,8 @@ def main(argv=None) -> int:
     if "triton" in rows:
         summary["triton_vs_emulator"] = rows["emulator"]["ms"] / rows["triton"]["ms"]
     out = dict(environment(argv, a.device), shape=dict(batch=a.batch, seq=a.seq, layers=a.layers, hidden=a.hidden,
-                                                       heads=a.heads, kv_heads=a.kv_heads, vocab=a.vocab),
+                                                       heads=a.heads, kv_heads=a.kv_heads, vocab=a.vocab,
+                                                       left_pad=a.left_pad),
                recipe=a.recipe, step="zero_grad + forward + loss + backward, BF16 parameters", methods=rows,
                summary=summary, smoke=a.device == "cpu")
     _write(out, out_path)

@@ -145,7 +145,10 @@ EOF
       > "$LOG/pytest_gpu_own_model.log" 2>&1 || rc=1
     tail -8 "$LOG/pytest_gpu_own_model.log"
     timeout "${BENCH_TIMEOUT:-240}" $PY benchmarks/hf_llama.py --out "$LOG/hf-llama.json" > "$LOG/hf_llama.log" 2>&1 || rc=1
-    tail -5 "$LOG/hf_llama.log"; exit $rc
+    tail -5 "$LOG/hf_llama.log"
+    timeout "${BENCH_TIMEOUT:-240}" $PY benchmarks/hf_llama.py --left-pad 100 --out "$LOG/hf-llama-padded.json" \
+      > "$LOG/hf_llama_padded.log" 2>&1 || rc=1
+    tail -5 "$LOG/hf_llama_padded.log"; exit $rc
     ;;
   ddp)
     setup; logdir ddp
