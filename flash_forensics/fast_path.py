@@ -10,7 +10,7 @@ otherwise keep every call on the emulator.
 - `plain_scale(scaling, D)`: None where the module's scale is the default 1/sqrt(D) (what the kernels use).
 - `key_padding(mask, Tq, Tk)`: the (B, T) key-keep vector when a bool mask is the causal triangle and a per-batch key
   padding (left, right or holes: transformers' padded batches), else None; the Triton kernels take it as key_keep.
-  One sync per mask object, cached as causal_only's answer; never while dynamo traces.
+  It shares causal_only's one read-back per mask object.
 """
 from __future__ import annotations
 
@@ -19,53 +19,52 @@ from typing import Dict, Optional
 
 import torch
 
-# id(mask) -> (weakref to it, its _version, Tq, the answer); a tensor cannot key a WeakKeyDictionary (its == is
-# elementwise). A few entries: one per mask kind a forward builds (full, sliding window).
+# id(mask) -> (weakref to it, its _version, Tq, causal only?, key-keep (B, T) or None); a tensor cannot key a
+# WeakKeyDictionary (its == is elementwise). A few entries: one per mask kind a forward builds (full, sliding window).
 _SEEN: Dict[int, tuple] = {}
 
 
-def cached(mask: torch.Tensor) -> Optional[bool]:
-    """The answer kept for this mask object, None when there is none (or it changed in place since)."""
+def _hit(mask: torch.Tensor) -> Optional[tuple]:
     hit = _SEEN.get(id(mask))
     if hit is None or hit[0]() is not mask or hit[1] != mask._version:
         return None
-    return hit[3]
+    return hit
+
+
+def cached(mask: torch.Tensor) -> Optional[bool]:
+    """The causal_only answer kept for this mask object, None when there is none (or it changed in place since)."""
+    hit = _hit(mask)
+    return None if hit is None else hit[3]
+
+
+def _classify(mask: Optional[torch.Tensor], Tq: int, Tk: int) -> Optional[tuple]:
+    """(causal only?, key-keep or None) of a (B or 1, 1, Tq, Tq) bool mask, from one read-back (cached per mask
+    object); None for any other mask or while dynamo traces."""
+    if mask is None or mask.dtype != torch.bool or mask.dim() != 4 or Tq != Tk or Tq < 2:
+        return None
+    if mask.shape[1] != 1 or mask.shape[-2:] != (Tq, Tk) or torch.compiler.is_compiling():
+        return None
+    hit = _hit(mask)
+    if hit is not None:
+        return hit[3], hit[4]
+    keys = mask[:, 0, -1, :]  # the last row sees every key causality allows: the batch's kept keys
+    tri = torch.ones(Tq, Tk, dtype=torch.bool, device=mask.device).tril()
+    padded, full = torch.stack([(mask[:, 0] == (tri & keys[:, None, :])).all(), keys.all()]).tolist()  # the one sync
+    answer = (padded and full, keys.contiguous() if padded else None)
+    if len(_SEEN) > 8:
+        _SEEN.clear()
+    _SEEN[id(mask)] = (weakref.ref(mask), mask._version, Tq, *answer)
+    return answer
 
 
 def causal_only(mask: Optional[torch.Tensor], Tq: int, Tk: int) -> bool:
-    if mask is None or mask.dtype != torch.bool or mask.dim() != 4 or Tq != Tk or Tq < 2:
-        return False
-    if mask.shape[1] != 1 or mask.shape[-2:] != (Tq, Tk) or torch.compiler.is_compiling():
-        return False
-    hit = cached(mask)
-    if hit is not None:
-        return hit
-    tri = torch.ones(Tq, Tk, dtype=torch.bool, device=mask.device).tril()
-    answer = bool(torch.equal(mask, tri.expand_as(mask)))  # the one sync
-    if len(_SEEN) > 8:
-        _SEEN.clear()
-    _SEEN[id(mask)] = (weakref.ref(mask), mask._version, Tq, answer)
-    return answer
-
-
-_PADS: Dict[int, tuple] = {}  # id(mask) -> (weakref, _version, Tq, key-keep (B, T) or None), as _SEEN
+    got = _classify(mask, Tq, Tk)
+    return bool(got and got[0])
 
 
 def key_padding(mask: Optional[torch.Tensor], Tq: int, Tk: int) -> Optional[torch.Tensor]:
-    if mask is None or mask.dtype != torch.bool or mask.dim() != 4 or Tq != Tk or Tq < 2:
-        return None
-    if mask.shape[1] != 1 or mask.shape[-2:] != (Tq, Tk) or torch.compiler.is_compiling():
-        return None
-    hit = _PADS.get(id(mask))
-    if hit is not None and hit[0]() is mask and hit[1] == mask._version:
-        return hit[3]
-    keys = mask[:, 0, -1, :]  # the last row sees every key causality allows: the batch's kept keys
-    tri = torch.ones(Tq, Tk, dtype=torch.bool, device=mask.device).tril()
-    answer = keys.contiguous() if bool(torch.equal(mask[:, 0], tri & keys[:, None, :])) else None  # the one sync
-    if len(_PADS) > 8:
-        _PADS.clear()
-    _PADS[id(mask)] = (weakref.ref(mask), mask._version, Tq, answer)
-    return answer
+    got = _classify(mask, Tq, Tk)
+    return None if got is None else got[1]
 
 
 def plain_scale(scaling, D: int):

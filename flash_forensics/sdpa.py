@@ -190,9 +190,11 @@ def attend(q, k, v, cfg: AttentionKnobs, attn_mask=None, dropout_p: float = 0.0,
             given = "given" if attn_mask is not None else None
             raise ValueError(f"key_keep with is_causal={is_causal}, attn_mask={given}, Tq={Tq}, Tk={Tk} is not "
                              f"allowed: expected a causal call with no attn_mask and key_keep (B, {Tk})")
+    padded = key_keep is not None and scale is None and q.is_cuda and resolve_backend(
+        cfg, q.device, q=q, key="flash_forensics.backend") == "triton"
+    if key_keep is not None and not padded:  # the emulator computes the mask it stands for
         tri = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril()
-        attn_mask = (tri & key_keep.to(torch.bool)[:, None, :])[:, None]  # what the emulator and observers see
-        is_causal = False
+        attn_mask, is_causal = (tri & key_keep.to(torch.bool)[:, None, :])[:, None], False
     keep, bias, dead = _masks(attn_mask, B, H, Tq, Tk)
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
         raise ValueError(f"scale={scale!r} is not allowed: expected a number > 0 or None (1/sqrt(D))")
@@ -201,9 +203,9 @@ def attend(q, k, v, cfg: AttentionKnobs, attn_mask=None, dropout_p: float = 0.0,
     # plain causal calls (and causal calls with key padding) on CUDA go to the Triton kernels when they compute
     # every knob (backend=auto; the same routing as our GPT's layers); other masks, Tq != Tk and other scales exist
     # only in the emulator
-    padded = key_keep is not None and scale is None
-    route = resolve_backend(cfg, q.device, q=q, key="flash_forensics.backend") if (plain or padded) and q.is_cuda \
-        else "emulator"
+    # (a padded call on Triton: no mask is built, and its rows with no key are 0 from the kernels)
+    route = "triton" if padded else resolve_backend(cfg, q.device, q=q, key="flash_forensics.backend") \
+        if plain and q.is_cuda else "emulator"
     if route == "triton":
         o = triton_flash.flash_attention_triton(q, k, v, cfg, stats, key_keep=key_keep if padded else None)
     else:
@@ -215,7 +217,7 @@ def attend(q, k, v, cfg: AttentionKnobs, attn_mask=None, dropout_p: float = 0.0,
     if hooks.active():
         # a mask that is exactly the causal triangle (what transformers materialises without padding) is a causal
         # call for whoever observes it; checked only here, when someone observes (it reads the mask back)
-        causal = is_causal or (keep is not None and bias is None and Tq == Tk and bool(
+        causal = (is_causal and not padded) or (keep is not None and bias is None and Tq == Tk and bool(
             torch.equal(keep.expand(B, H, Tq, Tk), torch.ones(Tq, Tk, dtype=torch.bool, device=keep.device)
                         .tril().expand(B, H, Tq, Tk))))
         hooks.emit(hooks.AttentionCall(q=q, k=k, v=v, o=o, lse=None, recipe=cfg.recipe, knobs=cfg.knob_values(),

@@ -139,11 +139,8 @@ def flash_attention(q, k, v, knobs: AttentionKnobs, stats=None, key_keep=None):
     counters = stats is not None and knobs.counters
     rep, maxl = (stats.repeated_max_rows, stats.max_logit) if counters else (None, None)
     under = getattr(stats, "underflow_rows", None) if counters else None
-    if key_keep is None:  # the call as before (no key mask argument at all)
-        o = FlashAttention.apply(q, k, v, rep, maxl, *op_args(knobs, H), op_rounding(knobs), knobs.fp32_gemm, under)
-    else:
-        o = FlashAttention.apply(q, k, v, rep, maxl, *op_args(knobs, H), op_rounding(knobs), knobs.fp32_gemm,
-                                 under, key_keep)
+    o = FlashAttention.apply(q, k, v, rep, maxl, *op_args(knobs, H), op_rounding(knobs), knobs.fp32_gemm, under,
+                             key_keep)
     if counters and getattr(stats, "rows_seen", None) is not None:
         stats.rows_seen.add_(B * tf._rows_per_head(T, knobs) if key_keep is None
                              else tf.rows_seen_padded(key_keep, B, T, knobs))
