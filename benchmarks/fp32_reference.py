@@ -41,13 +41,18 @@ METHODS = {
 }
 
 
-def sdpa_backend(q, k, v) -> str:
-    """Which SDPA backend torch picks for these inputs (the profiler's kernel names; no guessing)."""
+def cuda_kernel_names(run) -> str:
+    """The CUDA kernels one call of `run` launched (the profiler's names, lower case, space-separated)."""
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+        run()
         torch.cuda.synchronize()
-    names = " ".join(e.key.lower() for e in prof.key_averages())
+    return " ".join(e.key.lower() for e in prof.key_averages())
+
+
+def sdpa_backend(q, k, v) -> str:
+    """Which SDPA backend torch picks for these inputs (the profiler's kernel names; no guessing)."""
+    names = cuda_kernel_names(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward())
     for word, backend in (("cudnn", "cudnn"), ("flash", "flash"), ("efficient", "efficient"), ("mem_eff", "efficient")):
         if word in names:
             return backend

@@ -97,11 +97,8 @@ def routes(model, ids, am=None, emulator: bool = False):
 
 def sdpa_backend(step) -> str:
     """Which SDPA kernels one step of the sdpa model ran (the profiler's CUDA kernel names; no guessing)."""
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        step()
-        torch.cuda.synchronize()
-    names = " ".join(e.key.lower() for e in prof.key_averages())
+    from benchmarks.fp32_reference import cuda_kernel_names
+    names = cuda_kernel_names(step)
     found = [b for w, b in (("cudnn", "cudnn"), ("flash", "flash"), ("efficient", "efficient"),
                             ("mem_eff", "efficient")) if w in names]
     return ",".join(sorted(set(found))) or "math or unknown"
