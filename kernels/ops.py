@@ -34,8 +34,8 @@ def _knobs(recipe: str, tiling: bool, block_q: int, block_k: int, softmax: str =
                           o_fp32_heads=list(fp32_heads or ()), keep_fp32=keep, round_bf16=rnd, fp32_gemm=fp32_gemm)
 
 
-def _fwd_body(q, k, v, rep, maxl, recipe, tiling, block_q, block_k, softmax, beta, eps, pv_fp32, fp32_heads,
-              rounding, fp32_gemm="ieee", under=None, key_keep=None):
+def _fwd_body(q, k, v, rep, maxl, under, recipe, tiling, block_q, block_k, softmax, beta, eps, pv_fp32, fp32_heads,
+              rounding, fp32_gemm="ieee", key_keep=None):
     o, lse, _, _ = tf._forward(q, k, v, _knobs(recipe, tiling, block_q, block_k, softmax, beta, eps, "dO_O", pv_fp32,
                                                fp32_heads, rounding, fp32_gemm), rep, maxl, under=under,
                                key_keep=key_keep)
@@ -51,23 +51,24 @@ def _bwd_body(do, q, k, v, o, lse, recipe, tiling, block_q, block_k, delta, fp32
 
 @torch.library.custom_op(f"{LIB}::flash_fwd", mutates_args=("repeated_max_rows", "max_logit", "underflow_rows"))
 def flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, repeated_max_rows: Optional[torch.Tensor],
-              max_logit: Optional[torch.Tensor], recipe: str, tiling: bool, block_q: int, block_k: int, softmax: str,
-              beta: float, eps: float, pv_fp32: bool, fp32_heads: List[int],
+              max_logit: Optional[torch.Tensor], underflow_rows: Optional[torch.Tensor], recipe: str, tiling: bool,
+              block_q: int, block_k: int, softmax: str, beta: float, eps: float, pv_fp32: bool, fp32_heads: List[int],
               rounding: int = -1, fp32_gemm: str = "ieee",
-              underflow_rows: Optional[torch.Tensor] = None,
               key_keep: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Causal flash forward: (O as stored for the backward, lse (B, H, T) FP32). Counters are added into
     repeated_max_rows (H,) int64 and max_logit () FP32 when given (both or neither), and into underflow_rows (H,)
     int64 when given with them (rows whose row sum underflowed). `rounding`: the BF16 rounding points
     (flash_forensics.kernels.triton_flash.round_mask); `fp32_gemm`: how FP32 GEMMs run (ieee | tf32x3);
-    `key_keep` (1 or B, T): keys masked on top of causality (rows with no key: O = 0, lse = +inf)."""
-    return _fwd_body(q, k, v, repeated_max_rows, max_logit, recipe, tiling, block_q, block_k, softmax, beta, eps,
-                     pv_fp32, fp32_heads, rounding, fp32_gemm, underflow_rows, key_keep)
+    `key_keep` (1 or B, T): keys masked on top of causality (rows with no key: O = 0, lse = +inf).
+    No mutated argument has a default: torch <= 2.11 drops a default-valued argument before its version-counter
+    bookkeeping and fails on it (IndexError; pytorch issue 176078), which broke compile with counters off."""
+    return _fwd_body(q, k, v, repeated_max_rows, max_logit, underflow_rows, recipe, tiling, block_q, block_k, softmax,
+                     beta, eps, pv_fp32, fp32_heads, rounding, fp32_gemm, key_keep)
 
 
 @flash_fwd.register_fake
-def _flash_fwd_fake(q, k, v, repeated_max_rows, max_logit, recipe, tiling, block_q, block_k, softmax, beta, eps,
-                    pv_fp32, fp32_heads, rounding=-1, fp32_gemm="ieee", underflow_rows=None, key_keep=None):
+def _flash_fwd_fake(q, k, v, repeated_max_rows, max_logit, underflow_rows, recipe, tiling, block_q, block_k, softmax,
+                    beta, eps, pv_fp32, fp32_heads, rounding=-1, fp32_gemm="ieee", key_keep=None):
     B, H, T, D = q.shape
     mask = rounding if rounding >= 0 else tf.round_mask(_knobs(recipe, tiling, block_q, block_k, pv_fp32=pv_fp32))
     return (q.new_empty((B, H, T, D), dtype=tf.saved_o_dtype(mask, fp32_heads)),
@@ -98,8 +99,8 @@ class FlashAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, rep, maxl, recipe, tiling, block_q, block_k, softmax, beta, eps, delta, pv_fp32,
                 fp32_heads, rounding, fp32_gemm, under=None, key_keep=None):
-        args = (q, k, v, rep, maxl, recipe, tiling, block_q, block_k, softmax, beta, eps, pv_fp32, fp32_heads,
-                rounding, fp32_gemm, under, key_keep)
+        args = (q, k, v, rep, maxl, under, recipe, tiling, block_q, block_k, softmax, beta, eps, pv_fp32, fp32_heads,
+                rounding, fp32_gemm, key_keep)
         if torch.compiler.is_compiling():
             o, lse = torch.ops.flash_forensics.flash_fwd(*args)
         else:  # the op's own body, without the dispatcher's per-call overhead
