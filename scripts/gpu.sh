@@ -17,7 +17,7 @@
 #   isolation    the isolation table on the miniature (scripts/paper_isolation.sh ARGS: Hydra overrides)
 #   rounding     the miniature's rounding-point forks (flash-forensics isolate --sweeps rounding_refs rounding_points)
 #   paper-1gpu   the paper's regime on one GPU (scripts/paper_1gpu.sh ARGS)
-#   paper-table start|wait|collect
+#   paper-table start|wait|collect|run
 #                the paper's regime in one lease: the FP32-reference benchmark, the baseline, every fork at once, the
 #                report; `wait` prints progress, `collect` packs reports, logs and compact MLflow exports into $OUT
 #   round start|status|collect
@@ -250,10 +250,14 @@ EOF
     #   gpu.sh paper-table start          returns once the runs are in the background (benchmark + tests done)
     #   gpu.sh paper-table wait [SECONDS] progress lines until the plan ends or SECONDS pass (default 540)
     #   gpu.sh paper-table collect        (waits up to COLLECT_WAIT s, default 0, then) packs $OUT: <= 8 files
+    #   gpu.sh paper-table run [SECONDS]  start, wait, collect in ONE call that ends within SECONDS (default 560):
+    #                                     a short plan (e.g. SEED=1 CKPT_START=0 with few forks) needs no second
+    #                                     call, and a machine lost between calls (idle > 30 s) loses nothing collected
     # Env: SEED (1337), BENCH (1), TESTS (1), and the plan's: STOP_AFTER (20), PICK (before-divergence), MARGIN (150),
-    # PAST_DIVERGENCE (310), FORK_MEMORY (26 GiB), PER_GPU_FIRST (6), FORK_OVERRIDES (attention.fp32_gemm=tf32x3),
+    # PAST_DIVERGENCE (310), FORK_MEMORY (26 GiB; "" no check), PER_GPU_FIRST (6), FORK_OVERRIDES (attention.fp32_gemm=tf32x3),
     # MAX_STEPS (20000), CKPT_START (8500: seed 1337 diverges at step 9,697; the 34 checkpoints before 8,500 cost
-    # ~2 min of a 30-minute lease and are never forked from; 0 for a seed whose divergence is not known):
+    # ~2 min of a 30-minute lease and are never forked from; 0 for a seed whose divergence is not known; seed 1
+    # diverges at 2,288), OVERRIDES (more Hydra overrides for every run, space-separated):
     # see scripts/paper_1gpu.sh.
     R=${R:-/tmp/paper}; L=$R/logs; mode=${1:-start}
     plan_alive() { [ -f "$R/plan.pid" ] && kill -0 "$(cat "$R/plan.pid")" 2>/dev/null; }
@@ -266,7 +270,14 @@ EOF
       grep -a "1/5\|2/5\|3/5\|4/5\|5/5\|done\|FAILED\|stopped\|preflight" "$L/paper.log" 2>/dev/null | tail -3 | cut -c1-220
       tail -c 2000 "$R"/runs/seed*/baseline/run.log 2>/dev/null | tr '\r' '\n' | grep -a "it/s\|s/it\|\[job\]" | tail -1 | cut -c1-200
     }
-    if [ "$mode" = start ]; then
+    if [ "$mode" = run ]; then  # the collect gets the last ~60 s of the budget, whatever the plan is doing
+      t_run=$(date +%s); budget=${2:-560}; self=$ROOT/scripts/gpu.sh
+      rm -f "$R/plan.pid"; bash "$self" paper-table start
+      [ -f "$R/plan.pid" ] || die "start failed: no plan was started"
+      bash "$self" paper-table wait $(( budget - ($(date +%s) - t_run) - 60 ))
+      COLLECT_WAIT=0 bash "$self" paper-table collect
+      echo "[paper-table] run took $(( $(date +%s) - t_run )) s of $budget"
+    elif [ "$mode" = start ]; then
       mkdir -p "$L" "$R/src"
       cp -a . "$R/src" 2>/dev/null; cd "$R/src" || die "no copy"
       setup; env_txt | tee "$L/env.txt"
@@ -279,10 +290,10 @@ EOF
       export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
       setsid nohup env ROOT="$R/runs" SEEDS="${SEED:-1337}" STOP_AFTER="${STOP_AFTER:-20}" \
         PICK="${PICK:-before-divergence}" MARGIN="${MARGIN:-150}" PAST_DIVERGENCE="${PAST_DIVERGENCE:-310}" \
-        KEEP_CHECKPOINTS="${KEEP_CHECKPOINTS:-3}" FORK_MEMORY="${FORK_MEMORY:-26}" PER_GPU_FIRST="${PER_GPU_FIRST:-6}" \
+        KEEP_CHECKPOINTS="${KEEP_CHECKPOINTS:-3}" FORK_MEMORY="${FORK_MEMORY-26}" PER_GPU_FIRST="${PER_GPU_FIRST:-6}" \
         FORK_OVERRIDES="${FORK_OVERRIDES-attention.fp32_gemm=tf32x3}" CONTROL_SWEEPS="${CONTROL_SWEEPS:-paper_isolation}" \
         ISOLATION_SWEEPS="${ISOLATION_SWEEPS-paper_1gpu_numerics paper_1gpu_mechanism beta_sweep}" PROGRESS_EVERY=60 \
-        bash scripts/paper_1gpu.sh "train.max_steps=${MAX_STEPS:-20000}" "train.ckpt_start=${CKPT_START:-8500}" \
+        bash scripts/paper_1gpu.sh "train.max_steps=${MAX_STEPS:-20000}" "train.ckpt_start=${CKPT_START:-8500}" ${OVERRIDES:-} \
         > "$L/paper.log" 2>&1 < /dev/null &
       echo $! > "$R/plan.pid"; date +%s > "$R/plan.t0"
       echo "[paper-table] plan started (pid $(cat "$R/plan.pid")) at $(( $(date +%s) - t0 )) s"
@@ -301,19 +312,24 @@ EOF
       progress_line
     elif [ "$mode" = wait ]; then
       end=$(( $(date +%s) + ${2:-540} ))
-      while plan_alive && [ "$(date +%s)" -lt "$end" ]; do progress_line; sleep 60; done
+      next=0  # polls every 5 s, a progress line a minute: it returns within 5 s of the plan's end
+      while plan_alive && [ "$(date +%s)" -lt "$end" ]; do
+        [ "$(date +%s)" -ge "$next" ] && { progress_line; next=$(( $(date +%s) + 60 )); }
+        sleep 5
+      done
       progress_line; plan_alive && echo "[paper-table] still running" || echo "[paper-table] plan ended"
     elif [ "$mode" = collect ]; then
       : "${OUT:?collect writes into \$OUT}"
       end=$(( $(date +%s) + ${COLLECT_WAIT:-0} ))
-      while plan_alive && [ "$(date +%s)" -lt "$end" ]; do sleep 10; done
+      while plan_alive && [ "$(date +%s)" -lt "$end" ]; do sleep 5; done
       cd "$R/src" || die "no $R/src"; setup
       state=ended; plan_alive && state=running
       echo "[paper-table] plan $state after $(( $(date +%s) - $(cat "$R/plan.t0") )) s" | tee -a "$L/paper.log"
       for d in "$R"/runs/seed*/; do  # the seed folders, not their seed<S>.log files
         d=${d%/}; s=${d##*seed}
         if [ ! -f "$d/report/verdicts.json" ] || [ "$state" = running ]; then  # the finished rows, read-only
-          $PY -m flash_forensics.cli report "$d/baseline" "$d/forks" --out "$d/report_partial" --sweep paper_isolation \
+          runs=("$d/baseline"); [ -d "$d/forks" ] && runs+=("$d/forks")  # no forks yet: the baseline alone
+          $PY -m flash_forensics.cli report "${runs[@]}" --out "$d/report_partial" --sweep paper_isolation \
             --tracking-uri "sqlite:///$d/mlflow.db" --meta "partial=collected while the plan was $state" \
             > "$L/report_partial_$s.log" 2>&1 || echo "[paper-table] partial report failed: $L/report_partial_$s.log"
         fi
@@ -327,7 +343,7 @@ EOF
       [ -f "$L/pytest_gpu.log" ] && cp "$L/pytest_gpu.log" "$OUT/"
       ls -la "$OUT"
     else
-      die "usage: gpu.sh paper-table start|wait [SECONDS]|collect"
+      die "usage: gpu.sh paper-table start|wait [SECONDS]|collect|run [SECONDS]"
     fi
     ;;
   stage)
@@ -337,7 +353,9 @@ EOF
     mkdir -p .stage
     $PY -m flash_forensics.cli data fetch || die "data fetch failed"
     cache=$($PY -c "from flash_forensics.orchestrator.data.cache import cache_dir; print(cache_dir())")
-    tmp=$(mktemp -d) && mkdir "$tmp/.ffcache" && cp -a "$cache"/. "$tmp/.ffcache/" \
+    # only the tokenizer's ranks (0.3 MB xz): the corpora travel prepared, as data-*.tar.xz (the raw .debs would add
+    # ~16 MB to a tree capped at 64 MiB)
+    tmp=$(mktemp -d) && mkdir "$tmp/.ffcache" && cp -a "$cache"/tiktoken "$tmp/.ffcache/" \
       && tar -cJf .stage/ffcache.tar.xz -C "$tmp" .ffcache && rm -rf "$tmp" || die "packing $cache failed"
     for spec in "$@"; do
       name=${spec#data=}

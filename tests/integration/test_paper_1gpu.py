@@ -233,3 +233,29 @@ def test_preflight_checks_the_runs_as_launched():
     plan.keep_checkpoints = 0
     with pytest.raises(isolate.PipelineError, match=r"baseline .*the run would write ~1\d\d GB"):
         isolate.preflight_configs(plan)
+
+
+def test_lease_wrapper_runs_start_wait_collect_in_one_call(tmp_path):
+    """`gpu.sh paper-table run` (what a short lease calls once): the plan starts, `wait` returns once it ends, and
+    `collect` packs the table, the logs and the MLflow export into $OUT in the same call, before its budget. Tiny, on
+    the CPU: seed 1's baseline NaN at step 8, the FP32 reference forked from step 6 past the baseline's end."""
+    import tarfile
+    out, r_dir = tmp_path / "out", tmp_path / "lease"
+    out.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("CUDA_VISIBLE_DEVICES",)}
+    env.update(R=str(r_dir), OUT=str(out), SEED="1", BENCH="0", TESTS="0", CAPTURES="0", CKPT_START="0",
+               MAX_STEPS="14", STOP_AFTER="2", MARGIN="2", PAST_DIVERGENCE="6", FORK_MEMORY="", KEEP_CHECKPOINTS="0",
+               CONTROL_SWEEPS="paper_1gpu_fp32", ISOLATION_SWEEPS="", OMP_NUM_THREADS="1",
+               FORK_OVERRIDES="attention.fp32_gemm=tf32x3 debug.nan_at_step=null",
+               OVERRIDES=" ".join(t for t in TINY if not t.startswith("train.max_steps")))
+    r = subprocess.run(["bash", "scripts/gpu.sh", "paper-table", "run", "400"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    assert "[paper-table] plan ended" in r.stdout and "run took" in r.stdout, r.stdout[-2000:]
+    assert (out / "mlflow-seed1.json.gz").is_file() and (out / "paper-logs.tar.xz").is_file()
+    with tarfile.open(out / "paper-reports.tar.xz") as tar:
+        doc = json.load(tar.extractfile("./seed1/report/verdicts.json"))
+    rows = {row["job"]: row for row in doc["runs"]}
+    assert rows["baseline"]["observed"] == "diverged" and rows["baseline"]["divergence_step"] == 8
+    assert rows["forks/paper_1gpu_fp32-0"]["intervention"] == "fp32", rows
+    assert rows["forks/paper_1gpu_fp32-0"]["observed"] == "stable", rows
