@@ -24,6 +24,8 @@
 #                one lease's work on one GPU, in the background: quiet benchmarks, then the miniature's rounding-point
 #                and stabilizer forks beside the paper_1gpu seeds, then the GPU tests; `status` prints progress,
 #                `collect` packs reports, logs and MLflow stores into $OUT
+#   wheels       on a machine WITH a network and a python3.12: .whl/site-py312.tar.xz, the packages the GPU image
+#                lacks (../shared/gpu/wheels.sh's list), installed and packed for setup below
 #   stage [data=NAME ...]
 #                on a machine WITH a network: pack the corpus cache (and prepared corpora, e.g. data=debian_docs)
 #                into .stage/ for a GPU machine without one
@@ -52,7 +54,9 @@ setup() {  # in the current directory (the repo root, or round's copy of it)
   local site=${FF_SITE:-/tmp/site}
   export PYTHONPATH=$site:$PWD${PYTHONPATH:+:$PYTHONPATH}
   if ! $PY -c "import hydra, omegaconf, submitit, mlflow, hydra_plugins.hydra_submitit_launcher" 2>/dev/null; then
-    if compgen -G ".whl/*.whl" >/dev/null; then
+    if [ -f .whl/site-py312.tar.xz ]; then  # `gpu.sh wheels`: the packages installed once here, packed (half the size)
+      mkdir -p "$site" && tar -xJf .whl/site-py312.tar.xz -C "$site" || die "unpacking .whl/site-py312.tar.xz failed"
+    elif compgen -G ".whl/*.whl" >/dev/null; then
       $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl \
         || die "installing .whl/*.whl into $site failed"
     else
@@ -345,6 +349,19 @@ EOF
     else
       die "usage: gpu.sh paper-table start|wait [SECONDS]|collect|run [SECONDS]"
     fi
+    ;;
+  wheels)
+    # on a machine with a network: the packages the GPU image lacks, for its Python 3.12, as ONE .whl/site-py312.tar.xz
+    # (the wheels installed into a folder and xz-packed: ~15 MB where the wheels are ~28 MB, with mlflow's web UI,
+    # never used there, left out): the tree a lease carries is capped at 64 MiB. Needs a python3.12 here (PY312).
+    py312=${PY312:-python3.12}
+    $py312 -c 'import sys; assert sys.version_info[:2] == (3, 12)' || die "no Python 3.12 here (set PY312)"
+    bash "${WHEELS_SH:-../shared/gpu/wheels.sh}" "$@" || die "wheels.sh failed"
+    tmp=$(mktemp -d)
+    $py312 -m pip install -q --no-index --no-deps --no-compile --target "$tmp/site" .whl/*.whl || die "install failed"
+    rm -rf "$tmp/site/mlflow/server/js" "$tmp/site/bin"
+    tar -cJf .whl/site-py312.tar.xz -C "$tmp/site" . && rm -rf "$tmp" .whl/*.whl || die "packing failed"
+    ls -la .whl
     ;;
   stage)
     # on a machine with a network and the project installed: the cache, and each named corpus prepared, packed
