@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from flash_forensics.orchestrator import record
-from flash_forensics.orchestrator.report import fork_health, links, plots, readback, verdict_view
+from flash_forensics.orchestrator.report import fork_health, links, plots, readback, rejudge, verdict_view
 from flash_forensics.orchestrator.report import html as report_html
 from flash_forensics.orchestrator.report import rows as R
 from flash_forensics.orchestrator.tracking.run_fields import git_info
@@ -349,27 +349,41 @@ def _experiments(uri: Optional[str], rows, parent_run_id: Optional[str]) -> Dict
 def write_report(rows: List[Dict], out_dir: os.PathLike, tracking_uri: Optional[str] = None,
                  meta: Optional[Dict] = None, parent_run_id: Optional[str] = None, sweep: Optional[str] = None,
                  histories: Optional[Dict[str, Dict]] = None, echo: bool = True,
-                 cause: Optional[Dict] = None, offline: bool = False) -> Dict[str, Path]:
+                 cause: Optional[Dict] = None, offline: bool = False, fork_rule: str = "recorded"
+                 ) -> Dict[str, Path]:
     """Write verdicts.md, verdicts.html, verdicts.json and plots/*.png into out_dir; log them to the parent run if
     given (report/verdicts.{md,json}, plots/, verdicts.html at the root). cause: the localization's verdict
     (orchestrator/analysis/localize/rounding_io.cause), rendered as the Cause section, its files logged under report/.
     offline: open no MLflow store (histories come from a compact export: report --histories).
+    fork_rule: "recorded" (each fork's verdict as its run gave it) or "source" (forks that ran with a fresh detector
+    re-judged from the histories as verdict.fork_baseline=source would: orchestrator/report/rejudge.py).
     Returns {'md', 'json', 'html', <plot name>...: path}."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     sweep = sweep or out_dir.name
     uri = None if offline else resolve_uri(tracking_uri) if tracking_uri is not None or any(
         r.get("mlflow_run_id") for r in rows) else None
-    rows = R.compare([dict(r) for r in rows])
-    meta = {**run_meta(uri), **(meta or {})}
-    if parent_run_id:
-        meta["parent_run_id"] = parent_run_id
+    if fork_rule not in rejudge.RULES:
+        raise ValueError(f"fork_rule={fork_rule!r} is not allowed: expected one of {', '.join(rejudge.RULES)}")
+    rows = [dict(r) for r in rows]
     if histories is None:
         try:
             histories = readback.load_histories(uri, rows) if uri else {}
         except Exception as e:  # the table is still worth writing without curves
             print(f"[report] could not read metric histories from {uri}: {e!r}")
             histories = {}
+    if fork_rule == "source":
+        rejudge.source_verdicts(rows, histories)
+    rows = R.compare(rows)
+    for r in rows:
+        if rejudge.note(r):
+            r["vs_baseline"] = "; ".join(x for x in (r.get("vs_baseline"), rejudge.note(r)) if x)
+    meta = {**run_meta(uri), **(meta or {})}
+    if fork_rule == "source":
+        meta["fork_rule"] = ("source: each fork judged from its source's detector at the fork step (re-judged from "
+                             "the histories where it ran fresh)")
+    if parent_run_id:
+        meta["parent_run_id"] = parent_run_id
     fork_health.annotate(rows, histories, lambda r: R._peer(r, rows, R.BASELINE),
                          lambda r: R._peer(r, rows, R.REFERENCE))
     experiments = _experiments(uri, rows, parent_run_id)

@@ -199,6 +199,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                          "store: with job dirs and no --tracking-uri, no MLflow store is opened")
     ap.add_argument("--source-run", default=None, metavar="RUN_ID",
                     help="with --from-mlflow: only this source run and its forks")
+    ap.add_argument("--fork-baseline", choices=("recorded", "source"), default="recorded",
+                    help="how forks are judged: as each run recorded it (default), or 'source': a fork that ran with "
+                         "a fresh detector re-judged from the histories as verdict.fork_baseline=source (its "
+                         "source's running minimum at the fork step), so a fork that repeats its source gets its "
+                         "source's verdict")
     ap.add_argument("--meta", action="append", default=[], metavar="KEY=VALUE",
                     help="extra lines for the report's meta block (e.g. command=..., repeatable)")
     args = ap.parse_args(argv)
@@ -223,7 +228,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             if missing:
                 print(f"[report] {len(missing)} run(s) not in {args.histories}: {', '.join(map(str, missing[:5]))}")
         write_report(rows, args.out, args.tracking_uri, meta=meta, sweep=args.sweep, histories=histories,
-                     offline=bool(args.histories) and args.tracking_uri is None)
+                     offline=bool(args.histories) and args.tracking_uri is None, fork_rule=args.fork_baseline)
     except ValueError as e:
         print(f"Error: {e}", file=sys.stderr)
         return 1
