@@ -46,6 +46,7 @@ from flash_forensics.orchestrator.job.folder import read_job_start
 from flash_forensics.orchestrator.monitor import signals
 from flash_forensics.orchestrator.monitor.signals import ABOVE, SIGNALS
 from flash_forensics.orchestrator.report import readback as store
+from flash_forensics.orchestrator.report.fork_health import JUMP_NATS
 from flash_forensics.orchestrator.report.plots import _save, palette, plt
 from flash_forensics.orchestrator.report.rows import rows_from_dirs
 from flash_forensics.orchestrator.verdict import DivergenceDetector, VerdictConfig
@@ -157,6 +158,14 @@ def _rows_of(source: str) -> List[Dict]:
     return rows_from_dirs([p])
 
 
+def _label(source: str) -> str:
+    """A source's short name: <folder>/report/verdicts.json -> <folder>; a job or sweep folder -> its name."""
+    p = Path(source)
+    if p.suffix == ".json":
+        p = p.parent
+    return p.parent.name if p.name in ("report", "report_source", "report_gpu") else p.name
+
+
 def _store_of(job_dir: Path) -> Optional[str]:
     """The store a job logged to: its job.json (written at job start), else its Hydra config or sweep."""
     return (read_job_start(job_dir) or {}).get("tracking_uri") or _job_uri(job_dir)
@@ -203,7 +212,7 @@ def _replayed_divergence(history: Dict, r: Dict) -> Optional[int]:
 
 def load(sources: Sequence[str] = (), tracking_uri: Optional[str] = None, experiment: Optional[str] = None,
          growth_window: int = 100, unfinished: bool = False,
-         histories: Optional[Dict[str, Dict]] = None) -> Tuple[List[Run], List[str]]:
+         histories: Optional[Dict[str, Dict]] = None, keep_jumped: bool = False) -> Tuple[List[Run], List[str]]:
     """(runs, skipped): the judged runs with their signal series, and a line per run left out. histories:
     {run id: history} from a compact export (--histories) instead of the runs' MLflow stores."""
     skipped: List[str] = []
@@ -213,12 +222,20 @@ def load(sources: Sequence[str] = (), tracking_uri: Optional[str] = None, experi
             rows.extend(_store_rows(src, experiment, skipped, unfinished))
             continue
         for r in _usable(_rows_of(src), skipped, unfinished):
+            if len(sources) > 1:  # several seeds' tables: 'baseline' in each, told apart by where they came from
+                r = dict(r, job=f"{_label(src)}/{r.get('job') or r['mlflow_run_id']}")
             rows.append((r, tracking_uri or (_store_of(Path(r["job_dir"])) if r.get("job_dir") else None)))
     if experiment is not None and not any(_is_store(s) for s in sources):
         rows.extend(_store_rows(tracking_uri, experiment, skipped, unfinished))
     runs = []
     for r, uri in rows:
         name = str(r.get("job") or r["mlflow_run_id"])
+        jump = r.get("fork_jump")
+        if not keep_jumped and isinstance(jump, (int, float)) and abs(jump) > JUMP_NATS:
+            # the intervention changed the model's function at the fork (report's fork_jump): its verdict is that
+            # damage, which no signal can precede, and its signals start from a different model
+            skipped.append(f"{name}: its first loss is {jump:+.2f} nats from its baseline's (fork_jump): not judged")
+            continue
         keys = signals.PREFIXES + ((record.LOSS,) if r["observed"] == "unfinished" else ())
         if histories is not None:
             if r["mlflow_run_id"] not in histories:
@@ -355,9 +372,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--out", default="results/early_warning", help="folder for early_warning.{md,json,png}")
     ap.add_argument("--growth-window", type=int, default=100, help="steps of wq_growth's d ln sigma / d step")
     ap.add_argument("--thresholds", action="append", default=[], help="SIGNAL=a,b,...: extra thresholds")
-    ap.add_argument("--histories", default=None, metavar="EXPORT.json.gz",
+    ap.add_argument("--histories", action="append", default=[], metavar="EXPORT.json.gz",
                     help="the runs' metric histories from a compact export (scripts/mlflow_export.py) instead of "
-                         "their MLflow stores (job folders as sources)")
+                         "their MLflow stores (job folders or reports as sources); repeat it for several exports "
+                         "(e.g. one per seed)")
+    ap.add_argument("--keep-jumped", action="store_true", help="judge forks whose first loss is more than "
+                    f"{JUMP_NATS} nats from their baseline's (a report's fork_jump) too; left out by default")
     ap.add_argument("--include-unfinished", action="store_true", help="judge runs without a verdict whose loss "
                     "did not diverge as 'unfinished': alarms on them are listed apart, not counted as false alarms")
     a = ap.parse_args(argv)
@@ -368,10 +388,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if a.histories and (a.experiment is not None or any(_is_store(x) for x in a.sources)):
         ap.error("--histories reads job folders' runs from an export: give job or sweep folders, not a store")
     try:
-        hist = store.histories_from_export(a.histories, signals.PREFIXES + (record.LOSS,)) if a.histories else None
+        hist = None
+        for path in a.histories:
+            hist = {**(hist or {}), **store.histories_from_export(path, signals.PREFIXES + (record.LOSS,))}
     except ValueError as e:
         ap.error(str(e))
-    runs, skipped = load(a.sources, a.tracking_uri, a.experiment, a.growth_window, a.include_unfinished, hist)
+    runs, skipped = load(a.sources, a.tracking_uri, a.experiment, a.growth_window, a.include_unfinished, hist,
+                         a.keep_jumped)
     rows = table(runs, _extra(a.thresholds))
     chosen = choose(rows, len(runs))
     paths = write(Path(a.out), runs, rows, chosen, skipped, a.growth_window)

@@ -213,3 +213,37 @@ def test_cli_reads_job_folders_with_histories_from_a_compact_export(tmp_path):
     assert doc["chosen"]["leads"] == {"runs/base": 61} and doc["chosen"]["false_alarms"] == 0
     with pytest.raises(SystemExit):
         ew.main(["sqlite:///x.db", "--histories", str(tmp_path / "e.json.gz")])
+
+
+def test_cli_reads_several_seeds_reports_and_exports_and_leaves_out_jumped_forks(tmp_path):
+    """Two seeds' tables (a report's verdicts.json each) and their exports (--histories twice): runs named by their
+    seed's folder, since both have a 'baseline'; a fork whose first loss jumped (fork_jump > 0.5 nats: the
+    intervention's own damage at the fork, e.g. SFA at huge logits) is left out unless --keep-jumped."""
+    import gzip
+    for seed, rid, div in (("seed1", "a", 100), ("seed2", "b", 150)):
+        (tmp_path / seed / "report").mkdir(parents=True)
+        runs = [{"job": "baseline", "intervention": "baseline", "observed": "diverged", "divergence_step": div,
+                 "mlflow_run_id": rid + "0"},
+                {"job": "forks/sfa", "intervention": "sfa", "observed": "diverged", "divergence_step": 50,
+                 "fork_step": 50, "fork_jump": 6.0, "mlflow_run_id": rid + "1"},
+                {"job": "forks/fp32", "intervention": "fp32", "observed": "stable", "fork_step": 50,
+                 "fork_jump": 0.01, "mlflow_run_id": rid + "2"}]
+        (tmp_path / seed / "report" / "verdicts.json").write_text(json.dumps({"runs": runs}))
+        export = {"runs": [{"run_id": rid + "0", "metrics": {"max_logit/L0": [[s, float(s)] for s in FLUSH]}},
+                           {"run_id": rid + "1", "metrics": {"max_logit/L0": [[s, 999.0] for s in FLUSH]}},
+                           {"run_id": rid + "2", "metrics": {"max_logit/L0": [[s, 30.0] for s in FLUSH]}}]}
+        with gzip.open(tmp_path / f"{seed}.json.gz", "wt") as f:
+            json.dump(export, f)
+    args = [str(tmp_path / s / "report" / "verdicts.json") for s in ("seed1", "seed2")]
+    args += ["--histories", str(tmp_path / "seed1.json.gz"), "--histories", str(tmp_path / "seed2.json.gz")]
+    assert ew.main([*args, "--out", str(tmp_path / "ew")]) == 0
+    doc = json.loads((tmp_path / "ew" / "early_warning.json").read_text())
+    assert sorted(r["name"] for r in doc["runs"]) == ["seed1/baseline", "seed1/forks/fp32", "seed2/baseline",
+                                                      "seed2/forks/fp32"]
+    assert sum("fork_jump" in s for s in doc["skipped"]) == 2
+    # max_logit above the stable forks' 30 first at step 39: leads 100 - 39 and 150 - 39, no false alarm
+    assert doc["chosen"]["leads"] == {"seed1/baseline": 61, "seed2/baseline": 111}
+    assert doc["chosen"]["false_alarms"] == 0 and doc["chosen"]["misses"] == 0
+    assert ew.main([*args, "--out", str(tmp_path / "ew2"), "--keep-jumped"]) == 0
+    doc = json.loads((tmp_path / "ew2" / "early_warning.json").read_text())
+    assert len(doc["runs"]) == 6 and doc["chosen"]["misses"] >= 1  # a divergence at its own fork step: no lead
