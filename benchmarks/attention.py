@@ -104,9 +104,12 @@ def _write(out, path):
         json.dump(out, fh, indent=2)
 
 
-def environment(argv) -> dict:
+def environment(argv, script=None) -> dict:
+    """script: the benchmark that ran (default: the one Python started; train_step.py and fp32_reference.py call
+    this too, and their JSON named attention.py as the command)."""
     import triton
-    return dict(command="python " + " ".join([os.path.relpath(__file__, ROOT)] + list(argv)),
+    script = script or (sys.argv[0] if sys.argv and sys.argv[0].endswith(".py") else __file__)
+    return dict(command="python " + " ".join([os.path.relpath(os.path.abspath(script), ROOT)] + list(argv)),
                 gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version(), python=platform.python_version(),
                 time=time.strftime("%Y-%m-%dT%H:%M:%S"))
