@@ -25,6 +25,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from flash_forensics.orchestrator import interventions, record
 from flash_forensics.orchestrator.job.fork import MODEL_KEYS
+from flash_forensics.orchestrator.report.fork_health import JUMP_NATS
 from flash_forensics.orchestrator.report.plots import palette
 
 REPO = Path(__file__).resolve().parents[2]
@@ -73,6 +74,17 @@ def load_bench(path: Optional[Path]) -> Dict[str, Any]:
     return doc
 
 
+def _label(run: Dict[str, Any]) -> str:
+    """The intervention and what tells its rows apart: its own knobs (intervention.beta=2) and a control (+control=fa2),
+    not the layer and heads localization chose for every row alike."""
+    ov = run.get("overrides") or []
+    if isinstance(ov, str):  # older reports wrote the list's repr
+        ov = ov.strip("[]").replace("'", "").split(", ") if ov.strip() else []
+    keep = [o for o in ov if o.lstrip("+~").split("=", 1)[0] == "control"
+            or (o.startswith("intervention.") and not o.startswith(("intervention.layer=", "intervention.heads=")))]
+    return " ".join([str(run.get("intervention")), *keep])
+
+
 def table_rows(reports: Sequence[Dict[str, Any]], bench: Dict[str, Any]) -> List[Dict[str, Any]]:
     """One row per run of every report (a report: {"path", "runs"}), in report order."""
     all_runs = [r for rep in reports for r in rep["runs"]]
@@ -89,7 +101,8 @@ def table_rows(reports: Sequence[Dict[str, Any]], bench: Dict[str, Any]) -> List
         for run in runs:
             name = run.get("intervention")
             final, val = _finite(run.get("final_loss")), _val_loss(run)
-            row = dict(report=str(rep["path"]), job=run.get("job"), intervention=name, observed=run.get("observed"),
+            row = dict(report=str(rep["path"]), job=run.get("job"), intervention=name, label=_label(run),
+                       fork_jump=_finite(run.get("fork_jump")), observed=run.get("observed"),
                        stable=run.get("observed") == "stable", from_step=run.get("fork_step") or 0,
                        divergence_step=run.get("divergence_step"), steps_done=run.get("steps_done"),
                        **_gained(run, base), final_loss=final, val_loss=val,
@@ -98,7 +111,10 @@ def table_rows(reports: Sequence[Dict[str, Any]], bench: Dict[str, Any]) -> List
                        needs_model_change=needs_model_change(name), cost={}, route={}, error=run.get("error"))
             for shape in shapes:
                 b = next((r for r in brows if r["shape"] == shape and r["variant"] == BASELINE), None)
-                mine = next((r for r in brows if r["shape"] == shape and r["variant"] == name), None)
+                # a control (+control=fa2) runs the baseline intervention on other attention: not the baseline's cost
+                control = "control=" in row["label"]
+                mine = None if control else next((r for r in brows if r["shape"] == shape and r["variant"] == name),
+                                                 None)
                 ok = b and mine and b.get("tokens_per_s") and mine.get("tokens_per_s")
                 row["cost"][shape] = 1 - mine["tokens_per_s"] / b["tokens_per_s"] if ok else None
                 row["route"][shape] = mine.get("route_set") if mine else None
@@ -121,18 +137,23 @@ def _gain_text(r) -> str:
 
 def markdown(rows: List[Dict[str, Any]], bench: Dict[str, Any], shapes: Sequence[str]) -> str:
     head = ["intervention", "from step", "verdict", "diverged at", "steps gained", "final loss", "vs fp32",
-            "val loss", "vs fp32", *[f"cost {s}" for s in shapes], "needs model change"]
+            "val loss", "vs fp32", *[f"cost {s}" for s in shapes], "jump at fork", "needs model change"]
     lines = ["# Stabilizers side by side", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        cells = [str(r["intervention"]), str(r["from_step"]), str(r["observed"]),
+        cells = [str(r.get("label") or r["intervention"]), str(r["from_step"]), str(r["observed"]),
                  "-" if r["divergence_step"] is None else str(r["divergence_step"]), _gain_text(r),
                  _f(r["final_loss"]), _f(r["final_vs_fp32"], signed=True), _f(r["val_loss"]),
                  _f(r["val_vs_fp32"], signed=True),
                  *[("not measured" if r["cost"].get(s) is None else f"{100 * r['cost'][s]:+.1f}%") for s in shapes],
+                 _f(r.get("fork_jump"), signed=True) + (" (not like-for-like)" if abs(r.get("fork_jump") or 0)
+                                                        > JUMP_NATS else ""),
                  {True: "yes", False: "no", None: "?"}[r["needs_model_change"]]]
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "- steps gained: divergence step minus the report's baseline's; `>= N`: stable to its last step.",
+              f"- jump at fork: a fork's first loss minus its baseline's on the same weights and batch (the report's "
+              f"fork_jump); beyond {JUMP_NATS} nats the intervention changed the trained model's function at the fork, "
+              f"so its verdict is not a like-for-like continuation.",
               "- cost: 1 - training tokens/s over the baseline's, per benchmark shape (positive: slower)."]
     if bench:
         lines.append(f"- throughput: `{bench.get('command')}` on {bench.get('gpu')} (torch {bench.get('torch')}, "
@@ -159,7 +180,7 @@ def plot(rows: List[Dict[str, Any]], shapes: Sequence[str], path: Path) -> Optio
     runs = [r for r in rows if r["intervention"] != BASELINE]
     if not runs:
         return None
-    labels = [f"{r['intervention']} (from {r['from_step']})" for r in runs]
+    labels = [f"{r.get('label') or r['intervention']} (from {r['from_step']})" for r in runs]
     fig, (a, b) = plt.subplots(1, 2, figsize=(13, 0.45 * len(runs) + 2), sharey=True)
     y = list(range(len(runs)))
     gains = [r["steps_gained"] or 0 for r in runs]

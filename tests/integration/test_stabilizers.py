@@ -390,3 +390,28 @@ def test_stabilizers_table_from_constructed_rows(tmp_path):
     assert "benchmark z_loss @ mini failed (not measured): OOM" in md
     with pytest.raises(ValueError, match=r"--reports .* expected a report folder with verdicts.json"):
         stabilizers.write([tmp_path / "nothing"], None, "x", results=tmp_path / "results")
+
+
+def test_stabilizers_table_tells_rows_of_one_intervention_apart_and_flags_a_jump_at_the_fork(tmp_path):
+    """A beta sweep and the controls: rows labelled by their own knobs and control, not by the layer and heads
+    every row shares; a fork whose first loss jumped (fork_jump, the report's) is flagged in its own column."""
+    from flash_forensics.orchestrator.analysis import stabilizers
+    rep = tmp_path / "r" / "report"
+    rep.mkdir(parents=True)
+    common = ["experiment=paper_1gpu", "intervention.layer=1", "intervention.heads=[1]"]
+    runs = [_run("baseline", "diverged", 100, final=5.0),
+            dict(_run("sfa", "stable", fork_step=50, final=3.1), fork_jump=1.6,
+                 overrides=[*common, "intervention=sfa", "intervention.beta=1.05"]),
+            dict(_run("sfa", "stable", fork_step=50, final=3.2), fork_jump=0.1,
+                 overrides=str([*common, "intervention=sfa", "intervention.beta=8"])),  # an older report's repr
+            dict(_run("baseline", "stable", fork_step=50, final=3.0), overrides=[*common, "+control=fa2"])]
+    (rep / "verdicts.json").write_text(json.dumps({"runs": runs}))
+    paths = stabilizers.write([rep], None, "labels", results=tmp_path / "results")
+    labels = [r["label"] for r in json.loads(paths["json"].read_text())["rows"]]
+    assert labels == ["baseline", "sfa intervention.beta=1.05", "sfa intervention.beta=8", "baseline +control=fa2"]
+    md = paths["md"].read_text()
+    assert "| sfa intervention.beta=1.05 |" in md and "+1.600 (not like-for-like)" in md
+    beta8 = next(line for line in md.splitlines() if line.startswith("| sfa intervention.beta=8 |"))
+    assert "+0.100" in beta8 and "like-for-like" not in beta8
+    fa2 = next(r for r in json.loads(paths["json"].read_text())["rows"] if r["label"] == "baseline +control=fa2")
+    assert fa2["cost"] == {}  # no benchmark here; with one, a control is never given the baseline's cost
