@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from flash_forensics.orchestrator import record
-from flash_forensics.orchestrator.report import fork_health, links, plots, readback, rejudge, verdict_view
+from flash_forensics.orchestrator.report import fork_health, links, plots, probe_table, readback, rejudge, verdict_view
 from flash_forensics.orchestrator.report import html as report_html
 from flash_forensics.orchestrator.report import rows as R
 from flash_forensics.orchestrator.tracking.run_fields import git_info
@@ -398,6 +398,9 @@ def write_report(rows: List[Dict], out_dir: os.PathLike, tracking_uri: Optional[
     plot_paths = make_plots(rows, histories, out_dir / "plots")
     paths = {"md": out_dir / "verdicts.md", "json": out_dir / "verdicts.json", "html": out_dir / "verdicts.html",
              **plot_paths}
+    probes_md = probe_table.write(rows, histories, out_dir)  # the mechanism per layer before the divergence
+    if probes_md is not None:
+        paths["probes_md"] = probes_md
     doc = {"sweep": sweep, "meta": meta, "runs": [{k: r.get(k) for k in R.ROW_KEYS} for r in rows],
            "summary": {"runs": len(rows), "matches_paper": sum(1 for r in rows if r["matches_paper"]),
                        "void": sum(1 for r in rows if r.get("paper_void")),
@@ -427,6 +430,8 @@ def write_report(rows: List[Dict], out_dir: os.PathLike, tracking_uri: Optional[
         for f in (cause or {}).get("files", ()):
             retry(client.log_artifact, parent_run_id, str(f), "report")
         retry(client.log_artifact, parent_run_id, str(paths["json"]), "report")
+        if "probes_md" in paths:
+            retry(client.log_artifact, parent_run_id, str(paths["probes_md"]), "report")
         retry(client.log_artifact, parent_run_id, str(paths["html"]))
         for name in plot_paths:
             retry(client.log_artifact, parent_run_id, str(paths[name]), "plots")
@@ -441,7 +446,8 @@ def write_report(rows: List[Dict], out_dir: os.PathLike, tracking_uri: Optional[
                [RunTag(k, str(v)[:MAX_TAG_VAL_LENGTH]) for k, v in std.items()])
     if echo:
         print(format_table(rows))
-        print(f"\nReport: {paths['md']}\n        {paths['html']} (one page, opens offline)")
+        print(f"\nReport: {paths['md']}\n        {paths['html']} (one page, opens offline)"
+              + (f"\n        {paths['probes_md']} (the mechanism probes per layer)" if "probes_md" in paths else ""))
         if uri:
             single = parent_run_id is None and len(experiments) == 1
             print("\n".join(links.link_lines(uri, meta.get("experiment_id"),
