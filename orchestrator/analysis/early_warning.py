@@ -222,9 +222,12 @@ def load(sources: Sequence[str] = (), tracking_uri: Optional[str] = None, experi
             rows.extend(_store_rows(src, experiment, skipped, unfinished))
             continue
         for r in _usable(_rows_of(src), skipped, unfinished):
-            if len(sources) > 1:  # several seeds' tables: 'baseline' in each, told apart by where they came from
-                r = dict(r, job=f"{_label(src)}/{r.get('job') or r['mlflow_run_id']}")
-            rows.append((r, tracking_uri or (_store_of(Path(r["job_dir"])) if r.get("job_dir") else None)))
+            rows.append((dict(r, source_label=_label(src)),
+                         tracking_uri or (_store_of(Path(r["job_dir"])) if r.get("job_dir") else None)))
+    names = [str(r.get("job") or r.get("mlflow_run_id")) for r, _ in rows]
+    if len(set(names)) < len(names):  # several seeds' tables: 'baseline' in each, told apart by where they came from
+        rows = [(dict(r, job=f"{r['source_label']}/{r.get('job') or r['mlflow_run_id']}") if "source_label" in r
+                 else r, uri) for r, uri in rows]
     if experiment is not None and not any(_is_store(s) for s in sources):
         rows.extend(_store_rows(tracking_uri, experiment, skipped, unfinished))
     runs = []
