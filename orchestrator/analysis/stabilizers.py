@@ -109,10 +109,10 @@ def table_rows(reports: Sequence[Dict[str, Any]], bench: Dict[str, Any]) -> List
                        final_vs_fp32=None if final is None or ref_final is None else final - ref_final,
                        val_vs_fp32=None if val is None or ref_val is None else val - ref_val,
                        needs_model_change=needs_model_change(name), cost={}, route={}, error=run.get("error"))
+            control = "control=" in row["label"]  # _label keeps a control's override, whatever its form
             for shape in shapes:
                 b = next((r for r in brows if r["shape"] == shape and r["variant"] == BASELINE), None)
                 # a control (+control=fa2) runs the baseline intervention on other attention: not the baseline's cost
-                control = "control=" in row["label"]
                 mine = None if control else next((r for r in brows if r["shape"] == shape and r["variant"] == name),
                                                  None)
                 ok = b and mine and b.get("tokens_per_s") and mine.get("tokens_per_s")

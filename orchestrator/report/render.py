@@ -376,8 +376,8 @@ def write_report(rows: List[Dict], out_dir: os.PathLike, tracking_uri: Optional[
         rejudge.source_verdicts(rows, histories)
     rows = R.compare(rows)
     for r in rows:
-        if rejudge.note(r):
-            r["vs_baseline"] = "; ".join(x for x in (r.get("vs_baseline"), rejudge.note(r)) if x)
+        if note := rejudge.note(r):
+            r["vs_baseline"] = "; ".join(x for x in (r.get("vs_baseline"), note) if x)
     meta = {**run_meta(uri), **(meta or {})}
     if fork_rule == "source":
         meta["fork_rule"] = ("source: each fork judged from its source's detector at the fork step (re-judged from "
