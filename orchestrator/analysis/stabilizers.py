@@ -44,13 +44,22 @@ def needs_model_change(intervention: str) -> Optional[bool]:
     return bool(set(interventions.load(intervention).model.set_fields()) & set(MODEL_KEYS))
 
 
-def _val_loss(row: Dict[str, Any]) -> Optional[float]:
+def _job_dir(row: Dict[str, Any], report_dir: Optional[Path]) -> Optional[Path]:
+    """The run's job folder: where the report found it, else beside the report folder (`<root>/report` reads
+    `<root>/<job>`), which is where it is once a lease's report and job folders are copied off the machine."""
+    for d in (row.get("job_dir"), report_dir.parent / row["job"] if report_dir and row.get("job") else None):
+        if d and record.result_path(Path(d)).is_file():
+            return Path(d)
+    return None
+
+
+def _val_loss(row: Dict[str, Any], report_dir: Optional[Path] = None) -> Optional[float]:
     if "val_loss" in row:
         return _finite(row["val_loss"])
-    job_dir = row.get("job_dir")
-    if job_dir and record.result_path(Path(job_dir)).is_file():
+    job_dir = _job_dir(row, report_dir)
+    if job_dir is not None:
         try:
-            return _finite(record.read(Path(job_dir)).val_loss)
+            return _finite(record.read(job_dir).val_loss)
         except (OSError, ValueError):
             return None
     return None
@@ -97,10 +106,11 @@ def table_rows(reports: Sequence[Dict[str, Any]], bench: Dict[str, Any]) -> List
         base = next((r for r in runs if r.get("intervention") == BASELINE and r.get("fork_step") is None), None) or \
             next((r for r in runs if r.get("intervention") == BASELINE), None)
         ref = next((r for r in runs if r.get("intervention") == REFERENCE), None) or ref_any
-        ref_final, ref_val = (_finite(ref.get("final_loss")), _val_loss(ref)) if ref else (None, None)
+        ref_rep = next((Path(x["path"]) for x in reports if any(r is ref for r in x["runs"])), None)
+        ref_final, ref_val = (_finite(ref.get("final_loss")), _val_loss(ref, ref_rep)) if ref else (None, None)
         for run in runs:
             name = run.get("intervention")
-            final, val = _finite(run.get("final_loss")), _val_loss(run)
+            final, val = _finite(run.get("final_loss")), _val_loss(run, Path(rep["path"]))
             row = dict(report=str(rep["path"]), job=run.get("job"), intervention=name, label=_label(run),
                        fork_jump=_finite(run.get("fork_jump")), observed=run.get("observed"),
                        stable=run.get("observed") == "stable", from_step=run.get("fork_step") or 0,

@@ -415,3 +415,25 @@ def test_stabilizers_table_tells_rows_of_one_intervention_apart_and_flags_a_jump
     assert "+0.100" in beta8 and "like-for-like" not in beta8
     fa2 = next(r for r in json.loads(paths["json"].read_text())["rows"] if r["label"] == "baseline +control=fa2")
     assert fa2["cost"] == {}  # no benchmark here; with one, a control is never given the baseline's cost
+
+
+def test_stabilizers_table_reads_val_loss_of_a_report_copied_off_its_machine(tmp_path):
+    """A lease's verdicts.json names job folders on the GPU machine (/tmp/paper/...); once the report and the job
+    folders are copied side by side (<root>/report, <root>/forks/<job>), the val loss comes from there."""
+    from flash_forensics.orchestrator.analysis import stabilizers
+    root = tmp_path / "seed2"
+    for job, val in (("baseline", 3.3), ("forks/fp32", 2.2), ("forks/qk_clip", 2.25)):
+        (root / job).mkdir(parents=True)
+        (root / job / "result.json").write_text(json.dumps({"observed": "stable", "val_loss": val}))
+    gone = "/nonexistent/lease/machine"
+    runs = [dict(_run("baseline", "diverged", 100, final=3.0), job="baseline", job_dir=f"{gone}/baseline"),
+            _run("fp32", "stable", fork_step=50, final=1.8, job_dir=f"{gone}/forks/fp32"),
+            _run("qk_clip", "stable", fork_step=50, final=1.9, job_dir=f"{gone}/forks/qk_clip"),
+            _run("z_loss", "stable", fork_step=50, final=2.0, job_dir=f"{gone}/forks/z_loss")]  # no folder here
+    (root / "report").mkdir()
+    (root / "report" / "verdicts.json").write_text(json.dumps({"runs": runs}))
+    rows = {r["intervention"]: r for r in stabilizers.table_rows(
+        [{"path": root / "report", "runs": runs}], {})}
+    assert rows["baseline"]["val_loss"] == 3.3 and rows["qk_clip"]["val_loss"] == 2.25
+    assert abs(rows["qk_clip"]["val_vs_fp32"] - 0.05) < 1e-9
+    assert rows["z_loss"]["val_loss"] is None and rows["z_loss"]["val_vs_fp32"] is None
