@@ -105,6 +105,30 @@ def test_plan_dry_run():
         assert "--sweeps paper_1gpu_controls --" in lines[s] and "train.ckpt_every=500" in lines[s]
 
 
+def test_scratch_plan_dry_run():
+    """scripts/paper_scratch.sh: one run.py per run, each in its own job folder, one store, no checkpoints; the lr
+    baselines keep the preset's constant schedule (min_lr = lr); a dry run writes nothing."""
+    env = dict(os.environ, DRY_RUN="1", ROOT="/tmp/ff-scratch-plan", SEED="2", MAX_STEPS="4652", LRS="5e-4 2e-3")
+    r = subprocess.run(["bash", "scripts/paper_scratch.sh", "train.compile=true"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    runs = {ln.split("] ", 1)[1].split(":", 1)[0]: ln for ln in r.stdout.splitlines() if ": python run.py " in ln}
+    assert list(runs) == ["baseline", "fp32", "qk_norm", "gated_attn", "baseline_lr5e-4", "baseline_lr2e-3"]
+    assert not Path("/tmp/ff-scratch-plan").exists()
+    for name, ln in runs.items():
+        assert ln.endswith(f"hydra.run.dir=/tmp/ff-scratch-plan/{name}"), ln
+        for want in ("experiment=paper_1gpu", "train.seed=2 data.seed=2", "train.max_steps=4652", "train.ckpt_every=0",
+                     "train.early_stop=true", "tracking.uri=sqlite:////tmp/ff-scratch-plan/mlflow.db",
+                     "attention.fp32_gemm=tf32x3", "train.compile=true"):
+            assert want in ln, (name, want)
+    assert "intervention=qk_norm sweep_name=paper_scratch " in runs["qk_norm"]
+    assert "intervention=baseline optimizer.lr=2e-3 optimizer.min_lr=2e-3 sweep_name=paper_scratch_lr" in \
+        runs["baseline_lr2e-3"]
+    empty = subprocess.run(["bash", "scripts/paper_scratch.sh"], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                           env=dict(os.environ, ROOT="/tmp/ff-scratch-empty", INTERVENTIONS="", LRS=""))
+    assert empty.returncode == 2 and "nothing to run" in empty.stdout
+
+
 TINY = ["data=default", "model=tiny", "model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=32",
         "train.batch_size=2", "train.device=cpu", "tracking.writer=thread", "tracking.system_metrics=false",
         "train.max_steps=14", "train.warmup_steps=2", "train.ckpt_every=2", "debug.nan_at_step=8",
