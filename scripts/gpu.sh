@@ -26,6 +26,9 @@
 #   paper-table start|wait|collect|run
 #                the paper's regime in one lease: the FP32-reference benchmark, the baseline, every fork at once, the
 #                report; `wait` prints progress, `collect` packs reports, logs and compact MLflow exports into $OUT
+#   scratch-table start|wait|collect|run
+#                the paper's regime from step 0 (scripts/paper_scratch.sh: baseline, fp32, qk_norm, gated_attn and a
+#                baseline at another lr, all at once), then its reports; same modes as paper-table
 #   round start|status|collect
 #                one lease's work on one GPU, in the background: quiet benchmarks, then the miniature's rounding-point
 #                and stabilizer forks beside the paper_1gpu seeds, then the GPU tests; `status` prints progress,
@@ -369,6 +372,59 @@ EOF
       ls -la "$OUT"
     else
       die "usage: gpu.sh paper-table start|wait [SECONDS]|collect|run [SECONDS]"
+    fi
+    ;;
+  scratch-table)
+    # scripts/paper_scratch.sh in one lease, like paper-table: its runs live under $R (default /tmp/scratch, outside
+    # the checkout), the code is a copy taken at start. Env: the script's (SEED 1, MAX_STEPS 2598, INTERVENTIONS, LRS,
+    # OVERRIDES_ALL, STOP_AFTER) and OVERRIDES (Hydra overrides for every run, space-separated).
+    #   gpu.sh scratch-table run [SECONDS]  start, wait, collect in ONE call that ends within SECONDS (default 560)
+    R=${R:-/tmp/scratch}; mode=${1:-start}
+    alive() { [ -f "$R/plan.pid" ] && kill -0 "$(cat "$R/plan.pid")" 2>/dev/null; }
+    if [ "$mode" = run ]; then
+      t_run=$(date +%s); budget=${2:-560}; self=$ROOT/scripts/gpu.sh
+      rm -f "$R/plan.pid"; bash "$self" scratch-table start
+      [ -f "$R/plan.pid" ] || die "start failed: no plan was started"
+      bash "$self" scratch-table wait $(( budget - ($(date +%s) - t_run) - 45 ))
+      bash "$self" scratch-table collect
+      echo "[scratch-table] run took $(( $(date +%s) - t_run )) s of $budget"
+    elif [ "$mode" = start ]; then
+      mkdir -p "$R/src"; cp -a . "$R/src" 2>/dev/null; cd "$R/src" || die "no copy"
+      setup; env_txt | tee "$R/env.txt"
+      export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+      # shellcheck disable=SC2086
+      setsid nohup env ROOT="$R/runs" PROGRESS_EVERY=60 bash scripts/paper_scratch.sh ${OVERRIDES:-} \
+        > "$R/plan.log" 2>&1 < /dev/null &
+      echo $! > "$R/plan.pid"; date +%s > "$R/plan.t0"
+      sleep 5; head -3 "$R/plan.log" | cut -c1-300
+    elif [ "$mode" = wait ]; then
+      end=$(( $(date +%s) + ${2:-540} ))
+      while alive && [ "$(date +%s)" -lt "$end" ]; do sleep 5; done
+      (grep -a "^\[paper_scratch" "$R/plan.log" || true) | tail -7 | cut -c1-220
+      echo "[scratch-table $(date -u +%T)] GPU $(nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader | tr -d '\n')"
+      alive && echo "[scratch-table] still running" || echo "[scratch-table] plan ended"
+    elif [ "$mode" = collect ]; then
+      : "${OUT:?collect writes into \$OUT}"
+      cd "$R/src" || die "no $R/src"; setup
+      state=ended; alive && state=running
+      echo "[scratch-table] plan $state after $(( $(date +%s) - $(cat "$R/plan.t0") )) s" | tee -a "$R/plan.log"
+      if [ "$state" = running ]; then  # the finished runs' rows (a running one has no result.json yet; the export
+        dirs=()                         # below has every run's history so far)
+        for d in "$R"/runs/*/; do [ -f "$d/result.json" ] && dirs+=("${d%/}"); done
+        echo "[scratch-table] finished runs: ${#dirs[@]}"
+        [ "${#dirs[@]}" -gt 0 ] && { $PY -m flash_forensics.cli report "${dirs[@]}" --out "$R/runs/report_partial" \
+          --sweep paper_scratch --tracking-uri "sqlite:///$R/runs/mlflow.db" \
+          --meta "partial=collected while the plan was running" > "$R/report_partial.log" 2>&1 \
+          || echo "[scratch-table] partial report failed: $R/report_partial.log"; }
+      fi
+      [ -f "$R/runs/mlflow.db" ] && { $PY scripts/mlflow_export.py "sqlite:///$R/runs/mlflow.db" "$OUT/mlflow-scratch.json.gz" || true; }
+      (cd "$R/runs" && find . \( -name '*.json' -o -name '*.md' -o -name '*.png' -o -name '*.csv' \) -type f -size -4M \
+          -print > /tmp/scratch_files; tar -cJf "$OUT/scratch-reports.tar.xz" -T /tmp/scratch_files)
+      (cd "$R" && find . \( -name '*.log' -o -name '*.txt' \) -type f -not -path './src/*' -print > /tmp/scratch_logs
+       tar -cJf "$OUT/scratch-logs.tar.xz" -T /tmp/scratch_logs)
+      ls -la "$OUT"
+    else
+      die "usage: gpu.sh scratch-table start|wait [SECONDS]|collect|run [SECONDS]"
     fi
     ;;
   wheels)
