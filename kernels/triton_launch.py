@@ -101,12 +101,18 @@ def length_class(T: int) -> str:
     return "short" if T <= 256 else "long"
 
 
+def key_tile_knobs(knobs: AttentionKnobs) -> bool:
+    """Whether a set knob acts per key tile of block_k: the stabilized softmax (the tile whose max repeats) and the
+    counters."""
+    return knobs.softmax != "safe" or bool(knobs.counters)
+
+
 def fwd_family(knobs: AttentionKnobs) -> str:
     if knobs.recipe == "fp32":
         return "fp32_tc" if knobs.fp32_gemm == "tf32x3" else "fp32"
     if knobs.recipe == "paper_bf16":
         return knobs.recipe
-    exact_n = knobs.tiling and (knobs.softmax == "stabilized" or knobs.counters)
+    exact_n = knobs.tiling and key_tile_knobs(knobs)
     return "fa2_exact" if exact_n else "fa2"
 
 
@@ -115,7 +121,7 @@ def _fwd_blocks(knobs: AttentionKnobs, D: int, T: int = 1024):
     fam = fwd_family(knobs)
     block_m, free_n, warps, stages = SHAPE_TABLE.get(("fwd", fam, D, length_class(T))) or FWD_TABLE[fam][D]
     # the key tile is the unit Algorithm 3, the counters and BF16 rescaling roundings (paper_bf16's) see
-    exact_n = knobs.tiling and (fam in ("fa2_exact", "paper_bf16") or knobs.counters
+    exact_n = knobs.tiling and (fam in ("fa2_exact", "paper_bf16") or key_tile_knobs(knobs)
                                 or bool(round_mask(knobs) & _FWD_TILED))
     block_n = knobs.block_k if exact_n else free_n
     if _interpret():

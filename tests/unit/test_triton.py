@@ -279,6 +279,20 @@ def test_supports():
         assert not tf.supports(AttentionKnobs(impl="standard"), qc)
 
 
+def test_the_forward_key_tile_is_block_k_where_a_knob_reads_it():
+    """Algorithm 3 and the counters act per key tile of block_k: the forward's BLOCK_N is block_k whenever one is on,
+    whatever the speed tables choose otherwise (the fp32 recipe with softmax=stabilized and counters off took the
+    table's 32-key tile for block_k = 64)."""
+    from flash_forensics.kernels import triton_flash as tf
+    for recipe in ("fp32", "fa2", "paper_bf16"):
+        for case in (dict(softmax="stabilized", counters=False), dict(counters=True)):
+            kn = AttentionKnobs(recipe=recipe, block_q=64, block_k=64, **case)
+            assert tf.launch_config(kn, 64, 1024)["fwd"]["BLOCK_N"] == 64, (recipe, case)
+    from flash_forensics.kernels.triton_launch import FWD_TABLE
+    free = AttentionKnobs(recipe="fa2", counters=False, block_k=32)  # no knob reads the tile: the table's choice
+    assert tf.launch_config(free, 64, 1024)["fwd"]["BLOCK_N"] == FWD_TABLE["fa2"][64][1]
+
+
 # ------------------------------------------------------------------------------------------------------ GPU
 # Error budgets (max abs error, inputs ~N(0,1) scaled as in `planted`):
 #   vs emulator: fp32 1e-4; fa2 / paper_bf16 forward 2 BF16 ulps of |O| (~2e-2 absolute at |O|<=2), gradients 5e-2
