@@ -232,6 +232,8 @@ def summarize(rows) -> dict:
     out = {}
     for shape in dict.fromkeys(r["shape"] for r in rows):
         rs = {r["variant"]: r for r in rows if r["shape"] == shape and r.get("tokens_per_s")}
+        if not rs:  # nothing of this shape was timed: no entry, as for a shape never reached
+            continue
         base = rs.get("baseline")
         out[shape] = {
             name: dict(
