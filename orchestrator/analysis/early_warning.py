@@ -63,6 +63,7 @@ class Run:
     series: Series  # signal -> [(step, value)]
     run_id: Optional[str] = None
     last_step: Optional[int] = None  # the last logged training step (unfinished runs: how far "not diverged" goes)
+    group: Optional[str] = None  # where it came from (a seed's table, a store): --holdout leaves one out at a time
 
 
 @dataclass
@@ -120,6 +121,10 @@ def table(runs: Sequence[Run], extra: Optional[Dict[str, Sequence[float]]] = Non
     return [evaluate(runs, sig, t) for sig in SIGNALS for t in grid(runs, sig, (extra or {}).get(sig, ()))]
 
 
+def _key(r: Row):
+    return (r.misses, r.false_alarms, -(r.mean_lead or 0.0), r.threshold if r.direction == ABOVE else -r.threshold)
+
+
 def choose(rows: Sequence[Row], n_runs: int) -> Optional[Row]:
     """The rule: fewest misses, then fewest false alarms, then longest mean lead (then the lowest threshold), among
     signals present in every run (all rows when none is)."""
@@ -127,8 +132,58 @@ def choose(rows: Sequence[Row], n_runs: int) -> Optional[Row]:
     # (unfinished runs count towards runs_present, so a signal must be in them too; their alarms are not criteria)
     if not full:
         return None
-    return min(full, key=lambda r: (r.misses, r.false_alarms, -(r.mean_lead or 0.0),
-                                    r.threshold if r.direction == ABOVE else -r.threshold))
+    return min(full, key=_key)
+
+
+@dataclass
+class Fold:
+    """One source judged by rules chosen on the others: the overall rule, and each signal's best threshold."""
+    held_out: str
+    runs: int
+    diverged: int
+    stable: int
+    chosen: Optional[Row]  # chosen on the other sources (their runs), then...
+    test: Optional[Row]  # ...evaluated on this source's runs
+    per_signal: Dict[str, Tuple[Row, Row]] = field(default_factory=dict)  # signal -> (on the others, on this one)
+
+
+def holdout(runs: Sequence[Run], extra: Optional[Dict[str, Sequence[float]]] = None) -> List[Fold]:
+    """Leave one source out: a rule (and each signal's threshold) chosen without a source's runs, judged on them.
+    The in-sample table chooses its threshold on the runs it is scored on; this says how far that flatters it."""
+    groups = list(dict.fromkeys(r.group for r in runs if r.group is not None))
+    if len(groups) < 2 or any(r.group is None for r in runs):
+        return []
+    folds = []
+    for g in groups:
+        train = [r for r in runs if r.group != g]
+        test = [r for r in runs if r.group == g]
+        rows = table(train, extra)
+        chosen = choose(rows, len(train))
+        per = {}
+        for sig in SIGNALS:
+            mine = [r for r in rows if r.signal == sig and r.diverged]
+            if mine and any(r.series.get(sig) for r in test):
+                best = min(mine, key=_key)
+                per[sig] = (best, evaluate(test, sig, best.threshold))
+        n_div = sum(r.observed == "diverged" for r in test)
+        n_open = sum(r.observed == "unfinished" for r in test)
+        folds.append(Fold(g, len(test), n_div, len(test) - n_div - n_open, chosen,
+                          evaluate(test, chosen.signal, chosen.threshold) if chosen else None, per))
+    return folds
+
+
+def pooled(folds: Sequence[Fold], signal: Optional[str] = None) -> Dict:
+    """Over the folds: held-out misses, false alarms and leads of the overall rule (signal None) or of one signal."""
+    pairs = [(f, f.chosen, f.test) if signal is None else (f, *f.per_signal[signal])
+             for f in folds if (f.test if signal is None else f.per_signal.get(signal))]
+    leads = {k: v for _, _, t in pairs for k, v in t.leads.items()}
+    got = [v for v in leads.values() if v is not None]
+    return dict(folds=len(pairs), diverged=sum(t.diverged for *_, t in pairs),
+                stable=sum(t.stable for *_, t in pairs), misses=sum(t.misses for *_, t in pairs),
+                false_alarms=sum(t.false_alarms for *_, t in pairs),
+                mean_lead=sum(got) / len(got) if got else None, leads=leads,
+                thresholds={f.held_out: c.threshold for f, c, _ in pairs},
+                signals={f.held_out: c.signal for f, c, _ in pairs})
 
 
 # ---------------------------------------------------------------------------------------------- loading
@@ -254,8 +309,9 @@ def load(sources: Sequence[str] = (), tracking_uri: Optional[str] = None, experi
         last = max((s for s, _ in hist.get(record.LOSS) or []), default=None)
         if last is None and r.get("steps_done"):
             last = int(r["steps_done"]) - 1
+        group = r.get("source_label") or (name.split("/", 1)[0] if "/" in name else None)
         runs.append(Run(name, r["observed"], start, r.get("divergence_step"),
-                        signals.series(hist, start, growth_window), r["mlflow_run_id"], last))
+                        signals.series(hist, start, growth_window), r["mlflow_run_id"], last, group))
     return runs, skipped
 
 
@@ -264,8 +320,44 @@ def _fmt(x, nd=4):
     return "-" if x is None else (f"{x:.{nd}g}" if isinstance(x, float) else str(x))
 
 
+def _rule(r: Row) -> str:
+    return f"`{r.signal} {'>' if r.direction == ABOVE else '<'} {r.threshold:.6g}`"
+
+
+def _holdout_md(folds: Sequence[Fold]) -> List[str]:
+    lines = ["", "## Held out: each source judged by a rule chosen on the others", "",
+             "The table above picks each threshold on the runs it then scores, which flatters it. Here every source "
+             "in turn is left out, the rule is chosen on the rest by the same criteria, and the left-out runs are "
+             "judged by it.", "",
+             "| held out | its runs (diverged/stable) | rule chosen on the others | on the others: misses, false "
+             "alarms | on the held-out: misses | false alarms | leads |", "|---|---|---|---|---|---|---|"]
+    for f in folds:
+        if f.chosen is None:
+            lines.append(f"| {f.held_out} | {f.diverged}/{f.stable} | none (no diverged run left) | - | - | - | - |")
+            continue
+        c, t = f.chosen, f.test
+        leads = ", ".join(f"{k.split('/', 1)[-1]} {_fmt(v)}" for k, v in t.leads.items()) or "-"
+        lines.append(f"| {f.held_out} | {f.diverged}/{f.stable} | {_rule(c)} | {c.misses}/{c.diverged}, "
+                     f"{c.false_alarms}/{c.stable} | {t.misses}/{t.diverged} | {t.false_alarms}/{t.stable} | "
+                     f"{leads} |")
+    p = pooled(folds)
+    lines += ["", f"**Pooled over the held-out sources:** {p['misses']} misses of {p['diverged']}, "
+              f"{p['false_alarms']} false alarms of {p['stable']}, mean lead {_fmt(p['mean_lead'])} steps.", "",
+              "Each signal alone, its threshold chosen on the others (fewest misses, then false alarms), pooled over "
+              "the held-out sources:", "",
+              "| signal | thresholds chosen (per held-out source) | held-out misses | held-out false alarms | "
+              "mean lead |", "|---|---|---|---|---|"]
+    for sig in SIGNALS:
+        q = pooled(folds, sig)
+        if q["folds"]:
+            th = ", ".join(f"{g}: {v:.4g}" for g, v in q["thresholds"].items())
+            lines.append(f"| {sig} | {th} | {q['misses']}/{q['diverged']} | {q['false_alarms']}/{q['stable']} | "
+                         f"{_fmt(q['mean_lead'])} |")
+    return lines
+
+
 def markdown(rows: Sequence[Row], runs: Sequence[Run], chosen: Optional[Row], skipped: Sequence[str],
-             growth_window: int) -> str:
+             growth_window: int, folds: Sequence[Fold] = ()) -> str:
     n_div = sum(r.observed == "diverged" for r in runs)
     n_open = sum(r.observed == "unfinished" for r in runs)
     opened = f", {n_open} unfinished" if n_open else ""
@@ -299,6 +391,8 @@ def markdown(rows: Sequence[Row], runs: Sequence[Run], chosen: Optional[Row], sk
         lines.append(f"| {r.signal}{mark} | {'>' if r.direction == ABOVE else '<'} {r.threshold:.6g} | "
                      f"{r.runs_present} | {_fmt(r.mean_lead)} | {r.false_alarms}/{r.stable} | "
                      f"{r.misses}/{r.diverged} |" + cell)
+    if folds:
+        lines += _holdout_md(folds)
     absent = {s: [r.name for r in runs if not r.series.get(s)] for s in SIGNALS}
     lines += ["", "## Signals absent from runs", ""]
     lines += [f"- {s}: absent in {len(a)} of {len(runs)} runs" + (f" ({', '.join(a)})" if len(a) <= 8 else "")
@@ -336,7 +430,7 @@ def plot(rows: Sequence[Row], chosen: Optional[Row], path: Path) -> Optional[Pat
 
 
 def write(out: Path, runs: Sequence[Run], rows: Sequence[Row], chosen: Optional[Row], skipped: Sequence[str],
-          growth_window: int) -> Dict[str, Path]:
+          growth_window: int, folds: Sequence[Fold] = ()) -> Dict[str, Path]:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     doc = {"rule": "fewest misses, then fewest false alarms, then longest mean lead, then lowest threshold; among "
@@ -344,10 +438,13 @@ def write(out: Path, runs: Sequence[Run], rows: Sequence[Row], chosen: Optional[
            "growth_window": growth_window, "chosen": asdict(chosen) if chosen else None,
            "rows": [asdict(r) for r in rows], "skipped": list(skipped),
            "runs": [{"name": r.name, "observed": r.observed, "divergence_step": r.divergence_step, "start": r.start,
-                     "last_step": r.last_step, "mlflow_run_id": r.run_id, "signals": sorted(r.series)}
-                    for r in runs]}
+                     "last_step": r.last_step, "mlflow_run_id": r.run_id, "signals": sorted(r.series),
+                     "group": r.group} for r in runs]}
+    if folds:
+        doc["holdout"] = {"folds": [asdict(f) for f in folds], "pooled": pooled(folds),
+                          "per_signal": {s: pooled(folds, s) for s in SIGNALS if pooled(folds, s)["folds"]}}
     paths = {"md": out / "early_warning.md", "json": out / "early_warning.json"}
-    paths["md"].write_text(markdown(rows, runs, chosen, skipped, growth_window))
+    paths["md"].write_text(markdown(rows, runs, chosen, skipped, growth_window, folds))
     paths["json"].write_text(record.dumps(doc))
     png = plot(rows, chosen, out / "early_warning.png")
     if png:
@@ -383,6 +480,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     f"{JUMP_NATS} nats from their baseline's (a report's fork_jump) too; left out by default")
     ap.add_argument("--include-unfinished", action="store_true", help="judge runs without a verdict whose loss "
                     "did not diverge as 'unfinished': alarms on them are listed apart, not counted as false alarms")
+    ap.add_argument("--holdout", action="store_true", help="also judge each source (a seed's table, a store) by "
+                    "the rule chosen on the others: how well the chosen threshold carries to runs it never saw")
     a = ap.parse_args(argv)
     if not a.sources and a.experiment is None:
         ap.error("give report dirs or --experiment (with --tracking-uri)")
@@ -398,9 +497,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         ap.error(str(e))
     runs, skipped = load(a.sources, a.tracking_uri, a.experiment, a.growth_window, a.include_unfinished, hist,
                          a.keep_jumped)
-    rows = table(runs, _extra(a.thresholds))
+    extra = _extra(a.thresholds)
+    rows = table(runs, extra)
     chosen = choose(rows, len(runs))
-    paths = write(Path(a.out), runs, rows, chosen, skipped, a.growth_window)
+    folds = holdout(runs, extra) if a.holdout else []
+    if a.holdout and not folds:
+        groups = sorted({str(r.group) for r in runs})
+        ap.error(f"--holdout needs runs from at least two sources, each known: got {', '.join(groups) or 'none'}")
+    paths = write(Path(a.out), runs, rows, chosen, skipped, a.growth_window, folds)
     print(paths["md"].read_text())
     print("written: " + ", ".join(str(p) for p in paths.values()))
     return 0

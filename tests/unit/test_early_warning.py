@@ -247,3 +247,47 @@ def test_cli_reads_several_seeds_reports_and_exports_and_leaves_out_jumped_forks
     assert ew.main([*args, "--out", str(tmp_path / "ew2"), "--keep-jumped"]) == 0
     doc = json.loads((tmp_path / "ew2" / "early_warning.json").read_text())
     assert len(doc["runs"]) == 6 and doc["chosen"]["misses"] >= 1  # a divergence at its own fork step: no lead
+
+
+def test_holdout_chooses_on_the_other_sources_and_judges_the_left_out_one_by_hand():
+    """Two sources. Left out g1 (A diverges at 100, C spikes to 45): chosen on g2 (B peak 120, D flat 20) the rule is
+    max_logit > 20, which warns A at 29 (lead 71) and false-alarms on C. Left out g2: chosen on g1 it is > 45, which
+    warns B at 29 (2*30 = 60 > 45; lead 31) and not D."""
+    a, b, c, d = (logit_run("A", "diverged", 100, lambda s: s + 1.0),
+                  logit_run("B", "diverged", 60, lambda s: 2.0 * (s + 1)),
+                  logit_run("C", "stable", None, lambda s: 45.0 if s == 49 else 30.0),
+                  logit_run("D", "stable", None, lambda s: 20.0))
+    for r, g in ((a, "g1"), (c, "g1"), (b, "g2"), (d, "g2")):
+        r.group = g
+    folds = ew.holdout([a, b, c, d])
+    assert [(f.held_out, f.chosen.threshold, f.test.leads, f.test.false_alarm_runs) for f in folds] == [
+        ("g1", 20.0, {"A": 71}, ["C"]), ("g2", 45.0, {"B": 31}, [])]
+    p = ew.pooled(folds)
+    assert (p["misses"], p["diverged"], p["false_alarms"], p["stable"], p["mean_lead"]) == (0, 2, 1, 2, 51.0)
+    assert ew.pooled(folds, "max_logit")["thresholds"] == {"g1": 20.0, "g2": 45.0}
+    assert "rmax_rate" not in folds[0].per_signal  # absent from the runs: no threshold to carry
+    md = ew.markdown(ew.table([a, b, c, d]), [a, b, c, d], None, [], 100, folds)
+    assert "| g1 | 1/1 | `max_logit > 20` | 0/1, 0/1 | 0/1 | 1/1 | A 71 |" in md
+    assert "**Pooled over the held-out sources:** 0 misses of 2, 1 false alarms of 2, mean lead 51 steps." in md
+    # every diverged run in g1: left out, the others (D) have no divergence to choose a rule on, and the table says so
+    b.group = "g1"
+    folds = ew.holdout([a, b, c, d])
+    assert (folds[0].chosen, folds[0].test) == (None, None) and folds[1].test.false_alarms == 0
+    assert "| g1 | 2/1 | none (no diverged run left) |" in ew.markdown([], [a, b, c, d], None, [], 100, folds)
+    assert ew.holdout([a, b, c]) == []  # one source only: nothing to hold out
+
+
+def test_cli_holdout_needs_two_sources(tmp_path, capsys):
+    import gzip
+    (tmp_path / "s1" / "report").mkdir(parents=True)
+    runs = [{"job": "baseline", "observed": "diverged", "divergence_step": 100, "mlflow_run_id": "r0"},
+            {"job": "fp32", "observed": "stable", "fork_step": 50, "mlflow_run_id": "r1"}]
+    (tmp_path / "s1" / "report" / "verdicts.json").write_text(json.dumps({"runs": runs}))
+    export = {"runs": [{"run_id": "r0", "metrics": {"max_logit/L0": [[s, float(s)] for s in FLUSH]}},
+                       {"run_id": "r1", "metrics": {"max_logit/L0": [[s, 30.0] for s in FLUSH]}}]}
+    with gzip.open(tmp_path / "s1.json.gz", "wt") as f:
+        json.dump(export, f)
+    with pytest.raises(SystemExit):
+        ew.main([str(tmp_path / "s1" / "report" / "verdicts.json"), "--histories", str(tmp_path / "s1.json.gz"),
+                 "--holdout", "--out", str(tmp_path / "ew")])
+    assert "--holdout needs runs from at least two sources" in capsys.readouterr().err
