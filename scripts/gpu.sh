@@ -4,6 +4,10 @@
 # Tasks:
 #   check        the machine, the versions, every import the runs need, the offline corpus and tokenizer
 #   tests        the GPU tests: pytest -m gpu tests (WORKERS xdist workers, default 6)
+#   patch-tests PATCH [TESTS ...]
+#                the GPU tests of a change not on this tree yet (a branch: `git diff main...BRANCH > PATCH`): this
+#                tree's TESTS first, then the same TESTS in a copy with PATCH applied (default TESTS: the kernel
+#                tests, PATCH_TESTS); logs pytest_here.log and pytest_patched.log; exit 0 only when both pass
 #   speed        attention fwd+bwd side by side (benchmarks/attention.py; TUNE=1 times launch configs first) and
 #                the GPT-2S / mini_repro training step (benchmarks/train_step.py)
 #   bench        the other benchmarks: emulator vs SDPA, monitor overhead, probe cost, stabilizer throughput
@@ -28,7 +32,9 @@
 #                report; `wait` prints progress, `collect` packs reports, logs and compact MLflow exports into $OUT
 #   scratch-table start|wait|collect|run
 #                the paper's regime from step 0 (scripts/paper_scratch.sh: baseline, fp32, qk_norm, gated_attn and a
-#                baseline at another lr, all at once), then its reports; same modes as paper-table
+#                baseline at another lr, all at once), then its reports; same modes as paper-table. With
+#                TESTS_PATCH=PATCH, `start` also runs `patch-tests PATCH` beside the runs (its logs come back in
+#                scratch-logs.tar.xz)
 #   round start|status|collect
 #                one lease's work on one GPU, in the background: quiet benchmarks, then the miniature's rounding-point
 #                and stabilizer forks beside the paper_1gpu seeds, then the GPU tests; `status` prints progress,
@@ -89,6 +95,11 @@ env_txt() {
 
 logdir() { LOG=${OUT:-$ROOT/results/bench/gpu}/$1; mkdir -p "$LOG"; env_txt > "$LOG/env.txt" 2>&1; cat "$LOG/env.txt"; }
 
+# the kernel tests a patch to kernels/ must pass on the GPU (patch-tests' default)
+PATCH_TESTS="tests/unit/test_triton_stabilizers.py tests/unit/test_ops.py tests/unit/test_triton.py
+  tests/unit/test_rounding_points.py tests/unit/test_sdpa_dropin.py tests/integration/test_hf_fast_path.py
+  tests/integration/test_compile_faithful.py"
+
 gpu_tests() {  # $1: log file
   timeout "${TEST_TIMEOUT:-420}" $PY -m pytest -q -m gpu tests -n "${WORKERS:-6}" -p no:cacheprovider -o addopts="-ra" \
     > "$1" 2>&1
@@ -113,6 +124,29 @@ EOF
   tests)
     setup; logdir tests
     gpu_tests "$LOG/pytest_gpu.log"
+    ;;
+  patch-tests)
+    patch=${1:-}; [ -n "$patch" ] && shift || die "usage: gpu.sh patch-tests PATCH [TESTS ...]"
+    patch=$(cd "$(dirname "$patch")" && pwd)/$(basename "$patch"); [ -f "$patch" ] || die "no patch file $patch"
+    # shellcheck disable=SC2206
+    sel=("$@"); [ ${#sel[@]} -gt 0 ] || sel=($PATCH_TESTS)
+    setup; logdir patch-tests; rc=0
+    here=(); for t in "${sel[@]}"; do [ -e "${t%%::*}" ] && here+=("$t"); done  # a file the patch adds is not here yet
+    if [ ${#here[@]} -gt 0 ]; then
+      echo "[patch-tests] this tree: ${here[*]}"
+      timeout "${TEST_TIMEOUT:-420}" $PY -m pytest -q -m gpu "${here[@]}" -n "${WORKERS:-4}" -p no:cacheprovider \
+        -o addopts="-ra" > "$LOG/pytest_here.log" 2>&1 || rc=1
+      tail -3 "$LOG/pytest_here.log"
+    fi
+    dst=${PATCHED:-/tmp/patched}; rm -rf "$dst"; mkdir -p "$dst"
+    tar -C "$ROOT" --exclude=./.ffcache --exclude=./data -cf - . | tar -C "$dst" -xf - || die "copying the tree failed"
+    ln -s "$ROOT/.ffcache" "$dst/.ffcache" 2>/dev/null; ln -s "$ROOT/data" "$dst/data" 2>/dev/null
+    (cd "$dst" && { git apply "$patch" 2>/dev/null || patch -p1 -s < "$patch"; }) || die "$patch does not apply here"
+    echo "[patch-tests] patched copy in $dst: ${sel[*]}"
+    (cd "$dst" && PYTHONPATH=${FF_SITE:-/tmp/site}:$dst timeout "${TEST_TIMEOUT:-420}" $PY -m pytest -q -m gpu \
+      "${sel[@]}" -n "${WORKERS:-4}" -p no:cacheprovider -o addopts="-ra") > "$LOG/pytest_patched.log" 2>&1 || rc=1
+    tail -3 "$LOG/pytest_patched.log"
+    echo "[patch-tests] exit $rc"; exit $rc
     ;;
   speed)
     setup; logdir speed; rc=0
@@ -396,12 +430,17 @@ EOF
       setsid nohup env ROOT="$R/runs" PROGRESS_EVERY=60 bash scripts/paper_scratch.sh ${OVERRIDES:-} \
         > "$R/plan.log" 2>&1 < /dev/null &
       echo $! > "$R/plan.pid"; date +%s > "$R/plan.t0"
+      if [ -n "${TESTS_PATCH:-}" ]; then  # beside the runs: they only slow each other down
+        setsid nohup env OUT="$R/tests" PATCHED="$R/patched" bash scripts/gpu.sh patch-tests "$(cd "$ROOT" && realpath "$TESTS_PATCH")" \
+          > "$R/patch_tests.log" 2>&1 < /dev/null &
+      fi
       sleep 5; head -3 "$R/plan.log" | cut -c1-300
     elif [ "$mode" = wait ]; then
       end=$(( $(date +%s) + ${2:-540} ))
       while alive && [ "$(date +%s)" -lt "$end" ]; do sleep 5; done
       (grep -a "^\[paper_scratch" "$R/plan.log" || true) | tail -7 | cut -c1-220
       echo "[scratch-table $(date -u +%T)] GPU $(nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader | tr -d '\n')"
+      [ -f "$R/patch_tests.log" ] && grep -a "^\[patch-tests\]\| passed\| failed" "$R/patch_tests.log" | tail -4
       alive && echo "[scratch-table] still running" || echo "[scratch-table] plan ended"
     elif [ "$mode" = collect ]; then
       : "${OUT:?collect writes into \$OUT}"
@@ -420,7 +459,8 @@ EOF
       [ -f "$R/runs/mlflow.db" ] && { $PY scripts/mlflow_export.py "sqlite:///$R/runs/mlflow.db" "$OUT/mlflow-scratch.json.gz" || true; }
       (cd "$R/runs" && find . \( -name '*.json' -o -name '*.md' -o -name '*.png' -o -name '*.csv' \) -type f -size -4M \
           -print > /tmp/scratch_files; tar -cJf "$OUT/scratch-reports.tar.xz" -T /tmp/scratch_files)
-      (cd "$R" && find . \( -name '*.log' -o -name '*.txt' \) -type f -not -path './src/*' -print > /tmp/scratch_logs
+      (cd "$R" && find . \( -name '*.log' -o -name '*.txt' \) -type f -not -path './src/*' -not -path './patched/*' \
+         -print > /tmp/scratch_logs
        tar -cJf "$OUT/scratch-logs.tar.xz" -T /tmp/scratch_logs)
       ls -la "$OUT"
     else
