@@ -1,13 +1,23 @@
 """Training tokens/s of GPT-2S (12 layers, 12 heads, 768 wide): torch SDPA + torch.compile (the nanoGPT way) vs the
-Triton flash kernels, eager and compiled, counters and monitors on, in one process.
+Triton flash kernels, eager and compiled, counters and monitors on, side by side in one process, round-robin.
 
-    python benchmarks/train_step.py [--shapes 16x1024,32x256] [--steps 20] [--out results/bench/train-step-<gpu>.json]
+    python benchmarks/train_step.py [--shapes 16x1024,32x256] [--steps 24] [--rounds 4] [--out results/bench/...json]
+    python benchmarks/train_step.py --device cpu --model tiny --shapes 2x32 --variants sdpa,emulator_paper_bf16 ...
 
-Each variant: flash_forensics.models.gpt.GPT, fused AdamW, BF16 autocast, grad clipping, the run's Monitors (W_Q norms
-every 50 steps, one host transfer every 10, counters and max logit per layer); the same random token batches for every
-variant. A step's time is the host clock between synchronisations after `--warmup` steps (compilation); the row is the
-median. Every variant's per-step losses are kept, so an eager and a compiled variant of the same attention can be
-compared step by step (`compiled_vs_eager`: the largest |loss difference| over the timed steps).
+Each variant: flash_forensics.models.gpt.GPT, fused AdamW (CUDA), BF16 autocast, grad clipping, the run's Monitors (W_Q
+norms every 50 steps, one host transfer every 10, counters and max logit per layer); the same token batches, in the
+same order, for every variant. All variants are built first; `--warmup` steps each (compilation) come next; then
+`--rounds` rounds, each timing `steps / rounds` steps of every variant in turn, the order rotated each round, so a
+clock or thermal drift falls on all of them alike. A step's time is the host clock between synchronisations; the row
+is the median over all timed steps.
+
+Compiled variants: `+compile` is torch.compile of the model. sdpa+compile keeps inductor's defaults (the number to
+beat, as nanoGPT compiles); the flash variants compile as the project's training does (orchestrator/job/train.py:
+compile_model: `emulate_precision_casts`, so a fused chain rounds to BF16 where eager does).
+Each row records the attention route that ran and, for SDPA, the aten op that ran (flash, cuDNN, efficient or math:
+a profiled step after the timed ones). Every variant's per-step losses are kept: `compiled_vs_eager` in the summary
+says whether a compiled variant's losses equal its eager twin's bit for bit, the first step where they differ and
+the largest difference.
 """
 from __future__ import annotations
 
@@ -29,100 +39,224 @@ ATTN = {
     "triton_fa2": dict(impl="flash", backend="triton", recipe="fa2"),
     "triton_fa2_sfa": dict(impl="flash", backend="triton", recipe="fa2", softmax="stabilized"),
     "triton_paper_bf16": dict(impl="flash", backend="triton", recipe="paper_bf16"),
+    # experiment=paper_1gpu's attention (backend auto is Triton on CUDA; 128x128 tiles)
+    "paper_1gpu": dict(impl="flash", backend="triton", recipe="paper_bf16", block_q=128, block_k=128),
+    "emulator_paper_bf16": dict(impl="flash", backend="emulator", recipe="paper_bf16"),  # the CPU smoke's flash
 }
 VARIANTS = ["sdpa+compile", "sdpa", "triton_fa2", "triton_fa2+compile", "triton_paper_bf16",
-            "triton_paper_bf16+compile", "triton_fa2_sfa+compile"]
+            "triton_paper_bf16+compile", "paper_1gpu", "paper_1gpu+compile", "triton_fa2_sfa+compile"]
+SDPA_OPS = ("flash", "cudnn", "efficient", "math")  # aten::_scaled_dot_product_<op>_attention[_for_cpu]
 
 
-def run_variant(name, batch, T, steps, warmup, dev):
-    from flash_forensics.kernels.config import AttentionConfig
-    from flash_forensics.models.gpt import GPT, ModelConfig
-    from flash_forensics.orchestrator.monitor.monitors import MonitorConfig, Monitors
-    attn, compiled = name.split("+")[0], name.endswith("+compile")
-    torch.manual_seed(0)
-    cfg = ModelConfig.preset("gpt2_s", block_size=T)
-    model = GPT(cfg, AttentionConfig(**ATTN[attn])).to(dev)
-    fwd = torch.compile(model) if compiled else model
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.0, fused=True)
-    monitors = Monitors(model, MonitorConfig())
-    g = torch.Generator(device=dev).manual_seed(0)
-    data = [torch.randint(0, 50257, (batch, T + 1), device=dev, generator=g) for _ in range(warmup + steps)]
-    times, losses = [], []
-    for i, x in enumerate(data):
-        if attn == "sdpa":  # as orchestrator/job/train.py: sdpa pays its max-logit pass on the monitors' flush steps
-            model.probe = (i + 1) % monitors.cfg.log_every == 0
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def _sync(dev):
+    if dev.type == "cuda":
         torch.cuda.synchronize()
+
+
+class Variant:
+    """One training setup, its state kept across rounds: model, optimizer, monitors, the next batch's index."""
+
+    def __init__(self, name, model_name, T, dev):
+        import torch._inductor.config as inductor_config
+
+        from flash_forensics.kernels.config import AttentionConfig
+        from flash_forensics.models.gpt import GPT, ModelConfig
+        from flash_forensics.orchestrator.monitor.monitors import MonitorConfig, Monitors
+        self.name, self.dev = name, dev
+        self.attn, self.compiled = name.split("+")[0], name.endswith("+compile")
+        if self.attn not in ATTN or name.count("+") > 1 or ("+" in name and not self.compiled):
+            raise ValueError(f"--variants: {name!r} is not allowed: expected ATTN or ATTN+compile, ATTN one of "
+                             f"{', '.join(ATTN)}")
+        torch.manual_seed(0)  # every variant starts from the same weights
+        self.model = GPT(ModelConfig.preset(model_name, block_size=T), AttentionConfig(**ATTN[self.attn])).to(dev)
+        self.fwd = torch.compile(self.model) if self.compiled else self.model
+        # inductor reads the setting when it compiles (the first call): patched around every call, per variant
+        self.emulate = self.compiled and self.attn != "sdpa"
+        self.config_scope = lambda: inductor_config.patch(emulate_precision_casts=self.emulate)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.0,
+                                     fused=dev.type == "cuda")
+        self.monitors = Monitors(self.model, MonitorConfig())
+        self.i, self.losses, self.times, self.warmup_s = 0, [], [], 0.0
+
+    def step(self, x):
+        model = self.model
+        if self.attn == "sdpa":  # as orchestrator/job/train.py: sdpa pays its max-logit pass on the flush steps
+            model.probe = (self.i + 1) % self.monitors.cfg.log_every == 0
+        _sync(self.dev)
         t0 = time.perf_counter()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            _, loss = fwd(x[:, :-1].contiguous(), x[:, 1:].contiguous())
-        loss.backward()
+        with self.config_scope(), torch.autocast(self.dev.type, dtype=torch.bfloat16):
+            _, loss = self.fwd(x[:, :-1].contiguous(), x[:, 1:].contiguous())
+        with self.config_scope():
+            loss.backward()
         gn = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        monitors.step_end(i, loss.detach(), gn, 3e-4, batch * T)
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-        losses.append(loss.detach())
-    med = statistics.median(times[warmup:])
-    row = dict(variant=name, attention=ATTN[attn], compiled=compiled, batch=batch, T=T, step_ms=med * 1e3,
-               tokens_per_s=batch * T / med, warmup_s=round(sum(times[:warmup]), 2),
-               losses=[float(x) for x in torch.stack(losses).cpu()], routes=model.attention_routes()[:1])
-    del model, fwd, opt, monitors
-    torch.cuda.empty_cache()
-    return row
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.monitors.step_end(self.i, loss.detach(), gn, 3e-4, x.shape[0] * (x.shape[1] - 1))
+        _sync(self.dev)
+        self.i += 1
+        self.losses.append(loss.detach())
+        return time.perf_counter() - t0
+
+    def sdpa_ops(self, x):
+        """The aten SDPA ops one more step runs (after the timed ones: it changes no recorded loss)."""
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            self.step(x)
+        self.losses.pop()
+        names = {e.key for e in prof.key_averages()}
+        return sorted({op for op in SDPA_OPS for n in names if n.startswith(f"aten::_scaled_dot_product_{op}")})
+
+    def row(self, batch, T, warmup):
+        timed = self.times
+        med = statistics.median(timed) if timed else None
+        return dict(variant=self.name, attention=ATTN[self.attn], compiled=self.compiled,
+                    emulate_precision_casts=self.emulate if self.compiled else None, batch=batch, T=T,
+                    step_ms=med * 1e3 if med else None, tokens_per_s=batch * T / med if med else None,
+                    steps_timed=len(timed), warmup_steps=warmup, warmup_s=round(self.warmup_s, 2),
+                    losses=[float(v) for v in torch.stack(self.losses).cpu()] if self.losses else [],
+                    routes=self.model.attention_routes()[:1])
 
 
-def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--shapes", default="16x1024,32x256", help="comma list of BATCHxT")
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--variants", default=",".join(VARIANTS))
-    ap.add_argument("--launch-table", default=None, help="tune JSON (benchmarks/tune.py) whose shape_table to use")
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        sys.exit("benchmarks/train_step.py needs a CUDA GPU")
-    from benchmarks.attention import environment
-    dev = torch.device("cuda")
-    if args.launch_table:
-        from benchmarks.tune import load_shape_table
-        load_shape_table(args.launch_table)
-    out = dict(environment(argv), model="gpt2_s", optimizer="AdamW(fused)", precision="bf16 autocast", rows=[])
-    path = args.out or os.path.join(ROOT, "results", "bench", f"train-step-{out['gpu'].split()[-1].lower()}.json")
-    for shape in args.shapes.split(","):
-        batch, T = (int(x) for x in shape.split("x"))
-        for name in args.variants.split(","):
-            try:
-                row = run_variant(name, batch, T, args.steps, args.warmup, dev)
-            except Exception as e:  # recorded, the other variants still run
-                row = dict(variant=name, batch=batch, T=T, error=f"{type(e).__name__}: {e}"[:600])
-            out["rows"].append(row)
-            print(json.dumps({k: v for k, v in row.items() if k != "losses"}), flush=True)
-            with open(path, "w") as f:
-                json.dump(out, f, indent=2)
-    out["summary"] = summarize(out["rows"])
-    with open(path, "w") as f:
+def _write(out, path):
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
         json.dump(out, f, indent=2)
-    print(json.dumps(out["summary"], indent=1))
-    print(f"wrote {path}")
+    os.replace(tmp, path)  # a reader, or a kill mid-write, sees the previous file or this one
+
+
+def run_shape(names, batch, T, args, dev, errors):
+    g = torch.Generator(device="cpu").manual_seed(0)
+    data = [torch.randint(0, 50257, (batch, T + 1), generator=g).to(dev) for _ in range(args.warmup + args.steps)]
+    live = []
+    for name in names:
+        try:
+            live.append(Variant(name, args.model, T, dev))
+        except Exception as e:  # recorded, the other variants still run
+            errors.append(dict(variant=name, batch=batch, T=T, error=f"{type(e).__name__}: {e}"[:600]))
+            log(f"[{batch}x{T}] {name}: {errors[-1]['error']}")
+
+    def guarded(v, fn):
+        try:
+            return fn()
+        except Exception as e:
+            errors.append(dict(variant=v.name, batch=batch, T=T, error=f"{type(e).__name__}: {e}"[:600]))
+            log(f"[{batch}x{T}] {v.name}: {errors[-1]['error']}")
+            live.remove(v)
+
+    for v in list(live):
+        def warm(v=v):
+            for _ in range(args.warmup):
+                v.warmup_s += v.step(data[v.i])
+        guarded(v, warm)
+        if v in live:
+            log(f"[{batch}x{T}] {v.name}: warmup {v.warmup_s:.1f} s, route {v.model.attention_routes()[:1]}")
+    per = max(1, args.steps // args.rounds)
+    for r in range(args.rounds):
+        order = live[r % len(live):] + live[:r % len(live)] if live else []
+        for v in order:
+            def timed(v=v):
+                for _ in range(per):
+                    if v.i < len(data):
+                        v.times.append(v.step(data[v.i]))
+            guarded(v, timed)
+        yield r, live, [v.name for v in order]
+    for v in list(live):
+        guarded(v, lambda v=v: setattr(v, "ops", v.sdpa_ops(data[0])))
 
 
 def summarize(rows) -> dict:
-    """Per shape: tokens/s relative to sdpa+compile, and compiled-vs-eager loss agreement per attention."""
+    """Per shape: tokens/s and the ratio to sdpa+compile; compiled vs its eager twin, loss by loss."""
     out = {}
-    ok = [r for r in rows if "tokens_per_s" in r]
+    ok = [r for r in rows if r.get("tokens_per_s")]
     for key in sorted({(r["batch"], r["T"]) for r in ok}):
         rs = {r["variant"]: r for r in ok if (r["batch"], r["T"]) == key}
         base = rs.get("sdpa+compile")
         d = dict(tokens_per_s={v: r["tokens_per_s"] for v, r in rs.items()})
         if base:
             d["vs_sdpa_compile"] = {v: r["tokens_per_s"] / base["tokens_per_s"] for v, r in rs.items()}
-        d["compiled_vs_eager_max_abs_loss_diff"] = {
-            v: max(abs(a - b) for a, b in zip(rs[v]["losses"], rs[v + "+compile"]["losses"]))
-            for v in rs if v + "+compile" in rs}
+        d["compiled_vs_eager"] = {}
+        for v in rs:
+            if v + "+compile" not in rs:
+                continue
+            a, b = rs[v]["losses"], rs[v + "+compile"]["losses"]
+            n = min(len(a), len(b))
+            diff = [i for i in range(n) if a[i] != b[i]]
+            d["compiled_vs_eager"][v] = dict(steps=n, bit_identical=not diff, first_diff_step=diff[0] if diff else None,
+                                             max_abs_loss_diff=max((abs(a[i] - b[i]) for i in range(n)), default=None))
         out[f"B{key[0]}_T{key[1]}"] = d
+    return out
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shapes", default="16x1024,32x256", help="comma list of BATCHxT")
+    ap.add_argument("--steps", type=int, default=24, help="timed steps per variant, over all rounds")
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--model", default="gpt2_s", help="models/gpt.py preset (tiny for a CPU smoke run)")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke run, not a speed")
+    ap.add_argument("--launch-table", default=None, help="tune JSON (benchmarks/tune.py) whose shape_table to use")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    for k in ("steps", "rounds", "warmup"):
+        if getattr(args, k) < (0 if k == "warmup" else 1):
+            ap.error(f"--{k}={getattr(args, k)} is not allowed: expected an integer >= {0 if k == 'warmup' else 1}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("benchmarks/train_step.py needs a CUDA GPU (--device cpu: a smoke run)")
+    dev = torch.device(args.device)
+    if dev.type == "cuda":
+        from benchmarks.attention import environment
+        env = environment(argv, script=__file__)
+    else:
+        import platform
+        env = dict(command="python " + " ".join(["benchmarks/train_step.py"] + list(argv)), gpu="cpu",
+                   torch=torch.__version__, python=platform.python_version(), time=time.strftime("%Y-%m-%dT%H:%M:%S"))
+    if args.launch_table:
+        from benchmarks.tune import load_shape_table
+        load_shape_table(args.launch_table)
+    names = [v for v in args.variants.split(",") if v]
+    for v in names:  # every name checked before anything is built
+        attn, _, tail = v.partition("+")
+        if attn not in ATTN or tail not in ("", "compile"):
+            ap.error(f"--variants: {v!r} is not allowed: expected ATTN or ATTN+compile, ATTN one of {', '.join(ATTN)}")
+    if not names:
+        ap.error("--variants: empty")
+    out = dict(env, model=args.model, optimizer="AdamW" + ("(fused)" if dev.type == "cuda" else ""),
+               precision="bf16 autocast", order="round-robin", rounds=args.rounds, order_by_round={}, rows=[],
+               errors=[], partial=True)
+    path = args.out or os.path.join(ROOT, "results", "bench", f"train-step-{out['gpu'].split()[-1].lower()}.json")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    log(f"train_step: {out['gpu']}, {len(names)} variants, shapes {args.shapes}, {args.warmup} warmup + "
+        f"{args.steps} timed steps each in {args.rounds} rounds, writing {path}")
+    done = []
+    for shape in args.shapes.split(","):
+        batch, T = (int(x) for x in shape.split("x"))
+        live = []
+        for r, live, order in run_shape(names, batch, T, args, dev, out["errors"]):
+            out["order_by_round"].setdefault(shape, []).append(order)
+            out["rows"] = done + [v.row(batch, T, args.warmup) for v in live]
+            _write(out, path)
+            log(f"[{batch}x{T}] round {r + 1}/{args.rounds}: " + ", ".join(
+                f"{v.name} {statistics.median(v.times) * 1e3:.1f} ms" for v in live if v.times))
+        rows = [dict(v.row(batch, T, args.warmup), sdpa_ops=getattr(v, "ops", None)) for v in live]
+        done += rows
+        out["rows"] = done
+        _write(out, path)
+        for row in rows:
+            log(json.dumps({k: v for k, v in row.items() if k != "losses"}))
+        del live, rows
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    out["summary"], out["partial"] = summarize(out["rows"]), False
+    _write(out, path)
+    log(json.dumps(out["summary"], indent=1))
+    log(f"wrote {path}")
     return out
 
 
