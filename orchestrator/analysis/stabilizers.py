@@ -95,7 +95,9 @@ def _label(run: Dict[str, Any]) -> str:
 
 
 def table_rows(reports: Sequence[Dict[str, Any]], bench: Dict[str, Any]) -> List[Dict[str, Any]]:
-    """One row per run of every report (a report: {"path", "runs"}), in report order."""
+    """One row per run of every report (a report: {"path", "runs"}), in report order; a run that repeats another of
+    its report (the same label, fork step and outcome to the last digit: e.g. the baseline fork each sweep of an
+    isolate carries) is folded into the first, its job listed under `repeats`."""
     all_runs = [r for rep in reports for r in rep["runs"]]
     ref_any = next((r for r in all_runs if r.get("intervention") == REFERENCE), None)
     brows = [r for r in bench.get("rows", []) if "error" not in r]
@@ -128,6 +130,13 @@ def table_rows(reports: Sequence[Dict[str, Any]], bench: Dict[str, Any]) -> List
                 ok = b and mine and b.get("tokens_per_s") and mine.get("tokens_per_s")
                 row["cost"][shape] = 1 - mine["tokens_per_s"] / b["tokens_per_s"] if ok else None
                 row["route"][shape] = mine.get("route_set") if mine else None
+            same = (row["report"], row["label"], row["from_step"], row["observed"], row["divergence_step"],
+                    row["final_loss"], row["val_loss"])
+            first = next((o for o in out if (o["report"], o["label"], o["from_step"], o["observed"],
+                                             o["divergence_step"], o["final_loss"], o["val_loss"]) == same), None)
+            if first is not None and row["final_loss"] is not None:
+                first.setdefault("repeats", []).append(row["job"])
+                continue
             out.append(row)
     return out
 
@@ -151,7 +160,10 @@ def markdown(rows: List[Dict[str, Any]], bench: Dict[str, Any], shapes: Sequence
     lines = ["# Stabilizers side by side", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        cells = [str(r.get("label") or r["intervention"]), str(r["from_step"]), str(r["observed"]),
+        label = str(r.get("label") or r["intervention"])
+        if r.get("repeats"):
+            label += f" (x{1 + len(r['repeats'])}: one outcome)"
+        cells = [label, str(r["from_step"]), str(r["observed"]),
                  "-" if r["divergence_step"] is None else str(r["divergence_step"]), _gain_text(r),
                  _f(r["final_loss"]), _f(r["final_vs_fp32"], signed=True), _f(r["val_loss"]),
                  _f(r["val_vs_fp32"], signed=True),
@@ -165,6 +177,9 @@ def markdown(rows: List[Dict[str, Any]], bench: Dict[str, Any], shapes: Sequence
               f"fork_jump); beyond {JUMP_NATS} nats the intervention changed the trained model's function at the fork, "
               f"so its verdict is not a like-for-like continuation.",
               "- cost: 1 - training tokens/s over the baseline's, per benchmark shape (positive: slower)."]
+    if any(r.get("repeats") for r in rows):
+        lines.append("- (xN: one outcome): N runs of the same intervention from the same step ended identically (e.g. "
+                     "the baseline fork in each sweep); one row, their jobs under `repeats` in the JSON.")
     if bench:
         lines.append(f"- throughput: `{bench.get('command')}` on {bench.get('gpu')} (torch {bench.get('torch')}, "
                      f"triton {bench.get('triton')}, {bench.get('time')}).")

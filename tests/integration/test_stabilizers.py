@@ -417,6 +417,27 @@ def test_stabilizers_table_tells_rows_of_one_intervention_apart_and_flags_a_jump
     assert fa2["cost"] == {}  # no benchmark here; with one, a control is never given the baseline's cost
 
 
+def test_stabilizers_table_folds_a_run_repeated_in_each_sweep_into_one_row(tmp_path):
+    """An isolate carries the baseline fork in each sweep: the same run twice, one row marked (x2); a run of the same
+    intervention that ended differently (another final loss) keeps its own row."""
+    from flash_forensics.orchestrator.analysis import stabilizers
+    rep = tmp_path / "r" / "report"
+    rep.mkdir(parents=True)
+    runs = [_run("baseline", "diverged", 100, final=5.0),
+            dict(_run("baseline", "diverged", 100, fork_step=50, final=5.0), job="forks/iso-0"),
+            dict(_run("fp32", "stable", fork_step=50, final=3.0), job="forks/iso-1"),
+            dict(_run("baseline", "diverged", 100, fork_step=50, final=5.0), job="forks/mech-0"),
+            dict(_run("baseline", "diverged", 100, fork_step=50, final=5.25), job="forks/other-0")]
+    (rep / "verdicts.json").write_text(json.dumps({"runs": runs}))
+    paths = stabilizers.write([rep], None, "fold", results=tmp_path / "results")
+    rows = json.loads(paths["json"].read_text())["rows"]
+    assert [(r["job"], r["from_step"], r.get("repeats")) for r in rows] == [
+        ("forks/baseline", 0, None), ("forks/iso-0", 50, ["forks/mech-0"]), ("forks/iso-1", 50, None),
+        ("forks/other-0", 50, None)]  # fmt: skip
+    md = paths["md"].read_text()
+    assert sum(line.startswith("| baseline (x2: one outcome) | 50 |") for line in md.splitlines()) == 1
+
+
 def test_stabilizers_table_reads_val_loss_of_a_report_copied_off_its_machine(tmp_path):
     """A lease's verdicts.json names job folders on the GPU machine (/tmp/paper/...); once the report and the job
     folders are copied side by side (<root>/report, <root>/forks/<job>), the val loss comes from there."""
