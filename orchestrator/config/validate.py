@@ -370,6 +370,14 @@ def check_capture_steps(c, t) -> None:
                    f"0-based steps the run trains, < train.max_steps={t.max_steps} (step {late[0]} is never run)")
 
 
+def check_alarm_inputs(alarm, t) -> None:
+    """A val_rise alarm reads the validation loss: with train.eval_every=0 it is computed only at the end."""
+    if alarm.enabled and alarm.signal == "val_rise" and not t.eval_every:
+        raise _bad("monitor.alarm.signal", alarm.signal,
+                   f"a signal logged during training: val_rise needs train.eval_every > 0 (it is {t.eval_every}: the "
+                   f"validation loss only at the end, so the alarm could never fire in time)")
+
+
 def _validate(cfg, overrides: Sequence[str] = (), check_resume: bool = True, check_store: bool = True):
     """validate_config without the memo."""
     obj = to_object(cfg)
@@ -384,6 +392,7 @@ def _validate(cfg, overrides: Sequence[str] = (), check_resume: bool = True, che
                         ("train", lambda: check_train(obj.train)),
                         ("debug", lambda: check_debug(obj.debug, obj.train)),
                         ("monitor.capture", lambda: check_capture_steps(obj.monitor.capture, obj.train)),
+                        ("monitor.alarm", lambda: check_alarm_inputs(obj.monitor.alarm, obj.train)),
                         ("intervention.model", lambda: apply_model_patch(obj)),
                         ("intervention", lambda: check_intervention(obj.intervention, obj.model)),
                         ("intervention.hooks", lambda: check_hooks(obj.intervention, obj.model)),

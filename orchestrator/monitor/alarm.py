@@ -43,7 +43,8 @@ _NOT_COPIED = ("intervention", "from_checkpoint", "resume", "data.replay", "hydr
 @dataclass
 class AlarmConfig:
     enabled: bool = False
-    # orchestrator/monitor/signals.py: rmax_rate max_logit max_logit_head entropy wq_sigma ...
+    # orchestrator/monitor/signals.py: rmax_rate max_logit max_logit_head entropy wq_sigma wq_growth delta_cumsum
+    # val_rise
     signal: str = "max_logit"
     threshold: float = 1000.0  # fires when the signal is strictly above it (entropy: below)
     action: str = "tag"  # tag | checkpoint | stop | fork (each also tags; all but tag write a checkpoint)

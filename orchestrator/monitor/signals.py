@@ -13,7 +13,9 @@ Signals (the paper's vocabulary; each from one metric family, so points of one s
 - wq_sigma: the W_Q spectral norm per head (wq_sigma/L*.H*), max over heads and layers;
 - wq_growth: d ln sigma / d step of each head's W_Q norm over the last `growth_window` steps (from the newest sample
   at or before step - growth_window to this one), max over heads;
-- delta_cumsum: the probes' cumulative sum of the delta error per layer, max over layers of its absolute value.
+- delta_cumsum: the probes' cumulative sum of the delta error per layer, max over layers of its absolute value;
+- val_rise: the validation loss (val/loss, every train.eval_every steps) minus its lowest value so far in the run
+  (a fork: since its fork step), in nats; 0 while it keeps falling.
 A probe signal is absent (never computed, never fires) in a run without monitor.probes.
 """
 from __future__ import annotations
@@ -46,6 +48,7 @@ SIGNALS: Dict[str, Signal] = {s.name: s for s in (
     Signal("wq_growth", ABOVE, "d ln sigma(W_Q) / d step over the growth window, max over heads",
            "monitor.wq_every"),
     Signal("delta_cumsum", ABOVE, "|delta-error cumulative sum|, max over layers", "monitor.probes"),
+    Signal("val_rise", ABOVE, "validation loss above its lowest so far in the run (nats)", "train.eval_every"),
 )}
 PROBE_SIGNALS = tuple(n for n, s in SIGNALS.items() if s.needs == "monitor.probes")
 
@@ -63,12 +66,15 @@ def _parse_probe(name: str) -> Optional[Tuple[str, int, Optional[int]]]:
     return (m.group(1), int(m.group(2)), int(m.group(3)) if m.group(3) else None) if m else None
 
 
-PREFIXES = (record.WQ_SIGMA, record.RMAX_ROWS, record.MAX_LOGIT, "probe/")  # what early_warning reads from MLflow
+# what early_warning reads from MLflow
+PREFIXES = (record.WQ_SIGMA, record.RMAX_ROWS, record.MAX_LOGIT, "probe/", record.VAL_LOSS)
 
 
 def family(name: str) -> Optional[Tuple[str, int]]:
-    """(family, layer) of a metric name the signals read, else None. Families: rmax, max_logit, wq, and the
-    probe signals' names."""
+    """(family, layer) of a metric name the signals read, else None. Families: rmax, max_logit, wq, val (layer
+    0: the model's), and the probe signals' names."""
+    if name == record.VAL_LOSS:
+        return "val", 0
     head = record.parse_head_metric(name)
     if head:
         return ("wq" if head[0] == "wq_sigma" else "rmax"), head[1]
@@ -95,6 +101,7 @@ class SignalState:
         self.growth_window = int(growth_window)
         self._rmax_prev = int(start_step) - 1  # the last step of the previous repeated-maxima interval
         self._wq: Dict[str, List[Tuple[int, float]]] = {}  # head -> [(step, ln sigma)]
+        self._val_min = math.inf  # the lowest validation loss so far (val_rise)
 
     def update(self, step: int, metrics: Mapping[str, float]) -> Dict[str, float]:
         fams: Dict[str, Dict[str, float]] = {}
@@ -122,6 +129,9 @@ class SignalState:
             rates = [r for r in (self._wq_rate(name, step, v) for name, v in fams["wq"].items()) if r is not None]
             if rates:
                 out["wq_growth"] = max(rates)
+        if "val" in fams and not math.isinf(v := fams["val"][record.VAL_LOSS]):
+            self._val_min = min(self._val_min, v)
+            out["val_rise"] = v - self._val_min
         return out
 
     def _wq_rate(self, name: str, step: int, sigma: float) -> Optional[float]:

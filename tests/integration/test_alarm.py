@@ -66,6 +66,7 @@ def test_fork_overrides_drop_what_the_child_sets(tmp_path):
     (on("action=fork", "fork_intervention=qk_norm"), ["monitor.alarm.fork_intervention='qk_norm'", "model patch"]),
     (on("signal=rmax_rate") + ["monitor.counters=false"], ["monitor.alarm.signal='rmax_rate'", "monitor.counters"]),
     (on("signal=entropy"), ["monitor.alarm.signal='entropy'", "monitor.probes"]),
+    (on("signal=val_rise") + ["train.eval_every=0"], ["monitor.alarm.signal='val_rise'", "train.eval_every > 0"]),
 ])
 def test_bad_alarm_config_is_named(tmp_path, overrides, needles):
     cfg, ov = _jobs.compose_cfg(BASE, tmp_path, *overrides)

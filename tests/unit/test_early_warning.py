@@ -92,6 +92,24 @@ def test_rmax_rate_per_step_max_over_layers_and_fork_interval():
     assert fork.update(54, {"rmax_rows/L0.H0": 10})["rmax_rate"] == 2.0
 
 
+def test_val_rise_is_the_val_loss_above_its_lowest_so_far():
+    # evals at 0, 500, ..., 2500: falls to 2.0 at 1500, then 2.25, 2.125, and a non-finite point that is skipped
+    val = [(0, 4.0), (500, 3.0), (1000, 2.5), (1500, 2.0), (2000, 2.25), (2500, 2.125), (3000, float("nan"))]
+    other = {"max_logit/L0": [(s, 1.0) for s in range(0, 3001, 100)]}  # other families on their own steps
+    out = signals.series({"val/loss": val, **other})
+    assert out["val_rise"] == [(0, 0.0), (500, 0.0), (1000, 0.0), (1500, 0.0), (2000, 0.25), (2500, 0.125)]
+    # a fork from 1000: its lowest starts at its own first eval, not the source's
+    assert dict(signals.series({"val/loss": val}, start_step=1000)["val_rise"])[2000] == 0.25
+    # the online state sees val/loss alone (the eval's own log call) and the monitors' batches apart
+    st = signals.SignalState()
+    assert st.update(0, {"val/loss": 3.0}) == {"val_rise": 0.0}
+    assert "val_rise" not in st.update(9, {"max_logit/L0": 5.0})
+    assert st.update(10, {"val/loss": 3.5}) == {"val_rise": 0.5}
+    rows = [r for r in ew.table([Run("d", "diverged", 0, 2600, out), Run("s", "stable", 0, None, {
+        "val_rise": [(500, 0.0), (1000, 0.05)]})]) if r.signal == "val_rise"]
+    assert [(r.threshold, r.leads, r.false_alarms) for r in rows] == [(0.05, {"d": 600}, 0), (0.25, {"d": None}, 0)]
+
+
 def test_wq_growth_is_d_ln_sigma_per_step_over_the_window():
     a = [(s, math.exp(0.01 * s)) for s in range(0, 301, 50)]  # grows at 0.01 per step throughout
     b = [(s, 1.0 if s <= 200 else math.exp(0.05 * (s - 200))) for s in range(0, 301, 50)]  # flat, then fast
