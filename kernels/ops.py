@@ -13,6 +13,7 @@ overhead is tens of microseconds a call, visible at small shapes); the kernels a
 """
 from __future__ import annotations
 
+import functools
 from typing import List, Optional, Tuple
 
 import torch
@@ -26,8 +27,16 @@ LIB = "flash_forensics"
 def _knobs(recipe: str, tiling: bool, block_q: int, block_k: int, softmax: str = "safe", beta: float = 2.0,
            eps: float = 1e-3, delta: str = "dO_O", pv_fp32: bool = False,
            fp32_heads: Optional[List[int]] = None, rounding: int = -1, fp32_gemm: str = "ieee") -> AttentionKnobs:
-    """The knobs an op call carries, as the launchers take them. `rounding`: the BF16 rounding points as
-    flash_forensics.kernels.triton_flash.round_mask gives them (pv_fp32 included); -1: the recipe's own."""
+    """The knobs an op call carries, as the launchers take them (read only: one object per distinct call, cached,
+    since building it resolves the recipe, tens of microseconds a call on the host). `rounding`: the BF16 rounding
+    points as flash_forensics.kernels.triton_flash.round_mask gives them (pv_fp32 included); -1: the recipe's own."""
+    return _knobs_cached(recipe, bool(tiling), int(block_q), int(block_k), softmax, float(beta), float(eps), delta,
+                         bool(pv_fp32), tuple(int(h) for h in fp32_heads or ()), int(rounding), fp32_gemm)
+
+
+@functools.lru_cache(maxsize=1024)
+def _knobs_cached(recipe, tiling, block_q, block_k, softmax, beta, eps, delta, pv_fp32, fp32_heads, rounding,
+                  fp32_gemm) -> AttentionKnobs:
     keep, rnd = tf.mask_points(recipe, rounding) if rounding >= 0 else ([], [])
     return AttentionKnobs(impl="flash", backend="triton", recipe=recipe, tiling=tiling, block_q=block_q,
                           block_k=block_k, softmax=softmax, beta=beta, eps=eps, delta=delta, pv_fp32=pv_fp32,

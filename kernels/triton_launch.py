@@ -3,6 +3,7 @@ grids and arguments, and the forward and backward passes as plain functions (ker
 torch.library operators; kernels/triton_flash.py is the public face). Recipe semantics: kernels/triton_flash.py."""
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -171,11 +172,20 @@ def _cached(key, make):
 
 
 def _rows_per_head(T: int, knobs: AttentionKnobs) -> int:
-    """(query row, key tile) pairs one head visits per batch element, as AttnStats.rows_seen counts them."""
-    if not knobs.tiling:
+    """(query row, key tile) pairs one head visits per batch element, as AttnStats.rows_seen counts them. Eager: a
+    cached loop over tiles, once per shape; traced (dynamo would warn on the cache wrapper): computed, a constant."""
+    key = (int(T), bool(knobs.tiling), int(knobs.block_q), int(knobs.block_k))
+    return _rows_per_head_of(*key) if torch.compiler.is_compiling() else _rows_cached(*key)
+
+
+def _rows_per_head_of(T: int, tiling: bool, block_q: int, block_k: int) -> int:
+    if not tiling:
         return T
-    bq, bk = min(knobs.block_q, T), min(knobs.block_k, T)
+    bq, bk = min(block_q, T), min(block_k, T)
     return sum((min(qs + bq, T) - qs) * -(-min(qs + bq, T) // bk) for qs in range(0, T, bq))
+
+
+_rows_cached = functools.lru_cache(maxsize=1024)(_rows_per_head_of)
 
 
 def key_padding(key_keep, B: int, T: int, dev):

@@ -1,0 +1,154 @@
+"""The host's share of one Triton attention call (fwd+bwd): what Python does around the kernel launches.
+
+    python benchmarks/host_overhead.py                      # CPU: the kernels stubbed, host work only
+    python benchmarks/host_overhead.py --device cuda        # GPU: real launches; host enqueue time vs GPU time
+
+At T <= 1024 a layer's kernels take a few hundred microseconds, so the host work per call (the op's arguments, the
+knobs, the launchers' bookkeeping, autograd) decides whether the GPU waits. Methods, timed round-robin in one process:
+  cached    kernels/ops.py as it is: the knobs object and the rows-seen count built once per distinct call
+  rebuilt   the same path with both rebuilt on every call (as before the cache), for the side-by-side difference
+On the CPU the four Triton kernels are replaced by no-ops (`--device cpu`: triton's launcher is not timed; the figure
+is the rest). On CUDA the kernels run: `host_us` is the time to enqueue one fwd+bwd (a burst of --iters calls after
+a sync, shorter than the launch queue), `gpu_us` the fwd+bwd time by triton.testing.do_bench; host_us > gpu_us means
+the GPU waits on the host at that shape.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import types
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+
+KNOBS = {  # name -> AttentionKnobs fields (counters: the layer's AttnStats is given)
+    "fa2": dict(recipe="fa2", counters=False),
+    "fa2_counters": dict(recipe="fa2", counters=True),
+    "fa2_sfa_counters": dict(recipe="fa2", softmax="stabilized", counters=True),
+    "paper_bf16_counters": dict(recipe="paper_bf16", counters=True),
+}
+METHODS = ("cached", "rebuilt")
+
+
+class _NoLaunch:
+    """A jit kernel's stand-in: `kernel[grid](*args)` does nothing (the CPU has no GPU to launch on)."""
+
+    def __getitem__(self, grid):
+        return lambda *a, **k: None
+
+
+@contextlib.contextmanager
+def method(name):
+    """`rebuilt`: the caches bypassed for the duration (their wrapped functions called directly)."""
+    from flash_forensics.kernels import ops
+    from flash_forensics.kernels import triton_launch as tf
+    saved = (ops._knobs_cached, tf._rows_cached)
+    if name == "rebuilt":
+        ops._knobs_cached, tf._rows_cached = ops._knobs_cached.__wrapped__, tf._rows_per_head_of
+    try:
+        yield
+    finally:
+        ops._knobs_cached, tf._rows_cached = saved
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--shapes", default="16x12x1024x64,32x12x256x64", help="comma list of BxHxTxD")
+    ap.add_argument("--knobs", default=",".join(KNOBS))
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--iters", type=int, default=300, help="calls timed per (method, knobs, shape) and round")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    bad = [k for k in a.knobs.split(",") if k not in KNOBS]
+    if bad:
+        ap.error(f"--knobs: {bad[0]!r} is not allowed: expected names from {', '.join(KNOBS)}")
+    if a.rounds < 1 or a.iters < 1:
+        ap.error("--rounds and --iters: expected integers >= 1")
+    if a.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("--device cuda needs a CUDA GPU")
+    from flash_forensics.kernels import ops
+    from flash_forensics.kernels import triton_launch as tf
+    from flash_forensics.kernels.config import AttentionKnobs
+    from flash_forensics.kernels.stats import AttnStats
+    dev = torch.device(a.device)
+    if dev.type == "cpu":  # the launches stubbed: host work only
+        tf._k = types.SimpleNamespace(_fwd_kernel=_NoLaunch(), _bwd_delta_kernel=_NoLaunch(),
+                                      _bwd_dkdv_kernel=_NoLaunch(), _bwd_dq_kernel=_NoLaunch())
+    env = dict(command="python " + " ".join(["benchmarks/host_overhead.py", *argv]), torch=torch.__version__,
+               python=platform.python_version(), processor=platform.processor() or platform.machine(),
+               time=time.strftime("%Y-%m-%dT%H:%M:%S"),
+               gpu=torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (kernels stubbed)")
+    try:
+        import triton
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = None
+    out = dict(env, methods=list(METHODS), rounds=a.rounds, iters=a.iters, rows=[])
+    path = a.out or os.path.join(ROOT, "results", "bench", f"host-overhead-{a.device}.json")
+
+    cases = []
+    for shape in a.shapes.split(","):
+        B, H, T, D = (int(x) for x in shape.split("x"))
+        dtype = torch.bfloat16
+        q, k, v = [torch.randn(B, H, T, D, device=dev, dtype=dtype).requires_grad_() for _ in range(3)]
+        do = torch.randn(B, H, T, D, device=dev, dtype=dtype)
+        for kn in a.knobs.split(","):
+            knobs = AttentionKnobs(backend="triton", **KNOBS[kn])
+            stats = AttnStats(H, device=dev) if knobs.counters else None
+            cases.append(dict(shape=shape, knobs=kn, q=q, k=k, v=v, do=do, kobj=knobs, stats=stats, host=[]))
+
+    def call(c):
+        o = ops.flash_attention(c["q"], c["k"], c["v"], c["kobj"], c["stats"])
+        torch.autograd.grad(o, (c["q"], c["k"], c["v"]), c["do"])
+
+    def sync():
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+
+    times = {(c["shape"], c["knobs"], m): [] for c in cases for m in METHODS}
+    for c in cases:  # warm: Triton's compiles, the caches
+        for m in METHODS:
+            with method(m):
+                call(c)
+    sync()
+    for r in range(a.rounds):
+        for c in cases:
+            for m in (METHODS if r % 2 == 0 else METHODS[::-1]):
+                with method(m):
+                    sync()
+                    t0 = time.perf_counter()
+                    for _ in range(a.iters):
+                        call(c)
+                    times[(c["shape"], c["knobs"], m)].append((time.perf_counter() - t0) / a.iters * 1e6)
+                    sync()
+        print(f"round {r + 1}/{a.rounds}", flush=True)
+    for c in cases:
+        row = dict(shape=c["shape"], knobs=c["knobs"])
+        for m in METHODS:
+            row[f"host_us_{m}"] = statistics.median(times[(c["shape"], c["knobs"], m)])
+        if dev.type == "cuda":
+            from triton.testing import do_bench
+            row["gpu_us"] = do_bench(lambda c=c: call(c)) * 1e3
+            row["host_bound"] = row["host_us_cached"] > row["gpu_us"]
+        out["rows"].append(row)
+        print(json.dumps(row), flush=True)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(out, f, indent=2)
+    print(f"wrote {path}")
+    return out
+
+
+if __name__ == "__main__":
+    main()
