@@ -8,8 +8,9 @@
 #                the GPU tests of a change not on this tree yet (a branch: `git diff main...BRANCH > PATCH`): this
 #                tree's TESTS first, then the same TESTS in a copy with PATCH applied (default TESTS: the kernel
 #                tests, PATCH_TESTS); logs pytest_here.log and pytest_patched.log; exit 0 only when both pass
-#   speed        attention fwd+bwd side by side (benchmarks/attention.py; TUNE=1 times launch configs first) and
-#                the GPT-2S / mini_repro training step (benchmarks/train_step.py)
+#   speed        attention fwd+bwd side by side (benchmarks/attention.py; TUNE=1 times launch configs first), the
+#                host's time per call against the GPU's (benchmarks/host_overhead.py) and the GPT-2S training step
+#                (benchmarks/train_step.py)
 #   bench        the other benchmarks: emulator vs SDPA, monitor overhead, probe cost, stabilizer throughput
 #                (benchmarks/stabilizers.py in a budget: STAB_BENCH_SECONDS, default 100)
 #   stabilizer-cost
@@ -155,6 +156,9 @@ EOF
     timeout "${ATTN_TIMEOUT:-240}" $PY benchmarks/attention.py ${TUNE:+--tune} --rounds 3 --out "$LOG/attention.json" \
       > "$LOG/attention.log" 2>&1 || rc=1
     grep -E "^\|" "$LOG/attention.log"
+    timeout "${HOST_TIMEOUT:-120}" $PY benchmarks/host_overhead.py --device cuda --out "$LOG/host_overhead.json" \
+      > "$LOG/host_overhead.log" 2>&1 || rc=1
+    grep '"shape"' "$LOG/host_overhead.log" | cut -c1-200
     # every variant built first, then round-robin (benchmarks/train_step.py); 4 compiles take most of the time
     timeout "${TRAIN_TIMEOUT:-300}" $PY benchmarks/train_step.py --shapes 16x1024 --steps 24 --rounds 4 \
       --variants sdpa+compile,triton_fa2+compile,triton_paper_bf16+compile,paper_1gpu+compile,sdpa,triton_fa2,triton_paper_bf16,paper_1gpu \
