@@ -10,7 +10,7 @@
 #                tests, PATCH_TESTS); logs pytest_here.log and pytest_patched.log; exit 0 only when both pass
 #   speed        attention fwd+bwd side by side (benchmarks/attention.py; TUNE=1 times launch configs first), the
 #                host's time per call against the GPU's (benchmarks/host_overhead.py) and the GPT-2S training step
-#                (benchmarks/train_step.py)
+#                (benchmarks/train_step.py); SPEED_PARTS="host train1024" runs only those
 #   bench        the other benchmarks: emulator vs SDPA, monitor overhead, probe cost, stabilizer throughput
 #                (benchmarks/stabilizers.py in a budget: STAB_BENCH_SECONDS, default 100)
 #   stabilizer-cost
