@@ -5,8 +5,12 @@
 
 At T <= 1024 a layer's kernels take a few hundred microseconds, so the host work per call (the op's arguments, the
 knobs, the launchers' bookkeeping, autograd) decides whether the GPU waits. Methods, timed round-robin in one process:
-  cached    kernels/ops.py as it is: the knobs object and the rows-seen count built once per distinct call
+  cached    the eager path (kernels/ops.py flash_attention, autograd): knobs and rows-seen count cached per call
   rebuilt   the same path with both rebuilt on every call (as before the cache), for the side-by-side difference
+  dispatch  what a compiled graph runs: torch.ops.flash_forensics.flash_fwd then flash_bwd, through torch's dispatch
+            of custom ops (the forward mutates the counters, so it takes the mutation bookkeeping path)
+and, apart (`schema` rows, no kernel at all): two no-op mutating custom ops, one with the 18 arguments the forward op
+had before its knobs became one string, one with its 8 now: torch's dispatch cost against the schema's length.
 On the CPU the four Triton kernels are replaced by no-ops (`--device cpu`: triton's launcher is not timed; the figure
 is the rest). On CUDA the kernels run: `host_us` is the time to enqueue one fwd+bwd (a burst of --iters calls after
 a sync, shorter than the launch queue), `gpu_us` the fwd+bwd time by triton.testing.do_bench; host_us > gpu_us means
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import platform
@@ -23,6 +28,7 @@ import statistics
 import sys
 import time
 import types
+from typing import List, Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -36,7 +42,7 @@ KNOBS = {  # name -> AttentionKnobs fields (counters: the layer's AttnStats is g
     "fa2_sfa_counters": dict(recipe="fa2", softmax="stabilized", counters=True),
     "paper_bf16_counters": dict(recipe="paper_bf16", counters=True),
 }
-METHODS = ("cached", "rebuilt")
+METHODS = ("cached", "rebuilt", "dispatch")
 
 
 class _NoLaunch:
@@ -58,6 +64,28 @@ def method(name):
         yield
     finally:
         ops._knobs_cached, tf._rows_cached = saved
+
+
+@functools.lru_cache(maxsize=None)  # an op name registers once per process
+def _schema_ops():
+    """Two no-op custom ops that mutate one argument: the forward op's old schema length (18) and its new one (8)."""
+    import torch.library as L
+    lib = "ff_host_overhead"
+
+    @L.custom_op(f"{lib}::long", mutates_args=("a", "b", "c"))
+    def long(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: Optional[torch.Tensor], b: Optional[torch.Tensor],
+             c: Optional[torch.Tensor], recipe: str, tiling: bool, block_q: int, block_k: int, softmax: str,
+             beta: float, eps: float, pv_fp32: bool, fp32_heads: List[int], rounding: int, fp32_gemm: str,
+             key_keep: Optional[torch.Tensor]) -> torch.Tensor:
+        return q.new_empty(1)
+
+    @L.custom_op(f"{lib}::short", mutates_args=("a", "b", "c"))
+    def short(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: Optional[torch.Tensor],
+              b: Optional[torch.Tensor], c: Optional[torch.Tensor], key_keep: Optional[torch.Tensor],
+              spec: str) -> torch.Tensor:
+        return q.new_empty(1)
+
+    return long, short
 
 
 def main(argv=None):
@@ -110,11 +138,23 @@ def main(argv=None):
         for kn in a.knobs.split(","):
             knobs = AttentionKnobs(backend="triton", **KNOBS[kn])
             stats = AttnStats(H, device=dev) if knobs.counters else None
-            cases.append(dict(shape=shape, knobs=kn, q=q, k=k, v=v, do=do, kobj=knobs, stats=stats, host=[]))
+            cases.append(dict(shape=shape, knobs=kn, q=q, k=k, v=v, do=do, kobj=knobs, stats=stats,
+                              spec=ops.op_spec(knobs, H)))
 
-    def call(c):
+    def eager(c):
         o = ops.flash_attention(c["q"], c["k"], c["v"], c["kobj"], c["stats"])
         torch.autograd.grad(o, (c["q"], c["k"], c["v"]), c["do"])
+
+    def dispatch(c):
+        st, spec = c["stats"], c["spec"]
+        q, k, v = (c[x].detach() for x in "qkv")
+        o, lse = torch.ops.flash_forensics.flash_fwd(q, k, v, *(
+            (st.repeated_max_rows, st.max_logit, st.underflow_rows) if st is not None else (None, None, None)),
+            None, spec)
+        torch.ops.flash_forensics.flash_bwd(c["do"], q, k, v, o, lse, None, spec)
+
+    def call(c, m="cached"):
+        return dispatch(c) if m == "dispatch" else eager(c)
 
     def sync():
         if dev.type == "cuda":
@@ -124,7 +164,7 @@ def main(argv=None):
     for c in cases:  # warm: Triton's compiles, the caches
         for m in METHODS:
             with method(m):
-                call(c)
+                call(c, m)
     sync()
     for r in range(a.rounds):
         for c in cases:
@@ -133,7 +173,7 @@ def main(argv=None):
                     sync()
                     t0 = time.perf_counter()
                     for _ in range(a.iters):
-                        call(c)
+                        call(c, m)
                     times[(c["shape"], c["knobs"], m)].append((time.perf_counter() - t0) / a.iters * 1e6)
                     sync()
         print(f"round {r + 1}/{a.rounds}", flush=True)
@@ -143,10 +183,28 @@ def main(argv=None):
             row[f"host_us_{m}"] = statistics.median(times[(c["shape"], c["knobs"], m)])
         if dev.type == "cuda":
             from triton.testing import do_bench
-            row["gpu_us"] = do_bench(lambda c=c: call(c)) * 1e3
+            row["gpu_us"] = do_bench(lambda c=c: eager(c)) * 1e3
             row["host_bound"] = row["host_us_cached"] > row["gpu_us"]
         out["rows"].append(row)
         print(json.dumps(row), flush=True)
+    # torch's dispatch against the schema's length: no-op ops, the same tensors, alternating
+    long, short = _schema_ops()
+    c = cases[0]
+    t = torch.empty(1, device=dev)
+    calls = {"schema_18_args": lambda: long(c["q"], c["k"], c["v"], t, t, t, "fa2", True, 64, 64, "safe", 2.0, 1e-3,
+                                            False, [], -1, "ieee", None),
+             "schema_8_args": lambda: short(c["q"], c["k"], c["v"], t, t, t, None, c["spec"])}
+    got = {n: [] for n in calls}
+    for r in range(a.rounds):
+        for n, f in (calls.items() if r % 2 == 0 else list(calls.items())[::-1]):
+            for _ in range(10):
+                f()
+            t0 = time.perf_counter()
+            for _ in range(a.iters):
+                f()
+            got[n].append((time.perf_counter() - t0) / a.iters * 1e6)
+    out["schema"] = {n: statistics.median(v) for n, v in got.items()}
+    print(json.dumps({"schema": out["schema"]}), flush=True)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         json.dump(out, f, indent=2)

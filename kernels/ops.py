@@ -5,7 +5,11 @@ dynamo and AOTAutograd trace them from their schemas, and inductor treats them a
 into them or reorders their roundings: compiled and eager attention run the same kernels on the same inputs and
 agree bit for bit. An optional key_keep (1 or B, T) (bool / int8 / uint8, nonzero = attend) masks keys on top of
 causality (transformers' padded batches; kernels/triton_launch.py key_padding); None runs the kernels without key
-masks, as before. The knobs travel as op arguments (str / bool / int / float / int[]); the forward adds into the
+masks, as before. The knobs travel as ONE string argument, `spec` (op_spec: recipe, tiling, tiles, softmax, beta,
+eps, delta, pv_fp32, FP32-O heads, rounding points, FP32 GEMM mode; floats by repr, so exact): torch's dispatch of a
+mutating custom op fills in the schema's defaults over `schema.arguments`, rebuilt for every argument, so its cost
+grows with the square of the argument count (~250 us a call with the 18 arguments these ops had, on a 2-core CPU;
+benchmarks/host_overhead.py), and a compiled graph calls the ops through that dispatch. The forward adds into the
 layer's AttnStats counters, which its schema declares as mutated (`Tensor(a!)?`). torch.library refuses an autograd
 formula on a mutating op, so autograd is one torch.autograd.Function around the two ops, which dynamo traces
 without a graph break. In eager mode the same Function calls the launchers directly (the dispatcher's Python
@@ -43,61 +47,76 @@ def _knobs_cached(recipe, tiling, block_q, block_k, softmax, beta, eps, delta, p
                           o_fp32_heads=list(fp32_heads or ()), keep_fp32=keep, round_bf16=rnd, fp32_gemm=fp32_gemm)
 
 
-def _fwd_body(q, k, v, rep, maxl, under, recipe, tiling, block_q, block_k, softmax, beta, eps, pv_fp32, fp32_heads,
-              rounding, fp32_gemm="ieee", key_keep=None):
-    o, lse, _, _ = tf._forward(q, k, v, _knobs(recipe, tiling, block_q, block_k, softmax, beta, eps, "dO_O", pv_fp32,
-                                               fp32_heads, rounding, fp32_gemm), rep, maxl, under=under,
-                               key_keep=key_keep)
+SPEC_FIELDS = ("recipe", "tiling", "block_q", "block_k", "softmax", "beta", "eps", "delta", "pv_fp32", "fp32_heads",
+               "rounding", "fp32_gemm")
+
+
+def op_spec(knobs: AttentionKnobs, n_head: int) -> str:
+    """The ops' `spec`: op_args, the rounding bitmask and the FP32 GEMM mode, ';'-separated (beta and eps by repr, so
+    parse_spec gives back the same floats). Plain string work on constants: dynamo folds it without a graph break."""
+    recipe, tiling, bq, bk, softmax, beta, eps, delta, pv, heads = op_args(knobs, n_head)
+    hs = ",".join([str(h) for h in heads])
+    return (f"{recipe};{int(tiling)};{bq};{bk};{softmax};{beta!r};{eps!r};{delta};{int(pv)};{hs};"
+            f"{op_rounding(knobs)};{knobs.fp32_gemm}")
+
+
+@functools.lru_cache(maxsize=1024)
+def parse_spec(spec: str) -> tuple:
+    """op_spec's fields back, typed (fp32_heads a tuple); a malformed spec names what it expected."""
+    f = spec.split(";")
+    if len(f) != len(SPEC_FIELDS):
+        raise ValueError(f"spec={spec!r} is not allowed: expected {len(SPEC_FIELDS)} ';'-separated fields "
+                         f"({', '.join(SPEC_FIELDS)}), as kernels/ops.py op_spec writes them")
+    return (f[0], f[1] == "1", int(f[2]), int(f[3]), f[4], float(f[5]), float(f[6]), f[7], f[8] == "1",
+            tuple(int(h) for h in f[9].split(",") if h), int(f[10]), f[11])
+
+
+def _fwd_body(q, k, v, rep, maxl, under, key_keep, spec):
+    recipe, tiling, bq, bk, softmax, beta, eps, _delta, pv, heads, rounding, gemm = parse_spec(spec)
+    o, lse, _, _ = tf._forward(q, k, v, _knobs(recipe, tiling, bq, bk, softmax, beta, eps, "dO_O", pv, heads,
+                                               rounding, gemm), rep, maxl, under=under, key_keep=key_keep)
     return o, lse
 
 
-def _bwd_body(do, q, k, v, o, lse, recipe, tiling, block_q, block_k, delta, fp32_heads, rounding, fp32_gemm="ieee",
-              key_keep=None):
-    return tf._backward(do, q, k, v, o, lse, _knobs(recipe, tiling, block_q, block_k, delta=delta,
-                                                    fp32_heads=fp32_heads, rounding=rounding, fp32_gemm=fp32_gemm),
-                        key_keep=key_keep)
+def _bwd_body(do, q, k, v, o, lse, key_keep, spec):
+    recipe, tiling, bq, bk, _softmax, _beta, _eps, delta, _pv, heads, rounding, gemm = parse_spec(spec)
+    return tf._backward(do, q, k, v, o, lse, _knobs(recipe, tiling, bq, bk, delta=delta, fp32_heads=heads,
+                                                    rounding=rounding, fp32_gemm=gemm), key_keep=key_keep)
 
 
 @torch.library.custom_op(f"{LIB}::flash_fwd", mutates_args=("repeated_max_rows", "max_logit", "underflow_rows"))
 def flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, repeated_max_rows: Optional[torch.Tensor],
-              max_logit: Optional[torch.Tensor], underflow_rows: Optional[torch.Tensor], recipe: str, tiling: bool,
-              block_q: int, block_k: int, softmax: str, beta: float, eps: float, pv_fp32: bool, fp32_heads: List[int],
-              rounding: int = -1, fp32_gemm: str = "ieee",
-              key_keep: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+              max_logit: Optional[torch.Tensor], underflow_rows: Optional[torch.Tensor],
+              key_keep: Optional[torch.Tensor], spec: str) -> Tuple[torch.Tensor, torch.Tensor]:
     """Causal flash forward: (O as stored for the backward, lse (B, H, T) FP32). Counters are added into
     repeated_max_rows (H,) int64 and max_logit () FP32 when given (both or neither), and into underflow_rows (H,)
-    int64 when given with them (rows whose row sum underflowed). `rounding`: the BF16 rounding points
-    (flash_forensics.kernels.triton_flash.round_mask); `fp32_gemm`: how FP32 GEMMs run (ieee | tf32x3);
-    `key_keep` (1 or B, T): keys masked on top of causality (rows with no key: O = 0, lse = +inf).
-    No mutated argument has a default: torch <= 2.11 drops a default-valued argument before its version-counter
-    bookkeeping and fails on it (IndexError; pytorch issue 176078), which broke compile with counters off."""
-    return _fwd_body(q, k, v, repeated_max_rows, max_logit, underflow_rows, recipe, tiling, block_q, block_k, softmax,
-                     beta, eps, pv_fp32, fp32_heads, rounding, fp32_gemm, key_keep)
+    int64 when given with them (rows whose row sum underflowed). `key_keep` (1 or B, T): keys masked on top of
+    causality (rows with no key: O = 0, lse = +inf). `spec`: the knobs (op_spec): among them the BF16 rounding points
+    (flash_forensics.kernels.triton_flash.round_mask) and how FP32 GEMMs run (ieee | tf32x3).
+    No argument has a default: torch <= 2.11 drops a default-valued argument before its version-counter bookkeeping
+    and fails on it (IndexError; pytorch issue 176078), which broke compile with counters off."""
+    return _fwd_body(q, k, v, repeated_max_rows, max_logit, underflow_rows, key_keep, spec)
 
 
 @flash_fwd.register_fake
-def _flash_fwd_fake(q, k, v, repeated_max_rows, max_logit, underflow_rows, recipe, tiling, block_q, block_k, softmax,
-                    beta, eps, pv_fp32, fp32_heads, rounding=-1, fp32_gemm="ieee", key_keep=None):
+def _flash_fwd_fake(q, k, v, repeated_max_rows, max_logit, underflow_rows, key_keep, spec):
     B, H, T, D = q.shape
-    mask = rounding if rounding >= 0 else tf.round_mask(_knobs(recipe, tiling, block_q, block_k, pv_fp32=pv_fp32))
-    return (q.new_empty((B, H, T, D), dtype=tf.saved_o_dtype(mask, fp32_heads)),
+    recipe, tiling, bq, bk, _softmax, _beta, _eps, _delta, pv, heads, rounding, _gemm = parse_spec(spec)
+    mask = rounding if rounding >= 0 else tf.round_mask(_knobs(recipe, tiling, bq, bk, pv_fp32=pv))
+    return (q.new_empty((B, H, T, D), dtype=tf.saved_o_dtype(mask, heads)),
             q.new_empty((B, H, T), dtype=torch.float32))
 
 
 @torch.library.custom_op(f"{LIB}::flash_bwd", mutates_args=())
 def flash_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
-              recipe: str, tiling: bool, block_q: int, block_k: int, delta: str,
-              fp32_heads: List[int], rounding: int = -1, fp32_gemm: str = "ieee",
-              key_keep: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              key_keep: Optional[torch.Tensor], spec: str) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Causal flash backward from the forward's stored O and lse: (dq, dk, dv) in q's, k's, v's dtypes; key_keep
-    the forward's."""
-    return _bwd_body(do, q, k, v, o, lse, recipe, tiling, block_q, block_k, delta, fp32_heads, rounding, fp32_gemm,
-                     key_keep)
+    and spec the forward's."""
+    return _bwd_body(do, q, k, v, o, lse, key_keep, spec)
 
 
 @flash_bwd.register_fake
-def _flash_bwd_fake(do, q, k, v, o, lse, recipe, tiling, block_q, block_k, delta, fp32_heads, rounding=-1,
-                    fp32_gemm="ieee", key_keep=None):
+def _flash_bwd_fake(do, q, k, v, o, lse, key_keep, spec):
     shape = q.shape
     return (q.new_empty(shape), k.new_empty(shape, dtype=k.dtype), v.new_empty(shape, dtype=v.dtype))
 
@@ -106,28 +125,26 @@ class FlashAttention(torch.autograd.Function):
     """Autograd over the two ops: saves q, k, v, the stored O and lse; the backward is one flash_bwd call."""
 
     @staticmethod
-    def forward(ctx, q, k, v, rep, maxl, recipe, tiling, block_q, block_k, softmax, beta, eps, delta, pv_fp32,
-                fp32_heads, rounding, fp32_gemm, under=None, key_keep=None):
-        args = (q, k, v, rep, maxl, under, recipe, tiling, block_q, block_k, softmax, beta, eps, pv_fp32, fp32_heads,
-                rounding, fp32_gemm, key_keep)
+    def forward(ctx, q, k, v, rep, maxl, under, key_keep, spec):
+        args = (q, k, v, rep, maxl, under, key_keep, spec)
         if torch.compiler.is_compiling():
             o, lse = torch.ops.flash_forensics.flash_fwd(*args)
         else:  # the op's own body, without the dispatcher's per-call overhead
             o, lse = _fwd_body(*args)
         ctx.save_for_backward(q, k, v, o, lse, key_keep)
-        ctx.bwd_args = (recipe, tiling, block_q, block_k, delta, fp32_heads, rounding, fp32_gemm)
+        ctx.spec = spec
         # returned O: BF16 for paper_bf16 / fa2 (also for heads whose stored O is FP32), FP32 for fp32
-        out_dtype = torch.float32 if recipe == "fp32" else torch.bfloat16
+        out_dtype = torch.float32 if spec.startswith("fp32;") else torch.bfloat16
         return o if o.dtype == out_dtype else o.to(out_dtype)
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse, key_keep = ctx.saved_tensors
         if torch.compiler.is_compiling():
-            dq, dk, dv = torch.ops.flash_forensics.flash_bwd(do, q, k, v, o, lse, *ctx.bwd_args, key_keep)
+            dq, dk, dv = torch.ops.flash_forensics.flash_bwd(do, q, k, v, o, lse, key_keep, ctx.spec)
         else:
-            dq, dk, dv = _bwd_body(do, q, k, v, o, lse, *ctx.bwd_args, key_keep)
-        return (dq, dk, dv) + (None,) * 16
+            dq, dk, dv = _bwd_body(do, q, k, v, o, lse, key_keep, ctx.spec)
+        return (dq, dk, dv) + (None,) * 5
 
 
 def op_args(knobs: AttentionKnobs, n_head: int) -> tuple:
@@ -149,12 +166,12 @@ def flash_attention(q, k, v, knobs: AttentionKnobs, stats=None, key_keep=None):
     counters = stats is not None and knobs.counters
     rep, maxl = (stats.repeated_max_rows, stats.max_logit) if counters else (None, None)
     under = getattr(stats, "underflow_rows", None) if counters else None
-    o = FlashAttention.apply(q, k, v, rep, maxl, *op_args(knobs, H), op_rounding(knobs), knobs.fp32_gemm, under,
-                             key_keep)
+    o = FlashAttention.apply(q, k, v, rep, maxl, under, key_keep, op_spec(knobs, H))
     if counters and getattr(stats, "rows_seen", None) is not None:
         stats.rows_seen.add_(B * tf._rows_per_head(T, knobs) if key_keep is None
                              else tf.rows_seen_padded(key_keep, B, T, knobs))
     return o
 
 
-__all__ = ["flash_fwd", "flash_bwd", "FlashAttention", "flash_attention", "op_args", "op_rounding"]
+__all__ = ["flash_fwd", "flash_bwd", "FlashAttention", "flash_attention", "op_args", "op_rounding", "op_spec",
+           "parse_spec"]

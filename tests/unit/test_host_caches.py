@@ -57,10 +57,15 @@ def test_host_overhead_benchmark_times_both_ways_on_a_cpu(tmp_path):
     try:
         doc = host_overhead.main(["--shapes", "1x2x64x16", "--knobs", "fa2,paper_bf16_counters", "--rounds", "2",
                                   "--iters", "3", "--out", str(tmp_path / "h.json")])
+        # a second run in one process: its no-op ops registered once
+        again = host_overhead.main(["--shapes", "1x2x64x16", "--knobs", "fa2", "--rounds", "1", "--iters", "1",
+                                    "--out", str(tmp_path / "h2.json")])
     finally:
         tf._k = saved  # the benchmark stubs the kernels for its own process
     assert [r["knobs"] for r in doc["rows"]] == ["fa2", "paper_bf16_counters"]
-    assert all(r["host_us_cached"] > 0 and r["host_us_rebuilt"] > 0 for r in doc["rows"])
+    assert all(r[f"host_us_{m}"] > 0 for r in doc["rows"] for m in ("cached", "rebuilt", "dispatch"))
+    assert set(doc["schema"]) == {"schema_18_args", "schema_8_args"} and all(v > 0 for v in doc["schema"].values())
+    assert again["rows"][0]["knobs"] == "fa2"
     assert ops._knobs_cached.__wrapped__ is not ops._knobs_cached  # the cache is back after the `rebuilt` method
     with pytest.raises(SystemExit):
         host_overhead.main(["--knobs", "nope", "--out", str(tmp_path / "x.json")])

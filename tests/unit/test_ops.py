@@ -65,13 +65,16 @@ def test_fake_tensors_propagate(recipe, heads, saved):
     with FakeTensorMode():
         q, k, v = (torch.empty(2, 3, 40, 16, dtype=dt) for _ in range(3))
         rep, maxl = torch.zeros(3, dtype=torch.int64), torch.zeros((), dtype=torch.float32)
-        o, lse = torch.ops.flash_forensics.flash_fwd(q, k, v, rep, maxl, None, recipe, True, 16, 16, "safe", 2.0,
-                                                     1e-3, False, heads)
+        spec = _spec(recipe, heads)
+        o, lse = torch.ops.flash_forensics.flash_fwd(q, k, v, rep, maxl, None, None, spec)
         assert o.shape == (2, 3, 40, 16) and o.dtype == saved
         assert lse.shape == (2, 3, 40) and lse.dtype == torch.float32
-        dq, dk, dv = torch.ops.flash_forensics.flash_bwd(o.to(dt), q, k, v, o, lse, recipe, True, 16, 16, "dO_O",
-                                                         heads)
+        dq, dk, dv = torch.ops.flash_forensics.flash_bwd(o.to(dt), q, k, v, o, lse, None, spec)
         assert all(t.shape == q.shape and t.dtype == dt for t in (dq, dk, dv))
+
+
+def _spec(recipe, heads=(), **kw):
+    return _ops().op_spec(AttentionKnobs(recipe=recipe, block_q=16, block_k=16, o_fp32_heads=list(heads), **kw), 3)
 
 
 def test_op_args_carry_every_knob():
@@ -80,6 +83,31 @@ def test_op_args_carry_every_knob():
                            eps=1e-2, delta="dP_P", pv_fp32=True, o_fp32_heads=[2, 0])
     assert ops.op_args(knobs, 4) == ("paper_bf16", False, 32, 16, "stabilized", 3.0, 1e-2, "dP_P", True, [0, 2])
     assert ops.op_args(replace(knobs, o_fp32=True), 3)[-1] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("kw", [dict(recipe="paper_bf16", tiling=False, block_q=32, block_k=16, softmax="stabilized",
+                                     beta=1.0001, eps=1e-2, delta="dP_P", pv_fp32=True, o_fp32_heads=[2, 0]),
+                                dict(recipe="fp32", fp32_gemm="tf32x3", beta=0.1 + 0.2, eps=1 / 3),
+                                dict(recipe="fa2", keep_fp32=["pbar"], round_bf16=["delta_prod"])])
+def test_op_spec_carries_every_knob_exactly(kw):
+    """The ops' one string argument gives back op_args, the rounding bits and the GEMM mode, floats to the bit."""
+    ops = _ops()
+    knobs = AttentionKnobs(**kw)
+    got = ops.parse_spec(ops.op_spec(knobs, 4))
+    want = ops.op_args(knobs, 4)
+    assert got[:9] == want[:9] and list(got[9]) == want[9]
+    assert got[10:] == (ops.op_rounding(knobs), knobs.fp32_gemm)
+    assert got[5] == knobs.beta and got[6] == knobs.eps  # repr round-trips a float exactly
+    with pytest.raises(ValueError, match=r"expected 12 ';'-separated fields"):
+        ops.parse_spec("fa2;1;64")
+
+
+def test_op_schemas_are_short():
+    """torch dispatches a mutating custom op through a defaults fill-in whose cost grows with the square of the
+    schema's length (~250 us a call at 18 arguments on a 2-core CPU): the knobs travel as one string."""
+    _ops()
+    assert len(torch.ops.flash_forensics.flash_fwd.default._schema.arguments) <= 8
+    assert len(torch.ops.flash_forensics.flash_bwd.default._schema.arguments) <= 8
 
 
 def test_train_compile_is_validated():
@@ -111,10 +139,9 @@ def test_interpreter_opcheck(counters):
     ops = _ops()
     q, k, v = (x.detach() for x in _qkv())
     rep, maxl = (torch.zeros(2, dtype=torch.int64), torch.full((), float("-inf"))) if counters else (None, None)
-    torch.library.opcheck(ops.flash_fwd, (q, k, v, rep, maxl, None, "fp32", True, 16, 16, "stabilized", 2.0, 1e-3,
-                                          False, []))
-    o, lse = ops.flash_fwd(q, k, v, None, None, None, "fp32", True, 16, 16, "safe", 2.0, 1e-3, False, [])
-    torch.library.opcheck(ops.flash_bwd, (torch.randn_like(o), q, k, v, o, lse, "fp32", True, 16, 16, "dP_P", []))
+    torch.library.opcheck(ops.flash_fwd, (q, k, v, rep, maxl, None, None, _spec("fp32", softmax="stabilized")))
+    o, lse = ops.flash_fwd(q, k, v, None, None, None, None, _spec("fp32"))
+    torch.library.opcheck(ops.flash_bwd, (torch.randn_like(o), q, k, v, o, lse, None, _spec("fp32", delta="dP_P")))
 
 
 @interp
