@@ -8,12 +8,13 @@ causality (transformers' padded batches; kernels/triton_launch.py key_padding); 
 masks, as before. The knobs travel as ONE string argument, `spec` (op_spec: recipe, tiling, tiles, softmax, beta,
 eps, delta, pv_fp32, FP32-O heads, rounding points, FP32 GEMM mode; floats by repr, so exact): torch's dispatch of a
 mutating custom op fills in the schema's defaults over `schema.arguments`, rebuilt for every argument, so its cost
-grows with the square of the argument count (~250 us a call with the 18 arguments these ops had, on a 2-core CPU;
-benchmarks/host_overhead.py), and a compiled graph calls the ops through that dispatch. The forward adds into the
-layer's AttnStats counters, which its schema declares as mutated (`Tensor(a!)?`). torch.library refuses an autograd
-formula on a mutating op, so autograd is one torch.autograd.Function around the two ops, which dynamo traces
-without a graph break. In eager mode the same Function calls the launchers directly (the dispatcher's Python
-overhead is tens of microseconds a call, visible at small shapes); the kernels and their arguments are the same.
+grows with the square of the argument count (a no-op op with the 18 arguments these ops had: 127 us a call, with
+8: 45 us, on a 2-core CPU; benchmarks/host_overhead.py), and a compiled graph calls the ops through that dispatch.
+The forward adds into the layer's AttnStats counters, which its schema declares as mutated (`Tensor(a!)?`).
+torch.library refuses an autograd formula on a mutating op, so autograd is one torch.autograd.Function around the
+two ops, which dynamo traces without a graph break. In eager mode the same Function calls the launchers directly
+(the dispatcher's Python overhead is tens of microseconds a call, visible at small shapes); the kernels and their
+arguments are the same.
 """
 from __future__ import annotations
 
