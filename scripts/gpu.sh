@@ -431,9 +431,10 @@ EOF
     #   gpu.sh scratch-table run [SECONDS]  start, wait, collect in ONE call that ends within SECONDS (default 560)
     R=${R:-/tmp/scratch}; mode=${1:-start}
     alive() { [ -f "$R/plan.pid" ] && kill -0 "$(cat "$R/plan.pid")" 2>/dev/null; }
+    tests_alive() { [ -f "$R/tests.pid" ] && kill -0 "$(cat "$R/tests.pid")" 2>/dev/null; }  # TESTS_PATCH's
     if [ "$mode" = run ]; then
       t_run=$(date +%s); budget=${2:-560}; self=$ROOT/scripts/gpu.sh
-      rm -f "$R/plan.pid"; bash "$self" scratch-table start
+      rm -f "$R/plan.pid" "$R/tests.pid"; bash "$self" scratch-table start
       [ -f "$R/plan.pid" ] || die "start failed: no plan was started"
       bash "$self" scratch-table wait $(( budget - ($(date +%s) - t_run) - 45 ))
       bash "$self" scratch-table collect
@@ -449,20 +450,23 @@ EOF
       if [ -n "${TESTS_PATCH:-}" ]; then  # beside the runs: they only slow each other down
         setsid nohup env OUT="$R/tests" PATCHED="$R/patched" bash scripts/gpu.sh patch-tests "$(cd "$ROOT" && realpath "$TESTS_PATCH")" \
           > "$R/patch_tests.log" 2>&1 < /dev/null &
+        echo $! > "$R/tests.pid"
       fi
       sleep 5; head -3 "$R/plan.log" | cut -c1-300
     elif [ "$mode" = wait ]; then
       end=$(( $(date +%s) + ${2:-540} ))
-      while alive && [ "$(date +%s)" -lt "$end" ]; do sleep 5; done
+      while { alive || tests_alive; } && [ "$(date +%s)" -lt "$end" ]; do sleep 5; done
       (grep -a "^\[paper_scratch" "$R/plan.log" || true) | tail -7 | cut -c1-220
       echo "[scratch-table $(date -u +%T)] GPU $(nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader | tr -d '\n')"
       [ -f "$R/patch_tests.log" ] && grep -a "^\[patch-tests\]\| passed\| failed" "$R/patch_tests.log" | tail -4
+      tests_alive && echo "[scratch-table] patch tests still running"
       alive && echo "[scratch-table] still running" || echo "[scratch-table] plan ended"
     elif [ "$mode" = collect ]; then
       : "${OUT:?collect writes into \$OUT}"
       cd "$R/src" || die "no $R/src"; setup
       state=ended; alive && state=running
       echo "[scratch-table] plan $state after $(( $(date +%s) - $(cat "$R/plan.t0") )) s" | tee -a "$R/plan.log"
+      tests_alive && echo "[scratch-table] patch tests still running: their logs so far come back"
       if [ "$state" = running ]; then  # the finished runs' rows (a running one has no result.json yet; the export
         dirs=()                         # below has every run's history so far)
         for d in "$R"/runs/*/; do [ -f "$d/result.json" ] && dirs+=("${d%/}"); done
