@@ -9,7 +9,9 @@ norms every 50 steps, one host transfer every 10, counters and max logit per lay
 same order, for every variant. All variants are built first; `--warmup` steps each (compilation) come next; then
 `--rounds` rounds, each timing `steps / rounds` steps of every variant in turn, the order rotated each round, so a
 clock or thermal drift falls on all of them alike. A step's time is the host clock between synchronisations; the row
-is the median over all timed steps.
+is the median over all timed steps; `host_ms` the median time to enqueue one (from its start to the end of the
+optimizer and monitors' calls, before the synchronisation: the monitors' flush steps sync inside it). host_ms close to
+step_ms means the GPU waits on the host.
 
 Compiled variants: `+compile` is torch.compile of the model. sdpa+compile keeps inductor's defaults (the number to
 beat, as nanoGPT compiles); the flash variants compile as the project's training does (orchestrator/job/train.py:
@@ -80,7 +82,8 @@ class Variant:
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.0,
                                      fused=dev.type == "cuda")
         self.monitors = Monitors(self.model, MonitorConfig())
-        self.i, self.losses, self.times, self.warmup_s = 0, [], [], 0.0
+        self.i, self.losses, self.times, self.warmup_s, self.host = 0, [], [], 0.0, []
+        self.last_host = 0.0
 
     def step(self, x):
         model = self.model
@@ -96,6 +99,7 @@ class Variant:
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         self.monitors.step_end(self.i, loss.detach(), gn, 3e-4, x.shape[0] * (x.shape[1] - 1))
+        self.last_host = time.perf_counter() - t0  # the step enqueued: the host's share (no sync on most steps)
         _sync(self.dev)
         self.i += 1
         self.losses.append(loss.detach())
@@ -116,6 +120,7 @@ class Variant:
         return dict(variant=self.name, attention=ATTN[self.attn], compiled=self.compiled,
                     emulate_precision_casts=self.emulate if self.compiled else None, batch=batch, T=T,
                     step_ms=med * 1e3 if med else None, tokens_per_s=batch * T / med if med else None,
+                    host_ms=statistics.median(self.host) * 1e3 if self.host else None,
                     steps_timed=len(timed), warmup_steps=warmup, warmup_s=round(self.warmup_s, 2),
                     losses=[float(v) for v in torch.stack(self.losses).cpu()] if self.losses else [],
                     routes=self.model.attention_routes()[:1])
@@ -162,6 +167,7 @@ def run_shape(names, batch, T, args, dev, errors):
                 for _ in range(per):
                     if v.i < len(data):
                         v.times.append(v.step(data[v.i]))
+                        v.host.append(v.last_host)
             guarded(v, timed)
         yield r, live, [v.name for v in order]
     for v in list(live):

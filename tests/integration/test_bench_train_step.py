@@ -25,6 +25,7 @@ def test_cpu_smoke_round_robin_same_batches_and_the_sdpa_op(tmp_path):
     assert [(v, r["steps_timed"], len(r["losses"])) for v, r in rows.items()] == [
         ("sdpa", 4, 5), ("emulator_paper_bf16", 4, 5)]  # fmt: skip
     assert rows["sdpa"]["sdpa_ops"] == ["flash"] and rows["emulator_paper_bf16"]["sdpa_ops"] == []
+    assert all(0 < r["host_ms"] <= r["step_ms"] for r in rows.values())  # each step: enqueued <= done
     assert rows["emulator_paper_bf16"]["routes"] == ["flash/emulator/paper_bf16"]
     # the same initial weights and first batch: the first losses differ only by the attention's arithmetic
     assert rows["sdpa"]["losses"][0] == pytest.approx(rows["emulator_paper_bf16"]["losses"][0], abs=2e-2)
