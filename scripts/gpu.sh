@@ -167,7 +167,7 @@ EOF
     fi
     if [[ $parts == *" train1024 "* ]]; then
     # every variant built first, then round-robin (benchmarks/train_step.py); 4 compiles take most of the time
-    timeout "${TRAIN_TIMEOUT:-300}" $PY benchmarks/train_step.py --shapes 16x1024 --steps 24 --rounds 4 \
+    timeout "${TRAIN_TIMEOUT:-420}" $PY benchmarks/train_step.py --shapes 16x1024 --steps 24 --rounds 4 \
       --variants sdpa+compile,triton_fa2+compile,triton_paper_bf16+compile,paper_1gpu+compile,sdpa,triton_fa2,triton_paper_bf16,paper_1gpu \
       --out "$LOG/train_T1024.json" > "$LOG/train_T1024.log" 2>&1 || rc=1
     fi
