@@ -159,6 +159,7 @@ def run_shape(names, batch, T, args, dev, errors):
         guarded(v, warm)
         if v in live:
             log(f"[{batch}x{T}] {v.name}: warmup {v.warmup_s:.1f} s, route {v.model.attention_routes()[:1]}")
+    yield -1, live, []  # warmed up (compiled): the JSON says so before the first timed round
     per = max(1, args.steps // args.rounds)
     for r in range(args.rounds):
         order = live[r % len(live):] + live[:r % len(live)] if live else []
@@ -245,8 +246,12 @@ def main(argv=None):
         batch, T = (int(x) for x in shape.split("x"))
         live = []
         for r, live, order in run_shape(names, batch, T, args, dev, out["errors"]):
-            out["order_by_round"].setdefault(shape, []).append(order)
             out["rows"] = done + [v.row(batch, T, args.warmup) for v in live]
+            if r < 0:
+                _write(out, path)
+                log(f"[{batch}x{T}] warmed up: {len(live)} variants")
+                continue
+            out["order_by_round"].setdefault(shape, []).append(order)
             _write(out, path)
             log(f"[{batch}x{T}] round {r + 1}/{args.rounds}: " + ", ".join(
                 f"{v.name} {statistics.median(v.times) * 1e3:.1f} ms" for v in live if v.times))
