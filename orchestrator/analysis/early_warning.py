@@ -441,8 +441,9 @@ def write(out: Path, runs: Sequence[Run], rows: Sequence[Row], chosen: Optional[
                      "last_step": r.last_step, "mlflow_run_id": r.run_id, "signals": sorted(r.series),
                      "group": r.group} for r in runs]}
     if folds:
+        per = {s: pooled(folds, s) for s in SIGNALS}
         doc["holdout"] = {"folds": [asdict(f) for f in folds], "pooled": pooled(folds),
-                          "per_signal": {s: pooled(folds, s) for s in SIGNALS if pooled(folds, s)["folds"]}}
+                          "per_signal": {s: p for s, p in per.items() if p["folds"]}}
     paths = {"md": out / "early_warning.md", "json": out / "early_warning.json"}
     paths["md"].write_text(markdown(rows, runs, chosen, skipped, growth_window, folds))
     paths["json"].write_text(record.dumps(doc))

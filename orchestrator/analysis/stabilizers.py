@@ -94,6 +94,12 @@ def _label(run: Dict[str, Any]) -> str:
     return " ".join([str(run.get("intervention")), *keep])
 
 
+def _outcome(row: Dict[str, Any]) -> tuple:
+    """What makes two rows of a report the same run twice: label, fork step and outcome to the last digit."""
+    return tuple(row[k] for k in ("report", "label", "from_step", "observed", "divergence_step", "final_loss",
+                                  "val_loss"))
+
+
 def table_rows(reports: Sequence[Dict[str, Any]], bench: Dict[str, Any]) -> List[Dict[str, Any]]:
     """One row per run of every report (a report: {"path", "runs"}), in report order; a run that repeats another of
     its report (the same label, fork step and outcome to the last digit: e.g. the baseline fork each sweep of an
@@ -130,10 +136,7 @@ def table_rows(reports: Sequence[Dict[str, Any]], bench: Dict[str, Any]) -> List
                 ok = b and mine and b.get("tokens_per_s") and mine.get("tokens_per_s")
                 row["cost"][shape] = 1 - mine["tokens_per_s"] / b["tokens_per_s"] if ok else None
                 row["route"][shape] = mine.get("route_set") if mine else None
-            same = (row["report"], row["label"], row["from_step"], row["observed"], row["divergence_step"],
-                    row["final_loss"], row["val_loss"])
-            first = next((o for o in out if (o["report"], o["label"], o["from_step"], o["observed"],
-                                             o["divergence_step"], o["final_loss"], o["val_loss"]) == same), None)
+            first = next((o for o in out if _outcome(o) == _outcome(row)), None)
             if first is not None and row["final_loss"] is not None:
                 first.setdefault("repeats", []).append(row["job"])
                 continue
