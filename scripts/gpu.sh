@@ -10,7 +10,8 @@
 #                tests, PATCH_TESTS); logs pytest_here.log and pytest_patched.log; exit 0 only when both pass
 #   speed        attention fwd+bwd side by side (benchmarks/attention.py; TUNE=1 times launch configs first), the
 #                host's time per call against the GPU's (benchmarks/host_overhead.py) and the GPT-2S training step
-#                (benchmarks/train_step.py); SPEED_PARTS="host train1024" runs only those
+#                (benchmarks/train_step.py); SPEED_PARTS="host train1024" runs only those; SPEED_PARTS=cudagraphs:
+#                the training step under torch.compile(mode="reduce-overhead") beside the default compile
 #   bench        the other benchmarks: emulator vs SDPA, monitor overhead, probe cost, stabilizer throughput
 #                (benchmarks/stabilizers.py in a budget: STAB_BENCH_SECONDS, default 100)
 #   stabilizer-cost
@@ -152,7 +153,7 @@ EOF
     echo "[patch-tests] exit $rc"; exit $rc
     ;;
   speed)
-    # SPEED_PARTS (default "attention host train1024 train256"): which benchmarks run, in this order
+    # SPEED_PARTS (default "attention host train1024 train256"; also "cudagraphs"): which benchmarks run, in this order
     setup; logdir speed; rc=0; parts=" ${SPEED_PARTS:-attention host train1024 train256} "
     if [[ $parts == *" attention "* ]]; then
     timeout "${ATTN_TIMEOUT:-240}" $PY benchmarks/attention.py ${TUNE:+--tune} --rounds 3 --out "$LOG/attention.json" \
@@ -170,6 +171,13 @@ EOF
     timeout "${TRAIN_TIMEOUT:-420}" $PY benchmarks/train_step.py --shapes 16x1024 --steps 24 --rounds 4 \
       --variants sdpa+compile,triton_fa2+compile,triton_paper_bf16+compile,paper_1gpu+compile,sdpa,triton_fa2,triton_paper_bf16,paper_1gpu \
       --out "$LOG/train_T1024.json" > "$LOG/train_T1024.log" 2>&1 || rc=1
+    fi
+    if [[ $parts == *" cudagraphs "* ]]; then
+    # torch.compile(mode="reduce-overhead") against the default compile: does taking the host off the critical
+    # path close the gap to SDPA + compile, and does paper_1gpu stay bit for bit with its eager twin
+    timeout "${TRAIN_TIMEOUT:-420}" $PY benchmarks/train_step.py --shapes 16x1024 --steps 24 --rounds 4 \
+      --variants sdpa+compile,sdpa+cudagraphs,triton_fa2+compile,triton_fa2+cudagraphs,paper_1gpu+cudagraphs,paper_1gpu \
+      --out "$LOG/train_T1024_cudagraphs.json" > "$LOG/train_T1024_cudagraphs.log" 2>&1 || rc=1
     fi
     if [[ $parts == *" train256 "* ]]; then
     timeout "${TRAIN_TIMEOUT:-300}" $PY benchmarks/train_step.py --shapes 32x256 --steps 24 --rounds 4 \
