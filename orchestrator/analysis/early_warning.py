@@ -36,13 +36,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from flash_forensics.orchestrator import record
-from flash_forensics.orchestrator.analysis.localize.source import _job_uri
-from flash_forensics.orchestrator.job.folder import read_job_start
 from flash_forensics.orchestrator.monitor import signals
 from flash_forensics.orchestrator.monitor.signals import ABOVE, SIGNALS
 from flash_forensics.orchestrator.report import readback as store
@@ -221,11 +220,6 @@ def _label(source: str) -> str:
     return p.parent.name if p.name in ("report", "report_source", "report_gpu") else p.name
 
 
-def _store_of(job_dir: Path) -> Optional[str]:
-    """The store a job logged to: its job.json (written at job start), else its Hydra config or sweep."""
-    return (read_job_start(job_dir) or {}).get("tracking_uri") or _job_uri(job_dir)
-
-
 def _is_store(source: str) -> bool:
     return "://" in source  # sqlite:///..., http://host:port, ...
 
@@ -278,7 +272,7 @@ def load(sources: Sequence[str] = (), tracking_uri: Optional[str] = None, experi
             continue
         for r in _usable(_rows_of(src), skipped, unfinished):
             rows.append((dict(r, source_label=_label(src)),
-                         tracking_uri or (_store_of(Path(r["job_dir"])) if r.get("job_dir") else None)))
+                         tracking_uri or (store.job_store(Path(r["job_dir"])) if r.get("job_dir") else None)))
     names = [str(r.get("job") or r.get("mlflow_run_id")) for r, _ in rows]
     if len(set(names)) < len(names):  # several seeds' tables: 'baseline' in each, told apart by where they came from
         rows = [(dict(r, job=f"{r['source_label']}/{r.get('job') or r['mlflow_run_id']}") if "source_label" in r
@@ -460,7 +454,14 @@ def _extra(specs: Sequence[str]) -> Dict[str, List[float]]:
         if sig not in SIGNALS or not vals:
             raise SystemExit(f"--thresholds {spec!r} is not allowed: expected SIGNAL=a,b,... with SIGNAL one of "
                              f"{', '.join(SIGNALS)}")
-        out.setdefault(sig, []).extend(float(v) for v in vals.split(","))
+        try:
+            nums = [float(v) for v in vals.split(",")]
+        except ValueError:
+            nums = [math.nan]
+        if not all(math.isfinite(v) for v in nums):
+            raise SystemExit(f"--thresholds {spec!r} is not allowed: expected finite numbers a,b,... after "
+                             f"{sig}=")
+        out.setdefault(sig, []).extend(nums)
     return out
 
 
@@ -470,8 +471,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     "URIs (sqlite:///...: every job run in it, or of --experiment)")
     ap.add_argument("--tracking-uri", default=None, help="MLflow store (default: each job's own)")
     ap.add_argument("--experiment", default=None, help="read every run of this MLflow experiment")
-    ap.add_argument("--out", default="results/early_warning", help="folder for early_warning.{md,json,png}")
-    ap.add_argument("--growth-window", type=int, default=100, help="steps of wq_growth's d ln sigma / d step")
+    ap.add_argument("--out", default="results/early_warning",
+                    help="folder for early_warning.{md,json,png} (default: results/early_warning, under the current "
+                         "folder)")
+    ap.add_argument("--growth-window", type=int, default=100,
+                    help="steps of wq_growth's d ln sigma / d step (default: 100)")
     ap.add_argument("--thresholds", action="append", default=[], help="SIGNAL=a,b,...: extra thresholds")
     ap.add_argument("--histories", action="append", default=[], metavar="EXPORT.json.gz",
                     help="the runs' metric histories from a compact export (scripts/mlflow_export.py) instead of "
@@ -499,6 +503,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     runs, skipped = load(a.sources, a.tracking_uri, a.experiment, a.growth_window, a.include_unfinished, hist,
                          a.keep_jumped)
     extra = _extra(a.thresholds)
+    if not runs:  # nothing judged: an empty table would read as a result
+        why = "; ".join(skipped[:5]) + (f"; ... ({len(skipped)} in all)" if len(skipped) > 5 else "")
+        print(f"Error: no run to judge in {', '.join(a.sources) or a.experiment}: "
+              + (f"every run was left out: {why}" if skipped else "no runs found (expected sweep or job folders, "
+                 "a report's verdicts.json with runs, or a store with job runs)"), file=sys.stderr)
+        return 1
     rows = table(runs, extra)
     chosen = choose(rows, len(runs))
     folds = holdout(runs, extra) if a.holdout else []

@@ -77,8 +77,11 @@ def _gained(row, base) -> Dict[str, Any]:
 def load_bench(path: Optional[Path]) -> Dict[str, Any]:
     if path is None:
         return {}
-    doc = json.loads(Path(path).read_text())
-    if "rows" not in doc:
+    try:
+        doc = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--bench={str(path)!r}: not valid JSON ({e})") from None
+    if not isinstance(doc, dict) or "rows" not in doc or not all("variant" in r for r in doc["rows"]):
         raise ValueError(f"--bench={str(path)!r} is not allowed: expected a benchmarks/stabilizers.py JSON (key rows)")
     return doc
 
@@ -244,7 +247,15 @@ def write(report_dirs: Sequence[Path], bench_path: Optional[Path], name: str,
         f = Path(d) / "verdicts.json"
         if not f.is_file():
             raise ValueError(f"--reports {str(d)!r} is not allowed: expected a report folder with verdicts.json")
-        reports.append({"path": Path(d), "runs": json.loads(f.read_text())["runs"]})
+        try:
+            doc = json.loads(f.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--reports {str(d)!r}: {f} is not valid JSON ({e})") from None
+        runs = doc.get("runs") if isinstance(doc, dict) else None
+        if not isinstance(runs, list) or not runs:
+            raise ValueError(f"--reports {str(d)!r} is not allowed: {f} holds no runs (expected a report's "
+                             "verdicts.json, with its runs)")
+        reports.append({"path": Path(d), "runs": runs})
     bench = load_bench(bench_path)
     shapes = list(dict.fromkeys(r["shape"] for r in bench.get("rows", [])))
     rows = table_rows(reports, bench)
@@ -265,9 +276,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="flash-forensics stabilizers", description=__doc__.split("\n\n")[0])
     ap.add_argument("--reports", nargs="+", type=Path, required=True, help="report folders (verdicts.json)")
     ap.add_argument("--bench", type=Path, default=None, help="benchmarks/stabilizers.py JSON")
-    ap.add_argument("--name", default="stabilizers", help="the folder under --results")
-    ap.add_argument("--results", type=Path, default=REPO / "results")
+    ap.add_argument("--name", default="stabilizers", help="the folder under --results (a plain name)")
+    ap.add_argument("--results", type=Path, default=REPO / "results",
+                    help=f"where the --name folder goes (default: {REPO / 'results'})")
     a = ap.parse_args(argv)
+    if not a.name or Path(a.name).name != a.name or a.name in (".", ".."):
+        ap.error(f"--name={a.name!r} is not allowed: expected a plain folder name (no path), made under --results")
     try:
         paths = write(a.reports, a.bench, a.name, a.results)
     except (OSError, ValueError) as e:

@@ -316,6 +316,14 @@ def main(argv: Optional[List[str]] = None) -> int:
             for name, overrides in sweep_file_jobs(args.sweeps):
                 print(name + "\t" + " ".join(overrides))
         else:
+            if args.margin < 0:
+                raise ValueError(f"--margin={args.margin} is not allowed: expected an integer >= 0 (steps before "
+                                 "--before; a negative margin would pick a checkpoint after it)")
+            if args.before is not None and args.before < 1:
+                raise ValueError(f"--before={args.before} is not allowed: expected a step >= 1")
+            if args.before is not None and args.at_min:
+                raise ValueError("--at-min with --before is not allowed: --at-min chooses --before (the lowest "
+                                 "loss before the divergence); give one of them")
             step, path = pick_step(args.job_dir, args.before, args.margin, args.at_min)
             print(f"{step}\t{path}" if args.with_step else path)
     except ValueError as e:

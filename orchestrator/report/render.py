@@ -334,9 +334,9 @@ def _experiments(uri: Optional[str], rows, parent_run_id: Optional[str]) -> Dict
         return {}
     out = {}
     try:
-        client = make_client(uri)
+        client = readback.client_for(uri)  # reading: never creates a store
     except Exception as e:
-        print(f"[report] no run links: {uri} not readable ({e!r})")
+        print(f"[report] no run links: {uri} not readable ({e})")
         return {}
     for rid in ids:
         try:
@@ -370,7 +370,7 @@ def write_report(rows: List[Dict], out_dir: os.PathLike, tracking_uri: Optional[
         try:
             histories = readback.load_histories(uri, rows) if uri else {}
         except Exception as e:  # the table is still worth writing without curves
-            print(f"[report] could not read metric histories from {uri}: {e!r}")
+            print(f"[report] could not read metric histories from {uri}: {e}")
             histories = {}
     if fork_rule == "source":
         rejudge.source_verdicts(rows, histories)

@@ -117,3 +117,10 @@ def test_unknown_intervention_cli(tmp_path):
     assert "Could not find 'intervention/nope'" in p.stderr
     assert not (tmp_path / "mlflow.db").exists() or not all_runs(tmp_path)
     assert not (tmp_path / "results").exists() or not list((tmp_path / "results").rglob("result.json"))
+
+
+def test_a_single_run_with_a_layer_its_intervention_ignores_launches_nothing(tmp_path):
+    p = run_cli(tmp_path, "experiment=smoke", "intervention=sfa", "intervention.layer=1")
+    assert p.returncode != 0
+    assert "intervention.layer=1 is not allowed with intervention=sfa: its file takes no layer" in p.stderr
+    assert not (tmp_path / "results").exists() or not list((tmp_path / "results").rglob("result.json"))

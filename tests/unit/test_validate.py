@@ -84,7 +84,14 @@ def test_effective_attention_per_intervention(tmp_path):
     (["train.precision=fp16"], ["train.precision='fp16'", "bf16, fp32"]),
     (["optimizer.name=sgd"], ["optimizer.name='sgd'", "adamw, muon"]),
     (["debug.nan_at_step=99"], ["debug.nan_at_step=99", "<= 19"]),
-    (["train.warmup_steps=50"], ["train.warmup_steps=50"]),
+    (["train.warmup_steps=50"], ["train.warmup_steps=50", "<= train.max_steps=20"]),
+    (["intervention=head_upcast", "intervention.heads=[]"], ["intervention.heads=[]", "at least one head",
+                                                             "baseline under another name"]),
+    (["intervention=head_upcast", "intervention.heads=[1,1]"], ["intervention.heads=[1, 1]", "distinct"]),
+    # a multirun where no job's intervention takes the typed layer: refused, naming those that do
+    (["intervention=baseline,sfa", "intervention.layer=1"], [
+        "intervention.layer=1 is not allowed with intervention=baseline,sfa: none of their files takes a layer",
+        "flash_only_layer, head_upcast, standard_layer"]),
     (["intervention.expect=maybe"], ["intervention.expect='maybe'", "stable, diverges"]),
 ])
 def test_bad_values_are_named(sweep, overrides, needles):
@@ -92,6 +99,26 @@ def test_bad_values_are_named(sweep, overrides, needles):
         sweep("experiment=smoke", *overrides)
     for needle in needles:
         assert needle in str(e.value), (needle, str(e.value))
+
+
+def test_a_typed_scope_some_job_takes_is_the_sweeps(sweep):
+    n, _ = sweep("experiment=smoke", "intervention=baseline,head_upcast", "intervention.layer=0")
+    assert n == 2
+
+
+def test_a_typed_scope_its_intervention_ignores(capsys):
+    from flash_forensics.orchestrator.config.validate import check_typed_scope, ignored_scope
+    assert ignored_scope("sfa", ["intervention=sfa", "intervention.layer=1", "intervention.heads=[0]"]) == [
+        "intervention.layer", "intervention.heads"]
+    assert ignored_scope("head_upcast", ["intervention.layer=1", "intervention.heads=[0]"]) == []
+    assert ignored_scope("flash_only_layer", ["intervention.layer=1", "intervention.heads=[0]"]) == [
+        "intervention.heads"]
+    with pytest.raises(ConfigError, match=r"intervention.layer=1 is not allowed with intervention=sfa: its file "
+                                          r"takes no layer \(each acts on every layer and head"):
+        check_typed_scope("sfa", ["intervention=sfa", "intervention.layer=1"])
+    assert "changes nothing" not in capsys.readouterr().out
+    check_typed_scope("sfa", ["intervention=sfa", "intervention.layer=1"], fork=True)  # a fork: told, not refused
+    assert "[validate] note: intervention.layer changes nothing for intervention=sfa" in capsys.readouterr().out
 
 
 def test_bad_value_in_one_job_of_a_sweep(sweep):

@@ -5,6 +5,7 @@ the localization as JSON and a PNG (usage: orchestrator/analysis/localize/algori
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
@@ -44,9 +45,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    help="print only the overrides that point an isolation sweep at the target layer/heads on stdout "
                         "(the report goes to stderr), for scripts")
     a = p.parse_args(argv)
+    if a.divergence_step is not None and a.divergence_step < 1:
+        p.error(f"--divergence-step={a.divergence_step} is not allowed: expected a step >= 1 (the window ends there)")
+    if a.rate_threshold is not None and not (math.isfinite(a.rate_threshold) and a.rate_threshold > 0):
+        p.error(f"--rate-threshold={a.rate_threshold} is not allowed: expected a finite number > 0 (ln sigma per step)")
     try:
         src = resolve_source(a.source, a.tracking_uri, a.job)
         history = load_history(src["run_id"], src["tracking_uri"])
+        last = max((s for pts in history.values() for s, _ in pts), default=None)
+        if a.divergence_step is not None and last is not None and a.divergence_step > last + 1:
+            raise ValueError(f"--divergence-step={a.divergence_step} is not allowed: the run's metrics end at step "
+                             f"{last}; expected a step <= {last + 1}")
         div = a.divergence_step if a.divergence_step is not None else src["divergence_step"]
         loc = localize(history, window=a.window, divergence_step=div, samples=a.samples,
                        rate_threshold=a.rate_threshold, margin=a.margin, tie_tol=a.tie_tol,
@@ -55,6 +64,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"localize: {e}", file=sys.stderr)
         return 2
     loc.source = src
+    if not any(h.sigma_end is not None or h.rmax_total for h in loc.heads):
+        print(f"localize: nothing measured in the window (steps {loc.start}..{loc.end}): "
+              f"{loc.reason or 'no wq_sigma/ or rmax_rows/ sample falls in it'}; no layer or heads to point a sweep at",
+              file=sys.stderr)
+        return 2
     say = (lambda *m: print(*m, file=sys.stderr)) if a.sweep_overrides else print
     say(f"run {src['run_id']}" + (f" ({src['intervention']})" if src.get("intervention") else "")
         + (f", job {src['job_dir']}" if src.get("job_dir") else ""))

@@ -1,0 +1,85 @@
+"""The tools' answers to inputs a user gets wrong: refused naming the argument, never an empty table with exit 0,
+never a store created or a host waited on by a tool that only reads."""
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from flash_forensics.orchestrator.analysis import early_warning, stabilizers
+from flash_forensics.orchestrator.analysis.localize import main as localize_main
+from flash_forensics.orchestrator.job import fork
+from flash_forensics.orchestrator.report import readback
+from flash_forensics.orchestrator.report.sweep import main as report_main
+from flash_forensics.orchestrator.tracking.store import TrackingUnreachable, check_tracking
+
+ROOT = Path(__file__).resolve().parents[2]
+BASELINE = ROOT / "results" / "paper_1gpu" / "lease-2026-12-04" / "baseline"  # job.json names a store elsewhere
+
+
+def test_early_warning_with_no_run_to_judge_fails_saying_why(tmp_path, capsys):
+    (tmp_path / "verdicts.json").write_text(json.dumps({"runs": []}))
+    assert early_warning.main([str(tmp_path / "verdicts.json"), "--out", str(tmp_path / "ew")]) == 1
+    assert "no run to judge" in capsys.readouterr().err and not (tmp_path / "ew").exists()
+    for bad in ("rmax_rate=nan", "rmax_rate=abc", "rmax_rate=1,inf"):
+        with pytest.raises(SystemExit, match=rf"--thresholds '{bad}' is not allowed: expected finite numbers"):
+            early_warning._extra([bad])
+    assert early_warning._extra(["rmax_rate=1,2.5"]) == {"rmax_rate": [1.0, 2.5]}
+
+
+def test_stabilizers_refuses_empty_reports_foreign_benches_and_paths_as_names(tmp_path, capsys):
+    rep = tmp_path / "rep"
+    rep.mkdir()
+    (rep / "verdicts.json").write_text(json.dumps({"runs": []}))
+    assert stabilizers.main(["--reports", str(rep), "--results", str(tmp_path / "out")]) == 1
+    assert "holds no runs" in capsys.readouterr().err
+    (rep / "verdicts.json").write_text('{"runs": [')
+    assert stabilizers.main(["--reports", str(rep), "--results", str(tmp_path / "out")]) == 1
+    assert "is not valid JSON" in capsys.readouterr().err
+    bench = tmp_path / "b.json"
+    bench.write_text(json.dumps({"rows": [{"shape": "mini"}]}))
+    with pytest.raises(ValueError, match="expected a benchmarks/stabilizers.py JSON"):
+        stabilizers.load_bench(bench)
+    with pytest.raises(SystemExit):
+        stabilizers.main(["--reports", str(rep), "--name", "../escape", "--results", str(tmp_path / "out")])
+    assert "plain folder name" in capsys.readouterr().err and not (tmp_path / "escape").exists()
+
+
+def test_fork_pick_refuses_a_negative_margin_and_a_step_before_one(tmp_path, capsys):
+    for args, needle in ((["--before", "100", "--margin", "-10"], "--margin=-10 is not allowed"),
+                         (["--before", "0"], "--before=0 is not allowed"),
+                         (["--before", "50", "--at-min"], "--at-min with --before is not allowed")):
+        assert fork.main(["pick", str(tmp_path), *args]) == 1
+        assert needle in capsys.readouterr().err
+
+
+def test_localize_refuses_a_window_that_ends_before_step_one(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        localize_main([str(tmp_path), "--divergence-step", "-10"])
+    assert "--divergence-step=-10 is not allowed" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        localize_main([str(tmp_path), "--rate-threshold", "nan"])
+    assert "--rate-threshold=nan is not allowed" in capsys.readouterr().err
+
+
+def test_readers_never_create_a_store_nor_wait_on_a_dead_server(tmp_path):
+    db = tmp_path / "none" / "mlflow.db"
+    with pytest.raises(ValueError, match=r"no MLflow store at .*mlflow.db .*--tracking-uri.*--histories"):
+        readback.client_for(f"sqlite:///{db}")
+    assert not db.parent.exists()
+    with pytest.raises(TrackingUnreachable, match="unreachable"):  # refused at once, not a hang
+        readback.client_for("http://127.0.0.1:9")
+    with pytest.raises(TrackingUnreachable, match=r"tracking.uri='nonsense://x' is not allowed"):
+        check_tracking("nonsense://x", timeout_s=1)
+
+
+def test_report_reads_the_jobs_own_store_and_creates_none(tmp_path, capsys):
+    job = tmp_path / "baseline"
+    shutil.copytree(BASELINE, job)
+    recorded = json.loads((job / "job.json").read_text())["tracking_uri"]
+    assert report_main([str(job), "--out", str(tmp_path / "rep")]) == 0
+    out = capsys.readouterr().out
+    assert f"[report] MLflow store: {recorded} (where 1 of the jobs logged" in out
+    assert "no MLflow store at" in out  # said, not created
+    assert not Path(readback.sqlite_path(recorded)).exists()
+    assert (tmp_path / "rep" / "verdicts.md").is_file()
