@@ -349,14 +349,21 @@ def check_data_fits(obj) -> None:
     """Before launch: data.replay is a batch order that fits the run, and block_size fits the prepared corpus (when
     it is prepared already; otherwise preparing checks it, before step 0)."""
     d, T = obj.data, obj.model.block_size
-    tokens = None
+    tokens, max_id = None, None
     try:
         import json
         manifest = dataset_dir(d, open_corpus(d)) / "manifest.json"
         if manifest.is_file():
-            tokens = json.loads(manifest.read_text()).get("tokens")
+            doc = json.loads(manifest.read_text())
+            tokens = doc.get("tokens")
+            ids = [f.get("max_id") for f in (doc.get("files") or {}).values() if isinstance(f, dict)]
+            max_id = max((i for i in ids if isinstance(i, int)), default=None)
     except Exception:  # not prepared / not fetched yet: the job prepares and checks it
         tokens = None
+    if max_id is not None and obj.model.vocab_size <= max_id:
+        raise _bad("model.vocab_size", obj.model.vocab_size,
+                   f"an integer > {max_id}: the prepared corpus {d.corpus} holds token id {max_id} (50304 is GPT-2's "
+                   "padded size)")
     if tokens:
         small = min(tokens.get("train", 0), tokens.get("val", 0))
         if T + 1 > small:

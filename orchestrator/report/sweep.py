@@ -135,6 +135,16 @@ class SweepReport(Callback):
         uri, exp_name = _tracking_cfg(config)
         sweep = _sweep_name(config)
         client = make_client(uri)
+        old = find_parent(sweep_dir)
+        if old and old.get("tracking_uri") == uri:  # the same sweep folder again (a rerun after a kill): its run
+            try:
+                retry(client.update_run, old["run_id"], status="RUNNING")
+                self.parent = old
+                print(f"[report] MLflow parent run {old['run_id']} reopened: this sweep folder's, from an earlier "
+                      f"start (its jobs resume under it) in {uri}")
+                return
+            except Exception as e:  # gone from the store: a new one below
+                print(f"[report] the sweep folder's parent run {old['run_id']} is not in {uri} ({e}): a new one")
         exp_id = get_or_create_experiment(client, exp_name or sweep, uri)
         tags = {**git_info(), "sweep": sweep, "sweep_dir": str(sweep_dir), "role": "sweep",
                 "command": "python " + " ".join(shlex.quote(a) for a in sys.argv),

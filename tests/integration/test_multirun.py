@@ -170,3 +170,17 @@ def test_unfinished_twins_are_the_dead_same_command_folders_with_a_checkpoint(tm
     fresh.mkdir()
     assert unfinished_twins(fresh, ov) == [killed]
     assert unfinished_twins(killed, ov) == []  # a folder with checkpoints resumes itself
+
+
+def test_a_sweep_folder_started_again_keeps_its_parent_run(tmp_path):
+    sweep = tmp_path / "sweep"
+    args = ["-m", "experiment=smoke", "train.max_steps=2", "train.warmup_steps=0", "train.eval_every=0",
+            "intervention=baseline", f"hydra.sweep.dir={sweep}"]
+    for _ in range(2):  # e.g. after a kill -9: the same command, the same sweep folder
+        p = run_cli(tmp_path, *args)
+        assert p.returncode == 0, p.stderr[-2000:]
+    assert "reopened" in p.stdout
+    c = client(tmp_path)
+    parents = [r for e in c.search_experiments() for r in c.search_runs([e.experiment_id])
+               if r.data.tags.get("role") == "sweep"]
+    assert len(parents) == 1 and parents[0].info.status == "FINISHED"

@@ -155,3 +155,21 @@ def test_resume_missing_or_other_shape(sweep, tmp_path):
     with pytest.raises(ConfigError) as e:
         sweep("experiment=smoke", f"resume={ckpt}")
     assert "another model shape" in str(e.value) and "n_layer: checkpoint 12 vs model 2" in str(e.value)
+
+
+def test_a_vocab_smaller_than_the_prepared_corpus_ids_is_refused(tmp_path, monkeypatch):
+    import json
+
+    from flash_forensics.orchestrator.config import validate as V
+    (tmp_path / "ds").mkdir()
+    (tmp_path / "ds" / "manifest.json").write_text(json.dumps({
+        "tokens": {"train": 10_000, "val": 1_000},
+        "files": {"train.bin": {"max_id": 50256}, "val.bin": {"max_id": 50100}}}))
+    monkeypatch.setattr(V, "open_corpus", lambda d: None)
+    monkeypatch.setattr(V, "dataset_dir", lambda d, c: tmp_path / "ds")
+    cfg, ov = job_cfg(tmp_path, "model.vocab_size=1000")
+    with pytest.raises(ConfigError, match=r"model.vocab_size=1000 is not allowed: expected an integer > 50256: the "
+                                          r"prepared corpus .* holds token id 50256"):
+        validate_config(cfg, ov, check_store=False)
+    cfg, ov = job_cfg(tmp_path, "model.vocab_size=50257")
+    validate_config(cfg, ov, check_store=False)
