@@ -380,8 +380,17 @@ def write_report(rows: List[Dict], out_dir: os.PathLike, tracking_uri: Optional[
             r["vs_baseline"] = "; ".join(x for x in (r.get("vs_baseline"), note) if x)
     meta = {**run_meta(uri), **(meta or {})}
     if fork_rule == "source":
+        kept = [r for r in rows if str(r.get("fork_rule", "")).startswith("fresh (")]
+        forks = [r for r in rows if str(r.get("fork_rule", ""))]
         meta["fork_rule"] = ("source: each fork judged from its source's detector at the fork step (re-judged from "
-                             "the histories where it ran fresh)")
+                             "the histories where it ran fresh)"
+                             + (f"; NOT applied to {len(kept)} of {len(forks)} fork(s), which keep their own "
+                                f"verdict: {kept[0]['fork_rule'][len('fresh ('):-1]}" if kept else ""))
+        if kept:
+            print(f"[report] --fork-baseline source: {len(kept)} of {len(forks)} fork(s) keep their own verdict "
+                  f"({kept[0]['fork_rule']}); give the histories (--tracking-uri or --histories)")
+        for r in kept:  # said in the row too, where the table is read
+            r["vs_baseline"] = "; ".join(x for x in (r.get("vs_baseline"), f"not re-judged: {r['fork_rule']}") if x)
     if parent_run_id:
         meta["parent_run_id"] = parent_run_id
     fork_health.annotate(rows, histories, lambda r: R._peer(r, rows, R.BASELINE),

@@ -83,3 +83,13 @@ def test_report_reads_the_jobs_own_store_and_creates_none(tmp_path, capsys):
     assert "no MLflow store at" in out  # said, not created
     assert not Path(readback.sqlite_path(recorded)).exists()
     assert (tmp_path / "rep" / "verdicts.md").is_file()
+
+
+def test_fork_baseline_source_without_histories_says_it_was_not_applied(tmp_path, capsys):
+    shutil.copytree(BASELINE.parent / "forks", tmp_path / "forks")
+    shutil.copytree(BASELINE, tmp_path / "baseline")
+    assert report_main([str(tmp_path / "baseline"), str(tmp_path / "forks"), "--out", str(tmp_path / "rep"),
+                        "--fork-baseline", "source"]) == 0
+    assert "--fork-baseline source: 18 of 19 fork(s) keep their own verdict" in capsys.readouterr().out
+    md = (tmp_path / "rep" / "verdicts.md").read_text()
+    assert "NOT applied to 18 of 19 fork(s)" in md and md.count("not re-judged: fresh (no source history") == 18
