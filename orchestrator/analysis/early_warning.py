@@ -208,7 +208,13 @@ def _rows_of(source: str) -> List[Dict]:
     p = Path(source)
     report = p if p.suffix == ".json" else p / "verdicts.json"
     if report.is_file() and not (p / record.RESULT_FILE).is_file():
-        return list(json.loads(report.read_text()).get("runs") or [])
+        try:
+            doc = json.loads(report.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{report}: not valid JSON ({e}); expected a report's verdicts.json") from None
+        if not isinstance(doc, dict) or not isinstance(doc.get("runs", []), list):
+            raise ValueError(f"{report}: not a report's verdicts.json (expected an object with a list of runs)")
+        return list(doc.get("runs") or [])
     return rows_from_dirs([p])
 
 
@@ -500,8 +506,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             hist = {**(hist or {}), **store.histories_from_export(path, signals.PREFIXES + (record.LOSS,))}
     except ValueError as e:
         ap.error(str(e))
-    runs, skipped = load(a.sources, a.tracking_uri, a.experiment, a.growth_window, a.include_unfinished, hist,
-                         a.keep_jumped)
+    try:
+        runs, skipped = load(a.sources, a.tracking_uri, a.experiment, a.growth_window, a.include_unfinished, hist,
+                             a.keep_jumped)
+    except ValueError as e:  # a source that is not what it should be: one line naming it
+        print(f"Error: {e}", file=sys.stderr)
+        return 1
     extra = _extra(a.thresholds)
     if not runs:  # nothing judged: an empty table would read as a result
         why = "; ".join(skipped[:5]) + (f"; ... ({len(skipped)} in all)" if len(skipped) > 5 else "")

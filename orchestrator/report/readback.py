@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import re
+import zlib
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -147,8 +148,9 @@ def histories_from_export(path, prefixes: Sequence[str] = record.HISTORY_PREFIXE
         with gzip.open(p, "rt") as f:
             doc = json.load(f)
         runs = doc["runs"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"--histories {str(p)!r}: not an export of scripts/mlflow_export.py ({e})") from e
+    except (OSError, ValueError, KeyError, TypeError, EOFError, zlib.error) as e:  # EOFError: a truncated .gz
+        raise ValueError(f"--histories {str(p)!r}: not an export of scripts/mlflow_export.py "
+                         f"({type(e).__name__}: {e})") from e
     out: Dict[str, History] = {}
     for run in runs:
         value = lambda v: math.nan if v is None else record.from_mlflow_value(v)  # noqa: E731  (NaN: null)

@@ -57,7 +57,7 @@ def job_row(job_dir: Path, name: str) -> Dict:
                                           "OOM, preemption?)")
     try:
         return row_from_record(record.read(job_dir), name, job_dir)
-    except (OSError, ValueError, TypeError) as e:  # killed while writing it: a failed row, not a lost table
+    except (OSError, ValueError, TypeError, AttributeError, KeyError) as e:  # killed mid-write, or not a record
         return _failed_row(job_dir, name, f"unreadable {rfile}: {e}")
 
 

@@ -93,3 +93,39 @@ def test_fork_baseline_source_without_histories_says_it_was_not_applied(tmp_path
     assert "--fork-baseline source: 18 of 19 fork(s) keep their own verdict" in capsys.readouterr().out
     md = (tmp_path / "rep" / "verdicts.md").read_text()
     assert "NOT applied to 18 of 19 fork(s)" in md and md.count("not re-judged: fresh (no source history") == 18
+
+
+def test_truncated_and_foreign_inputs_are_named(tmp_path, capsys):
+    bad = tmp_path / "verdicts.json"
+    bad.write_text('{"runs": [')
+    assert early_warning.main([str(bad), "--out", str(tmp_path / "ew")]) == 1
+    assert f"{bad}: not valid JSON" in capsys.readouterr().err
+    gz = tmp_path / "h.json.gz"
+    gz.write_bytes((BASELINE.parent / "mlflow-seed1337.json.gz").read_bytes()[:100])
+    with pytest.raises(ValueError, match=r"--histories .*h.json.gz.*not an export .*EOFError"):
+        readback.histories_from_export(gz)
+    from flash_forensics.orchestrator.report.rows import job_row
+    (tmp_path / "job").mkdir()
+    (tmp_path / "job" / "result.json").write_text("[1, 2]")  # JSON, not a record: a failed row, not a lost table
+    row = job_row(tmp_path / "job", "job")
+    assert row["observed"] == "failed" and "unreadable" in row["error"]
+
+
+def test_fork_pick_and_list_pass_over_damaged_checkpoints(tmp_path, capsys):
+    from flash_forensics.orchestrator.job import checkpoint
+    d = tmp_path / "checkpoints"
+    d.mkdir()
+    checkpoint.save(d / "step_10.pt", {"step": 10, "model": {}})
+    checkpoint.save(d / "step_20.pt", {"step": 20, "model": {}})
+    raw = (d / "step_20.pt").read_bytes()
+    (d / "step_20.pt").write_bytes(raw[: len(raw) // 2])  # truncated
+    (d / "step_30.pt").write_bytes(b"not a checkpoint")
+    assert fork.pick_step(tmp_path, before=40) == (10, d / "step_10.pt")
+    err = capsys.readouterr().err
+    assert "passing over" in err and "step_30.pt" in err and "step_20.pt" in err
+    assert fork.main(["list", str(tmp_path)]) == 0
+    listed = capsys.readouterr().out.splitlines()
+    assert [("DAMAGED" in line) for line in listed] == [False, True, True]
+    (d / "step_10.pt").write_bytes(b"x")
+    with pytest.raises(fork.ForkError, match="every checkpoint at step <= 40 is damaged"):
+        fork.pick_step(tmp_path, before=40)
