@@ -44,6 +44,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from flash_forensics.orchestrator import record
 from flash_forensics.orchestrator.monitor import signals
 from flash_forensics.orchestrator.monitor.signals import ABOVE, SIGNALS
+from flash_forensics.orchestrator.report import fork_health
 from flash_forensics.orchestrator.report import readback as store
 from flash_forensics.orchestrator.report.fork_health import JUMP_NATS
 from flash_forensics.orchestrator.report.plots import _save, palette, plt
@@ -265,6 +266,30 @@ def _replayed_divergence(history: Dict, r: Dict) -> Optional[int]:
     return det.divergence_step if det.diverged else None
 
 
+def _fill_fork_jumps(rows: List[Tuple[Dict, Optional[str]]], histories: Optional[Dict[str, Dict]]) -> None:
+    """Forks read from job folders carry no fork_jump (a report computes it): computed here as the report does
+    (orchestrator/report/fork_health.py), the fork's loss at its fork step against its source run's."""
+    cache: Dict[Tuple[str, Optional[str]], list] = {}
+
+    def loss(rid: str, uri: Optional[str]):
+        if (rid, uri) not in cache:
+            try:
+                h = (histories or {}).get(rid) if histories is not None else store.history(
+                    store.client_for(uri), rid, (record.LOSS,))
+            except Exception:  # the store or run is gone: the jump stays unknown
+                h = None
+            cache[(rid, uri)] = fork_health._loss({rid: h or {}}, {"mlflow_run_id": rid})
+        return cache[(rid, uri)]
+
+    for r, uri in rows:
+        fs, src = r.get("fork_step"), r.get("source_run_id")
+        if not isinstance(fs, int) or r.get("fork_jump") is not None or not src or not r.get("mlflow_run_id"):
+            continue
+        m0, b0 = fork_health.loss_at(loss(r["mlflow_run_id"], uri), fs), fork_health.loss_at(loss(src, uri), fs)
+        if m0 is not None and b0 is not None:
+            r["fork_jump"] = m0 - b0
+
+
 def load(sources: Sequence[str] = (), tracking_uri: Optional[str] = None, experiment: Optional[str] = None,
          growth_window: int = 100, unfinished: bool = False,
          histories: Optional[Dict[str, Dict]] = None, keep_jumped: bool = False) -> Tuple[List[Run], List[str]]:
@@ -285,6 +310,7 @@ def load(sources: Sequence[str] = (), tracking_uri: Optional[str] = None, experi
                  else r, uri) for r, uri in rows]
     if experiment is not None and not any(_is_store(s) for s in sources):
         rows.extend(_store_rows(tracking_uri, experiment, skipped, unfinished))
+    _fill_fork_jumps(rows, histories)
     runs = []
     for r, uri in rows:
         name = str(r.get("job") or r["mlflow_run_id"])

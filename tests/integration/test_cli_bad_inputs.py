@@ -129,3 +129,14 @@ def test_fork_pick_and_list_pass_over_damaged_checkpoints(tmp_path, capsys):
     (d / "step_10.pt").write_bytes(b"x")
     with pytest.raises(fork.ForkError, match="every checkpoint at step <= 40 is damaged"):
         fork.pick_step(tmp_path, before=40)
+
+
+def test_early_warning_from_job_folders_leaves_out_jumped_forks_as_from_the_report():
+    lease = BASELINE.parent
+    export = {**readback.histories_from_export(lease / "mlflow-seed1337.json.gz")}
+    from_dirs, skipped = early_warning.load([str(lease / "baseline"), str(lease / "forks")], histories=export)
+    from_report, _ = early_warning.load([str(lease / "report" / "verdicts.json")], histories=export)
+    assert sorted(r.name.split("/")[-1] for r in from_dirs) == sorted(r.name.split("/")[-1] for r in from_report)
+    assert sum("fork_jump" in s for s in skipped) == 5  # the SFA forks whose first loss jumped 4.7-6.1 nats
+    kept, _ = early_warning.load([str(lease / "baseline"), str(lease / "forks")], histories=export, keep_jumped=True)
+    assert len(kept) == len(from_dirs) + 5
