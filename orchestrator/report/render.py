@@ -96,7 +96,8 @@ def _table(rows: Sequence[Dict]) -> List[List[str]]:
                      " ".join(sorted(R._other_overrides(r) - common)) or "-",
                      _fmt(r.get("expected")), _fmt(r.get("observed")), _fmt(r.get("divergence_step")),
                      _fmt(r.get("cause")), _fmt(R._num(r.get("final_loss"))), peak,
-                     "void" if r.get("paper_void") else _fmt(r.get("matches_paper")),
+                     "void" if r.get("paper_void") else "-" if r.get("observed") == "failed" else
+                     _fmt(r.get("matches_paper")),
                      r.get("vs_baseline") or "-", (r.get("mlflow_run_id") or "-")[:12]])
     return [head] + body
 

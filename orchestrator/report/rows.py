@@ -182,6 +182,13 @@ def judge(row: Dict, rows: Sequence[Dict]) -> Dict:
     return row
 
 
+def _clip(text: str, n: int) -> str:
+    """At most n characters, cut at a word and marked (the whole error is in the job's error file and result.json)."""
+    if len(text) <= n:
+        return text
+    return text[:n].rsplit(" ", 1)[0].rstrip(",;:") + " [...]"
+
+
 def compare(rows: List[Dict]) -> List[Dict]:
     """Fill the verdict with its control (judge), matches_paper and a `vs_baseline` note (vs the baseline's
     divergence and the fp32 final loss)."""
@@ -191,7 +198,7 @@ def compare(rows: List[Dict]) -> List[Dict]:
         notes = []
         name, obs = row.get("intervention"), row["observed"]
         if obs == "failed":
-            notes.append("failed: " + (str(row.get("error") or "unknown error").splitlines() or ["?"])[0][:160])
+            notes.append("failed: " + _clip((str(row.get("error") or "unknown error").splitlines() or ["?"])[0], 200))
         ctrl = control_of(row) if name == BASELINE else None
         base = _peer(row, rows, BASELINE) if name != BASELINE or ctrl else None
         ref = _peer(row, rows, REFERENCE) if name != REFERENCE else None

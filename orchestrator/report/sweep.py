@@ -236,6 +236,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             raise ValueError("nothing to report: give job/sweep dirs and/or --from-mlflow EXPERIMENT")
         if args.from_mlflow and not args.tracking_uri:
             raise ValueError("--from-mlflow needs --tracking-uri (the store that holds the experiment)")
+        if args.source_run and not args.from_mlflow:
+            raise ValueError("--source-run is not allowed without --from-mlflow: it picks the source run of an "
+                             "MLflow experiment's runs")
+        bad_meta = [m for m in args.meta if "=" not in m]
+        if bad_meta:
+            raise ValueError(f"--meta {bad_meta[0]!r} is not allowed: expected KEY=VALUE")
+        seen = set()
+        dirs = [d for d in args.dirs if not (Path(d).resolve() in seen or seen.add(Path(d).resolve()))]
+        if len(dirs) < len(args.dirs):
+            print(f"[report] {len(args.dirs) - len(dirs)} folder(s) given twice: read once")
+        args.dirs = dirs
         rows, histories = (rows_from_mlflow(args.tracking_uri, args.from_mlflow, args.source_run)
                            if args.from_mlflow else ([], None))
         rows += rows_from_dirs(args.dirs)

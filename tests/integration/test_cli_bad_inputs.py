@@ -140,3 +140,16 @@ def test_early_warning_from_job_folders_leaves_out_jumped_forks_as_from_the_repo
     assert sum("fork_jump" in s for s in skipped) == 5  # the SFA forks whose first loss jumped 4.7-6.1 nats
     kept, _ = early_warning.load([str(lease / "baseline"), str(lease / "forks")], histories=export, keep_jumped=True)
     assert len(kept) == len(from_dirs) + 5
+
+
+def test_report_arguments_that_would_be_ignored_are_refused(tmp_path, capsys):
+    assert report_main([str(BASELINE), "--out", str(tmp_path / "r"), "--source-run", "abc"]) == 1
+    assert "--source-run is not allowed without --from-mlflow" in capsys.readouterr().err
+    assert report_main([str(BASELINE), "--out", str(tmp_path / "r"), "--meta", "foo"]) == 1
+    assert "--meta 'foo' is not allowed: expected KEY=VALUE" in capsys.readouterr().err
+    job = tmp_path / "baseline"
+    shutil.copytree(BASELINE, job)
+    assert report_main([str(job), str(job), "--out", str(tmp_path / "r")]) == 0
+    assert "1 folder(s) given twice: read once" in capsys.readouterr().out
+    doc = json.loads((tmp_path / "r" / "verdicts.json").read_text())
+    assert len(doc["runs"]) == 1
