@@ -279,6 +279,14 @@ def format_add(x: AddExplanation) -> str:
         f"{x.torch_fp32_then_bf16!r}" + ("" if x.torch_fp32_then_bf16 == x.bf16 else
                                          "  (differs: double rounding through FP32)"),
     ]
+    if not math.isfinite(x.bf16) or abs(x.bf16) >= spec.max and abs(x.exact) > spec.max:
+        lines.append(f"overflow: |exact sum| {abs(x.exact):.6g} rounds past {F}'s largest finite value {spec.max:.6g}: "
+                     + (f"the result saturates at {spec.max:.6g}" if spec.saturates else "the result is inf")
+                     + "; the steps above assume a finite result")
+    elif 0 < abs(x.exact) < 2.0 ** spec.emin:
+        lines.append(f"subnormal: |exact sum| {abs(x.exact):.6g} is below {F}'s smallest normal 2^{spec.emin}: the "
+                     f"result rounds to a multiple of 2^{spec.emin - spec.frac} (fewer significant bits), not at the "
+                     "bit step 4 names")
     if x.error < 0 < abs(x.exact) and x.exact < 0:
         lines.append("the rounding made a negative sum more negative: a negative error, the bias of claim 3")
     return "\n".join(lines)

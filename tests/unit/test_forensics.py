@@ -127,3 +127,14 @@ def test_bad_operands_and_rows_are_refused_naming_what(tmp_path, capsys):
             F.main(["pv-trace", "--input", str(tmp_path / name), "--out", str(tmp_path / "x.png")])
     with pytest.raises(SystemExit, match=r"--length=100000000 .*expected 0 < length <= 1048576"):
         F.main(["pv-trace", "--length", "100000000", "--out", str(tmp_path / "x.png")])
+
+
+def test_the_explanation_says_when_the_sum_overflows_or_is_subnormal():
+    from flash_forensics.kernels import forensics as F
+    over = F.format_add(F.explain_add(3e38, 3e38, "bf16"))
+    assert "overflow:" in over and "the result is inf" in over
+    assert "saturates at 448" in F.format_add(F.explain_add(300.0, 300.0, "e4m3"))
+    sub = F.format_add(F.explain_add(1e-40, 1e-40, "bf16"))
+    assert "subnormal:" in sub and "2^-133" in sub
+    paper = F.format_add(F.explain_add(F.PAPER_A, F.PAPER_B, "bf16"))
+    assert "\noverflow:" not in paper and "\nsubnormal:" not in paper
