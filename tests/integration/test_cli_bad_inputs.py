@@ -153,3 +153,17 @@ def test_report_arguments_that_would_be_ignored_are_refused(tmp_path, capsys):
     assert "1 folder(s) given twice: read once" in capsys.readouterr().out
     doc = json.loads((tmp_path / "r" / "verdicts.json").read_text())
     assert len(doc["runs"]) == 1
+
+
+def test_a_result_json_with_impossible_values_is_a_failed_row_saying_why(tmp_path):
+    from flash_forensics.orchestrator.report.rows import job_row
+    rec = json.loads((BASELINE / "result.json").read_text())
+    for edit, needle in ((dict(divergence_step=-5), "divergence_step=-5 is not a step"),
+                         (dict(observed="stable", divergence_step=None, final_loss=float("nan")),
+                          "observed 'stable' with final_loss=nan")):
+        job = tmp_path / needle[:8].replace(" ", "_")
+        job.mkdir()
+        (job / "result.json").write_text(json.dumps({**rec, **edit}))
+        row = job_row(job, "j")
+        assert row["observed"] == "failed" and needle in row["error"], row["error"]
+    assert job_row(BASELINE, "b")["observed"] == "diverged"
