@@ -160,16 +160,29 @@ def _gain_text(r) -> str:
     return (">= " if r["steps_gained_at_least"] else "") + f"{r['steps_gained']:+d}"
 
 
+def _report_names(rows: List[Dict[str, Any]]) -> Dict[str, str]:
+    """Each report folder's shortest distinguishing name (the last path parts that tell them apart)."""
+    paths = list(dict.fromkeys(r["report"] for r in rows))
+    for depth in range(1, 6):
+        names = {p: "/".join(Path(p).parts[-depth:]) for p in paths}
+        if len(set(names.values())) == len(paths):
+            return names
+    return {p: p for p in paths}
+
+
 def markdown(rows: List[Dict[str, Any]], bench: Dict[str, Any], shapes: Sequence[str]) -> str:
-    head = ["intervention", "from step", "verdict", "diverged at", "steps gained", "final loss", "vs fp32",
-            "val loss", "vs fp32", *[f"cost {s}" for s in shapes], "jump at fork", "needs model change"]
+    names = _report_names(rows)
+    several = len(names) > 1  # rows of several reports (e.g. seeds): each row names its report
+    head = [*(["report"] if several else []), "intervention", "from step", "verdict", "diverged at", "steps gained",
+            "final loss", "vs fp32", "val loss", "vs fp32", *[f"cost {s}" for s in shapes], "jump at fork",
+            "needs model change"]
     lines = ["# Stabilizers side by side", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         label = str(r.get("label") or r["intervention"])
         if r.get("repeats"):
             label += f" (x{1 + len(r['repeats'])}: one outcome)"
-        cells = [label, str(r["from_step"]), str(r["observed"]),
+        cells = [*([names[r["report"]]] if several else []), label, str(r["from_step"]), str(r["observed"]),
                  "-" if r["divergence_step"] is None else str(r["divergence_step"]), _gain_text(r),
                  _f(r["final_loss"]), _f(r["final_vs_fp32"], signed=True), _f(r["val_loss"]),
                  _f(r["val_vs_fp32"], signed=True),

@@ -167,3 +167,17 @@ def test_a_result_json_with_impossible_values_is_a_failed_row_saying_why(tmp_pat
         row = job_row(job, "j")
         assert row["observed"] == "failed" and needle in row["error"], row["error"]
     assert job_row(BASELINE, "b")["observed"] == "diverged"
+
+
+def test_stabilizers_over_several_reports_names_each_rows_report(tmp_path):
+    a, b = tmp_path / "seed1" / "report", tmp_path / "seed2" / "report"
+    for d, div in ((a, 100), (b, 200)):
+        d.mkdir(parents=True)
+        (d / "verdicts.json").write_text(json.dumps({"runs": [
+            {"intervention": "baseline", "observed": "diverged", "divergence_step": div, "final_loss": 5.0}]}))
+    paths = stabilizers.write([a, b], None, "two", results=tmp_path / "out")
+    md = paths["md"].read_text()
+    assert "| report | intervention |" in md
+    assert "| seed1/report | baseline |" in md and "| seed2/report | baseline |" in md
+    one = stabilizers.write([a], None, "one", results=tmp_path / "out")["md"].read_text()
+    assert "| report |" not in one  # one report: no column to tell rows apart

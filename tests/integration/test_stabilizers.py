@@ -382,9 +382,9 @@ def test_stabilizers_table_from_constructed_rows(tmp_path):
     assert (qk["needs_model_change"], gate["needs_model_change"], sfa["needs_model_change"],
             z["needs_model_change"]) == (True, True, False, False)
     md = paths["md"].read_text()
-    line = next(l for l in md.splitlines() if l.startswith("| sfa |"))
+    line = next(l for l in md.splitlines() if l.startswith("| forks/report | sfa |"))  # two reports: named
     assert ">= +200" in line and "+10.0%" in line and "+25.0%" in line and line.endswith("| no |")
-    z_line = next(l for l in md.splitlines() if l.startswith("| z_loss |"))
+    z_line = next(l for l in md.splitlines() if l.startswith("| forks/report | z_loss |"))
     assert z_line.count("not measured") == 2 and "z_loss (forks/z_loss) failed: boom" in md
     assert "pbar_clamp @ mini: flash/emulator (triton lacks: pbar_clamp)" in md
     assert "benchmark z_loss @ mini failed (not measured): OOM" in md
