@@ -202,6 +202,12 @@ class Monitor:
         import mlflow
         from mlflow.tracking import MlflowClient
 
+        from flash_forensics.orchestrator.tracking.store import check_tracking
+        try:  # one sentence naming the URI, before MLflow's own errors (and never a hang on a dead server)
+            if uri:
+                check_tracking(uri, timeout_s=10)
+        except ValueError as e:
+            raise ValueError(f"Monitor(mlflow=True): {e}") from None
         self._client = MlflowClient(tracking_uri=uri)
         name = experiment or "flash_forensics"
         exp = self._client.get_experiment_by_name(name)

@@ -522,6 +522,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     a = ap.parse_args(argv)
     if not a.sources and a.experiment is None:
         ap.error("give report dirs or --experiment (with --tracking-uri)")
+    if a.experiment is not None and a.tracking_uri is None and not any(_is_store(x) for x in a.sources):
+        ap.error("--experiment needs the store that holds it: --tracking-uri URI (or a store URI as a source)")
     if a.growth_window <= 0:
         ap.error(f"--growth-window={a.growth_window} is not allowed: expected an integer > 0")
     if a.histories and (a.experiment is not None or any(_is_store(x) for x in a.sources)):

@@ -283,6 +283,7 @@ def sweep_file_jobs(names, root: Optional[Path] = None) -> List[Tuple[str, List[
     parser = OverridesParser.create()
     out = []
     for name in names:
+        name = name[:-5] if name.endswith(".yaml") else name  # a file name is a sweep's name too
         path = root / f"{name}.yaml"
         if not path.is_file():
             raise ForkError(f"sweep {name!r}: no {path}; allowed: "

@@ -181,3 +181,15 @@ def test_stabilizers_over_several_reports_names_each_rows_report(tmp_path):
     assert "| seed1/report | baseline |" in md and "| seed2/report | baseline |" in md
     one = stabilizers.write([a], None, "one", results=tmp_path / "out")["md"].read_text()
     assert "| report |" not in one  # one report: no column to tell rows apart
+
+
+def test_small_cli_refusals(tmp_path, capsys):
+    from flash_forensics.kernels import sfa_matrix
+    with pytest.raises(SystemExit):
+        sfa_matrix.main(["--out", str(tmp_path)])
+    assert "it is a folder; expected a file path" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        early_warning.main(["--experiment", "foo"])
+    assert "--experiment needs the store that holds it" in capsys.readouterr().err
+    assert [n for n, _ in fork.sweep_file_jobs(["beta_sweep.yaml"])] == [n for n, _ in fork.sweep_file_jobs(
+        ["beta_sweep"])]  # a file name names the sweep too

@@ -153,3 +153,12 @@ def test_monitor_step_arguments_and_a_non_finite_loss():
     mon.close()
     with pytest.raises(RuntimeError, match=r"after close\(\)"):
         mon.step(loss)
+
+
+def test_monitor_names_a_bad_tracking_uri_before_mlflow_does():
+    model = _llama()
+    flash_forensics.use(model, recipe="fp32")
+    for uri, needle in (("nonsense://x", "tracking.uri='nonsense://x' is not allowed"),
+                        ("http://127.0.0.1:9", "MLflow server unreachable")):
+        with pytest.raises(ValueError, match=rf"Monitor\(mlflow=True\): .*{needle}"):
+            flash_forensics.Monitor(model, mlflow=True, tracking_uri=uri)
