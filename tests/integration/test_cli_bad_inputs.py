@@ -193,3 +193,13 @@ def test_small_cli_refusals(tmp_path, capsys):
     assert "--experiment needs the store that holds it" in capsys.readouterr().err
     assert [n for n, _ in fork.sweep_file_jobs(["beta_sweep.yaml"])] == [n for n, _ in fork.sweep_file_jobs(
         ["beta_sweep"])]  # a file name names the sweep too
+
+
+def test_analyze_refuses_repeated_heads_and_a_blind_run_without_a_fingerprint(capsys):
+    from flash_forensics.capture.cli import main as analyze_main
+    cap = str(ROOT / "results" / "capture_default" / "gpt_step59_L3.safetensors")
+    for args, needle in ((["--heads", "0,0"], "expected each head once"),
+                         (["--blind", "--no-fingerprint"], "--blind with --no-fingerprint is not allowed")):
+        with pytest.raises(SystemExit):
+            analyze_main([cap, *args])
+        assert needle in capsys.readouterr().err
