@@ -203,3 +203,12 @@ def test_analyze_refuses_repeated_heads_and_a_blind_run_without_a_fingerprint(ca
         with pytest.raises(SystemExit):
             analyze_main([cap, *args])
         assert needle in capsys.readouterr().err
+
+
+def test_data_tool_names_a_missing_tokenizer_file_and_a_root_that_is_a_file(tmp_path, capsys):
+    from flash_forensics.orchestrator.data.__main__ import main as data_main
+    assert data_main(["tokenizer", "--from", str(tmp_path / "nope")]) == 2
+    assert "no such file" in capsys.readouterr().err
+    (tmp_path / "afile").write_text("x")
+    assert data_main(["prepare", f"data.root={tmp_path / 'afile'}"]) == 2
+    assert "must be a writable folder" in capsys.readouterr().err
