@@ -156,7 +156,9 @@ def stale(files: Dict[str, str], root: Path = ROOT) -> List[str]:
 
 def main(argv: Optional[Sequence[str]] = None, root: Path = ROOT) -> int:
     ap = argparse.ArgumentParser(prog="flash-forensics rounding-sweep", description=__doc__.split("\n")[0])
-    ap.add_argument("--recipe", choices=RECIPES, help="the recipe whose points are lifted (lift_/bf16_only_ files)")
+    ap.add_argument("--recipe", choices=RECIPES,
+                    help="the recipe whose points are lifted (lift_/bf16_only_ files); without --recipe or --up: "
+                         "every committed file (paper_bf16's sweep and the up-sweeps)")
     ap.add_argument("--up", choices=[r for r in RECIPES if r not in ("paper_bf16", "fp32")],
                     help="the recipe whose points are lifted one format up (up_<recipe>_ files)")
     ap.add_argument("--check", action="store_true", help="write nothing; exit 1 naming each stale file")

@@ -31,13 +31,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--job", help="in a sweep dir: the job folder to read (default: the baseline)")
     p.add_argument("--divergence-step", type=int, help="end of the window (default: from result.json / run tag)")
     p.add_argument("--window", type=int, help="window length in steps before the end (default: --samples)")
-    p.add_argument("--samples", type=int, default=d.samples, help="W_Q samples in the default window")
+    p.add_argument("--samples", type=int, default=d.samples,
+                   help="W_Q samples in the default window (default: %(default)s)")
     p.add_argument("--rate-threshold", type=float, help="fixed growth rate (ln sigma per step) for 'first fast'")
-    p.add_argument("--margin", type=float, default=d.margin, help="factor by which the layer must stand out")
-    p.add_argument("--tie-tol", type=float, default=d.tie_tol, help="relative W_Q growth within which layers tie")
-    p.add_argument("--min-growth", type=float, default=d.min_growth, help="W_Q growth below which data is flat")
-    p.add_argument("--head-metric", choices=("sigma_end", "growth"), default=d.head_metric)
-    p.add_argument("--k-head", type=float, default=d.k_head, help="robust SDs that make a head an outlier")
+    p.add_argument("--margin", type=float, default=d.margin,
+                   help="factor by which the layer must stand out (default: %(default)s)")
+    p.add_argument("--tie-tol", type=float, default=d.tie_tol,
+                   help="relative W_Q growth within which layers tie (default: %(default)s)")
+    p.add_argument("--min-growth", type=float, default=d.min_growth,
+                   help="W_Q growth below which data is flat (default: %(default)s)")
+    p.add_argument("--head-metric", choices=("sigma_end", "growth"), default=d.head_metric,
+                   help="what ranks the heads: W_Q sigma at the window's end, or its growth (default: %(default)s)")
+    p.add_argument("--k-head", type=float, default=d.k_head,
+                   help="robust SDs that make a head an outlier (default: %(default)s)")
     p.add_argument("--out", type=Path, help="write the localization as JSON here")
     p.add_argument("--plot", type=Path, nargs="?", const=True,
                    help="write a PNG (default: beside --out, else localize.png)")
