@@ -33,7 +33,8 @@ def client_for(tracking_uri: Optional[str]):
     db = sqlite_path(uri)
     if db is not None and not db.is_file():
         raise ValueError(f"no MLflow store at {db} (tracking uri {uri}): nothing to read there; give the store the "
-                         "runs were logged to (--tracking-uri) or an export of it (--histories)")
+                         "runs were logged to (--tracking-uri), or an export of it where the tool takes one "
+                         "(--histories)")
     if uri.startswith(("http://", "https://")):
         check_tracking(uri, timeout_s=10)
     return make_client(uri)

@@ -212,3 +212,10 @@ def test_data_tool_names_a_missing_tokenizer_file_and_a_root_that_is_a_file(tmp_
     (tmp_path / "afile").write_text("x")
     assert data_main(["prepare", f"data.root={tmp_path / 'afile'}"]) == 2
     assert "must be a writable folder" in capsys.readouterr().err
+
+
+def test_localize_names_its_flags_and_refuses_job_with_a_job_folder(tmp_path, capsys):
+    assert localize_main([str(BASELINE), "--window", "0"]) == 2
+    assert "localize: --window=0 is not allowed" in capsys.readouterr().err  # the flag, not localize.window
+    assert localize_main([str(BASELINE), "--job", "foo"]) == 2
+    assert "--job 'foo' is not allowed with a job folder" in capsys.readouterr().err

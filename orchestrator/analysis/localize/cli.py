@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
@@ -56,6 +57,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if a.rate_threshold is not None and not (math.isfinite(a.rate_threshold) and a.rate_threshold > 0):
         p.error(f"--rate-threshold={a.rate_threshold} is not allowed: expected a finite number > 0 (ln sigma per step)")
     try:
+        LocalizeConfig(window=a.window, samples=a.samples, rate_threshold=a.rate_threshold, margin=a.margin,
+                       tie_tol=a.tie_tol, min_growth=a.min_growth, head_metric=a.head_metric,
+                       k_head=a.k_head).validate()  # the flags first, before any store is read
         src = resolve_source(a.source, a.tracking_uri, a.job)
         history = load_history(src["run_id"], src["tracking_uri"])
         last = max((s for pts in history.values() for s, _ in pts), default=None)
@@ -66,8 +70,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         loc = localize(history, window=a.window, divergence_step=div, samples=a.samples,
                        rate_threshold=a.rate_threshold, margin=a.margin, tie_tol=a.tie_tol,
                        min_growth=a.min_growth, head_metric=a.head_metric, k_head=a.k_head)
-    except (ValueError, OSError) as e:
-        print(f"localize: {e}", file=sys.stderr)
+    except (ValueError, OSError) as e:  # LocalizeConfig names its fields localize.<field>: the flags here
+        msg = re.sub(r"localize[.](\w+)", lambda m: "--" + m.group(1).replace("_", "-"), str(e))
+        print(f"localize: {msg}", file=sys.stderr)
         return 2
     loc.source = src
     if not any(h.sigma_end is not None or h.rmax_total for h in loc.heads):

@@ -32,6 +32,9 @@ def resolve_source(source: str, tracking_uri: Optional[str] = None, job: Optiona
                 raise ValueError(f"{source}: no job with result.json and an MLflow run id"
                                  + (f" named {job!r}" if job else "") + " (is it a job or sweep dir?)")
             path = Path(rows[0]["job_dir"])
+        elif job is not None:
+            raise ValueError(f"--job {job!r} is not allowed with a job folder ({source} holds result.json): --job "
+                             "picks a job of a sweep folder")
         rec = record.read(path)
         if not rec.mlflow_run_id:
             raise ValueError(f"{record.result_path(path)}: no mlflow_run_id (the job died before tracking started)")
