@@ -9,6 +9,7 @@ themselves stay in kernels/knobs.py.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import fields
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -62,7 +63,13 @@ def to_object(cfg):
         try:
             return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), node))
         except Exception as e:  # OmegaConf names the full key and the offending value
-            raise ConfigError(str(e).strip().splitlines()[0] + _where(e)) from None
+            msg = str(e).strip().splitlines()[0]
+            ref = re.match(r"While dereferencing interpolation '\$\{([\w.]+)\}': (.*)", msg)
+            if ref:  # the key the user set, not the internal one that interpolates it
+                into = getattr(e, "full_key", None)
+                raise ConfigError(f"{ref.group(1)}: {ref.group(2)}" + (f" (it is used in {into})" if into else "")) \
+                    from None
+            raise ConfigError(msg + _where(e)) from None
     raise TypeError(f"cannot validate a {type(cfg).__name__}")
 
 

@@ -88,6 +88,8 @@ def test_effective_attention_per_intervention(tmp_path):
     (["intervention=head_upcast", "intervention.heads=[]"], ["intervention.heads=[]", "at least one head",
                                                              "baseline under another name"]),
     (["intervention=head_upcast", "intervention.heads=[1,1]"], ["intervention.heads=[1, 1]", "distinct"]),
+    (["intervention=head_upcast", "intervention.layer=null"], ["intervention.layer: Incompatible value 'None'",
+                                                              "(it is used in intervention.overrides[0].layers[0])"]),
     # a multirun where no job's intervention takes the typed layer: refused, naming those that do
     (["intervention=baseline,sfa", "intervention.layer=1"], [
         "intervention.layer=1 is not allowed with intervention=baseline,sfa: none of their files takes a layer",
