@@ -38,6 +38,7 @@ from flash_forensics.hf_backend import NAME, layer_states, not_routed, sites
 from flash_forensics.kernels.checks import is_int
 from flash_forensics.kernels.stats import COUNTERS
 from flash_forensics.orchestrator import record
+from flash_forensics.orchestrator.tracking.store import check_tracking
 
 ENTROPY = "attn_entropy/"
 
@@ -202,7 +203,6 @@ class Monitor:
         import mlflow
         from mlflow.tracking import MlflowClient
 
-        from flash_forensics.orchestrator.tracking.store import check_tracking
         try:  # one sentence naming the URI, before MLflow's own errors (and never a hang on a dead server)
             if uri:
                 check_tracking(uri, timeout_s=10)

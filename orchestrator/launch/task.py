@@ -21,6 +21,7 @@ from flash_forensics.orchestrator import record
 from flash_forensics.orchestrator.config.folders import check_capture_dir
 from flash_forensics.orchestrator.config.validate import selected_interventions, validate_config
 from flash_forensics.orchestrator.errors import WriteError, _alive
+from flash_forensics.orchestrator.interventions import effective_model
 from flash_forensics.orchestrator.job import checkpoint, folder_lock
 from flash_forensics.orchestrator.job.distributed import detect_env
 from flash_forensics.orchestrator.job.folder import (  # noqa: F401  (re-exported)
@@ -118,7 +119,6 @@ def _other_run_folder(cfg, job_dir: Path) -> Optional[str]:
     if head is None:
         return None
     try:
-        from flash_forensics.orchestrator.interventions import effective_model
         want = checkpoint.model_shape(effective_model(OmegaConf.to_object(cfg.model), OmegaConf.to_object(
             cfg.intervention)))
     except Exception:  # a config validation refuses on its own terms
