@@ -175,3 +175,26 @@ def test_a_vocab_smaller_than_the_prepared_corpus_ids_is_refused(tmp_path, monke
         validate_config(cfg, ov, check_store=False)
     cfg, ov = job_cfg(tmp_path, "model.vocab_size=50257")
     validate_config(cfg, ov, check_store=False)
+
+
+def test_a_typod_key_is_refused_with_the_closest_fields():
+    from flash_forensics.orchestrator.config.keys import check_keys, unknown_key
+    assert "did you mean train.max_steps" in unknown_key("train.max_step")
+    assert unknown_key("train.lr").endswith("did you mean optimizer.lr?")  # the field lives in another section
+    assert "did you mean monitor.alarm?" in unknown_key("monitor.alrm.enabled")
+    for ok in ("train.max_steps", "monitor.alarm.signal", "intervention.model.qk_norm", "attention.overrides",
+               "data.files", "tracking.uri", "intervention.beta", "debug.nan_at_step"):
+        assert unknown_key(ok) is None, ok
+    assert check_keys(["-m", "experiment=smoke", "+foo.bar=1", "~train.seed", "hydra.run.dir=x", "model=tiny",
+                       "hydra/launcher=submitit_local", "train.max_steps=5"]) == []
+
+
+def test_run_py_refuses_a_typod_key_before_hydra(tmp_path):
+    import subprocess
+    import sys
+    root = Path(__file__).resolve().parents[2]
+    p = subprocess.run([sys.executable, str(root / "run.py"), "experiment=smoke", "train.max_step=10"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1
+    assert "configuration rejected, nothing launched" in p.stderr and "did you mean train.max_steps" in p.stderr
+    assert not (tmp_path / "results").exists()
