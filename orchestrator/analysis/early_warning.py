@@ -327,7 +327,11 @@ def load(sources: Sequence[str] = (), tracking_uri: Optional[str] = None, experi
                 continue
             hist = {k: v for k, v in histories[r["mlflow_run_id"]].items() if k.startswith(keys)}
         else:
-            hist = store.history(store.client_for(uri), r["mlflow_run_id"], keys)
+            try:
+                hist = store.history(store.client_for(uri), r["mlflow_run_id"], keys)
+            except ValueError as e:  # its store is gone or lacks it: left out, said, the others still judged
+                skipped.append(f"{name}: {e}")
+                continue
         if r["observed"] == "unfinished" and (div := _replayed_divergence(hist, r)) is not None:
             skipped.append(f"{name}: unfinished, and its loss diverged at step {div} by its detector: no verdict")
             continue

@@ -66,7 +66,14 @@ def history(client, run, prefixes: Sequence[str] = record.HISTORY_PREFIXES, prog
     """{metric: [(step, value)]} of one run (an MLflow Run or its id), for the metrics starting with `prefixes`;
     +-inf come back as floats (record.from_mlflow_value), sorted by step."""
     if isinstance(run, str):
-        run = retry(client.get_run, run)
+        try:
+            run = retry(client.get_run, run)
+        except Exception as e:  # MLflow's RESOURCE_DOES_NOT_EXIST names neither the store nor what to do
+            if "not found" not in str(e) and "RESOURCE_DOES_NOT_EXIST" not in str(e):
+                raise
+            raise ValueError(f"MLflow run {run} is not in {getattr(client, 'tracking_uri', 'this store')}: give the "
+                             "store it was logged to (--tracking-uri), or an export of it where the tool takes one "
+                             "(--histories)") from None
     rid = run.info.run_id
     keys = [k for k in run.data.metrics if k.startswith(tuple(prefixes))]
     from tqdm import tqdm

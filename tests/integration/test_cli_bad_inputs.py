@@ -219,3 +219,11 @@ def test_localize_names_its_flags_and_refuses_job_with_a_job_folder(tmp_path, ca
     assert "localize: --window=0 is not allowed" in capsys.readouterr().err  # the flag, not localize.window
     assert localize_main([str(BASELINE), "--job", "foo"]) == 2
     assert "--job 'foo' is not allowed with a job folder" in capsys.readouterr().err
+
+
+def test_a_run_missing_from_its_store_is_named_with_the_store(tmp_path):
+    from flash_forensics.orchestrator.tracking.store import make_client
+    uri = f"sqlite:///{tmp_path / 'm.db'}"
+    make_client(uri)  # an empty store
+    with pytest.raises(ValueError, match=r"MLflow run 0123abcd is not in sqlite:///.*m.db: give the store"):
+        readback.history(readback.client_for(uri), "0123abcd")
