@@ -266,7 +266,8 @@ def _replayed_divergence(history: Dict, r: Dict) -> Optional[int]:
     return det.divergence_step if det.diverged else None
 
 
-def _fill_fork_jumps(rows: List[Tuple[Dict, Optional[str]]], histories: Optional[Dict[str, Dict]]) -> None:
+def _fill_fork_jumps(rows: List[Tuple[Dict, Optional[str]]], histories: Optional[Dict[str, Dict]],
+                     client_of) -> None:
     """Forks read from job folders carry no fork_jump (a report computes it): computed here as the report does
     (orchestrator/report/fork_health.py), the fork's loss at its fork step against its source run's."""
     cache: Dict[Tuple[str, Optional[str]], list] = {}
@@ -275,7 +276,7 @@ def _fill_fork_jumps(rows: List[Tuple[Dict, Optional[str]]], histories: Optional
         if (rid, uri) not in cache:
             try:
                 h = (histories or {}).get(rid) if histories is not None else store.history(
-                    store.client_for(uri), rid, (record.LOSS,))
+                    client_of(uri), rid, (record.LOSS,))
             except Exception:  # the store or run is gone: the jump stays unknown
                 h = None
             cache[(rid, uri)] = fork_health._loss({rid: h or {}}, {"mlflow_run_id": rid})
@@ -310,7 +311,14 @@ def load(sources: Sequence[str] = (), tracking_uri: Optional[str] = None, experi
                  else r, uri) for r, uri in rows]
     if experiment is not None and not any(_is_store(s) for s in sources):
         rows.extend(_store_rows(tracking_uri, experiment, skipped, unfinished))
-    _fill_fork_jumps(rows, histories)
+    clients: Dict[Optional[str], object] = {}
+
+    def client_of(uri: Optional[str]):  # one per store: client_for checks it (a server's health GET) once
+        if uri not in clients:
+            clients[uri] = store.client_for(uri)
+        return clients[uri]
+
+    _fill_fork_jumps(rows, histories, client_of)
     runs = []
     for r, uri in rows:
         name = str(r.get("job") or r["mlflow_run_id"])
@@ -328,7 +336,7 @@ def load(sources: Sequence[str] = (), tracking_uri: Optional[str] = None, experi
             hist = {k: v for k, v in histories[r["mlflow_run_id"]].items() if k.startswith(keys)}
         else:
             try:
-                hist = store.history(store.client_for(uri), r["mlflow_run_id"], keys)
+                hist = store.history(client_of(uri), r["mlflow_run_id"], keys)
             except ValueError as e:  # its store is gone or lacks it: left out, said, the others still judged
                 skipped.append(f"{name}: {e}")
                 continue
@@ -538,13 +546,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             hist = {**(hist or {}), **store.histories_from_export(path, signals.PREFIXES + (record.LOSS,))}
     except ValueError as e:
         ap.error(str(e))
+    extra = _extra(a.thresholds)  # before any run is read
     try:
         runs, skipped = load(a.sources, a.tracking_uri, a.experiment, a.growth_window, a.include_unfinished, hist,
                              a.keep_jumped)
     except ValueError as e:  # a source that is not what it should be: one line naming it
         print(f"Error: {e}", file=sys.stderr)
         return 1
-    extra = _extra(a.thresholds)
     if not runs:  # nothing judged: an empty table would read as a result
         why = "; ".join(skipped[:5]) + (f"; ... ({len(skipped)} in all)" if len(skipped) > 5 else "")
         print(f"Error: no run to judge in {', '.join(a.sources) or a.experiment}: "
