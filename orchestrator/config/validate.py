@@ -363,11 +363,10 @@ def check_data_fits(obj) -> None:
         if manifest.is_file():
             doc = json.loads(manifest.read_text())
             tokens = doc.get("tokens")
-            ids = [f.get("max_id") for f in (doc.get("files") or {}).values() if isinstance(f, dict)]
-            max_id = max((i for i in ids if isinstance(i, int)), default=None)
+            max_id = doc.get("max_id")  # the largest token id of both splits
     except Exception:  # not prepared / not fetched yet: the job prepares and checks it
         tokens = None
-    if max_id is not None and obj.model.vocab_size <= max_id:
+    if isinstance(max_id, int) and obj.model.vocab_size <= max_id:
         raise _bad("model.vocab_size", obj.model.vocab_size,
                    f"an integer > {max_id}: the prepared corpus {d.corpus} holds token id {max_id} (50304 is GPT-2's "
                    "padded size)")

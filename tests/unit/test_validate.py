@@ -165,8 +165,7 @@ def test_a_vocab_smaller_than_the_prepared_corpus_ids_is_refused(tmp_path, monke
     from flash_forensics.orchestrator.config import validate as V
     (tmp_path / "ds").mkdir()
     (tmp_path / "ds" / "manifest.json").write_text(json.dumps({
-        "tokens": {"train": 10_000, "val": 1_000},
-        "files": {"train.bin": {"max_id": 50256}, "val.bin": {"max_id": 50100}}}))
+        "tokens": {"train": 10_000, "val": 1_000}, "max_id": 50256}))
     monkeypatch.setattr(V, "open_corpus", lambda d: None)
     monkeypatch.setattr(V, "dataset_dir", lambda d, c: tmp_path / "ds")
     cfg, ov = job_cfg(tmp_path, "model.vocab_size=1000")
