@@ -382,7 +382,7 @@ def write_report(rows: List[Dict], out_dir: os.PathLike, tracking_uri: Optional[
     meta = {**run_meta(uri), **(meta or {})}
     if fork_rule == "source":
         kept = [r for r in rows if str(r.get("fork_rule", "")).startswith("fresh (")]
-        forks = [r for r in rows if str(r.get("fork_rule", ""))]
+        forks = [r for r in rows if isinstance(r.get("fork_step"), int)]
         meta["fork_rule"] = ("source: each fork judged from its source's detector at the fork step (re-judged from "
                              "the histories where it ran fresh)"
                              + (f"; NOT applied to {len(kept)} of {len(forks)} fork(s), which keep their own "
