@@ -71,7 +71,7 @@ class Recorder:
             if value is not None and (isinstance(value, (str, bytes)) or not all(
                     isinstance(i, numbers.Integral) and not isinstance(i, bool) and i >= 0 for i in value)):
                 raise ValueError(f"capture {key}={value!r} is not allowed: expected a list of indices >= 0, or None")
-        if worst is not None and (isinstance(worst, bool) or not isinstance(worst, int) or worst < 1):
+        if worst is not None and (isinstance(worst, bool) or not isinstance(worst, numbers.Integral) or worst < 1):
             raise ValueError(f"capture worst={worst!r} is not allowed: expected an integer >= 1, or None")
         self.out_dir, self.layers = Path(out_dir), (None if layers is None else set(int(i) for i in layers))
         self.heads, self.worst, self.step = (None if heads is None else [int(h) for h in heads]), worst, step
