@@ -2,7 +2,7 @@
 runs) beside its throughput cost from benchmarks/stabilizers.py.
 
     flash-forensics stabilizers --reports <forks report> [<scratch report> ...] \\
-        --bench results/bench/stabilizers-h200.json --name stabilizers [--results results]
+        --bench results/bench/stabilizers-h200.json [more.json ...] --name stabilizers [--results results]
 
 writes <results>/<name>/stabilizers.md, stabilizers.json and stabilizers.png. Per run row (verdicts.json `runs`):
 - stable or not (the run record's verdict), from which step (its fork step, or 0);
@@ -74,15 +74,33 @@ def _gained(row, base) -> Dict[str, Any]:
     return {"steps_gained": int(row.get("steps_done") or 0) - int(b), "steps_gained_at_least": True}
 
 
-def load_bench(path: Optional[Path]) -> Dict[str, Any]:
+def load_bench(path) -> Dict[str, Any]:
+    """One benchmarks/stabilizers.py JSON, or several merged (a list of paths: e.g. one lease's mini shape and
+    another's GPT-2S shape): their rows together, each file under `sources`. A shape in two files is refused, since
+    its cost would depend on which file won."""
     if path is None:
         return {}
+    if isinstance(path, (list, tuple)):
+        docs = [(Path(p), load_bench(p)) for p in path]
+        if len(docs) == 1:
+            return docs[0][1]
+        seen: Dict[str, Path] = {}
+        for p, d in docs:
+            for shape in dict.fromkeys(r.get("shape") for r in d["rows"]):
+                if shape in seen:
+                    raise ValueError(f"--bench {str(seen[shape])!r} and {str(p)!r} both measured shape {shape!r}: "
+                                     "give one file per shape")
+                seen[shape] = p
+        return {"rows": [r for _, d in docs for r in d["rows"]],
+                "sources": [d["sources"][0] | {"path": str(p)} for p, d in docs]}
     try:
         doc = json.loads(Path(path).read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"--bench={str(path)!r}: not valid JSON ({e})") from None
     if not isinstance(doc, dict) or "rows" not in doc or not all("variant" in r for r in doc["rows"]):
         raise ValueError(f"--bench={str(path)!r} is not allowed: expected a benchmarks/stabilizers.py JSON (key rows)")
+    doc["sources"] = [{k: doc.get(k) for k in ("command", "gpu", "torch", "triton", "time")}
+                      | {"shapes": list(dict.fromkeys(r.get("shape") for r in doc["rows"]))}]
     return doc
 
 
@@ -200,8 +218,9 @@ def markdown(rows: List[Dict[str, Any]], bench: Dict[str, Any], shapes: Sequence
         lines.append("- (xN: one outcome): N runs of the same intervention from the same step ended identically (e.g. "
                      "the baseline fork in each sweep); one row, their jobs under `repeats` in the JSON.")
     if bench:
-        lines.append(f"- throughput: `{bench.get('command')}` on {bench.get('gpu')} (torch {bench.get('torch')}, "
-                     f"triton {bench.get('triton')}, {bench.get('time')}).")
+        for src in bench["sources"]:
+            lines.append(f"- throughput ({', '.join(map(str, src['shapes']))}): `{src.get('command')}` on "
+                         f"{src.get('gpu')} (torch {src.get('torch')}, triton {src.get('triton')}, {src.get('time')}).")
         routes = {(r["intervention"], s): r["route"].get(s) for r in rows for s in shapes if r["route"].get(s)}
         if routes:
             lines += ["", "Routes in the benchmark (per shape):", ""]
@@ -253,7 +272,7 @@ def plot(rows: List[Dict[str, Any]], shapes: Sequence[str], path: Path) -> Optio
     return path
 
 
-def write(report_dirs: Sequence[Path], bench_path: Optional[Path], name: str,
+def write(report_dirs: Sequence[Path], bench_path, name: str,
           results: Path = REPO / "results") -> Dict[str, Path]:
     reports = []
     for d in report_dirs:
@@ -276,8 +295,9 @@ def write(report_dirs: Sequence[Path], bench_path: Optional[Path], name: str,
     out.mkdir(parents=True, exist_ok=True)
     paths = {"md": out / "stabilizers.md", "json": out / "stabilizers.json"}
     paths["md"].write_text(markdown(rows, bench, shapes))
-    meta = {"reports": [str(d) for d in report_dirs], "bench": str(bench_path) if bench_path else None,
-            "bench_command": bench.get("command"), "gpu": bench.get("gpu"), "shapes": shapes}
+    benches = [str(b) for b in (bench_path if isinstance(bench_path, (list, tuple)) else [bench_path]) if b]
+    meta = {"reports": [str(d) for d in report_dirs], "bench": benches[0] if len(benches) == 1 else benches or None,
+            "bench_sources": bench.get("sources", []), "shapes": shapes}
     paths["json"].write_text(record.dumps({"meta": meta, "rows": rows}))
     png = plot(rows, shapes, out / "stabilizers.png")
     if png:
@@ -288,7 +308,9 @@ def write(report_dirs: Sequence[Path], bench_path: Optional[Path], name: str,
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="flash-forensics stabilizers", description=__doc__.split("\n\n")[0])
     ap.add_argument("--reports", nargs="+", type=Path, required=True, help="report folders (verdicts.json)")
-    ap.add_argument("--bench", type=Path, default=None, help="benchmarks/stabilizers.py JSON")
+    ap.add_argument("--bench", type=Path, nargs="+", default=None,
+                    help="benchmarks/stabilizers.py JSON(s): several merge, one file per shape (default: none, cost "
+                         "not measured)")
     ap.add_argument("--name", default="stabilizers", help="the folder under --results (a plain name)")
     ap.add_argument("--results", type=Path, default=REPO / "results",
                     help=f"where the --name folder goes (default: {REPO / 'results'})")

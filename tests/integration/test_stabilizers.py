@@ -458,3 +458,30 @@ def test_stabilizers_table_reads_val_loss_of_a_report_copied_off_its_machine(tmp
     assert rows["baseline"]["val_loss"] == 3.3 and rows["qk_clip"]["val_loss"] == 2.25
     assert abs(rows["qk_clip"]["val_vs_fp32"] - 0.05) < 1e-9
     assert rows["z_loss"]["val_loss"] is None and rows["z_loss"]["val_vs_fp32"] is None
+
+
+def test_stabilizers_table_merges_one_bench_per_shape_and_refuses_a_shape_twice(tmp_path):
+    from flash_forensics.orchestrator.analysis import stabilizers
+    rep = tmp_path / "report"
+    rep.mkdir()
+    (rep / "verdicts.json").write_text(json.dumps({"runs": [_run("baseline", "diverged", 100, final=5.0),
+                                                            _run("sfa", "stable", fork_step=50, final=3.1)]}))
+    brow = lambda shape, v, tps: dict(shape=shape, variant=v, tokens_per_s=tps, route_set=["r"])  # noqa: E731
+    mini, big, again = tmp_path / "mini.json", tmp_path / "gpt2s.json", tmp_path / "again.json"
+    mini.write_text(json.dumps({"command": "bench mini", "gpu": "G1", "rows": [brow("mini", "baseline", 1000.0),
+                                                                                 brow("mini", "sfa", 900.0)]}))
+    big.write_text(json.dumps({"command": "bench gpt2s", "gpu": "G2", "rows": [brow("gpt2s", "baseline", 2000.0),
+                                                                                 brow("gpt2s", "sfa", 1500.0)]}))
+    again.write_text(json.dumps({"command": "bench mini again", "rows": [brow("mini", "baseline", 10.0)]}))
+    paths = stabilizers.write([rep], [mini, big], "merged", results=tmp_path / "results")
+    doc = json.loads(paths["json"].read_text())
+    sfa = next(r for r in doc["rows"] if r["intervention"] == "sfa")
+    assert abs(sfa["cost"]["mini"] - 0.1) < 1e-9 and abs(sfa["cost"]["gpt2s"] - 0.25) < 1e-9
+    assert doc["meta"]["shapes"] == ["mini", "gpt2s"] and doc["meta"]["bench"] == [str(mini), str(big)]
+    md = paths["md"].read_text()
+    assert "- throughput (mini): `bench mini` on G1" in md and "- throughput (gpt2s): `bench gpt2s` on G2" in md
+    with pytest.raises(ValueError, match=r"both measured shape 'mini'"):
+        stabilizers.write([rep], [mini, again], "x", results=tmp_path / "results")
+    assert stabilizers.main(["--reports", str(rep), "--bench", str(mini), str(big), "--name", "cli",
+                             "--results", str(tmp_path / "results")]) == 0
+    assert "cost gpt2s" in (tmp_path / "results" / "cli" / "stabilizers.md").read_text()
