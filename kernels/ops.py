@@ -104,7 +104,7 @@ def _flash_fwd_fake(q, k, v, repeated_max_rows, max_logit, underflow_rows, key_k
     B, H, T, D = q.shape
     recipe, tiling, bq, bk, _softmax, _beta, _eps, _delta, pv, heads, rounding, _gemm = parse_spec(spec)
     mask = rounding if rounding >= 0 else tf.round_mask(_knobs(recipe, tiling, bq, bk, pv_fp32=pv))
-    return (q.new_empty((B, H, T, D), dtype=tf.saved_o_dtype(mask, heads)),
+    return (tf.empty_like_order(q, (B, H, T, D), tf.saved_o_dtype(mask, heads)),
             q.new_empty((B, H, T), dtype=torch.float32))
 
 
@@ -118,8 +118,8 @@ def flash_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 
 @flash_bwd.register_fake
 def _flash_bwd_fake(do, q, k, v, o, lse, key_keep, spec):
-    shape = q.shape
-    return (q.new_empty(shape), k.new_empty(shape, dtype=k.dtype), v.new_empty(shape, dtype=v.dtype))
+    shape = tuple(q.shape)
+    return tuple(tf.empty_like_order(x, shape, x.dtype) for x in (q, k, v))
 
 
 class FlashAttention(torch.autograd.Function):
