@@ -7,7 +7,9 @@ runs) beside its throughput cost from benchmarks/stabilizers.py.
 writes <results>/<name>/stabilizers.md, stabilizers.json and stabilizers.png. Per run row (verdicts.json `runs`):
 - stable or not (the run record's verdict), from which step (its fork step, or 0);
 - steps gained: its divergence step minus its report's baseline's; a stable run gained at least (its last step -
-  the baseline's divergence step), written ">= N"; none when its baseline did not diverge;
+  the baseline's divergence step), written ">= N"; none when its baseline did not diverge. A report of from-step-0
+  runs without a baseline (qk_norm, gated_attn run beside none) takes another report's from-step-0 baseline of the
+  same experiment and seeds, and the table says so;
 - final and validation loss, and their difference to the fp32 row (of the same report, else of any report);
 - throughput cost per benchmark shape: 1 - tokens/s over the baseline's tokens/s (measured; "not measured" when the
   benchmark has no row for it, never a guess), with the route its layers took there;
@@ -104,12 +106,46 @@ def load_bench(path) -> Dict[str, Any]:
     return doc
 
 
-def _label(run: Dict[str, Any]) -> str:
-    """The intervention and what tells its rows apart: its own knobs (intervention.beta=2) and a control (+control=fa2),
-    not the layer and heads localization chose for every row alike."""
+def _overrides(run: Dict[str, Any]) -> List[str]:
     ov = run.get("overrides") or []
     if isinstance(ov, str):  # older reports wrote the list's repr
         ov = ov.strip("[]").replace("'", "").split(", ") if ov.strip() else []
+    return list(ov)
+
+
+REGIME_KEYS = ("experiment", "train.seed", "data.seed")
+
+
+def _regime(run: Dict[str, Any]) -> Optional[tuple]:
+    """(experiment, train.seed, data.seed) from the run's overrides; None when one is missing: regimes are compared
+    only when each run says all three."""
+    kv = dict(o.lstrip("+~").split("=", 1) for o in _overrides(run) if "=" in o)
+    vals = tuple(kv.get(k) for k in REGIME_KEYS)
+    return None if None in vals else vals
+
+
+def _baseline_of(runs: Sequence[Dict[str, Any]], all_reports: Sequence[Dict[str, Any]]):
+    """(baseline row, the report it came from or None when its own): the report's from-step-0 baseline, else its
+    forked baseline, else, for a report of from-step-0 runs that ran none (qk_norm and gated_attn beside a baseline
+    already run: it is deterministic), another report's from-step-0 baseline of the same experiment and seeds."""
+    base = next((r for r in runs if r.get("intervention") == BASELINE and r.get("fork_step") is None), None) or \
+        next((r for r in runs if r.get("intervention") == BASELINE), None)
+    if base is not None:
+        return base, None
+    regimes = {_regime(r) for r in runs}
+    if len(regimes) != 1 or None in regimes:
+        return None, None
+    for rep in all_reports:
+        for r in rep["runs"]:
+            if r.get("intervention") == BASELINE and r.get("fork_step") is None and _regime(r) in regimes:
+                return r, Path(rep["path"])
+    return None, None
+
+
+def _label(run: Dict[str, Any]) -> str:
+    """The intervention and what tells its rows apart: its own knobs (intervention.beta=2) and a control (+control=fa2),
+    not the layer and heads localization chose for every row alike."""
+    ov = _overrides(run)
     keep = [o for o in ov if o.lstrip("+~").split("=", 1)[0] == "control"
             or (o.startswith("intervention.") and not o.startswith(("intervention.layer=", "intervention.heads=")))]
     return " ".join([str(run.get("intervention")), *keep])
@@ -132,8 +168,7 @@ def table_rows(reports: Sequence[Dict[str, Any]], bench: Dict[str, Any]) -> List
     out = []
     for rep in reports:
         runs = rep["runs"]
-        base = next((r for r in runs if r.get("intervention") == BASELINE and r.get("fork_step") is None), None) or \
-            next((r for r in runs if r.get("intervention") == BASELINE), None)
+        base, base_rep = _baseline_of(runs, reports)
         ref = next((r for r in runs if r.get("intervention") == REFERENCE), None) or ref_any
         ref_rep = next((Path(x["path"]) for x in reports if any(r is ref for r in x["runs"])), None)
         ref_final, ref_val = (_finite(ref.get("final_loss")), _val_loss(ref, ref_rep)) if ref else (None, None)
@@ -147,7 +182,8 @@ def table_rows(reports: Sequence[Dict[str, Any]], bench: Dict[str, Any]) -> List
                        **_gained(run, base), final_loss=final, val_loss=val,
                        final_vs_fp32=None if final is None or ref_final is None else final - ref_final,
                        val_vs_fp32=None if val is None or ref_val is None else val - ref_val,
-                       needs_model_change=needs_model_change(name), cost={}, route={}, error=run.get("error"))
+                       needs_model_change=needs_model_change(name), cost={}, route={}, error=run.get("error"),
+                       baseline_from=str(base_rep) if base_rep else None)
             control = "control=" in row["label"]  # _label keeps a control's override, whatever its form
             for shape in shapes:
                 b = next((r for r in brows if r["shape"] == shape and r["variant"] == BASELINE), None)
@@ -214,6 +250,10 @@ def markdown(rows: List[Dict[str, Any]], bench: Dict[str, Any], shapes: Sequence
               f"fork_jump); beyond {JUMP_NATS} nats the intervention changed the trained model's function at the fork, "
               f"so its verdict is not a like-for-like continuation.",
               "- cost: 1 - training tokens/s over the baseline's, per benchmark shape (positive: slower)."]
+    borrowed = {(names[r["report"]], names.get(r["baseline_from"], r["baseline_from"])) for r in rows
+                if r.get("baseline_from")}
+    lines += [f"- {rep}: it ran no baseline; its steps gained are against the from-step-0 baseline of {src} (same "
+              f"experiment and seeds: a baseline run is deterministic)" for rep, src in sorted(borrowed)]
     if any(r.get("repeats") for r in rows):
         lines.append("- (xN: one outcome): N runs of the same intervention from the same step ended identically (e.g. "
                      "the baseline fork in each sweep); one row, their jobs under `repeats` in the JSON.")

@@ -485,3 +485,32 @@ def test_stabilizers_table_merges_one_bench_per_shape_and_refuses_a_shape_twice(
     assert stabilizers.main(["--reports", str(rep), "--bench", str(mini), str(big), "--name", "cli",
                              "--results", str(tmp_path / "results")]) == 0
     assert "cost gpt2s" in (tmp_path / "results" / "cli" / "stabilizers.md").read_text()
+
+
+def test_stabilizers_scratch_report_without_a_baseline_borrows_the_same_regimes_only(tmp_path):
+    """qk_norm and gated_attn run from step 0 without a baseline beside them: their steps gained are against another
+    report's from-step-0 baseline of the same experiment and seeds, said under the table; never another seed's."""
+    from flash_forensics.orchestrator.analysis import stabilizers
+    seed = lambda s: dict(overrides=["experiment=paper_1gpu", f"train.seed={s}", f"data.seed={s}"])  # noqa: E731
+    seed1, seed2, scratch = (tmp_path / n / "report" for n in ("seed1", "seed2", "scratch"))
+    for d, runs in ((seed1, [_run("baseline", "diverged", 2288, final=3.2, **seed(1)),
+                             _run("fp32", "stable", fork_step=2000, final=2.2, **seed(1))]),
+                    (seed2, [_run("baseline", "diverged", 4342, final=3.0, **seed(2))]),
+                    (scratch, [_run("qk_norm", "stable", steps_done=2598, final=2.3, **seed(1)),
+                               _run("gated_attn", "diverged", 2400, final=4.0, **seed(1))])):
+        d.mkdir(parents=True)
+        (d / "verdicts.json").write_text(json.dumps({"runs": runs}))
+    paths = stabilizers.write([seed2, seed1, scratch], None, "t", results=tmp_path / "results")
+    rows = {r["intervention"]: r for r in json.loads(paths["json"].read_text())["rows"] if "scratch" in r["report"]}
+    assert (rows["qk_norm"]["steps_gained"], rows["qk_norm"]["steps_gained_at_least"]) == (310, True)
+    assert rows["gated_attn"]["steps_gained"] == 2400 - 2288  # seed 1's baseline, not seed 2's listed first
+    assert rows["qk_norm"]["baseline_from"] == str(seed1)
+    md = paths["md"].read_text()
+    assert "- scratch/report: it ran no baseline; its steps gained are against the from-step-0 baseline of " \
+           "seed1/report" in md
+    # seeds the runs do not say, or another seed only: no baseline borrowed, no steps gained
+    (scratch / "verdicts.json").write_text(json.dumps({"runs": [_run("qk_norm", "stable", final=2.3, **seed(3))]}))
+    rows = json.loads(stabilizers.write([seed1, scratch], None, "t2", results=tmp_path / "results")["json"]
+                      .read_text())["rows"]
+    qk = next(r for r in rows if r["intervention"] == "qk_norm")
+    assert qk["steps_gained"] is None and qk["baseline_from"] is None
