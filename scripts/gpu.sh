@@ -41,6 +41,12 @@
 #                one lease's work on one GPU, in the background: quiet benchmarks, then the miniature's rounding-point
 #                and stabilizer forks beside the paper_1gpu seeds, then the GPU tests; `status` prints progress,
 #                `collect` packs reports, logs and MLflow stores into $OUT
+#   queue start 'TASK [ARGS]' ['VAR=VALUE TASK [ARGS]' ...] | wait [SECONDS] | collect
+#                gpu.sh tasks one after another in the background (from a copy of the tree taken at start), so that
+#                a lease's calls only wait and bring back: `start` queues them and returns; `wait SECONDS` (default
+#                540) prints progress until the queue ends or SECONDS pass, then collects; `collect` packs every
+#                task's output so far ($Q/out: its logs, JSONs, reports) into $OUT/queue-out.tar.xz. A task that fails
+#                is said in the queue's status and the next one starts. Q (default /tmp/queue) holds it all
 #   wheels       on a machine WITH a network and a python3.12: .whl/site-py312.tar.xz, the packages the GPU image
 #                lacks (../shared/gpu/wheels.sh's list), installed and packed for setup below
 #   stage [data=NAME ...]
@@ -495,6 +501,71 @@ EOF
     else
       die "usage: gpu.sh scratch-table start|wait [SECONDS]|collect|run [SECONDS]"
     fi
+    ;;
+  queue)
+    Q=${Q:-/tmp/queue}; mode=${1:-}; shift || true
+    qalive() { [ -f "$Q/queue.pid" ] && kill -0 "$(cat "$Q/queue.pid")" 2>/dev/null; }
+    qstatus() {
+      echo "[queue $(date -u +%T)] GPU $(nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader \
+        2>/dev/null | tr -d '\n'); disk $(df -h "$Q" | awk 'END {print $4}') free"
+      cat "$Q/status" 2>/dev/null
+      local cur; cur=$(ls -t "$Q"/out/*.log 2>/dev/null | head -1)
+      if qalive && [ -n "$cur" ]; then
+        echo "  now: $(basename "$cur" .log): $(tail -c 2000 "$cur" | tr '\r' '\n' | grep -v '^\s*$' | tail -1 | cut -c1-200)"
+      fi
+    }
+    case "$mode" in
+      start)
+        [ $# -gt 0 ] || die "usage: gpu.sh queue start 'TASK [ARGS]' ['VAR=VALUE TASK [ARGS]' ...]"
+        qalive && die "a queue is running in $Q: wait for it, or kill -- -\$(cat $Q/queue.pid)"
+        for item in "$@"; do  # every item names a task of this script, before anything starts
+          read -ra w <<< "$item"; i=0
+          while [ $i -lt ${#w[@]} ] && [[ ${w[$i]} =~ ^[A-Za-z_][A-Za-z0-9_]*= ]]; do i=$((i+1)); done
+          [ $i -lt ${#w[@]} ] && grep -q "^  ${w[$i]})" "$0" && [ "${w[$i]}" != queue ] \
+            || die "queue item '$item': no gpu.sh task in it (the tasks: the header of scripts/gpu.sh)"
+        done
+        rm -rf "$Q"; mkdir -p "$Q/out" "$Q/src" || die "cannot make $Q"
+        cp -a . "$Q/src" 2>/dev/null; printf '%s\n' "$@" > "$Q/items"
+        setsid nohup bash "$Q/src/scripts/gpu.sh" queue _run > "$Q/queue.log" 2>&1 < /dev/null &
+        echo $! > "$Q/queue.pid"
+        echo "[queue] started $# tasks in $Q (pid $(cat "$Q/queue.pid")):"; sed 's/^/  /' "$Q/items"
+        ;;
+      _run)  # the runner (started by `start`, in the copy): each item in turn, its output in $Q/out/<n>-<task>
+        n=0
+        while IFS= read -r item; do
+          n=$((n+1)); read -ra w <<< "$item"; envs=(); i=0
+          while [[ ${w[$i]} =~ ^[A-Za-z_][A-Za-z0-9_]*= ]]; do envs+=("${w[$i]}"); i=$((i+1)); done
+          name="$n-${w[$i]}"; t=$(date +%s)
+          echo "  $name: running since $(date -u +%T) ($item)" >> "$Q/status"
+          env "${envs[@]}" OUT="$Q/out/$name" bash scripts/gpu.sh "${w[@]:$i}" > "$Q/out/$name.log" 2>&1
+          rc=$?
+          sed -i "s|^  $name: running since .*|  $name: exit $rc after $(( $(date +%s) - t )) s ($item)|" "$Q/status"
+        done < "$Q/items"
+        echo "  queue ended at $(date -u +%T)" >> "$Q/status"
+        ;;
+      wait)
+        [ -d "$Q" ] || die "no queue in $Q (gpu.sh queue start first)"
+        end=$(( $(date +%s) + ${1:-540} )); next=0
+        while qalive && [ "$(date +%s)" -lt "$end" ]; do
+          [ "$(date +%s)" -ge "$next" ] && { qstatus; next=$(( $(date +%s) + 60 )); }
+          sleep 5
+        done
+        qstatus; qalive && echo "[queue] still running" || echo "[queue] ended"
+        bash "$0" queue collect
+        ;;
+      collect)
+        : "${OUT:?collect writes into \$OUT}"
+        [ -d "$Q/out" ] || die "no queue output in $Q"
+        # files under 12 MB (checkpoints and stores stay here); one archive, cut into 15 MB parts if it must be
+        (cd "$Q" && find out status items queue.log -type f -size -12M 2>/dev/null | grep -v '\.pt$' > "$Q/files" \
+          && tar -cJf "$OUT/queue-out.tar.xz" -T "$Q/files") || die "packing $Q/out failed"
+        if [ "$(stat -c %s "$OUT/queue-out.tar.xz")" -gt 15000000 ]; then
+          split -b 15M -d "$OUT/queue-out.tar.xz" "$OUT/queue-out.tar.xz.part" && rm "$OUT/queue-out.tar.xz"
+        fi
+        echo "[queue] collected $(wc -l < "$Q/files") files: $(du -sh "$OUT" | cut -f1)"
+        ;;
+      *) die "usage: gpu.sh queue start 'TASK [ARGS]' ... | wait [SECONDS] | collect" ;;
+    esac
     ;;
   wheels)
     # on a machine with a network: the packages the GPU image lacks, for its Python 3.12, as ONE .whl/site-py312.tar.xz
