@@ -42,6 +42,7 @@
 #                and stabilizer forks beside the paper_1gpu seeds, then the GPU tests; `status` prints progress,
 #                `collect` packs reports, logs and MLflow stores into $OUT
 #   queue start 'TASK [ARGS]' ['VAR=VALUE TASK [ARGS]' ...] | wait [SECONDS] | collect
+#                (each item shell words: "SPEED_PARTS='attention train1024' speed")
 #                gpu.sh tasks one after another in the background (from a copy of the tree taken at start), so that
 #                a lease's calls only wait and bring back: `start` queues them and returns; `wait SECONDS` (default
 #                540) prints progress until the queue ends or SECONDS pass, then collects; `collect` packs every
@@ -519,7 +520,7 @@ EOF
         [ $# -gt 0 ] || die "usage: gpu.sh queue start 'TASK [ARGS]' ['VAR=VALUE TASK [ARGS]' ...]"
         qalive && die "a queue is running in $Q: wait for it, or kill -- -\$(cat $Q/queue.pid)"
         for item in "$@"; do  # every item names a task of this script, before anything starts
-          read -ra w <<< "$item"; i=0
+          eval "w=($item)" 2>/dev/null || die "queue item '$item': not shell words (unbalanced quotes?)"; i=0
           while [ $i -lt ${#w[@]} ] && [[ ${w[$i]} =~ ^[A-Za-z_][A-Za-z0-9_]*= ]]; do i=$((i+1)); done
           [ $i -lt ${#w[@]} ] && grep -q "^  ${w[$i]})" "$0" && [ "${w[$i]}" != queue ] \
             || die "queue item '$item': no gpu.sh task in it (the tasks: the header of scripts/gpu.sh)"
@@ -533,7 +534,7 @@ EOF
       _run)  # the runner (started by `start`, in the copy): each item in turn, its output in $Q/out/<n>-<task>
         n=0
         while IFS= read -r item; do
-          n=$((n+1)); read -ra w <<< "$item"; envs=(); i=0
+          n=$((n+1)); eval "w=($item)"; envs=(); i=0  # shell words: VAR='a b' keeps its space
           while [[ ${w[$i]} =~ ^[A-Za-z_][A-Za-z0-9_]*= ]]; do envs+=("${w[$i]}"); i=$((i+1)); done
           name="$n-${w[$i]}"; t=$(date +%s)
           echo "  $name: running since $(date -u +%T) ($item)" >> "$Q/status"

@@ -20,7 +20,7 @@ def _q(tmp_path, *args, timeout=600):
 
 def test_queue_runs_tasks_in_turn_says_failures_and_collects(tmp_path):
     patch = _patch(tmp_path / "ok.patch", NEW_TEST)
-    p = _q(tmp_path, "start", "check", f"WORKERS=1 PATCHED={tmp_path / 'patched'} patch-tests {patch} "
+    p = _q(tmp_path, "start", "check", f"WORKERS=1 PATCHED='{tmp_path / 'patched dir'}' patch-tests {patch} "
            "tests/unit/test_zz_patched.py")
     assert p.returncode == 0, p.stdout + p.stderr
     assert "[queue] started 2 tasks" in p.stdout
@@ -29,7 +29,8 @@ def test_queue_runs_tasks_in_turn_says_failures_and_collects(tmp_path):
     assert "[queue] ended" in p.stdout and "queue ended at" in p.stdout
     assert "1-check: exit 1 after" in p.stdout  # no CUDA here: the check fails, and the queue goes on
     assert "2-patch-tests: exit 0 after" in p.stdout
-    assert (tmp_path / "patched" / "tests" / "unit" / "test_zz_patched.py").is_file()  # the item's own environment
+    # the item's own environment, a quoted value with its space
+    assert (tmp_path / "patched dir" / "tests" / "unit" / "test_zz_patched.py").is_file()
     with tarfile.open(tmp_path / "out" / "queue-out.tar.xz") as t:
         names = t.getnames()
     assert "out/2-patch-tests/patch-tests/pytest_patched.log" in names and "out/1-check.log" in names
@@ -43,5 +44,7 @@ def test_queue_refuses_an_item_without_a_task_and_a_wait_without_a_queue(tmp_pat
     assert not (tmp_path / "q").exists()  # nothing started
     p = _q(tmp_path, "start", "queue wait")
     assert p.returncode != 0 and "no gpu.sh task" in p.stderr
+    p = _q(tmp_path, "start", "X='unbalanced tests")
+    assert p.returncode != 0 and "not shell words" in p.stderr
     p = _q(tmp_path, "wait", "1")
     assert p.returncode != 0 and "no queue in" in p.stderr
