@@ -7,7 +7,8 @@
 #   patch-tests PATCH [TESTS ...]
 #                the GPU tests of a change not on this tree yet (a branch: `git diff main...BRANCH > PATCH`): this
 #                tree's TESTS first, then the same TESTS in a copy with PATCH applied (default TESTS: the kernel
-#                tests, PATCH_TESTS); logs pytest_here.log and pytest_patched.log; exit 0 only when both pass
+#                tests, PATCH_TESTS); logs pytest_here.log and pytest_patched.log; exit 0 only when both pass;
+#                SKIP_HERE=1: the patched copy's only
 #   speed        attention fwd+bwd side by side (benchmarks/attention.py; TUNE=1 times launch configs first), the
 #                host's time per call against the GPU's (benchmarks/host_overhead.py) and the GPT-2S training step
 #                (benchmarks/train_step.py); SPEED_PARTS="host train1024" runs only those; SPEED_PARTS=cudagraphs:
@@ -141,7 +142,9 @@ EOF
     sel=("$@"); [ ${#sel[@]} -gt 0 ] || sel=($PATCH_TESTS)
     setup; logdir patch-tests; rc=0
     here=(); for t in "${sel[@]}"; do [ -e "${t%%::*}" ] && here+=("$t"); done  # a file the patch adds is not here yet
-    if [ ${#here[@]} -gt 0 ]; then
+    if [ ${#here[@]} -gt 0 ] && [ "${SKIP_HERE:-0}" = 1 ]; then
+      echo "[patch-tests] this tree's tests skipped (SKIP_HERE=1: e.g. \`tests\` ran them in this lease)"
+    elif [ ${#here[@]} -gt 0 ]; then
       echo "[patch-tests] this tree: ${here[*]}"
       timeout "${TEST_TIMEOUT:-420}" $PY -m pytest -q -m gpu "${here[@]}" -n "${WORKERS:-4}" -p no:cacheprovider \
         -o addopts="-ra" > "$LOG/pytest_here.log" 2>&1; r=$?; [ $r = 0 ] || [ $r = 5 ] || rc=1  # 5: no gpu test there
