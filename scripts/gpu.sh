@@ -3,7 +3,9 @@
 #   bash scripts/gpu.sh TASK [ARGS ...]
 # Tasks:
 #   check        the machine, the versions, every import the runs need, the offline corpus and tokenizer
-#   tests        the GPU tests: pytest -m gpu tests (WORKERS xdist workers, default 6)
+#   tests [PATHS ...]
+#                the GPU tests: pytest -m gpu tests (or PATHS, e.g. tests/unit/test_ops.py; WORKERS xdist workers,
+#                default 6)
 #   patch-tests PATCH [TESTS ...]
 #                the GPU tests of a change not on this tree yet (a branch: `git diff main...BRANCH > PATCH`): this
 #                tree's TESTS first, then the same TESTS in a copy with PATCH applied (default TESTS: the kernel
@@ -110,10 +112,12 @@ PATCH_TESTS="tests/unit/test_triton_stabilizers.py tests/unit/test_ops.py tests/
   tests/unit/test_rounding_points.py tests/unit/test_sdpa_dropin.py tests/integration/test_hf_fast_path.py
   tests/integration/test_compile_faithful.py"
 
-gpu_tests() {  # $1: log file
-  timeout "${TEST_TIMEOUT:-420}" $PY -m pytest -q -m gpu tests -n "${WORKERS:-6}" -p no:cacheprovider -o addopts="-ra" \
-    > "$1" 2>&1
-  local rc=$?; tail -15 "$1"; return $rc
+gpu_tests() {  # $1: log file, then the test paths (default: tests)
+  local log=$1; shift
+  [ $# -gt 0 ] || set -- tests
+  timeout "${TEST_TIMEOUT:-420}" $PY -m pytest -q -m gpu "$@" -n "${WORKERS:-6}" -p no:cacheprovider -o addopts="-ra" \
+    > "$log" 2>&1
+  local rc=$?; tail -15 "$log"; return $rc
 }
 
 case "$task" in
@@ -133,7 +137,7 @@ EOF
     ;;
   tests)
     setup; logdir tests
-    gpu_tests "$LOG/pytest_gpu.log"
+    gpu_tests "$LOG/pytest_gpu.log" "$@"
     ;;
   patch-tests)
     patch=${1:-}; [ -n "$patch" ] && shift || die "usage: gpu.sh patch-tests PATCH [TESTS ...]"
