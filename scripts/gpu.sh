@@ -170,7 +170,9 @@ EOF
     # SPEED_PARTS (default "attention host train1024 train256"; also "cudagraphs"): which benchmarks run, in this order
     setup; logdir speed; rc=0; parts=" ${SPEED_PARTS:-attention host train1024 train256} "
     if [[ $parts == *" attention "* ]]; then
-    timeout "${ATTN_TIMEOUT:-240}" $PY benchmarks/attention.py ${TUNE:+--tune} --rounds 3 --out "$LOG/attention.json" \
+    # ATTN_LAYOUT=bthd: q, k, v as the model makes them (views of the fused QKV projection; benchmarks/attention.py)
+    timeout "${ATTN_TIMEOUT:-300}" $PY benchmarks/attention.py ${TUNE:+--tune} ${ATTN_LAYOUT:+--layout "$ATTN_LAYOUT"} \
+      --rounds 3 --out "$LOG/attention${ATTN_LAYOUT:+-$ATTN_LAYOUT}.json" \
       > "$LOG/attention.log" 2>&1 || rc=1
     grep -E "^\|" "$LOG/attention.log"
     fi
