@@ -536,12 +536,15 @@ EOF
         done
         rm -rf "$Q"; mkdir -p "$Q/out" "$Q/src" || die "cannot make $Q"
         cp -a . "$Q/src" 2>/dev/null; printf '%s\n' "$@" > "$Q/items"
-        setsid nohup bash "$Q/src/scripts/gpu.sh" queue _run > "$Q/queue.log" 2>&1 < /dev/null &
-        echo $! > "$Q/queue.pid"
+        # its own session (setsid -f: always a new process, whatever this one's group), so it outlives this call; it
+        # writes its pid, which is its process group's: `kill -- -PID` stops it and its task
+        setsid -f nohup bash "$Q/src/scripts/gpu.sh" queue _run > "$Q/queue.log" 2>&1 < /dev/null
+        for _ in $(seq 50); do [ -s "$Q/queue.pid" ] && break; sleep 0.1; done
+        [ -s "$Q/queue.pid" ] || die "the queue's runner did not start: $Q/queue.log"
         echo "[queue] started $# tasks in $Q (pid $(cat "$Q/queue.pid")):"; sed 's/^/  /' "$Q/items"
         ;;
       _run)  # the runner (started by `start`, in the copy): each item in turn, its output in $Q/out/<n>-<task>
-        n=0
+        echo $$ > "$Q/queue.pid"; n=0
         while IFS= read -r item; do
           n=$((n+1)); eval "w=($item)"; envs=(); i=0  # shell words: VAR='a b' keeps its space
           while [[ ${w[$i]} =~ ^[A-Za-z_][A-Za-z0-9_]*= ]]; do envs+=("${w[$i]}"); i=$((i+1)); done
