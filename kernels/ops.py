@@ -118,8 +118,9 @@ def flash_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 
 @flash_bwd.register_fake
 def _flash_bwd_fake(do, q, k, v, o, lse, key_keep, spec):
-    shape = tuple(q.shape)
-    return tuple(tf.empty_like_order(x, shape, x.dtype) for x in (q, k, v))
+    shape = tuple(q.shape)  # as tf._backward allocates them: dV in dK's order (one set of strides for both)
+    return (tf.empty_like_order(q, shape, q.dtype), tf.empty_like_order(k, shape, k.dtype),
+            tf.empty_like_order(k, shape, v.dtype))
 
 
 class FlashAttention(torch.autograd.Function):

@@ -287,7 +287,7 @@ def _backward(do, q, k, v, o, lse, knobs: AttentionKnobs, key_keep=None):
     delta = torch.empty_like(lse)
     dq = empty_like_order(q, (B, H, T, D), q.dtype)  # gradients in the inputs' dtypes and memory orders
     dk = empty_like_order(k, (B, H, T, D), k.dtype)
-    dv = empty_like_order(v, (B, H, T, D), v.dtype)
+    dv = empty_like_order(k, (B, H, T, D), v.dtype)  # k's order: the dK/dV kernel writes both with dK's strides
     dbm, dbn = (16, 16) if _interpret() else (32, 32) if recipe == 0 and knobs.fp32_gemm == "ieee" else (64, 64)
     _k._bwd_delta_kernel[(_cdiv(T, dbm), B * H)](
         q, k, v, o, do, lse, delta, ofp32, kp, first,

@@ -166,6 +166,9 @@ def test_fakes_give_outputs_and_gradients_in_the_inputs_memory_order():
                 assert t.shape == q.shape
                 assert t.transpose(1, 2).is_contiguous() == fused and t.is_contiguous() == (not fused)
             assert lse.is_contiguous()
+        q, k, v = (mode.from_tensor(x) for x in _fused_qkv())
+        _, _, dv = ops._flash_bwd_fake(o, q, k, v.contiguous(), o, lse, None, _spec("paper_bf16"))
+        assert dv.transpose(1, 2).is_contiguous()  # dK's order (a view's), not contiguous v's
 
 
 @interp
@@ -184,6 +187,10 @@ def test_interpreter_fused_qkv_views_give_ordered_outputs_bit_for_bit(recipe):
     assert o1.transpose(1, 2).is_contiguous() and o2.is_contiguous()
     assert all(t.transpose(1, 2).is_contiguous() for t in g1) and all(t.is_contiguous() for t in g2)
     assert torch.equal(o1, o2) and all(torch.equal(a, b) for a, b in zip(g1, g2))
+    # mixed orders (k a view, v contiguous): one kernel writes dK and dV with one set of strides, so dV takes dK's
+    mixed = [views[0], views[1], views[2].detach().contiguous().requires_grad_(True)]
+    g3 = torch.autograd.grad(flash_attention_triton(*mixed, knobs), mixed, g)
+    assert all(torch.equal(a, b) for a, b in zip(g3, g2))
     q, k, v = (x.detach() for x in _fused_qkv(seed=5))
     torch.library.opcheck(ops.flash_fwd, (q, k, v, None, None, None, None, _spec(recipe)))
     o, lse = ops.flash_fwd(q, k, v, None, None, None, None, _spec(recipe))
