@@ -287,14 +287,16 @@ def test_gpu_fused_qkv_views_give_ordered_outputs_bit_for_bit(recipe):
         return flash_attention_triton(q * 1.0, k, v, knobs, stats)
 
     results = []
-    for fused, fn in ((False, f), (True, f), (True, torch.compile(f, fullgraph=True))):
+    # dense inputs, the fused views, mixed (v contiguous: dV must still come back right) and the views compiled
+    for mode, fn in (("dense", f), ("fused", f), ("mixed", f), ("fused", torch.compile(f, fullgraph=True))):
         leaf = qkv.detach().clone().requires_grad_(True)
         views = [t.view(B, T, H, D).transpose(1, 2) for t in leaf.split(H * D, dim=2)]
-        ins = views if fused else [x.contiguous() for x in views]
+        ins = {"dense": [x.contiguous() for x in views], "fused": views,
+               "mixed": [views[0], views[1], views[2].contiguous()]}[mode]
         stats = flash_forensics.kernels.stats.AttnStats(H, "cuda")
         o = fn(*ins, stats)
         if fn is f:  # eager: the op sees the views as they are (compiled, `q * 1.0` is inductor's to lay out)
-            assert o.transpose(1, 2).is_contiguous() == fused, (fused, o.stride())
+            assert o.transpose(1, 2).is_contiguous() == (mode != "dense"), (mode, o.stride())
         o.backward(g)
         results.append((o.detach(), leaf.grad, stats))
     (o0, g0, s0) = results[0]
