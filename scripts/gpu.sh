@@ -6,6 +6,8 @@
 #   tests [PATHS ...]
 #                the GPU tests: pytest -m gpu tests (or PATHS, e.g. tests/unit/test_ops.py; WORKERS xdist workers,
 #                default 6)
+#   bits         the kernels' outputs on fixed cases (scripts/kernel_bits.py) against this GPU model's committed
+#                record, results/bench/kernel-bits-<gpu>.json (REF=FILE another): exit 1 when a bit moved
 #   patch-tests PATCH [TESTS ...]
 #                the GPU tests of a change not on this tree yet (a branch: `git diff main...BRANCH > PATCH`): this
 #                tree's TESTS first, then the same TESTS in a copy with PATCH applied (default TESTS: the kernel
@@ -144,6 +146,22 @@ EOF
   tests)
     setup; logdir tests
     gpu_tests "$LOG/pytest_gpu.log" "$@"
+    ;;
+  bits)
+    # this tree's kernel bits (scripts/kernel_bits.py), compared with a committed record of the same GPU model when
+    # there is one (results/bench/kernel-bits-<gpu>.json; REF=FILE another); BITS_DEVICE=cpu: Triton's interpreter
+    setup; logdir bits
+    $PY scripts/kernel_bits.py record "$LOG/kernel-bits.json" --device "${BITS_DEVICE:-cuda}" \
+      --tensors /tmp/kernel-bits.pt || exit 1
+    gpu=$($PY -c "import json, re, sys; g = json.load(open(sys.argv[1]))['env']['gpu'].split(' (')[0].lower()
+print(re.sub('[^a-z0-9]+', '-', g).strip('-'))" "$LOG/kernel-bits.json") || die "unreadable $LOG/kernel-bits.json"
+    mv "$LOG/kernel-bits.json" "$LOG/kernel-bits-$gpu.json"
+    ref=${REF:-results/bench/kernel-bits-$gpu.json}
+    if [ -f "$ref" ]; then
+      $PY scripts/kernel_bits.py compare "$ref" "$LOG/kernel-bits-$gpu.json" | tee "$LOG/kernel_bits_vs_ref.log"
+      exit "${PIPESTATUS[0]}"
+    fi
+    echo "[bits] no $ref yet: commit $LOG/kernel-bits-$gpu.json there as this GPU's reference"
     ;;
   patch-tests)
     patch=${1:-}; [ -n "$patch" ] && shift || die "usage: gpu.sh patch-tests PATCH [TESTS ...]"

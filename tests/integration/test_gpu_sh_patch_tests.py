@@ -86,3 +86,29 @@ def test_patch_tests_compares_the_kernels_bits_and_fails_on_a_change(tmp_path):
     assert "0 of 3 cases identical" in bits, bits
     assert (logs / "bits_here.json").is_file() and (logs / "bits_patched.json").is_file()
     assert not list(logs.glob("*.pt"))  # the outputs stay beside the copy: only the JSONs come back
+
+
+def test_bits_task_compares_with_a_reference_and_exits_1_when_a_bit_moved(tmp_path):
+    """`gpu.sh bits` (here BITS_DEVICE=cpu, the interpreter) records this tree and compares it with REF: a reference
+    whose paper_bf16 O hash differs fails the task, names that output, and lists the cases REF lacks."""
+    import json
+    spec = next(c for c in _small_cases() if c[0] == "paper_bf16")
+    ref = tmp_path / "ref.json"
+    ref.write_text(json.dumps({"env": {"gpu": "cpu (Triton interpreter)"}, "cases": {"paper_bf16": {
+        "knobs": spec[1], "shape": list(spec[2]), "layout": spec[3], "outputs": {"o": {"sha256": "0" * 64}}}}}))
+    env = dict(os.environ, OUT=str(tmp_path / "out"), BITS_DEVICE="cpu", REF=str(ref))
+    p = subprocess.run(["bash", str(ROOT / "scripts" / "gpu.sh"), "bits"], env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert "paper_bf16: DIFFERENT: o (differs)" in p.stdout and "only in B (not compared): fa2_sfa, fp32_keypad" \
+        in p.stdout, p.stdout
+    rec = json.loads((tmp_path / "out" / "bits" / "kernel-bits-cpu.json").read_text())
+    assert set(rec["cases"]) == {c[0] for c in _small_cases()}
+
+
+def _small_cases():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("kernel_bits", ROOT / "scripts" / "kernel_bits.py")
+    kb = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(kb)
+    return kb.SMALL
