@@ -255,9 +255,14 @@ def use(model, recipe: str = "paper_bf16", overrides: Optional[Dict[object, dict
     device = next(model.parameters()).device
     states = []
     for s, k in zip(routed, per_site, strict=True):
-        s.module.ff_state = LayerState(k, AttnStats(s.n_head, device), path=s.path,
-                                       calls=torch.zeros((), dtype=torch.int64, device=device))
-        states.append(s.module.ff_state)
+        st = getattr(s.module, "ff_state", None)
+        if st is None:
+            st = s.module.ff_state = LayerState(k, AttnStats(s.n_head, device), path=s.path)
+        else:  # the same object re-armed: a Monitor made before this use() holds it and would read orphans
+            st.knobs, st.stats, st.path = k, AttnStats(s.n_head, device), s.path
+            st.entropy_sum = st.entropy_rows = None
+        st.calls = torch.zeros((), dtype=torch.int64, device=device)
+        states.append(st)
     watch.install(model, routed, states, NAME)
     return model
 

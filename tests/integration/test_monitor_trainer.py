@@ -1,4 +1,6 @@
 """flash_forensics.Monitor in a user's loop (dicts and an MLflow run) and TrainerCallback in a real tiny Trainer run."""
+import warnings
+
 import pytest
 import torch
 
@@ -132,6 +134,19 @@ def test_monitor_refuses_what_it_could_never_count():
         flash_forensics.TrainerCallback(log_every=0)
     with pytest.raises(ValueError, match=r"TrainerCallback.wq_every=-1 is not allowed"):
         flash_forensics.TrainerCallback(wq_every=-1)
+
+
+def test_a_monitor_made_before_a_second_use_counts_under_the_new_recipe():
+    model = _llama()
+    flash_forensics.use(model, recipe="fp32")
+    mon = flash_forensics.Monitor(model, log_every=1, wq_every=50)
+    flash_forensics.use(model, recipe="paper_bf16")  # replaced its layers' states: the Monitor read zeros
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # and said "no attention call reached the backend"
+        model(input_ids=torch.randint(0, V, (2, 8)))
+        out = mon.step()
+    assert out["rows_seen/L0.H0"] == 2 * 8 and "max_logit/L1" in out
+    assert [st.knobs.recipe for st in mon.states] == ["paper_bf16", "paper_bf16"]
 
 
 def test_monitor_step_arguments_and_a_non_finite_loss():
