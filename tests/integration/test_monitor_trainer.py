@@ -149,6 +149,20 @@ def test_a_monitor_made_before_a_second_use_counts_under_the_new_recipe():
     assert [st.knobs.recipe for st in mon.states] == ["paper_bf16", "paper_bf16"]
 
 
+def test_what_was_not_measured_is_not_logged_as_zero():
+    model = _llama()
+    flash_forensics.use(model, recipe="fp32", overrides={1: {"counters": False}})
+    mon = flash_forensics.Monitor(model, log_every=4, wq_every=50)
+    ids = torch.randint(0, V, (1, 8))
+    with pytest.warns(UserWarning, match=r"counters=False in 1 of 2 attention modules \(L1\).*not logged"):
+        for _ in range(6):
+            mon.step(model(input_ids=ids, labels=ids).loss)
+    mon.close()  # steps 4-5: no logging step, so no entropy pass
+    first, last = mon.history
+    assert first["attn_entropy/L0.H0"] > 0 and not any(k.startswith("attn_entropy/") for k in last)
+    assert last["rows_seen/L0.H0"] == 2 * 8 and not any("/L1." in k for k in last if not k.startswith("wq_"))
+
+
 def test_monitor_step_arguments_and_a_non_finite_loss():
     model = _llama()
     flash_forensics.use(model, recipe="fp32")
