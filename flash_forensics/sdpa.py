@@ -21,7 +21,8 @@ Knobs are AttentionKnobs fields (kernels/knobs.py), validated there. `stats=` (a
 the repeated-maxima counters and the max logit on the device. Each call is reported to flash_forensics.hooks.
 
 `patch_sdpa(recipe=..., **knobs)`: a context manager that points torch.nn.functional.scaled_dot_product_attention at
-this function (restored on exit, also on an exception), so unchanged nanoGPT-style code runs through the recipe.
+this function (restored on exit, also on an exception or when nested blocks close out of order), so unchanged
+nanoGPT-style code runs through the recipe.
 
 torch.compile: a compiled emulator call computes the recipe bit for bit only when inductor rounds casts as eager
 does (`torch._inductor.config.emulate_precision_casts`); patch_sdpa sets it inside its block, and everywhere else
@@ -35,7 +36,7 @@ from __future__ import annotations
 
 import math
 from contextlib import contextmanager
-from typing import Iterator, Optional
+from typing import Iterator, List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -229,37 +230,55 @@ def attend(q, k, v, cfg: AttentionKnobs, attn_mask=None, dropout_p: float = 0.0,
     return o
 
 
+# The open patch_sdpa blocks, in the order entered: [its function, the function it replaced]. Blocks may close out
+# of order (ExitStack, a generator closed late): a block closed under another one hands that one what it replaced,
+# so torch's function comes back when the last one closes, and no open block computes with torch's meanwhile.
+_OPEN: List[list] = []
+_CASTS: list = []  # inductor's emulate_precision_casts before the first open block (restored when the last closes)
+
+
 @contextmanager
 def patch_sdpa(recipe: str = "paper_bf16", stats: Optional[AttnStats] = None, **knobs) -> Iterator[AttentionKnobs]:
     """Route torch.nn.functional.scaled_dot_product_attention through `attention` inside the block; yields the knobs.
 
-    Knobs are validated once, on entry. Restored on exit, also when the block raises.
+    Knobs are validated once, on entry. Restored on exit, also when the block raises; nested blocks may close in
+    any order. Inside any open block inductor's emulate_precision_casts is on (code compiled there rounds as eager).
     """
     cfg = make_knobs(recipe, key="patch_sdpa", **knobs)
-    original = F.scaled_dot_product_attention
 
     def patched(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
         return attend(query, key, value, cfg, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                       scale=scale, enable_gqa=enable_gqa, stats=stats)
 
+    entry = [patched, F.scaled_dot_product_attention]
+    if not _OPEN:
+        _CASTS[:] = [_set_casts(True)]
+    _OPEN.append(entry)
     F.scaled_dot_product_attention = patched
     try:
-        with _rounding_as_eager():
-            yield cfg
+        yield cfg
     finally:
-        F.scaled_dot_product_attention = original
+        i = next(j for j, e in enumerate(_OPEN) if e is entry)
+        del _OPEN[i]
+        if i < len(_OPEN):  # a block entered inside this one is still open: it restores what this one replaced
+            _OPEN[i][1] = entry[1]
+        else:
+            F.scaled_dot_product_attention = entry[1]
+        if not _OPEN:
+            _set_casts(_CASTS.pop())
 
 
-@contextmanager
-def _rounding_as_eager():
-    """inductor's emulate_precision_casts on inside the block (code compiled there rounds as eager), as it was after."""
+def _set_casts(value):
+    """Set inductor's emulate_precision_casts (None: leave it); returns its value before (None on an older torch:
+    a compiled call is refused there by check_compiled, naming why)."""
     import torch._inductor.config as inductor  # lazy: inductor's config is not light, and only patch_sdpa needs it
 
     if not hasattr(inductor, "emulate_precision_casts"):
-        yield  # an older torch: a compiled call is refused by check_compiled, naming why
-        return
-    with inductor.patch(emulate_precision_casts=True):
-        yield
+        return None
+    before = inductor.emulate_precision_casts
+    if value is not None:
+        inductor.emulate_precision_casts = value
+    return before
 
 
 __all__ = ["attention", "attend", "patch_sdpa", "make_knobs", "check_emulated"]

@@ -125,6 +125,32 @@ def test_patch_sdpa_routes_and_restores_also_on_errors():
     assert F.scaled_dot_product_attention is original
 
 
+def test_patch_sdpa_blocks_closed_out_of_order_leave_torch_s_function_and_inductor_as_they_were(monkeypatch):
+    import torch._inductor.config as inductor
+
+    monkeypatch.setattr(inductor, "emulate_precision_casts", False)
+    q, k, v, _ = _inputs(5, 5, dtype=torch.float32)
+    original = F.scaled_dot_product_attention
+
+    def recipe():
+        calls = []
+        with hooks.observing(calls.append):
+            F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return calls[0].recipe if calls else "torch"
+
+    outer, inner = patch_sdpa(recipe="fp32"), patch_sdpa(recipe="fa2")
+    outer.__enter__()
+    inner.__enter__()
+    outer.__exit__(None, None, None)  # an ExitStack or a generator closed late: not LIFO
+    assert recipe() == "fa2" and inductor.emulate_precision_casts is True  # was torch's, inner still open
+    inner.__exit__(None, None, None)
+    assert F.scaled_dot_product_attention is original  # was fp32's patch, for good
+    assert inductor.emulate_precision_casts is False  # was left True
+    with patch_sdpa(recipe="fp32"), patch_sdpa(recipe="fa2"):  # nested as usual
+        assert recipe() == "fa2"
+    assert F.scaled_dot_product_attention is original and recipe() == "torch"
+
+
 def test_rows_whose_first_key_tiles_are_all_masked():
     """The running max starts at the fill value there; later tiles must wash that start out (alpha = 0)."""
     q, k, v, w = _inputs(12, 20)
