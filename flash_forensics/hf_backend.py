@@ -35,7 +35,7 @@ from flash_forensics import sites as sites_mod
 from flash_forensics.kernels.config import AttentionConfig, AttentionKnobs
 from flash_forensics.kernels.stats import AttnStats
 from flash_forensics.overrides import layer_overrides
-from flash_forensics.sdpa import attend, check_emulated, make_knobs
+from flash_forensics.sdpa import attend, check_emulated, make_knobs, shown
 
 NAME = "forensics"  # not "flash_forensics": transformers takes every name containing "flash" for a flash-attn kernel
 # kwargs some families pass that this backend cannot compute: refused when set (None / False is fine)
@@ -78,14 +78,6 @@ def layer_state(module, n_head: int, device, path: str = "") -> LayerState:
     return st
 
 
-def _shown(value) -> str:
-    """A refused argument in a message: a tensor by its shape and dtype only (never its values)."""
-    if isinstance(value, torch.Tensor):
-        return f"a tensor of shape {tuple(value.shape)} and dtype {value.dtype}"
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
 def _family(module) -> str:
     return str(getattr(getattr(module, "config", None), "model_type", "unknown"))
 
@@ -98,7 +90,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
     where = f"{NAME} attention ({place}, {_family(module)})"
     for name, what in _REFUSED.items():
         if kwargs.get(name) is not None:
-            raise ValueError(f"{where}: {name}={_shown(kwargs[name])} is not allowed: expected None ({what} is not "
+            raise ValueError(f"{where}: {name}={shown(kwargs[name])} is not allowed: expected None ({what} is not "
                              "computed by the emulator)")
     if kwargs.get("output_attentions"):
         raise ValueError(f"{where}: output_attentions=True is not allowed: expected False (flash attention keeps no "

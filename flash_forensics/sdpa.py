@@ -53,6 +53,22 @@ from flash_forensics.models.attention import resolve_backend
 _FIELDS = tuple(r.name for r in knob_table.KNOBS)
 
 
+def shown(value) -> str:
+    """A value in a refusal: a tensor by its shape and dtype only (never its values), anything else cut at 80."""
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)} and dtype {value.dtype}"
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def check_no_tensors(key: str, knobs) -> None:
+    """Knob values are plain Python: a tensor is refused here, before a validator's message prints it in full."""
+    for name, value in knobs.items():
+        if isinstance(value, torch.Tensor):
+            raise ValueError(f"{key}.{name}={shown(value)} is not allowed: expected a Python value (e.g. .item() "
+                             "or .tolist() of it)")
+
+
 def make_knobs(recipe: str = "paper_bf16", key: str = "flash_forensics", n_head: Optional[int] = None,
                **knobs) -> AttentionKnobs:
     """AttentionKnobs for the emulator from keyword knobs: unknown names, bad values and knobs the emulator does not
@@ -62,6 +78,7 @@ def make_knobs(recipe: str = "paper_bf16", key: str = "flash_forensics", n_head:
         raise ValueError(f"{key}: unknown knob(s) {unknown}; allowed: {', '.join(_FIELDS)}")
     if "recipe" in knobs:
         raise ValueError(f"{key}: give the recipe as recipe=..., not among the knobs")
+    check_no_tensors(key, {"recipe": recipe, **knobs})
     cfg = AttentionKnobs(recipe=recipe, **knobs).validate(n_head, key=key)
     return check_emulated(cfg, key)
 
@@ -162,10 +179,10 @@ def attend(q, k, v, cfg: AttentionKnobs, attn_mask=None, dropout_p: float = 0.0,
     key_keep (B or 1, T) bool, with is_causal and no attn_mask: keys masked on top of causality (transformers'
     padded batches, flash_forensics/fast_path.key_padding); the Triton kernels take it on CUDA."""
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or dropout_p != 0:
-        raise ValueError(f"dropout_p={dropout_p!r} is not allowed: expected 0.0 (the flash kernels have no attention "
-                         "dropout; pass dropout_p=0.0, e.g. the model's attention dropout set to 0)")
+        raise ValueError(f"dropout_p={shown(dropout_p)} is not allowed: expected 0.0 (the flash kernels have no "
+                         "attention dropout; pass dropout_p=0.0, e.g. the model's attention dropout set to 0)")
     if not isinstance(is_causal, bool):
-        raise ValueError(f"is_causal={is_causal!r} is not allowed: expected true or false")
+        raise ValueError(f"is_causal={shown(is_causal)} is not allowed: expected true or false")
     if is_causal and attn_mask is not None:
         raise ValueError("is_causal=True with attn_mask is not allowed: expected one of them (put causality into "
                          "the mask, or pass attn_mask=None)")
@@ -200,7 +217,7 @@ def attend(q, k, v, cfg: AttentionKnobs, attn_mask=None, dropout_p: float = 0.0,
     keep, bias, dead = _masks(attn_mask, B, H, Tq, Tk)
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
                               or not math.isfinite(scale) or scale <= 0):  # named as the caller typed it
-        raise ValueError(f"scale={scale!r} is not allowed: expected a finite number > 0 or None (1/sqrt(D))")
+        raise ValueError(f"scale={shown(scale)} is not allowed: expected a finite number > 0 or None (1/sqrt(D))")
     plain = is_causal and Tq == Tk and scale is None and keep is None  # the emulator's own path, op for op
     masking = None if plain else Masking(causal=is_causal, keep=keep, bias=bias, scale=scale)
     # plain causal calls (and causal calls with key padding) on CUDA go to the Triton kernels when they compute
@@ -281,4 +298,4 @@ def _set_casts(value):
     return before
 
 
-__all__ = ["attention", "attend", "patch_sdpa", "make_knobs", "check_emulated"]
+__all__ = ["attention", "attend", "patch_sdpa", "make_knobs", "check_emulated", "check_no_tensors", "shown"]

@@ -190,3 +190,7 @@ def test_refusals_name_a_tensor_by_shape_and_dtype_only():
         msg = str(e.value)
         assert f"{name}=a tensor of shape (4, 5, 5) and dtype torch.float32 is not allowed" in msg, msg
         assert "0.123" not in msg and "tensor([" not in msg and "model.layers.0.self_attn" in msg
+    with pytest.raises(ValueError) as e:  # a knob in overrides: refused before the knob validator prints it
+        use(ff, overrides={0: {"beta": torch.full((300,), 0.123)}})
+    assert str(e.value) == ("overrides[0].beta=a tensor of shape (300,) and dtype torch.float32 is not allowed: "
+                            "expected a Python value (e.g. .item() or .tolist() of it)")

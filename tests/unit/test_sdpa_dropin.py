@@ -107,6 +107,18 @@ def test_refusals_name_the_argument(call, needle):
             raise
 
 
+def test_refusals_show_a_tensor_by_shape_and_dtype_only():
+    q, k, v, _ = _inputs(5, 5)
+    big = torch.full((300,), 0.123)
+    for kw, name in ((dict(scale=big), "scale"), (dict(is_causal=big), "is_causal"), (dict(dropout_p=big), "dropout_p"),
+                     (dict(beta=big), "flash_forensics.beta"), (dict(recipe=big), "flash_forensics.recipe")):
+        with pytest.raises(ValueError) as e:
+            attention(q, k, v, **kw)
+        msg = str(e.value)
+        assert f"{name}=a tensor of shape (300,) and dtype torch.float32 is not allowed" in msg, msg
+        assert "0.123" not in msg and len(msg) < 300, msg
+
+
 def test_patch_sdpa_routes_and_restores_also_on_errors():
     q, k, v, _ = _inputs(9, 9, dtype=torch.bfloat16)
     original = F.scaled_dot_product_attention
