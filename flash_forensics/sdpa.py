@@ -133,13 +133,15 @@ def check_compiled() -> None:
         _inductor_rounds_as_eager()
 
 
-def _masks(attn_mask, B: int, H: int, Tq: int, Tk: int):
+def _masks(attn_mask, B: int, H: int, Tq: int, Tk: int, device: torch.device):
     """(keep, bias) as kernels/masking.py takes them, and the rows with no key (B or 1, H or 1, Tq, 1) or None."""
     if attn_mask is None:
         return None, None, None
     if not isinstance(attn_mask, torch.Tensor):
         raise ValueError(f"attn_mask={type(attn_mask).__name__} is not allowed: expected a bool or float tensor "
                          "or None")
+    if attn_mask.device != device:  # named as the caller passed it (the kernels would name their masking.keep)
+        raise ValueError(f"attn_mask.device={attn_mask.device} is not allowed: expected q's device {device}")
     if attn_mask.requires_grad:
         raise ValueError("attn_mask requires grad: not allowed (no gradient flows to the mask here)")
     m = attn_mask
@@ -214,7 +216,7 @@ def attend(q, k, v, cfg: AttentionKnobs, attn_mask=None, dropout_p: float = 0.0,
     if key_keep is not None and not padded:  # the emulator computes the mask it stands for
         tri = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril()
         attn_mask, is_causal = (tri & key_keep.to(torch.bool)[:, None, :])[:, None], False
-    keep, bias, dead = _masks(attn_mask, B, H, Tq, Tk)
+    keep, bias, dead = _masks(attn_mask, B, H, Tq, Tk, q.device)
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
                               or not math.isfinite(scale) or scale <= 0):  # named as the caller typed it
         raise ValueError(f"scale={shown(scale)} is not allowed: expected a finite number > 0 or None (1/sqrt(D))")

@@ -91,6 +91,8 @@ def test_masking_with_the_causal_mask_equals_the_default_path_bit_for_bit():
     (lambda q, k, v: attention(q, k, v, recipe="fp8"), "recipe='fp8'"),
     (lambda q, k, v: attention(q, k, v, attn_mask=torch.ones(3, 5, dtype=torch.bool)), "attn_mask.shape"),
     (lambda q, k, v: attention(q, k, v, attn_mask=torch.zeros(5, 5, requires_grad=True)), "requires grad"),
+    (lambda q, k, v: attention(q, k, v, attn_mask=torch.zeros(5, 5, device="meta")),  # not masking.keep.device
+     "attn_mask.device=meta is not allowed: expected q's device cpu"),
     (lambda q, k, v: attention(q, k[:, :2], v[:, :2]), "enable_gqa"),
     (lambda q, k, v: attention(q, k[:, :3], v[:, :3], enable_gqa=True), "divisor"),
     (lambda q, k, v: attention(q[0], k[0], v[0]), "4 dims"),
