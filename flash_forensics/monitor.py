@@ -68,6 +68,7 @@ class Monitor:
         self.sites = sites(model)
         if not self.sites:  # nothing would ever be counted: refused here, not at the first flush
             not_routed(model, who="Monitor")
+        families.check_sites(model, self.sites)  # W_Q is read at step 0: a rule that does not fit is refused here
         self.states = layer_states(model)  # the sites' states, in the same order
         self.labels = [st.label for st in self.sites]
         self._said: set = set()
