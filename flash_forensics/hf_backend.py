@@ -211,6 +211,21 @@ def not_routed(model, who: str = "use()"):
                         f"; no attention module of transformers was found in {type(model).__name__}"))
 
 
+def _unrouted(model, skipped, who: str) -> str:
+    return (f"{who}: {len(skipped)} attention module(s) of {type(model).__name__} cannot run the {NAME} backend "
+            f"and keep their own attention: {'; '.join(skipped[:6])}{'; ...' if len(skipped) > 6 else ''}")
+
+
+def unrouted_unsaid(model, who: str) -> Optional[str]:
+    """use()'s NotRoutedWarning text for a model use() never set up (e.g. a Monitor on a model only built with the
+    backend), else None: use() said it already, or every attention module routes."""
+    found = sites_mod.attention_sites(model)
+    if any(getattr(s.module, "ff_state", None) is not None for s in found):
+        return None
+    skipped = _routable(found, model)[1]
+    return _unrouted(model, skipped, who) if skipped else None
+
+
 def use(model, recipe: str = "paper_bf16", overrides: Optional[Dict[object, dict]] = None, strict: bool = False,
         **knobs):
     """Set the recipe and knobs of every attention module of a transformers model built with
@@ -226,8 +241,7 @@ def use(model, recipe: str = "paper_bf16", overrides: Optional[Dict[object, dict
     if not routed:
         not_routed(model)
     if skipped:
-        msg = (f"use(): {len(skipped)} attention module(s) of {type(model).__name__} cannot run the {NAME} backend "
-               f"and keep their own attention: {'; '.join(skipped[:6])}{'; ...' if len(skipped) > 6 else ''}")
+        msg = _unrouted(model, skipped, "use()")
         if strict:
             raise ValueError(msg + " (strict=True: expected every attention module routed)")
         warnings.warn(msg, watch.NotRoutedWarning, stacklevel=2)
@@ -274,5 +288,5 @@ def layer_states(model):
     return [layer_state(s.module, s.n_head, device, s.path) for s in sites(model)]
 
 
-__all__ = ["NAME", "use", "not_routed", "sites", "attention_forward", "mask_interface", "register_attention",
-           "register_mask", "LayerState", "layer_states"]
+__all__ = ["NAME", "use", "not_routed", "unrouted_unsaid", "sites", "attention_forward", "mask_interface",
+           "register_attention", "register_mask", "LayerState", "layer_states"]

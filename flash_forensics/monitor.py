@@ -36,7 +36,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from flash_forensics import families, watch
-from flash_forensics.hf_backend import NAME, layer_states, not_routed, sites
+from flash_forensics.hf_backend import NAME, layer_states, not_routed, sites, unrouted_unsaid
 from flash_forensics.kernels.checks import is_int
 from flash_forensics.kernels.stats import COUNTERS
 from flash_forensics.orchestrator import record
@@ -68,6 +68,9 @@ class Monitor:
         self.sites = sites(model)
         if not self.sites:  # nothing would ever be counted: refused here, not at the first flush
             not_routed(model, who="Monitor")
+        unsaid = unrouted_unsaid(model, "Monitor")  # use() names them; without it they would go unmonitored unsaid
+        if unsaid:
+            warnings.warn(unsaid + " (not monitored)", watch.NotRoutedWarning, stacklevel=2)
         families.check_sites(model, self.sites)  # W_Q is read at step 0: a rule that does not fit is refused here
         self.states = layer_states(model)  # the sites' states, in the same order
         self.labels = [st.label for st in self.sites]

@@ -126,6 +126,25 @@ def test_modules_it_cannot_route_are_named_or_refused():
         use(ff, strict=True)
 
 
+def test_a_monitor_on_a_model_never_use_d_names_the_modules_it_cannot_monitor():
+    _, ff = _pair(_bart_config(), transformers.AutoModelForSeq2SeqLM)
+    ff.model.decoder.layers[1].encoder_attn.config = copy.deepcopy(ff.config)
+    ff.model.decoder.layers[1].encoder_attn.config._attn_implementation = "eager"
+    with pytest.warns(NotRoutedWarning, match=r"Monitor: 1 attention module\(s\) of BartForConditionalGeneration "
+                      r"cannot run.*model.decoder.layers.1.encoder_attn .*\(not monitored\)"):
+        mon = flash_forensics.Monitor(ff)  # monitored 5 of 6, unsaid
+    assert len(mon.sites) == 5
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        llama = transformers.AutoModelForCausalLM.from_config(_llama_config(), attn_implementation=NAME)
+        flash_forensics.Monitor(llama)  # every module routes: nothing to say
+    with pytest.warns(NotRoutedWarning, match="use()"):
+        use(ff)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        flash_forensics.Monitor(ff)  # use() said it: not twice
+
+
 def _llama_config():
     return transformers.LlamaConfig(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
