@@ -56,13 +56,14 @@ def test_monitor_logs_every_signal_once_per_interval_and_resets(tmp_path, device
     assert len(client.get_metric_history(mon.run_id, "train/loss")) == 6
 
 
-def _trainer(tmp_path, device, report_to, cb, max_steps=4):
+def _trainer(tmp_path, device, report_to, cb, max_steps=4, logging_steps=2):
     model = _llama()
     flash_forensics.use(model, recipe="paper_bf16")
     g = torch.Generator().manual_seed(0)
     data = [{"input_ids": x, "labels": x} for x in torch.randint(0, V, (16, 16), generator=g)]
     args = transformers.TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=max_steps,
-                                          per_device_train_batch_size=4, logging_steps=2, report_to=report_to,
+                                          per_device_train_batch_size=4, logging_steps=logging_steps,
+                                          report_to=report_to,
                                           use_cpu=device == "cpu", save_strategy="no", disable_tqdm=True)
     return transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=[cb])
 
@@ -80,6 +81,15 @@ def test_trainer_callback_in_a_tiny_trainer_run(tmp_path, device):
     logged = [e for e in trainer.state.log_history if "rows_seen/L0.H0" in e]  # in the Trainer's own logs
     assert [e["step"] for e in logged] == [2, 4, 5] and all("loss" in e for e in logged[:2])
     assert logged[0]["rows_seen/L0.H0"] == 2 * 4 * 16 and "trainer/loss" not in logged[0]
+
+
+def test_trainer_callback_flushes_at_the_trainers_logging_steps_given_as_a_ratio(tmp_path):
+    pytest.importorskip("accelerate")
+    cb = flash_forensics.TrainerCallback()
+    trainer = _trainer(tmp_path, "cpu", [], cb, max_steps=4, logging_steps=0.5)  # the Trainer logs at 2 and 4
+    trainer.train()
+    assert cb.monitor.log_every == 2  # was 10: step 2's log had none of its values
+    assert [e["step"] for e in trainer.state.log_history if "rows_seen/L0.H0" in e] == [2, 4]
 
 
 def test_trainer_callback_values_in_report_tos_mlflow_run_only(tmp_path, monkeypatch):
