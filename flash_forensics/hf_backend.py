@@ -19,7 +19,8 @@ o_fp32_heads) of every attention module that dispatches through AttentionInterfa
 encoder, decoder and cross-attention alike), `where` a module path, a pattern or a unique layer_idx
 (flash_forensics/overrides.py), and gives each fresh counters (AttnStats of its query heads). Modules it cannot
 route are named (NotRoutedWarning, or refused with strict=True); hooks notice when the model's forwards stop
-reaching the backend (flash_forensics/watch.py). A module never set computes the defaults (paper_bf16).
+reaching the backend (flash_forensics/watch.py). A module never set computes the defaults (paper_bf16). A forward
+that activation checkpointing recomputes in the backward is computed again but not counted again.
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ from flash_forensics import sites as sites_mod
 from flash_forensics.kernels.config import AttentionConfig, AttentionKnobs
 from flash_forensics.kernels.stats import AttnStats
 from flash_forensics.overrides import layer_overrides
-from flash_forensics.sdpa import attend, check_emulated, make_knobs, shown
+from flash_forensics.sdpa import attend, check_emulated, make_knobs, recomputing, shown
 
 NAME = "forensics"  # not "flash_forensics": transformers takes every name containing "flash" for a flash-attn kernel
 # kwargs some families pass that this backend cannot compute: refused when set (None / False is fine)
@@ -103,7 +104,9 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
                          "dropout, e.g. attention_dropout or GPT-2's attn_pdrop, to 0; the flash kernels have none)")
     H, Tq, Tk = query.shape[1], query.shape[2], key.shape[2]
     st = layer_state(module, H, query.device)
-    st.calls.add_(1)  # a device op: counted also in compiled graphs (the Monitor reads it at each flush)
+    again = recomputing()  # gradient checkpointing's second forward, in the backward: counted in the first
+    if not again:
+        st.calls.add_(1)  # a device op: counted also in compiled graphs (the Monitor reads it at each flush)
     if not torch.compiler.is_compiling():
         st.seen = True  # a Python flag: dynamo would guard on it and recompile, so eager only
     mask, causal = attention_mask, False
@@ -130,7 +133,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
     o = attend(query, key, value, st.knobs, attn_mask=mask, dropout_p=0.0, is_causal=causal, scale=scaling,
                enable_gqa=key.shape[1] != H, stats=st.stats if st.knobs.counters else None,
                layer=getattr(module, "layer_idx", None), family=_family(module), key_keep=key_keep)
-    if st.probe:
+    if st.probe and not again:
         if key_keep is not None:
             _entropy(st, query, key, padded_mask, False, scaling)
         else:

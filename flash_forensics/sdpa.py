@@ -133,6 +133,12 @@ def check_compiled() -> None:
         _inductor_rounds_as_eager()
 
 
+def recomputing() -> bool:
+    """True while autograd's engine runs this forward: activation checkpointing recomputing it for the backward
+    (torch.utils.checkpoint reads the same task id). A recomputed call is not counted again."""
+    return not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
+
+
 def _masks(attn_mask, B: int, H: int, Tq: int, Tk: int, device: torch.device):
     """(keep, bias) as kernels/masking.py takes them, and the rows with no key (B or 1, H or 1, Tq, 1) or None."""
     if attn_mask is None:
@@ -194,6 +200,8 @@ def attend(q, k, v, cfg: AttentionKnobs, attn_mask=None, dropout_p: float = 0.0,
             raise ValueError(f"{name}.shape={shape} is not allowed: expected 4 dims (B, H, T, D)")
     B, H, Tq, D = q.shape
     Hk, Tk = k.shape[1], k.shape[2]
+    if stats is not None and recomputing():
+        stats = None  # counted once, in the forward (gradient checkpointing's second pass would double every count)
     if v.shape[1] != Hk or v.shape[2] != Tk:
         raise ValueError(f"v.shape={tuple(v.shape)} is not allowed: expected k's heads and length {(Hk, Tk)}")
     if v.shape[3] != D or k.shape[3] != D:
@@ -300,4 +308,5 @@ def _set_casts(value):
     return before
 
 
-__all__ = ["attention", "attend", "patch_sdpa", "make_knobs", "check_emulated", "check_no_tensors", "shown"]
+__all__ = ["attention", "attend", "patch_sdpa", "make_knobs", "check_emulated", "check_no_tensors", "shown",
+           "recomputing"]

@@ -173,6 +173,21 @@ def test_what_was_not_measured_is_not_logged_as_zero():
     assert last["rows_seen/L0.H0"] == 2 * 8 and not any("/L1." in k for k in last if not k.startswith("wq_"))
 
 
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_gradient_checkpointing_counts_each_forward_once(reentrant):
+    model = _llama()
+    flash_forensics.use(model, recipe="fp32")
+    model.activation_checkpointing_enable({"use_reentrant": reentrant})  # recomputes each layer in the backward
+    model.train()
+    mon = flash_forensics.Monitor(model, log_every=1, wq_every=50)
+    ids = torch.randint(0, V, (2, 8))
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    out = mon.step(loss)
+    assert out["rows_seen/L0.H0"] == out["rows_seen/L1.H3"] == 2 * 8  # were twice that, as every count
+    assert out["attn_entropy/L1.H0"] > 0
+
+
 def test_monitor_step_arguments_and_a_non_finite_loss():
     model = _llama()
     flash_forensics.use(model, recipe="fp32")
