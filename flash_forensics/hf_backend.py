@@ -43,6 +43,10 @@ NAME = "forensics"  # not "flash_forensics": transformers takes every name conta
 _REFUSED = {"softcap": "a logit softcap (Gemma 2)", "s_aux": "attention sinks (gpt-oss)",
             "position_bias": "a learned position bias (T5-style)", "head_mask": "a head mask"}
 
+# the config keys that families read their attention dropout from (BERT's, GPT-2's, ...; "dropout": T5's, last)
+_DROPOUT_KEYS = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob", "attention_dropout_prob",
+                 "attn_dropout", "dropout")
+
 
 @dataclass
 class LayerState:
@@ -100,8 +104,12 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
     if cache is not None and type(cache).__name__ == "PagedAttentionCache":
         raise ValueError(f"{where}: a PagedAttentionCache is not allowed: expected a regular cache or none")
     if isinstance(dropout, (int, float)) and not isinstance(dropout, bool) and dropout != 0:
-        raise ValueError(f"{where}: dropout={dropout!r} is not allowed: expected 0.0 (set the config's attention "
-                         "dropout, e.g. attention_dropout or GPT-2's attn_pdrop, to 0; the flash kernels have none)")
+        cfg = getattr(module, "config", None)  # the family's own key: modules keep the value they were built with
+        key = next((k for k in _DROPOUT_KEYS if getattr(cfg, k, None) == dropout),
+                   next((k for k in _DROPOUT_KEYS if getattr(cfg, k, None) is not None), "attention_dropout"))
+        raise ValueError(f"{where}: dropout={dropout!r} is not allowed: expected 0.0 (the flash kernels have no "
+                         f"attention dropout: build the model with config.{key}=0.0, as setting it on a built "
+                         "model changes nothing, or run it in eval mode)")
     H, Tq, Tk = query.shape[1], query.shape[2], key.shape[2]
     st = layer_state(module, H, query.device)
     again = recomputing()  # gradient checkpointing's second forward, in the backward: counted in the first

@@ -145,6 +145,18 @@ def test_a_monitor_on_a_model_never_use_d_names_the_modules_it_cannot_monitor():
         flash_forensics.Monitor(ff)  # use() said it: not twice
 
 
+def test_attention_dropout_in_training_names_the_familys_own_config_key():
+    cfg = transformers.BertConfig(vocab_size=V, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                  intermediate_size=64, max_position_embeddings=64, attention_probs_dropout_prob=0.1)
+    model = transformers.AutoModel.from_config(cfg, attn_implementation=NAME)
+    use(model)
+    model.config.attention_probs_dropout_prob = 0.0  # too late: the module kept 0.1 (the message said to do this)
+    with pytest.raises(ValueError, match=r"dropout=0.1 is not allowed: expected 0.0 .*build the model with "
+                                         r"config.attention_probs_dropout_prob=0.0, as setting it on a built model"):
+        model.train()(input_ids=torch.randint(0, V, (1, 5)))
+    model.eval()(input_ids=torch.randint(0, V, (1, 5)))  # no dropout in eval mode
+
+
 def _llama_config():
     return transformers.LlamaConfig(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
