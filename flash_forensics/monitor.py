@@ -73,6 +73,8 @@ class Monitor:
             warnings.warn(unsaid + " (not monitored)", watch.NotRoutedWarning, stacklevel=2)
         families.check_sites(model, self.sites)  # W_Q is read at step 0: a rule that does not fit is refused here
         self.states = layer_states(model)  # the sites' states, in the same order
+        for st in self.states:  # counted from here: forwards before the Monitor (warm-up, eval) are no step of it
+            st.reset()
         self.labels = [st.label for st in self.sites]
         self._said: set = set()
         self._closed = False

@@ -159,6 +159,17 @@ def test_a_monitor_made_before_a_second_use_counts_under_the_new_recipe():
     assert [st.knobs.recipe for st in mon.states] == ["paper_bf16", "paper_bf16"]
 
 
+def test_the_first_interval_counts_from_the_monitor_on():
+    model = _llama()
+    flash_forensics.use(model, recipe="fp32")
+    ids = torch.randint(0, V, (2, 8))
+    with torch.no_grad():
+        model(input_ids=ids)  # a warm-up or eval forward before the Monitor
+    mon = flash_forensics.Monitor(model, log_every=1, wq_every=50)
+    model(input_ids=ids)
+    assert mon.step()["rows_seen/L0.H0"] == 2 * 8  # was 2 forwards' rows, as every count
+
+
 def test_what_was_not_measured_is_not_logged_as_zero():
     model = _llama()
     flash_forensics.use(model, recipe="fp32", overrides={1: {"counters": False}})
