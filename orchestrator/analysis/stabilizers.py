@@ -103,6 +103,10 @@ def load_bench(path) -> Dict[str, Any]:
         doc = json.loads(Path(path).read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"--bench={str(path)!r}: not valid JSON ({e})") from None
+    except (OSError, UnicodeDecodeError) as e:  # missing, a folder, a binary file (an MLflow export's .json.gz)
+        why = e.strerror if isinstance(e, OSError) and e.strerror else "not a text file"
+        raise ValueError(f"--bench={str(path)!r} is not allowed: {why}; expected a benchmarks/stabilizers.py "
+                         "JSON file") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("rows"), list) \
             or not all(isinstance(r, dict) and "variant" in r and "shape" in r for r in doc["rows"]):
         raise ValueError(f"--bench={str(path)!r} is not allowed: expected a benchmarks/stabilizers.py JSON (key rows, "
@@ -327,6 +331,10 @@ def plot(rows: List[Dict[str, Any]], shapes: Sequence[str], path: Path) -> Optio
 
 def write(report_dirs: Sequence[Path], bench_path, name: str,
           results: Path = REPO / "results") -> Dict[str, Path]:
+    twice = [str(d) for i, d in enumerate(report_dirs)
+             if Path(d).resolve() in [Path(x).resolve() for x in report_dirs[:i]]]
+    if twice:  # its rows would fold into the first copy's, each read as a run repeated ("x2: one outcome")
+        raise ValueError(f"--reports {twice[0]!r} is given twice: each report folder once")
     reports = []
     for d in report_dirs:
         f = Path(d) / "verdicts.json"

@@ -235,3 +235,21 @@ def test_a_run_missing_from_its_store_is_named_with_the_store(tmp_path):
     make_client(uri)  # an empty store
     with pytest.raises(ValueError, match=r"MLflow run 0123abcd is not in sqlite:///.*m.db: give the store"):
         readback.history(readback.client_for(uri), "0123abcd")
+
+
+def test_stabilizers_refuses_a_report_twice_and_names_an_unreadable_bench(tmp_path, capsys):
+    rep = tmp_path / "rep"
+    rep.mkdir()
+    (rep / "verdicts.json").write_text(json.dumps({"runs": [
+        {"intervention": "baseline", "observed": "diverged", "divergence_step": 100, "final_loss": 5.0}]}))
+    # the second copy's rows would fold into the first's, each shown as a run repeated ("x2: one outcome")
+    assert stabilizers.main(["--reports", str(rep), str(tmp_path / "." / "rep"), "--results", str(tmp_path)]) == 1
+    assert "--reports" in capsys.readouterr().err and not (tmp_path / "stabilizers").exists()
+    gz = tmp_path / "h.json.gz"
+    gz.write_bytes((BASELINE.parent / "mlflow-seed1337.json.gz").read_bytes()[:100])
+    for bench, why in ((tmp_path / "none.json", "No such file or directory"), (tmp_path, "Is a directory"),
+                       (gz, "not a text file")):
+        assert stabilizers.main(["--reports", str(rep), "--bench", str(bench), "--results", str(tmp_path)]) == 1
+        err = capsys.readouterr().err
+        assert f"--bench={str(bench)!r} is not allowed: {why}; expected a benchmarks/stabilizers.py JSON" in err, err
+    assert not (tmp_path / "stabilizers").exists()
