@@ -298,19 +298,30 @@ def load(sources: Sequence[str] = (), tracking_uri: Optional[str] = None, experi
     {run id: history} from a compact export (--histories) instead of the runs' MLflow stores."""
     skipped: List[str] = []
     rows: List[Tuple[Dict, Optional[str]]] = []
+    origin: Dict[str, str] = {}  # run id -> the source that gave it
+
+    def add(got: List[Tuple[Dict, Optional[str]]], src: str) -> None:
+        for r, _ in got:  # a run counted twice would weigh twice in every lead, miss and false alarm
+            if r["mlflow_run_id"] in origin:
+                raise ValueError(f"source {src!r} gives MLflow run {r['mlflow_run_id']} ({r.get('job')}), which "
+                                 f"{origin[r['mlflow_run_id']]!r} gave already: expected each run once (a source "
+                                 "given twice, or a report beside its own job folders?)")
+            origin[r["mlflow_run_id"]] = src
+        rows.extend(got)
+
     for src in sources:
         if _is_store(src):
-            rows.extend(_store_rows(src, experiment, skipped, unfinished))
+            add(_store_rows(src, experiment, skipped, unfinished), src)
             continue
-        for r in _usable(_rows_of(src), skipped, unfinished):
-            rows.append((dict(r, source_label=_label(src)),
-                         tracking_uri or (store.job_store(Path(r["job_dir"])) if r.get("job_dir") else None)))
+        add([(dict(r, source_label=_label(src)),
+              tracking_uri or (store.job_store(Path(r["job_dir"])) if r.get("job_dir") else None))
+             for r in _usable(_rows_of(src), skipped, unfinished)], src)
     names = [str(r.get("job") or r.get("mlflow_run_id")) for r, _ in rows]
     if len(set(names)) < len(names):  # several seeds' tables: 'baseline' in each, told apart by where they came from
         rows = [(dict(r, job=f"{r['source_label']}/{r.get('job') or r['mlflow_run_id']}") if "source_label" in r
                  else r, uri) for r, uri in rows]
     if experiment is not None and not any(_is_store(s) for s in sources):
-        rows.extend(_store_rows(tracking_uri, experiment, skipped, unfinished))
+        add(_store_rows(tracking_uri, experiment, skipped, unfinished), f"--experiment {experiment}")
     clients: Dict[Optional[str], object] = {}
 
     def client_of(uri: Optional[str]):  # one per store: client_for checks it (a server's health GET) once

@@ -253,3 +253,13 @@ def test_stabilizers_refuses_a_report_twice_and_names_an_unreadable_bench(tmp_pa
         err = capsys.readouterr().err
         assert f"--bench={str(bench)!r} is not allowed: {why}; expected a benchmarks/stabilizers.py JSON" in err, err
     assert not (tmp_path / "stabilizers").exists()
+
+
+def test_early_warning_refuses_a_run_given_twice(tmp_path, capsys):
+    report = BASELINE.parent / "report"
+    for twice in ([str(report / "verdicts.json"), str(report)], [str(report / "verdicts.json"), str(BASELINE)]):
+        # read twice, each run would count twice (28 runs of 14, 8 false alarms of 4); refused before any store
+        assert early_warning.main([*twice, "--out", str(tmp_path / "ew")]) == 1
+        err = capsys.readouterr().err
+        assert f"source {twice[1]!r} gives MLflow run " in err and "expected each run once" in err, err
+    assert not (tmp_path / "ew").exists()
