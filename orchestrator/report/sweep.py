@@ -204,6 +204,22 @@ def _jobs_store(rows) -> Optional[str]:
     return uri
 
 
+def _once(rows: List[Dict]) -> List[Dict]:
+    """Each run once: a job reached twice (a sweep folder and a job folder in it, a folder and its copy, the store and
+    the folder) would be two rows of one run, counted twice in the report's tallies."""
+    out, seen = [], set()
+    for r in rows:
+        keys = {k for k in (r.get("mlflow_run_id"), r.get("job_dir") and str(Path(r["job_dir"]).resolve())) if k}
+        if keys & seen:
+            continue
+        seen |= keys
+        out.append(r)
+    if len(out) < len(rows):
+        print(f"[report] {len(rows) - len(out)} run(s) reached twice (e.g. a sweep folder and a job folder in it): "
+              "read once")
+    return out
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """`flash-forensics report --out DIR [--sweep NAME] [--tracking-uri URI] JOB_OR_SWEEP_DIR...`: one
     table over runs from several sweeps (e.g. a baseline run, its forked isolation sweep and a beta sweep)."""
@@ -250,6 +266,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         rows, histories = (rows_from_mlflow(args.tracking_uri, args.from_mlflow, args.source_run)
                            if args.from_mlflow else ([], None))
         rows += rows_from_dirs(args.dirs)
+        rows = _once(rows)
         if args.tracking_uri is None and not args.histories and not args.from_mlflow:
             args.tracking_uri = _jobs_store(rows)
         meta = dict(m.split("=", 1) for m in args.meta if "=" in m)

@@ -263,3 +263,13 @@ def test_early_warning_refuses_a_run_given_twice(tmp_path, capsys):
         err = capsys.readouterr().err
         assert f"source {twice[1]!r} gives MLflow run " in err and "expected each run once" in err, err
     assert not (tmp_path / "ew").exists()
+
+
+def test_report_reads_a_job_reached_through_its_sweep_and_itself_once(tmp_path, capsys):
+    forks = tmp_path / "forks"
+    for job in ("beta_sweep-0", "beta_sweep-1"):
+        shutil.copytree(BASELINE.parent / "forks" / job, forks / job)
+    assert report_main([str(forks), str(forks / "beta_sweep-0"), "--out", str(tmp_path / "r")]) == 0
+    assert "1 run(s) reached twice" in capsys.readouterr().out
+    jobs = [r["job"] for r in json.loads((tmp_path / "r" / "verdicts.json").read_text())["runs"]]
+    assert jobs == ["forks/beta_sweep-0", "forks/beta_sweep-1"]  # not beta_sweep-0 twice
