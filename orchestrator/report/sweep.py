@@ -258,6 +258,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         bad_meta = [m for m in args.meta if "=" not in m]
         if bad_meta:
             raise ValueError(f"--meta {bad_meta[0]!r} is not allowed: expected KEY=VALUE")
+        if args.tracking_uri is not None and not args.from_mlflow:  # named by the user: read, or refused now
+            try:  # (not a report without histories and links, said in passing)
+                readback.client_for(args.tracking_uri)
+            except ValueError as e:
+                uri, why = resolve_uri(args.tracking_uri), str(e)
+                for head in (f"tracking.uri={uri!r} is not allowed: ", f"tracking.uri={uri!r}: ",
+                             f"tracking uri {uri}: "):
+                    why = why.removeprefix(head)
+                raise ValueError(f"--tracking-uri {args.tracking_uri!r} is not allowed: {why}") from None
         seen = set()
         dirs = [d for d in args.dirs if not (Path(d).resolve() in seen or seen.add(Path(d).resolve()))]
         if len(dirs) < len(args.dirs):

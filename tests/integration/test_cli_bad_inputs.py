@@ -273,3 +273,16 @@ def test_report_reads_a_job_reached_through_its_sweep_and_itself_once(tmp_path, 
     assert "1 run(s) reached twice" in capsys.readouterr().out
     jobs = [r["job"] for r in json.loads((tmp_path / "r" / "verdicts.json").read_text())["runs"]]
     assert jobs == ["forks/beta_sweep-0", "forks/beta_sweep-1"]  # not beta_sweep-0 twice
+
+
+def test_report_refuses_a_tracking_uri_it_cannot_read(tmp_path, capsys):
+    (tmp_path / "notadb.db").write_text("not a database\n")
+    for uri, why in ((str(tmp_path / "m.db"), "MLflow 3.17 refuses the file store; use sqlite:///<path>.db"),
+                     (f"sqlite:///{tmp_path}/notadb.db", "is not an SQLite database"),
+                     (f"sqlite:///{tmp_path}/none.db", f"no MLflow store at {tmp_path}/none.db"),
+                     ("nonsense://x", "expected sqlite:///<path>.db, http(s)://<server>")):
+        # was exit 0: a report without histories nor run links, the store's failure a line among many
+        assert report_main([str(BASELINE), "--out", str(tmp_path / "r"), "--tracking-uri", uri]) == 1
+        err = capsys.readouterr().err
+        assert f"--tracking-uri {uri!r} is not allowed: " in err and why in err, err
+    assert not (tmp_path / "r").exists() and not (tmp_path / "none.db").exists()
