@@ -207,7 +207,11 @@ def test_analyze_refuses_repeated_heads_and_a_blind_run_without_a_fingerprint(ca
     from flash_forensics.capture.cli import main as analyze_main
     cap = str(ROOT / "results" / "capture_default" / "gpt_step59_L3.safetensors")
     for args, needle in ((["--heads", "0,0"], "expected each head once"),
-                         (["--blind", "--no-fingerprint"], "--blind with --no-fingerprint is not allowed")):
+                         (["--blind", "--no-fingerprint"], "--blind with --no-fingerprint is not allowed"),
+                         # flags that the run would not use: they were ignored
+                         (["--heads", "1", "--top", "3"], "--top=3 with --heads is not allowed"),
+                         (["--no-fingerprint", "--fingerprint-heads", "all"],
+                          "--fingerprint-heads=all with --no-fingerprint is not allowed")):
         with pytest.raises(SystemExit):
             analyze_main([cap, *args])
         assert needle in capsys.readouterr().err
