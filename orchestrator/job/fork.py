@@ -329,7 +329,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         if args.cmd == "list":
             div = divergence_step(args.job_dir)
-            for step, path in checkpoints(args.job_dir):
+            found = checkpoints(args.job_dir)
+            if not found:  # an empty listing with exit 0 read as success
+                raise ForkError(f"{args.job_dir}: no checkpoint in its {CKPT_DIR}/ folder (step_<k>.pt or last.pt); "
+                                "a run keeps them with train.ckpt_every")
+            for step, path in found:
                 note = "  (before the divergence)" if div is not None and step <= div else ""
                 bad = damaged(path)
                 print(f"{step:>8}  {path}{note}" + (f"  DAMAGED: {bad}" if bad else ""))

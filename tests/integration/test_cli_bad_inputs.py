@@ -137,6 +137,10 @@ def test_fork_pick_and_list_pass_over_damaged_checkpoints(tmp_path, capsys):
     (d / "step_10.pt").write_bytes(b"x")
     with pytest.raises(fork.ForkError, match="every checkpoint at step <= 40 is damaged"):
         fork.pick_step(tmp_path, before=40)
+    for f in d.iterdir():
+        f.unlink()
+    assert fork.main(["list", str(tmp_path)]) == 1  # was exit 0, nothing printed
+    assert "no checkpoint in its checkpoints/ folder" in capsys.readouterr().err
 
 
 def test_early_warning_from_job_folders_leaves_out_jumped_forks_as_from_the_report():
