@@ -235,6 +235,9 @@ def test_localize_names_its_flags_and_refuses_job_with_a_job_folder(tmp_path, ca
     assert "localize: --window=0 is not allowed" in capsys.readouterr().err  # the flag, not localize.window
     assert localize_main([str(BASELINE), "--job", "foo"]) == 2
     assert "--job 'foo' is not allowed with a job folder" in capsys.readouterr().err
+    # a mistyped folder was taken for a run id: the default store's absence said, not the source
+    assert localize_main(["baselin", "--tracking-uri", f"sqlite:///{tmp_path}/none.db"]) == 2
+    assert "source 'baselin' is not allowed: no such folder, and not an MLflow run id" in capsys.readouterr().err
 
 
 def test_a_run_missing_from_its_store_is_named_with_the_store(tmp_path):
