@@ -42,6 +42,8 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from flash_forensics.orchestrator import record
+from flash_forensics.orchestrator.config.folders import check_folder
+from flash_forensics.orchestrator.errors import ConfigError
 from flash_forensics.orchestrator.monitor import signals
 from flash_forensics.orchestrator.monitor.signals import ABOVE, SIGNALS
 from flash_forensics.orchestrator.report import fork_health
@@ -558,6 +560,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ValueError as e:
         ap.error(str(e))
     extra = _extra(a.thresholds)  # before any run is read
+    try:  # --out too: a file there failed only after every run was read
+        check_folder("--out", a.out, "early_warning.{md,json,png} go there")
+    except ConfigError as e:
+        ap.error(str(e))
     try:
         runs, skipped = load(a.sources, a.tracking_uri, a.experiment, a.growth_window, a.include_unfinished, hist,
                              a.keep_jumped)

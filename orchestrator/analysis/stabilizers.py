@@ -27,6 +27,8 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 from flash_forensics.orchestrator import interventions, record
+from flash_forensics.orchestrator.config.folders import check_folder
+from flash_forensics.orchestrator.errors import ConfigError
 from flash_forensics.orchestrator.job.fork import MODEL_KEYS
 from flash_forensics.orchestrator.report.fork_health import JUMP_NATS
 from flash_forensics.orchestrator.report.plots import palette
@@ -378,6 +380,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     a = ap.parse_args(argv)
     if not a.name or Path(a.name).name != a.name or a.name in (".", ".."):
         ap.error(f"--name={a.name!r} is not allowed: expected a plain folder name (no path), made under --results")
+    try:  # a file where the table goes: said naming the flag, before any report is read
+        check_folder("--results", str(a.results), "the --name folder goes there")
+        check_folder("--name", a.name, "stabilizers.{md,json,png} go there, under --results", base=a.results)
+    except ConfigError as e:
+        ap.error(str(e))
     try:
         paths = write(a.reports, a.bench, a.name, a.results)
     except (OSError, ValueError) as e:

@@ -21,6 +21,7 @@ from typing import Any, Dict, List, Optional, Sequence
 from hydra.experimental.callback import Callback
 
 from flash_forensics.orchestrator import record
+from flash_forensics.orchestrator.config.folders import check_folder
 from flash_forensics.orchestrator.record import HISTORY_PREFIXES, REPORT_DIR, matches_paper  # noqa: F401  (re-exported)
 from flash_forensics.orchestrator.report import readback
 from flash_forensics.orchestrator.report.readback import load_histories, retry, rows_from_mlflow  # noqa: F401  (re-exported)
@@ -255,6 +256,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.source_run and not args.from_mlflow:
             raise ValueError("--source-run is not allowed without --from-mlflow: it picks the source run of an "
                              "MLflow experiment's runs")
+        check_folder("--out", args.out, "verdicts.{md,json} and plots/ go there")
         bad_meta = [m for m in args.meta if "=" not in m]
         if bad_meta:
             raise ValueError(f"--meta {bad_meta[0]!r} is not allowed: expected KEY=VALUE")

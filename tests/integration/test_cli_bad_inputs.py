@@ -297,3 +297,21 @@ def test_report_refuses_a_tracking_uri_it_cannot_read(tmp_path, capsys):
         err = capsys.readouterr().err
         assert f"--tracking-uri {uri!r} is not allowed: " in err and why in err, err
     assert not (tmp_path / "r").exists() and not (tmp_path / "none.db").exists()
+
+
+def test_an_output_folder_that_is_a_file_is_named_by_its_flag(tmp_path, capsys):
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    report = BASELINE.parent / "report"
+    # each failed at its mkdir, naming no flag (a traceback as python -m; early-warning after reading every run)
+    with pytest.raises(SystemExit):
+        early_warning.main([str(report / "verdicts.json"), "--out", str(afile / "ew")])
+    assert f"--out={str(afile / 'ew')!r} is not allowed: {afile} is a file" in capsys.readouterr().err
+    assert report_main([str(BASELINE), "--out", str(afile)]) == 1
+    assert f"--out={str(afile)!r} is not allowed: {afile} is a file" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        stabilizers.main(["--reports", str(report), "--results", str(afile)])
+    assert f"--results={str(afile)!r} is not allowed: {afile} is a file" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        stabilizers.main(["--reports", str(report), "--results", str(tmp_path), "--name", "afile"])
+    assert f"--name='afile' is not allowed: {afile} is a file" in capsys.readouterr().err
