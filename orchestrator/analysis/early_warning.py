@@ -215,8 +215,10 @@ def _rows_of(source: str) -> List[Dict]:
             doc = json.loads(report.read_text())
         except json.JSONDecodeError as e:
             raise ValueError(f"{report}: not valid JSON ({e}); expected a report's verdicts.json") from None
-        if not isinstance(doc, dict) or not isinstance(doc.get("runs", []), list):
-            raise ValueError(f"{report}: not a report's verdicts.json (expected an object with a list of runs)")
+        if not isinstance(doc, dict) or not isinstance(doc.get("runs", []), list) \
+                or not all(isinstance(r, dict) for r in doc.get("runs") or []):
+            raise ValueError(f"{report}: not a report's verdicts.json (expected an object with a list of runs, each "
+                             "an object)")
         return list(doc.get("runs") or [])
     return rows_from_dirs([p])
 

@@ -347,6 +347,9 @@ def write(report_dirs: Sequence[Path], bench_path, name: str,
         except json.JSONDecodeError as e:
             raise ValueError(f"--reports {str(d)!r}: {f} is not valid JSON ({e})") from None
         runs = doc.get("runs") if isinstance(doc, dict) else None
+        if isinstance(runs, list) and not all(isinstance(r, dict) for r in runs):
+            raise ValueError(f"--reports {str(d)!r} is not allowed: {f} is not a report's verdicts.json (its runs are "
+                             "not objects)")
         if not isinstance(runs, list) or not runs:
             raise ValueError(f"--reports {str(d)!r} is not allowed: {f} holds no runs (expected a report's "
                              "verdicts.json, with its runs)")

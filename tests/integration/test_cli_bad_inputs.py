@@ -315,3 +315,21 @@ def test_an_output_folder_that_is_a_file_is_named_by_its_flag(tmp_path, capsys):
     with pytest.raises(SystemExit):
         stabilizers.main(["--reports", str(report), "--results", str(tmp_path), "--name", "afile"])
     assert f"--name='afile' is not allowed: {afile} is a file" in capsys.readouterr().err
+
+
+def test_a_verdicts_json_with_no_runs_or_runs_that_are_not_objects_is_named(tmp_path, capsys):
+    from flash_forensics.orchestrator.analysis.localize.rounding_io import main as rounding_main
+    rep = tmp_path / "rep"
+    rep.mkdir()
+    f = rep / "verdicts.json"
+    f.write_text(json.dumps({"runs": [1, "x"]}))  # was AttributeError: 'int' object has no attribute 'get'
+    assert stabilizers.main(["--reports", str(rep), "--results", str(tmp_path / "out")]) == 1
+    assert f"{f} is not a report's verdicts.json (its runs are not objects)" in capsys.readouterr().err
+    assert early_warning.main([str(f), "--out", str(tmp_path / "ew")]) == 1
+    assert f"{f}: not a report's verdicts.json" in capsys.readouterr().err
+    for text, why in (('{"runs": [1]}', "holds no runs"), ('{"runs": [', "is not valid JSON"),
+                      ('{"runs": []}', "holds no runs")):  # the last wrote an empty table with exit 0
+        f.write_text(text)
+        assert rounding_main([str(rep), "--out", str(tmp_path / "lr"), "--no-tags"]) == 2
+        assert f"source {str(rep)!r}" in (err := capsys.readouterr().err) and why in err, err
+    assert not (tmp_path / "out").exists() and not (tmp_path / "ew").exists() and not (tmp_path / "lr").exists()
