@@ -290,6 +290,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 raise ValueError("--histories reads job dirs' histories from an export; --from-mlflow has its own")
             histories = readback.histories_from_export(args.histories)
             missing = [r.get("job") for r in rows if r.get("mlflow_run_id") and r["mlflow_run_id"] not in histories]
+            if missing and len(missing) == sum(bool(r.get("mlflow_run_id")) for r in rows):  # another store's
+                raise ValueError(f"--histories {args.histories!r} is not allowed: it holds none of the {len(missing)} "
+                                 f"run(s) ({', '.join(map(str, missing[:3]))}, ...); expected the export of the store "
+                                 "they logged to")
             if missing:
                 print(f"[report] {len(missing)} run(s) not in {args.histories}: {', '.join(map(str, missing[:5]))}")
         write_report(rows, args.out, args.tracking_uri, meta=meta, sweep=args.sweep, histories=histories,

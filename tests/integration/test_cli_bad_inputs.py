@@ -333,3 +333,12 @@ def test_a_verdicts_json_with_no_runs_or_runs_that_are_not_objects_is_named(tmp_
         assert rounding_main([str(rep), "--out", str(tmp_path / "lr"), "--no-tags"]) == 2
         assert f"source {str(rep)!r}" in (err := capsys.readouterr().err) and why in err, err
     assert not (tmp_path / "out").exists() and not (tmp_path / "ew").exists() and not (tmp_path / "lr").exists()
+
+
+def test_report_refuses_an_export_that_holds_none_of_its_runs(tmp_path, capsys):
+    other = BASELINE.parents[1] / "seed1-2026-12-04" / "mlflow-seed1.json.gz"  # another seed's store
+    # was exit 0: a report without any history, "1 run(s) not in" a line among many
+    assert report_main([str(BASELINE), "--out", str(tmp_path / "r"), "--histories", str(other)]) == 1
+    assert f"--histories {str(other)!r} is not allowed: it holds none of the 1 run(s) (baseline, ...)" in \
+        capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
