@@ -205,6 +205,8 @@ def test_small_cli_refusals(tmp_path, capsys):
     assert "--experiment needs the store that holds it" in capsys.readouterr().err
     assert [n for n, _ in fork.sweep_file_jobs(["beta_sweep.yaml"])] == [n for n, _ in fork.sweep_file_jobs(
         ["beta_sweep"])]  # a file name names the sweep too
+    assert fork.main(["jobs", "beta_sweep", "beta_sweep.yaml"]) == 1  # jobs beta_sweep-0.. twice, same folders
+    assert "sweep 'beta_sweep' is given twice" in capsys.readouterr().err
 
 
 def test_analyze_refuses_repeated_heads_and_a_blind_run_without_a_fingerprint(capsys):
