@@ -113,10 +113,12 @@ def load_bench(path) -> Dict[str, Any]:
             or not all(isinstance(r, dict) and "variant" in r and "shape" in r for r in doc["rows"]):
         raise ValueError(f"--bench={str(path)!r} is not allowed: expected a benchmarks/stabilizers.py JSON (key rows, "
                          "each row with its shape and variant)")
-    if not doc["rows"]:
+    missing = doc.get("missing") if isinstance(doc.get("missing"), list) else []
+    if not doc["rows"] and not missing:  # a partial file that says what it missed is read: its costs "not measured"
         raise ValueError(f"--bench={str(path)!r} holds no rows: the benchmark measured nothing (see its log)")
     doc["sources"] = [{k: doc.get(k) for k in ("command", "gpu", "torch", "triton", "time")}
-                      | {"shapes": list(dict.fromkeys(r.get("shape") for r in doc["rows"]))}]
+                      | {"shapes": list(dict.fromkeys([r.get("shape") for r in doc["rows"]]
+                                                      + [m.get("shape") for m in missing if isinstance(m, dict)]))}]
     return doc
 
 

@@ -46,6 +46,10 @@ def test_stabilizers_refuses_empty_reports_foreign_benches_and_paths_as_names(tm
     bench.write_text(json.dumps({"rows": []}))
     with pytest.raises(ValueError, match="holds no rows"):
         stabilizers.load_bench(bench)
+    # a budget that fitted nothing: no rows, but what it missed is said, so it is read ("not measured", not refused)
+    bench.write_text(json.dumps({"rows": [], "partial": True, "missing": [
+        {"shape": "mini", "variant": "sfa", "rounds_missing": [1, 2]}]}))
+    assert stabilizers.load_bench(bench)["sources"][0]["shapes"] == ["mini"]
     with pytest.raises(ValueError, match="is given twice"):
         stabilizers.load_bench([bench, tmp_path / "." / "b.json"])
     with pytest.raises(SystemExit):

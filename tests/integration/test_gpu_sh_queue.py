@@ -20,9 +20,10 @@ def _q(tmp_path, *args, timeout=600):
 
 def test_queue_runs_tasks_in_turn_says_failures_and_collects(tmp_path):
     patch = _patch(tmp_path / "ok.patch", NEW_TEST)
-    # a task that fails at once (no such patch), then patch-tests of the patched copy only (SKIP_HERE=1)
+    # a task that fails at once (no such patch), then patch-tests of the patched copy only (SKIP_HERE=1; BITS=0:
+    # the kernel bits are a GPU step, tested in test_gpu_sh_patch_tests.py)
     p = _q(tmp_path, "start", f"patch-tests {tmp_path / 'missing.patch'}",
-           f"SKIP_HERE=1 WORKERS=1 PATCHED='{tmp_path / 'patched dir'}' patch-tests {patch} "
+           f"SKIP_HERE=1 BITS=0 WORKERS=1 PATCHED='{tmp_path / 'patched dir'}' patch-tests {patch} "
            "tests/unit/test_zz_patched.py tests/unit/test_knobs.py")
     assert p.returncode == 0, p.stdout + p.stderr
     assert "[queue] started 2 tasks" in p.stdout
