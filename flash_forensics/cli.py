@@ -52,11 +52,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     module = importlib.import_module(TOOLS[name][0])
     try:
         return int(module.main(rest) or 0)
+    except BrokenPipeError:  # `... | head` closed the pipe: the reader has what it wanted, not an error
+        _quiet_stdout()
+        return 0
     except Exception as e:  # a missing, empty or garbage input: one line, not a traceback (FF_TRACEBACK=1 shows it)
         if os.environ.get("FF_TRACEBACK"):
             traceback.print_exc()
         print(f"flash-forensics {name}: {one_line(e)}", file=sys.stderr)
         return 1
+
+
+def _quiet_stdout() -> None:
+    """Point stdout at /dev/null so that the interpreter's final flush into the closed pipe says nothing."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
 
 
 def one_line(e: BaseException) -> str:

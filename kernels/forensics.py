@@ -483,6 +483,9 @@ def _pair(a, path: str):
     return a[0], a[1]
 
 
+PLOT_SUFFIXES = (".png", ".pdf", ".svg")  # what pv-trace --out writes (matplotlib's format from the suffix)
+
+
 def plot_trace(tr: PVTrace, out: str, title: str = "") -> Path:
     import matplotlib
     matplotlib.use("Agg")
@@ -564,6 +567,10 @@ def main(argv=None) -> int:
         else:
             print_example(args.format)
         return 0
+    out = Path(args.out)  # checked first: matplotlib would add .png to a bare name and refuse .txt in its own words
+    if out.is_dir() or out.suffix.lower() not in PLOT_SUFFIXES:
+        raise SystemExit(f"--out={args.out!r} is not allowed: expected a file path ending in "
+                         f"{', '.join(PLOT_SUFFIXES)}" + (" (it is a folder)" if out.is_dir() else ""))
     if args.input:
         try:
             p, v = load_row(args.input, args.p_key, args.v_key)

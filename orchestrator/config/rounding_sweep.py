@@ -170,6 +170,11 @@ def main(argv: Optional[Sequence[str]] = None, root: Path = ROOT) -> int:
     a = ap.parse_args(argv)
     if a.recipe and a.up:
         ap.error("--recipe and --up are exclusive")
+    if a.replace and (not a.recipe or a.recipe == "paper_bf16" or a.check or a.out is not None):
+        why = ("--check writes nothing" if a.check else "--out writes elsewhere" if a.out is not None else
+               "paper_bf16's files are the committed ones" if a.recipe else "it needs --recipe")
+        ap.error(f"--replace is not allowed here ({why}): it lets --recipe R (not paper_bf16) overwrite the committed "
+                 "paper_bf16 sweep's files in the repository")
     files = generate(a.recipe) if a.recipe else generate_up(a.up) if a.up else generate_all()
     if a.out is not None:  # written there, or with --check compared with what is there (not the repository)
         root = a.out

@@ -31,3 +31,19 @@ def test_a_tool_runs_through_the_command():
                         "-2.296875"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "BF16 result -4.71875" in r.stdout
+
+
+def test_a_closed_pipe_ends_the_tool_quietly_with_exit_0(monkeypatch, capsys):
+    """`flash-forensics early-warning ... | head`: the reader closing the pipe is no error (it was
+    'BrokenPipeError' and exit 1); stdout goes to /dev/null so that the final flush says nothing either."""
+    import flash_forensics.orchestrator.analysis.early_warning as ew
+    from flash_forensics import cli as cli_mod
+
+    def closed(argv):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    quieted = []
+    monkeypatch.setattr(ew, "main", closed)
+    monkeypatch.setattr(cli_mod, "_quiet_stdout", lambda: quieted.append(True))
+    assert cli_mod.main(["early-warning", "x"]) == 0 and quieted == [True]
+    assert "BrokenPipe" not in capsys.readouterr().err

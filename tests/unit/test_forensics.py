@@ -77,6 +77,22 @@ def test_pv_trace_cli_on_generated_example(tmp_path, capsys):
     assert abs(s["ones_mean"]) > 10 * abs(s["others_mean"])  # the error arrives at the P̄ = 1 positions
 
 
+def test_pv_trace_out_must_be_a_plot_file(tmp_path):
+    """--out a folder, a bare name or a suffix matplotlib cannot write: refused naming --out, before any work
+    (a bare name was written as <name>.png while the summary printed <name>)."""
+    for bad, says in ((tmp_path, "(it is a folder)"), (tmp_path / "trace", "ending in .png"),
+                      (tmp_path / "t.txt", "ending in .png, .pdf, .svg")):
+        with pytest.raises(SystemExit, match=r"--out=.* is not allowed: expected a file path"):
+            try:
+                fx.main(["pv-trace", "--out", str(bad)])
+            except SystemExit as e:
+                assert says in str(e)
+                raise
+    assert not list(tmp_path.iterdir())
+    assert fx.main(["pv-trace", "--out", str(tmp_path / "t.svg"), "--json"]) == 0
+    assert (tmp_path / "t.svg").read_text().lstrip().startswith("<?xml")
+
+
 def test_pv_trace_from_file(tmp_path, capsys):
     p, v = fx.example_row(length=64, ones=4, seed=3)
     torch.save({"p": p, "v": v}, tmp_path / "row.pt")

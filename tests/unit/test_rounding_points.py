@@ -381,6 +381,14 @@ def test_another_recipes_sweep_never_replaces_the_committed_one_unasked(tmp_path
     assert rs.main(["--check", "--out", str(tmp_path / "empty")], root=tmp_path) == 1
     assert "stale: sweeps/rounding_points.yaml (regenerate: flash-forensics rounding-sweep --out " in \
         capsys.readouterr().err
+    # --replace where it would do nothing is refused, not ignored
+    for args, why in ((["--replace"], "it needs --recipe"),
+                      (["--recipe", "paper_bf16", "--replace"], "paper_bf16's files are"),
+                      (["--recipe", "fp32", "--replace", "--check"], "--check writes nothing"),
+                      (["--recipe", "fp32", "--replace", "--out", str(tmp_path / "x")], "--out writes elsewhere")):
+        with pytest.raises(SystemExit):
+            rs.main(args, root=tmp_path)
+        assert f"--replace is not allowed here ({why}" in capsys.readouterr().err, args
     assert rs.main(["--recipe", "fp32", "--replace"], root=tmp_path) == 0  # asked for
     assert (tmp_path / "sweeps" / "rounding_points.yaml").read_text() == rs.generate("fp32")[
         "sweeps/rounding_points.yaml"]
