@@ -82,10 +82,15 @@ def n_heads(model) -> int:
     return int(getattr(cfg, "num_attention_heads", None) or cfg.n_head)
 
 
+def _is_conv1d(proj) -> bool:
+    """GPT-2's Conv1D (x @ W) stores its weight (in, out), a Linear (out, in)."""
+    return type(proj).__name__ == "Conv1D"
+
+
 def _weight(proj) -> torch.Tensor:
-    """(out, in) whatever the module: a Conv1D (x @ W) stores (in, out)."""
+    """(out, in) whatever the module."""
     w = proj.weight.detach().float()
-    return w.t() if type(proj).__name__ == "Conv1D" else w
+    return w.t() if _is_conv1d(proj) else w
 
 
 def _fit(site: Site, rule: str):
@@ -98,7 +103,7 @@ def _fit(site: Site, rule: str):
         raise ValueError(f"{site.path} ({type(mod).__name__}) has no {attr!r}: the W_Q rule {rule!r} does not fit "
                          f"this module; name the right one with flash_forensics.families.register(model_type, wq=...)"
                          f" (one of {', '.join(WQ_RULES)})")
-    out_rows, C = proj.weight.shape[::-1] if type(proj).__name__ == "Conv1D" else proj.weight.shape
+    out_rows, C = proj.weight.shape[::-1] if _is_conv1d(proj) else proj.weight.shape  # no copy: shapes only
     D = getattr(mod, "head_dim", None) or C // H
     rows = H * D * (3 if layout == "per_head" else 1)
     if out_rows < rows:

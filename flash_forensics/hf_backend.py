@@ -139,7 +139,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
         padded_mask = mask  # the probes' entropy reads the mask itself
         mask, causal, scaling = None, True, fast_path.plain_scale(scaling, query.shape[-1])
     o = attend(query, key, value, st.knobs, attn_mask=mask, dropout_p=0.0, is_causal=causal, scale=scaling,
-               enable_gqa=key.shape[1] != H, stats=st.stats if st.knobs.counters else None,
+               enable_gqa=key.shape[1] != H, stats=st.stats if st.knobs.counters and not again else None,
                layer=getattr(module, "layer_idx", None), family=_family(module), key_keep=key_keep)
     if st.probe and not again:
         if key_keep is not None:
