@@ -79,6 +79,17 @@ def _gained(row, base) -> Dict[str, Any]:
     return {"steps_gained": int(row.get("steps_done") or 0) - int(b), "steps_gained_at_least": True}
 
 
+def _repeated(paths) -> Optional[str]:
+    """The first path given again (the same file or folder by another spelling), else None."""
+    seen = set()
+    for p in paths:
+        r = Path(p).resolve()
+        if r in seen:
+            return str(p)
+        seen.add(r)
+    return None
+
+
 def load_bench(path) -> Dict[str, Any]:
     """One benchmarks/stabilizers.py JSON, or several merged (a list of paths: e.g. one lease's mini shape and
     another's GPT-2S shape): their rows together, each file under `sources`. A shape in two files is refused, since
@@ -86,9 +97,9 @@ def load_bench(path) -> Dict[str, Any]:
     if path is None:
         return {}
     if isinstance(path, (list, tuple)):
-        twice = [str(p) for i, p in enumerate(path) if Path(p).resolve() in [Path(x).resolve() for x in path[:i]]]
+        twice = _repeated(path)
         if twice:
-            raise ValueError(f"--bench {twice[0]!r} is given twice: each file once")
+            raise ValueError(f"--bench {twice!r} is given twice: each file once")
         docs = [(Path(p), load_bench(p)) for p in path]
         if len(docs) == 1:
             return docs[0][1]
@@ -335,10 +346,9 @@ def plot(rows: List[Dict[str, Any]], shapes: Sequence[str], path: Path) -> Optio
 
 def write(report_dirs: Sequence[Path], bench_path, name: str,
           results: Path = REPO / "results") -> Dict[str, Path]:
-    twice = [str(d) for i, d in enumerate(report_dirs)
-             if Path(d).resolve() in [Path(x).resolve() for x in report_dirs[:i]]]
+    twice = _repeated(report_dirs)
     if twice:  # its rows would fold into the first copy's, each read as a run repeated ("x2: one outcome")
-        raise ValueError(f"--reports {twice[0]!r} is given twice: each report folder once")
+        raise ValueError(f"--reports {twice!r} is given twice: each report folder once")
     reports = []
     for d in report_dirs:
         f = Path(d) / "verdicts.json"
