@@ -518,6 +518,38 @@ def test_interpreter_knobs_leave_alone_what_they_do_not_name(recipe):
 
 
 @interp
+@pytest.mark.parametrize("recipe,case", [("paper_bf16", dict(stochastic_round=True, sr_seed=2)),
+                                         ("paper_bf16", dict(stochastic_round=True, tiling=False)),
+                                         ("paper_bf16", dict(pbar_clamp=True, softmax="stabilized_guarded")),
+                                         ("fp32", dict(round_bf16=["pv_out", "acc"], stochastic_round=True))],
+                         ids=lambda c: str(c))
+def test_interpreter_key_padding_with_the_stabilizers(recipe, case):
+    """key_keep (transformers' padded batches) with the stabilizer knobs: the emulator's Masking(keep=causal & keep)
+    on every row with a key (tests/unit/test_triton.py checks the FP32 ones to FP32 noise): the skipped key tiles
+    before a batch element's first kept key draw no bits and clamp nothing, as the emulator's fully masked tiles."""
+    from flash_forensics.kernels.masking import Masking
+    tf = _tf()
+    B, H, T, D = 3, 2, 40, 16
+    q, k, v, do = _inputs(recipe, "cpu", B, H, T, D, seed=8)
+    keep = torch.ones(B, T, dtype=torch.bool)
+    keep[0, :19] = False
+    keep[1, 30:] = False
+    keep[2, 10:25] = False
+    knobs = replace(AttentionKnobs(recipe=recipe, block_q=16, block_k=16, counters=True), **case)
+    m = torch.ones(T, T, dtype=torch.bool).tril()[None, None] & keep[:, None, None, :]
+    live = m.any(-1, keepdim=True).expand(B, H, T, D)
+    xt, xe = ([x.clone().requires_grad_(True) for x in (q, k, v)] for _ in range(2))
+    st_t, st_e = AttnStats(H), AttnStats(H)
+    o_t = tf.flash_attention_triton(*xt, replace(knobs, backend="triton"), st_t, key_keep=keep)
+    o_e = emulator.flash_attention(*xe, replace(knobs, backend="emulator"), st_e, Masking(keep=m))
+    _close_up_to_flips(o_t[live], o_e[live])
+    g = do.masked_fill(~live, 0.0).to(o_t.dtype)
+    for a, b in zip(torch.autograd.grad(o_t, xt, g), torch.autograd.grad(o_e, xe, g)):
+        _close_up_to_flips(a, b)
+    _check_counters(st_t, st_e, True, exact=True)
+
+
+@interp
 @pytest.mark.parametrize("recipe", ["paper_bf16", "fp32"])
 def test_interpreter_stochastic_round_follows_the_emulators_stream(recipe):
     _check_sr_stream("cpu", recipe, 1, 2, 48, 16, seed=6)
