@@ -318,7 +318,12 @@ def _check_guard(device):
                                   float(knobs.beta) - 1.0, N=N, ROUND=mask, STATS_BF16=bool(mask & (1 << 2)))
         got = out[:n].cpu()
         want = want.view(n).float()
-        bad = (got.view(torch.int32) != want.view(torch.int32)).nonzero().flatten()[:5].tolist()
+        # bit for bit, except the sign of a zero max: max(+0, -0) is either zero by IEEE 754, and x86's maxps (the
+        # emulator's torch.maximum) picks another one than the GPU's max.f32. m is used only as S - m and m + log l,
+        # where both zeros give the same bits, so O, lse and P-bar cannot tell them apart (the first lease's failure:
+        # rm = -0, m = +0 in paper_bf16's guarded case)
+        differ = (got.view(torch.int32) != want.view(torch.int32)) & ~((got == 0) & (want == 0))
+        bad = differ.nonzero().flatten()[:5].tolist()
         assert not bad, (knobs.recipe, knobs.keep_fp32, knobs.round_bf16, knobs.beta,
                          [(rm[i].item(), m[i].item(), bool(rep[i]), got[i].item(), want[i].item()) for i in bad])
         assert torch.equal(sfa[:n].cpu().bool(), fired.view(n)), (knobs.recipe, knobs.beta)
