@@ -6,6 +6,7 @@ import hydra
 from omegaconf import DictConfig
 
 import flash_forensics.orchestrator.config.schema  # noqa: F401  registers the structured config `base_config`
+from flash_forensics.orchestrator.config.keys import check_keys
 from flash_forensics.orchestrator.launch.task import exit_status, is_multirun, run_job, sweep_status
 
 _status = 0
@@ -22,5 +23,9 @@ def main(cfg: DictConfig):
 
 
 if __name__ == "__main__":
+    bad = check_keys(sys.argv[1:])  # a typo'd key, before Hydra composes (its hint, `+key=...`, would not help)
+    if bad:
+        print("Error: configuration rejected, nothing launched.\n" + "\n".join(bad), file=sys.stderr)
+        sys.exit(1)
     main()
     sys.exit(max(_status, sweep_status(_results)))  # a multirun whose every job failed exits 1 too

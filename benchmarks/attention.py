@@ -63,11 +63,18 @@ def bench(fn, grads, rep_ms=300, warmup_ms=100):
     return triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, grad_to_none=list(grads), return_mode="median")
 
 
-def make_inputs(B, H, T, D, dev, seed=0):
+def make_inputs(B, H, T, D, dev, seed=0, layout="bhtd"):
+    """(q, k, v, dO, leaves). bhtd: three contiguous (B, H, T, D) leaves. bthd: as a GPT's attention gets them, q,
+    k, v views of one fused (B, T, 3*H*D) projection (the leaf) and dO (B, T, H, D)-ordered, so that fwd+bwd includes
+    the gradients' way back into the projection's gradient (a strided copy when they come back (B, H, T, D))."""
     g = torch.Generator(device=dev).manual_seed(seed)
+    if layout == "bthd":
+        qkv = torch.randn(B, T, 3 * H * D, device=dev, dtype=torch.bfloat16, generator=g).requires_grad_(True)
+        do = torch.randn(B, T, H, D, device=dev, dtype=torch.bfloat16, generator=g).transpose(1, 2)
+        return None, None, None, do, (qkv,)
     q, k, v = (torch.randn(B, H, T, D, device=dev, dtype=torch.bfloat16, generator=g).requires_grad_(True)
                for _ in range(3))
-    return q, k, v, torch.randn(B, H, T, D, device=dev, dtype=torch.bfloat16, generator=g)
+    return q, k, v, torch.randn(B, H, T, D, device=dev, dtype=torch.bfloat16, generator=g), (q, k, v)
 
 
 def method_fn(name, H, dev):
@@ -92,7 +99,15 @@ def method_fn(name, H, dev):
     return lambda q, k, v: flash_attention_triton(q, k, v, knobs, stats)
 
 
-def fwd_bwd(f, q, k, v, do):
+def fwd_bwd(f, q, k, v, do, leaves=None):
+    if q is None:  # bthd: the views made per call, as a model's forward makes them
+        (qkv,), (B, H, T, D) = leaves, do.shape
+
+        def run_fused():
+            q, k, v = (t.view(B, T, H, D).transpose(1, 2) for t in qkv.split(H * D, dim=2))
+            f(q, k, v).backward(do)
+        return run_fused
+
     def run():
         f(q, k, v).backward(do)
     return run
@@ -160,11 +175,14 @@ def main(argv=None):
     ap.add_argument("--methods", default=",".join(SDPA + tuple(KNOBS)), help="comma list of methods")
     ap.add_argument("--rounds", type=int, default=3, help="round-robin rounds (a row is the median over them)")
     ap.add_argument("--rep-ms", type=int, default=300, help="do_bench repetition time per (row, round)")
+    ap.add_argument("--layout", choices=("bhtd", "bthd"), default="bhtd",
+                    help="inputs: contiguous (B, H, T, D) tensors (bhtd, the default), or views of one fused QKV "
+                         "projection as a GPT makes them (bthd: fwd+bwd then includes the gradients' copy back)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("benchmarks/attention.py needs a CUDA GPU")
     dev = torch.device("cuda")
-    out = dict(environment(argv), flops="7*B*H*T^2*D per fwd+bwd (causal)", rows=[])
+    out = dict(environment(argv), flops="7*B*H*T^2*D per fwd+bwd (causal)", layout=args.layout, rows=[])
     path = args.out or os.path.join(ROOT, "results", "bench", f"attention-{out['gpu'].split()[-1].lower()}.json")
     shapes, names = args.shapes.split(","), args.methods.split(",")
     if args.tune:
@@ -180,12 +198,12 @@ def main(argv=None):
         B, H, T, D = SHAPES[s]
         if s not in inputs:
             inputs.clear()  # one shape's inputs alive at a time
-            inputs[s] = make_inputs(B, H, T, D, dev)
-        q, k, v, do = inputs[s]
+            inputs[s] = make_inputs(B, H, T, D, dev, layout=args.layout)
+        q, k, v, do, leaves = inputs[s]
         fn = fns.setdefault((s, m), method_fn(m, H, dev))
         row = rows.setdefault((s, m), dict(shape=s, B=B, H=H, T=T, D=D, method=m, rounds_ms=[]))
         try:
-            row["rounds_ms"].append(bench(fwd_bwd(fn, q, k, v, do), (q, k, v), args.rep_ms))
+            row["rounds_ms"].append(bench(fwd_bwd(fn, q, k, v, do, leaves), leaves, args.rep_ms))
             row["ms"] = statistics.median(row["rounds_ms"])
             row["tflops"] = flops(B, H, T, D) / row["ms"] / 1e9
             msg = f"{row['rounds_ms'][-1]:9.3f} ms {flops(B, H, T, D) / row['rounds_ms'][-1] / 1e9:7.1f} TFLOP/s"

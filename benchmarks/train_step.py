@@ -9,21 +9,29 @@ norms every 50 steps, one host transfer every 10, counters and max logit per lay
 same order, for every variant. All variants are built first; `--warmup` steps each (compilation) come next; then
 `--rounds` rounds, each timing `steps / rounds` steps of every variant in turn, the order rotated each round, so a
 clock or thermal drift falls on all of them alike. A step's time is the host clock between synchronisations; the row
-is the median over all timed steps.
+is the median over all timed steps; `host_ms` the median time to enqueue one (from its start to the end of the
+optimizer and monitors' calls, before the synchronisation: the monitors' flush steps sync inside it). host_ms close to
+step_ms means the GPU waits on the host.
 
 Compiled variants: `+compile` is torch.compile of the model. sdpa+compile keeps inductor's defaults (the number to
 beat, as nanoGPT compiles); the flash variants compile as the project's training does (orchestrator/job/train.py:
-compile_model: `emulate_precision_casts`, so a fused chain rounds to BF16 where eager does).
-Each row records the attention route that ran and, for SDPA, the aten op that ran (flash, cuDNN, efficient or math:
-a profiled step after the timed ones). Every variant's per-step losses are kept: `compiled_vs_eager` in the summary
-says whether a compiled variant's losses equal its eager twin's bit for bit, the first step where they differ and
-the largest difference.
+compile_model: `emulate_precision_casts`, so a fused chain rounds to BF16 where eager does). `+cudagraphs` (opt-in,
+not in the default list) is torch.compile(mode="reduce-overhead"): CUDA graphs replay the step's launches, taking the
+host off the critical path; each step is marked (cudagraph_mark_step_begin) and its loss copied out of the graph's
+memory, which the next replay overwrites.
+Each row records the attention route that ran and, for SDPA, the aten op that ran (flash, cuDNN, efficient or math).
+`profile`, from one profiled step after the timed ones: on CUDA the GPU kernels' time, how much of the step's GPU span
+they keep the GPU busy (busy_fraction well under 1: the GPU waits on the host), attention's kernels' share, and the
+top kernels; on a CPU the top ops by self time. Every variant's per-step losses are kept: `compiled_vs_eager` in the
+summary says whether a compiled variant's losses equal its eager twin's bit for bit, the first step where they differ
+and the largest difference.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -46,6 +54,9 @@ ATTN = {
 VARIANTS = ["sdpa+compile", "sdpa", "triton_fa2", "triton_fa2+compile", "triton_paper_bf16",
             "triton_paper_bf16+compile", "paper_1gpu", "paper_1gpu+compile", "triton_fa2_sfa+compile"]
 SDPA_OPS = ("flash", "cudnn", "efficient", "math")  # aten::_scaled_dot_product_<op>_attention[_for_cpu]
+MODES = {"compile": None, "cudagraphs": "reduce-overhead"}  # ATTN+MODE: torch.compile's mode
+# GPU kernels that compute attention: this project's four Triton kernels, torch's flash / cuDNN / efficient ones
+ATTN_KERNELS = re.compile(r"(?i)(flash|fmha|sdpa|attention|_fwd_kernel|_bwd_(delta|dkdv|dq)_kernel)")
 
 
 def log(msg: str) -> None:
@@ -67,20 +78,19 @@ class Variant:
         from flash_forensics.models.gpt import GPT, ModelConfig
         from flash_forensics.orchestrator.monitor.monitors import MonitorConfig, Monitors
         self.name, self.dev = name, dev
-        self.attn, self.compiled = name.split("+")[0], name.endswith("+compile")
-        if self.attn not in ATTN or name.count("+") > 1 or ("+" in name and not self.compiled):
-            raise ValueError(f"--variants: {name!r} is not allowed: expected ATTN or ATTN+compile, ATTN one of "
-                             f"{', '.join(ATTN)}")
+        self.attn, mode = parse_variant(name)
+        self.compiled, self.cudagraphs = mode is not None, mode == "cudagraphs"
         torch.manual_seed(0)  # every variant starts from the same weights
         self.model = GPT(ModelConfig.preset(model_name, block_size=T), AttentionConfig(**ATTN[self.attn])).to(dev)
-        self.fwd = torch.compile(self.model) if self.compiled else self.model
+        self.fwd = torch.compile(self.model, mode=MODES[mode]) if self.compiled else self.model
         # inductor reads the setting when it compiles (the first call): patched around every call, per variant
         self.emulate = self.compiled and self.attn != "sdpa"
         self.config_scope = lambda: inductor_config.patch(emulate_precision_casts=self.emulate)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.0,
                                      fused=dev.type == "cuda")
         self.monitors = Monitors(self.model, MonitorConfig())
-        self.i, self.losses, self.times, self.warmup_s = 0, [], [], 0.0
+        self.i, self.losses, self.times, self.warmup_s, self.host = 0, [], [], 0.0, []
+        self.last_host = 0.0
 
     def step(self, x):
         model = self.model
@@ -88,27 +98,38 @@ class Variant:
             model.probe = (self.i + 1) % self.monitors.cfg.log_every == 0
         _sync(self.dev)
         t0 = time.perf_counter()
+        if self.cudagraphs:  # a new iteration: the previous step's graph outputs may be overwritten
+            torch.compiler.cudagraph_mark_step_begin()
         with self.config_scope(), torch.autocast(self.dev.type, dtype=torch.bfloat16):
             _, loss = self.fwd(x[:, :-1].contiguous(), x[:, 1:].contiguous())
         with self.config_scope():
             loss.backward()
+        if self.cudagraphs:  # kept past the next replay (monitors, losses): out of the graph's memory
+            loss = loss.detach().clone()
         gn = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         self.monitors.step_end(self.i, loss.detach(), gn, 3e-4, x.shape[0] * (x.shape[1] - 1))
+        self.last_host = time.perf_counter() - t0  # the step enqueued: the host's share (no sync on most steps)
         _sync(self.dev)
         self.i += 1
         self.losses.append(loss.detach())
         return time.perf_counter() - t0
 
-    def sdpa_ops(self, x):
-        """The aten SDPA ops one more step runs (after the timed ones: it changes no recorded loss)."""
+    def profiled(self, x):
+        """One more step under the profiler (after the timed ones: it changes no recorded loss): the aten SDPA ops
+        that ran, and `profile` (kernel_breakdown on CUDA, top_cpu_ops on a CPU)."""
         from torch.profiler import ProfilerActivity, profile
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.dev.type == "cuda" else [])
+        with profile(activities=acts) as prof:
             self.step(x)
         self.losses.pop()
         names = {e.key for e in prof.key_averages()}
-        return sorted({op for op in SDPA_OPS for n in names if n.startswith(f"aten::_scaled_dot_product_{op}")})
+        self.ops = sorted({op for op in SDPA_OPS for n in names if n.startswith(f"aten::_scaled_dot_product_{op}")})
+        if self.dev.type == "cuda":
+            self.profile = kernel_breakdown(e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+        else:
+            self.profile = top_cpu_ops(prof.key_averages())
 
     def row(self, batch, T, warmup):
         timed = self.times
@@ -116,9 +137,55 @@ class Variant:
         return dict(variant=self.name, attention=ATTN[self.attn], compiled=self.compiled,
                     emulate_precision_casts=self.emulate if self.compiled else None, batch=batch, T=T,
                     step_ms=med * 1e3 if med else None, tokens_per_s=batch * T / med if med else None,
+                    host_ms=statistics.median(self.host) * 1e3 if self.host else None,
                     steps_timed=len(timed), warmup_steps=warmup, warmup_s=round(self.warmup_s, 2),
                     losses=[float(v) for v in torch.stack(self.losses).cpu()] if self.losses else [],
-                    routes=self.model.attention_routes()[:1])
+                    routes=self.model.attention_routes()[:1], compile_mode=MODES.get(self.name.partition("+")[2]))
+
+
+def parse_variant(name: str):
+    """(ATTN, MODE or None) of ATTN[+MODE]; ValueError naming --variants otherwise."""
+    attn, plus, mode = name.partition("+")
+    if attn not in ATTN or (plus and mode not in MODES):
+        raise ValueError(f"--variants: {name!r} is not allowed: expected ATTN or ATTN+MODE, ATTN one of "
+                         f"{', '.join(ATTN)}, MODE one of {', '.join(MODES)}")
+    return attn, (mode if plus else None)
+
+
+def kernel_breakdown(kernels, top: int = 10) -> dict:
+    """GPU kernels of one step (profiler events: name, time_range in us): their total time, the union of their
+    intervals (busy) against the span from the first start to the last end, attention's share, the top kernels."""
+    ivs, per = [], {}
+    for e in kernels:
+        a, b = float(e.time_range.start), float(e.time_range.end)
+        ivs.append((a, b))
+        t, n = per.get(e.name, (0.0, 0))
+        per[e.name] = (t + (b - a), n + 1)
+    if not ivs:
+        return dict(device="cuda", kernels=0, kernels_ms=0.0, busy_ms=0.0, span_ms=0.0, busy_fraction=None,
+                    attention_ms=0.0, attention_pattern=ATTN_KERNELS.pattern, top=[])
+    ivs.sort()
+    busy, (cur_a, cur_b) = 0.0, ivs[0]
+    for a, b in ivs[1:]:
+        if a > cur_b:
+            busy, cur_a, cur_b = busy + (cur_b - cur_a), a, b
+        else:
+            cur_b = max(cur_b, b)
+    busy += cur_b - cur_a
+    span = max(b for _, b in ivs) - ivs[0][0]
+    ranked = sorted(per.items(), key=lambda kv: -kv[1][0])
+    return dict(device="cuda", kernels=len(ivs), kernels_ms=sum(t for t, _ in per.values()) / 1e3,
+                busy_ms=busy / 1e3, span_ms=span / 1e3, busy_fraction=busy / span if span > 0 else None,
+                attention_ms=sum(t for k, (t, _) in per.items() if ATTN_KERNELS.search(k)) / 1e3,
+                attention_pattern=ATTN_KERNELS.pattern,
+                top=[dict(name=k[:160], ms=t / 1e3, calls=n) for k, (t, n) in ranked[:top]])
+
+
+def top_cpu_ops(averages, top: int = 10) -> dict:
+    """A CPU step: the ops with the most self time (a smoke run's profile: no GPU kernels to break down)."""
+    ranked = sorted(averages, key=lambda e: -e.self_cpu_time_total)[:top]
+    return dict(device="cpu", top=[dict(name=e.key[:160], ms=e.self_cpu_time_total / 1e3, calls=e.count)
+                                   for e in ranked])
 
 
 def _write(out, path):
@@ -154,6 +221,7 @@ def run_shape(names, batch, T, args, dev, errors):
         guarded(v, warm)
         if v in live:
             log(f"[{batch}x{T}] {v.name}: warmup {v.warmup_s:.1f} s, route {v.model.attention_routes()[:1]}")
+    yield -1, live, []  # warmed up (compiled): the JSON says so before the first timed round
     per = max(1, args.steps // args.rounds)
     for r in range(args.rounds):
         order = live[r % len(live):] + live[:r % len(live)] if live else []
@@ -162,10 +230,11 @@ def run_shape(names, batch, T, args, dev, errors):
                 for _ in range(per):
                     if v.i < len(data):
                         v.times.append(v.step(data[v.i]))
+                        v.host.append(v.last_host)
             guarded(v, timed)
         yield r, live, [v.name for v in order]
     for v in list(live):
-        guarded(v, lambda v=v: setattr(v, "ops", v.sdpa_ops(data[0])))
+        guarded(v, lambda v=v: v.profiled(data[0]))
 
 
 def summarize(rows) -> dict:
@@ -179,14 +248,16 @@ def summarize(rows) -> dict:
         if base:
             d["vs_sdpa_compile"] = {v: r["tokens_per_s"] / base["tokens_per_s"] for v, r in rs.items()}
         d["compiled_vs_eager"] = {}
-        for v in rs:
-            if v + "+compile" not in rs:
-                continue
-            a, b = rs[v]["losses"], rs[v + "+compile"]["losses"]
-            n = min(len(a), len(b))
-            diff = [i for i in range(n) if a[i] != b[i]]
-            d["compiled_vs_eager"][v] = dict(steps=n, bit_identical=not diff, first_diff_step=diff[0] if diff else None,
-                                             max_abs_loss_diff=max((abs(a[i] - b[i]) for i in range(n)), default=None))
+        for v in rs:  # keyed ATTN for +compile (the training's mode), ATTN+cudagraphs for the other
+            for mode, name in (("compile", v), ("cudagraphs", v + "+cudagraphs")):
+                if "+" in v or f"{v}+{mode}" not in rs:
+                    continue
+                a, b = rs[v]["losses"], rs[f"{v}+{mode}"]["losses"]
+                n = min(len(a), len(b))
+                diff = [i for i in range(n) if a[i] != b[i]]
+                d["compiled_vs_eager"][name] = dict(
+                    steps=n, bit_identical=not diff, first_diff_step=diff[0] if diff else None,
+                    max_abs_loss_diff=max((abs(a[i] - b[i]) for i in range(n)), default=None))
         out[f"B{key[0]}_T{key[1]}"] = d
     return out
 
@@ -222,9 +293,12 @@ def main(argv=None):
         load_shape_table(args.launch_table)
     names = [v for v in args.variants.split(",") if v]
     for v in names:  # every name checked before anything is built
-        attn, _, tail = v.partition("+")
-        if attn not in ATTN or tail not in ("", "compile"):
-            ap.error(f"--variants: {v!r} is not allowed: expected ATTN or ATTN+compile, ATTN one of {', '.join(ATTN)}")
+        try:
+            parse_variant(v)
+        except ValueError as e:
+            ap.error(str(e))
+        if v.endswith("+cudagraphs") and dev.type != "cuda":
+            ap.error(f"--variants: {v!r} is not allowed with --device {dev.type}: CUDA graphs need --device cuda")
     if not names:
         ap.error("--variants: empty")
     out = dict(env, model=args.model, optimizer="AdamW" + ("(fused)" if dev.type == "cuda" else ""),
@@ -239,12 +313,17 @@ def main(argv=None):
         batch, T = (int(x) for x in shape.split("x"))
         live = []
         for r, live, order in run_shape(names, batch, T, args, dev, out["errors"]):
-            out["order_by_round"].setdefault(shape, []).append(order)
             out["rows"] = done + [v.row(batch, T, args.warmup) for v in live]
+            if r < 0:
+                _write(out, path)
+                log(f"[{batch}x{T}] warmed up: {len(live)} variants")
+                continue
+            out["order_by_round"].setdefault(shape, []).append(order)
             _write(out, path)
             log(f"[{batch}x{T}] round {r + 1}/{args.rounds}: " + ", ".join(
                 f"{v.name} {statistics.median(v.times) * 1e3:.1f} ms" for v in live if v.times))
-        rows = [dict(v.row(batch, T, args.warmup), sdpa_ops=getattr(v, "ops", None)) for v in live]
+        rows = [dict(v.row(batch, T, args.warmup), sdpa_ops=getattr(v, "ops", None),
+                     profile=getattr(v, "profile", None)) for v in live]
         done += rows
         out["rows"] = done
         _write(out, path)

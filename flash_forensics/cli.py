@@ -22,7 +22,7 @@ TOOLS: Dict[str, Tuple[str, str]] = {
     "early-warning": ("flash_forensics.orchestrator.analysis.early_warning",
                       "each monitored signal as a predictor of divergence over a set of runs"),
     "stabilizers": ("flash_forensics.orchestrator.analysis.stabilizers", "the stabilizers table from report folders"),
-    "data": ("flash_forensics.orchestrator.data.__main__", "prepare, fetch and inspect corpora and the tokenizer"),
+    "data": ("flash_forensics.orchestrator.data.__main__", "prepare and fetch corpora, install the tokenizer"),
     "rounding-sweep": ("flash_forensics.orchestrator.config.rounding_sweep",
                        "generate the rounding-point interventions and sweeps from a recipe"),
     "analyze": ("flash_forensics.capture.cli",

@@ -199,9 +199,24 @@ def _routable(sites, model):
             routed.append(s)
         else:
             skipped.append(f"{s.path} (its config's _attn_implementation={impl!r})")
-    skipped += [f"{p} (its class computes attention itself, not through transformers' AttentionInterface)"
-                for p in sites_mod.attention_like(model)]
+    skipped += [f"{p or 'the model itself'} (its class computes attention itself, not through transformers' "
+                "AttentionInterface)" for p in sites_mod.attention_like(model)]
     return routed, skipped
+
+
+def not_routed(model, who: str = "use()"):
+    """The ValueError for a model none of whose attention modules routes to the backend (use(), Monitor)."""
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(f"{who}: model={type(model).__name__} is not allowed: expected a transformers model "
+                         f"(a torch.nn.Module) built with attn_implementation={NAME!r}")
+    found = sites_mod.attention_sites(model)
+    skipped = _routable(found, model)[1]
+    impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    raise ValueError(f"{who}: model.config._attn_implementation={impl!r} is not allowed: expected {NAME!r} (build "
+                     f"the model with attn_implementation={NAME!r}, or call model.set_attn_implementation({NAME!r}))"
+                     + (f"; no attention module routes: {'; '.join(skipped[:4])}" if skipped else "")
+                     + ("" if skipped or found else
+                        f"; no attention module of transformers was found in {type(model).__name__}"))
 
 
 def use(model, recipe: str = "paper_bf16", overrides: Optional[Dict[object, dict]] = None, strict: bool = False,
@@ -212,13 +227,12 @@ def use(model, recipe: str = "paper_bf16", overrides: Optional[Dict[object, dict
     named in a NotRoutedWarning (strict=True: a ValueError). Validates everything before changing anything; fresh
     counters per module. Returns the model."""
 
+    if not isinstance(model, torch.nn.Module):
+        not_routed(model)
     all_sites = sites_mod.attention_sites(model)
     routed, skipped = _routable(all_sites, model)
     if not routed:
-        impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
-        raise ValueError(f"model.config._attn_implementation={impl!r} is not allowed: expected {NAME!r} (build the "
-                         f"model with attn_implementation={NAME!r}, or call model.set_attn_implementation({NAME!r}))"
-                         + (f"; no attention module routes: {'; '.join(skipped[:4])}" if skipped else ""))
+        not_routed(model)
     if skipped:
         msg = (f"use(): {len(skipped)} attention module(s) of {type(model).__name__} cannot run the {NAME} backend "
                f"and keep their own attention: {'; '.join(skipped[:6])}{'; ...' if len(skipped) > 6 else ''}")
@@ -263,5 +277,5 @@ def layer_states(model):
     return [layer_state(s.module, s.n_head, device, s.path) for s in sites(model)]
 
 
-__all__ = ["NAME", "use", "sites", "attention_forward", "mask_interface", "register_attention", "register_mask",
-           "LayerState", "layer_states"]
+__all__ = ["NAME", "use", "not_routed", "sites", "attention_forward", "mask_interface", "register_attention",
+           "register_mask", "LayerState", "layer_states"]

@@ -26,18 +26,28 @@ call counter is read with the rest) is named in a NotRoutedWarning with the caus
 """
 from __future__ import annotations
 
+import math
+import numbers
 import warnings
 from typing import Dict, List, Optional, Tuple
 
 import torch
 
 from flash_forensics import families, watch
-from flash_forensics.hf_backend import NAME, layer_states, sites
+from flash_forensics.hf_backend import NAME, layer_states, not_routed, sites
 from flash_forensics.kernels.checks import is_int
 from flash_forensics.kernels.stats import COUNTERS
 from flash_forensics.orchestrator import record
+from flash_forensics.orchestrator.tracking.store import check_tracking
 
 ENTROPY = "attn_entropy/"
+
+
+def _short(value) -> str:
+    """A value for a message: a tensor by its shape, never its contents."""
+    if torch.is_tensor(value):
+        return f"tensor of shape {tuple(value.shape)}"
+    return repr(value)[:60]
 
 
 class Monitor:
@@ -50,11 +60,16 @@ class Monitor:
             if not is_int(value, 1):
                 raise ValueError(f"Monitor.{key}={value!r} is not allowed: expected an integer > 0")
         self.model, self.log_every, self.wq_every = model, log_every, wq_every
+        if not isinstance(model, torch.nn.Module):
+            not_routed(model, who="Monitor")
         self.family = families.family(model)  # an unknown family is refused here, naming how to register it
         self.sites = sites(model)
+        if not self.sites:  # nothing would ever be counted: refused here, not at the first flush
+            not_routed(model, who="Monitor")
         self.states = layer_states(model)  # the sites' states, in the same order
         self.labels = [st.label for st in self.sites]
         self._said: set = set()
+        self._closed = False
         self._step = 0  # the next step's index
         self._flushed = -1  # the last step a flush covered
         self._losses: List[Tuple[int, torch.Tensor]] = []
@@ -77,8 +92,17 @@ class Monitor:
     def step(self, loss: Optional[torch.Tensor] = None, step: Optional[int] = None) -> Optional[Dict[str, float]]:
         """After an optimizer step: record `loss` (a device tensor; never read here) and, every log_every steps,
         flush. `step` defaults to a running count from 0."""
-        s = self._step if step is None else int(step)
+        if self._closed:
+            raise RuntimeError("Monitor.step() after close() is not allowed: its run has ended (make a new Monitor)")
+        if step is not None and not is_int(step, self._step):
+            raise ValueError(f"Monitor.step(step={step!r}) is not allowed: expected an integer >= {self._step} (steps "
+                             "only go forward: the last one was " + (f"{self._step - 1})" if self._step else "none)"))
+        s = self._step if step is None else step
         if loss is not None:
+            if (loss.numel() != 1 if torch.is_tensor(loss) else
+                    isinstance(loss, bool) or not isinstance(loss, numbers.Real)):
+                raise ValueError(f"Monitor.step(loss={_short(loss)}) is not allowed: expected a scalar (a one-element "
+                                 "tensor or a number)")
             self._losses.append((s, loss.detach().reshape(()).float() if torch.is_tensor(loss)
                                  else torch.tensor(float(loss))))
         if s % self.wq_every == 0:
@@ -132,6 +156,10 @@ class Monitor:
         for s, _ in self._losses:
             per_step.setdefault(s, {})[record.LOSS] = vals[f"loss@{s}"][0]
             out[f"{record.LOSS}@{s}"] = vals[f"loss@{s}"][0]
+        bad = [(s, vals[f"loss@{s}"][0]) for s, _ in self._losses if not math.isfinite(vals[f"loss@{s}"][0])]
+        if bad:  # logged as they are, and said: a numerical failure is never silent
+            warnings.warn(f"Monitor: the loss is not finite at {len(bad)} step(s) of this interval: "
+                          + ", ".join(f"step {s}: {v}" for s, v in bad[:5]), RuntimeWarning, stacklevel=3)
         heads = [(lab, h) for lab, st in zip(self.labels, self.states) for h in range(st.stats.n_head)]
         for s, _ in self._wq:
             per_step.setdefault(s, {}).update({f"{record.WQ_SIGMA}{lab}.H{h}": v
@@ -175,6 +203,11 @@ class Monitor:
         import mlflow
         from mlflow.tracking import MlflowClient
 
+        try:  # one sentence naming the URI, before MLflow's own errors (and never a hang on a dead server)
+            if uri:
+                check_tracking(uri, timeout_s=10)
+        except ValueError as e:
+            raise ValueError(f"Monitor(mlflow=True): {e}") from None
         self._client = MlflowClient(tracking_uri=uri)
         name = experiment or "flash_forensics"
         exp = self._client.get_experiment_by_name(name)
@@ -210,6 +243,7 @@ class Monitor:
             self._host = {}
         for st in self.states:
             st.probe = False
+        self._closed = True
         if self._client is not None and self.run_id is not None:
             self._client.set_terminated(self.run_id, status)
             self._client = None

@@ -33,6 +33,7 @@ scaled_dot_product_attention`) keeps torch's.
 """
 from __future__ import annotations
 
+import math
 from contextlib import contextmanager
 from typing import Iterator, Optional
 
@@ -196,8 +197,9 @@ def attend(q, k, v, cfg: AttentionKnobs, attn_mask=None, dropout_p: float = 0.0,
         tri = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril()
         attn_mask, is_causal = (tri & key_keep.to(torch.bool)[:, None, :])[:, None], False
     keep, bias, dead = _masks(attn_mask, B, H, Tq, Tk)
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
-        raise ValueError(f"scale={scale!r} is not allowed: expected a number > 0 or None (1/sqrt(D))")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
+                              or not math.isfinite(scale) or scale <= 0):  # named as the caller typed it
+        raise ValueError(f"scale={scale!r} is not allowed: expected a finite number > 0 or None (1/sqrt(D))")
     plain = is_causal and Tq == Tk and scale is None and keep is None  # the emulator's own path, op for op
     masking = None if plain else Masking(causal=is_causal, keep=keep, bias=bias, scale=scale)
     # plain causal calls (and causal calls with key padding) on CUDA go to the Triton kernels when they compute

@@ -17,6 +17,7 @@ import sys
 import warnings
 from typing import Dict, Optional
 
+from flash_forensics.kernels.checks import is_int
 from flash_forensics.monitor import Monitor
 
 
@@ -56,6 +57,11 @@ def _callback_class():
 
         def __init__(self, log_every: Optional[int] = None, wq_every: int = 50, mlflow: bool = False,
                      into_logs: bool = True, **mlflow_kw):
+            for key, value, ok in (("log_every", log_every, log_every is None or is_int(log_every, 1)),
+                                   ("wq_every", wq_every, is_int(wq_every, 1))):
+                if not ok:  # refused here, not when training starts
+                    raise ValueError(f"TrainerCallback.{key}={value!r} is not allowed: expected an integer > 0"
+                                     + (" or None (TrainingArguments.logging_steps)" if key == "log_every" else ""))
             self.log_every, self.wq_every, self.mlflow, self.mlflow_kw = log_every, wq_every, mlflow, mlflow_kw
             self.into_logs = into_logs
             self.monitor: Optional[Monitor] = None

@@ -75,10 +75,17 @@ def parse_operand(text: str) -> float:
             if bits >> 32:
                 raise ValueError
             return f32_from_bits(bits)
-        return float(t)
+        x = float(t)
     except ValueError:
         raise ValueError(f"{text!r} is not an operand: expected a decimal number (-2.40), 32 binary digits (FP32 "
                          "bits) or 0x-hex FP32 bits (0xc01a0e2e)") from None
+    if not math.isfinite(x) or abs(x) > FP32_MAX:  # the explanation starts from the FP32 bits
+        raise ValueError(f"{text!r} is not an operand: expected a finite number within FP32's range "
+                         f"(|x| <= {FP32_MAX:.8g})")
+    return x
+
+
+FP32_MAX = 3.4028234663852886e38
 
 
 def _operand(name: str):
@@ -272,6 +279,14 @@ def format_add(x: AddExplanation) -> str:
         f"{x.torch_fp32_then_bf16!r}" + ("" if x.torch_fp32_then_bf16 == x.bf16 else
                                          "  (differs: double rounding through FP32)"),
     ]
+    if not math.isfinite(x.bf16) or abs(x.bf16) >= spec.max and abs(x.exact) > spec.max:
+        lines.append(f"overflow: |exact sum| {abs(x.exact):.6g} rounds past {F}'s largest finite value {spec.max:.6g}: "
+                     + (f"the result saturates at {spec.max:.6g}" if spec.saturates else "the result is inf")
+                     + "; the steps above assume a finite result")
+    elif 0 < abs(x.exact) < 2.0 ** spec.emin:
+        lines.append(f"subnormal: |exact sum| {abs(x.exact):.6g} is below {F}'s smallest normal 2^{spec.emin}: the "
+                     f"result rounds to a multiple of 2^{spec.emin - spec.frac} (fewer significant bits), not at the "
+                     "bit step 4 names")
     if x.error < 0 < abs(x.exact) and x.exact < 0:
         lines.append("the rounding made a negative sum more negative: a negative error, the bias of claim 3")
     return "\n".join(lines)
@@ -407,6 +422,9 @@ def pv_trace(p_row, v_col, accumulate: str = "fp32", fmt: str = "bf16") -> PVTra
     return PVTrace(err=err, step=step, is_one=(fed == 1.0).numpy(), accumulate=accumulate)
 
 
+MAX_LENGTH = 1 << 20  # key positions of a generated row: one attention row, traced element by element
+
+
 def example_row(length: int = 1024, ones: int = 16, seed: int = 0):
     """A row like the failing head's: several P̄ = 1 (repeated maxima), the rest small, V mostly negative.
 
@@ -425,20 +443,44 @@ def example_row(length: int = 1024, ones: int = 16, seed: int = 0):
 
 
 def load_row(path: str, p_key: str = "p", v_key: str = "v"):
-    """P̄ row and V column from .pt ({p_key, v_key} dict or a (2, T) tensor), .npy ((2, T)) or .npz (keys)."""
+    """P̄ row and V column from .pt ({p_key, v_key} dict or a (2, T) tensor), .npy ((2, T)) or .npz (keys); checked:
+    two finite vectors of one length, P̄ in [0, 1] (a softmax numerator exp(s - max))."""
     f = Path(path)
-    if f.suffix == ".pt":
-        obj = torch.load(f, map_location="cpu", weights_only=True)
-        if isinstance(obj, dict):
-            return obj[p_key], obj[v_key]
-        return obj[0], obj[1]
-    if f.suffix == ".npz":
-        z = np.load(f)
-        return z[p_key], z[v_key]
-    if f.suffix == ".npy":
-        a = np.load(f)
-        return a[0], a[1]
-    raise ValueError(f"--input={path!r} is not allowed: expected a .pt, .npy or .npz file")
+    if f.suffix not in (".pt", ".npz", ".npy"):
+        raise ValueError(f"--input={path!r} is not allowed: expected a .pt, .npy or .npz file")
+    if not f.is_file():
+        raise ValueError(f"--input={path!r}: no such file")
+    try:
+        if f.suffix == ".pt":
+            obj = torch.load(f, map_location="cpu", weights_only=True)
+            p, v = (obj[p_key], obj[v_key]) if isinstance(obj, dict) else _pair(obj, path)
+        elif f.suffix == ".npz":
+            z = np.load(f)
+            p, v = z[p_key], z[v_key]
+        else:
+            p, v = _pair(np.load(f), path)
+    except KeyError as e:
+        raise ValueError(f"--input={path!r} has no entry {e} (name them with --p-key / --v-key)") from None
+    except (OSError, RuntimeError, ValueError, EOFError) as e:
+        if str(e).startswith("--input"):
+            raise
+        raise ValueError(f"--input={path!r} is not readable as {f.suffix} ({type(e).__name__}: {e})") from None
+    p = np.asarray(p, dtype=np.float64).reshape(-1)
+    v = np.asarray(v, dtype=np.float64).reshape(-1)
+    if not (np.isfinite(p).all() and np.isfinite(v).all()):
+        raise ValueError(f"--input={path!r} is not allowed: it holds non-finite values (NaN or inf)")
+    if p.size and (p.min() < 0 or p.max() > 1):
+        raise ValueError(f"--input={path!r} is not allowed: P̄ is outside [0, 1] ({p.min():g}..{p.max():g}); expected "
+                         "a softmax numerator exp(s - max)")
+    return p, v
+
+
+def _pair(a, path: str):
+    """The two rows of a (2, T) array or tensor."""
+    if getattr(a, "ndim", None) != 2 or a.shape[0] != 2:
+        raise ValueError(f"--input={path!r} is not allowed: shape {tuple(getattr(a, 'shape', ()))}, expected (2, T) "
+                         "(P̄ row, V column)")
+    return a[0], a[1]
 
 
 def plot_trace(tr: PVTrace, out: str, title: str = "") -> Path:
@@ -523,18 +565,23 @@ def main(argv=None) -> int:
             print_example(args.format)
         return 0
     if args.input:
-        p, v = load_row(args.input, args.p_key, args.v_key)
+        try:
+            p, v = load_row(args.input, args.p_key, args.v_key)
+        except ValueError as e:
+            raise SystemExit(str(e)) from None
         title = f"P̄V cumulative error: {args.input}"
     else:
-        if args.length <= 0 or not 0 <= args.ones <= args.length:
-            raise SystemExit(f"--length={args.length} --ones={args.ones}: expected length > 0 and 0 <= ones <= length")
+        if not 0 < args.length <= MAX_LENGTH or not 0 <= args.ones <= args.length:
+            raise SystemExit(f"--length={args.length} --ones={args.ones}: expected 0 < length <= {MAX_LENGTH} (one "
+                             "attention row) and 0 <= ones <= length")
         p, v = example_row(args.length, args.ones, args.seed)
         title = f"P̄V cumulative error: generated row (seed {args.seed}, {args.ones} x P̄ = 1)"
     tr = pv_trace(p, v, args.accumulate, args.format)
     png = plot_trace(tr, args.out, title)
     s = dict(tr.summary(), png=str(png))
-    if args.json:
-        print(json.dumps(s, indent=2))
+    if args.json:  # strict JSON: an undefined share (no error anywhere) is null, not NaN
+        print(json.dumps({k: (None if isinstance(x, float) and not math.isfinite(x) else x) for k, x in s.items()},
+                         indent=2))
     else:
         print(f"positions {s['positions']}, accumulation {s['accumulate']}, total error {s['total_error']!r}")
         print(f"{'':12s}{'sum':>14s}{'count':>8s}{'mean':>14s}")

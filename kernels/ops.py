@@ -118,7 +118,7 @@ def _flash_fwd_fake(q, k, v, repeated_max_rows, max_logit, underflow_rows, sfa_p
     recipe, tiling, bq, bk, _softmax, _beta, _eps, _delta, pv, heads, rounding, _gemm, clamp, *_ = parse_spec(spec)
     mask = rounding if rounding >= 0 else tf.round_mask(_knobs(recipe, tiling, bq, bk, pv_fp32=pv))
     ties = (B, H, T, tf.tie_words(T)) if clamp else (0,)
-    return (q.new_empty((B, H, T, D), dtype=tf.saved_o_dtype(mask, heads)),
+    return (tf.empty_like_order(q, (B, H, T, D), tf.saved_o_dtype(mask, heads)),
             q.new_empty((B, H, T), dtype=torch.float32), q.new_empty(ties, dtype=torch.uint8))
 
 
@@ -133,8 +133,9 @@ def flash_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 
 @flash_bwd.register_fake
 def _flash_bwd_fake(do, q, k, v, o, lse, key_keep, ties, spec):
-    shape = q.shape
-    return (q.new_empty(shape), k.new_empty(shape, dtype=k.dtype), v.new_empty(shape, dtype=v.dtype))
+    shape = tuple(q.shape)  # as tf._backward allocates them: dV in dK's order (one set of strides for both)
+    return (tf.empty_like_order(q, shape, q.dtype), tf.empty_like_order(k, shape, k.dtype),
+            tf.empty_like_order(k, shape, v.dtype))
 
 
 class FlashAttention(torch.autograd.Function):

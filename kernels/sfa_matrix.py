@@ -114,9 +114,12 @@ def markdown(rows: List[Dict]) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, help="write the Markdown table here (else print it)")
+    ap = argparse.ArgumentParser(prog="flash-forensics sfa-matrix", description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, help="write the Markdown table to this file (else print it)")
     args = ap.parse_args(argv)
+    if args.out is not None and args.out.is_dir():
+        ap.error(f"--out={str(args.out)!r} is not allowed: it is a folder; expected a file path (e.g. "
+                 f"{args.out / 'sfa_edge_matrix.md'})")
     text = markdown(matrix())
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -211,6 +211,19 @@ def key_padding(key_keep, B: int, T: int, dev):
     return kp, first.expand(B).contiguous(), True
 
 
+def empty_like_order(like: torch.Tensor, shape, dtype) -> torch.Tensor:
+    """An empty (B, H, T, D) tensor in `like`'s memory order, as SDPA allocates its outputs: (B, T, H, D)-ordered
+    when `like` is (the view of a fused QKV projection, `qkv.view(B, T, H, D).transpose(1, 2)`), contiguous otherwise.
+    In (B, T, H, D) order the model's `O.transpose(1, 2)` to (B, T, H*D) and autograd's dQ/dK/dV back to the
+    projection are views, not the strided copies (2 ms of a GPT-2S B16 T1024 step on an H200) they were when the
+    kernels wrote (B, H, T, D). The kernels take strides, so only the address of each element changes. The ops' fake
+    implementations call this too: compiled graphs must see the strides the kernels write."""
+    B, H, T, D = shape
+    if like.stride(1) < like.stride(2):
+        return like.new_empty((B, T, H, D), dtype=dtype).transpose(1, 2)
+    return like.new_empty((B, H, T, D), dtype=dtype)
+
+
 def tie_words(T: int) -> int:
     """Bytes per query row of pbar_clamp's tie bits: 8 keys a byte, rows padded to whole 128-key tiles (every tile
     size divides 128, so a forward tile never writes past its row)."""
@@ -247,7 +260,7 @@ def _forward(q, k, v, knobs: AttentionKnobs, rep=None, maxl=None, probe: bool = 
     kp, first, keypad = key_padding(key_keep, B, T, dev)
     mask = round_mask(knobs)
     ofp32, has_ofp32 = _ofp32_flags(knobs, H, dev)
-    o = torch.empty((B, H, T, D), device=dev, dtype=saved_o_dtype(mask, knobs.fp32_o_heads(H)))
+    o = empty_like_order(q, (B, H, T, D), saved_o_dtype(mask, knobs.fp32_o_heads(H)))
     lse = torch.empty((B, H, T), device=dev, dtype=torch.float32)
     counters = rep is not None
     if not counters:  # unused pointers still need a tensor
@@ -319,9 +332,9 @@ def _backward(do, q, k, v, o, lse, knobs: AttentionKnobs, key_keep=None, ties=No
     ofp32, has_ofp32 = _ofp32_flags(knobs, H, q.device)
     (m1, n1), (m2, n2), warps, stages = _bwd_blocks(knobs, D, T)
     delta = torch.empty_like(lse)
-    dq = torch.empty((B, H, T, D), device=q.device, dtype=q.dtype)  # gradients in the inputs' dtypes
-    dk = torch.empty((B, H, T, D), device=q.device, dtype=k.dtype)
-    dv = torch.empty((B, H, T, D), device=q.device, dtype=v.dtype)
+    dq = empty_like_order(q, (B, H, T, D), q.dtype)  # gradients in the inputs' dtypes and memory orders
+    dk = empty_like_order(k, (B, H, T, D), k.dtype)
+    dv = empty_like_order(k, (B, H, T, D), v.dtype)  # k's order: the dK/dV kernel writes both with dK's strides
     dbm, dbn = (16, 16) if _interpret() else (32, 32) if recipe == 0 and knobs.fp32_gemm == "ieee" else (64, 64)
     _k._bwd_delta_kernel[(_cdiv(T, dbm), B * H)](
         q, k, v, o, do, lse, delta, ofp32, kp, first, ties,

@@ -3,14 +3,18 @@
 #   bash scripts/gpu.sh TASK [ARGS ...]
 # Tasks:
 #   check        the machine, the versions, every import the runs need, the offline corpus and tokenizer
-#   tests        the GPU tests: pytest -m gpu tests (WORKERS xdist workers, default 6)
+#   tests [PATHS ...]
+#                the GPU tests: pytest -m gpu tests (or PATHS, e.g. tests/unit/test_ops.py; WORKERS xdist workers,
+#                default 6)
 #   patch-tests PATCH [TESTS ...]
 #                the GPU tests of a change not on this tree yet (a branch: `git diff main...BRANCH > PATCH`): this
 #                tree's TESTS first, then the same TESTS in a copy with PATCH applied (default TESTS: the kernel
-#                tests, PATCH_TESTS); logs pytest_here.log and pytest_patched.log; exit 0 only when both pass
+#                tests, PATCH_TESTS); logs pytest_here.log and pytest_patched.log; exit 0 only when both pass;
+#                SKIP_HERE=1: the patched copy's only
 #   speed        attention fwd+bwd side by side (benchmarks/attention.py; TUNE=1 times launch configs first), the
 #                host's time per call against the GPU's (benchmarks/host_overhead.py) and the GPT-2S training step
-#                (benchmarks/train_step.py); SPEED_PARTS="host train1024" runs only those
+#                (benchmarks/train_step.py); SPEED_PARTS="host train1024" runs only those; SPEED_PARTS=cudagraphs:
+#                the training step under torch.compile(mode="reduce-overhead") beside the default compile
 #   bench        the other benchmarks: emulator vs SDPA, monitor overhead, probe cost, stabilizer throughput
 #                (benchmarks/stabilizers.py in a budget: STAB_BENCH_SECONDS, default 100)
 #   stabilizer-cost
@@ -40,6 +44,13 @@
 #                one lease's work on one GPU, in the background: quiet benchmarks, then the miniature's rounding-point
 #                and stabilizer forks beside the paper_1gpu seeds, then the GPU tests; `status` prints progress,
 #                `collect` packs reports, logs and MLflow stores into $OUT
+#   queue start 'TASK [ARGS]' ['VAR=VALUE TASK [ARGS]' ...] | wait [SECONDS] | collect
+#                (each item shell words: "SPEED_PARTS='attention train1024' speed")
+#                gpu.sh tasks one after another in the background (from a copy of the tree taken at start), so that
+#                a lease's calls only wait and bring back: `start` queues them and returns; `wait SECONDS` (default
+#                540) prints progress until the queue ends or SECONDS pass, then collects; `collect` packs every
+#                task's output so far ($Q/out: its logs, JSONs, reports) into $OUT/queue-out.tar.xz. A task that fails
+#                is said in the queue's status and the next one starts. Q (default /tmp/queue) holds it all
 #   wheels       on a machine WITH a network and a python3.12: .whl/site-py312.tar.xz, the packages the GPU image
 #                lacks (../shared/gpu/wheels.sh's list), installed and packed for setup below
 #   stage [data=NAME ...]
@@ -101,10 +112,12 @@ PATCH_TESTS="tests/unit/test_triton_stabilizers.py tests/unit/test_ops.py tests/
   tests/unit/test_rounding_points.py tests/unit/test_sdpa_dropin.py tests/integration/test_hf_fast_path.py
   tests/integration/test_compile_faithful.py"
 
-gpu_tests() {  # $1: log file
-  timeout "${TEST_TIMEOUT:-420}" $PY -m pytest -q -m gpu tests -n "${WORKERS:-6}" -p no:cacheprovider -o addopts="-ra" \
-    > "$1" 2>&1
-  local rc=$?; tail -15 "$1"; return $rc
+gpu_tests() {  # $1: log file, then the test paths (default: tests)
+  local log=$1; shift
+  [ $# -gt 0 ] || set -- tests
+  timeout "${TEST_TIMEOUT:-420}" $PY -m pytest -q -m gpu "$@" -n "${WORKERS:-6}" -p no:cacheprovider -o addopts="-ra" \
+    > "$log" 2>&1
+  local rc=$?; tail -15 "$log"; return $rc
 }
 
 case "$task" in
@@ -124,7 +137,7 @@ EOF
     ;;
   tests)
     setup; logdir tests
-    gpu_tests "$LOG/pytest_gpu.log"
+    gpu_tests "$LOG/pytest_gpu.log" "$@"
     ;;
   patch-tests)
     patch=${1:-}; [ -n "$patch" ] && shift || die "usage: gpu.sh patch-tests PATCH [TESTS ...]"
@@ -133,7 +146,9 @@ EOF
     sel=("$@"); [ ${#sel[@]} -gt 0 ] || sel=($PATCH_TESTS)
     setup; logdir patch-tests; rc=0
     here=(); for t in "${sel[@]}"; do [ -e "${t%%::*}" ] && here+=("$t"); done  # a file the patch adds is not here yet
-    if [ ${#here[@]} -gt 0 ]; then
+    if [ ${#here[@]} -gt 0 ] && [ "${SKIP_HERE:-0}" = 1 ]; then
+      echo "[patch-tests] this tree's tests skipped (SKIP_HERE=1: e.g. \`tests\` ran them in this lease)"
+    elif [ ${#here[@]} -gt 0 ]; then
       echo "[patch-tests] this tree: ${here[*]}"
       timeout "${TEST_TIMEOUT:-420}" $PY -m pytest -q -m gpu "${here[@]}" -n "${WORKERS:-4}" -p no:cacheprovider \
         -o addopts="-ra" > "$LOG/pytest_here.log" 2>&1; r=$?; [ $r = 0 ] || [ $r = 5 ] || rc=1  # 5: no gpu test there
@@ -152,23 +167,33 @@ EOF
     echo "[patch-tests] exit $rc"; exit $rc
     ;;
   speed)
-    # SPEED_PARTS (default "attention host train1024 train256"): which benchmarks run, in this order
+    # SPEED_PARTS (default "attention host train1024 train256"; also "cudagraphs"): which benchmarks run, in this order
     setup; logdir speed; rc=0; parts=" ${SPEED_PARTS:-attention host train1024 train256} "
     if [[ $parts == *" attention "* ]]; then
-    timeout "${ATTN_TIMEOUT:-240}" $PY benchmarks/attention.py ${TUNE:+--tune} --rounds 3 --out "$LOG/attention.json" \
+    # ATTN_LAYOUT=bthd: q, k, v as the model makes them (views of the fused QKV projection; benchmarks/attention.py)
+    timeout "${ATTN_TIMEOUT:-300}" $PY benchmarks/attention.py ${TUNE:+--tune} ${ATTN_LAYOUT:+--layout "$ATTN_LAYOUT"} \
+      --rounds 3 --out "$LOG/attention${ATTN_LAYOUT:+-$ATTN_LAYOUT}.json" \
       > "$LOG/attention.log" 2>&1 || rc=1
     grep -E "^\|" "$LOG/attention.log"
     fi
     if [[ $parts == *" host "* ]]; then
-    timeout "${HOST_TIMEOUT:-120}" $PY benchmarks/host_overhead.py --device cuda --out "$LOG/host_overhead.json" \
-      > "$LOG/host_overhead.log" 2>&1 || rc=1
+    # two knob sets: each compiles its four kernels first (cold Triton cache: tens of seconds)
+    timeout "${HOST_TIMEOUT:-240}" $PY benchmarks/host_overhead.py --device cuda --knobs "${HOST_KNOBS:-fa2,paper_bf16_counters}" \
+      --out "$LOG/host_overhead.json" > "$LOG/host_overhead.log" 2>&1 || rc=1
     grep '"shape"' "$LOG/host_overhead.log" | cut -c1-200
     fi
     if [[ $parts == *" train1024 "* ]]; then
     # every variant built first, then round-robin (benchmarks/train_step.py); 4 compiles take most of the time
-    timeout "${TRAIN_TIMEOUT:-300}" $PY benchmarks/train_step.py --shapes 16x1024 --steps 24 --rounds 4 \
+    timeout "${TRAIN_TIMEOUT:-420}" $PY benchmarks/train_step.py --shapes 16x1024 --steps 24 --rounds 4 \
       --variants sdpa+compile,triton_fa2+compile,triton_paper_bf16+compile,paper_1gpu+compile,sdpa,triton_fa2,triton_paper_bf16,paper_1gpu \
       --out "$LOG/train_T1024.json" > "$LOG/train_T1024.log" 2>&1 || rc=1
+    fi
+    if [[ $parts == *" cudagraphs "* ]]; then
+    # torch.compile(mode="reduce-overhead") against the default compile: does taking the host off the critical
+    # path close the gap to SDPA + compile, and does paper_1gpu stay bit for bit with its eager twin
+    timeout "${TRAIN_TIMEOUT:-420}" $PY benchmarks/train_step.py --shapes 16x1024 --steps 24 --rounds 4 \
+      --variants sdpa+compile,sdpa+cudagraphs,triton_fa2+compile,triton_fa2+cudagraphs,paper_1gpu+cudagraphs,paper_1gpu \
+      --out "$LOG/train_T1024_cudagraphs.json" > "$LOG/train_T1024_cudagraphs.log" 2>&1 || rc=1
     fi
     if [[ $parts == *" train256 "* ]]; then
     timeout "${TRAIN_TIMEOUT:-300}" $PY benchmarks/train_step.py --shapes 32x256 --steps 24 --rounds 4 \
@@ -431,9 +456,10 @@ EOF
     #   gpu.sh scratch-table run [SECONDS]  start, wait, collect in ONE call that ends within SECONDS (default 560)
     R=${R:-/tmp/scratch}; mode=${1:-start}
     alive() { [ -f "$R/plan.pid" ] && kill -0 "$(cat "$R/plan.pid")" 2>/dev/null; }
+    tests_alive() { [ -f "$R/tests.pid" ] && kill -0 "$(cat "$R/tests.pid")" 2>/dev/null; }  # TESTS_PATCH's
     if [ "$mode" = run ]; then
       t_run=$(date +%s); budget=${2:-560}; self=$ROOT/scripts/gpu.sh
-      rm -f "$R/plan.pid"; bash "$self" scratch-table start
+      rm -f "$R/plan.pid" "$R/tests.pid"; bash "$self" scratch-table start
       [ -f "$R/plan.pid" ] || die "start failed: no plan was started"
       bash "$self" scratch-table wait $(( budget - ($(date +%s) - t_run) - 45 ))
       bash "$self" scratch-table collect
@@ -449,20 +475,23 @@ EOF
       if [ -n "${TESTS_PATCH:-}" ]; then  # beside the runs: they only slow each other down
         setsid nohup env OUT="$R/tests" PATCHED="$R/patched" bash scripts/gpu.sh patch-tests "$(cd "$ROOT" && realpath "$TESTS_PATCH")" \
           > "$R/patch_tests.log" 2>&1 < /dev/null &
+        echo $! > "$R/tests.pid"
       fi
       sleep 5; head -3 "$R/plan.log" | cut -c1-300
     elif [ "$mode" = wait ]; then
       end=$(( $(date +%s) + ${2:-540} ))
-      while alive && [ "$(date +%s)" -lt "$end" ]; do sleep 5; done
+      while { alive || tests_alive; } && [ "$(date +%s)" -lt "$end" ]; do sleep 5; done
       (grep -a "^\[paper_scratch" "$R/plan.log" || true) | tail -7 | cut -c1-220
       echo "[scratch-table $(date -u +%T)] GPU $(nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader | tr -d '\n')"
       [ -f "$R/patch_tests.log" ] && grep -a "^\[patch-tests\]\| passed\| failed" "$R/patch_tests.log" | tail -4
+      tests_alive && echo "[scratch-table] patch tests still running"
       alive && echo "[scratch-table] still running" || echo "[scratch-table] plan ended"
     elif [ "$mode" = collect ]; then
       : "${OUT:?collect writes into \$OUT}"
       cd "$R/src" || die "no $R/src"; setup
       state=ended; alive && state=running
       echo "[scratch-table] plan $state after $(( $(date +%s) - $(cat "$R/plan.t0") )) s" | tee -a "$R/plan.log"
+      tests_alive && echo "[scratch-table] patch tests still running: their logs so far come back"
       if [ "$state" = running ]; then  # the finished runs' rows (a running one has no result.json yet; the export
         dirs=()                         # below has every run's history so far)
         for d in "$R"/runs/*/; do [ -f "$d/result.json" ] && dirs+=("${d%/}"); done
@@ -482,6 +511,74 @@ EOF
     else
       die "usage: gpu.sh scratch-table start|wait [SECONDS]|collect|run [SECONDS]"
     fi
+    ;;
+  queue)
+    Q=${Q:-/tmp/queue}; mode=${1:-}; shift || true
+    qalive() { [ -f "$Q/queue.pid" ] && kill -0 "$(cat "$Q/queue.pid")" 2>/dev/null; }
+    qstatus() {
+      echo "[queue $(date -u +%T)] GPU $(nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader \
+        2>/dev/null | tr -d '\n'); disk $(df -h "$Q" | awk 'END {print $4}') free"
+      cat "$Q/status" 2>/dev/null
+      local cur; cur=$(ls -t "$Q"/out/*.log 2>/dev/null | head -1)
+      if qalive && [ -n "$cur" ]; then
+        echo "  now: $(basename "$cur" .log): $(tail -c 2000 "$cur" | tr '\r' '\n' | grep -v '^\s*$' | tail -1 | cut -c1-200)"
+      fi
+    }
+    case "$mode" in
+      start)
+        [ $# -gt 0 ] || die "usage: gpu.sh queue start 'TASK [ARGS]' ['VAR=VALUE TASK [ARGS]' ...]"
+        qalive && die "a queue is running in $Q: wait for it, or kill -- -\$(cat $Q/queue.pid)"
+        for item in "$@"; do  # every item names a task of this script, before anything starts
+          eval "w=($item)" 2>/dev/null || die "queue item '$item': not shell words (unbalanced quotes?)"; i=0
+          while [ $i -lt ${#w[@]} ] && [[ ${w[$i]} =~ ^[A-Za-z_][A-Za-z0-9_]*= ]]; do i=$((i+1)); done
+          [ $i -lt ${#w[@]} ] && grep -q "^  ${w[$i]})" "$0" && [ "${w[$i]}" != queue ] \
+            || die "queue item '$item': no gpu.sh task in it (the tasks: the header of scripts/gpu.sh)"
+        done
+        rm -rf "$Q"; mkdir -p "$Q/out" "$Q/src" || die "cannot make $Q"
+        cp -a . "$Q/src" 2>/dev/null; printf '%s\n' "$@" > "$Q/items"
+        # its own session (setsid -f: always a new process, whatever this one's group), so it outlives this call; it
+        # writes its pid, which is its process group's: `kill -- -PID` stops it and its task
+        setsid -f nohup bash "$Q/src/scripts/gpu.sh" queue _run > "$Q/queue.log" 2>&1 < /dev/null
+        for _ in $(seq 50); do [ -s "$Q/queue.pid" ] && break; sleep 0.1; done
+        [ -s "$Q/queue.pid" ] || die "the queue's runner did not start: $Q/queue.log"
+        echo "[queue] started $# tasks in $Q (pid $(cat "$Q/queue.pid")):"; sed 's/^/  /' "$Q/items"
+        ;;
+      _run)  # the runner (started by `start`, in the copy): each item in turn, its output in $Q/out/<n>-<task>
+        echo $$ > "$Q/queue.pid"; n=0
+        while IFS= read -r item; do
+          n=$((n+1)); eval "w=($item)"; envs=(); i=0  # shell words: VAR='a b' keeps its space
+          while [[ ${w[$i]} =~ ^[A-Za-z_][A-Za-z0-9_]*= ]]; do envs+=("${w[$i]}"); i=$((i+1)); done
+          name="$n-${w[$i]}"; t=$(date +%s)
+          echo "  $name: running since $(date -u +%T) ($item)" >> "$Q/status"
+          env "${envs[@]}" OUT="$Q/out/$name" bash scripts/gpu.sh "${w[@]:$i}" > "$Q/out/$name.log" 2>&1
+          rc=$?
+          sed -i "s|^  $name: running since .*|  $name: exit $rc after $(( $(date +%s) - t )) s ($item)|" "$Q/status"
+        done < "$Q/items"
+        echo "  queue ended at $(date -u +%T)" >> "$Q/status"
+        ;;
+      wait)
+        [ -d "$Q" ] || die "no queue in $Q (gpu.sh queue start first)"
+        end=$(( $(date +%s) + ${1:-540} )); next=0
+        while qalive && [ "$(date +%s)" -lt "$end" ]; do
+          [ "$(date +%s)" -ge "$next" ] && { qstatus; next=$(( $(date +%s) + 60 )); }
+          sleep 5
+        done
+        qstatus; qalive && echo "[queue] still running" || echo "[queue] ended"
+        bash "$0" queue collect
+        ;;
+      collect)
+        : "${OUT:?collect writes into \$OUT}"
+        [ -d "$Q/out" ] || die "no queue output in $Q"
+        # files under 12 MB (checkpoints and stores stay here); one archive, cut into 15 MB parts if it must be
+        (cd "$Q" && find out status items queue.log -type f -size -12M 2>/dev/null | grep -v '\.pt$' > "$Q/files" \
+          && tar -cJf "$OUT/queue-out.tar.xz" -T "$Q/files") || die "packing $Q/out failed"
+        if [ "$(stat -c %s "$OUT/queue-out.tar.xz")" -gt 15000000 ]; then
+          split -b 15M -d "$OUT/queue-out.tar.xz" "$OUT/queue-out.tar.xz.part" && rm "$OUT/queue-out.tar.xz"
+        fi
+        echo "[queue] collected $(wc -l < "$Q/files") files: $(du -sh "$OUT" | cut -f1)"
+        ;;
+      *) die "usage: gpu.sh queue start 'TASK [ARGS]' ... | wait [SECONDS] | collect" ;;
+    esac
     ;;
   wheels)
     # on a machine with a network: the packages the GPU image lacks, for its Python 3.12, as ONE .whl/site-py312.tar.xz

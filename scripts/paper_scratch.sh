@@ -13,7 +13,12 @@
 # Env, each optional:
 #   SEED          train.seed = data.seed (1: seed 1 diverges at step 2,288, the earliest of the three seeds measured)
 #   MAX_STEPS     steps per run (2598 = seed 1's divergence + 310; seed 2: 4652, seed 1337: 10007)
-#   INTERVENTIONS the stabilizers sweep's runs ("baseline fp32 qk_norm gated_attn", sweeps/stabilizers_scratch)
+#   INTERVENTIONS the stabilizers sweep's runs ("baseline fp32 qk_norm gated_attn", sweeps/stabilizers_scratch);
+#                 "qk_norm gated_attn" when a report of the same seed already holds the baseline and the FP32 reference:
+#                 a baseline is deterministic (seed 1's, run again here on 2026-12-05, logged the val losses of the
+#                 2026-12-04 lease's at steps 500, 1,000 and 1,500 digit for digit), and `flash-forensics stabilizers`
+#                 takes steps gained from that report's baseline (same experiment and seeds): two runs share the GPU,
+#                 not four (four shared one H200 at 2.7-4.0 it/s each)
 #   LRS           baselines at these learning rates (lr = min_lr, the preset's constant schedule; "5e-4"; "" none)
 #   EXPERIMENT    the preset (paper_1gpu)        ROOT  where everything goes (results/runs/paper_scratch/<date>)
 #   STOP_AFTER    a run stops this many steps after its divergence (20: nothing more is needed of it)

@@ -288,15 +288,15 @@ def verdict(att: dict) -> dict:
     both = [p for p in removes if p in repro]
     for p in both:
         parts.append(f"the bias needs BF16 at `{p}`: lifting it alone removes it (t {b['t']:.1f} -> "
-                     f"{by[p]['lift']['t']:.1f}) and rounding it alone in FP32 reproduces "
+                     f"{by[p]['lift']['t']:.1f}) and rounding it alone to BF16 (the rest FP32) reproduces "
                      f"{100 * _moves(by[p]['round'], ref, excess):.0f}% of it (t = {by[p]['round']['t']:.1f})")
     for p in removes:
         if p not in both:
             parts.append(f"lifting `{p}` alone removes it (t {b['t']:.1f} -> {by[p]['lift']['t']:.1f})")
     for p in repro:
         if p not in both:
-            parts.append(f"rounding `{p}` alone in FP32 reproduces {100 * _moves(by[p]['round'], ref, excess):.0f}% "
-                         f"of it (t = {by[p]['round']['t']:.1f})")
+            parts.append(f"rounding `{p}` alone to BF16 (the rest FP32) reproduces "
+                         f"{100 * _moves(by[p]['round'], ref, excess):.0f}% of it (t = {by[p]['round']['t']:.1f})")
     if not parts:
         parts.append("no single rounding point explains it (no lift alone removes it, no rounding alone "
                      "reproduces it)")

@@ -24,6 +24,8 @@ def _heads(s: str) -> List[int]:
                                          "e.g. 0,3") from None
     if not out or any(h < 0 for h in out):
         raise argparse.ArgumentTypeError(f"--heads={s!r} is not allowed: expected head numbers >= 0")
+    if len(set(out)) < len(out):
+        raise argparse.ArgumentTypeError(f"--heads={s!r} is not allowed: expected each head once")
     return out
 
 
@@ -52,6 +54,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         ap.error(f"--top={args.top} is not allowed: expected an integer >= 1")
     if args.threads < 1:
         ap.error(f"--threads={args.threads} is not allowed: expected an integer >= 1")
+    if args.blind and args.no_fingerprint:
+        ap.error("--blind with --no-fingerprint is not allowed: --blind ignores the recipe the file names so that "
+                 "the fingerprint alone decides it; without a fingerprint nothing would")
     try:  # before the analysis (minutes): a bad path or store is said now, not after the work
         check_file(args.file)
         check_out(args.out or str(Path(args.file).parent))

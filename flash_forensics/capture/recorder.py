@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import datetime
 import math
+import numbers
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -66,6 +67,12 @@ class Recorder:
                  batch: Optional[int] = None):
         if heads is not None and worst is not None:
             raise ValueError("heads and worst are exclusive: name the heads, or ask for the `worst` N by tie count")
+        for key, value in (("layers", layers), ("heads", heads)):
+            if value is not None and (isinstance(value, (str, bytes)) or not all(
+                    isinstance(i, numbers.Integral) and not isinstance(i, bool) and i >= 0 for i in value)):
+                raise ValueError(f"capture {key}={value!r} is not allowed: expected a list of indices >= 0, or None")
+        if worst is not None and (isinstance(worst, bool) or not isinstance(worst, numbers.Integral) or worst < 1):
+            raise ValueError(f"capture worst={worst!r} is not allowed: expected an integer >= 1, or None")
         self.out_dir, self.layers = Path(out_dir), (None if layers is None else set(int(i) for i in layers))
         self.heads, self.worst, self.step = (None if heads is None else [int(h) for h in heads]), worst, step
         self.max_bytes, self.calls_per_layer, self.tag, self.say = max_bytes, calls_per_layer, tag, say
@@ -143,6 +150,12 @@ class Recorder:
         """Write every kept call (dO attached when its backward ran) and forget them; returns the new paths."""
         out = []
         kept, self.kept = self.kept, []
+        if not kept and self.say is not None and not self.paths:  # an empty capture is said, never silent
+            self.say("[capture] nothing captured: " + (
+                f"{self._calls} attention call(s) ran, none in layers={sorted(self.layers)} (calls through torch's "
+                "SDPA carry no layer number: drop layers to keep them by call order)" if self._calls else
+                "no attention call ran through flash_forensics in the block (a model on another attention; "
+                "sdpa=True also wraps torch's scaled_dot_product_attention)"))
         for c in kept:
             tensors = dict(c.tensors)
             if c.do:

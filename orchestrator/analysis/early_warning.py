@@ -36,15 +36,15 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from flash_forensics.orchestrator import record
-from flash_forensics.orchestrator.analysis.localize.source import _job_uri
-from flash_forensics.orchestrator.job.folder import read_job_start
 from flash_forensics.orchestrator.monitor import signals
 from flash_forensics.orchestrator.monitor.signals import ABOVE, SIGNALS
+from flash_forensics.orchestrator.report import fork_health
 from flash_forensics.orchestrator.report import readback as store
 from flash_forensics.orchestrator.report.fork_health import JUMP_NATS
 from flash_forensics.orchestrator.report.plots import _save, palette, plt
@@ -209,7 +209,13 @@ def _rows_of(source: str) -> List[Dict]:
     p = Path(source)
     report = p if p.suffix == ".json" else p / "verdicts.json"
     if report.is_file() and not (p / record.RESULT_FILE).is_file():
-        return list(json.loads(report.read_text()).get("runs") or [])
+        try:
+            doc = json.loads(report.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{report}: not valid JSON ({e}); expected a report's verdicts.json") from None
+        if not isinstance(doc, dict) or not isinstance(doc.get("runs", []), list):
+            raise ValueError(f"{report}: not a report's verdicts.json (expected an object with a list of runs)")
+        return list(doc.get("runs") or [])
     return rows_from_dirs([p])
 
 
@@ -219,11 +225,6 @@ def _label(source: str) -> str:
     if p.suffix == ".json":
         p = p.parent
     return p.parent.name if p.name in ("report", "report_source", "report_gpu") else p.name
-
-
-def _store_of(job_dir: Path) -> Optional[str]:
-    """The store a job logged to: its job.json (written at job start), else its Hydra config or sweep."""
-    return (read_job_start(job_dir) or {}).get("tracking_uri") or _job_uri(job_dir)
 
 
 def _is_store(source: str) -> bool:
@@ -265,6 +266,31 @@ def _replayed_divergence(history: Dict, r: Dict) -> Optional[int]:
     return det.divergence_step if det.diverged else None
 
 
+def _fill_fork_jumps(rows: List[Tuple[Dict, Optional[str]]], histories: Optional[Dict[str, Dict]],
+                     client_of) -> None:
+    """Forks read from job folders carry no fork_jump (a report computes it): computed here as the report does
+    (orchestrator/report/fork_health.py), the fork's loss at its fork step against its source run's."""
+    cache: Dict[Tuple[str, Optional[str]], list] = {}
+
+    def loss(rid: str, uri: Optional[str]):
+        if (rid, uri) not in cache:
+            try:
+                h = (histories or {}).get(rid) if histories is not None else store.history(
+                    client_of(uri), rid, (record.LOSS,))
+            except Exception:  # the store or run is gone: the jump stays unknown
+                h = None
+            cache[(rid, uri)] = fork_health._loss({rid: h or {}}, {"mlflow_run_id": rid})
+        return cache[(rid, uri)]
+
+    for r, uri in rows:
+        fs, src = r.get("fork_step"), r.get("source_run_id")
+        if not isinstance(fs, int) or r.get("fork_jump") is not None or not src or not r.get("mlflow_run_id"):
+            continue
+        m0, b0 = fork_health.loss_at(loss(r["mlflow_run_id"], uri), fs), fork_health.loss_at(loss(src, uri), fs)
+        if m0 is not None and b0 is not None:
+            r["fork_jump"] = m0 - b0
+
+
 def load(sources: Sequence[str] = (), tracking_uri: Optional[str] = None, experiment: Optional[str] = None,
          growth_window: int = 100, unfinished: bool = False,
          histories: Optional[Dict[str, Dict]] = None, keep_jumped: bool = False) -> Tuple[List[Run], List[str]]:
@@ -278,13 +304,21 @@ def load(sources: Sequence[str] = (), tracking_uri: Optional[str] = None, experi
             continue
         for r in _usable(_rows_of(src), skipped, unfinished):
             rows.append((dict(r, source_label=_label(src)),
-                         tracking_uri or (_store_of(Path(r["job_dir"])) if r.get("job_dir") else None)))
+                         tracking_uri or (store.job_store(Path(r["job_dir"])) if r.get("job_dir") else None)))
     names = [str(r.get("job") or r.get("mlflow_run_id")) for r, _ in rows]
     if len(set(names)) < len(names):  # several seeds' tables: 'baseline' in each, told apart by where they came from
         rows = [(dict(r, job=f"{r['source_label']}/{r.get('job') or r['mlflow_run_id']}") if "source_label" in r
                  else r, uri) for r, uri in rows]
     if experiment is not None and not any(_is_store(s) for s in sources):
         rows.extend(_store_rows(tracking_uri, experiment, skipped, unfinished))
+    clients: Dict[Optional[str], object] = {}
+
+    def client_of(uri: Optional[str]):  # one per store: client_for checks it (a server's health GET) once
+        if uri not in clients:
+            clients[uri] = store.client_for(uri)
+        return clients[uri]
+
+    _fill_fork_jumps(rows, histories, client_of)
     runs = []
     for r, uri in rows:
         name = str(r.get("job") or r["mlflow_run_id"])
@@ -301,7 +335,11 @@ def load(sources: Sequence[str] = (), tracking_uri: Optional[str] = None, experi
                 continue
             hist = {k: v for k, v in histories[r["mlflow_run_id"]].items() if k.startswith(keys)}
         else:
-            hist = store.history(store.client_for(uri), r["mlflow_run_id"], keys)
+            try:
+                hist = store.history(client_of(uri), r["mlflow_run_id"], keys)
+            except ValueError as e:  # its store is gone or lacks it: left out, said, the others still judged
+                skipped.append(f"{name}: {e}")
+                continue
         if r["observed"] == "unfinished" and (div := _replayed_divergence(hist, r)) is not None:
             skipped.append(f"{name}: unfinished, and its loss diverged at step {div} by its detector: no verdict")
             continue
@@ -441,8 +479,9 @@ def write(out: Path, runs: Sequence[Run], rows: Sequence[Row], chosen: Optional[
                      "last_step": r.last_step, "mlflow_run_id": r.run_id, "signals": sorted(r.series),
                      "group": r.group} for r in runs]}
     if folds:
+        per = {s: pooled(folds, s) for s in SIGNALS}
         doc["holdout"] = {"folds": [asdict(f) for f in folds], "pooled": pooled(folds),
-                          "per_signal": {s: pooled(folds, s) for s in SIGNALS if pooled(folds, s)["folds"]}}
+                          "per_signal": {s: p for s, p in per.items() if p["folds"]}}
     paths = {"md": out / "early_warning.md", "json": out / "early_warning.json"}
     paths["md"].write_text(markdown(rows, runs, chosen, skipped, growth_window, folds))
     paths["json"].write_text(record.dumps(doc))
@@ -459,7 +498,14 @@ def _extra(specs: Sequence[str]) -> Dict[str, List[float]]:
         if sig not in SIGNALS or not vals:
             raise SystemExit(f"--thresholds {spec!r} is not allowed: expected SIGNAL=a,b,... with SIGNAL one of "
                              f"{', '.join(SIGNALS)}")
-        out.setdefault(sig, []).extend(float(v) for v in vals.split(","))
+        try:
+            nums = [float(v) for v in vals.split(",")]
+        except ValueError:
+            nums = [math.nan]
+        if not all(math.isfinite(v) for v in nums):
+            raise SystemExit(f"--thresholds {spec!r} is not allowed: expected finite numbers a,b,... after "
+                             f"{sig}=")
+        out.setdefault(sig, []).extend(nums)
     return out
 
 
@@ -469,8 +515,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     "URIs (sqlite:///...: every job run in it, or of --experiment)")
     ap.add_argument("--tracking-uri", default=None, help="MLflow store (default: each job's own)")
     ap.add_argument("--experiment", default=None, help="read every run of this MLflow experiment")
-    ap.add_argument("--out", default="results/early_warning", help="folder for early_warning.{md,json,png}")
-    ap.add_argument("--growth-window", type=int, default=100, help="steps of wq_growth's d ln sigma / d step")
+    ap.add_argument("--out", default="results/early_warning",
+                    help="folder for early_warning.{md,json,png} (default: results/early_warning, under the current "
+                         "folder)")
+    ap.add_argument("--growth-window", type=int, default=100,
+                    help="steps of wq_growth's d ln sigma / d step (default: 100)")
     ap.add_argument("--thresholds", action="append", default=[], help="SIGNAL=a,b,...: extra thresholds")
     ap.add_argument("--histories", action="append", default=[], metavar="EXPORT.json.gz",
                     help="the runs' metric histories from a compact export (scripts/mlflow_export.py) instead of "
@@ -485,6 +534,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     a = ap.parse_args(argv)
     if not a.sources and a.experiment is None:
         ap.error("give report dirs or --experiment (with --tracking-uri)")
+    if a.experiment is not None and a.tracking_uri is None and not any(_is_store(x) for x in a.sources):
+        ap.error("--experiment needs the store that holds it: --tracking-uri URI (or a store URI as a source)")
     if a.growth_window <= 0:
         ap.error(f"--growth-window={a.growth_window} is not allowed: expected an integer > 0")
     if a.histories and (a.experiment is not None or any(_is_store(x) for x in a.sources)):
@@ -495,9 +546,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             hist = {**(hist or {}), **store.histories_from_export(path, signals.PREFIXES + (record.LOSS,))}
     except ValueError as e:
         ap.error(str(e))
-    runs, skipped = load(a.sources, a.tracking_uri, a.experiment, a.growth_window, a.include_unfinished, hist,
-                         a.keep_jumped)
-    extra = _extra(a.thresholds)
+    extra = _extra(a.thresholds)  # before any run is read
+    try:
+        runs, skipped = load(a.sources, a.tracking_uri, a.experiment, a.growth_window, a.include_unfinished, hist,
+                             a.keep_jumped)
+    except ValueError as e:  # a source that is not what it should be: one line naming it
+        print(f"Error: {e}", file=sys.stderr)
+        return 1
+    if not runs:  # nothing judged: an empty table would read as a result
+        why = "; ".join(skipped[:5]) + (f"; ... ({len(skipped)} in all)" if len(skipped) > 5 else "")
+        print(f"Error: no run to judge in {', '.join(a.sources) or a.experiment}: "
+              + (f"every run was left out: {why}" if skipped else "no runs found (expected sweep or job folders, "
+                 "a report's verdicts.json with runs, or a store with job runs)"), file=sys.stderr)
+        return 1
     rows = table(runs, extra)
     chosen = choose(rows, len(runs))
     folds = holdout(runs, extra) if a.holdout else []

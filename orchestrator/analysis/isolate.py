@@ -396,10 +396,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     help="run folder (default results/runs/paper_isolation/<date>)")
     ap.add_argument("--out", type=Path, default=None, help="report folder (default <root>/report)")
     ap.add_argument("--uri", default=None, help="MLflow store (default sqlite:///<repo>/results/mlflow.db)")
-    ap.add_argument("--experiment", default="mini_repro", help="the experiment preset of every run")
-    ap.add_argument("--sweeps", nargs="+", default=["paper_isolation", "beta_sweep"], help="sweep files to fork")
-    ap.add_argument("--fork-steps", type=int, default=0, help="steps per fork (0: to the baseline's end)")
-    ap.add_argument("--margin", type=int, default=0, help="steps before the lowest-loss step for the checkpoint")
+    ap.add_argument("--experiment", default="mini_repro",
+                    help="the experiment preset of every run (default: %(default)s)")
+    ap.add_argument("--sweeps", nargs="+", default=["paper_isolation", "beta_sweep"],
+                    help="sweep files to fork (default: %(default)s)")
+    ap.add_argument("--fork-steps", type=int, default=0, help="steps per fork (default 0: to the baseline's end)")
+    ap.add_argument("--margin", type=int, default=0, help="steps between the fork checkpoint and the step --pick names "
+                    "(the lowest loss, or the divergence; default: %(default)s)")
     ap.add_argument("--per-gpu", type=int, default=None, help="forks at once per GPU (default GPU memory / 16 GiB)")
     ap.add_argument("--stop-after", type=int, default=None,
                     help="stop the baseline N steps after its divergence (default: run to train.max_steps)")

@@ -2,12 +2,14 @@
 runs) beside its throughput cost from benchmarks/stabilizers.py.
 
     flash-forensics stabilizers --reports <forks report> [<scratch report> ...] \\
-        --bench results/bench/stabilizers-h200.json --name stabilizers [--results results]
+        --bench results/bench/stabilizers-h200.json [more.json ...] --name stabilizers [--results results]
 
 writes <results>/<name>/stabilizers.md, stabilizers.json and stabilizers.png. Per run row (verdicts.json `runs`):
 - stable or not (the run record's verdict), from which step (its fork step, or 0);
 - steps gained: its divergence step minus its report's baseline's; a stable run gained at least (its last step -
-  the baseline's divergence step), written ">= N"; none when its baseline did not diverge;
+  the baseline's divergence step), written ">= N"; none when its baseline did not diverge. A report of from-step-0
+  runs without a baseline (qk_norm, gated_attn run beside none) takes another report's from-step-0 baseline of the
+  same experiment and seeds, and the table says so;
 - final and validation loss, and their difference to the fp32 row (of the same report, else of any report);
 - throughput cost per benchmark shape: 1 - tokens/s over the baseline's tokens/s (measured; "not measured" when the
   benchmark has no row for it, never a guess), with the route its layers took there;
@@ -74,24 +76,85 @@ def _gained(row, base) -> Dict[str, Any]:
     return {"steps_gained": int(row.get("steps_done") or 0) - int(b), "steps_gained_at_least": True}
 
 
-def load_bench(path: Optional[Path]) -> Dict[str, Any]:
+def load_bench(path) -> Dict[str, Any]:
+    """One benchmarks/stabilizers.py JSON, or several merged (a list of paths: e.g. one lease's mini shape and
+    another's GPT-2S shape): their rows together, each file under `sources`. A shape in two files is refused, since
+    its cost would depend on which file won."""
     if path is None:
         return {}
-    doc = json.loads(Path(path).read_text())
-    if "rows" not in doc:
+    if isinstance(path, (list, tuple)):
+        docs = [(Path(p), load_bench(p)) for p in path]
+        if len(docs) == 1:
+            return docs[0][1]
+        seen: Dict[str, Path] = {}
+        for p, d in docs:
+            for shape in dict.fromkeys(r.get("shape") for r in d["rows"]):
+                if shape in seen:
+                    raise ValueError(f"--bench {str(seen[shape])!r} and {str(p)!r} both measured shape {shape!r}: "
+                                     "give one file per shape")
+                seen[shape] = p
+        return {"rows": [r for _, d in docs for r in d["rows"]],
+                "sources": [d["sources"][0] | {"path": str(p)} for p, d in docs]}
+    try:
+        doc = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--bench={str(path)!r}: not valid JSON ({e})") from None
+    if not isinstance(doc, dict) or "rows" not in doc or not all("variant" in r for r in doc["rows"]):
         raise ValueError(f"--bench={str(path)!r} is not allowed: expected a benchmarks/stabilizers.py JSON (key rows)")
+    doc["sources"] = [{k: doc.get(k) for k in ("command", "gpu", "torch", "triton", "time")}
+                      | {"shapes": list(dict.fromkeys(r.get("shape") for r in doc["rows"]))}]
     return doc
+
+
+def _overrides(run: Dict[str, Any]) -> List[str]:
+    ov = run.get("overrides") or []
+    if isinstance(ov, str):  # older reports wrote the list's repr
+        ov = ov.strip("[]").replace("'", "").split(", ") if ov.strip() else []
+    return list(ov)
+
+
+REGIME_KEYS = ("experiment", "train.seed", "data.seed")
+
+
+def _regime(run: Dict[str, Any]) -> Optional[tuple]:
+    """(experiment, train.seed, data.seed) from the run's overrides; None when one is missing: regimes are compared
+    only when each run says all three."""
+    kv = dict(o.lstrip("+~").split("=", 1) for o in _overrides(run) if "=" in o)
+    vals = tuple(kv.get(k) for k in REGIME_KEYS)
+    return None if None in vals else vals
+
+
+def _baseline_of(runs: Sequence[Dict[str, Any]], all_reports: Sequence[Dict[str, Any]]):
+    """(baseline row, the report it came from or None when its own): the report's from-step-0 baseline, else its
+    forked baseline, else, for a report of from-step-0 runs that ran none (qk_norm and gated_attn beside a baseline
+    already run: it is deterministic), another report's from-step-0 baseline of the same experiment and seeds."""
+    base = next((r for r in runs if r.get("intervention") == BASELINE and r.get("fork_step") is None), None) or \
+        next((r for r in runs if r.get("intervention") == BASELINE), None)
+    if base is not None:
+        return base, None
+    regimes = {_regime(r) for r in runs}
+    if len(regimes) != 1 or None in regimes:
+        return None, None
+    for rep in all_reports:
+        for r in rep["runs"]:
+            if r.get("intervention") == BASELINE and r.get("fork_step") is None and _regime(r) in regimes:
+                return r, Path(rep["path"])
+    return None, None
 
 
 def _label(run: Dict[str, Any]) -> str:
     """The intervention and what tells its rows apart: its own knobs (intervention.beta=2) and a control (+control=fa2),
     not the layer and heads localization chose for every row alike."""
-    ov = run.get("overrides") or []
-    if isinstance(ov, str):  # older reports wrote the list's repr
-        ov = ov.strip("[]").replace("'", "").split(", ") if ov.strip() else []
+    ov = _overrides(run)
     keep = [o for o in ov if o.lstrip("+~").split("=", 1)[0] == "control"
             or (o.startswith("intervention.") and not o.startswith(("intervention.layer=", "intervention.heads=")))]
     return " ".join([str(run.get("intervention")), *keep])
+
+
+def _outcome(row: Dict[str, Any]) -> tuple:
+    """What makes two rows of a report the same run twice: label, fork step and outcome to the last digit."""
+    return tuple(row[k] for k in ("report", "label", "from_step", "observed", "divergence_step", "final_loss",
+                                  "val_loss"))
 
 
 def table_rows(reports: Sequence[Dict[str, Any]], bench: Dict[str, Any]) -> List[Dict[str, Any]]:
@@ -105,8 +168,7 @@ def table_rows(reports: Sequence[Dict[str, Any]], bench: Dict[str, Any]) -> List
     out = []
     for rep in reports:
         runs = rep["runs"]
-        base = next((r for r in runs if r.get("intervention") == BASELINE and r.get("fork_step") is None), None) or \
-            next((r for r in runs if r.get("intervention") == BASELINE), None)
+        base, base_rep = _baseline_of(runs, reports)
         ref = next((r for r in runs if r.get("intervention") == REFERENCE), None) or ref_any
         ref_rep = next((Path(x["path"]) for x in reports if any(r is ref for r in x["runs"])), None)
         ref_final, ref_val = (_finite(ref.get("final_loss")), _val_loss(ref, ref_rep)) if ref else (None, None)
@@ -120,7 +182,8 @@ def table_rows(reports: Sequence[Dict[str, Any]], bench: Dict[str, Any]) -> List
                        **_gained(run, base), final_loss=final, val_loss=val,
                        final_vs_fp32=None if final is None or ref_final is None else final - ref_final,
                        val_vs_fp32=None if val is None or ref_val is None else val - ref_val,
-                       needs_model_change=needs_model_change(name), cost={}, route={}, error=run.get("error"))
+                       needs_model_change=needs_model_change(name), cost={}, route={}, error=run.get("error"),
+                       baseline_from=str(base_rep) if base_rep else None)
             control = "control=" in row["label"]  # _label keeps a control's override, whatever its form
             for shape in shapes:
                 b = next((r for r in brows if r["shape"] == shape and r["variant"] == BASELINE), None)
@@ -130,10 +193,7 @@ def table_rows(reports: Sequence[Dict[str, Any]], bench: Dict[str, Any]) -> List
                 ok = b and mine and b.get("tokens_per_s") and mine.get("tokens_per_s")
                 row["cost"][shape] = 1 - mine["tokens_per_s"] / b["tokens_per_s"] if ok else None
                 row["route"][shape] = mine.get("route_set") if mine else None
-            same = (row["report"], row["label"], row["from_step"], row["observed"], row["divergence_step"],
-                    row["final_loss"], row["val_loss"])
-            first = next((o for o in out if (o["report"], o["label"], o["from_step"], o["observed"],
-                                             o["divergence_step"], o["final_loss"], o["val_loss"]) == same), None)
+            first = next((o for o in out if _outcome(o) == _outcome(row)), None)
             if first is not None and row["final_loss"] is not None:
                 first.setdefault("repeats", []).append(row["job"])
                 continue
@@ -154,16 +214,29 @@ def _gain_text(r) -> str:
     return (">= " if r["steps_gained_at_least"] else "") + f"{r['steps_gained']:+d}"
 
 
+def _report_names(rows: List[Dict[str, Any]]) -> Dict[str, str]:
+    """Each report folder's shortest distinguishing name (the last path parts that tell them apart)."""
+    paths = list(dict.fromkeys(r["report"] for r in rows))
+    for depth in range(1, 6):
+        names = {p: "/".join(Path(p).parts[-depth:]) for p in paths}
+        if len(set(names.values())) == len(paths):
+            return names
+    return {p: p for p in paths}
+
+
 def markdown(rows: List[Dict[str, Any]], bench: Dict[str, Any], shapes: Sequence[str]) -> str:
-    head = ["intervention", "from step", "verdict", "diverged at", "steps gained", "final loss", "vs fp32",
-            "val loss", "vs fp32", *[f"cost {s}" for s in shapes], "jump at fork", "needs model change"]
+    names = _report_names(rows)
+    several = len(names) > 1  # rows of several reports (e.g. seeds): each row names its report
+    head = [*(["report"] if several else []), "intervention", "from step", "verdict", "diverged at", "steps gained",
+            "final loss", "vs fp32", "val loss", "vs fp32", *[f"cost {s}" for s in shapes], "jump at fork",
+            "needs model change"]
     lines = ["# Stabilizers side by side", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         label = str(r.get("label") or r["intervention"])
         if r.get("repeats"):
             label += f" (x{1 + len(r['repeats'])}: one outcome)"
-        cells = [label, str(r["from_step"]), str(r["observed"]),
+        cells = [*([names[r["report"]]] if several else []), label, str(r["from_step"]), str(r["observed"]),
                  "-" if r["divergence_step"] is None else str(r["divergence_step"]), _gain_text(r),
                  _f(r["final_loss"]), _f(r["final_vs_fp32"], signed=True), _f(r["val_loss"]),
                  _f(r["val_vs_fp32"], signed=True),
@@ -177,12 +250,17 @@ def markdown(rows: List[Dict[str, Any]], bench: Dict[str, Any], shapes: Sequence
               f"fork_jump); beyond {JUMP_NATS} nats the intervention changed the trained model's function at the fork, "
               f"so its verdict is not a like-for-like continuation.",
               "- cost: 1 - training tokens/s over the baseline's, per benchmark shape (positive: slower)."]
+    borrowed = {(names[r["report"]], names.get(r["baseline_from"], r["baseline_from"])) for r in rows
+                if r.get("baseline_from")}
+    lines += [f"- {rep}: it ran no baseline; its steps gained are against the from-step-0 baseline of {src} (same "
+              f"experiment and seeds: a baseline run is deterministic)" for rep, src in sorted(borrowed)]
     if any(r.get("repeats") for r in rows):
         lines.append("- (xN: one outcome): N runs of the same intervention from the same step ended identically (e.g. "
                      "the baseline fork in each sweep); one row, their jobs under `repeats` in the JSON.")
     if bench:
-        lines.append(f"- throughput: `{bench.get('command')}` on {bench.get('gpu')} (torch {bench.get('torch')}, "
-                     f"triton {bench.get('triton')}, {bench.get('time')}).")
+        for src in bench["sources"]:
+            lines.append(f"- throughput ({', '.join(map(str, src['shapes']))}): `{src.get('command')}` on "
+                         f"{src.get('gpu')} (torch {src.get('torch')}, triton {src.get('triton')}, {src.get('time')}).")
         routes = {(r["intervention"], s): r["route"].get(s) for r in rows for s in shapes if r["route"].get(s)}
         if routes:
             lines += ["", "Routes in the benchmark (per shape):", ""]
@@ -234,14 +312,22 @@ def plot(rows: List[Dict[str, Any]], shapes: Sequence[str], path: Path) -> Optio
     return path
 
 
-def write(report_dirs: Sequence[Path], bench_path: Optional[Path], name: str,
+def write(report_dirs: Sequence[Path], bench_path, name: str,
           results: Path = REPO / "results") -> Dict[str, Path]:
     reports = []
     for d in report_dirs:
         f = Path(d) / "verdicts.json"
         if not f.is_file():
             raise ValueError(f"--reports {str(d)!r} is not allowed: expected a report folder with verdicts.json")
-        reports.append({"path": Path(d), "runs": json.loads(f.read_text())["runs"]})
+        try:
+            doc = json.loads(f.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--reports {str(d)!r}: {f} is not valid JSON ({e})") from None
+        runs = doc.get("runs") if isinstance(doc, dict) else None
+        if not isinstance(runs, list) or not runs:
+            raise ValueError(f"--reports {str(d)!r} is not allowed: {f} holds no runs (expected a report's "
+                             "verdicts.json, with its runs)")
+        reports.append({"path": Path(d), "runs": runs})
     bench = load_bench(bench_path)
     shapes = list(dict.fromkeys(r["shape"] for r in bench.get("rows", [])))
     rows = table_rows(reports, bench)
@@ -249,8 +335,9 @@ def write(report_dirs: Sequence[Path], bench_path: Optional[Path], name: str,
     out.mkdir(parents=True, exist_ok=True)
     paths = {"md": out / "stabilizers.md", "json": out / "stabilizers.json"}
     paths["md"].write_text(markdown(rows, bench, shapes))
-    meta = {"reports": [str(d) for d in report_dirs], "bench": str(bench_path) if bench_path else None,
-            "bench_command": bench.get("command"), "gpu": bench.get("gpu"), "shapes": shapes}
+    benches = [str(b) for b in (bench_path if isinstance(bench_path, (list, tuple)) else [bench_path]) if b]
+    meta = {"reports": [str(d) for d in report_dirs], "bench": benches[0] if len(benches) == 1 else benches or None,
+            "bench_sources": bench.get("sources", []), "shapes": shapes}
     paths["json"].write_text(record.dumps({"meta": meta, "rows": rows}))
     png = plot(rows, shapes, out / "stabilizers.png")
     if png:
@@ -261,10 +348,15 @@ def write(report_dirs: Sequence[Path], bench_path: Optional[Path], name: str,
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="flash-forensics stabilizers", description=__doc__.split("\n\n")[0])
     ap.add_argument("--reports", nargs="+", type=Path, required=True, help="report folders (verdicts.json)")
-    ap.add_argument("--bench", type=Path, default=None, help="benchmarks/stabilizers.py JSON")
-    ap.add_argument("--name", default="stabilizers", help="the folder under --results")
-    ap.add_argument("--results", type=Path, default=REPO / "results")
+    ap.add_argument("--bench", type=Path, nargs="+", default=None,
+                    help="benchmarks/stabilizers.py JSON(s): several merge, one file per shape (default: none, cost "
+                         "not measured)")
+    ap.add_argument("--name", default="stabilizers", help="the folder under --results (a plain name)")
+    ap.add_argument("--results", type=Path, default=REPO / "results",
+                    help=f"where the --name folder goes (default: {REPO / 'results'})")
     a = ap.parse_args(argv)
+    if not a.name or Path(a.name).name != a.name or a.name in (".", ".."):
+        ap.error(f"--name={a.name!r} is not allowed: expected a plain folder name (no path), made under --results")
     try:
         paths = write(a.reports, a.bench, a.name, a.results)
     except (OSError, ValueError) as e:

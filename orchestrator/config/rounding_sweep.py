@@ -156,14 +156,28 @@ def stale(files: Dict[str, str], root: Path = ROOT) -> List[str]:
 
 def main(argv: Optional[Sequence[str]] = None, root: Path = ROOT) -> int:
     ap = argparse.ArgumentParser(prog="flash-forensics rounding-sweep", description=__doc__.split("\n")[0])
-    ap.add_argument("--recipe", choices=RECIPES, help="the recipe whose points are lifted (lift_/bf16_only_ files)")
+    ap.add_argument("--recipe", choices=RECIPES,
+                    help="the recipe whose points are lifted (lift_/bf16_only_ files); without --recipe or --up: "
+                         "every committed file (paper_bf16's sweep and the up-sweeps)")
     ap.add_argument("--up", choices=[r for r in RECIPES if r not in ("paper_bf16", "fp32")],
                     help="the recipe whose points are lifted one format up (up_<recipe>_ files)")
     ap.add_argument("--check", action="store_true", help="write nothing; exit 1 naming each stale file")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="write the files under this folder instead of the repository (default: the repository)")
+    ap.add_argument("--replace", action="store_true",
+                    help="with --recipe other than paper_bf16: replace the committed paper_bf16 sweep's files")
     a = ap.parse_args(argv)
     if a.recipe and a.up:
         ap.error("--recipe and --up are exclusive")
     files = generate(a.recipe) if a.recipe else generate_up(a.up) if a.up else generate_all()
+    if a.out is not None and not a.check:
+        root = a.out
+    elif a.recipe and a.recipe != "paper_bf16" and not a.check and not a.replace:
+        changed = [rel for rel, text in files.items() if (root / rel).is_file() and (root / rel).read_text() != text]
+        if changed:  # lift_/bf16_only_ and sweeps/rounding_points.yaml are paper_bf16's in the repository
+            ap.error(f"--recipe {a.recipe} would replace {len(changed)} committed file(s) of the paper_bf16 rounding "
+                     f"sweep ({', '.join(changed[:3])}{', ...' if len(changed) > 3 else ''}): give --out DIR to write "
+                     f"them elsewhere, or --replace to replace them")
     if a.check:
         bad = stale(files, root)
         for rel in bad:

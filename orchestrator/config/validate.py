@@ -9,6 +9,7 @@ themselves stay in kernels/knobs.py.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import fields
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -28,6 +29,7 @@ from flash_forensics.orchestrator.data.prepare import dataset_dir
 from flash_forensics.orchestrator.data.replay import OrderReader, read_header
 from flash_forensics.orchestrator.errors import ConfigError  # noqa: F401  (re-exported)
 from flash_forensics.orchestrator.interventions import build_hooks, effective_model, load
+from flash_forensics.orchestrator.interventions import spec as iv_spec
 from flash_forensics.orchestrator.job.fork import check_fork, check_model, check_resume_hooks, source_header
 from flash_forensics.orchestrator.tracking.tracker import check_tracking
 
@@ -61,7 +63,13 @@ def to_object(cfg):
         try:
             return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), node))
         except Exception as e:  # OmegaConf names the full key and the offending value
-            raise ConfigError(str(e).strip().splitlines()[0] + _where(e)) from None
+            msg = str(e).strip().splitlines()[0]
+            ref = re.match(r"While dereferencing interpolation '\$\{([\w.]+)\}': (.*)", msg)
+            if ref:  # the key the user set, not the internal one that interpolates it
+                into = getattr(e, "full_key", None)
+                raise ConfigError(f"{ref.group(1)}: {ref.group(2)}" + (f" (it is used in {into})" if into else "")) \
+                    from None
+            raise ConfigError(msg + _where(e)) from None
     raise TypeError(f"cannot validate a {type(cfg).__name__}")
 
 
@@ -170,6 +178,57 @@ def check_user_overrides(iv, overrides: Sequence[str], label: Optional[str] = No
                 f"allowed: drop the override or pick an intervention that leaves {knob} alone")
 
 
+def ignored_scope(name: str, overrides: Sequence[str]) -> List[str]:
+    """The scope keys typed in `overrides` (intervention.layer, intervention.heads) that intervention `name`'s file
+    does not take: it acts on every layer and head, so the typed value would change nothing."""
+    typed = [o.key_or_group for o in _parse(overrides)
+             if o.key_or_group in ("intervention.layer", "intervention.heads") and not o.is_delete()]
+    if not typed or not iv_spec.path(name).is_file():
+        return []
+    takes = iv_spec.scope(name)
+    return [k for k in typed if k.split(".", 1)[1] not in takes]
+
+
+def scope_refusal(key: str, overrides: Sequence[str], names: Sequence[str]) -> ConfigError:
+    """The error for a typed scope key that no selected intervention takes."""
+    value = next(o.value() for o in _parse(overrides) if o.key_or_group == key)
+    kind = key.split(".", 1)[1]
+    word = "a layer" if kind == "layer" else "heads"
+    whose = f"its file takes no {kind}" if len(names) == 1 else f"none of their files takes {word}"
+    return ConfigError(f"{key}={value!r} is not allowed with intervention={','.join(names)}: {whose} (each "
+                       f"acts on every layer and head, so the value would change nothing); expected: drop it, or an "
+                       f"intervention that takes {word}: {', '.join(iv_spec.scoped(kind))}")
+
+
+def check_typed_scope(name: str, overrides: Sequence[str], fork: bool = False) -> None:
+    """A single run: a typed intervention.layer / intervention.heads its intervention ignores is refused; a fork
+    (from_checkpoint) is told instead: `isolate` passes its localization to every fork of a localized sweep."""
+    unused = ignored_scope(name, overrides)
+    if unused and not fork:
+        raise scope_refusal(unused[0], overrides, [name])
+    for key in unused:
+        print(f"[validate] note: {key} changes nothing for intervention={name} (its file takes no "
+              f"{key.split('.', 1)[1]}: it acts on every layer and head)", flush=True)
+
+
+def check_triton_device(att: AttentionConfig, n_layer: int, device: str, key: str = "attention") -> None:
+    """An explicit backend=triton needs a CUDA device (or Triton's CPU interpreter, TRITON_INTERPRET=1)."""
+    import os
+
+    import torch
+    if device != "cpu" and (device != "auto" or torch.cuda.is_available()):
+        return
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return
+    for layer in range(n_layer):
+        k = att.for_layer(layer)
+        if k.impl == "flash" and k.backend == "triton":
+            where = att.where_set(layer, key)["backend"]
+            raise ConfigError(f"{where}.backend='triton' (layer {layer}) is not allowed with train.device={device!r} "
+                              f"on this machine (no CUDA GPU): the Triton kernels need one (TRITON_INTERPRET=1 runs "
+                              f"them on the CPU interpreter, slowly); expected backend=auto or emulator")
+
+
 def _route_words(k, src: Dict[str, str]) -> str:
     """The key and value that chose a layer's implementation, e.g. "attention.overrides[0].impl='sdpa'"."""
     if k.impl != "flash":
@@ -241,7 +300,8 @@ def check_train(t) -> None:
         _int(f"train.{name}", getattr(t, name), 1)
     for name in ("eval_every", "ckpt_every", "ckpt_start", "seed", "keep_checkpoints"):
         _int(f"train.{name}", getattr(t, name), 0)
-    _int("train.warmup_steps", t.warmup_steps, 0, t.max_steps)
+    if not is_int(t.warmup_steps, 0, t.max_steps):  # the message names both keys
+        raise _bad("train.warmup_steps", t.warmup_steps, f"an integer >= 0 and <= train.max_steps={t.max_steps}")
     _num("train.grad_clip", t.grad_clip, 0, strict=False)
     if t.max_hours is not None:
         _num("train.max_hours", t.max_hours, 0)
@@ -267,6 +327,12 @@ def check_intervention(iv, model) -> None:
         if isinstance(h, bool) or not isinstance(h, int) or not 0 <= h < model.n_head:
             raise _bad("intervention.heads", list(iv.heads), f"head indices in 0..{model.n_head - 1} "
                                                             f"(model.n_head={model.n_head})")
+    if len(set(iv.heads)) != len(iv.heads):
+        raise _bad("intervention.heads", list(iv.heads), "distinct head indices (each head once)")
+    if not iv.heads and iv_spec.path(iv.name).is_file() and "heads" in iv_spec.scope(iv.name):
+        raise _bad("intervention.heads", list(iv.heads), f"at least one head index in 0..{model.n_head - 1}: "
+                   f"intervention={iv.name} acts on its heads, and with none it would run the baseline under "
+                   "another name")
     if iv.beta is not None and not iv.beta > 1:
         raise _bad("intervention.beta", iv.beta, "a number > 1 (beta = 1 is the safe softmax)")
     # the knobs the intervention sets, checked under the key the user typed (intervention.eps, not attention.eps)
@@ -290,14 +356,20 @@ def check_data_fits(obj) -> None:
     """Before launch: data.replay is a batch order that fits the run, and block_size fits the prepared corpus (when
     it is prepared already; otherwise preparing checks it, before step 0)."""
     d, T = obj.data, obj.model.block_size
-    tokens = None
+    tokens, max_id = None, None
     try:
         import json
         manifest = dataset_dir(d, open_corpus(d)) / "manifest.json"
         if manifest.is_file():
-            tokens = json.loads(manifest.read_text()).get("tokens")
+            doc = json.loads(manifest.read_text())
+            tokens = doc.get("tokens")
+            max_id = doc.get("max_id")  # the largest token id of both splits
     except Exception:  # not prepared / not fetched yet: the job prepares and checks it
         tokens = None
+    if isinstance(max_id, int) and obj.model.vocab_size <= max_id:
+        raise _bad("model.vocab_size", obj.model.vocab_size,
+                   f"an integer > {max_id}: the prepared corpus {d.corpus} holds token id {max_id} (50304 is GPT-2's "
+                   "padded size)")
     if tokens:
         small = min(tokens.get("train", 0), tokens.get("val", 0))
         if T + 1 > small:
@@ -415,6 +487,7 @@ def _validate(cfg, overrides: Sequence[str] = (), check_resume: bool = True, che
     except ValueError as e:
         raise ConfigError(f"{e} (attention with intervention={obj.intervention.name})") from None
     check_knob_combos(att, obj.model.n_layer)
+    check_triton_device(att, obj.model.n_layer, obj.train.device)
     if obj.model.family != "gpt":  # a transformers family: every layer on the emulator (models/hf.py)
         try:
             check_attention(att, obj.model)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from dataclasses import dataclass, field, fields
 from typing import Any, List
@@ -79,6 +80,9 @@ def main(argv=None) -> int:
         else:
 
             if args.source:
+                if not os.path.isfile(args.source):
+                    raise DataError(f"--from={args.source!r}: no such file (expected gpt2.tiktoken or the "
+                                    "openai-whisper sdist .tar.gz)")
                 install_ranks(args.source)
             gpt2_encoding()
             print(f"GPT-2 BPE ranks verified at {ranks_path()}")
@@ -89,6 +93,10 @@ def main(argv=None) -> int:
 
         if isinstance(e, TokenizerUnavailable):
             print(f"error: {e}", file=sys.stderr)
+            return 2
+        if isinstance(e, (FileExistsError, NotADirectoryError, PermissionError)):  # data.root a file, unwritable
+            print(f"error: {e.filename or ''}: {e.strerror} (data.root / the data folder must be a writable "
+                  "folder)", file=sys.stderr)
             return 2
         raise
     return 0

@@ -208,8 +208,12 @@ def checkpoints(job_dir) -> List[Tuple[int, Path]]:
     found = {s: p for s, p in checkpoint.step_files(d).items()}
     last = d / "last.pt"
     if last.is_file():
-        step = int(checkpoint.load(last, key="last.pt")["step"])
-        found.setdefault(step, last)
+        try:
+            step = int(checkpoint.read_header(last, key="last.pt")["step"])
+        except (checkpoint.CheckpointError, OSError, RuntimeError, ValueError, KeyError) as e:
+            print(f"[fork] passing over {last}: {str(e).splitlines()[0][:200]}", file=sys.stderr)
+        else:
+            found.setdefault(step, last)
     return sorted(found.items())
 
 
@@ -247,7 +251,22 @@ def pick_step(job_dir, before: Optional[int] = None, margin: int = 0, at_min: bo
         raise ForkError(f"{job_dir}: no checkpoint at step <= {limit} (before {before}, margin {margin}); have "
                         f"{[s for s, _ in checkpoints(job_dir)]}. Keep more (train.ckpt_every, "
                         f"train.keep_checkpoints=0) or lower --margin")
-    return ok[-1]
+    for s, p in reversed(ok):  # the newest intact one: a damaged file is passed over, and said
+        why = damaged(p)
+        if why is None:
+            return s, p
+        print(f"[fork] passing over {p}: {why}", file=sys.stderr)
+    raise ForkError(f"{job_dir}: every checkpoint at step <= {limit} is damaged (sha256 or format): "
+                    f"{[s for s, _ in ok]}")
+
+
+def damaged(path: Path) -> Optional[str]:
+    """Why a checkpoint cannot be forked from (its sha256 or format), None when it verifies."""
+    try:
+        checkpoint.read_header(path, key="checkpoint")
+    except (checkpoint.CheckpointError, OSError, RuntimeError, ValueError) as e:
+        return str(e).splitlines()[0][:200]
+    return None
 
 
 def sweep_file_jobs(names, root: Optional[Path] = None) -> List[Tuple[str, List[str]]]:
@@ -264,6 +283,7 @@ def sweep_file_jobs(names, root: Optional[Path] = None) -> List[Tuple[str, List[
     parser = OverridesParser.create()
     out = []
     for name in names:
+        name = name[:-5] if name.endswith(".yaml") else name  # a file name is a sweep's name too
         path = root / f"{name}.yaml"
         if not path.is_file():
             raise ForkError(f"sweep {name!r}: no {path}; allowed: "
@@ -311,11 +331,20 @@ def main(argv: Optional[List[str]] = None) -> int:
             div = divergence_step(args.job_dir)
             for step, path in checkpoints(args.job_dir):
                 note = "  (before the divergence)" if div is not None and step <= div else ""
-                print(f"{step:>8}  {path}{note}")
+                bad = damaged(path)
+                print(f"{step:>8}  {path}{note}" + (f"  DAMAGED: {bad}" if bad else ""))
         elif args.cmd == "jobs":
             for name, overrides in sweep_file_jobs(args.sweeps):
                 print(name + "\t" + " ".join(overrides))
         else:
+            if args.margin < 0:
+                raise ValueError(f"--margin={args.margin} is not allowed: expected an integer >= 0 (steps before "
+                                 "--before; a negative margin would pick a checkpoint after it)")
+            if args.before is not None and args.before < 1:
+                raise ValueError(f"--before={args.before} is not allowed: expected a step >= 1")
+            if args.before is not None and args.at_min:
+                raise ValueError("--at-min with --before is not allowed: --at-min chooses --before (the lowest "
+                                 "loss before the divergence); give one of them")
             step, path = pick_step(args.job_dir, args.before, args.margin, args.at_min)
             print(f"{step}\t{path}" if args.with_step else path)
     except ValueError as e:

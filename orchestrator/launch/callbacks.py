@@ -8,14 +8,20 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import List
+from typing import Dict, List
 
 from hydra.core.global_hydra import GlobalHydra
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from flash_forensics.orchestrator.config.folders import check_capture_dir, check_folder
-from flash_forensics.orchestrator.config.validate import ConfigError, validate_config
+from flash_forensics.orchestrator.config.validate import (
+    ConfigError,
+    check_typed_scope,
+    ignored_scope,
+    scope_refusal,
+    validate_config,
+)
 from flash_forensics.orchestrator.launch import cluster  # looked up at call time (tests stand in for the cluster)
 from flash_forensics.orchestrator.launch.task import close_dead_jobs
 
@@ -42,6 +48,8 @@ def validate_sweep(config: DictConfig) -> int:
         jobs = sweep_jobs(config)
     loader = GlobalHydra.instance().config_loader()
     checked_uris = set()
+    ignored: Dict[str, List[str]] = {}  # typed scope key -> the jobs' interventions that ignore it
+    names: List[str] = []
     for overrides in jobs:
         try:
             job_cfg = loader.load_sweep_config(config, list(overrides))
@@ -55,6 +63,13 @@ def validate_sweep(config: DictConfig) -> int:
         except ConfigError as e:
             raise ConfigError(f"job {overrides}: {e}") from None
         checked_uris.add(uri)
+        name = str(OmegaConf.select(job_cfg, "intervention.name"))
+        names.append(name)
+        for key in ignored_scope(name, overrides):
+            ignored.setdefault(key, []).append(name)
+    for key, who in ignored.items():  # a typed layer/heads that some job takes is the sweep's; none: refused
+        if len(who) == len(jobs):
+            raise scope_refusal(key, jobs[0], sorted(set(names)))
     _check_launcher(config)
     return len(jobs)
 
@@ -106,6 +121,8 @@ class ValidateSweep(Callback):
         try:
             check_folder("hydra.run.dir", config.hydra.run.dir, JOB_FOLDER)
             validate_config(config, list(config.hydra.overrides.task))
+            check_typed_scope(str(OmegaConf.select(config, "intervention.name")), list(config.hydra.overrides.task),
+                              fork=OmegaConf.select(config, "from_checkpoint") is not None)
             check_capture_dir(OmegaConf.select(config, "monitor.capture"), Path(str(config.hydra.run.dir)))
         except (ConfigError, ValueError) as e:
             _reject(e)

@@ -15,12 +15,13 @@ import traceback
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from flash_forensics.orchestrator import record
 from flash_forensics.orchestrator.config.folders import check_capture_dir
 from flash_forensics.orchestrator.config.validate import selected_interventions, validate_config
 from flash_forensics.orchestrator.errors import WriteError, _alive
+from flash_forensics.orchestrator.interventions import effective_model
 from flash_forensics.orchestrator.job import checkpoint, folder_lock
 from flash_forensics.orchestrator.job.distributed import detect_env
 from flash_forensics.orchestrator.job.folder import (  # noqa: F401  (re-exported)
@@ -103,6 +104,67 @@ def _foreign_folder(cfg, job_dir: Path) -> Optional[str]:
     return None
 
 
+def _other_run_folder(cfg, job_dir: Path) -> Optional[str]:
+    """A run (not a fork) whose job folder holds a checkpoint it cannot resume: another model shape, or more steps
+    than train.max_steps (another run's folder, e.g. a finished one given again with hydra.run.dir). Resuming would
+    fail or mislabel it, and the failure would overwrite that run's result.json. The sentence, or None."""
+    if cfg.get("from_checkpoint") is not None or cfg.get("resume") is not None \
+            or not cfg.train.get("auto_resume", True):
+        return None
+    try:
+        path = checkpoint.latest(job_dir)
+        head = checkpoint.read_header(path, key="auto-resume") if path is not None else None
+    except checkpoint.CheckpointError:
+        return None  # the job says so itself when it loads it
+    if head is None:
+        return None
+    try:
+        want = checkpoint.model_shape(effective_model(OmegaConf.to_object(cfg.model), OmegaConf.to_object(
+            cfg.intervention)))
+    except Exception:  # a config validation refuses on its own terms
+        return None
+    got = head.get("model_shape") or {}
+    diff = [f"{k}: checkpoint {got.get(k)} vs this run {v}" for k, v in want.items() if got.get(k) != v]
+    step = int(head.get("step") or 0)
+    why = (f"it holds a checkpoint of another model shape ({'; '.join(diff)})" if diff else
+           f"it holds a checkpoint at step {step}, past this run's train.max_steps={cfg.train.max_steps}"
+           if step > int(cfg.train.max_steps) else None)
+    if why is None:
+        return None
+    return (f"the job folder {job_dir} belongs to another run: {why} ({path}); nothing was written there: give this "
+            f"run its own folder (drop hydra.run.dir, or another one)")
+
+
+def _typed_run_dir() -> bool:
+    """Whether the user gave hydra.run.dir (then auto-resume already looks in the folder they meant)."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+        return any(o.lstrip("+").startswith("hydra.run.dir=") for o in HydraConfig.get().overrides.hydra)
+    except ValueError:
+        return True  # not under Hydra: the caller chose the folder
+
+
+def unfinished_twins(job_dir: Path, overrides: List[str]) -> List[Path]:
+    """Sibling job folders of a fresh single run (results/runs/<time>/) started with the same overrides, whose job
+    died on this machine without a result but left a checkpoint: what "the same command again" would have resumed
+    had it been given that folder (hydra.run.dir). Newest first."""
+    import os
+    if (Path(job_dir) / "checkpoints").is_dir() or not Path(job_dir).parent.is_dir():
+        return []
+    out = []
+    for start in Path(job_dir).parent.glob(f"*/{START_FILE}"):
+        d = start.parent
+        info = read_job_start(d) or {}
+        if d == Path(job_dir) or (d / RESULT_FILE).exists() or info.get("overrides") != list(overrides):
+            continue
+        pid = info.get("pid")
+        if info.get("host") != _host() or (isinstance(pid, int) and _alive(pid) and pid != os.getpid()):
+            continue  # another machine's, or still running
+        if (d / "checkpoints" / "last.pt").is_file() or checkpoint.step_files(d / "checkpoints"):
+            out.append(d)
+    return sorted(out, key=lambda d: d.stat().st_mtime, reverse=True)
+
+
 def _steps_logged(info) -> int:
     """Steps of a dead job: those its MLflow run holds (0 when unknown)."""
     try:
@@ -164,11 +226,17 @@ def _run_job(cfg: DictConfig, job_dir: Path, overrides: Optional[List[str]] = No
                                               expected=cfg.intervention.get("expect"),
                                               job_dir=str(job_dir)).to_dict()
     job = None
-    foreign = _foreign_folder(cfg, job_dir)
+    foreign = _foreign_folder(cfg, job_dir) or _other_run_folder(cfg, job_dir)
     if foreign:  # write nothing into another run's folder (its result.json, job.json, MLflow run stay as they are)
         print(f"[job] {name} refused: {foreign}")
         result["error"] = foreign
         return result
+    if not multirun and not _typed_run_dir():
+        twins = unfinished_twins(job_dir, overrides)
+        if twins:  # a new timestamped folder: auto-resume looks only in its own; say where the killed one is
+            print(f"[job] {len(twins)} unfinished run(s) of this same command died with a checkpoint, newest "
+                  f"{twins[0]}: to continue it instead, stop this one and run the command again with "
+                  f"hydra.run.dir={twins[0]} (this run starts afresh in {job_dir})", flush=True)
     try:
         import os
         write_job_start(job_dir, intervention=name, overrides=overrides, expected=result["expected"],

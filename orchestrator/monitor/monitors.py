@@ -214,9 +214,16 @@ class Monitors:
         uf, p1 = self.numerics["underflow_rows"], self.numerics["sfa_p1_rows"]
         parts = []
         if uf:
+            try:
+                routes = self.model.attention_routes() if hasattr(self.model, "attention_routes") else []
+            except Exception:
+                routes = []
+            sfa = any("+sfa" in r for r in routes)
+            why = ("the exact Algorithm 3 shift is too large, use softmax=stabilized_guarded or a smaller beta" if sfa
+                   else "with the safe softmax this means non-finite (NaN or inf) scores reached attention, e.g. "
+                        "after the loss diverged, or every key of a row was masked")
             parts.append(f"{uf} attention rows whose softmax row sum underflowed (NaN or zero rows; metric "
-                         f"underflow_rows/L*.H*): the exact Algorithm 3 shift is too large, use "
-                         f"softmax=stabilized_guarded or a smaller beta")
+                         f"underflow_rows/L*.H*): {why}")
         if p1:
             parts.append(f"{p1} (row, tile) pairs where the stabilized softmax fired but P̄ still rounded to 1 "
                          f"(metric sfa_p1_rows/L*.H*)")

@@ -5,26 +5,75 @@ from __future__ import annotations
 
 import math
 import re
+import zlib
+from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from flash_forensics.orchestrator import record
+from flash_forensics.orchestrator.job.folder import read_job_start
 from flash_forensics.orchestrator.report.rows import row_from_record
 
 # the one retry policy for a sqlite store locked by another local job (MLflow retries deadlocks, not locks)
-from flash_forensics.orchestrator.tracking.tracker import make_client, resolve_uri, retry
+from flash_forensics.orchestrator.tracking.tracker import (
+    check_tracking,
+    find_parent,
+    make_client,
+    resolve_uri,
+    retry,
+    sqlite_path,
+)
 
 History = Dict[str, List[Tuple[int, float]]]
 
 
 def client_for(tracking_uri: Optional[str]):
-    return make_client(resolve_uri(tracking_uri))
+    """A client to read runs from: the store must exist (a reader never creates one) and a server must answer
+    within seconds (never a hang on an unreachable host)."""
+    uri = resolve_uri(tracking_uri)
+    db = sqlite_path(uri)
+    if db is not None and not db.is_file():
+        raise ValueError(f"no MLflow store at {db} (tracking uri {uri}): nothing to read there; give the store the "
+                         "runs were logged to (--tracking-uri), or an export of it where the tool takes one "
+                         "(--histories)")
+    if uri.startswith(("http://", "https://")):
+        check_tracking(uri, timeout_s=10)
+    return make_client(uri)
+
+
+def job_store(job_dir: Path) -> Optional[str]:
+    """The store a job logged to: its job.json (written at job start), else its Hydra config, else its sweep's
+    mlflow_parent.json."""
+    uri = (read_job_start(job_dir) or {}).get("tracking_uri")
+    if uri:
+        return str(uri)
+    cfg = job_dir / ".hydra" / "config.yaml"
+    if cfg.is_file():
+        try:
+            import yaml
+            uri = ((yaml.safe_load(cfg.read_text()) or {}).get("tracking") or {}).get("uri")
+            if uri:
+                return str(uri)
+        except Exception:
+            pass
+    for d in (job_dir, job_dir.parent):
+        parent = find_parent(d)
+        if parent and parent.get("tracking_uri"):
+            return parent["tracking_uri"]
+    return None
 
 
 def history(client, run, prefixes: Sequence[str] = record.HISTORY_PREFIXES, progress: str = "") -> History:
     """{metric: [(step, value)]} of one run (an MLflow Run or its id), for the metrics starting with `prefixes`;
     +-inf come back as floats (record.from_mlflow_value), sorted by step."""
     if isinstance(run, str):
-        run = retry(client.get_run, run)
+        try:
+            run = retry(client.get_run, run)
+        except Exception as e:  # MLflow's RESOURCE_DOES_NOT_EXIST names neither the store nor what to do
+            if "not found" not in str(e) and "RESOURCE_DOES_NOT_EXIST" not in str(e):
+                raise
+            raise ValueError(f"MLflow run {run} is not in {getattr(client, 'tracking_uri', 'this store')}: give the "
+                             "store it was logged to (--tracking-uri), or an export of it where the tool takes one "
+                             "(--histories)") from None
     rid = run.info.run_id
     keys = [k for k in run.data.metrics if k.startswith(tuple(prefixes))]
     from tqdm import tqdm
@@ -65,7 +114,7 @@ def rows_from_mlflow(tracking_uri: str, experiment: str, source_run: Optional[st
     from tqdm import tqdm
 
     uri = resolve_uri(tracking_uri)
-    client = make_client(uri)
+    client = client_for(uri)
     exp = retry(client.get_experiment_by_name, experiment)
     if exp is None:
         raise ValueError(f"--from-mlflow {experiment!r}: no such experiment in {uri}")
@@ -107,8 +156,9 @@ def histories_from_export(path, prefixes: Sequence[str] = record.HISTORY_PREFIXE
         with gzip.open(p, "rt") as f:
             doc = json.load(f)
         runs = doc["runs"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"--histories {str(p)!r}: not an export of scripts/mlflow_export.py ({e})") from e
+    except (OSError, ValueError, KeyError, TypeError, EOFError, zlib.error) as e:  # EOFError: a truncated .gz
+        raise ValueError(f"--histories {str(p)!r}: not an export of scripts/mlflow_export.py "
+                         f"({type(e).__name__}: {e})") from e
     out: Dict[str, History] = {}
     for run in runs:
         value = lambda v: math.nan if v is None else record.from_mlflow_value(v)  # noqa: E731  (NaN: null)

@@ -96,7 +96,8 @@ def _table(rows: Sequence[Dict]) -> List[List[str]]:
                      " ".join(sorted(R._other_overrides(r) - common)) or "-",
                      _fmt(r.get("expected")), _fmt(r.get("observed")), _fmt(r.get("divergence_step")),
                      _fmt(r.get("cause")), _fmt(R._num(r.get("final_loss"))), peak,
-                     "void" if r.get("paper_void") else _fmt(r.get("matches_paper")),
+                     "void" if r.get("paper_void") else "-" if r.get("observed") == "failed" else
+                     _fmt(r.get("matches_paper")),
                      r.get("vs_baseline") or "-", (r.get("mlflow_run_id") or "-")[:12]])
     return [head] + body
 
@@ -334,9 +335,9 @@ def _experiments(uri: Optional[str], rows, parent_run_id: Optional[str]) -> Dict
         return {}
     out = {}
     try:
-        client = make_client(uri)
+        client = readback.client_for(uri)  # reading: never creates a store
     except Exception as e:
-        print(f"[report] no run links: {uri} not readable ({e!r})")
+        print(f"[report] no run links: {uri} not readable ({e})")
         return {}
     for rid in ids:
         try:
@@ -370,7 +371,7 @@ def write_report(rows: List[Dict], out_dir: os.PathLike, tracking_uri: Optional[
         try:
             histories = readback.load_histories(uri, rows) if uri else {}
         except Exception as e:  # the table is still worth writing without curves
-            print(f"[report] could not read metric histories from {uri}: {e!r}")
+            print(f"[report] could not read metric histories from {uri}: {e}")
             histories = {}
     if fork_rule == "source":
         rejudge.source_verdicts(rows, histories)
@@ -380,8 +381,17 @@ def write_report(rows: List[Dict], out_dir: os.PathLike, tracking_uri: Optional[
             r["vs_baseline"] = "; ".join(x for x in (r.get("vs_baseline"), note) if x)
     meta = {**run_meta(uri), **(meta or {})}
     if fork_rule == "source":
+        kept = [r for r in rows if str(r.get("fork_rule", "")).startswith("fresh (")]
+        forks = [r for r in rows if isinstance(r.get("fork_step"), int)]
         meta["fork_rule"] = ("source: each fork judged from its source's detector at the fork step (re-judged from "
-                             "the histories where it ran fresh)")
+                             "the histories where it ran fresh)"
+                             + (f"; NOT applied to {len(kept)} of {len(forks)} fork(s), which keep their own "
+                                f"verdict: {kept[0]['fork_rule'][len('fresh ('):-1]}" if kept else ""))
+        if kept:
+            print(f"[report] --fork-baseline source: {len(kept)} of {len(forks)} fork(s) keep their own verdict "
+                  f"({kept[0]['fork_rule']}); give the histories (--tracking-uri or --histories)")
+        for r in kept:  # said in the row too, where the table is read
+            r["vs_baseline"] = "; ".join(x for x in (r.get("vs_baseline"), f"not re-judged: {r['fork_rule']}") if x)
     if parent_run_id:
         meta["parent_run_id"] = parent_run_id
     fork_health.annotate(rows, histories, lambda r: R._peer(r, rows, R.BASELINE),

@@ -56,9 +56,25 @@ def job_row(job_dir: Path, name: str) -> Dict:
         return _failed_row(job_dir, name, "no result.json: the job was killed before it could write one (timeout, "
                                           "OOM, preemption?)")
     try:
-        return row_from_record(record.read(job_dir), name, job_dir)
-    except (OSError, ValueError, TypeError) as e:  # killed while writing it: a failed row, not a lost table
+        row = row_from_record(record.read(job_dir), name, job_dir)
+    except (OSError, ValueError, TypeError, AttributeError, KeyError) as e:  # killed mid-write, or not a record
         return _failed_row(job_dir, name, f"unreadable {rfile}: {e}")
+    bad = implausible(row)
+    return _failed_row(job_dir, name, f"{rfile}: {bad}") if bad else row
+
+
+def implausible(row: Dict) -> Optional[str]:
+    """Why a record's values cannot be what a job wrote (a hand-edited or damaged result.json), else None."""
+    for key in ("divergence_step", "fork_step", "steps_done"):
+        v = row.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+            return f"{key}={v!r} is not a step (expected an integer >= 0)"
+    if row.get("observed") == "diverged" and row.get("divergence_step") is None:
+        return "observed 'diverged' without a divergence_step"
+    fl = row.get("final_loss")
+    if row.get("observed") == "stable" and isinstance(fl, float) and not math.isfinite(fl):
+        return f"observed 'stable' with final_loss={fl}"
+    return None
 
 
 def _natural(parts: Sequence[str]):
@@ -182,6 +198,13 @@ def judge(row: Dict, rows: Sequence[Dict]) -> Dict:
     return row
 
 
+def _clip(text: str, n: int) -> str:
+    """At most n characters, cut at a word and marked (the whole error is in the job's error file and result.json)."""
+    if len(text) <= n:
+        return text
+    return text[:n].rsplit(" ", 1)[0].rstrip(",;:") + " [...]"
+
+
 def compare(rows: List[Dict]) -> List[Dict]:
     """Fill the verdict with its control (judge), matches_paper and a `vs_baseline` note (vs the baseline's
     divergence and the fp32 final loss)."""
@@ -191,7 +214,7 @@ def compare(rows: List[Dict]) -> List[Dict]:
         notes = []
         name, obs = row.get("intervention"), row["observed"]
         if obs == "failed":
-            notes.append("failed: " + (str(row.get("error") or "unknown error").splitlines() or ["?"])[0][:160])
+            notes.append("failed: " + _clip((str(row.get("error") or "unknown error").splitlines() or ["?"])[0], 200))
         ctrl = control_of(row) if name == BASELINE else None
         base = _peer(row, rows, BASELINE) if name != BASELINE or ctrl else None
         ref = _peer(row, rows, REFERENCE) if name != REFERENCE else None

@@ -135,6 +135,16 @@ class SweepReport(Callback):
         uri, exp_name = _tracking_cfg(config)
         sweep = _sweep_name(config)
         client = make_client(uri)
+        old = find_parent(sweep_dir)
+        if old and old.get("tracking_uri") == uri:  # the same sweep folder again (a rerun after a kill): its run
+            try:
+                retry(client.update_run, old["run_id"], status="RUNNING")
+                self.parent = old
+                print(f"[report] MLflow parent run {old['run_id']} reopened: this sweep folder's, from an earlier "
+                      f"start (its jobs resume under it) in {uri}")
+                return
+            except Exception as e:  # gone from the store: a new one below
+                print(f"[report] the sweep folder's parent run {old['run_id']} is not in {uri} ({e}): a new one")
         exp_id = get_or_create_experiment(client, exp_name or sweep, uri)
         tags = {**git_info(), "sweep": sweep, "sweep_dir": str(sweep_dir), "role": "sweep",
                 "command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
@@ -182,6 +192,18 @@ class SweepReport(Callback):
                 retry(make_client(parent["tracking_uri"]).set_terminated, parent["run_id"], status=status)
 
 
+def _jobs_store(rows) -> Optional[str]:
+    """The store the rows' jobs logged to (their job.json), said once; None where they name none."""
+    from collections import Counter
+    uris = Counter(u for u in (readback.job_store(Path(r["job_dir"])) for r in rows if r.get("job_dir")) if u)
+    if not uris:
+        return None
+    uri, n = uris.most_common(1)[0]
+    others = f"; {sum(uris.values()) - n} job(s) name other stores: give --tracking-uri" if len(uris) > 1 else ""
+    print(f"[report] MLflow store: {uri} (where {n} of the jobs logged, from their job.json){others}")
+    return uri
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """`flash-forensics report --out DIR [--sweep NAME] [--tracking-uri URI] JOB_OR_SWEEP_DIR...`: one
     table over runs from several sweeps (e.g. a baseline run, its forked isolation sweep and a beta sweep)."""
@@ -193,7 +215,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                          "the job folders are gone")
     ap.add_argument("--out", required=True, help="where verdicts.{md,json} and plots/ go")
     ap.add_argument("--sweep", default=None, help="the report's name (default: the --out folder's name)")
-    ap.add_argument("--tracking-uri", default=None, help="MLflow store with the runs' histories (plots)")
+    ap.add_argument("--tracking-uri", default=None,
+                    help="MLflow store with the runs' histories (plots); default: the store the jobs logged to "
+                         "(their job.json)")
     ap.add_argument("--histories", default=None, metavar="EXPORT.json.gz",
                     help="the runs' metric histories from a compact export (scripts/mlflow_export.py) instead of a "
                          "store: with job dirs and no --tracking-uri, no MLflow store is opened")
@@ -212,9 +236,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             raise ValueError("nothing to report: give job/sweep dirs and/or --from-mlflow EXPERIMENT")
         if args.from_mlflow and not args.tracking_uri:
             raise ValueError("--from-mlflow needs --tracking-uri (the store that holds the experiment)")
+        if args.source_run and not args.from_mlflow:
+            raise ValueError("--source-run is not allowed without --from-mlflow: it picks the source run of an "
+                             "MLflow experiment's runs")
+        bad_meta = [m for m in args.meta if "=" not in m]
+        if bad_meta:
+            raise ValueError(f"--meta {bad_meta[0]!r} is not allowed: expected KEY=VALUE")
+        seen = set()
+        dirs = [d for d in args.dirs if not (Path(d).resolve() in seen or seen.add(Path(d).resolve()))]
+        if len(dirs) < len(args.dirs):
+            print(f"[report] {len(args.dirs) - len(dirs)} folder(s) given twice: read once")
+        args.dirs = dirs
         rows, histories = (rows_from_mlflow(args.tracking_uri, args.from_mlflow, args.source_run)
                            if args.from_mlflow else ([], None))
         rows += rows_from_dirs(args.dirs)
+        if args.tracking_uri is None and not args.histories and not args.from_mlflow:
+            args.tracking_uri = _jobs_store(rows)
         meta = dict(m.split("=", 1) for m in args.meta if "=" in m)
         meta["sources"] = [str(Path(d)) for d in args.dirs] + ([f"mlflow experiment {args.from_mlflow}"]
                                                               if args.from_mlflow else [])

@@ -30,6 +30,9 @@ class TrackingUnreachable(ValueError):
     """The configured tracking store cannot be used; raised before any job starts."""
 
 
+# the database back ends MLflow's SQLAlchemy store takes (scheme[+driver]://...), besides sqlite
+DB_SCHEMES = ("postgresql", "mysql", "mssql")
+
 def default_tracking_uri() -> str:
     return f"sqlite:///{RESULTS_DIR / 'mlflow.db'}"
 
@@ -92,7 +95,12 @@ def check_tracking(uri: Optional[str], timeout_s: float = 3.0) -> str:
         raise TrackingUnreachable(
             f"tracking.uri={uri!r} is not allowed: MLflow 3.17 refuses the file store; use sqlite:///<path>.db "
             f"or http(s)://<server>")
-    return uri  # other database URIs (postgresql://...): MLflow reports its own connection errors
+    scheme = uri.split("://", 1)[0].split("+", 1)[0].lower()
+    if scheme not in DB_SCHEMES:
+        raise TrackingUnreachable(
+            f"tracking.uri={uri!r} is not allowed: expected sqlite:///<path>.db, http(s)://<server> or a database "
+            f"URI ({', '.join(s + '://...' for s in DB_SCHEMES)})")
+    return uri  # database URIs (postgresql://...): MLflow reports its own connection errors
 
 
 

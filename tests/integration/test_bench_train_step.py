@@ -25,6 +25,11 @@ def test_cpu_smoke_round_robin_same_batches_and_the_sdpa_op(tmp_path):
     assert [(v, r["steps_timed"], len(r["losses"])) for v, r in rows.items()] == [
         ("sdpa", 4, 5), ("emulator_paper_bf16", 4, 5)]  # fmt: skip
     assert rows["sdpa"]["sdpa_ops"] == ["flash"] and rows["emulator_paper_bf16"]["sdpa_ops"] == []
+    for r in rows.values():  # the profiled step on a CPU: its top ops by self time, largest first
+        top = r["profile"]["top"]
+        assert r["profile"]["device"] == "cpu" and 0 < len(top) <= 10
+        assert [t["ms"] for t in top] == sorted((t["ms"] for t in top), reverse=True) and top[0]["ms"] > 0
+    assert all(0 < r["host_ms"] <= r["step_ms"] for r in rows.values())  # each step: enqueued <= done
     assert rows["emulator_paper_bf16"]["routes"] == ["flash/emulator/paper_bf16"]
     # the same initial weights and first batch: the first losses differ only by the attention's arithmetic
     assert rows["sdpa"]["losses"][0] == pytest.approx(rows["emulator_paper_bf16"]["losses"][0], abs=2e-2)
@@ -43,8 +48,40 @@ def test_compiled_vs_eager_by_hand():
     assert s["vs_sdpa_compile"]["paper_1gpu"] == 1.0
 
 
+def test_cudagraphs_vs_eager_is_keyed_apart_from_compile():
+    def row(v, losses):
+        return dict(variant=v, batch=2, T=8, tokens_per_s=100.0, losses=losses)
+    s = bench.summarize([row("sdpa", [3.0, 2.5]), row("sdpa+compile", [3.0, 2.5]),
+                         row("sdpa+cudagraphs", [3.0, 2.0])])["B2_T8"]["compiled_vs_eager"]
+    assert s["sdpa"]["bit_identical"] is True
+    assert s["sdpa+cudagraphs"] == dict(steps=2, bit_identical=False, first_diff_step=1, max_abs_loss_diff=0.5)
+
+
+class _Ev:  # a profiler kernel event: name and time_range (us)
+    def __init__(self, name, a, b):
+        self.name, self.time_range = name, type("R", (), dict(start=a, end=b))()
+
+
+def test_kernel_breakdown_busy_span_attention_and_top():
+    evs = [_Ev("ampere_bf16_gemm", 0, 100), _Ev("_fwd_kernel", 50, 150),  # overlapping: busy 0-150
+           _Ev("_bwd_dq_kernel", 300, 400), _Ev("triton_poi_fused_add", 400, 410),
+           _Ev("cudnn_generated_fort_native_sdpa_sm90_flash_fprop", 500, 520)]
+    b = bench.kernel_breakdown(evs, top=2)
+    assert b["kernels"] == 5 and b["kernels_ms"] == pytest.approx(0.33)
+    assert b["busy_ms"] == pytest.approx(0.28) and b["span_ms"] == pytest.approx(0.52)
+    assert b["busy_fraction"] == pytest.approx(0.28 / 0.52)
+    assert b["attention_ms"] == pytest.approx(0.22)  # fwd, dq and cuDNN's sdpa; not the GEMM nor the add
+    assert [t["name"] for t in b["top"]] == ["ampere_bf16_gemm", "_fwd_kernel"]
+    assert bench.kernel_breakdown([])["busy_fraction"] is None
+
+
 def test_a_bad_variant_stops_before_anything_is_built(tmp_path, capsys):
     with pytest.raises(SystemExit):
         bench.main(["--device", "cpu", "--variants", "sdpa,sdpa+compil", "--out", str(tmp_path / "x.json")])
-    assert "'sdpa+compil' is not allowed" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "'sdpa+compil' is not allowed" in err and "cudagraphs" in err
+    assert not (tmp_path / "x.json").exists()
+    with pytest.raises(SystemExit):  # CUDA graphs on a CPU: refused, not silently an ordinary compile
+        bench.main(["--device", "cpu", "--variants", "sdpa+cudagraphs", "--out", str(tmp_path / "x.json")])
+    assert "CUDA graphs need --device cuda" in capsys.readouterr().err
     assert not (tmp_path / "x.json").exists()

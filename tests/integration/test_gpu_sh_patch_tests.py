@@ -51,3 +51,14 @@ def test_a_patch_that_does_not_apply_stops_with_the_reason(tmp_path):
     assert p.returncode != 0 and "does not apply here" in p.stderr
     p = _run(tmp_path, tmp_path / "missing.patch")
     assert p.returncode != 0 and "no patch file" in p.stderr
+
+
+def test_skip_here_runs_only_the_patched_copy(tmp_path):
+    env = dict(os.environ, OUT=str(tmp_path / "out"), PATCHED=str(tmp_path / "patched"), WORKERS="1", SKIP_HERE="1")
+    p = subprocess.run(["bash", str(ROOT / "scripts" / "gpu.sh"), "patch-tests",
+                        str(_patch(tmp_path / "ok.patch", NEW_TEST)), "tests/unit/test_zz_patched.py",
+                        "tests/unit/test_knobs.py"], env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "this tree's tests skipped (SKIP_HERE=1" in p.stdout
+    logs = tmp_path / "out" / "patch-tests"
+    assert not (logs / "pytest_here.log").exists() and "test_zz_patched.py" in (logs / "pytest_patched.log").read_text()

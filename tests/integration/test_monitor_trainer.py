@@ -114,3 +114,51 @@ def test_capture_through_the_backend_and_analyze(tmp_path, device):
     report = analyze(path)
     best = report["fingerprint"]["candidates"][0]
     assert best["recipe"] == "paper_bf16" and best["o_identical"] == 1.0, best
+
+
+def test_monitor_refuses_what_it_could_never_count():
+    cfg = _llama().config
+    sdpa = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+    with pytest.raises(ValueError, match=r"Monitor: model.config._attn_implementation='sdpa' is not allowed: "
+                                         r"expected 'forensics'.*model.layers.0.self_attn"):
+        flash_forensics.Monitor(sdpa)  # refused here, not at the first flush
+    with pytest.raises(ValueError, match="Monitor: model=NoneType is not allowed"):
+        flash_forensics.Monitor(None)
+    with pytest.raises(ValueError, match=r"use\(\): model=NoneType is not allowed"):
+        flash_forensics.use(None)
+    with pytest.raises(ValueError, match="the model itself"):  # a module computing attention itself, by name
+        flash_forensics.use(torch.nn.MultiheadAttention(16, 2))
+    with pytest.raises(ValueError, match=r"TrainerCallback.log_every=0 is not allowed"):
+        flash_forensics.TrainerCallback(log_every=0)
+    with pytest.raises(ValueError, match=r"TrainerCallback.wq_every=-1 is not allowed"):
+        flash_forensics.TrainerCallback(wq_every=-1)
+
+
+def test_monitor_step_arguments_and_a_non_finite_loss():
+    model = _llama()
+    flash_forensics.use(model, recipe="fp32")
+    mon = flash_forensics.Monitor(model, log_every=2, wq_every=50)
+    ids = torch.randint(0, V, (1, 8))
+    loss = model(input_ids=ids, labels=ids).loss
+    mon.step(loss, step=3)
+    for bad, match in ((dict(step=3), r"step=3\) is not allowed: expected an integer >= 4 .*last one was 3"),
+                       (dict(step=-5), r"step=-5\) is not allowed"), (dict(step="x"), r"step='x'\) is not allowed")):
+        with pytest.raises(ValueError, match=match):
+            mon.step(loss, **bad)
+    with pytest.raises(ValueError, match=r"loss=tensor of shape \(2,\)\) is not allowed: expected a scalar"):
+        mon.step(torch.ones(2))
+    with pytest.warns(RuntimeWarning, match=r"loss is not finite at 1 step\(s\).*step 5: nan"):
+        out = mon.step(torch.tensor(float("nan")), step=5)  # flushes (log_every=2): logged as it is, and said
+    assert out["train/loss@5"] != out["train/loss@5"]
+    mon.close()
+    with pytest.raises(RuntimeError, match=r"after close\(\)"):
+        mon.step(loss)
+
+
+def test_monitor_names_a_bad_tracking_uri_before_mlflow_does():
+    model = _llama()
+    flash_forensics.use(model, recipe="fp32")
+    for uri, needle in (("nonsense://x", "tracking.uri='nonsense://x' is not allowed"),
+                        ("http://127.0.0.1:9", "MLflow server unreachable")):
+        with pytest.raises(ValueError, match=rf"Monitor\(mlflow=True\): .*{needle}"):
+            flash_forensics.Monitor(model, mlflow=True, tracking_uri=uri)

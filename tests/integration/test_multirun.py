@@ -117,3 +117,70 @@ def test_unknown_intervention_cli(tmp_path):
     assert "Could not find 'intervention/nope'" in p.stderr
     assert not (tmp_path / "mlflow.db").exists() or not all_runs(tmp_path)
     assert not (tmp_path / "results").exists() or not list((tmp_path / "results").rglob("result.json"))
+
+
+def test_a_single_run_with_a_layer_its_intervention_ignores_launches_nothing(tmp_path):
+    p = run_cli(tmp_path, "experiment=smoke", "intervention=sfa", "intervention.layer=1")
+    assert p.returncode != 0
+    assert "intervention.layer=1 is not allowed with intervention=sfa: its file takes no layer" in p.stderr
+    assert not (tmp_path / "results").exists() or not list((tmp_path / "results").rglob("result.json"))
+
+
+def test_a_run_given_another_runs_folder_writes_nothing_there(tmp_path):
+    """A finished run's folder given again (hydra.run.dir) with another model shape, or fewer steps than its
+    checkpoint holds: refused before anything is written, its result.json and report as they were."""
+    job = tmp_path / "job"
+    common = ["experiment=smoke", "train.max_steps=4", "train.ckpt_every=2", "train.eval_every=0",
+              f"hydra.run.dir={job}"]
+    p = run_cli(tmp_path, *common)
+    assert p.returncode == 0, p.stderr[-2000:]
+    before = {f: (job / f).read_bytes() for f in ("result.json", "job.json", "report/verdicts.json")}
+    for extra, needle in ((["model.n_embd=128"], "another model shape (n_embd: checkpoint 64 vs this run 128)"),
+                          (["train.max_steps=2", "train.warmup_steps=0"], "past this run's train.max_steps=2")):
+        p = run_cli(tmp_path, *common, *extra)
+        assert p.returncode == 1 and needle in p.stdout, p.stdout[-2000:]
+        assert {f: (job / f).read_bytes() for f in before} == before
+
+
+def test_unfinished_twins_are_the_dead_same_command_folders_with_a_checkpoint(tmp_path):
+    import json
+    import socket
+
+    from flash_forensics.orchestrator.launch.task import unfinished_twins
+    runs = tmp_path / "runs"
+
+    def job(name, overrides, pid=2 ** 22 + 7, ckpt=True, result=False):
+        d = runs / name
+        (d / "checkpoints").mkdir(parents=True)
+        if ckpt:
+            (d / "checkpoints" / "last.pt").write_bytes(b"x")
+        (d / "job.json").write_text(json.dumps({"overrides": overrides, "pid": pid, "host": socket.gethostname()}))
+        if result:
+            (d / "result.json").write_text("{}")
+        return d
+
+    ov = ["experiment=smoke", "train.max_steps=400"]
+    killed = job("a", ov)
+    job("b", ov, result=True)  # finished
+    job("c", ov, ckpt=False)  # died before its first checkpoint
+    job("d", ["experiment=smoke"])  # another command
+    import os
+    job("e", ov, pid=os.getppid())  # still running
+    fresh = runs / "new"
+    fresh.mkdir()
+    assert unfinished_twins(fresh, ov) == [killed]
+    assert unfinished_twins(killed, ov) == []  # a folder with checkpoints resumes itself
+
+
+def test_a_sweep_folder_started_again_keeps_its_parent_run(tmp_path):
+    sweep = tmp_path / "sweep"
+    args = ["-m", "experiment=smoke", "train.max_steps=2", "train.warmup_steps=0", "train.eval_every=0",
+            "intervention=baseline", f"hydra.sweep.dir={sweep}"]
+    for _ in range(2):  # e.g. after a kill -9: the same command, the same sweep folder
+        p = run_cli(tmp_path, *args)
+        assert p.returncode == 0, p.stderr[-2000:]
+    assert "reopened" in p.stdout
+    c = client(tmp_path)
+    parents = [r for e in c.search_experiments() for r in c.search_runs([e.experiment_id])
+               if r.data.tags.get("role") == "sweep"]
+    assert len(parents) == 1 and parents[0].info.status == "FINISHED"

@@ -186,10 +186,11 @@ def test_one_lease_plan_end_to_end_on_cpu(tmp_path):
 
 def _baseline_with_checkpoints(tmp_path, steps, divergence, min_loss_step, done):
     from flash_forensics.orchestrator import record
+    from flash_forensics.orchestrator.job import checkpoint
     job = tmp_path / "baseline"
     (job / "checkpoints").mkdir(parents=True)
-    for s in steps:
-        (job / "checkpoints" / f"step_{s}.pt").write_bytes(b"")
+    for s in steps:  # intact files: a pick passes over damaged ones
+        checkpoint.save(job / "checkpoints" / f"step_{s}.pt", {"step": s})
     rec = record.RunRecord(intervention="baseline", observed="diverged", divergence_step=divergence,
                            min_loss_step=min_loss_step, steps_done=done)
     record.write(job, rec)

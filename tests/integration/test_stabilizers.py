@@ -382,9 +382,9 @@ def test_stabilizers_table_from_constructed_rows(tmp_path):
     assert (qk["needs_model_change"], gate["needs_model_change"], sfa["needs_model_change"],
             z["needs_model_change"]) == (True, True, False, False)
     md = paths["md"].read_text()
-    line = next(l for l in md.splitlines() if l.startswith("| sfa |"))
+    line = next(l for l in md.splitlines() if l.startswith("| forks/report | sfa |"))  # two reports: named
     assert ">= +200" in line and "+10.0%" in line and "+25.0%" in line and line.endswith("| no |")
-    z_line = next(l for l in md.splitlines() if l.startswith("| z_loss |"))
+    z_line = next(l for l in md.splitlines() if l.startswith("| forks/report | z_loss |"))
     assert z_line.count("not measured") == 2 and "z_loss (forks/z_loss) failed: boom" in md
     assert "pbar_clamp @ mini: flash/emulator (triton lacks: pbar_clamp)" in md
     assert "benchmark z_loss @ mini failed (not measured): OOM" in md
@@ -458,3 +458,59 @@ def test_stabilizers_table_reads_val_loss_of_a_report_copied_off_its_machine(tmp
     assert rows["baseline"]["val_loss"] == 3.3 and rows["qk_clip"]["val_loss"] == 2.25
     assert abs(rows["qk_clip"]["val_vs_fp32"] - 0.05) < 1e-9
     assert rows["z_loss"]["val_loss"] is None and rows["z_loss"]["val_vs_fp32"] is None
+
+
+def test_stabilizers_table_merges_one_bench_per_shape_and_refuses_a_shape_twice(tmp_path):
+    from flash_forensics.orchestrator.analysis import stabilizers
+    rep = tmp_path / "report"
+    rep.mkdir()
+    (rep / "verdicts.json").write_text(json.dumps({"runs": [_run("baseline", "diverged", 100, final=5.0),
+                                                            _run("sfa", "stable", fork_step=50, final=3.1)]}))
+    brow = lambda shape, v, tps: dict(shape=shape, variant=v, tokens_per_s=tps, route_set=["r"])  # noqa: E731
+    mini, big, again = tmp_path / "mini.json", tmp_path / "gpt2s.json", tmp_path / "again.json"
+    mini.write_text(json.dumps({"command": "bench mini", "gpu": "G1", "rows": [brow("mini", "baseline", 1000.0),
+                                                                                 brow("mini", "sfa", 900.0)]}))
+    big.write_text(json.dumps({"command": "bench gpt2s", "gpu": "G2", "rows": [brow("gpt2s", "baseline", 2000.0),
+                                                                                 brow("gpt2s", "sfa", 1500.0)]}))
+    again.write_text(json.dumps({"command": "bench mini again", "rows": [brow("mini", "baseline", 10.0)]}))
+    paths = stabilizers.write([rep], [mini, big], "merged", results=tmp_path / "results")
+    doc = json.loads(paths["json"].read_text())
+    sfa = next(r for r in doc["rows"] if r["intervention"] == "sfa")
+    assert abs(sfa["cost"]["mini"] - 0.1) < 1e-9 and abs(sfa["cost"]["gpt2s"] - 0.25) < 1e-9
+    assert doc["meta"]["shapes"] == ["mini", "gpt2s"] and doc["meta"]["bench"] == [str(mini), str(big)]
+    md = paths["md"].read_text()
+    assert "- throughput (mini): `bench mini` on G1" in md and "- throughput (gpt2s): `bench gpt2s` on G2" in md
+    with pytest.raises(ValueError, match=r"both measured shape 'mini'"):
+        stabilizers.write([rep], [mini, again], "x", results=tmp_path / "results")
+    assert stabilizers.main(["--reports", str(rep), "--bench", str(mini), str(big), "--name", "cli",
+                             "--results", str(tmp_path / "results")]) == 0
+    assert "cost gpt2s" in (tmp_path / "results" / "cli" / "stabilizers.md").read_text()
+
+
+def test_stabilizers_scratch_report_without_a_baseline_borrows_the_same_regimes_only(tmp_path):
+    """qk_norm and gated_attn run from step 0 without a baseline beside them: their steps gained are against another
+    report's from-step-0 baseline of the same experiment and seeds, said under the table; never another seed's."""
+    from flash_forensics.orchestrator.analysis import stabilizers
+    seed = lambda s: dict(overrides=["experiment=paper_1gpu", f"train.seed={s}", f"data.seed={s}"])  # noqa: E731
+    seed1, seed2, scratch = (tmp_path / n / "report" for n in ("seed1", "seed2", "scratch"))
+    for d, runs in ((seed1, [_run("baseline", "diverged", 2288, final=3.2, **seed(1)),
+                             _run("fp32", "stable", fork_step=2000, final=2.2, **seed(1))]),
+                    (seed2, [_run("baseline", "diverged", 4342, final=3.0, **seed(2))]),
+                    (scratch, [_run("qk_norm", "stable", steps_done=2598, final=2.3, **seed(1)),
+                               _run("gated_attn", "diverged", 2400, final=4.0, **seed(1))])):
+        d.mkdir(parents=True)
+        (d / "verdicts.json").write_text(json.dumps({"runs": runs}))
+    paths = stabilizers.write([seed2, seed1, scratch], None, "t", results=tmp_path / "results")
+    rows = {r["intervention"]: r for r in json.loads(paths["json"].read_text())["rows"] if "scratch" in r["report"]}
+    assert (rows["qk_norm"]["steps_gained"], rows["qk_norm"]["steps_gained_at_least"]) == (310, True)
+    assert rows["gated_attn"]["steps_gained"] == 2400 - 2288  # seed 1's baseline, not seed 2's listed first
+    assert rows["qk_norm"]["baseline_from"] == str(seed1)
+    md = paths["md"].read_text()
+    assert "- scratch/report: it ran no baseline; its steps gained are against the from-step-0 baseline of " \
+           "seed1/report" in md
+    # seeds the runs do not say, or another seed only: no baseline borrowed, no steps gained
+    (scratch / "verdicts.json").write_text(json.dumps({"runs": [_run("qk_norm", "stable", final=2.3, **seed(3))]}))
+    rows = json.loads(stabilizers.write([seed1, scratch], None, "t2", results=tmp_path / "results")["json"]
+                      .read_text())["rows"]
+    qk = next(r for r in rows if r["intervention"] == "qk_norm")
+    assert qk["steps_gained"] is None and qk["baseline_from"] is None

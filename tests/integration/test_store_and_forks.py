@@ -9,10 +9,9 @@ from pathlib import Path
 
 import matplotlib.image as mpimg
 import pytest
-import torch
 import yaml
 
-from flash_forensics.orchestrator.job import fork
+from flash_forensics.orchestrator.job import checkpoint, fork
 from flash_forensics.orchestrator.job.fork import ForkError, pick, sweep_file_jobs
 from flash_forensics.orchestrator.report import plots
 from flash_forensics.orchestrator.report import sweep as report
@@ -60,7 +59,7 @@ def _job_dir(tmp_path: Path, steps, **result) -> Path:
     job = tmp_path / "job"
     (job / "checkpoints").mkdir(parents=True)
     for s in steps:
-        torch.save({"step": s}, job / "checkpoints" / f"step_{s}.pt")
+        checkpoint.save(job / "checkpoints" / f"step_{s}.pt", {"step": s})  # verified: fork pick skips damaged files
     if result:
         (job / "result.json").write_text(json.dumps(result))
     return job

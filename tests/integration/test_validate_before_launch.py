@@ -86,6 +86,14 @@ def test_numerics_counters_become_metrics_and_a_warning():
     assert sink.points["underflow_rows/L0.H1"] == (0, 3.0)
     assert "sfa_p1_rows/L0.H0" not in sink.points and "underflow_rows/L0.H0" not in sink.points  # zero: no series
     assert mon.numerics["underflow_rows"] == 3 and "3 attention rows" in mon.numerics_warning()
+    assert "Algorithm 3 shift is too large" in mon.numerics_warning()  # the SFA model: the shift is the suspect
+    safe = GPT(ModelConfig(name="t", n_layer=1, n_head=2, n_embd=32, block_size=16, vocab_size=64),
+               AttentionConfig(recipe="fp32"))
+    mon_safe = Monitors(safe, MonitorConfig(log_every=1, wq_every=100), Sink())
+    safe.attention_stats()[0].underflow_rows[0] += 2
+    mon_safe.step_end(0, torch.tensor(1.0), torch.tensor(1.0), 1e-3, 32)
+    assert "non-finite (NaN or inf) scores" in mon_safe.numerics_warning()  # the safe softmax: not the shift
+    assert "Algorithm 3" not in mon_safe.numerics_warning()
     assert int(stats.underflow_rows.sum()) == 0  # reset after the flush
     mon.step_end(1, torch.tensor(1.0), torch.tensor(1.0), 1e-3, 32)
     assert sink.points["underflow_rows/L0.H1"] == (1, 0.0)  # a started series goes on through its zeros

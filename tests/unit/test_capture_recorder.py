@@ -1,5 +1,7 @@
 """Capturing calls: our GPT through flash_forensics.hooks (dO by a tensor hook on O, the layer's x and W_Q), a
 transformers-like emitter (a fake one: the backend reports through the same hooks), and torch's own SDPA wrapped."""
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -152,3 +154,19 @@ def test_batch_keeps_the_first_sequences_of_every_tensor(tmp_path):
     assert torch.equal(snap.tensors["q"], q.detach()[:2, 1:2]) and torch.equal(snap.tensors["do"], do[:2, 1:2])
     with pytest.raises(ValueError, match=r"monitor.capture.batch=0 is not allowed"):
         CaptureConfig(steps=[1], batch=0).validate()
+
+
+def test_bad_selections_are_refused_and_an_empty_capture_is_said(tmp_path):
+    for kw, needle in ((dict(layers="x"), "layers='x' is not allowed"), (dict(heads=[-1]), "heads=[-1]"),
+                       (dict(worst=0), "worst=0 is not allowed")):
+        with pytest.raises(ValueError, match=re.escape(needle)):
+            with flash_forensics.capture(tmp_path, **kw):
+                pass
+    said = []
+    q = torch.randn(1, 2, 8, 4)
+    with flash_forensics.capture(tmp_path, layers=[0], sdpa=True, say=said.append) as cap:
+        torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+    assert cap.paths == [] and "1 attention call(s) ran, none in layers=[0]" in said[-1]
+    with flash_forensics.capture(tmp_path, say=said.append):
+        pass
+    assert "no attention call ran through flash_forensics" in said[-1]

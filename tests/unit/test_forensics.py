@@ -1,5 +1,6 @@
 """kernels/forensics.py: the paper's worked BF16 addition, exact rounding against torch, and the P̄V error trace."""
 import random
+import re
 
 import numpy as np
 import pytest
@@ -103,3 +104,37 @@ def test_bad_operands_name_the_argument(capsys, argv, says):
         fx.main(["add", *argv])
     err = capsys.readouterr().err
     assert e.value.code == 2 and says in err and "could not convert" not in err
+
+
+def test_bad_operands_and_rows_are_refused_naming_what(tmp_path, capsys):
+    import numpy as np
+
+    from flash_forensics.kernels import forensics as F
+    for text in ("1e40", "nan", "inf"):
+        with pytest.raises(SystemExit):
+            F.main(["add", text, "1"])
+        assert f"a={text!r} is not allowed: expected a finite number within FP32's range" in capsys.readouterr().err
+    np.save(tmp_path / "three.npy", np.ones((3, 8)))
+    bad = np.stack([np.full(8, 0.5), np.ones(8)])
+    bad[0, 3] = np.nan
+    np.save(tmp_path / "nan.npy", bad)
+    np.save(tmp_path / "neg.npy", np.stack([np.full(8, -0.5), np.ones(8)]))
+    np.savez(tmp_path / "keys.npz", q=np.ones(8), v=np.ones(8))
+    for name, needle in (("three.npy", "shape (3, 8), expected (2, T)"), ("nan.npy", "non-finite values"),
+                         ("neg.npy", "P̄ is outside [0, 1]"), ("keys.npz", "has no entry 'p is not a file"),
+                         ("missing.pt", "no such file")):
+        with pytest.raises(SystemExit, match=re.escape(needle)):
+            F.main(["pv-trace", "--input", str(tmp_path / name), "--out", str(tmp_path / "x.png")])
+    with pytest.raises(SystemExit, match=r"--length=100000000 .*expected 0 < length <= 1048576"):
+        F.main(["pv-trace", "--length", "100000000", "--out", str(tmp_path / "x.png")])
+
+
+def test_the_explanation_says_when_the_sum_overflows_or_is_subnormal():
+    from flash_forensics.kernels import forensics as F
+    over = F.format_add(F.explain_add(3e38, 3e38, "bf16"))
+    assert "overflow:" in over and "the result is inf" in over
+    assert "saturates at 448" in F.format_add(F.explain_add(300.0, 300.0, "e4m3"))
+    sub = F.format_add(F.explain_add(1e-40, 1e-40, "bf16"))
+    assert "subnormal:" in sub and "2^-133" in sub
+    paper = F.format_add(F.explain_add(F.PAPER_A, F.PAPER_B, "bf16"))
+    assert "\noverflow:" not in paper and "\nsubnormal:" not in paper

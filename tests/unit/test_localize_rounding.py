@@ -51,8 +51,9 @@ def test_names_the_point_that_lifting_prevents_and_rounding_reproduces(monkeypat
     pts = by_point(res)
     assert pts["scores"].lift.outcome == "no effect" and pts["scores"].bf16_only.outcome == "no effect"
     assert pts["acc"].bf16_only.outcome == "no effect"
-    assert res.verdict() == ("divergence needs BF16 at `pv_out` (lifting it alone prevents it; rounding it alone in "
-                             "FP32 reproduces it at step 912); lifting `acc` alone delays it by 52 steps")
+    assert res.verdict() == ("divergence needs BF16 at `pv_out` (lifting it alone prevents it; rounding it alone to "
+                             "BF16, the rest FP32, reproduces it at step 912); lifting `acc` alone delays it by 52 "
+                             "steps")
     assert "no single rounding point" not in res.format()
 
 
@@ -90,7 +91,7 @@ def test_lift_prevents_but_lowering_alone_does_not_reproduce():
             row("r-0", "lift_stats", "stable"), row("r-1", "bf16_only_stats", "stable")]
     res = analyze(rows)
     assert res.needs_bf16 == [] and res.cause_points == ["stats"]
-    assert res.what() == "lifting `stats` alone prevents it (rounding it alone in FP32: no effect)"
+    assert res.what() == "lifting `stats` alone prevents it (rounding it alone to BF16, the rest FP32: no effect)"
 
 
 def test_failed_and_missing_forks_are_named():
@@ -101,7 +102,7 @@ def test_failed_and_missing_forks_are_named():
     assert pts["pv_out"].lift.outcome == "failed" and pts["acc"].bf16_only.outcome == "not run"
     assert res.needs_bf16 == [] and res.cause_points == ["pv_out"]  # the lowering alone still reproduces it
     v = res.verdict()
-    assert "rounding `pv_out` alone in FP32 reproduces it at step 912 (lifting it alone: failed)" in v
+    assert "rounding `pv_out` alone to BF16 (the rest FP32) reproduces it at step 912 (lifting it alone: failed)" in v
     assert "lift_pv_out (r-9): failed: RuntimeError: CUDA out of memory" in v and "traceback" not in v
     assert "not run: bf16_only_acc" in v
 

@@ -160,6 +160,58 @@ def test_interpreter_opcheck(counters, stab):
                                           _spec("fp32", delta="dP_P", **sr, **stab)))
 
 
+def _fused_qkv(B=2, H=3, T=40, D=16, seed=0, grad=False):
+    """q, k, v as a GPT's attention makes them: views of one (B, T, 3 * H * D) projection, (B, T, H, D)-ordered."""
+    g = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(B, T, 3 * H * D, generator=g).requires_grad_(grad)
+    return [t.view(B, T, H, D).transpose(1, 2) for t in qkv.split(H * D, dim=2)]
+
+
+def test_fakes_give_outputs_and_gradients_in_the_inputs_memory_order():
+    """What the compiled graph assumes: O and dQ/dK/dV (B, T, H, D)-ordered for a fused QKV's views (so the model's
+    transposes back are views), contiguous (B, H, T, D) for contiguous inputs."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    ops = _ops()
+    with FakeTensorMode() as mode:
+        for fused in (True, False):
+            q, k, v = (mode.from_tensor(x if fused else x.contiguous()) for x in _fused_qkv())
+            o, lse, ties = ops._flash_fwd_fake(q, k, v, None, None, None, None, None, _spec("paper_bf16"))
+            grads = ops._flash_bwd_fake(o, q, k, v, o, lse, None, ties, _spec("paper_bf16"))
+            for t in (o, *grads):
+                assert t.shape == q.shape
+                assert t.transpose(1, 2).is_contiguous() == fused and t.is_contiguous() == (not fused)
+            assert lse.is_contiguous()
+        q, k, v = (mode.from_tensor(x) for x in _fused_qkv())
+        _, _, dv = ops._flash_bwd_fake(o, q, k, v.contiguous(), o, lse, None, ties, _spec("paper_bf16"))
+        assert dv.transpose(1, 2).is_contiguous()  # dK's order (a view's), not contiguous v's
+
+
+@interp
+@pytest.mark.parametrize("recipe", ["fp32", "fa2"])
+def test_interpreter_fused_qkv_views_give_ordered_outputs_bit_for_bit(recipe):
+    """The kernels write O and dQ/dK/dV in the inputs' (B, T, H, D) order, with the bits of contiguous inputs, and
+    opcheck (fake vs real strides, autograd registration) passes on such views."""
+    from flash_forensics.kernels.triton_flash import flash_attention_triton
+    ops = _ops()
+    knobs = AttentionKnobs(recipe=recipe, backend="triton", block_q=16, block_k=16)
+    views = _fused_qkv(grad=True)
+    dense = [x.detach().contiguous().requires_grad_(True) for x in views]
+    g = torch.randn(dense[0].shape, generator=torch.Generator().manual_seed(3))
+    o1, o2 = flash_attention_triton(*views, knobs), flash_attention_triton(*dense, knobs)
+    g1, g2 = torch.autograd.grad(o1, views, g), torch.autograd.grad(o2, dense, g)  # the backward's own dQ, dK, dV
+    assert o1.transpose(1, 2).is_contiguous() and o2.is_contiguous()
+    assert all(t.transpose(1, 2).is_contiguous() for t in g1) and all(t.is_contiguous() for t in g2)
+    assert torch.equal(o1, o2) and all(torch.equal(a, b) for a, b in zip(g1, g2))
+    # mixed orders (k a view, v contiguous): one kernel writes dK and dV with one set of strides, so dV takes dK's
+    mixed = [views[0], views[1], views[2].detach().contiguous().requires_grad_(True)]
+    g3 = torch.autograd.grad(flash_attention_triton(*mixed, knobs), mixed, g)
+    assert all(torch.equal(a, b) for a, b in zip(g3, g2))
+    q, k, v = (x.detach() for x in _fused_qkv(seed=5))
+    torch.library.opcheck(ops.flash_fwd, (q, k, v, None, None, None, None, None, _spec(recipe)))
+    o, lse, ties = ops.flash_fwd(q, k, v, None, None, None, None, None, _spec(recipe))
+    torch.library.opcheck(ops.flash_bwd, (torch.randn_like(o), q, k, v, o, lse, None, ties, _spec(recipe)))
+
+
 @interp
 @pytest.mark.parametrize("case", [dict(), dict(softmax="stabilized"), dict(tiling=False, delta="recompute_fp32"),
                                   dict(pbar_clamp=True, delta="dP_P"), dict(softmax="stabilized_guarded"),
@@ -236,6 +288,42 @@ def test_gpu_compiled_op_is_bitwise_eager(recipe, case):
         assert torch.equal(a, b)
     for name in ("repeated_max_rows", "rows_seen", "max_logit", "underflow_rows", "sfa_p1_rows"):
         assert torch.equal(getattr(s1, name), getattr(s2, name)), name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", ["fa2", "paper_bf16", "fp32"])
+def test_gpu_fused_qkv_views_give_ordered_outputs_bit_for_bit(recipe):
+    """On CUDA, BF16: a fused QKV's (B, T, H, D)-ordered views give O and dQ/dK/dV in that order, with the bits and
+    counters of contiguous inputs, eager and compiled (the fake's strides are the kernels')."""
+    import flash_forensics.kernels.emulator
+    from flash_forensics.kernels.triton_flash import flash_attention_triton
+    knobs = AttentionKnobs(recipe=recipe, backend="triton")
+    dt = torch.float32 if recipe == "fp32" else torch.bfloat16
+    B, H, T, D = 2, 4, 384, 64
+    qkv = (torch.randn(B, T, 3 * H * D, device="cuda", generator=torch.Generator("cuda").manual_seed(4)) * 2).to(dt)
+    g = torch.randn(B, H, T, D, device="cuda").to(dt)
+
+    def f(q, k, v, stats):
+        return flash_attention_triton(q * 1.0, k, v, knobs, stats)
+
+    results = []
+    # dense inputs, the fused views, mixed (v contiguous: dV must still come back right) and the views compiled
+    for mode, fn in (("dense", f), ("fused", f), ("mixed", f), ("fused", torch.compile(f, fullgraph=True))):
+        leaf = qkv.detach().clone().requires_grad_(True)
+        views = [t.view(B, T, H, D).transpose(1, 2) for t in leaf.split(H * D, dim=2)]
+        ins = {"dense": [x.contiguous() for x in views], "fused": views,
+               "mixed": [views[0], views[1], views[2].contiguous()]}[mode]
+        stats = flash_forensics.kernels.stats.AttnStats(H, "cuda")
+        o = fn(*ins, stats)
+        if fn is f:  # eager: the op sees the views as they are (compiled, `q * 1.0` is inductor's to lay out)
+            assert o.transpose(1, 2).is_contiguous() == (mode != "dense"), (mode, o.stride())
+        o.backward(g)
+        results.append((o.detach(), leaf.grad, stats))
+    (o0, g0, s0) = results[0]
+    for o, grad, st in results[1:]:
+        assert torch.equal(o, o0) and torch.equal(grad, g0)
+        for name in ("repeated_max_rows", "rows_seen", "max_logit"):
+            assert torch.equal(getattr(st, name), getattr(s0, name)), name
 
 
 @pytest.mark.gpu

@@ -365,6 +365,22 @@ def test_committed_sweep_files_are_the_generators_output(tmp_path):
     assert rs.main([], root=tmp_path) == 0 and rs.stale(files, tmp_path) == ["conf/intervention/lift_old.yaml"]
 
 
+def test_another_recipes_sweep_never_replaces_the_committed_one_unasked(tmp_path, capsys):
+    from flash_forensics.orchestrator.config import rounding_sweep as rs
+    rs.main([], root=tmp_path)  # the committed paper_bf16 sweep, in a copy
+    before = {p: p.read_text() for p in tmp_path.rglob("*.yaml")}
+    with pytest.raises(SystemExit):
+        rs.main(["--recipe", "fp32"], root=tmp_path)
+    assert "--recipe fp32 would replace" in capsys.readouterr().err
+    assert {p: p.read_text() for p in tmp_path.rglob("*.yaml")} == before
+    assert rs.main(["--recipe", "fp32", "--out", str(tmp_path / "elsewhere")], root=tmp_path) == 0
+    assert {p: p.read_text() for p in tmp_path.rglob("*.yaml") if "elsewhere" not in str(p)} == before
+    assert (tmp_path / "elsewhere" / "sweeps" / "rounding_points.yaml").is_file()
+    assert rs.main(["--recipe", "fp32", "--replace"], root=tmp_path) == 0  # asked for
+    assert (tmp_path / "sweeps" / "rounding_points.yaml").read_text() == rs.generate("fp32")[
+        "sweeps/rounding_points.yaml"]
+
+
 def test_sweep_expectations_follow_the_mechanism():
     import yaml
 

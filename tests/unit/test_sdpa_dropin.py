@@ -94,6 +94,8 @@ def test_masking_with_the_causal_mask_equals_the_default_path_bit_for_bit():
     (lambda q, k, v: attention(q, k[:, :2], v[:, :2]), "enable_gqa"),
     (lambda q, k, v: attention(q, k[:, :3], v[:, :3], enable_gqa=True), "divisor"),
     (lambda q, k, v: attention(q[0], k[0], v[0]), "4 dims"),
+    (lambda q, k, v: attention(q, k, v, is_causal=True, scale=0), "scale=0 is not allowed"),  # not masking.scale
+    (lambda q, k, v: attention(q, k, v, scale=float("nan")), "scale=nan is not allowed"),
 ])
 def test_refusals_name_the_argument(call, needle):
     q, k, v, _ = _inputs(5, 5)

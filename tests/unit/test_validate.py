@@ -84,7 +84,16 @@ def test_effective_attention_per_intervention(tmp_path):
     (["train.precision=fp16"], ["train.precision='fp16'", "bf16, fp32"]),
     (["optimizer.name=sgd"], ["optimizer.name='sgd'", "adamw, muon"]),
     (["debug.nan_at_step=99"], ["debug.nan_at_step=99", "<= 19"]),
-    (["train.warmup_steps=50"], ["train.warmup_steps=50"]),
+    (["train.warmup_steps=50"], ["train.warmup_steps=50", "<= train.max_steps=20"]),
+    (["intervention=head_upcast", "intervention.heads=[]"], ["intervention.heads=[]", "at least one head",
+                                                             "baseline under another name"]),
+    (["intervention=head_upcast", "intervention.heads=[1,1]"], ["intervention.heads=[1, 1]", "distinct"]),
+    (["intervention=head_upcast", "intervention.layer=null"], ["intervention.layer: Incompatible value 'None'",
+                                                              "(it is used in intervention.overrides[0].layers[0])"]),
+    # a multirun where no job's intervention takes the typed layer: refused, naming those that do
+    (["intervention=baseline,sfa", "intervention.layer=1"], [
+        "intervention.layer=1 is not allowed with intervention=baseline,sfa: none of their files takes a layer",
+        "flash_only_layer, head_upcast, standard_layer"]),
     (["intervention.expect=maybe"], ["intervention.expect='maybe'", "stable, diverges"]),
 ])
 def test_bad_values_are_named(sweep, overrides, needles):
@@ -92,6 +101,26 @@ def test_bad_values_are_named(sweep, overrides, needles):
         sweep("experiment=smoke", *overrides)
     for needle in needles:
         assert needle in str(e.value), (needle, str(e.value))
+
+
+def test_a_typed_scope_some_job_takes_is_the_sweeps(sweep):
+    n, _ = sweep("experiment=smoke", "intervention=baseline,head_upcast", "intervention.layer=0")
+    assert n == 2
+
+
+def test_a_typed_scope_its_intervention_ignores(capsys):
+    from flash_forensics.orchestrator.config.validate import check_typed_scope, ignored_scope
+    assert ignored_scope("sfa", ["intervention=sfa", "intervention.layer=1", "intervention.heads=[0]"]) == [
+        "intervention.layer", "intervention.heads"]
+    assert ignored_scope("head_upcast", ["intervention.layer=1", "intervention.heads=[0]"]) == []
+    assert ignored_scope("flash_only_layer", ["intervention.layer=1", "intervention.heads=[0]"]) == [
+        "intervention.heads"]
+    with pytest.raises(ConfigError, match=r"intervention.layer=1 is not allowed with intervention=sfa: its file "
+                                          r"takes no layer \(each acts on every layer and head"):
+        check_typed_scope("sfa", ["intervention=sfa", "intervention.layer=1"])
+    assert "changes nothing" not in capsys.readouterr().out
+    check_typed_scope("sfa", ["intervention=sfa", "intervention.layer=1"], fork=True)  # a fork: told, not refused
+    assert "[validate] note: intervention.layer changes nothing for intervention=sfa" in capsys.readouterr().out
 
 
 def test_bad_value_in_one_job_of_a_sweep(sweep):
@@ -128,3 +157,43 @@ def test_resume_missing_or_other_shape(sweep, tmp_path):
     with pytest.raises(ConfigError) as e:
         sweep("experiment=smoke", f"resume={ckpt}")
     assert "another model shape" in str(e.value) and "n_layer: checkpoint 12 vs model 2" in str(e.value)
+
+
+def test_a_vocab_smaller_than_the_prepared_corpus_ids_is_refused(tmp_path, monkeypatch):
+    import json
+
+    from flash_forensics.orchestrator.config import validate as V
+    (tmp_path / "ds").mkdir()
+    (tmp_path / "ds" / "manifest.json").write_text(json.dumps({
+        "tokens": {"train": 10_000, "val": 1_000}, "max_id": 50256}))
+    monkeypatch.setattr(V, "open_corpus", lambda d: None)
+    monkeypatch.setattr(V, "dataset_dir", lambda d, c: tmp_path / "ds")
+    cfg, ov = job_cfg(tmp_path, "model.vocab_size=1000")
+    with pytest.raises(ConfigError, match=r"model.vocab_size=1000 is not allowed: expected an integer > 50256: the "
+                                          r"prepared corpus .* holds token id 50256"):
+        validate_config(cfg, ov, check_store=False)
+    cfg, ov = job_cfg(tmp_path, "model.vocab_size=50257")
+    validate_config(cfg, ov, check_store=False)
+
+
+def test_a_typod_key_is_refused_with_the_closest_fields():
+    from flash_forensics.orchestrator.config.keys import check_keys, unknown_key
+    assert "did you mean train.max_steps" in unknown_key("train.max_step")
+    assert unknown_key("train.lr").endswith("did you mean optimizer.lr?")  # the field lives in another section
+    assert "did you mean monitor.alarm?" in unknown_key("monitor.alrm.enabled")
+    for ok in ("train.max_steps", "monitor.alarm.signal", "intervention.model.qk_norm", "attention.overrides",
+               "data.files", "tracking.uri", "intervention.beta", "debug.nan_at_step"):
+        assert unknown_key(ok) is None, ok
+    assert check_keys(["-m", "experiment=smoke", "+foo.bar=1", "~train.seed", "hydra.run.dir=x", "model=tiny",
+                       "hydra/launcher=submitit_local", "train.max_steps=5"]) == []
+
+
+def test_run_py_refuses_a_typod_key_before_hydra(tmp_path):
+    import subprocess
+    import sys
+    root = Path(__file__).resolve().parents[2]
+    p = subprocess.run([sys.executable, str(root / "run.py"), "experiment=smoke", "train.max_step=10"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1
+    assert "configuration rejected, nothing launched" in p.stderr and "did you mean train.max_steps" in p.stderr
+    assert not (tmp_path / "results").exists()

@@ -225,16 +225,16 @@ class RoundingResult:
             return "no rounding-point fork could be judged"
         parts = []
         for pt in self.needs_bf16:
-            parts.append(f"divergence needs BF16 at `{pt}` (lifting it alone prevents it; rounding it alone in FP32 "
-                         f"reproduces it at step {by[pt].bf16_only.steps})")
+            parts.append(f"divergence needs BF16 at `{pt}` (lifting it alone prevents it; rounding it alone to BF16, "
+                         f"the rest FP32, reproduces it at step {by[pt].bf16_only.steps})")
         for pt in self.prevents:
             if pt not in self.needs_bf16:
-                parts.append(f"lifting `{pt}` alone prevents it (rounding it alone in FP32: "
+                parts.append(f"lifting `{pt}` alone prevents it (rounding it alone to BF16, the rest FP32: "
                              f"{_phrase(by[pt].bf16_only)})")
         for pt in self.reproduces:
             if pt not in self.needs_bf16:
-                parts.append(f"rounding `{pt}` alone in FP32 reproduces it at step {by[pt].bf16_only.steps} "
-                             f"(lifting it alone: {_phrase(by[pt].lift)})")
+                parts.append(f"rounding `{pt}` alone to BF16 (the rest FP32) reproduces it at step "
+                             f"{by[pt].bf16_only.steps} (lifting it alone: {_phrase(by[pt].lift)})")
         if not parts:
             parts.append("no single rounding point explains it (no lift prevents it and no BF16-only rounding "
                          "reproduces it)")

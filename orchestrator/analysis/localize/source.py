@@ -9,30 +9,11 @@ from flash_forensics.orchestrator import record
 from flash_forensics.orchestrator.analysis.localize.algorithm import PREFIXES, History
 from flash_forensics.orchestrator.report import readback as store
 from flash_forensics.orchestrator.report.rows import collect_rows
-from flash_forensics.orchestrator.tracking.tracker import find_parent
 
 
 def load_history(run_id: str, tracking_uri: Optional[str] = None, prefixes=PREFIXES) -> History:
     """{metric: [(step, value)]} of an MLflow run, for the metrics localization reads."""
     return store.history(store.client_for(tracking_uri), run_id, prefixes, progress="localize: metric histories")
-
-
-def _job_uri(job_dir: Path) -> Optional[str]:
-    """The tracking uri a job used: its Hydra config, else the sweep's mlflow_parent.json."""
-    cfg = job_dir / ".hydra" / "config.yaml"
-    if cfg.is_file():
-        try:
-            import yaml
-            uri = ((yaml.safe_load(cfg.read_text()) or {}).get("tracking") or {}).get("uri")
-            if uri:
-                return str(uri)
-        except Exception:
-            pass
-    for d in (job_dir, job_dir.parent):
-        parent = find_parent(d)
-        if parent and parent.get("tracking_uri"):
-            return parent["tracking_uri"]
-    return None
 
 
 def resolve_source(source: str, tracking_uri: Optional[str] = None, job: Optional[str] = None) -> Dict:
@@ -51,10 +32,13 @@ def resolve_source(source: str, tracking_uri: Optional[str] = None, job: Optiona
                 raise ValueError(f"{source}: no job with result.json and an MLflow run id"
                                  + (f" named {job!r}" if job else "") + " (is it a job or sweep dir?)")
             path = Path(rows[0]["job_dir"])
+        elif job is not None:
+            raise ValueError(f"--job {job!r} is not allowed with a job folder ({source} holds result.json): --job "
+                             "picks a job of a sweep folder")
         rec = record.read(path)
         if not rec.mlflow_run_id:
             raise ValueError(f"{record.result_path(path)}: no mlflow_run_id (the job died before tracking started)")
-        return {"run_id": rec.mlflow_run_id, "tracking_uri": tracking_uri or _job_uri(path),
+        return {"run_id": rec.mlflow_run_id, "tracking_uri": tracking_uri or store.job_store(path),
                 "divergence_step": rec.divergence_step, "job_dir": str(path), "intervention": rec.intervention}
     if path.exists() or "/" in source:
         raise ValueError(f"{source}: not a job dir, sweep dir or MLflow run id")

@@ -1,0 +1,229 @@
+"""The tools' answers to inputs a user gets wrong: refused naming the argument, never an empty table with exit 0,
+never a store created or a host waited on by a tool that only reads."""
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from flash_forensics.orchestrator.analysis import early_warning, stabilizers
+from flash_forensics.orchestrator.analysis.localize import main as localize_main
+from flash_forensics.orchestrator.job import fork
+from flash_forensics.orchestrator.report import readback
+from flash_forensics.orchestrator.report.sweep import main as report_main
+from flash_forensics.orchestrator.tracking.store import TrackingUnreachable, check_tracking
+
+ROOT = Path(__file__).resolve().parents[2]
+BASELINE = ROOT / "results" / "paper_1gpu" / "lease-2026-12-04" / "baseline"  # job.json names a store elsewhere
+
+
+def test_early_warning_with_no_run_to_judge_fails_saying_why(tmp_path, capsys):
+    (tmp_path / "verdicts.json").write_text(json.dumps({"runs": []}))
+    assert early_warning.main([str(tmp_path / "verdicts.json"), "--out", str(tmp_path / "ew")]) == 1
+    assert "no run to judge" in capsys.readouterr().err and not (tmp_path / "ew").exists()
+    for bad in ("rmax_rate=nan", "rmax_rate=abc", "rmax_rate=1,inf"):
+        with pytest.raises(SystemExit, match=rf"--thresholds '{bad}' is not allowed: expected finite numbers"):
+            early_warning._extra([bad])
+    assert early_warning._extra(["rmax_rate=1,2.5"]) == {"rmax_rate": [1.0, 2.5]}
+
+
+def test_stabilizers_refuses_empty_reports_foreign_benches_and_paths_as_names(tmp_path, capsys):
+    rep = tmp_path / "rep"
+    rep.mkdir()
+    (rep / "verdicts.json").write_text(json.dumps({"runs": []}))
+    assert stabilizers.main(["--reports", str(rep), "--results", str(tmp_path / "out")]) == 1
+    assert "holds no runs" in capsys.readouterr().err
+    (rep / "verdicts.json").write_text('{"runs": [')
+    assert stabilizers.main(["--reports", str(rep), "--results", str(tmp_path / "out")]) == 1
+    assert "is not valid JSON" in capsys.readouterr().err
+    bench = tmp_path / "b.json"
+    bench.write_text(json.dumps({"rows": [{"shape": "mini"}]}))
+    with pytest.raises(ValueError, match="expected a benchmarks/stabilizers.py JSON"):
+        stabilizers.load_bench(bench)
+    with pytest.raises(SystemExit):
+        stabilizers.main(["--reports", str(rep), "--name", "../escape", "--results", str(tmp_path / "out")])
+    assert "plain folder name" in capsys.readouterr().err and not (tmp_path / "escape").exists()
+
+
+def test_fork_pick_refuses_a_negative_margin_and_a_step_before_one(tmp_path, capsys):
+    for args, needle in ((["--before", "100", "--margin", "-10"], "--margin=-10 is not allowed"),
+                         (["--before", "0"], "--before=0 is not allowed"),
+                         (["--before", "50", "--at-min"], "--at-min with --before is not allowed")):
+        assert fork.main(["pick", str(tmp_path), *args]) == 1
+        assert needle in capsys.readouterr().err
+
+
+def test_localize_refuses_a_window_that_ends_before_step_one(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        localize_main([str(tmp_path), "--divergence-step", "-10"])
+    assert "--divergence-step=-10 is not allowed" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        localize_main([str(tmp_path), "--rate-threshold", "nan"])
+    assert "--rate-threshold=nan is not allowed" in capsys.readouterr().err
+
+
+def test_readers_never_create_a_store_nor_wait_on_a_dead_server(tmp_path):
+    db = tmp_path / "none" / "mlflow.db"
+    with pytest.raises(ValueError, match=r"no MLflow store at .*mlflow.db .*--tracking-uri.*--histories"):
+        readback.client_for(f"sqlite:///{db}")
+    assert not db.parent.exists()
+    with pytest.raises(TrackingUnreachable, match="unreachable"):  # refused at once, not a hang
+        readback.client_for("http://127.0.0.1:9")
+    with pytest.raises(TrackingUnreachable, match=r"tracking.uri='nonsense://x' is not allowed"):
+        check_tracking("nonsense://x", timeout_s=1)
+
+
+def test_report_reads_the_jobs_own_store_and_creates_none(tmp_path, capsys):
+    job = tmp_path / "baseline"
+    shutil.copytree(BASELINE, job)
+    recorded = json.loads((job / "job.json").read_text())["tracking_uri"]
+    assert report_main([str(job), "--out", str(tmp_path / "rep")]) == 0
+    out = capsys.readouterr().out
+    assert f"[report] MLflow store: {recorded} (where 1 of the jobs logged" in out
+    assert "no MLflow store at" in out  # said, not created
+    assert not Path(readback.sqlite_path(recorded)).exists()
+    assert (tmp_path / "rep" / "verdicts.md").is_file()
+
+
+def test_fork_baseline_source_without_histories_says_it_was_not_applied(tmp_path, capsys):
+    shutil.copytree(BASELINE.parent / "forks", tmp_path / "forks")
+    shutil.copytree(BASELINE, tmp_path / "baseline")
+    assert report_main([str(tmp_path / "baseline"), str(tmp_path / "forks"), "--out", str(tmp_path / "rep"),
+                        "--fork-baseline", "source"]) == 0
+    assert "--fork-baseline source: 18 of 18 fork(s) keep their own verdict" in capsys.readouterr().out
+    md = (tmp_path / "rep" / "verdicts.md").read_text()
+    assert "NOT applied to 18 of 18 fork(s)" in md and md.count("not re-judged: fresh (no source history") == 18
+
+
+def test_truncated_and_foreign_inputs_are_named(tmp_path, capsys):
+    bad = tmp_path / "verdicts.json"
+    bad.write_text('{"runs": [')
+    assert early_warning.main([str(bad), "--out", str(tmp_path / "ew")]) == 1
+    assert f"{bad}: not valid JSON" in capsys.readouterr().err
+    gz = tmp_path / "h.json.gz"
+    gz.write_bytes((BASELINE.parent / "mlflow-seed1337.json.gz").read_bytes()[:100])
+    with pytest.raises(ValueError, match=r"--histories .*h.json.gz.*not an export .*EOFError"):
+        readback.histories_from_export(gz)
+    from flash_forensics.orchestrator.report.rows import job_row
+    (tmp_path / "job").mkdir()
+    (tmp_path / "job" / "result.json").write_text("[1, 2]")  # JSON, not a record: a failed row, not a lost table
+    row = job_row(tmp_path / "job", "job")
+    assert row["observed"] == "failed" and "unreadable" in row["error"]
+
+
+def test_fork_pick_and_list_pass_over_damaged_checkpoints(tmp_path, capsys):
+    from flash_forensics.orchestrator.job import checkpoint
+    d = tmp_path / "checkpoints"
+    d.mkdir()
+    checkpoint.save(d / "step_10.pt", {"step": 10, "model": {}})
+    checkpoint.save(d / "step_20.pt", {"step": 20, "model": {}})
+    raw = (d / "step_20.pt").read_bytes()
+    (d / "step_20.pt").write_bytes(raw[: len(raw) // 2])  # truncated
+    (d / "step_30.pt").write_bytes(b"not a checkpoint")
+    assert fork.pick_step(tmp_path, before=40) == (10, d / "step_10.pt")
+    err = capsys.readouterr().err
+    assert "passing over" in err and "step_30.pt" in err and "step_20.pt" in err
+    assert fork.main(["list", str(tmp_path)]) == 0
+    listed = capsys.readouterr().out.splitlines()
+    assert [("DAMAGED" in line) for line in listed] == [False, True, True]
+    (d / "step_10.pt").write_bytes(b"x")
+    with pytest.raises(fork.ForkError, match="every checkpoint at step <= 40 is damaged"):
+        fork.pick_step(tmp_path, before=40)
+
+
+def test_early_warning_from_job_folders_leaves_out_jumped_forks_as_from_the_report():
+    lease = BASELINE.parent
+    export = {**readback.histories_from_export(lease / "mlflow-seed1337.json.gz")}
+    from_dirs, skipped = early_warning.load([str(lease / "baseline"), str(lease / "forks")], histories=export)
+    from_report, _ = early_warning.load([str(lease / "report" / "verdicts.json")], histories=export)
+    assert sorted(r.name.split("/")[-1] for r in from_dirs) == sorted(r.name.split("/")[-1] for r in from_report)
+    assert sum("fork_jump" in s for s in skipped) == 5  # the SFA forks whose first loss jumped 4.7-6.1 nats
+    kept, _ = early_warning.load([str(lease / "baseline"), str(lease / "forks")], histories=export, keep_jumped=True)
+    assert len(kept) == len(from_dirs) + 5
+
+
+def test_report_arguments_that_would_be_ignored_are_refused(tmp_path, capsys):
+    assert report_main([str(BASELINE), "--out", str(tmp_path / "r"), "--source-run", "abc"]) == 1
+    assert "--source-run is not allowed without --from-mlflow" in capsys.readouterr().err
+    assert report_main([str(BASELINE), "--out", str(tmp_path / "r"), "--meta", "foo"]) == 1
+    assert "--meta 'foo' is not allowed: expected KEY=VALUE" in capsys.readouterr().err
+    job = tmp_path / "baseline"
+    shutil.copytree(BASELINE, job)
+    assert report_main([str(job), str(job), "--out", str(tmp_path / "r")]) == 0
+    assert "1 folder(s) given twice: read once" in capsys.readouterr().out
+    doc = json.loads((tmp_path / "r" / "verdicts.json").read_text())
+    assert len(doc["runs"]) == 1
+
+
+def test_a_result_json_with_impossible_values_is_a_failed_row_saying_why(tmp_path):
+    from flash_forensics.orchestrator.report.rows import job_row
+    rec = json.loads((BASELINE / "result.json").read_text())
+    for edit, needle in ((dict(divergence_step=-5), "divergence_step=-5 is not a step"),
+                         (dict(observed="stable", divergence_step=None, final_loss=float("nan")),
+                          "observed 'stable' with final_loss=nan")):
+        job = tmp_path / needle[:8].replace(" ", "_")
+        job.mkdir()
+        (job / "result.json").write_text(json.dumps({**rec, **edit}))
+        row = job_row(job, "j")
+        assert row["observed"] == "failed" and needle in row["error"], row["error"]
+    assert job_row(BASELINE, "b")["observed"] == "diverged"
+
+
+def test_stabilizers_over_several_reports_names_each_rows_report(tmp_path):
+    a, b = tmp_path / "seed1" / "report", tmp_path / "seed2" / "report"
+    for d, div in ((a, 100), (b, 200)):
+        d.mkdir(parents=True)
+        (d / "verdicts.json").write_text(json.dumps({"runs": [
+            {"intervention": "baseline", "observed": "diverged", "divergence_step": div, "final_loss": 5.0}]}))
+    paths = stabilizers.write([a, b], None, "two", results=tmp_path / "out")
+    md = paths["md"].read_text()
+    assert "| report | intervention |" in md
+    assert "| seed1/report | baseline |" in md and "| seed2/report | baseline |" in md
+    one = stabilizers.write([a], None, "one", results=tmp_path / "out")["md"].read_text()
+    assert "| report |" not in one  # one report: no column to tell rows apart
+
+
+def test_small_cli_refusals(tmp_path, capsys):
+    from flash_forensics.kernels import sfa_matrix
+    with pytest.raises(SystemExit):
+        sfa_matrix.main(["--out", str(tmp_path)])
+    assert "it is a folder; expected a file path" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        early_warning.main(["--experiment", "foo"])
+    assert "--experiment needs the store that holds it" in capsys.readouterr().err
+    assert [n for n, _ in fork.sweep_file_jobs(["beta_sweep.yaml"])] == [n for n, _ in fork.sweep_file_jobs(
+        ["beta_sweep"])]  # a file name names the sweep too
+
+
+def test_analyze_refuses_repeated_heads_and_a_blind_run_without_a_fingerprint(capsys):
+    from flash_forensics.capture.cli import main as analyze_main
+    cap = str(ROOT / "results" / "capture_default" / "gpt_step59_L3.safetensors")
+    for args, needle in ((["--heads", "0,0"], "expected each head once"),
+                         (["--blind", "--no-fingerprint"], "--blind with --no-fingerprint is not allowed")):
+        with pytest.raises(SystemExit):
+            analyze_main([cap, *args])
+        assert needle in capsys.readouterr().err
+
+
+def test_data_tool_names_a_missing_tokenizer_file_and_a_root_that_is_a_file(tmp_path, capsys):
+    from flash_forensics.orchestrator.data.__main__ import main as data_main
+    assert data_main(["tokenizer", "--from", str(tmp_path / "nope")]) == 2
+    assert "no such file" in capsys.readouterr().err
+    (tmp_path / "afile").write_text("x")
+    assert data_main(["prepare", f"data.root={tmp_path / 'afile'}"]) == 2
+    assert "must be a writable folder" in capsys.readouterr().err
+
+
+def test_localize_names_its_flags_and_refuses_job_with_a_job_folder(tmp_path, capsys):
+    assert localize_main([str(BASELINE), "--window", "0"]) == 2
+    assert "localize: --window=0 is not allowed" in capsys.readouterr().err  # the flag, not localize.window
+    assert localize_main([str(BASELINE), "--job", "foo"]) == 2
+    assert "--job 'foo' is not allowed with a job folder" in capsys.readouterr().err
+
+
+def test_a_run_missing_from_its_store_is_named_with_the_store(tmp_path):
+    from flash_forensics.orchestrator.tracking.store import make_client
+    uri = f"sqlite:///{tmp_path / 'm.db'}"
+    make_client(uri)  # an empty store
+    with pytest.raises(ValueError, match=r"MLflow run 0123abcd is not in sqlite:///.*m.db: give the store"):
+        readback.history(readback.client_for(uri), "0123abcd")

@@ -1,0 +1,50 @@
+"""`scripts/gpu.sh queue` on a CPU: tasks run one after another in the background from a copy of the tree, each with
+its own environment and output folder; a failing task is said and the next one runs; `wait` brings back what
+finished; an item that names no task is refused before anything starts."""
+import os
+import subprocess
+import tarfile
+from pathlib import Path
+
+from tests.integration.test_gpu_sh_patch_tests import NEW_TEST, _patch
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _q(tmp_path, *args, timeout=600):
+    env = dict(os.environ, Q=str(tmp_path / "q"), OUT=str(tmp_path / "out"))
+    (tmp_path / "out").mkdir(exist_ok=True)
+    return subprocess.run(["bash", str(ROOT / "scripts" / "gpu.sh"), "queue", *args], env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_queue_runs_tasks_in_turn_says_failures_and_collects(tmp_path):
+    patch = _patch(tmp_path / "ok.patch", NEW_TEST)
+    p = _q(tmp_path, "start", "check", f"WORKERS=1 PATCHED='{tmp_path / 'patched dir'}' patch-tests {patch} "
+           "tests/unit/test_zz_patched.py")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "[queue] started 2 tasks" in p.stdout
+    p = _q(tmp_path, "wait", "500")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "[queue] ended" in p.stdout and "queue ended at" in p.stdout
+    assert "1-check: exit 1 after" in p.stdout  # no CUDA here: the check fails, and the queue goes on
+    assert "2-patch-tests: exit 0 after" in p.stdout
+    # the item's own environment, a quoted value with its space
+    assert (tmp_path / "patched dir" / "tests" / "unit" / "test_zz_patched.py").is_file()
+    with tarfile.open(tmp_path / "out" / "queue-out.tar.xz") as t:
+        names = t.getnames()
+    assert "out/2-patch-tests/patch-tests/pytest_patched.log" in names and "out/1-check.log" in names
+    assert "status" in names
+    assert not (ROOT / "tests" / "unit" / "test_zz_patched.py").exists()
+
+
+def test_queue_refuses_an_item_without_a_task_and_a_wait_without_a_queue(tmp_path):
+    p = _q(tmp_path, "start", "tests", "SPEED_PARTS=host nonsense")
+    assert p.returncode != 0 and "queue item 'SPEED_PARTS=host nonsense': no gpu.sh task in it" in p.stderr
+    assert not (tmp_path / "q").exists()  # nothing started
+    p = _q(tmp_path, "start", "queue wait")
+    assert p.returncode != 0 and "no gpu.sh task" in p.stderr
+    p = _q(tmp_path, "start", "X='unbalanced tests")
+    assert p.returncode != 0 and "not shell words" in p.stderr
+    p = _q(tmp_path, "wait", "1")
+    assert p.returncode != 0 and "no queue in" in p.stderr

@@ -1,0 +1,33 @@
+"""benchmarks/attention.py's inputs on a CPU: --layout bthd gives q, k, v as a GPT makes them (views of one fused
+projection, (B, T, H, D)-ordered) and a fwd+bwd whose gradient lands in that projection, equal to the contiguous
+layout's gradients, so the two layouts time the same computation."""
+import torch
+import torch.nn.functional as F
+
+from benchmarks.attention import fwd_bwd, make_inputs
+
+
+def _sdpa(q, k, v):
+    return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
+
+
+def test_bthd_inputs_are_fused_views_and_give_the_bhtd_gradients():
+    B, H, T, D = 2, 3, 16, 8
+    q, k, v, do, leaves = make_inputs(B, H, T, D, torch.device("cpu"), layout="bthd")
+    assert q is None and len(leaves) == 1 and leaves[0].shape == (B, T, 3 * H * D) and leaves[0].requires_grad
+    assert do.shape == (B, H, T, D) and do.transpose(1, 2).is_contiguous()
+    seen = []
+
+    def f(q, k, v):
+        seen.append(q.stride())
+        return _sdpa(q, k, v)
+    fwd_bwd(f, q, k, v, do, leaves)()
+    assert seen == [(T * 3 * H * D, D, 3 * H * D, 1)]  # a view of the projection, not a copy
+    qkv = leaves[0]
+    views = [t.detach().view(B, T, H, D).transpose(1, 2).contiguous().requires_grad_(True)
+             for t in qkv.split(H * D, dim=2)]
+    fwd_bwd(_sdpa, *views, do.contiguous())()
+    want = torch.cat([g.transpose(1, 2).reshape(B, T, H * D) for g in (x.grad for x in views)], dim=2)
+    assert torch.allclose(qkv.grad.float(), want.float(), atol=1e-2, rtol=1e-2)
+    q, k, v, do, leaves = make_inputs(B, H, T, D, torch.device("cpu"))
+    assert all(a is b for a, b in zip(leaves, (q, k, v))) and all(x.is_contiguous() and x.requires_grad for x in leaves)
