@@ -183,7 +183,9 @@ def main(argv=None):
         sys.exit("benchmarks/attention.py needs a CUDA GPU")
     dev = torch.device("cuda")
     out = dict(environment(argv), flops="7*B*H*T^2*D per fwd+bwd (causal)", layout=args.layout, rows=[])
-    path = args.out or os.path.join(ROOT, "results", "bench", f"attention-{out['gpu'].split()[-1].lower()}.json")
+    suffix = "" if args.layout == "bhtd" else f"-{args.layout}"  # one layout's default file never holds the other's
+    path = args.out or os.path.join(ROOT, "results", "bench",
+                                    f"attention-{out['gpu'].split()[-1].lower()}{suffix}.json")
     shapes, names = args.shapes.split(","), args.methods.split(",")
     if args.tune:
         from benchmarks.tune import tune_all

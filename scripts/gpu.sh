@@ -11,7 +11,8 @@
 #                tree's TESTS first, then the same TESTS in a copy with PATCH applied (default TESTS: the kernel
 #                tests, PATCH_TESTS); logs pytest_here.log and pytest_patched.log; exit 0 only when both pass;
 #                SKIP_HERE=1: the patched copy's only
-#   speed        attention fwd+bwd side by side (benchmarks/attention.py; TUNE=1 times launch configs first), the
+#   speed        attention fwd+bwd side by side (benchmarks/attention.py; TUNE=1 times launch configs first;
+#                ATTN_LAYOUT=bthd: q, k, v as views of one fused projection, as the model makes them), the
 #                host's time per call against the GPU's (benchmarks/host_overhead.py) and the GPT-2S training step
 #                (benchmarks/train_step.py); SPEED_PARTS="host train1024" runs only those; SPEED_PARTS=cudagraphs:
 #                the training step under torch.compile(mode="reduce-overhead") beside the default compile
@@ -49,8 +50,11 @@
 #                gpu.sh tasks one after another in the background (from a copy of the tree taken at start), so that
 #                a lease's calls only wait and bring back: `start` queues them and returns; `wait SECONDS` (default
 #                540) prints progress until the queue ends or SECONDS pass, then collects; `collect` packs every
-#                task's output so far ($Q/out: its logs, JSONs, reports) into $OUT/queue-out.tar.xz. A task that fails
-#                is said in the queue's status and the next one starts. Q (default /tmp/queue) holds it all
+#                task's output so far ($Q/out: logs, JSONs, reports; files of 12 MB or more and checkpoints stay, each
+#                named) into $OUT/queue-out.tar.xz (cut into 15 MB parts when bigger). A task that fails is said in
+#                the queue's status and the next one starts; a runner that died is said (exit 1). A task that leaves
+#                runs in the background (scratch-table run SECONDS past its SECONDS) ends its item, not its runs.
+#                Q (default /tmp/queue, outside the tree) holds it all; a new start moves the last one to $Q.prev
 #   wheels       on a machine WITH a network and a python3.12: .whl/site-py312.tar.xz, the packages the GPU image
 #                lacks (../shared/gpu/wheels.sh's list), installed and packed for setup below
 #   stage [data=NAME ...]
@@ -513,7 +517,7 @@ EOF
     fi
     ;;
   queue)
-    Q=${Q:-/tmp/queue}; mode=${1:-}; shift || true
+    Q=$(realpath -m "${Q:-/tmp/queue}"); mode=${1:-}; shift || true
     qalive() { [ -f "$Q/queue.pid" ] && kill -0 "$(cat "$Q/queue.pid")" 2>/dev/null; }
     qstatus() {
       echo "[queue $(date -u +%T)] GPU $(nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader \
@@ -524,18 +528,28 @@ EOF
         echo "  now: $(basename "$cur" .log): $(tail -c 2000 "$cur" | tr '\r' '\n' | grep -v '^\s*$' | tail -1 | cut -c1-200)"
       fi
     }
+    qwords() {  # $1: an item -> the array w (shell words); refused: command substitution, newlines, bad quotes
+      case "$1" in *'$('*|*'`'*|*$'\n'*) die "queue item '$1': no \$( ), backticks or newlines in an item";; esac
+      eval "w=($1)" 2>/dev/null || die "queue item '$1': not shell words (unbalanced quotes?)"
+    }
     case "$mode" in
       start)
         [ $# -gt 0 ] || die "usage: gpu.sh queue start 'TASK [ARGS]' ['VAR=VALUE TASK [ARGS]' ...]"
         qalive && die "a queue is running in $Q: wait for it, or kill -- -\$(cat $Q/queue.pid)"
+        case "$Q/" in "$ROOT"/*) die "Q=$Q is inside the tree it copies: give a folder outside $ROOT";; esac
+        tasks=$(grep -oE '^  [a-z0-9-]+\)' "$0" | tr -d ' )')
         for item in "$@"; do  # every item names a task of this script, before anything starts
-          eval "w=($item)" 2>/dev/null || die "queue item '$item': not shell words (unbalanced quotes?)"; i=0
+          qwords "$item"; i=0
           while [ $i -lt ${#w[@]} ] && [[ ${w[$i]} =~ ^[A-Za-z_][A-Za-z0-9_]*= ]]; do i=$((i+1)); done
-          [ $i -lt ${#w[@]} ] && grep -q "^  ${w[$i]})" "$0" && [ "${w[$i]}" != queue ] \
+          [ $i -lt ${#w[@]} ] && grep -Fxq -- "${w[$i]}" <<< "$tasks" && [ "${w[$i]}" != queue ] \
             || die "queue item '$item': no gpu.sh task in it (the tasks: the header of scripts/gpu.sh)"
         done
-        rm -rf "$Q"; mkdir -p "$Q/out" "$Q/src" || die "cannot make $Q"
-        cp -a . "$Q/src" 2>/dev/null; printf '%s\n' "$@" > "$Q/items"
+        if [ -d "$Q" ]; then  # an earlier queue's output is kept, once
+          rm -rf "$Q.prev" && mv "$Q" "$Q.prev" && echo "[queue] the earlier queue in $Q moved to $Q.prev"
+        fi
+        mkdir -p "$Q/out" "$Q/src" || die "cannot make $Q"
+        cp -a . "$Q/src" || die "copying the tree to $Q/src failed"
+        printf '%s\n' "$@" > "$Q/items"
         # its own session (setsid -f: always a new process, whatever this one's group), so it outlives this call; it
         # writes its pid, which is its process group's: `kill -- -PID` stops it and its task
         setsid -f nohup bash "$Q/src/scripts/gpu.sh" queue _run > "$Q/queue.log" 2>&1 < /dev/null
@@ -546,13 +560,13 @@ EOF
       _run)  # the runner (started by `start`, in the copy): each item in turn, its output in $Q/out/<n>-<task>
         echo $$ > "$Q/queue.pid"; n=0
         while IFS= read -r item; do
-          n=$((n+1)); eval "w=($item)"; envs=(); i=0  # shell words: VAR='a b' keeps its space
+          n=$((n+1)); qwords "$item"; envs=(); i=0  # shell words: VAR='a b' keeps its space
           while [[ ${w[$i]} =~ ^[A-Za-z_][A-Za-z0-9_]*= ]]; do envs+=("${w[$i]}"); i=$((i+1)); done
           name="$n-${w[$i]}"; t=$(date +%s)
-          echo "  $name: running since $(date -u +%T) ($item)" >> "$Q/status"
+          printf '  %s: started %s (%s)\n' "$name" "$(date -u +%T)" "$item" >> "$Q/status"
           env "${envs[@]}" OUT="$Q/out/$name" bash scripts/gpu.sh "${w[@]:$i}" > "$Q/out/$name.log" 2>&1
           rc=$?
-          sed -i "s|^  $name: running since .*|  $name: exit $rc after $(( $(date +%s) - t )) s ($item)|" "$Q/status"
+          printf '  %s: exit %s after %s s\n' "$name" "$rc" "$(( $(date +%s) - t ))" >> "$Q/status"
         done < "$Q/items"
         echo "  queue ended at $(date -u +%T)" >> "$Q/status"
         ;;
@@ -563,17 +577,29 @@ EOF
           [ "$(date +%s)" -ge "$next" ] && { qstatus; next=$(( $(date +%s) + 60 )); }
           sleep 5
         done
-        qstatus; qalive && echo "[queue] still running" || echo "[queue] ended"
-        bash "$0" queue collect
+        qstatus; rc=0
+        if qalive; then echo "[queue] still running"
+        elif grep -q "queue ended at" "$Q/status" 2>/dev/null; then echo "[queue] ended"
+        else  # killed, or the machine's processes ended: say what did not finish
+          last=$(grep -c ': started ' "$Q/status" 2>/dev/null); done_=$(grep -c ': exit ' "$Q/status" 2>/dev/null)
+          echo "[queue] the runner DIED: $(( ${last:-0} - ${done_:-0} )) task interrupted, $(( $(wc -l < "$Q/items") \
+            - ${last:-0} )) never started (see $Q/queue.log)"; rc=1
+        fi
+        bash "$0" queue collect || rc=1
+        exit $rc
         ;;
       collect)
         : "${OUT:?collect writes into \$OUT}"
         [ -d "$Q/out" ] || die "no queue output in $Q"
-        # files under 12 MB (checkpoints and stores stay here); one archive, cut into 15 MB parts if it must be
-        (cd "$Q" && find out status items queue.log -type f -size -12M 2>/dev/null | grep -v '\.pt$' > "$Q/files" \
+        # files under 12 MB, no checkpoints (what comes back from a lent machine: 8 files of 16 MiB a call); one
+        # archive, cut into 15 MB parts when it must be: `cat queue-out.tar.xz.part* | tar -xJf -` joins them
+        (cd "$Q" && find out status items queue.log -type f 2>/dev/null | sort > "$Q/all" \
+          && find out status items queue.log -type f -size -12M ! -name '*.pt' 2>/dev/null | sort > "$Q/files" \
           && tar -cJf "$OUT/queue-out.tar.xz" -T "$Q/files") || die "packing $Q/out failed"
+        comm -23 "$Q/all" "$Q/files" | sed 's/^/[queue] left on the machine (12 MB or more, or a checkpoint): /'
         if [ "$(stat -c %s "$OUT/queue-out.tar.xz")" -gt 15000000 ]; then
           split -b 15M -d "$OUT/queue-out.tar.xz" "$OUT/queue-out.tar.xz.part" && rm "$OUT/queue-out.tar.xz"
+          echo "[queue] archive cut into parts: cat queue-out.tar.xz.part* | tar -xJf -"
         fi
         echo "[queue] collected $(wc -l < "$Q/files") files: $(du -sh "$OUT" | cut -f1)"
         ;;

@@ -8,8 +8,9 @@ writes <results>/<name>/stabilizers.md, stabilizers.json and stabilizers.png. Pe
 - stable or not (the run record's verdict), from which step (its fork step, or 0);
 - steps gained: its divergence step minus its report's baseline's; a stable run gained at least (its last step -
   the baseline's divergence step), written ">= N"; none when its baseline did not diverge. A report of from-step-0
-  runs without a baseline (qk_norm, gated_attn run beside none) takes another report's from-step-0 baseline of the
-  same experiment and seeds, and the table says so;
+  runs without a baseline (qk_norm, gated_attn run beside none) takes another report's from-step-0 baseline with
+  the same trajectory-deciding overrides (experiment, seeds, lr, no control: RUN_ONLY lists what may differ), and
+  the table says so;
 - final and validation loss, and their difference to the fp32 row (of the same report, else of any report);
 - throughput cost per benchmark shape: 1 - tokens/s over the baseline's tokens/s (measured; "not measured" when the
   benchmark has no row for it, never a guess), with the route its layers took there;
@@ -83,6 +84,9 @@ def load_bench(path) -> Dict[str, Any]:
     if path is None:
         return {}
     if isinstance(path, (list, tuple)):
+        twice = [str(p) for i, p in enumerate(path) if Path(p).resolve() in [Path(x).resolve() for x in path[:i]]]
+        if twice:
+            raise ValueError(f"--bench {twice[0]!r} is given twice: each file once")
         docs = [(Path(p), load_bench(p)) for p in path]
         if len(docs) == 1:
             return docs[0][1]
@@ -99,8 +103,12 @@ def load_bench(path) -> Dict[str, Any]:
         doc = json.loads(Path(path).read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"--bench={str(path)!r}: not valid JSON ({e})") from None
-    if not isinstance(doc, dict) or "rows" not in doc or not all("variant" in r for r in doc["rows"]):
-        raise ValueError(f"--bench={str(path)!r} is not allowed: expected a benchmarks/stabilizers.py JSON (key rows)")
+    if not isinstance(doc, dict) or not isinstance(doc.get("rows"), list) \
+            or not all(isinstance(r, dict) and "variant" in r and "shape" in r for r in doc["rows"]):
+        raise ValueError(f"--bench={str(path)!r} is not allowed: expected a benchmarks/stabilizers.py JSON (key rows, "
+                         "each row with its shape and variant)")
+    if not doc["rows"]:
+        raise ValueError(f"--bench={str(path)!r} holds no rows: the benchmark measured nothing (see its log)")
     doc["sources"] = [{k: doc.get(k) for k in ("command", "gpu", "torch", "triton", "time")}
                       | {"shapes": list(dict.fromkeys(r.get("shape") for r in doc["rows"]))}]
     return doc
@@ -113,33 +121,37 @@ def _overrides(run: Dict[str, Any]) -> List[str]:
     return list(ov)
 
 
-REGIME_KEYS = ("experiment", "train.seed", "data.seed")
+# Overrides that do not change a run's trajectory up to its end: which run it is, where it records, how long it runs and
+# what it keeps, what it monitors. attention.fp32_gemm changes only GEMMs with FP32 operands, which a BF16 baseline has
+# none of (seed 1's baseline with and without it logged the same validation losses digit for digit, 2026-12-04/05).
+RUN_ONLY = ("intervention", "sweep_name", "tracking.", "hydra.", "train.max_steps", "train.keep_last", "train.ckpt_",
+            "train.keep_checkpoints", "train.early_stop", "verdict.", "monitor.", "results_dir", "attention.fp32_gemm")
 
 
-def _regime(run: Dict[str, Any]) -> Optional[tuple]:
-    """(experiment, train.seed, data.seed) from the run's overrides; None when one is missing: regimes are compared
-    only when each run says all three."""
-    kv = dict(o.lstrip("+~").split("=", 1) for o in _overrides(run) if "=" in o)
-    vals = tuple(kv.get(k) for k in REGIME_KEYS)
-    return None if None in vals else vals
+def _regime(run: Dict[str, Any]) -> frozenset:
+    """The run's overrides that decide its trajectory: all but RUN_ONLY's (experiment, seeds, lr, model, a control)."""
+    return frozenset(o.lstrip("+~") for o in _overrides(run)
+                     if not o.lstrip("+~").split("=", 1)[0].startswith(RUN_ONLY))
 
 
 def _baseline_of(runs: Sequence[Dict[str, Any]], all_reports: Sequence[Dict[str, Any]]):
     """(baseline row, the report it came from or None when its own): the report's from-step-0 baseline, else its
     forked baseline, else, for a report of from-step-0 runs that ran none (qk_norm and gated_attn beside a baseline
-    already run: it is deterministic), another report's from-step-0 baseline of the same experiment and seeds."""
+    already run: it is deterministic), another report's from-step-0 baseline whose trajectory-deciding overrides are
+    the runs' own (the same experiment and seeds, no other lr, no control). None when no report has one, or when two
+    such baselines disagree."""
     base = next((r for r in runs if r.get("intervention") == BASELINE and r.get("fork_step") is None), None) or \
         next((r for r in runs if r.get("intervention") == BASELINE), None)
     if base is not None:
         return base, None
     regimes = {_regime(r) for r in runs}
-    if len(regimes) != 1 or None in regimes:
+    if len(regimes) != 1 or not next(iter(regimes)):
         return None, None
-    for rep in all_reports:
-        for r in rep["runs"]:
-            if r.get("intervention") == BASELINE and r.get("fork_step") is None and _regime(r) in regimes:
-                return r, Path(rep["path"])
-    return None, None
+    found = [(r, Path(rep["path"])) for rep in all_reports for r in rep["runs"]
+             if r.get("intervention") == BASELINE and r.get("fork_step") is None and _regime(r) in regimes]
+    if not found or len({r.get("divergence_step") for r, _ in found}) > 1:
+        return None, None
+    return found[0]
 
 
 def _label(run: Dict[str, Any]) -> str:
@@ -252,8 +264,9 @@ def markdown(rows: List[Dict[str, Any]], bench: Dict[str, Any], shapes: Sequence
               "- cost: 1 - training tokens/s over the baseline's, per benchmark shape (positive: slower)."]
     borrowed = {(names[r["report"]], names.get(r["baseline_from"], r["baseline_from"])) for r in rows
                 if r.get("baseline_from")}
-    lines += [f"- {rep}: it ran no baseline; its steps gained are against the from-step-0 baseline of {src} (same "
-              f"experiment and seeds: a baseline run is deterministic)" for rep, src in sorted(borrowed)]
+    lines += [f"- {rep}: it ran no baseline; its steps gained are against the from-step-0 baseline of {src}, whose "
+              f"overrides that decide the trajectory are its runs' own (a baseline run is deterministic)"
+              for rep, src in sorted(borrowed)]
     if any(r.get("repeats") for r in rows):
         lines.append("- (xN: one outcome): N runs of the same intervention from the same step ended identically (e.g. "
                      "the baseline fork in each sweep); one row, their jobs under `repeats` in the JSON.")

@@ -40,6 +40,14 @@ def test_stabilizers_refuses_empty_reports_foreign_benches_and_paths_as_names(tm
     bench.write_text(json.dumps({"rows": [{"shape": "mini"}]}))
     with pytest.raises(ValueError, match="expected a benchmarks/stabilizers.py JSON"):
         stabilizers.load_bench(bench)
+    bench.write_text(json.dumps({"rows": [{"variant": "baseline", "tokens_per_s": 1.0}]}))  # no shape
+    with pytest.raises(ValueError, match="each row with its shape and variant"):
+        stabilizers.load_bench([bench, bench.with_name("other.json")])
+    bench.write_text(json.dumps({"rows": []}))
+    with pytest.raises(ValueError, match="holds no rows"):
+        stabilizers.load_bench(bench)
+    with pytest.raises(ValueError, match="is given twice"):
+        stabilizers.load_bench([bench, tmp_path / "." / "b.json"])
     with pytest.raises(SystemExit):
         stabilizers.main(["--reports", str(rep), "--name", "../escape", "--results", str(tmp_path / "out")])
     assert "plain folder name" in capsys.readouterr().err and not (tmp_path / "escape").exists()

@@ -48,3 +48,33 @@ def test_queue_refuses_an_item_without_a_task_and_a_wait_without_a_queue(tmp_pat
     assert p.returncode != 0 and "not shell words" in p.stderr
     p = _q(tmp_path, "wait", "1")
     assert p.returncode != 0 and "no queue in" in p.stderr
+
+
+def test_queue_refuses_odd_items_and_a_folder_in_the_tree(tmp_path):
+    for item, needle in (("nonsense $(touch f)", "no $( ), backticks or newlines"),
+                         ("check\ncheck", "no $( ), backticks or newlines"),
+                         ("chec.", "no gpu.sh task in it")):  # a task name is matched exactly, not as a pattern
+        p = _q(tmp_path, "start", item)
+        assert p.returncode != 0 and needle in p.stderr, (item, p.stderr)
+    assert not (ROOT / "f").exists() and not (tmp_path / "q").exists()
+    env = dict(os.environ, Q=str(ROOT / "results" / "q_here"), OUT=str(tmp_path / "out"))
+    p = subprocess.run(["bash", str(ROOT / "scripts" / "gpu.sh"), "queue", "start", "check"], env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode != 0 and "is inside the tree it copies" in p.stderr
+    assert not (ROOT / "results" / "q_here").exists()
+
+
+def test_queue_says_a_dead_runner_keeps_the_last_queue_and_names_what_stays(tmp_path):
+    p = _q(tmp_path, "start", "FOO='a|b&c' check", "check")  # | and & in a value: the status stays readable
+    assert p.returncode == 0, p.stderr
+    pid = int((tmp_path / "q" / "queue.pid").read_text())
+    os.killpg(pid, 9)  # as when a machine ends its processes
+    p = _q(tmp_path, "wait", "30")
+    assert p.returncode == 1 and "[queue] the runner DIED: 1 task interrupted, 1 never started" in p.stdout, p.stdout
+    assert "1-check: started" in p.stdout and "(FOO='a|b&c' check)" in p.stdout
+    (tmp_path / "q" / "out" / "big.bin").write_bytes(b"\0" * (13 * 2**20))
+    p = _q(tmp_path, "collect")
+    assert "left on the machine (12 MB or more, or a checkpoint): out/big.bin" in p.stdout, p.stdout
+    p = _q(tmp_path, "start", "check")
+    assert p.returncode == 0 and "moved to" in p.stdout and (tmp_path / "q.prev" / "out" / "big.bin").exists()
+    _q(tmp_path, "wait", "120")

@@ -489,28 +489,46 @@ def test_stabilizers_table_merges_one_bench_per_shape_and_refuses_a_shape_twice(
 
 def test_stabilizers_scratch_report_without_a_baseline_borrows_the_same_regimes_only(tmp_path):
     """qk_norm and gated_attn run from step 0 without a baseline beside them: their steps gained are against another
-    report's from-step-0 baseline of the same experiment and seeds, said under the table; never another seed's."""
+    report's from-step-0 baseline with the same trajectory-deciding overrides, said under the table; never another
+    seed's, another lr's or a control's, whatever the order of the reports."""
     from flash_forensics.orchestrator.analysis import stabilizers
-    seed = lambda s: dict(overrides=["experiment=paper_1gpu", f"train.seed={s}", f"data.seed={s}"])  # noqa: E731
-    seed1, seed2, scratch = (tmp_path / n / "report" for n in ("seed1", "seed2", "scratch"))
-    for d, runs in ((seed1, [_run("baseline", "diverged", 2288, final=3.2, **seed(1)),
-                             _run("fp32", "stable", fork_step=2000, final=2.2, **seed(1))]),
-                    (seed2, [_run("baseline", "diverged", 4342, final=3.0, **seed(2))]),
-                    (scratch, [_run("qk_norm", "stable", steps_done=2598, final=2.3, **seed(1)),
-                               _run("gated_attn", "diverged", 2400, final=4.0, **seed(1))])):
+
+    def ov(s, *more, iv="baseline"):  # as the real runs write them: run-management keys differ, the regime does not
+        return dict(overrides=["experiment=paper_1gpu", f"intervention={iv}", f"train.seed={s}", f"data.seed={s}",
+                               "train.max_steps=20000", "train.keep_last=false", "train.ckpt_start=0",
+                               f"sweep_name=s{s}", "tracking.uri=sqlite:////x.db", *more])
+    scr = lambda iv: dict(overrides=["experiment=paper_1gpu", "train.seed=1", "data.seed=1",  # noqa: E731
+                                     "train.max_steps=2598", "train.ckpt_every=0", "attention.fp32_gemm=tf32x3",
+                                     f"intervention={iv}", "sweep_name=paper_scratch"])
+    lr, ctl, seed2, seed1, scratch = (tmp_path / n / "report" for n in ("lr", "ctl", "seed2", "seed1", "scratch"))
+    for d, runs in ((lr, [_run("baseline", "stable", steps_done=2598, final=3.1, **ov(1, "optimizer.lr=5e-4"))]),
+                    (ctl, [_run("baseline", "stable", steps_done=2598, final=2.3, **ov(1, "+control=fa2"))]),
+                    (seed2, [_run("baseline", "diverged", 4342, final=3.0, **ov(2))]),
+                    (seed1, [_run("baseline", "diverged", 2288, final=3.2, **ov(1)),
+                             _run("fp32", "stable", fork_step=2000, final=2.2, **ov(1, iv="fp32"))]),
+                    (scratch, [_run("qk_norm", "stable", steps_done=2598, final=2.3, **scr("qk_norm")),
+                               _run("gated_attn", "diverged", 2400, final=4.0, **scr("gated_attn"))])):
         d.mkdir(parents=True)
         (d / "verdicts.json").write_text(json.dumps({"runs": runs}))
-    paths = stabilizers.write([seed2, seed1, scratch], None, "t", results=tmp_path / "results")
+    paths = stabilizers.write([lr, ctl, seed2, seed1, scratch], None, "t", results=tmp_path / "results")
     rows = {r["intervention"]: r for r in json.loads(paths["json"].read_text())["rows"] if "scratch" in r["report"]}
     assert (rows["qk_norm"]["steps_gained"], rows["qk_norm"]["steps_gained_at_least"]) == (310, True)
-    assert rows["gated_attn"]["steps_gained"] == 2400 - 2288  # seed 1's baseline, not seed 2's listed first
+    assert rows["gated_attn"]["steps_gained"] == 2400 - 2288  # seed 1's baseline, not the lr's, control's or seed 2's
     assert rows["qk_norm"]["baseline_from"] == str(seed1)
     md = paths["md"].read_text()
     assert "- scratch/report: it ran no baseline; its steps gained are against the from-step-0 baseline of " \
            "seed1/report" in md
-    # seeds the runs do not say, or another seed only: no baseline borrowed, no steps gained
-    (scratch / "verdicts.json").write_text(json.dumps({"runs": [_run("qk_norm", "stable", final=2.3, **seed(3))]}))
-    rows = json.loads(stabilizers.write([seed1, scratch], None, "t2", results=tmp_path / "results")["json"]
+    # only a baseline at another lr, or another seed: nothing borrowed, no steps gained
+    for others in ([lr], [seed2], [ctl]):
+        rows = json.loads(stabilizers.write([*others, scratch], None, "t2", results=tmp_path / "results")["json"]
+                          .read_text())["rows"]
+        qk = next(r for r in rows if r["intervention"] == "qk_norm")
+        assert qk["steps_gained"] is None and qk["baseline_from"] is None, others
+    # two matching baselines that disagree: none chosen
+    other = tmp_path / "seed1b" / "report"
+    other.mkdir(parents=True)
+    (other / "verdicts.json").write_text(json.dumps({"runs": [_run("baseline", "diverged", 2290, final=3.2,
+                                                                   **ov(1))]}))
+    rows = json.loads(stabilizers.write([seed1, other, scratch], None, "t3", results=tmp_path / "results")["json"]
                       .read_text())["rows"]
-    qk = next(r for r in rows if r["intervention"] == "qk_norm")
-    assert qk["steps_gained"] is None and qk["baseline_from"] is None
+    assert next(r for r in rows if r["intervention"] == "qk_norm")["baseline_from"] is None
