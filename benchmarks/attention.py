@@ -1,6 +1,6 @@
 """Attention forward+backward throughput on one GPU: every method in one process, round-robin, side by side.
 
-    python benchmarks/attention.py [--tune] [--rounds 3] [--out results/bench/attention-<gpu>.json]
+    python benchmarks/attention.py [--tune] [--rounds 3] [--out results/bench/attention-<gpu>[-bthd].json]
 
 Methods (causal, BF16 inputs (B, H, T, D); FLOPs = 7*B*H*T^2*D per fwd+bwd):
   sdpa_flash / sdpa_cudnn / sdpa_efficient  torch SDPA with that backend forced (torch.nn.attention.sdpa_kernel);
@@ -14,7 +14,7 @@ Methods (causal, BF16 inputs (B, H, T, D); FLOPs = 7*B*H*T^2*D per fwd+bwd):
 Every round times every (shape, method) once with triton.testing.do_bench (median, CUDA events, L2 flushed, grads
 reset); a row's figure is the median over rounds. Ratios are against sdpa_flash and against the fastest SDPA
 backend that ran at that shape. --tune first times speed-only launch configs per recipe and shape
-(kernels/triton_flash.py: launch_config) and keeps the fastest for the rest of the process; what it chose is in
+(kernels/triton_launch.py: launch_config) and keeps the fastest for the rest of the process; what it chose is in
 the JSON.
 """
 from __future__ import annotations

@@ -7,7 +7,7 @@ through the backend").
 
 Methods, one model each with the same weights (BF16 parameters, CUDA):
 - sdpa: `attn_implementation="sdpa"` (transformers' default; the SDPA backend that ran is read from the profiler);
-- triton: `attn_implementation="flash_forensics"` + `use(model, recipe)`; plain causal batches take the Triton route
+- triton: `attn_implementation="forensics"` + `use(model, recipe)`; plain causal batches take the Triton route
   (flash_forensics/fast_path.py);
 - emulator: the same model with the fast path's tests answering "no", so every call takes the emulator.
 `--left-pad N` pads every other sequence on the left (an attention_mask): the key-padded route.

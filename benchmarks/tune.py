@@ -6,8 +6,8 @@ For each forward family (fa2, fa2_exact, paper_bf16, fp32) and backward recipe, 
 alone (forward: the forward kernel; backward: delta + dK/dV + dQ from a saved forward) with do_bench, and the
 fastest is written into flash_forensics.kernels.triton_flash.SHAPE_TABLE for this process. The candidates never touch a
 block size that carries meaning: paper_bf16 and fa2_exact keep block_k as the forward's key tile and paper_bf16 keeps
-block_q / block_k in the backward (kernels/triton_flash.py applies those overrides after the table). The JSON lists
-every timing; the chosen ones are what to copy into FWD_TABLE / BWD_TABLE / SHAPE_TABLE.
+block_q / block_k in the backward (kernels/triton_launch.py applies those overrides after the table). The JSON lists
+every timing; the chosen ones are what to copy into FWD_TABLE / BWD_TABLE / SHAPE_TABLE (kernels/triton_launch.py).
 """
 from __future__ import annotations
 

@@ -40,23 +40,35 @@ def register(model_type: str, wq: str) -> None:
     FAMILIES[str(model_type)] = wq
 
 
-def _guess(model) -> str:
-    """The rule whose projection the model's first attention module has ('q_proj' when none fits)."""
+def _guess(model) -> Optional[str]:
+    """The rule whose projection the model's first attention module has (None when none fits)."""
     found = attention_sites(model)
     for rule, (attr, _) in WQ_RULES.items():
         if found and hasattr(found[0].module, attr):
             return rule
-    return "q_proj"
+    return None
+
+
+def _no_rule(model) -> str:
+    """What to do when no rule fits: the first attention module's own linear layers, to name a new rule after."""
+    found = attention_sites(model)
+    mod = found[0].module if found else None
+    linears = [n for n, m in (mod.named_children() if mod is not None else ()) if hasattr(m, "weight")]
+    return (f"no W_Q rule fits: its attention module {type(mod).__name__} has none of {', '.join(WQ_RULES)} (its "
+            f"layers: {', '.join(linears) or 'none'}); add its query projection to flash_forensics.families.WQ_RULES"
+            " ({rule: (attribute, 'rows' or 'per_head')}), then register(model_type, wq=rule)")
 
 
 def family(model) -> str:
     """The model's family (config.model_type), refused when the table has no entry for it."""
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type not in FAMILIES:
+        guess = _guess(model)
+        how = (_no_rule(model) if guess is None else f"name yours with flash_forensics.families.register("
+               f"{model_type!r}, wq={guess!r}) (its query projection; rules: {', '.join(WQ_RULES)}: "
+               "flash_forensics/families.py)")
         raise ValueError(f"model family {model_type!r} (config.model_type) is not allowed: expected one of "
-                         f"{', '.join(sorted(FAMILIES))}; name yours with flash_forensics.families.register("
-                         f"{model_type!r}, wq={_guess(model)!r}) (its query projection; rules: "
-                         f"{', '.join(WQ_RULES)}: flash_forensics/families.py)")
+                         f"{', '.join(sorted(FAMILIES))}; {how}")
     return model_type
 
 
@@ -76,8 +88,8 @@ def _weight(proj) -> torch.Tensor:
     return w.t() if type(proj).__name__ == "Conv1D" else w
 
 
-def site_wq(site: Site, rule: str) -> torch.Tensor:
-    """One module's W_Q per head, (H, D, C) FP32 (detached, on the parameters' device)."""
+def _fit(site: Site, rule: str):
+    """(projection, D, rows) of a module under `rule`: a ValueError naming the module where the rule does not fit."""
     attr, layout = WQ_RULES[rule]
     mod, H = site.module, site.n_head
     proj = getattr(mod, "q_attn", None)  # GPT-2 / BigCode cross-attention: its own query projection
@@ -86,14 +98,28 @@ def site_wq(site: Site, rule: str) -> torch.Tensor:
         raise ValueError(f"{site.path} ({type(mod).__name__}) has no {attr!r}: the W_Q rule {rule!r} does not fit "
                          f"this module; name the right one with flash_forensics.families.register(model_type, wq=...)"
                          f" (one of {', '.join(WQ_RULES)})")
-    w = _weight(proj)
-    C = w.shape[1]
+    out_rows, C = proj.weight.shape[::-1] if type(proj).__name__ == "Conv1D" else proj.weight.shape
     D = getattr(mod, "head_dim", None) or C // H
     rows = H * D * (3 if layout == "per_head" else 1)
-    if w.shape[0] < rows:
-        raise ValueError(f"{site.path}: {attr}.weight has {w.shape[0]} output rows, fewer than the {rows} that "
+    if out_rows < rows:
+        raise ValueError(f"{site.path}: {attr}.weight has {out_rows} output rows, fewer than the {rows} that "
                          f"{H} heads of {D} need (rule {rule!r})")
-    if layout == "per_head":
+    return proj, D, rows
+
+
+def check_sites(model, sites: Sequence[Site]) -> None:
+    """The model's W_Q rule fits every one of `sites` (the Monitor asks when made, not at its first W_Q read)."""
+    rule = FAMILIES[family(model)]
+    for s in sites:
+        _fit(s, rule)
+
+
+def site_wq(site: Site, rule: str) -> torch.Tensor:
+    """One module's W_Q per head, (H, D, C) FP32 (detached, on the parameters' device)."""
+    proj, D, rows = _fit(site, rule)
+    w = _weight(proj)
+    H, C = site.n_head, w.shape[1]
+    if WQ_RULES[rule][1] == "per_head":
         return w[:rows].view(H, 3, D, C)[:, 0]
     return w[:H * D].view(H, D, C)
 
@@ -131,5 +157,5 @@ def wq_spectral_norms(model, iters: int = 30) -> torch.Tensor:
     return torch.stack(sig)
 
 
-__all__ = ["FAMILIES", "WQ_RULES", "register", "family", "attention_layers", "n_heads", "site_wq", "wq_blocks",
-           "site_sigmas", "wq_spectral_norms"]
+__all__ = ["FAMILIES", "WQ_RULES", "register", "family", "attention_layers", "n_heads", "check_sites", "site_wq",
+           "wq_blocks", "site_sigmas", "wq_spectral_norms"]

@@ -19,7 +19,8 @@ o_fp32_heads) of every attention module that dispatches through AttentionInterfa
 encoder, decoder and cross-attention alike), `where` a module path, a pattern or a unique layer_idx
 (flash_forensics/overrides.py), and gives each fresh counters (AttnStats of its query heads). Modules it cannot
 route are named (NotRoutedWarning, or refused with strict=True); hooks notice when the model's forwards stop
-reaching the backend (flash_forensics/watch.py). A module never set computes the defaults (paper_bf16).
+reaching the backend (flash_forensics/watch.py). A module never set computes the defaults (paper_bf16). A forward
+that activation checkpointing recomputes in the backward is computed again but not counted again.
 """
 from __future__ import annotations
 
@@ -35,12 +36,16 @@ from flash_forensics import sites as sites_mod
 from flash_forensics.kernels.config import AttentionConfig, AttentionKnobs
 from flash_forensics.kernels.stats import AttnStats
 from flash_forensics.overrides import layer_overrides
-from flash_forensics.sdpa import attend, check_emulated, make_knobs
+from flash_forensics.sdpa import attend, check_emulated, make_knobs, recomputing, shown
 
 NAME = "forensics"  # not "flash_forensics": transformers takes every name containing "flash" for a flash-attn kernel
 # kwargs some families pass that this backend cannot compute: refused when set (None / False is fine)
 _REFUSED = {"softcap": "a logit softcap (Gemma 2)", "s_aux": "attention sinks (gpt-oss)",
             "position_bias": "a learned position bias (T5-style)", "head_mask": "a head mask"}
+
+# the config keys that families read their attention dropout from (BERT's, GPT-2's, ...; "dropout": T5's, last)
+_DROPOUT_KEYS = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob", "attention_dropout_prob",
+                 "attn_dropout", "dropout")
 
 
 @dataclass
@@ -78,14 +83,6 @@ def layer_state(module, n_head: int, device, path: str = "") -> LayerState:
     return st
 
 
-def _shown(value) -> str:
-    """A refused argument in a message: a tensor by its shape and dtype only (never its values)."""
-    if isinstance(value, torch.Tensor):
-        return f"a tensor of shape {tuple(value.shape)} and dtype {value.dtype}"
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
 def _family(module) -> str:
     return str(getattr(getattr(module, "config", None), "model_type", "unknown"))
 
@@ -98,7 +95,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
     where = f"{NAME} attention ({place}, {_family(module)})"
     for name, what in _REFUSED.items():
         if kwargs.get(name) is not None:
-            raise ValueError(f"{where}: {name}={_shown(kwargs[name])} is not allowed: expected None ({what} is not "
+            raise ValueError(f"{where}: {name}={shown(kwargs[name])} is not allowed: expected None ({what} is not "
                              "computed by the emulator)")
     if kwargs.get("output_attentions"):
         raise ValueError(f"{where}: output_attentions=True is not allowed: expected False (flash attention keeps no "
@@ -107,11 +104,17 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
     if cache is not None and type(cache).__name__ == "PagedAttentionCache":
         raise ValueError(f"{where}: a PagedAttentionCache is not allowed: expected a regular cache or none")
     if isinstance(dropout, (int, float)) and not isinstance(dropout, bool) and dropout != 0:
-        raise ValueError(f"{where}: dropout={dropout!r} is not allowed: expected 0.0 (set the config's attention "
-                         "dropout, e.g. attention_dropout or GPT-2's attn_pdrop, to 0; the flash kernels have none)")
+        cfg = getattr(module, "config", None)  # the family's own key: modules keep the value they were built with
+        key = next((k for k in _DROPOUT_KEYS if getattr(cfg, k, None) == dropout),
+                   next((k for k in _DROPOUT_KEYS if getattr(cfg, k, None) is not None), "attention_dropout"))
+        raise ValueError(f"{where}: dropout={dropout!r} is not allowed: expected 0.0 (the flash kernels have no "
+                         f"attention dropout: build the model with config.{key}=0.0, as setting it on a built "
+                         "model changes nothing, or run it in eval mode)")
     H, Tq, Tk = query.shape[1], query.shape[2], key.shape[2]
     st = layer_state(module, H, query.device)
-    st.calls.add_(1)  # a device op: counted also in compiled graphs (the Monitor reads it at each flush)
+    again = recomputing()  # gradient checkpointing's second forward, in the backward: counted in the first
+    if not again:
+        st.calls.add_(1)  # a device op: counted also in compiled graphs (the Monitor reads it at each flush)
     if not torch.compiler.is_compiling():
         st.seen = True  # a Python flag: dynamo would guard on it and recompile, so eager only
     mask, causal = attention_mask, False
@@ -138,7 +141,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
     o = attend(query, key, value, st.knobs, attn_mask=mask, dropout_p=0.0, is_causal=causal, scale=scaling,
                enable_gqa=key.shape[1] != H, stats=st.stats if st.knobs.counters else None,
                layer=getattr(module, "layer_idx", None), family=_family(module), key_keep=key_keep)
-    if st.probe:
+    if st.probe and not again:
         if key_keep is not None:
             _entropy(st, query, key, padded_mask, False, scaling)
         else:
@@ -219,6 +222,21 @@ def not_routed(model, who: str = "use()"):
                         f"; no attention module of transformers was found in {type(model).__name__}"))
 
 
+def _unrouted(model, skipped, who: str) -> str:
+    return (f"{who}: {len(skipped)} attention module(s) of {type(model).__name__} cannot run the {NAME} backend "
+            f"and keep their own attention: {'; '.join(skipped[:6])}{'; ...' if len(skipped) > 6 else ''}")
+
+
+def unrouted_unsaid(model, who: str) -> Optional[str]:
+    """use()'s NotRoutedWarning text for a model use() never set up (e.g. a Monitor on a model only built with the
+    backend), else None: use() said it already, or every attention module routes."""
+    found = sites_mod.attention_sites(model)
+    if any(getattr(s.module, "ff_state", None) is not None for s in found):
+        return None
+    skipped = _routable(found, model)[1]
+    return _unrouted(model, skipped, who) if skipped else None
+
+
 def use(model, recipe: str = "paper_bf16", overrides: Optional[Dict[object, dict]] = None, strict: bool = False,
         **knobs):
     """Set the recipe and knobs of every attention module of a transformers model built with
@@ -234,8 +252,7 @@ def use(model, recipe: str = "paper_bf16", overrides: Optional[Dict[object, dict
     if not routed:
         not_routed(model)
     if skipped:
-        msg = (f"use(): {len(skipped)} attention module(s) of {type(model).__name__} cannot run the {NAME} backend "
-               f"and keep their own attention: {'; '.join(skipped[:6])}{'; ...' if len(skipped) > 6 else ''}")
+        msg = _unrouted(model, skipped, "use()")
         if strict:
             raise ValueError(msg + " (strict=True: expected every attention module routed)")
         warnings.warn(msg, watch.NotRoutedWarning, stacklevel=2)
@@ -255,9 +272,14 @@ def use(model, recipe: str = "paper_bf16", overrides: Optional[Dict[object, dict
     device = next(model.parameters()).device
     states = []
     for s, k in zip(routed, per_site, strict=True):
-        s.module.ff_state = LayerState(k, AttnStats(s.n_head, device), path=s.path,
-                                       calls=torch.zeros((), dtype=torch.int64, device=device))
-        states.append(s.module.ff_state)
+        st = getattr(s.module, "ff_state", None)
+        if st is None:
+            st = s.module.ff_state = LayerState(k, AttnStats(s.n_head, device), path=s.path)
+        else:  # the same object re-armed: a Monitor made before this use() holds it and would read orphans
+            st.knobs, st.stats, st.path = k, AttnStats(s.n_head, device), s.path
+            st.entropy_sum = st.entropy_rows = None
+        st.calls = torch.zeros((), dtype=torch.int64, device=device)
+        states.append(st)
     watch.install(model, routed, states, NAME)
     return model
 
@@ -277,5 +299,5 @@ def layer_states(model):
     return [layer_state(s.module, s.n_head, device, s.path) for s in sites(model)]
 
 
-__all__ = ["NAME", "use", "not_routed", "sites", "attention_forward", "mask_interface", "register_attention",
-           "register_mask", "LayerState", "layer_states"]
+__all__ = ["NAME", "use", "not_routed", "unrouted_unsaid", "sites", "attention_forward", "mask_interface",
+           "register_attention", "register_mask", "LayerState", "layer_states"]

@@ -23,6 +23,8 @@ Every attention module the backend routes is monitored (flash_forensics/sites.py
 L<layer> where layer numbers are unique (the names above), else its module path (encoder-decoder models:
 rmax_rows/model.decoder.layers.0.encoder_attn.H3). A module that made no call since the last flush (its device
 call counter is read with the rest) is named in a NotRoutedWarning with the cause (flash_forensics/watch.py).
+Nothing unmeasured is logged as 0: a module with counters=False logs no counters (a warning says so), and a flush
+between logging steps (close(), Trainer's last partial interval) no entropy.
 """
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from flash_forensics import families, watch
-from flash_forensics.hf_backend import NAME, layer_states, not_routed, sites
+from flash_forensics.hf_backend import NAME, layer_states, not_routed, sites, unrouted_unsaid
 from flash_forensics.kernels.checks import is_int
 from flash_forensics.kernels.stats import COUNTERS
 from flash_forensics.orchestrator import record
@@ -66,7 +68,13 @@ class Monitor:
         self.sites = sites(model)
         if not self.sites:  # nothing would ever be counted: refused here, not at the first flush
             not_routed(model, who="Monitor")
+        unsaid = unrouted_unsaid(model, "Monitor")  # use() names them; without it they would go unmonitored unsaid
+        if unsaid:
+            warnings.warn(unsaid + " (not monitored)", watch.NotRoutedWarning, stacklevel=2)
+        families.check_sites(model, self.sites)  # W_Q is read at step 0: a rule that does not fit is refused here
         self.states = layer_states(model)  # the sites' states, in the same order
+        for st in self.states:  # counted from here: forwards before the Monitor (warm-up, eval) are no step of it
+            st.reset()
         self.labels = [st.label for st in self.sites]
         self._said: set = set()
         self._closed = False
@@ -135,14 +143,17 @@ class Monitor:
             add(f"loss@{s}", loss)
         for s, wq in self._wq:
             add(f"wq@{s}", wq)
+        off = [lab for lab, st in zip(self.labels, self.states) if not st.knobs.counters]
         for i, st in enumerate(self.states):
-            for name in COUNTERS:
-                add(f"{name}@{i}", getattr(st.stats, name))
+            if st.knobs.counters:  # with counters off nothing is counted: no zeros logged as if measured
+                for name in COUNTERS:
+                    add(f"{name}@{i}", getattr(st.stats, name))
             add(f"logit@{i}", st.stats.max_logit)
             if st.calls is not None:
                 add(f"calls@{i}", st.calls)
-            if st.entropy_sum is not None:
+            if st.entropy_sum is not None:  # rows too: a head with none was not measured in this interval
                 add(f"ent@{i}", st.entropy_sum / st.entropy_rows.clamp_min(1))
+                add(f"entrows@{i}", st.entropy_rows)
         dev = parts[0].device if parts else torch.device("cpu")
         host = torch.cat([p.to(dev) for p in parts]).cpu().tolist() if parts else []  # the one sync
         for st in self.states:
@@ -151,6 +162,10 @@ class Monitor:
         for name, n in layout:
             vals[name], i = host[i:i + n], i + n
         self._check_calls(vals)
+        if off:
+            self._say(f"Monitor: counters=False in {len(off)} of {len(self.states)} attention modules "
+                      f"({', '.join(off[:4])}{', ...' if len(off) > 4 else ''}): their {', '.join(COUNTERS)} are not "
+                      "counted, so not logged (use(..., counters=True) counts them)", UserWarning)
         out: Dict[str, float] = {}
         per_step: Dict[int, Dict[str, float]] = {s: dict(v) for s, v in self._host.items()}
         for s, _ in self._losses:
@@ -168,13 +183,14 @@ class Monitor:
         for i, lab in enumerate(self.labels):
             for name in COUNTERS:
                 prefix = record.RMAX_ROWS if name == "repeated_max_rows" else f"{name}/"
-                for h, c in enumerate(vals[f"{name}@{i}"]):
+                for h, c in enumerate(vals.get(f"{name}@{i}", [])):
                     last[f"{prefix}{lab}.H{h}"] = c
             logit = vals[f"logit@{i}"][0]
             if logit != float("-inf"):  # nothing measured (counters off)
                 last[f"{record.MAX_LOGIT}{lab}"] = logit
-            for h, e in enumerate(vals.get(f"ent@{i}", [])):
-                last[f"{ENTROPY}{lab}.H{h}"] = e
+            for h, (e, n) in enumerate(zip(vals.get(f"ent@{i}", []), vals.get(f"entrows@{i}", []), strict=True)):
+                if n > 0:  # measured on logging steps only: a flush between them (close, Trainer's end) has none
+                    last[f"{ENTROPY}{lab}.H{h}"] = e
         for s in sorted(per_step):
             out.update(per_step[s])
         self._losses, self._wq, self._host = [], [], {}
@@ -193,10 +209,14 @@ class Monitor:
         what = ("no attention call reached" if len(idle) == len(self.states) else
                 f"{len(idle)} of {len(self.states)} attention modules ({', '.join(s.path for s in quiet[:4])}"
                 f"{', ...' if len(idle) > 4 else ''}) made no call to")
-        msg = f"Monitor: {what} the {NAME} backend since the last flush: {watch.cause(quiet, NAME)}"
+        self._say(f"Monitor: {what} the {NAME} backend since the last flush: {watch.cause(quiet, NAME)}",
+                  watch.NotRoutedWarning)
+
+    def _say(self, msg: str, category) -> None:
+        """A warning given once per Monitor and message."""
         if msg not in self._said:
             self._said.add(msg)
-            warnings.warn(msg, watch.NotRoutedWarning, stacklevel=3)
+            warnings.warn(msg, category, stacklevel=4)
 
     # ------------------------------------------------------------------------------------------ MLflow
     def _open_mlflow(self, uri, experiment, run_name, params) -> None:

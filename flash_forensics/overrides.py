@@ -13,6 +13,7 @@ from typing import List, Mapping, Sequence
 
 from flash_forensics.kernels.checks import is_int
 from flash_forensics.kernels.config import AttentionKnobs, LayerOverride
+from flash_forensics.sdpa import check_no_tensors, shown
 from flash_forensics.sites import Site
 
 _EXAMPLE = "{'model.layers.1.self_attn': {'pv_fp32': True}, 3: {'o_fp32_heads': [0, 5]}}"
@@ -58,7 +59,8 @@ def layer_overrides(sites: Sequence[Site], overrides) -> List[tuple]:
     for key, patch in overrides.items():
         hit = matches(sites, key)
         if not isinstance(patch, Mapping):
-            raise ValueError(f"overrides[{key!r}]={patch!r} is not allowed: expected a dict {{knob: value}}")
+            raise ValueError(f"overrides[{key!r}]={shown(patch)} is not allowed: expected a dict {{knob: value}}")
+        check_no_tensors(f"overrides[{key!r}]", patch)
         try:
             out.append((key, LayerOverride(layers=hit, **dict(patch))))
         except TypeError:

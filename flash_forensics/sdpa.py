@@ -21,7 +21,8 @@ Knobs are AttentionKnobs fields (kernels/knobs.py), validated there. `stats=` (a
 the repeated-maxima counters and the max logit on the device. Each call is reported to flash_forensics.hooks.
 
 `patch_sdpa(recipe=..., **knobs)`: a context manager that points torch.nn.functional.scaled_dot_product_attention at
-this function (restored on exit, also on an exception), so unchanged nanoGPT-style code runs through the recipe.
+this function (restored on exit, also on an exception or when nested blocks close out of order), so unchanged
+nanoGPT-style code runs through the recipe.
 
 torch.compile: a compiled emulator call computes the recipe bit for bit only when inductor rounds casts as eager
 does (`torch._inductor.config.emulate_precision_casts`); patch_sdpa sets it inside its block, and everywhere else
@@ -35,7 +36,7 @@ from __future__ import annotations
 
 import math
 from contextlib import contextmanager
-from typing import Iterator, Optional
+from typing import Iterator, List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -52,6 +53,22 @@ from flash_forensics.models.attention import resolve_backend
 _FIELDS = tuple(r.name for r in knob_table.KNOBS)
 
 
+def shown(value) -> str:
+    """A value in a refusal: a tensor by its shape and dtype only (never its values), anything else cut at 80."""
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)} and dtype {value.dtype}"
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def check_no_tensors(key: str, knobs) -> None:
+    """Knob values are plain Python: a tensor is refused here, before a validator's message prints it in full."""
+    for name, value in knobs.items():
+        if isinstance(value, torch.Tensor):
+            raise ValueError(f"{key}.{name}={shown(value)} is not allowed: expected a Python value (e.g. .item() "
+                             "or .tolist() of it)")
+
+
 def make_knobs(recipe: str = "paper_bf16", key: str = "flash_forensics", n_head: Optional[int] = None,
                **knobs) -> AttentionKnobs:
     """AttentionKnobs for the emulator from keyword knobs: unknown names, bad values and knobs the emulator does not
@@ -61,6 +78,7 @@ def make_knobs(recipe: str = "paper_bf16", key: str = "flash_forensics", n_head:
         raise ValueError(f"{key}: unknown knob(s) {unknown}; allowed: {', '.join(_FIELDS)}")
     if "recipe" in knobs:
         raise ValueError(f"{key}: give the recipe as recipe=..., not among the knobs")
+    check_no_tensors(key, {"recipe": recipe, **knobs})
     cfg = AttentionKnobs(recipe=recipe, **knobs).validate(n_head, key=key)
     return check_emulated(cfg, key)
 
@@ -115,13 +133,21 @@ def check_compiled() -> None:
         _inductor_rounds_as_eager()
 
 
-def _masks(attn_mask, B: int, H: int, Tq: int, Tk: int):
+def recomputing() -> bool:
+    """True while autograd's engine runs this forward: activation checkpointing recomputing it for the backward
+    (torch.utils.checkpoint reads the same task id). A recomputed call is not counted again."""
+    return not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
+
+
+def _masks(attn_mask, B: int, H: int, Tq: int, Tk: int, device: torch.device):
     """(keep, bias) as kernels/masking.py takes them, and the rows with no key (B or 1, H or 1, Tq, 1) or None."""
     if attn_mask is None:
         return None, None, None
     if not isinstance(attn_mask, torch.Tensor):
         raise ValueError(f"attn_mask={type(attn_mask).__name__} is not allowed: expected a bool or float tensor "
                          "or None")
+    if attn_mask.device != device:  # named as the caller passed it (the kernels would name their masking.keep)
+        raise ValueError(f"attn_mask.device={attn_mask.device} is not allowed: expected q's device {device}")
     if attn_mask.requires_grad:
         raise ValueError("attn_mask requires grad: not allowed (no gradient flows to the mask here)")
     m = attn_mask
@@ -161,10 +187,10 @@ def attend(q, k, v, cfg: AttentionKnobs, attn_mask=None, dropout_p: float = 0.0,
     key_keep (B or 1, T) bool, with is_causal and no attn_mask: keys masked on top of causality (transformers'
     padded batches, flash_forensics/fast_path.key_padding); the Triton kernels take it on CUDA."""
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or dropout_p != 0:
-        raise ValueError(f"dropout_p={dropout_p!r} is not allowed: expected 0.0 (the flash kernels have no attention "
-                         "dropout; pass dropout_p=0.0, e.g. the model's attention dropout set to 0)")
+        raise ValueError(f"dropout_p={shown(dropout_p)} is not allowed: expected 0.0 (the flash kernels have no "
+                         "attention dropout; pass dropout_p=0.0, e.g. the model's attention dropout set to 0)")
     if not isinstance(is_causal, bool):
-        raise ValueError(f"is_causal={is_causal!r} is not allowed: expected true or false")
+        raise ValueError(f"is_causal={shown(is_causal)} is not allowed: expected true or false")
     if is_causal and attn_mask is not None:
         raise ValueError("is_causal=True with attn_mask is not allowed: expected one of them (put causality into "
                          "the mask, or pass attn_mask=None)")
@@ -174,6 +200,8 @@ def attend(q, k, v, cfg: AttentionKnobs, attn_mask=None, dropout_p: float = 0.0,
             raise ValueError(f"{name}.shape={shape} is not allowed: expected 4 dims (B, H, T, D)")
     B, H, Tq, D = q.shape
     Hk, Tk = k.shape[1], k.shape[2]
+    if stats is not None and recomputing():
+        stats = None  # counted once, in the forward (gradient checkpointing's second pass would double every count)
     if v.shape[1] != Hk or v.shape[2] != Tk:
         raise ValueError(f"v.shape={tuple(v.shape)} is not allowed: expected k's heads and length {(Hk, Tk)}")
     if v.shape[3] != D or k.shape[3] != D:
@@ -196,10 +224,10 @@ def attend(q, k, v, cfg: AttentionKnobs, attn_mask=None, dropout_p: float = 0.0,
     if key_keep is not None and not padded:  # the emulator computes the mask it stands for
         tri = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril()
         attn_mask, is_causal = (tri & key_keep.to(torch.bool)[:, None, :])[:, None], False
-    keep, bias, dead = _masks(attn_mask, B, H, Tq, Tk)
+    keep, bias, dead = _masks(attn_mask, B, H, Tq, Tk, q.device)
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
                               or not math.isfinite(scale) or scale <= 0):  # named as the caller typed it
-        raise ValueError(f"scale={scale!r} is not allowed: expected a finite number > 0 or None (1/sqrt(D))")
+        raise ValueError(f"scale={shown(scale)} is not allowed: expected a finite number > 0 or None (1/sqrt(D))")
     plain = is_causal and Tq == Tk and scale is None and keep is None  # the emulator's own path, op for op
     masking = None if plain else Masking(causal=is_causal, keep=keep, bias=bias, scale=scale)
     # plain causal calls (and causal calls with key padding) on CUDA go to the Triton kernels when they compute
@@ -229,37 +257,56 @@ def attend(q, k, v, cfg: AttentionKnobs, attn_mask=None, dropout_p: float = 0.0,
     return o
 
 
+# The open patch_sdpa blocks, in the order entered: [its function, the function it replaced]. Blocks may close out
+# of order (ExitStack, a generator closed late): a block closed under another one hands that one what it replaced,
+# so torch's function comes back when the last one closes, and no open block computes with torch's meanwhile.
+_OPEN: List[list] = []
+_CASTS: list = []  # inductor's emulate_precision_casts before the first open block (restored when the last closes)
+
+
 @contextmanager
 def patch_sdpa(recipe: str = "paper_bf16", stats: Optional[AttnStats] = None, **knobs) -> Iterator[AttentionKnobs]:
     """Route torch.nn.functional.scaled_dot_product_attention through `attention` inside the block; yields the knobs.
 
-    Knobs are validated once, on entry. Restored on exit, also when the block raises.
+    Knobs are validated once, on entry. Restored on exit, also when the block raises; nested blocks may close in
+    any order. Inside any open block inductor's emulate_precision_casts is on (code compiled there rounds as eager).
     """
     cfg = make_knobs(recipe, key="patch_sdpa", **knobs)
-    original = F.scaled_dot_product_attention
 
     def patched(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
         return attend(query, key, value, cfg, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                       scale=scale, enable_gqa=enable_gqa, stats=stats)
 
+    entry = [patched, F.scaled_dot_product_attention]
+    if not _OPEN:
+        _CASTS[:] = [_set_casts(True)]
+    _OPEN.append(entry)
     F.scaled_dot_product_attention = patched
     try:
-        with _rounding_as_eager():
-            yield cfg
+        yield cfg
     finally:
-        F.scaled_dot_product_attention = original
+        i = next(j for j, e in enumerate(_OPEN) if e is entry)
+        del _OPEN[i]
+        if i < len(_OPEN):  # a block entered inside this one is still open: it restores what this one replaced
+            _OPEN[i][1] = entry[1]
+        else:
+            F.scaled_dot_product_attention = entry[1]
+        if not _OPEN:
+            _set_casts(_CASTS.pop())
 
 
-@contextmanager
-def _rounding_as_eager():
-    """inductor's emulate_precision_casts on inside the block (code compiled there rounds as eager), as it was after."""
+def _set_casts(value):
+    """Set inductor's emulate_precision_casts (None: leave it); returns its value before (None on an older torch:
+    a compiled call is refused there by check_compiled, naming why)."""
     import torch._inductor.config as inductor  # lazy: inductor's config is not light, and only patch_sdpa needs it
 
     if not hasattr(inductor, "emulate_precision_casts"):
-        yield  # an older torch: a compiled call is refused by check_compiled, naming why
-        return
-    with inductor.patch(emulate_precision_casts=True):
-        yield
+        return None
+    before = inductor.emulate_precision_casts
+    if value is not None:
+        inductor.emulate_precision_casts = value
+    return before
 
 
-__all__ = ["attention", "attend", "patch_sdpa", "make_knobs", "check_emulated"]
+__all__ = ["attention", "attend", "patch_sdpa", "make_knobs", "check_emulated", "check_no_tensors", "shown",
+           "recomputing"]

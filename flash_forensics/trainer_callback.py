@@ -13,6 +13,7 @@ refused beside report_to=["mlflow"] (or "all"): one training, one run.
 """
 from __future__ import annotations
 
+import math
 import sys
 import warnings
 from typing import Dict, Optional
@@ -89,7 +90,10 @@ def _callback_class():
 
         def on_train_begin(self, args, state, control, model=None, **kwargs):
             self._setup(args)
-            every = self.log_every or (int(args.logging_steps) if args.logging_steps >= 1 else 10)
+            # the state's logging_steps: a ratio of the run (args.logging_steps < 1) made a step count, as the Trainer
+            # logs; args' own where a Trainer has no such field
+            steps = getattr(state, "logging_steps", None) or args.logging_steps
+            every = self.log_every or (int(steps) if steps >= 1 else math.ceil(state.max_steps * steps))
             self.monitor = Monitor(model, log_every=every, wq_every=self.wq_every, mlflow=self.mlflow,
                                    **self.mlflow_kw)
 

@@ -6,11 +6,15 @@
 #   tests [PATHS ...]
 #                the GPU tests: pytest -m gpu tests (or PATHS, e.g. tests/unit/test_ops.py; WORKERS xdist workers,
 #                default 6)
+#   bits         the kernels' outputs on fixed cases (scripts/kernel_bits.py) against this GPU model's committed
+#                record, results/bench/kernel-bits-<gpu>.json (REF=FILE another): exit 1 when a bit moved
 #   patch-tests PATCH [TESTS ...]
 #                the GPU tests of a change not on this tree yet (a branch: `git diff main...BRANCH > PATCH`): this
 #                tree's TESTS first, then the same TESTS in a copy with PATCH applied (default TESTS: the kernel
-#                tests, PATCH_TESTS); logs pytest_here.log and pytest_patched.log; exit 0 only when both pass;
-#                SKIP_HERE=1: the patched copy's only
+#                tests, PATCH_TESTS); logs pytest_here.log and pytest_patched.log; then the kernels' bits on fixed
+#                cases in both trees (scripts/kernel_bits.py; kernel_bits.log, bits_*.json; BITS=0 skips them,
+#                BITS_DEVICE=cpu runs them on Triton's interpreter); exit 0 only when both pass and every case is
+#                bit-identical; SKIP_HERE=1: the patched copy's tests only
 #   speed        attention fwd+bwd side by side (benchmarks/attention.py; TUNE=1 times launch configs first;
 #                ATTN_LAYOUT=bthd: q, k, v as views of one fused projection, as the model makes them), the
 #                host's time per call against the GPU's (benchmarks/host_overhead.py) and the GPT-2S training step
@@ -143,6 +147,22 @@ EOF
     setup; logdir tests
     gpu_tests "$LOG/pytest_gpu.log" "$@"
     ;;
+  bits)
+    # this tree's kernel bits (scripts/kernel_bits.py), compared with a committed record of the same GPU model when
+    # there is one (results/bench/kernel-bits-<gpu>.json; REF=FILE another); BITS_DEVICE=cpu: Triton's interpreter
+    setup; logdir bits
+    $PY scripts/kernel_bits.py record "$LOG/kernel-bits.json" --device "${BITS_DEVICE:-cuda}" \
+      --tensors /tmp/kernel-bits.pt || exit 1
+    gpu=$($PY -c "import json, re, sys; g = json.load(open(sys.argv[1]))['env']['gpu'].split(' (')[0].lower()
+print(re.sub('[^a-z0-9]+', '-', g).strip('-'))" "$LOG/kernel-bits.json") || die "unreadable $LOG/kernel-bits.json"
+    mv "$LOG/kernel-bits.json" "$LOG/kernel-bits-$gpu.json"
+    ref=${REF:-results/bench/kernel-bits-$gpu.json}
+    if [ -f "$ref" ]; then
+      $PY scripts/kernel_bits.py compare "$ref" "$LOG/kernel-bits-$gpu.json" | tee "$LOG/kernel_bits_vs_ref.log"
+      exit "${PIPESTATUS[0]}"
+    fi
+    echo "[bits] no $ref yet: commit $LOG/kernel-bits-$gpu.json there as this GPU's reference"
+    ;;
   patch-tests)
     patch=${1:-}; [ -n "$patch" ] && shift || die "usage: gpu.sh patch-tests PATCH [TESTS ...]"
     patch=$(cd "$(dirname "$patch")" && pwd)/$(basename "$patch"); [ -f "$patch" ] || die "no patch file $patch"
@@ -168,6 +188,21 @@ EOF
       "${sel[@]}" -n "${WORKERS:-4}" -p no:cacheprovider -o addopts="-ra") > "$LOG/pytest_patched.log" 2>&1
     r=$?; [ $r = 0 ] || [ $r = 5 ] || rc=1
     tail -3 "$LOG/pytest_patched.log"
+    if [ "${BITS:-1}" = 1 ]; then  # the existing recipes' bits: this tree against the patched copy, same machine
+      bd=${BITS_DEVICE:-cuda}; bt=${dst}.bits; mkdir -p "$bt"  # outputs (.pt) stay here: only the JSONs come back
+      echo "[patch-tests] kernel bits ($bd): scripts/kernel_bits.py in this tree, then in the patched copy"
+      if (cd "$ROOT" && timeout "${BITS_TIMEOUT:-600}" $PY scripts/kernel_bits.py record "$LOG/bits_here.json" \
+            --device "$bd" --tensors "$bt/here.pt") > "$LOG/kernel_bits.log" 2>&1 \
+         && (cd "$dst" && PYTHONPATH=${FF_SITE:-/tmp/site}:$dst timeout "${BITS_TIMEOUT:-600}" $PY \
+            scripts/kernel_bits.py record "$LOG/bits_patched.json" --device "$bd" --tensors "$bt/patched.pt") \
+            >> "$LOG/kernel_bits.log" 2>&1; then
+        $PY scripts/kernel_bits.py compare "$LOG/bits_here.json" "$LOG/bits_patched.json" \
+          --tensors "$bt/here.pt" "$bt/patched.pt" >> "$LOG/kernel_bits.log" 2>&1 || rc=1
+      else
+        echo "[patch-tests] kernel bits: a record failed (kernel_bits.log)"; rc=1
+      fi
+      grep -a "^\[kernel_bits\] .* cases identical\|DIFFERENT\|MISSING" "$LOG/kernel_bits.log" | tail -8
+    fi
     echo "[patch-tests] exit $rc"; exit $rc
     ;;
   speed)

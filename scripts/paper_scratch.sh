@@ -105,12 +105,16 @@ progress
 main=(); lrs=()
 for iv in $INTERVENTIONS; do main+=("$ROOT/$iv"); done
 for lr in $LRS; do lrs+=("$ROOT/baseline_lr$lr"); done
+# the store, when a run made it: report refuses a --tracking-uri it cannot read, and every run dying before its first
+# MLflow call (a bad override) leaves none; the rows then come from the job folders alone, without histories
+store=(--tracking-uri "$URI")
+[ -f "$ROOT/mlflow.db" ] || { store=(); say "no MLflow store at $ROOT/mlflow.db: reports from the job folders only"; }
 if [ "${#main[@]}" -gt 0 ]; then
-  python -m flash_forensics.cli report "${main[@]}" --out "$ROOT/report" --sweep paper_scratch --tracking-uri "$URI" \
+  python -m flash_forensics.cli report "${main[@]}" --out "$ROOT/report" --sweep paper_scratch "${store[@]}" \
     > "$ROOT/report.log" 2>&1 || { rc=1; say "report FAILED: $ROOT/report.log"; }
 fi
 if [ "${#lrs[@]}" -gt 0 ]; then
-  python -m flash_forensics.cli report "${lrs[@]}" --out "$ROOT/report_lr" --sweep paper_scratch_lr --tracking-uri "$URI" \
+  python -m flash_forensics.cli report "${lrs[@]}" --out "$ROOT/report_lr" --sweep paper_scratch_lr "${store[@]}" \
     > "$ROOT/report_lr.log" 2>&1 || { rc=1; say "lr report FAILED: $ROOT/report_lr.log"; }
 fi
 for v in "$ROOT/report/verdicts.json" "$ROOT/report_lr/verdicts.json"; do

@@ -36,12 +36,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("file", help="a .safetensors capture (flash_forensics.capture / monitor.capture)")
     ap.add_argument("--heads", type=_heads, default=None, help="head numbers to analyse (default: the worst by "
                                                                "tie rows)")
-    ap.add_argument("--top", type=int, default=2, help="how many worst heads when --heads is not given (default 2)")
+    ap.add_argument("--top", type=int, default=None,
+                    help="how many worst heads when --heads is not given (default 2)")
     ap.add_argument("--out", default=None, help="folder for the .md/.html/.json (default: beside the file)")
     ap.add_argument("--blind", action="store_true", help="ignore the recipe the file names: the fingerprint alone "
                                                         "says what computed it (and the rest uses its best match)")
     ap.add_argument("--no-fingerprint", action="store_true", help="skip the fingerprint")
-    ap.add_argument("--fingerprint-heads", choices=("auto", "all", "chosen"), default="auto",
+    ap.add_argument("--fingerprint-heads", choices=("auto", "all", "chosen"), default=None,
                     help="heads the fingerprint checks: all, the analysed ones, or auto (all when cheap; default)")
     ap.add_argument("--no-attribution", action="store_true", help="skip the attribution per rounding point")
     ap.add_argument("--mlflow", default=None, metavar="URI", help="also log a run to this MLflow tracking URI")
@@ -50,6 +51,15 @@ def main(argv: Optional[List[str]] = None) -> int:
                          "one emulator forward 60x slower than one thread; raise it on an idle machine)")
     ap.add_argument("--quiet", action="store_true", help="no progress bar, no Markdown on stdout")
     args = ap.parse_args(argv)
+    # a flag the run would not use is refused, not ignored: the report would not be what it asked for
+    if args.top is not None and args.heads is not None:
+        ap.error(f"--top={args.top} with --heads is not allowed: --top picks the worst heads when --heads does not "
+                 "name them; give one of them")
+    if args.fingerprint_heads is not None and args.no_fingerprint:
+        ap.error(f"--fingerprint-heads={args.fingerprint_heads} with --no-fingerprint is not allowed: it chooses the "
+                 "heads of the fingerprint that --no-fingerprint skips")
+    args.top = 2 if args.top is None else args.top
+    args.fingerprint_heads = args.fingerprint_heads or "auto"
     if args.top < 1:
         ap.error(f"--top={args.top} is not allowed: expected an integer >= 1")
     if args.threads < 1:

@@ -42,6 +42,8 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from flash_forensics.orchestrator import record
+from flash_forensics.orchestrator.config.folders import check_folder
+from flash_forensics.orchestrator.errors import ConfigError
 from flash_forensics.orchestrator.monitor import signals
 from flash_forensics.orchestrator.monitor.signals import ABOVE, SIGNALS
 from flash_forensics.orchestrator.report import fork_health
@@ -213,8 +215,10 @@ def _rows_of(source: str) -> List[Dict]:
             doc = json.loads(report.read_text())
         except json.JSONDecodeError as e:
             raise ValueError(f"{report}: not valid JSON ({e}); expected a report's verdicts.json") from None
-        if not isinstance(doc, dict) or not isinstance(doc.get("runs", []), list):
-            raise ValueError(f"{report}: not a report's verdicts.json (expected an object with a list of runs)")
+        if not isinstance(doc, dict) or not isinstance(doc.get("runs", []), list) \
+                or not all(isinstance(r, dict) for r in doc.get("runs") or []):
+            raise ValueError(f"{report}: not a report's verdicts.json (expected an object with a list of runs, each "
+                             "an object)")
         return list(doc.get("runs") or [])
     return rows_from_dirs([p])
 
@@ -298,19 +302,30 @@ def load(sources: Sequence[str] = (), tracking_uri: Optional[str] = None, experi
     {run id: history} from a compact export (--histories) instead of the runs' MLflow stores."""
     skipped: List[str] = []
     rows: List[Tuple[Dict, Optional[str]]] = []
+    origin: Dict[str, str] = {}  # run id -> the source that gave it
+
+    def add(got: List[Tuple[Dict, Optional[str]]], src: str) -> None:
+        for r, _ in got:  # a run counted twice would weigh twice in every lead, miss and false alarm
+            if r["mlflow_run_id"] in origin:
+                raise ValueError(f"source {src!r} gives MLflow run {r['mlflow_run_id']} ({r.get('job')}), which "
+                                 f"{origin[r['mlflow_run_id']]!r} gave already: expected each run once (a source "
+                                 "given twice, or a report beside its own job folders?)")
+            origin[r["mlflow_run_id"]] = src
+        rows.extend(got)
+
     for src in sources:
         if _is_store(src):
-            rows.extend(_store_rows(src, experiment, skipped, unfinished))
+            add(_store_rows(src, experiment, skipped, unfinished), src)
             continue
-        for r in _usable(_rows_of(src), skipped, unfinished):
-            rows.append((dict(r, source_label=_label(src)),
-                         tracking_uri or (store.job_store(Path(r["job_dir"])) if r.get("job_dir") else None)))
+        add([(dict(r, source_label=_label(src)),
+              tracking_uri or (store.job_store(Path(r["job_dir"])) if r.get("job_dir") else None))
+             for r in _usable(_rows_of(src), skipped, unfinished)], src)
     names = [str(r.get("job") or r.get("mlflow_run_id")) for r, _ in rows]
     if len(set(names)) < len(names):  # several seeds' tables: 'baseline' in each, told apart by where they came from
         rows = [(dict(r, job=f"{r['source_label']}/{r.get('job') or r['mlflow_run_id']}") if "source_label" in r
                  else r, uri) for r, uri in rows]
     if experiment is not None and not any(_is_store(s) for s in sources):
-        rows.extend(_store_rows(tracking_uri, experiment, skipped, unfinished))
+        add(_store_rows(tracking_uri, experiment, skipped, unfinished), f"--experiment {experiment}")
     clients: Dict[Optional[str], object] = {}
 
     def client_of(uri: Optional[str]):  # one per store: client_for checks it (a server's health GET) once
@@ -547,6 +562,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ValueError as e:
         ap.error(str(e))
     extra = _extra(a.thresholds)  # before any run is read
+    try:  # --out too: a file there failed only after every run was read
+        check_folder("--out", a.out, "early_warning.{md,json,png} go there")
+    except ConfigError as e:
+        ap.error(str(e))
     try:
         runs, skipped = load(a.sources, a.tracking_uri, a.experiment, a.growth_window, a.include_unfinished, hist,
                              a.keep_jumped)

@@ -27,6 +27,8 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 from flash_forensics.orchestrator import interventions, record
+from flash_forensics.orchestrator.config.folders import check_folder
+from flash_forensics.orchestrator.errors import ConfigError
 from flash_forensics.orchestrator.job.fork import MODEL_KEYS
 from flash_forensics.orchestrator.report.fork_health import JUMP_NATS
 from flash_forensics.orchestrator.report.plots import palette
@@ -103,6 +105,10 @@ def load_bench(path) -> Dict[str, Any]:
         doc = json.loads(Path(path).read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"--bench={str(path)!r}: not valid JSON ({e})") from None
+    except (OSError, UnicodeDecodeError) as e:  # missing, a folder, a binary file (an MLflow export's .json.gz)
+        why = e.strerror if isinstance(e, OSError) and e.strerror else "not a text file"
+        raise ValueError(f"--bench={str(path)!r} is not allowed: {why}; expected a benchmarks/stabilizers.py "
+                         "JSON file") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("rows"), list) \
             or not all(isinstance(r, dict) and "variant" in r and "shape" in r for r in doc["rows"]):
         raise ValueError(f"--bench={str(path)!r} is not allowed: expected a benchmarks/stabilizers.py JSON (key rows, "
@@ -327,6 +333,10 @@ def plot(rows: List[Dict[str, Any]], shapes: Sequence[str], path: Path) -> Optio
 
 def write(report_dirs: Sequence[Path], bench_path, name: str,
           results: Path = REPO / "results") -> Dict[str, Path]:
+    twice = [str(d) for i, d in enumerate(report_dirs)
+             if Path(d).resolve() in [Path(x).resolve() for x in report_dirs[:i]]]
+    if twice:  # its rows would fold into the first copy's, each read as a run repeated ("x2: one outcome")
+        raise ValueError(f"--reports {twice[0]!r} is given twice: each report folder once")
     reports = []
     for d in report_dirs:
         f = Path(d) / "verdicts.json"
@@ -337,6 +347,9 @@ def write(report_dirs: Sequence[Path], bench_path, name: str,
         except json.JSONDecodeError as e:
             raise ValueError(f"--reports {str(d)!r}: {f} is not valid JSON ({e})") from None
         runs = doc.get("runs") if isinstance(doc, dict) else None
+        if isinstance(runs, list) and not all(isinstance(r, dict) for r in runs):
+            raise ValueError(f"--reports {str(d)!r} is not allowed: {f} is not a report's verdicts.json (its runs are "
+                             "not objects)")
         if not isinstance(runs, list) or not runs:
             raise ValueError(f"--reports {str(d)!r} is not allowed: {f} holds no runs (expected a report's "
                              "verdicts.json, with its runs)")
@@ -370,6 +383,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     a = ap.parse_args(argv)
     if not a.name or Path(a.name).name != a.name or a.name in (".", ".."):
         ap.error(f"--name={a.name!r} is not allowed: expected a plain folder name (no path), made under --results")
+    try:  # a file where the table goes: said naming the flag, before any report is read
+        check_folder("--results", str(a.results), "the --name folder goes there")
+        check_folder("--name", a.name, "stabilizers.{md,json,png} go there, under --results", base=a.results)
+    except ConfigError as e:
+        ap.error(str(e))
     try:
         paths = write(a.reports, a.bench, a.name, a.results)
     except (OSError, ValueError) as e:

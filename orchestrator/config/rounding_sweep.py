@@ -161,7 +161,8 @@ def main(argv: Optional[Sequence[str]] = None, root: Path = ROOT) -> int:
                          "every committed file (paper_bf16's sweep and the up-sweeps)")
     ap.add_argument("--up", choices=[r for r in RECIPES if r not in ("paper_bf16", "fp32")],
                     help="the recipe whose points are lifted one format up (up_<recipe>_ files)")
-    ap.add_argument("--check", action="store_true", help="write nothing; exit 1 naming each stale file")
+    ap.add_argument("--check", action="store_true",
+                    help="write nothing; exit 1 naming each stale file (under --out when given)")
     ap.add_argument("--out", type=Path, default=None,
                     help="write the files under this folder instead of the repository (default: the repository)")
     ap.add_argument("--replace", action="store_true",
@@ -170,7 +171,7 @@ def main(argv: Optional[Sequence[str]] = None, root: Path = ROOT) -> int:
     if a.recipe and a.up:
         ap.error("--recipe and --up are exclusive")
     files = generate(a.recipe) if a.recipe else generate_up(a.up) if a.up else generate_all()
-    if a.out is not None and not a.check:
+    if a.out is not None:  # written there, or with --check compared with what is there (not the repository)
         root = a.out
     elif a.recipe and a.recipe != "paper_bf16" and not a.check and not a.replace:
         changed = [rel for rel, text in files.items() if (root / rel).is_file() and (root / rel).read_text() != text]
@@ -181,7 +182,8 @@ def main(argv: Optional[Sequence[str]] = None, root: Path = ROOT) -> int:
     if a.check:
         bad = stale(files, root)
         for rel in bad:
-            flag = f" --recipe {a.recipe}" if a.recipe else f" --up {a.up}" if a.up else ""
+            flag = (f" --recipe {a.recipe}" if a.recipe else f" --up {a.up}" if a.up else "") + \
+                (f" --out {a.out}" if a.out is not None else "")
             print(f"stale: {rel} (regenerate: flash-forensics rounding-sweep{flag})", file=sys.stderr)
         if not bad:
             print(f"rounding_sweep: {len(files)} files up to date")

@@ -282,8 +282,11 @@ def sweep_file_jobs(names, root: Optional[Path] = None) -> List[Tuple[str, List[
     root = Path(root) if root is not None else Path(__file__).resolve().parents[2] / "sweeps"
     parser = OverridesParser.create()
     out = []
+    names = [n[:-5] if n.endswith(".yaml") else n for n in names]  # a file name is a sweep's name too
+    twice = [n for i, n in enumerate(names) if n in names[:i]]
+    if twice:  # its jobs would be named (and launched into folders) twice: the second over the first
+        raise ForkError(f"sweep {twice[0]!r} is given twice: expected each sweep once")
     for name in names:
-        name = name[:-5] if name.endswith(".yaml") else name  # a file name is a sweep's name too
         path = root / f"{name}.yaml"
         if not path.is_file():
             raise ForkError(f"sweep {name!r}: no {path}; allowed: "
@@ -329,7 +332,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         if args.cmd == "list":
             div = divergence_step(args.job_dir)
-            for step, path in checkpoints(args.job_dir):
+            found = checkpoints(args.job_dir)
+            if not found:  # an empty listing with exit 0 read as success
+                raise ForkError(f"{args.job_dir}: no checkpoint in its {CKPT_DIR}/ folder (step_<k>.pt or last.pt); "
+                                "a run keeps them with train.ckpt_every")
+            for step, path in found:
                 note = "  (before the divergence)" if div is not None and step <= div else ""
                 bad = damaged(path)
                 print(f"{step:>8}  {path}{note}" + (f"  DAMAGED: {bad}" if bad else ""))

@@ -35,7 +35,7 @@ def client_for(tracking_uri: Optional[str]):
         raise ValueError(f"no MLflow store at {db} (tracking uri {uri}): nothing to read there; give the store the "
                          "runs were logged to (--tracking-uri), or an export of it where the tool takes one "
                          "(--histories)")
-    if uri.startswith(("http://", "https://")):
+    if db is None:  # a server answers within seconds; a bare path (MLflow's file store) or unknown scheme is refused
         check_tracking(uri, timeout_s=10)
     return make_client(uri)
 

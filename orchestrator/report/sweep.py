@@ -21,6 +21,7 @@ from typing import Any, Dict, List, Optional, Sequence
 from hydra.experimental.callback import Callback
 
 from flash_forensics.orchestrator import record
+from flash_forensics.orchestrator.config.folders import check_folder
 from flash_forensics.orchestrator.record import HISTORY_PREFIXES, REPORT_DIR, matches_paper  # noqa: F401  (re-exported)
 from flash_forensics.orchestrator.report import readback
 from flash_forensics.orchestrator.report.readback import load_histories, retry, rows_from_mlflow  # noqa: F401  (re-exported)
@@ -204,6 +205,22 @@ def _jobs_store(rows) -> Optional[str]:
     return uri
 
 
+def _once(rows: List[Dict]) -> List[Dict]:
+    """Each run once: a job reached twice (a sweep folder and a job folder in it, a folder and its copy, the store and
+    the folder) would be two rows of one run, counted twice in the report's tallies."""
+    out, seen = [], set()
+    for r in rows:
+        keys = {k for k in (r.get("mlflow_run_id"), r.get("job_dir") and str(Path(r["job_dir"]).resolve())) if k}
+        if keys & seen:
+            continue
+        seen |= keys
+        out.append(r)
+    if len(out) < len(rows):
+        print(f"[report] {len(rows) - len(out)} run(s) reached twice (e.g. a sweep folder and a job folder in it): "
+              "read once")
+    return out
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """`flash-forensics report --out DIR [--sweep NAME] [--tracking-uri URI] JOB_OR_SWEEP_DIR...`: one
     table over runs from several sweeps (e.g. a baseline run, its forked isolation sweep and a beta sweep)."""
@@ -239,9 +256,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.source_run and not args.from_mlflow:
             raise ValueError("--source-run is not allowed without --from-mlflow: it picks the source run of an "
                              "MLflow experiment's runs")
+        check_folder("--out", args.out, "verdicts.{md,json} and plots/ go there")
         bad_meta = [m for m in args.meta if "=" not in m]
         if bad_meta:
             raise ValueError(f"--meta {bad_meta[0]!r} is not allowed: expected KEY=VALUE")
+        if args.tracking_uri is not None and not args.from_mlflow:  # named by the user: read, or refused now
+            try:  # (not a report without histories and links, said in passing)
+                readback.client_for(args.tracking_uri)
+            except ValueError as e:
+                uri, why = resolve_uri(args.tracking_uri), str(e)
+                for head in (f"tracking.uri={uri!r} is not allowed: ", f"tracking.uri={uri!r}: ",
+                             f"tracking uri {uri}: "):
+                    why = why.removeprefix(head)
+                raise ValueError(f"--tracking-uri {args.tracking_uri!r} is not allowed: {why}") from None
         seen = set()
         dirs = [d for d in args.dirs if not (Path(d).resolve() in seen or seen.add(Path(d).resolve()))]
         if len(dirs) < len(args.dirs):
@@ -250,6 +277,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         rows, histories = (rows_from_mlflow(args.tracking_uri, args.from_mlflow, args.source_run)
                            if args.from_mlflow else ([], None))
         rows += rows_from_dirs(args.dirs)
+        rows = _once(rows)
         if args.tracking_uri is None and not args.histories and not args.from_mlflow:
             args.tracking_uri = _jobs_store(rows)
         meta = dict(m.split("=", 1) for m in args.meta if "=" in m)
@@ -262,6 +290,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 raise ValueError("--histories reads job dirs' histories from an export; --from-mlflow has its own")
             histories = readback.histories_from_export(args.histories)
             missing = [r.get("job") for r in rows if r.get("mlflow_run_id") and r["mlflow_run_id"] not in histories]
+            if missing and len(missing) == sum(bool(r.get("mlflow_run_id")) for r in rows):  # another store's
+                raise ValueError(f"--histories {args.histories!r} is not allowed: it holds none of the {len(missing)} "
+                                 f"run(s) ({', '.join(map(str, missing[:3]))}, ...); expected the export of the store "
+                                 "they logged to")
             if missing:
                 print(f"[report] {len(missing)} run(s) not in {args.histories}: {', '.join(map(str, missing[:5]))}")
         write_report(rows, args.out, args.tracking_uri, meta=meta, sweep=args.sweep, histories=histories,

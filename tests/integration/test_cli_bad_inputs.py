@@ -137,6 +137,10 @@ def test_fork_pick_and_list_pass_over_damaged_checkpoints(tmp_path, capsys):
     (d / "step_10.pt").write_bytes(b"x")
     with pytest.raises(fork.ForkError, match="every checkpoint at step <= 40 is damaged"):
         fork.pick_step(tmp_path, before=40)
+    for f in d.iterdir():
+        f.unlink()
+    assert fork.main(["list", str(tmp_path)]) == 1  # was exit 0, nothing printed
+    assert "no checkpoint in its checkpoints/ folder" in capsys.readouterr().err
 
 
 def test_early_warning_from_job_folders_leaves_out_jumped_forks_as_from_the_report():
@@ -201,13 +205,19 @@ def test_small_cli_refusals(tmp_path, capsys):
     assert "--experiment needs the store that holds it" in capsys.readouterr().err
     assert [n for n, _ in fork.sweep_file_jobs(["beta_sweep.yaml"])] == [n for n, _ in fork.sweep_file_jobs(
         ["beta_sweep"])]  # a file name names the sweep too
+    assert fork.main(["jobs", "beta_sweep", "beta_sweep.yaml"]) == 1  # jobs beta_sweep-0.. twice, same folders
+    assert "sweep 'beta_sweep' is given twice" in capsys.readouterr().err
 
 
 def test_analyze_refuses_repeated_heads_and_a_blind_run_without_a_fingerprint(capsys):
     from flash_forensics.capture.cli import main as analyze_main
     cap = str(ROOT / "results" / "capture_default" / "gpt_step59_L3.safetensors")
     for args, needle in ((["--heads", "0,0"], "expected each head once"),
-                         (["--blind", "--no-fingerprint"], "--blind with --no-fingerprint is not allowed")):
+                         (["--blind", "--no-fingerprint"], "--blind with --no-fingerprint is not allowed"),
+                         # flags that the run would not use: they were ignored
+                         (["--heads", "1", "--top", "3"], "--top=3 with --heads is not allowed"),
+                         (["--no-fingerprint", "--fingerprint-heads", "all"],
+                          "--fingerprint-heads=all with --no-fingerprint is not allowed")):
         with pytest.raises(SystemExit):
             analyze_main([cap, *args])
         assert needle in capsys.readouterr().err
@@ -227,6 +237,9 @@ def test_localize_names_its_flags_and_refuses_job_with_a_job_folder(tmp_path, ca
     assert "localize: --window=0 is not allowed" in capsys.readouterr().err  # the flag, not localize.window
     assert localize_main([str(BASELINE), "--job", "foo"]) == 2
     assert "--job 'foo' is not allowed with a job folder" in capsys.readouterr().err
+    # a mistyped folder was taken for a run id: the default store's absence said, not the source
+    assert localize_main(["baselin", "--tracking-uri", f"sqlite:///{tmp_path}/none.db"]) == 2
+    assert "source 'baselin' is not allowed: no such folder, and not an MLflow run id" in capsys.readouterr().err
 
 
 def test_a_run_missing_from_its_store_is_named_with_the_store(tmp_path):
@@ -235,3 +248,99 @@ def test_a_run_missing_from_its_store_is_named_with_the_store(tmp_path):
     make_client(uri)  # an empty store
     with pytest.raises(ValueError, match=r"MLflow run 0123abcd is not in sqlite:///.*m.db: give the store"):
         readback.history(readback.client_for(uri), "0123abcd")
+
+
+def test_stabilizers_refuses_a_report_twice_and_names_an_unreadable_bench(tmp_path, capsys):
+    rep = tmp_path / "rep"
+    rep.mkdir()
+    (rep / "verdicts.json").write_text(json.dumps({"runs": [
+        {"intervention": "baseline", "observed": "diverged", "divergence_step": 100, "final_loss": 5.0}]}))
+    # the second copy's rows would fold into the first's, each shown as a run repeated ("x2: one outcome")
+    assert stabilizers.main(["--reports", str(rep), str(tmp_path / "." / "rep"), "--results", str(tmp_path)]) == 1
+    assert "--reports" in capsys.readouterr().err and not (tmp_path / "stabilizers").exists()
+    gz = tmp_path / "h.json.gz"
+    gz.write_bytes((BASELINE.parent / "mlflow-seed1337.json.gz").read_bytes()[:100])
+    for bench, why in ((tmp_path / "none.json", "No such file or directory"), (tmp_path, "Is a directory"),
+                       (gz, "not a text file")):
+        assert stabilizers.main(["--reports", str(rep), "--bench", str(bench), "--results", str(tmp_path)]) == 1
+        err = capsys.readouterr().err
+        assert f"--bench={str(bench)!r} is not allowed: {why}; expected a benchmarks/stabilizers.py JSON" in err, err
+    assert not (tmp_path / "stabilizers").exists()
+
+
+def test_early_warning_refuses_a_run_given_twice(tmp_path, capsys):
+    report = BASELINE.parent / "report"
+    for twice in ([str(report / "verdicts.json"), str(report)], [str(report / "verdicts.json"), str(BASELINE)]):
+        # read twice, each run would count twice (28 runs of 14, 8 false alarms of 4); refused before any store
+        assert early_warning.main([*twice, "--out", str(tmp_path / "ew")]) == 1
+        err = capsys.readouterr().err
+        assert f"source {twice[1]!r} gives MLflow run " in err and "expected each run once" in err, err
+    assert not (tmp_path / "ew").exists()
+
+
+def test_report_reads_a_job_reached_through_its_sweep_and_itself_once(tmp_path, capsys):
+    forks = tmp_path / "forks"
+    for job in ("beta_sweep-0", "beta_sweep-1"):
+        shutil.copytree(BASELINE.parent / "forks" / job, forks / job)
+    assert report_main([str(forks), str(forks / "beta_sweep-0"), "--out", str(tmp_path / "r")]) == 0
+    assert "1 run(s) reached twice" in capsys.readouterr().out
+    jobs = [r["job"] for r in json.loads((tmp_path / "r" / "verdicts.json").read_text())["runs"]]
+    assert jobs == ["forks/beta_sweep-0", "forks/beta_sweep-1"]  # not beta_sweep-0 twice
+
+
+def test_report_refuses_a_tracking_uri_it_cannot_read(tmp_path, capsys):
+    (tmp_path / "notadb.db").write_text("not a database\n")
+    for uri, why in ((str(tmp_path / "m.db"), "MLflow 3.17 refuses the file store; use sqlite:///<path>.db"),
+                     (f"sqlite:///{tmp_path}/notadb.db", "is not an SQLite database"),
+                     (f"sqlite:///{tmp_path}/none.db", f"no MLflow store at {tmp_path}/none.db"),
+                     ("nonsense://x", "expected sqlite:///<path>.db, http(s)://<server>")):
+        # was exit 0: a report without histories nor run links, the store's failure a line among many
+        assert report_main([str(BASELINE), "--out", str(tmp_path / "r"), "--tracking-uri", uri]) == 1
+        err = capsys.readouterr().err
+        assert f"--tracking-uri {uri!r} is not allowed: " in err and why in err, err
+    assert not (tmp_path / "r").exists() and not (tmp_path / "none.db").exists()
+
+
+def test_an_output_folder_that_is_a_file_is_named_by_its_flag(tmp_path, capsys):
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    report = BASELINE.parent / "report"
+    # each failed at its mkdir, naming no flag (a traceback as python -m; early-warning after reading every run)
+    with pytest.raises(SystemExit):
+        early_warning.main([str(report / "verdicts.json"), "--out", str(afile / "ew")])
+    assert f"--out={str(afile / 'ew')!r} is not allowed: {afile} is a file" in capsys.readouterr().err
+    assert report_main([str(BASELINE), "--out", str(afile)]) == 1
+    assert f"--out={str(afile)!r} is not allowed: {afile} is a file" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        stabilizers.main(["--reports", str(report), "--results", str(afile)])
+    assert f"--results={str(afile)!r} is not allowed: {afile} is a file" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        stabilizers.main(["--reports", str(report), "--results", str(tmp_path), "--name", "afile"])
+    assert f"--name='afile' is not allowed: {afile} is a file" in capsys.readouterr().err
+
+
+def test_a_verdicts_json_with_no_runs_or_runs_that_are_not_objects_is_named(tmp_path, capsys):
+    from flash_forensics.orchestrator.analysis.localize.rounding_io import main as rounding_main
+    rep = tmp_path / "rep"
+    rep.mkdir()
+    f = rep / "verdicts.json"
+    f.write_text(json.dumps({"runs": [1, "x"]}))  # was AttributeError: 'int' object has no attribute 'get'
+    assert stabilizers.main(["--reports", str(rep), "--results", str(tmp_path / "out")]) == 1
+    assert f"{f} is not a report's verdicts.json (its runs are not objects)" in capsys.readouterr().err
+    assert early_warning.main([str(f), "--out", str(tmp_path / "ew")]) == 1
+    assert f"{f}: not a report's verdicts.json" in capsys.readouterr().err
+    for text, why in (('{"runs": [1]}', "holds no runs"), ('{"runs": [', "is not valid JSON"),
+                      ('{"runs": []}', "holds no runs")):  # the last wrote an empty table with exit 0
+        f.write_text(text)
+        assert rounding_main([str(rep), "--out", str(tmp_path / "lr"), "--no-tags"]) == 2
+        assert f"source {str(rep)!r}" in (err := capsys.readouterr().err) and why in err, err
+    assert not (tmp_path / "out").exists() and not (tmp_path / "ew").exists() and not (tmp_path / "lr").exists()
+
+
+def test_report_refuses_an_export_that_holds_none_of_its_runs(tmp_path, capsys):
+    other = BASELINE.parents[1] / "seed1-2026-12-04" / "mlflow-seed1.json.gz"  # another seed's store
+    # was exit 0: a report without any history, "1 run(s) not in" a line among many
+    assert report_main([str(BASELINE), "--out", str(tmp_path / "r"), "--histories", str(other)]) == 1
+    assert f"--histories {str(other)!r} is not allowed: it holds none of the 1 run(s) (baseline, ...)" in \
+        capsys.readouterr().err
+    assert not (tmp_path / "r").exists()

@@ -20,20 +20,24 @@ def _q(tmp_path, *args, timeout=600):
 
 def test_queue_runs_tasks_in_turn_says_failures_and_collects(tmp_path):
     patch = _patch(tmp_path / "ok.patch", NEW_TEST)
-    p = _q(tmp_path, "start", "check", f"WORKERS=1 PATCHED='{tmp_path / 'patched dir'}' patch-tests {patch} "
-           "tests/unit/test_zz_patched.py")
+    # a task that fails at once (no such patch), then patch-tests of the patched copy only (SKIP_HERE=1)
+    p = _q(tmp_path, "start", f"patch-tests {tmp_path / 'missing.patch'}",
+           f"SKIP_HERE=1 WORKERS=1 PATCHED='{tmp_path / 'patched dir'}' patch-tests {patch} "
+           "tests/unit/test_zz_patched.py tests/unit/test_knobs.py")
     assert p.returncode == 0, p.stdout + p.stderr
     assert "[queue] started 2 tasks" in p.stdout
     p = _q(tmp_path, "wait", "500")
     assert p.returncode == 0, p.stdout + p.stderr
     assert "[queue] ended" in p.stdout and "queue ended at" in p.stdout
-    assert "1-check: exit 1 after" in p.stdout  # no CUDA here: the check fails, and the queue goes on
+    assert "1-patch-tests: exit 1 after" in p.stdout  # it failed, and the queue went on
     assert "2-patch-tests: exit 0 after" in p.stdout
     # the item's own environment, a quoted value with its space
     assert (tmp_path / "patched dir" / "tests" / "unit" / "test_zz_patched.py").is_file()
     with tarfile.open(tmp_path / "out" / "queue-out.tar.xz") as t:
         names = t.getnames()
-    assert "out/2-patch-tests/patch-tests/pytest_patched.log" in names and "out/1-check.log" in names
+    assert "out/2-patch-tests/patch-tests/pytest_patched.log" in names and "out/1-patch-tests.log" in names
+    assert "out/2-patch-tests/patch-tests/pytest_here.log" not in names  # SKIP_HERE: this tree's tests not run
+    assert "this tree's tests skipped (SKIP_HERE=1" in (tmp_path / "q" / "out" / "2-patch-tests.log").read_text()
     assert "status" in names
     assert not (ROOT / "tests" / "unit" / "test_zz_patched.py").exists()
 
@@ -77,4 +81,4 @@ def test_queue_says_a_dead_runner_keeps_the_last_queue_and_names_what_stays(tmp_
     assert "left on the machine (12 MB or more, or a checkpoint): out/big.bin" in p.stdout, p.stdout
     p = _q(tmp_path, "start", "check")
     assert p.returncode == 0 and "moved to" in p.stdout and (tmp_path / "q.prev" / "out" / "big.bin").exists()
-    _q(tmp_path, "wait", "120")
+    os.killpg(int((tmp_path / "q" / "queue.pid").read_text()), 9)  # nothing more to see: not left running

@@ -129,6 +129,21 @@ def test_unknown_family_says_how_to_name_it():
     assert families.wq_spectral_norms(ff).shape == (2, 4)
 
 
+def test_a_family_no_rule_fits_is_not_told_a_rule_that_fails_later(monkeypatch):
+    cfg = transformers.DistilBertConfig(vocab_size=V, dim=64, n_layers=1, n_heads=4, hidden_dim=128)
+    model = transformers.AutoModel.from_config(cfg, attn_implementation=NAME)
+    with pytest.raises(ValueError, match=r"no W_Q rule fits: its attention module DistilBertSelfAttention has none "
+                                         r"of q_proj, .* \(its layers: q_lin, k_lin, v_lin, out_lin\); add"):
+        families.family(model)  # said register('distilbert', wq='q_proj')
+    monkeypatch.setitem(families.FAMILIES, "distilbert", "q_proj")  # that advice followed: refused when made
+    with pytest.raises(ValueError, match=r"transformer.layer.0.attention \(DistilBertSelfAttention\) has no 'q_proj'"):
+        flash_forensics.Monitor(model)  # was at its first step
+    monkeypatch.setitem(families.WQ_RULES, "q_lin", ("q_lin", "rows"))  # the new advice followed: read
+    monkeypatch.setitem(families.FAMILIES, "distilbert", "q_lin")
+    w = model.transformer.layer[0].attention.q_lin.weight.detach()
+    assert torch.equal(families.wq_blocks(model)[3], w[48:64])
+
+
 def test_gpt2_wq_blocks_are_the_fused_c_attn_columns():
     _, ff = _pair("gpt2")
     w = families.attention_layers(ff)[1].c_attn.weight.detach()

@@ -126,6 +126,37 @@ def test_modules_it_cannot_route_are_named_or_refused():
         use(ff, strict=True)
 
 
+def test_a_monitor_on_a_model_never_use_d_names_the_modules_it_cannot_monitor():
+    _, ff = _pair(_bart_config(), transformers.AutoModelForSeq2SeqLM)
+    ff.model.decoder.layers[1].encoder_attn.config = copy.deepcopy(ff.config)
+    ff.model.decoder.layers[1].encoder_attn.config._attn_implementation = "eager"
+    with pytest.warns(NotRoutedWarning, match=r"Monitor: 1 attention module\(s\) of BartForConditionalGeneration "
+                      r"cannot run.*model.decoder.layers.1.encoder_attn .*\(not monitored\)"):
+        mon = flash_forensics.Monitor(ff)  # monitored 5 of 6, unsaid
+    assert len(mon.sites) == 5
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        llama = transformers.AutoModelForCausalLM.from_config(_llama_config(), attn_implementation=NAME)
+        flash_forensics.Monitor(llama)  # every module routes: nothing to say
+    with pytest.warns(NotRoutedWarning, match="use()"):
+        use(ff)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        flash_forensics.Monitor(ff)  # use() said it: not twice
+
+
+def test_attention_dropout_in_training_names_the_familys_own_config_key():
+    cfg = transformers.BertConfig(vocab_size=V, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                  intermediate_size=64, max_position_embeddings=64, attention_probs_dropout_prob=0.1)
+    model = transformers.AutoModel.from_config(cfg, attn_implementation=NAME)
+    use(model)
+    model.config.attention_probs_dropout_prob = 0.0  # too late: the module kept 0.1 (the message said to do this)
+    with pytest.raises(ValueError, match=r"dropout=0.1 is not allowed: expected 0.0 .*build the model with "
+                                         r"config.attention_probs_dropout_prob=0.0, as setting it on a built model"):
+        model.train()(input_ids=torch.randint(0, V, (1, 5)))
+    model.eval()(input_ids=torch.randint(0, V, (1, 5)))  # no dropout in eval mode
+
+
 def _llama_config():
     return transformers.LlamaConfig(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
@@ -190,3 +221,7 @@ def test_refusals_name_a_tensor_by_shape_and_dtype_only():
         msg = str(e.value)
         assert f"{name}=a tensor of shape (4, 5, 5) and dtype torch.float32 is not allowed" in msg, msg
         assert "0.123" not in msg and "tensor([" not in msg and "model.layers.0.self_attn" in msg
+    with pytest.raises(ValueError) as e:  # a knob in overrides: refused before the knob validator prints it
+        use(ff, overrides={0: {"beta": torch.full((300,), 0.123)}})
+    assert str(e.value) == ("overrides[0].beta=a tensor of shape (300,) and dtype torch.float32 is not allowed: "
+                            "expected a Python value (e.g. .item() or .tolist() of it)")

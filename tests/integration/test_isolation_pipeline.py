@@ -334,12 +334,12 @@ def _max_overlap(intervals):
 @pytest.mark.xdist_group("isolation_script")  # no module fixture: its 3+ minutes run beside its file
 def test_paper_isolation_script_end_to_end(tmp_path):
     """baseline (NaN at step 25, a checkpoint every 5 steps) -> fork from the newest checkpoint <= its lowest-loss
-    step (not the one at the divergence) -> localize -> 11 + 4 forks as separate runs, 3 at a time, 15 steps each
+    step (not the one at the divergence) -> localize -> 11 + 4 forks as separate runs, 3 at a time, 6 steps each
     (FORK_STEPS ends them before the baseline's last step) -> one report over the baseline and the forks folder."""
     from flash_forensics.orchestrator.job.fork import checkpoints
     root, out = tmp_path / "root", tmp_path / "out"
     env = {k: v for k, v in os.environ.items() if k not in ("OUT", "LAUNCHER", "MARGIN", "CUDA_VISIBLE_DEVICES")}
-    env.update(ROOT=str(root), ISOLATION_OUT=str(out), PER_GPU="3", FORK_STEPS="15", URI=f"sqlite:///{tmp_path}/m.db",
+    env.update(ROOT=str(root), ISOLATION_OUT=str(out), PER_GPU="3", FORK_STEPS="6", URI=f"sqlite:///{tmp_path}/m.db",
                OUT=str(tmp_path / "not_the_report"))  # OUT is no longer read: the report must not land there
     overrides = ["model.n_layer=2", "model.n_head=2", "model.n_embd=64", "model.block_size=64",
                  "train.batch_size=4", "train.device=cpu", "tracking.writer=thread", "train.max_steps=40",
@@ -364,7 +364,7 @@ def test_paper_isolation_script_end_to_end(tmp_path):
     assert {5, 10, 15, 20, 25} <= {s for s, _ in ckpts}, ckpts
     fork_step = max(s for s, _ in ckpts if s <= mls)
     assert fork_step < 25  # the divergence step's own checkpoint exists: --at-min must not pick it
-    end = fork_step + 15
+    end = fork_step + 6
     assert end < res["steps_done"] == 40  # FORK_STEPS, not the baseline's end, stops the forks
 
     doc = json.loads((out / "verdicts.json").read_text())

@@ -1,4 +1,6 @@
 """flash_forensics.Monitor in a user's loop (dicts and an MLflow run) and TrainerCallback in a real tiny Trainer run."""
+import warnings
+
 import pytest
 import torch
 
@@ -54,13 +56,14 @@ def test_monitor_logs_every_signal_once_per_interval_and_resets(tmp_path, device
     assert len(client.get_metric_history(mon.run_id, "train/loss")) == 6
 
 
-def _trainer(tmp_path, device, report_to, cb, max_steps=4):
+def _trainer(tmp_path, device, report_to, cb, max_steps=4, logging_steps=2):
     model = _llama()
     flash_forensics.use(model, recipe="paper_bf16")
     g = torch.Generator().manual_seed(0)
     data = [{"input_ids": x, "labels": x} for x in torch.randint(0, V, (16, 16), generator=g)]
     args = transformers.TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=max_steps,
-                                          per_device_train_batch_size=4, logging_steps=2, report_to=report_to,
+                                          per_device_train_batch_size=4, logging_steps=logging_steps,
+                                          report_to=report_to,
                                           use_cpu=device == "cpu", save_strategy="no", disable_tqdm=True)
     return transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=[cb])
 
@@ -78,6 +81,15 @@ def test_trainer_callback_in_a_tiny_trainer_run(tmp_path, device):
     logged = [e for e in trainer.state.log_history if "rows_seen/L0.H0" in e]  # in the Trainer's own logs
     assert [e["step"] for e in logged] == [2, 4, 5] and all("loss" in e for e in logged[:2])
     assert logged[0]["rows_seen/L0.H0"] == 2 * 4 * 16 and "trainer/loss" not in logged[0]
+
+
+def test_trainer_callback_flushes_at_the_trainers_logging_steps_given_as_a_ratio(tmp_path):
+    pytest.importorskip("accelerate")
+    cb = flash_forensics.TrainerCallback()
+    trainer = _trainer(tmp_path, "cpu", [], cb, max_steps=4, logging_steps=0.5)  # the Trainer logs at 2 and 4
+    trainer.train()
+    assert cb.monitor.log_every == 2  # was 10: step 2's log had none of its values
+    assert [e["step"] for e in trainer.state.log_history if "rows_seen/L0.H0" in e] == [2, 4]
 
 
 def test_trainer_callback_values_in_report_tos_mlflow_run_only(tmp_path, monkeypatch):
@@ -132,6 +144,59 @@ def test_monitor_refuses_what_it_could_never_count():
         flash_forensics.TrainerCallback(log_every=0)
     with pytest.raises(ValueError, match=r"TrainerCallback.wq_every=-1 is not allowed"):
         flash_forensics.TrainerCallback(wq_every=-1)
+
+
+def test_a_monitor_made_before_a_second_use_counts_under_the_new_recipe():
+    model = _llama()
+    flash_forensics.use(model, recipe="fp32")
+    mon = flash_forensics.Monitor(model, log_every=1, wq_every=50)
+    flash_forensics.use(model, recipe="paper_bf16")  # replaced its layers' states: the Monitor read zeros
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # and said "no attention call reached the backend"
+        model(input_ids=torch.randint(0, V, (2, 8)))
+        out = mon.step()
+    assert out["rows_seen/L0.H0"] == 2 * 8 and "max_logit/L1" in out
+    assert [st.knobs.recipe for st in mon.states] == ["paper_bf16", "paper_bf16"]
+
+
+def test_the_first_interval_counts_from_the_monitor_on():
+    model = _llama()
+    flash_forensics.use(model, recipe="fp32")
+    ids = torch.randint(0, V, (2, 8))
+    with torch.no_grad():
+        model(input_ids=ids)  # a warm-up or eval forward before the Monitor
+    mon = flash_forensics.Monitor(model, log_every=1, wq_every=50)
+    model(input_ids=ids)
+    assert mon.step()["rows_seen/L0.H0"] == 2 * 8  # was 2 forwards' rows, as every count
+
+
+def test_what_was_not_measured_is_not_logged_as_zero():
+    model = _llama()
+    flash_forensics.use(model, recipe="fp32", overrides={1: {"counters": False}})
+    mon = flash_forensics.Monitor(model, log_every=4, wq_every=50)
+    ids = torch.randint(0, V, (1, 8))
+    with pytest.warns(UserWarning, match=r"counters=False in 1 of 2 attention modules \(L1\).*not logged"):
+        for _ in range(6):
+            mon.step(model(input_ids=ids, labels=ids).loss)
+    mon.close()  # steps 4-5: no logging step, so no entropy pass
+    first, last = mon.history
+    assert first["attn_entropy/L0.H0"] > 0 and not any(k.startswith("attn_entropy/") for k in last)
+    assert last["rows_seen/L0.H0"] == 2 * 8 and not any("/L1." in k for k in last if not k.startswith("wq_"))
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_gradient_checkpointing_counts_each_forward_once(reentrant):
+    model = _llama()
+    flash_forensics.use(model, recipe="fp32")
+    model.activation_checkpointing_enable({"use_reentrant": reentrant})  # recomputes each layer in the backward
+    model.train()
+    mon = flash_forensics.Monitor(model, log_every=1, wq_every=50)
+    ids = torch.randint(0, V, (2, 8))
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    out = mon.step(loss)
+    assert out["rows_seen/L0.H0"] == out["rows_seen/L1.H3"] == 2 * 8  # were twice that, as every count
+    assert out["attn_entropy/L1.H0"] > 0
 
 
 def test_monitor_step_arguments_and_a_non_finite_loss():

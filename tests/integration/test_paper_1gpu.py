@@ -129,6 +129,20 @@ def test_scratch_plan_dry_run():
     assert empty.returncode == 2 and "nothing to run" in empty.stdout
 
 
+def test_scratch_plan_whose_runs_made_no_store_reports_without_one(tmp_path):
+    """Runs that never opened the MLflow store (here refused at their config, so nothing launched) leave none: the
+    reports then go without --tracking-uri, which report refuses when it cannot read it, and say what is missing (the
+    job folder), not the store."""
+    env = dict(os.environ, ROOT=str(tmp_path / "s"), INTERVENTIONS="baseline", LRS="", PROGRESS_EVERY="1",
+               OVERRIDES_ALL="")
+    r = subprocess.run(["bash", "scripts/paper_scratch.sh", "train.no_such_key=1"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and "no MLflow store at" in r.stdout and "baseline: FAILED" in r.stdout, r.stdout
+    assert "train.no_such_key is not a config key" in (tmp_path / "s" / "baseline.log").read_text()
+    report = (tmp_path / "s" / "report.log").read_text()
+    assert "baseline: not a directory" in report and "tracking" not in report, report
+
+
 TINY = ["data=default", "model=tiny", "model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=32",
         "train.batch_size=2", "train.device=cpu", "tracking.writer=thread", "tracking.system_metrics=false",
         "train.max_steps=14", "train.warmup_steps=2", "train.ckpt_every=2", "debug.nan_at_step=8",

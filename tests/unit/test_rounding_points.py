@@ -376,6 +376,11 @@ def test_another_recipes_sweep_never_replaces_the_committed_one_unasked(tmp_path
     assert rs.main(["--recipe", "fp32", "--out", str(tmp_path / "elsewhere")], root=tmp_path) == 0
     assert {p: p.read_text() for p in tmp_path.rglob("*.yaml") if "elsewhere" not in str(p)} == before
     assert (tmp_path / "elsewhere" / "sweeps" / "rounding_points.yaml").is_file()
+    # --check --out checks the folder written to, not the repository (it said "up to date" of an empty folder)
+    assert rs.main(["--recipe", "fp32", "--check", "--out", str(tmp_path / "elsewhere")], root=tmp_path) == 0
+    assert rs.main(["--check", "--out", str(tmp_path / "empty")], root=tmp_path) == 1
+    assert "stale: sweeps/rounding_points.yaml (regenerate: flash-forensics rounding-sweep --out " in \
+        capsys.readouterr().err
     assert rs.main(["--recipe", "fp32", "--replace"], root=tmp_path) == 0  # asked for
     assert (tmp_path / "sweeps" / "rounding_points.yaml").read_text() == rs.generate("fp32")[
         "sweeps/rounding_points.yaml"]

@@ -91,6 +91,8 @@ def test_masking_with_the_causal_mask_equals_the_default_path_bit_for_bit():
     (lambda q, k, v: attention(q, k, v, recipe="fp8"), "recipe='fp8'"),
     (lambda q, k, v: attention(q, k, v, attn_mask=torch.ones(3, 5, dtype=torch.bool)), "attn_mask.shape"),
     (lambda q, k, v: attention(q, k, v, attn_mask=torch.zeros(5, 5, requires_grad=True)), "requires grad"),
+    (lambda q, k, v: attention(q, k, v, attn_mask=torch.zeros(5, 5, device="meta")),  # not masking.keep.device
+     "attn_mask.device=meta is not allowed: expected q's device cpu"),
     (lambda q, k, v: attention(q, k[:, :2], v[:, :2]), "enable_gqa"),
     (lambda q, k, v: attention(q, k[:, :3], v[:, :3], enable_gqa=True), "divisor"),
     (lambda q, k, v: attention(q[0], k[0], v[0]), "4 dims"),
@@ -105,6 +107,18 @@ def test_refusals_name_the_argument(call, needle):
         except ValueError as e:
             assert needle in str(e), str(e)
             raise
+
+
+def test_refusals_show_a_tensor_by_shape_and_dtype_only():
+    q, k, v, _ = _inputs(5, 5)
+    big = torch.full((300,), 0.123)
+    for kw, name in ((dict(scale=big), "scale"), (dict(is_causal=big), "is_causal"), (dict(dropout_p=big), "dropout_p"),
+                     (dict(beta=big), "flash_forensics.beta"), (dict(recipe=big), "flash_forensics.recipe")):
+        with pytest.raises(ValueError) as e:
+            attention(q, k, v, **kw)
+        msg = str(e.value)
+        assert f"{name}=a tensor of shape (300,) and dtype torch.float32 is not allowed" in msg, msg
+        assert "0.123" not in msg and len(msg) < 300, msg
 
 
 def test_patch_sdpa_routes_and_restores_also_on_errors():
@@ -123,6 +137,32 @@ def test_patch_sdpa_routes_and_restores_also_on_errors():
         with patch_sdpa(beta=0.5):
             pass
     assert F.scaled_dot_product_attention is original
+
+
+def test_patch_sdpa_blocks_closed_out_of_order_leave_torch_s_function_and_inductor_as_they_were(monkeypatch):
+    import torch._inductor.config as inductor
+
+    monkeypatch.setattr(inductor, "emulate_precision_casts", False)
+    q, k, v, _ = _inputs(5, 5, dtype=torch.float32)
+    original = F.scaled_dot_product_attention
+
+    def recipe():
+        calls = []
+        with hooks.observing(calls.append):
+            F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return calls[0].recipe if calls else "torch"
+
+    outer, inner = patch_sdpa(recipe="fp32"), patch_sdpa(recipe="fa2")
+    outer.__enter__()
+    inner.__enter__()
+    outer.__exit__(None, None, None)  # an ExitStack or a generator closed late: not LIFO
+    assert recipe() == "fa2" and inductor.emulate_precision_casts is True  # was torch's, inner still open
+    inner.__exit__(None, None, None)
+    assert F.scaled_dot_product_attention is original  # was fp32's patch, for good
+    assert inductor.emulate_precision_casts is False  # was left True
+    with patch_sdpa(recipe="fp32"), patch_sdpa(recipe="fa2"):  # nested as usual
+        assert recipe() == "fa2"
+    assert F.scaled_dot_product_attention is original and recipe() == "torch"
 
 
 def test_rows_whose_first_key_tiles_are_all_masked():

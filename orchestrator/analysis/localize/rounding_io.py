@@ -37,9 +37,18 @@ def load(source: Path) -> Tuple[List[Dict], Dict, Path]:
     """(rows, the report's meta, the report folder) of a report dir (verdicts.json), a sweep dir (its run records,
     report in <sweep>/report) or several job folders' parent."""
     source = Path(source)
-    if (source / "verdicts.json").is_file():
-        doc = json.loads((source / "verdicts.json").read_text())
-        return list(doc.get("runs") or []), dict(doc.get("meta") or {}), source
+    f = source / "verdicts.json"
+    if f.is_file():
+        try:
+            doc = json.loads(f.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"source {str(source)!r}: {f} is not valid JSON ({e})") from None
+        runs = doc.get("runs") if isinstance(doc, dict) else None
+        # no runs: a table of nothing with exit 0 would read as "no rounding-point forks ran"
+        if not isinstance(runs, list) or not runs or not all(isinstance(r, dict) for r in runs):
+            raise ValueError(f"source {str(source)!r} is not allowed: {f} holds no runs (expected a report's "
+                             "verdicts.json with its runs, each an object)")
+        return runs, dict(doc.get("meta") or {}), source
     if not source.is_dir():
         raise ValueError(f"{source}: not a report dir (verdicts.json) or a sweep dir")
     meta: Dict = {}

@@ -2,6 +2,7 @@
 an MLflow run id; its metric histories through the one loader (orchestrator/report/readback.py)."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Dict, Optional
 
@@ -42,6 +43,9 @@ def resolve_source(source: str, tracking_uri: Optional[str] = None, job: Optiona
                 "divergence_step": rec.divergence_step, "job_dir": str(path), "intervention": rec.intervention}
     if path.exists() or "/" in source:
         raise ValueError(f"{source}: not a job dir, sweep dir or MLflow run id")
+    if not re.fullmatch(r"[0-9a-f]{32}", source):  # a mistyped folder, not a run id to look for in a store
+        raise ValueError(f"source {source!r} is not allowed: no such folder, and not an MLflow run id (32 hex "
+                         "digits); expected a baseline job dir, a sweep dir or a run id")
     client = store.client_for(tracking_uri)
     run = store.retry(client.get_run, source)
     rec = record.from_mlflow_run(run, store.history(client, run, (record.LOSS,)))
