@@ -75,14 +75,17 @@ def test_generated_classes_compose_through_hydra_configstore():
         GlobalHydra.instance().clear()
 
 
-def test_intervention_composes_with_the_table_knob(tmp_path):
+def test_intervention_composes_with_the_table_knob(tmp_path, monkeypatch):
     cfg, ov = job_cfg(tmp_path, "intervention=pbar_clamp")
     obj, att = validate_config(cfg, ov, check_store=False)
     assert obj.intervention.pbar_clamp is True and att.for_layer(0).pbar_clamp is True
     model = GPT(ModelConfig(name="t", n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64), att)
     assert model.attention_routes("cpu") == ["flash/emulator/paper_bf16+pbar_clamp"] * 2  # CPU: the emulator
-    cfg, ov = job_cfg(tmp_path, "intervention=pbar_clamp", "attention.backend=triton")  # Triton computes it
+    # Triton computes it (an explicit backend=triton on a CPU needs the interpreter: check_triton_device)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    cfg, ov = job_cfg(tmp_path, "intervention=pbar_clamp", "attention.backend=triton")
     assert validate_config(cfg, ov, check_store=False)[1].for_layer(0).backend == "triton"
+    monkeypatch.delenv("TRITON_INTERPRET")
     cfg, ov = job_cfg(tmp_path, "intervention=pbar_clamp", "attention.impl=standard")
     with pytest.raises(ConfigError) as e:
         validate_config(cfg, ov, check_store=False)
