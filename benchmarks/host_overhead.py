@@ -148,10 +148,10 @@ def main(argv=None):
     def dispatch(c):
         st, spec = c["stats"], c["spec"]
         q, k, v = (c[x].detach() for x in "qkv")
-        o, lse = torch.ops.flash_forensics.flash_fwd(q, k, v, *(
-            (st.repeated_max_rows, st.max_logit, st.underflow_rows) if st is not None else (None, None, None)),
-            None, spec)
-        torch.ops.flash_forensics.flash_bwd(c["do"], q, k, v, o, lse, None, spec)
+        o, lse, ties = torch.ops.flash_forensics.flash_fwd(q, k, v, *(
+            (st.repeated_max_rows, st.max_logit, st.underflow_rows, st.sfa_p1_rows) if st is not None
+            else (None, None, None, None)), None, spec)
+        torch.ops.flash_forensics.flash_bwd(c["do"], q, k, v, o, lse, None, ties, spec)
 
     def call(c, m="cached"):
         return dispatch(c) if m == "dispatch" else eager(c)

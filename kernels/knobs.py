@@ -28,7 +28,7 @@ IMPLEMENTATIONS = ("emulator", "triton", "standard", "sdpa")
 FLASH = ("emulator", "triton")  # the tiled kernels (impl=flash)
 IMPLS = ("flash", "standard", "sdpa")  # flash: tiled kernels; standard: materialised softmax; sdpa: torch
 BACKENDS = ("auto", "emulator", "triton")  # auto: triton on CUDA when it computes every set knob, else the emulator
-SOFTMAXES = ("safe", "stabilized", "stabilized_guarded")  # guarded: bounded shift (emulator only)
+SOFTMAXES = ("safe", "stabilized", "stabilized_guarded")  # guarded: bounded shift
 DELTAS = ("dO_O", "dP_P", "recompute_fp32")
 FP32_GEMMS = ("ieee", "tf32x3")  # how a GEMM with FP32 operands runs: FMA units, or three TF32 tensor-core passes
 EXP_FORMS = ("exp", "exp2_folded", "exp2_mul")  # how exp(S - m) is evaluated (real kernels' forms)
@@ -206,7 +206,8 @@ KNOBS: Tuple[Knob, ...] = (
          computed_by=FLASH, off=BLOCK, ignored_by=("standard", "sdpa"), check=_positive_int, label=_elsewhere),
     Knob("softmax", str, "safe", "stabilized: Algorithm 3 (shift by beta * rowmax where the row max repeats); "
          "stabilized_guarded: its shift bounded so P̄ < 1 without underflow (kernels/emulator.py)",
-         computed_by={"emulator": ("stabilized", "stabilized_guarded"), "triton": ("stabilized",)}, off="safe",
+         computed_by={"emulator": ("stabilized", "stabilized_guarded"), "triton": ("stabilized", "stabilized_guarded")},
+         off="safe",
          choices=SOFTMAXES,
          label=lambda k: {"stabilized": f"sfa(beta={k.beta:g})",
                           "stabilized_guarded": f"sfa_guarded(beta={k.beta:g})"}.get(k.softmax)),
@@ -256,7 +257,7 @@ KNOBS: Tuple[Knob, ...] = (
          "along the head dimension before their cast (QK^T unchanged in exact arithmetic)",
          computed_by=("emulator",), off=False),
     Knob("pbar_clamp", bool, False, f"where a tile's row max repeats, P̄ = 1 becomes {PBAR_CLAMP} before P̄V "
-         "(m and l unchanged): the clamp-only ablation", computed_by=("emulator",), off=False),
+         "(m and l unchanged): the clamp-only ablation", computed_by=("emulator", "triton"), off=False),
     # How real kernels evaluate the same recipe (issue 30; emulator only: kernels/emulator.py, kernels/tensor_core.py;
     # results/real_kernels/ measures each against torch SDPA's backends on an H200).
     # exp2_folded: FlashAttention-2's softmax (csrc/flash_attn/src/softmax.h scale_apply_exp2, Dao-AILab/
@@ -297,14 +298,15 @@ KNOBS: Tuple[Knob, ...] = (
          "as cuBLAS does; sm90_fast_fp8: FP8 never promoted, as FlashAttention-3 and use_fast_accum) or exact",
          computed_by={"emulator": ("sm90", "sm90_fast_fp8")}, off="exact", choices=TENSOR_CORES,
          label=lambda k: None if k.tensor_core == "exact" else f"tc={k.tensor_core}"),
-    # stochastic rounding (emulator only; kernels/emulator.py `_stochastic`): its own rows, read by nothing else
+    # stochastic rounding (kernels/stochastic.py; kernels/emulator.py `r_sr`, the Triton forward draws the same bits):
+    # its own rows, read by nothing else
     Knob("stochastic_round", bool, False, "the BF16 stores of the P̄V product and of the O accumulator round "
          "stochastically (unbiased) instead of to nearest; a recipe that keeps them in FP32 has nothing to round",
-         computed_by=("emulator",), off=False,
+         computed_by=("emulator", "triton"), off=False,
          label=lambda k: f"stoch_round(seed={k.sr_seed})" if k.stochastic_round else None),
-    Knob("sr_seed", int, 0, "stochastic_round's seed; read only by stochastic_round, which only the emulator "
-         "computes (the others refuse it)", computed_by=("emulator",), off=0,
-         ignored_by=("triton", "standard", "sdpa"), check=_seed, label=_elsewhere),
+    Knob("sr_seed", int, 0, "stochastic_round's seed; read only by stochastic_round, which the flash kernels "
+         "compute (standard and sdpa refuse it)", computed_by=("emulator", "triton"), off=0,
+         ignored_by=("standard", "sdpa"), check=_seed, label=_elsewhere),
     Knob("counters", bool, True, "count repeated-maxima rows per head on the device; sdpa has none (its route says "
          "no-counters)", computed_by=("emulator", "triton", "standard"), off=False, ignored_by=("sdpa",)),
 )

@@ -10,11 +10,12 @@ eps, delta, pv_fp32, FP32-O heads, rounding points, FP32 GEMM mode; floats by re
 mutating custom op fills in the schema's defaults over `schema.arguments`, rebuilt for every argument, so its cost
 grows with the square of the argument count (a no-op op with the 18 arguments these ops had: 127 us a call, with
 8: 45 us, on a 2-core CPU; benchmarks/host_overhead.py), and a compiled graph calls the ops through that dispatch.
-The forward adds into the layer's AttnStats counters, which its schema declares as mutated (`Tensor(a!)?`).
-torch.library refuses an autograd formula on a mutating op, so autograd is one torch.autograd.Function around the
-two ops, which dynamo traces without a graph break. In eager mode the same Function calls the launchers directly
-(the dispatcher's Python overhead is tens of microseconds a call, visible at small shapes); the kernels and their
-arguments are the same.
+The forward adds into the layer's AttnStats counters, which its schema declares as mutated (`Tensor(a!)?`). Its
+third output is pbar_clamp's tie bits (kernels/triton_launch.py tie_buffer; empty when the knob is off), which the
+backward reads. torch.library refuses an autograd formula on a mutating op, so autograd is one
+torch.autograd.Function around the two ops, which dynamo traces without a graph break. In eager mode the same
+Function calls the launchers directly (the dispatcher's Python overhead is tens of microseconds a call, visible at
+small shapes); the kernels and their arguments are the same.
 """
 from __future__ import annotations
 
@@ -31,34 +32,39 @@ LIB = "flash_forensics"
 
 def _knobs(recipe: str, tiling: bool, block_q: int, block_k: int, softmax: str = "safe", beta: float = 2.0,
            eps: float = 1e-3, delta: str = "dO_O", pv_fp32: bool = False,
-           fp32_heads: Optional[List[int]] = None, rounding: int = -1, fp32_gemm: str = "ieee") -> AttentionKnobs:
+           fp32_heads: Optional[List[int]] = None, rounding: int = -1, fp32_gemm: str = "ieee",
+           pbar_clamp: bool = False, stochastic_round: bool = False, sr_seed: int = 0) -> AttentionKnobs:
     """The knobs an op call carries, as the launchers take them (read only: one object per distinct call, cached,
     since building it resolves the recipe, tens of microseconds a call on the host). `rounding`: the BF16 rounding
     points as flash_forensics.kernels.triton_flash.round_mask gives them (pv_fp32 included); -1: the recipe's own."""
     return _knobs_cached(recipe, bool(tiling), int(block_q), int(block_k), softmax, float(beta), float(eps), delta,
-                         bool(pv_fp32), tuple(int(h) for h in fp32_heads or ()), int(rounding), fp32_gemm)
+                         bool(pv_fp32), tuple(int(h) for h in fp32_heads or ()), int(rounding), fp32_gemm,
+                         bool(pbar_clamp), bool(stochastic_round), int(sr_seed))
 
 
 @functools.lru_cache(maxsize=1024)
 def _knobs_cached(recipe, tiling, block_q, block_k, softmax, beta, eps, delta, pv_fp32, fp32_heads, rounding,
-                  fp32_gemm) -> AttentionKnobs:
+                  fp32_gemm, pbar_clamp, stochastic_round, sr_seed) -> AttentionKnobs:
     keep, rnd = tf.mask_points(recipe, rounding) if rounding >= 0 else ([], [])
     return AttentionKnobs(impl="flash", backend="triton", recipe=recipe, tiling=tiling, block_q=block_q,
                           block_k=block_k, softmax=softmax, beta=beta, eps=eps, delta=delta, pv_fp32=pv_fp32,
-                          o_fp32_heads=list(fp32_heads or ()), keep_fp32=keep, round_bf16=rnd, fp32_gemm=fp32_gemm)
+                          o_fp32_heads=list(fp32_heads or ()), keep_fp32=keep, round_bf16=rnd, fp32_gemm=fp32_gemm,
+                          pbar_clamp=pbar_clamp, stochastic_round=stochastic_round, sr_seed=sr_seed)
 
 
 SPEC_FIELDS = ("recipe", "tiling", "block_q", "block_k", "softmax", "beta", "eps", "delta", "pv_fp32", "fp32_heads",
-               "rounding", "fp32_gemm")
+               "rounding", "fp32_gemm", "pbar_clamp", "stochastic_round", "sr_seed")
 
 
 def op_spec(knobs: AttentionKnobs, n_head: int) -> str:
-    """The ops' `spec`: op_args, the rounding bitmask and the FP32 GEMM mode, ';'-separated (beta and eps by repr, so
-    parse_spec gives back the same floats). Plain string work on constants: dynamo folds it without a graph break."""
+    """The ops' `spec`: op_args, the rounding bitmask, the FP32 GEMM mode and op_stabilizers, ';'-separated (beta and
+    eps by repr, so parse_spec gives back the same floats). Plain string work on constants: dynamo folds it without a
+    graph break."""
     recipe, tiling, bq, bk, softmax, beta, eps, delta, pv, heads = op_args(knobs, n_head)
     hs = ",".join([str(h) for h in heads])
+    clamp, sr, seed = op_stabilizers(knobs)
     return (f"{recipe};{int(tiling)};{bq};{bk};{softmax};{beta!r};{eps!r};{delta};{int(pv)};{hs};"
-            f"{op_rounding(knobs)};{knobs.fp32_gemm}")
+            f"{op_rounding(knobs)};{knobs.fp32_gemm};{int(clamp)};{int(sr)};{seed}")
 
 
 @functools.lru_cache(maxsize=1024)
@@ -69,71 +75,81 @@ def parse_spec(spec: str) -> tuple:
         raise ValueError(f"spec={spec!r} is not allowed: expected {len(SPEC_FIELDS)} ';'-separated fields "
                          f"({', '.join(SPEC_FIELDS)}), as kernels/ops.py op_spec writes them")
     return (f[0], f[1] == "1", int(f[2]), int(f[3]), f[4], float(f[5]), float(f[6]), f[7], f[8] == "1",
-            tuple(int(h) for h in f[9].split(",") if h), int(f[10]), f[11])
+            tuple(int(h) for h in f[9].split(",") if h), int(f[10]), f[11], f[12] == "1", f[13] == "1", int(f[14]))
 
 
-def _fwd_body(q, k, v, rep, maxl, under, key_keep, spec):
-    recipe, tiling, bq, bk, softmax, beta, eps, _delta, pv, heads, rounding, gemm = parse_spec(spec)
-    o, lse, _, _ = tf._forward(q, k, v, _knobs(recipe, tiling, bq, bk, softmax, beta, eps, "dO_O", pv, heads,
-                                               rounding, gemm), rep, maxl, under=under, key_keep=key_keep)
-    return o, lse
+def _fwd_body(q, k, v, rep, maxl, under, p1, key_keep, spec):
+    recipe, tiling, bq, bk, softmax, beta, eps, _delta, pv, heads, rounding, gemm, clamp, sr, seed = parse_spec(spec)
+    knobs = _knobs(recipe, tiling, bq, bk, softmax, beta, eps, "dO_O", pv, heads, rounding, gemm, clamp, sr, seed)
+    ties = tf.tie_buffer(knobs, q)
+    o, lse, _, _ = tf._forward(q, k, v, knobs, rep, maxl, under=under, key_keep=key_keep, p1=p1, ties=ties)
+    return o, lse, ties
 
 
-def _bwd_body(do, q, k, v, o, lse, key_keep, spec):
-    recipe, tiling, bq, bk, _softmax, _beta, _eps, delta, _pv, heads, rounding, gemm = parse_spec(spec)
+def _bwd_body(do, q, k, v, o, lse, key_keep, ties, spec):
+    recipe, tiling, bq, bk, _softmax, _beta, _eps, delta, _pv, heads, rounding, gemm, *_ = parse_spec(spec)
+    clamp = ties is not None and ties.numel() > 0
     return tf._backward(do, q, k, v, o, lse, _knobs(recipe, tiling, bq, bk, delta=delta, fp32_heads=heads,
-                                                    rounding=rounding, fp32_gemm=gemm), key_keep=key_keep)
+                                                    rounding=rounding, fp32_gemm=gemm, pbar_clamp=clamp),
+                        key_keep=key_keep, ties=ties if clamp else None)
 
 
-@torch.library.custom_op(f"{LIB}::flash_fwd", mutates_args=("repeated_max_rows", "max_logit", "underflow_rows"))
+@torch.library.custom_op(f"{LIB}::flash_fwd",
+                         mutates_args=("repeated_max_rows", "max_logit", "underflow_rows", "sfa_p1_rows"))
 def flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, repeated_max_rows: Optional[torch.Tensor],
               max_logit: Optional[torch.Tensor], underflow_rows: Optional[torch.Tensor],
-              key_keep: Optional[torch.Tensor], spec: str) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Causal flash forward: (O as stored for the backward, lse (B, H, T) FP32). Counters are added into
-    repeated_max_rows (H,) int64 and max_logit () FP32 when given (both or neither), and into underflow_rows (H,)
-    int64 when given with them (rows whose row sum underflowed). `key_keep` (1 or B, T): keys masked on top of
+              sfa_p1_rows: Optional[torch.Tensor], key_keep: Optional[torch.Tensor],
+              spec: str) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Causal flash forward: (O as stored for the backward, lse (B, H, T) FP32, pbar_clamp's tie bits (B, H, T,
+    tie_words(T)) uint8, empty when it is off). Counters are added into repeated_max_rows (H,) int64 and max_logit
+    () FP32 when given (both or neither), and into underflow_rows and sfa_p1_rows (H,) int64 when given with them
+    (rows whose row sum underflowed; pairs where a stabilized softmax fired but P̄ = 1 remained). `key_keep` (1 or
+    B, T): keys masked on top of
     causality (rows with no key: O = 0, lse = +inf). `spec`: the knobs (op_spec): among them the BF16 rounding points
     (flash_forensics.kernels.triton_flash.round_mask) and how FP32 GEMMs run (ieee | tf32x3).
     No argument has a default: torch <= 2.11 drops a default-valued argument before its version-counter bookkeeping
     and fails on it (IndexError; pytorch issue 176078), which broke compile with counters off."""
-    return _fwd_body(q, k, v, repeated_max_rows, max_logit, underflow_rows, key_keep, spec)
+    return _fwd_body(q, k, v, repeated_max_rows, max_logit, underflow_rows, sfa_p1_rows, key_keep, spec)
 
 
 @flash_fwd.register_fake
-def _flash_fwd_fake(q, k, v, repeated_max_rows, max_logit, underflow_rows, key_keep, spec):
+def _flash_fwd_fake(q, k, v, repeated_max_rows, max_logit, underflow_rows, sfa_p1_rows, key_keep, spec):
     B, H, T, D = q.shape
-    recipe, tiling, bq, bk, _softmax, _beta, _eps, _delta, pv, heads, rounding, _gemm = parse_spec(spec)
+    recipe, tiling, bq, bk, _softmax, _beta, _eps, _delta, pv, heads, rounding, _gemm, clamp, *_ = parse_spec(spec)
     mask = rounding if rounding >= 0 else tf.round_mask(_knobs(recipe, tiling, bq, bk, pv_fp32=pv))
+    ties = (B, H, T, tf.tie_words(T)) if clamp else (0,)
     return (tf.empty_like_order(q, (B, H, T, D), tf.saved_o_dtype(mask, heads)),
-            q.new_empty((B, H, T), dtype=torch.float32))
+            q.new_empty((B, H, T), dtype=torch.float32), q.new_empty(ties, dtype=torch.uint8))
 
 
 @torch.library.custom_op(f"{LIB}::flash_bwd", mutates_args=())
 def flash_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
-              key_keep: Optional[torch.Tensor], spec: str) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              key_keep: Optional[torch.Tensor], ties: Optional[torch.Tensor],
+              spec: str) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Causal flash backward from the forward's stored O and lse: (dq, dk, dv) in q's, k's, v's dtypes; key_keep
-    and spec the forward's."""
-    return _bwd_body(do, q, k, v, o, lse, key_keep, spec)
+    and spec the forward's; ties: the forward's third output (pbar_clamp when not empty)."""
+    return _bwd_body(do, q, k, v, o, lse, key_keep, ties, spec)
 
 
 @flash_bwd.register_fake
-def _flash_bwd_fake(do, q, k, v, o, lse, key_keep, spec):
+def _flash_bwd_fake(do, q, k, v, o, lse, key_keep, ties, spec):
     shape = tuple(q.shape)  # as tf._backward allocates them: dV in dK's order (one set of strides for both)
     return (tf.empty_like_order(q, shape, q.dtype), tf.empty_like_order(k, shape, k.dtype),
             tf.empty_like_order(k, shape, v.dtype))
 
 
 class FlashAttention(torch.autograd.Function):
-    """Autograd over the two ops: saves q, k, v, the stored O and lse; the backward is one flash_bwd call."""
+    """Autograd over the two ops: saves q, k, v, the stored O, lse and the tie bits; the backward is one flash_bwd
+    call."""
 
     @staticmethod
-    def forward(ctx, q, k, v, rep, maxl, under, key_keep, spec):
-        args = (q, k, v, rep, maxl, under, key_keep, spec)
+    def forward(ctx, q, k, v, rep, maxl, under, p1, key_keep, spec):
+        args = (q, k, v, rep, maxl, under, p1, key_keep, spec)
         if torch.compiler.is_compiling():
-            o, lse = torch.ops.flash_forensics.flash_fwd(*args)
+            o, lse, ties = torch.ops.flash_forensics.flash_fwd(*args)
         else:  # the op's own body, without the dispatcher's per-call overhead
-            o, lse = _fwd_body(*args)
-        ctx.save_for_backward(q, k, v, o, lse, key_keep)
+            o, lse, ties = _fwd_body(*args)
+        ctx.save_for_backward(q, k, v, o, lse, key_keep, ties)
         ctx.spec = spec
         # returned O: BF16 for paper_bf16 / fa2 (also for heads whose stored O is FP32), FP32 for fp32
         out_dtype = torch.float32 if spec.startswith("fp32;") else torch.bfloat16
@@ -141,12 +157,12 @@ class FlashAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, o, lse, key_keep = ctx.saved_tensors
+        q, k, v, o, lse, key_keep, ties = ctx.saved_tensors
         if torch.compiler.is_compiling():
-            dq, dk, dv = torch.ops.flash_forensics.flash_bwd(do, q, k, v, o, lse, key_keep, ctx.spec)
+            dq, dk, dv = torch.ops.flash_forensics.flash_bwd(do, q, k, v, o, lse, key_keep, ties, ctx.spec)
         else:
-            dq, dk, dv = _bwd_body(do, q, k, v, o, lse, key_keep, ctx.spec)
-        return (dq, dk, dv) + (None,) * 5
+            dq, dk, dv = _bwd_body(do, q, k, v, o, lse, key_keep, ties, ctx.spec)
+        return (dq, dk, dv) + (None,) * 6
 
 
 def op_args(knobs: AttentionKnobs, n_head: int) -> tuple:
@@ -156,8 +172,14 @@ def op_args(knobs: AttentionKnobs, n_head: int) -> tuple:
             [int(h) for h in knobs.fp32_o_heads(n_head)])
 
 
+def op_stabilizers(knobs: AttentionKnobs) -> tuple:
+    """The stabilizer knobs the spec carries last: (pbar_clamp, stochastic_round, sr_seed)."""
+    sr = bool(knobs.stochastic_round)
+    return bool(knobs.pbar_clamp), sr, int(knobs.sr_seed) if sr else 0
+
+
 def op_rounding(knobs: AttentionKnobs) -> int:
-    """The ops' last argument, `rounding`: keep_fp32 / round_bf16 / pv_fp32 on the recipe as one bitmask."""
+    """The spec's `rounding`: keep_fp32 / round_bf16 / pv_fp32 on the recipe as one bitmask."""
     return tf.round_mask(knobs)
 
 
@@ -168,12 +190,13 @@ def flash_attention(q, k, v, knobs: AttentionKnobs, stats=None, key_keep=None):
     counters = stats is not None and knobs.counters
     rep, maxl = (stats.repeated_max_rows, stats.max_logit) if counters else (None, None)
     under = getattr(stats, "underflow_rows", None) if counters else None
-    o = FlashAttention.apply(q, k, v, rep, maxl, under, key_keep, op_spec(knobs, H))
+    p1 = getattr(stats, "sfa_p1_rows", None) if counters else None
+    o = FlashAttention.apply(q, k, v, rep, maxl, under, p1, key_keep, op_spec(knobs, H))
     if counters and getattr(stats, "rows_seen", None) is not None:
         stats.rows_seen.add_(B * tf._rows_per_head(T, knobs) if key_keep is None
                              else tf.rows_seen_padded(key_keep, B, T, knobs))
     return o
 
 
-__all__ = ["flash_fwd", "flash_bwd", "FlashAttention", "flash_attention", "op_args", "op_rounding", "op_spec",
-           "parse_spec"]
+__all__ = ["flash_fwd", "flash_bwd", "FlashAttention", "flash_attention", "op_args", "op_rounding", "op_stabilizers",
+           "op_spec", "parse_spec"]

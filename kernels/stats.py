@@ -20,7 +20,7 @@ class AttnStats:
     underflow_rows: (H,) int64, query rows whose row sum l (before paper_bf16's floor) ended below the floor (1e-10
         for paper_bf16, the smallest normal number otherwise) or NaN: every P̄ of the row underflowed, as the exact
         Algorithm 3 does for large repeated maxima. Such a row returns NaN (fa2, fp32) or zeros (paper_bf16).
-        Counted by the emulator and by the Triton forward (with counters on); sfa_p1_rows by the emulator only.
+        Counted by the emulator and by the Triton forward (with counters on), as is sfa_p1_rows.
     sfa_p1_rows: (H,) int64, (query row, key tile) pairs where the stabilized shift fired (or, guarded, should have)
         but some P̄ fed to the P̄V GEMM still rounded to 1 (e.g. beta = 1.0001 in BF16): the shift did nothing there.
     fp16_overflow: (H,) int64, finite values an FP16 store (inputs, scores, P̄, O, ...) turned into inf, forward and

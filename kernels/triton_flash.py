@@ -28,6 +28,15 @@ O = 0 (what SDPA returns, and what flash_forensics/sdpa.py returns on either rou
 gradients are 0; the emulator gives it the mean of the V of the key tiles it visits (an artefact of its tile
 sizes) and the same zero gradients. So O differs from the emulator's only in those rows, and dQ, dK, dV do not
 differ at all; the transformers backend's outputs are equal on both routes.
+The stabilizer knobs (issue 34; kernels/triton_kernels.py's section on them): pbar_clamp (P̄ = 1 at a key tile's
+repeated row max fed to P̄V as 0.99609375; the forward stores those positions as bits, 8 keys a byte, and the backward
+reads them: the clamp is held constant, as the emulator's backward holds it), softmax=stabilized_guarded (the bounded
+shift of the emulator's _new_max, the next representable value where rounding gives back the max) and
+stochastic_round (the P̄V product and O accumulator stores rounded with the emulator's random bits:
+kernels/stochastic.py's hash of the call key, the emulator's stream ids and its element indices, so both round the
+same values the same way). The forward also counts sfa_p1_rows with a stabilized softmax. Their numerics against the
+emulator:
+tests/unit/test_triton_stabilizers.py (its `gpu` tests are what checks them on CUDA).
 Three modules: the jit kernels (kernels/triton_kernels.py, needs triton), their launchers (kernels/triton_launch.py)
 and the torch.library operators (kernels/ops.py); this one is the public face: `supports` and
 `flash_attention_triton`.
@@ -59,6 +68,9 @@ from flash_forensics.kernels.triton_launch import (  # noqa: F401  (re-exported:
     mask_points,
     round_mask,
     saved_o_dtype,
+    sr_key,
+    tie_buffer,
+    tie_words,
 )
 
 triton = _k.triton if _k is not None else None  # None where triton is not installed

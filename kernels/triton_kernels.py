@@ -135,18 +135,123 @@ def _valid(offs_m, offs_n, T, MASKED: tl.constexpr, kp, KEYPAD: tl.constexpr):
         ok = ok & _key_ok(kp, offs_n, T)[None, :]
     return ok
 
+# ---------------------------------------------------------------------------------------- the stabilizer knobs
+# pbar_clamp: where a key tile's row max repeats (`fire`, the rows Algorithm 3 and the counters call repeated) and
+# P̄ = 1, the P̄ fed to P̄V is PBAR_CLAMP (the largest BF16 value below 1); l, m and lse keep the unclamped P̄. The
+# forward stores those (row, key) positions as a bitmask (TIES: 8 keys a byte, bit j % 8 of byte j // 8 of the row,
+# `ntw` bytes a row), which the backward reads instead of rebuilding the forward's running max: O = (c o P) V with
+# c = PBAR_CLAMP there, so dV = (c o P)^T dO and dS = P o (c o dP - delta) (kernels/emulator.py backward).
+PBAR_CLAMP = tl.constexpr(0.99609375)
+# softmax=stabilized_guarded (kernels/emulator.py _new_max): the shift's bounds
+GUARD_LO = tl.constexpr(0.015625)  # 2^-6: emulator.SFA_GUARD_LO
+GUARD_HI = tl.constexpr(8.0)  # emulator.SFA_GUARD_HI
+
+
 @triton.jit
-def _fwd_inner(acc, l_i, m_i, raw_max, fired, pmax, l_raw, q, k_base, v_base, skt, svt, offs_m, offs_n, row_ok,
-               lo, hi, T, scale, beta, eps, o_fp32, kp,
-               BLOCK_N: tl.constexpr, ROUND: tl.constexpr, INPUT_F32: tl.constexpr, FLOOR: tl.constexpr,
+def _tie_store(tb, tie, offs_m, start_n, row_ok, ntw, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """pbar_clamp: the tie mask (BLOCK_M, BLOCK_N) of key tile start_n, packed 8 keys a byte, into the rows' bytes."""
+    w = tie.to(tl.int32) << (tl.arange(0, BLOCK_N) % 8)[None, :]
+    w = tl.sum(tl.reshape(w, (BLOCK_M, BLOCK_N // 8, 8)), 2)  # distinct bits: the sum is their OR
+    nb = start_n // 8 + tl.arange(0, BLOCK_N // 8)
+    tl.store(tb + offs_m[:, None] * ntw + nb[None, :], w.to(tl.uint8), mask=row_ok[:, None])
+
+@triton.jit
+def _tie_load(tb, rows, cols, ntw, ok):
+    """pbar_clamp: the forward's tie bits at (rows, cols), broadcast shapes (False where not `ok`)."""
+    b = tl.load(tb + rows * ntw + cols // 8, mask=ok, other=0)
+    return ((b.to(tl.int32) >> (cols % 8)) & 1) != 0
+
+@triton.jit
+def _next_up(x, STEP: tl.constexpr):
+    """torch.nextafter(x, +inf) in BF16 (STEP 65536: x a BF16 value held in FP32) or FP32 (STEP 1), on the bits:
+    away from 0 above 0, towards it below; +-0 gives the smallest positive subnormal; NaN and +inf stay."""
+    b = x.to(tl.int32, bitcast=True)
+    up = tl.where(x > 0, b + STEP, tl.where(x < 0, b - STEP, STEP)).to(tl.float32, bitcast=True)
+    return tl.where((x == x) & (x < float("inf")), up, x)
+
+@triton.jit
+def _guard_shift(rm, bm1, ROUND: tl.constexpr):
+    """stabilized_guarded's shifted max of a tile whose max rm repeats: rm + d, d = clamp((beta - 1) |rm|, 2^-6, 8),
+    stored like m (the stats point); where that gives back rm, the next value above rm in m's dtype. bm1 = beta - 1
+    as the host rounds it to FP32 (torch's scalar)."""
+    d = tl.minimum(tl.maximum(bm1 * tl.abs(rm), GUARD_LO), GUARD_HI)
+    sh = rm + d
+    if (_STATS & ROUND) != 0:
+        sh = _rb(sh)
+        up = _next_up(_rb(rm), 65536)
+    else:
+        up = _next_up(rm, 1)
+    return tl.where(sh > rm, sh, up)
+
+@triton.jit
+def _guarded(rm, m_i, fire, bm1, ROUND: tl.constexpr):
+    """stabilized_guarded on a tile (kernels/emulator.py _new_max): (the tile max merged into the running max m_i,
+    the rows where the shift is meant to act: a repeated max (`fire`) that reaches the running max). The shift fires
+    there unless it would exceed GUARD_HI (|rm| >= 2048 in BF16: counted in sfa_p1_rows instead)."""
+    sfa = fire & (rm + GUARD_LO > m_i)
+    sh = _guard_shift(rm, bm1, ROUND)
+    return tl.where(sfa & (sh - rm <= GUARD_HI), sh, rm), sfa
+
+@triton.jit
+def _lowbias32(x):
+    """Wellons' lowbias32 on uint32 (kernels/stochastic.py lowbias32, there in int64: the same bits)."""
+    x = x ^ (x >> 16)
+    x = x * 0x7FEB352D
+    x = x ^ (x >> 15)
+    x = x * 0x846CA68B
+    return x ^ (x >> 16)
+
+@triton.jit
+def _sr_bits(key, stream, ctr):
+    """kernels/stochastic.py uniform16, bit for bit: uniform integers in [0, 2^16) (uint32) for the elements whose
+    flat index in the emulator's (B, H, rows, D) query tile is ctr (BLOCK_M, D) uint32, under the call's key (uint32)
+    and the per-row stream ids `stream` (BLOCK_M,) uint32."""
+    s = _lowbias32(stream)
+    k1 = _lowbias32(key + s)
+    k2 = _lowbias32(k1 ^ _lowbias32(s ^ 0x9E3779B9))
+    return _lowbias32(_lowbias32(ctr + k1[:, None]) ^ k2[:, None]) >> 16
+
+@triton.jit
+def _sr(x, bits):
+    """kernels/stochastic.py stochastic_round: FP32 x to BF16 (held in FP32), rounding up with probability (low 16
+    bits) / 2^16: the uniform bits added to the pattern, the low 16 bits dropped; non-finite x unchanged."""
+    y = ((x.to(tl.uint32, bitcast=True) + bits) & 0xFFFF0000).to(tl.float32, bitcast=True)
+    return tl.where(tl.abs(x) <= 3.4028234663852886e38, y, x)
+
+@triton.jit
+def _rs(x, keep, key, stream, ctr_row, ON: tl.constexpr, SR: tl.constexpr, HAS_OFP32: tl.constexpr,
+        HEAD_DIM: tl.constexpr):
+    """A store at pv_out / acc: stochastic_round where the point is BF16 (ON) and SR (stream: the point's per-row
+    stream ids, ctr_row: the rows' flat index of element d = 0), else as _r; heads with FP32 O (`keep`) unchanged."""
+    if ON and SR:
+        y = _sr(x, _sr_bits(key, stream, ctr_row[:, None] + tl.arange(0, HEAD_DIM).to(tl.uint32)[None, :]))
+        if HAS_OFP32:
+            y = tl.where(keep, x, y)
+        return y
+    else:
+        return _r(x, keep, ON, HAS_OFP32)
+
+@triton.jit
+def _fwd_inner(acc, l_i, m_i, raw_max, fired, pmax, l_raw, p1, q, k_base, v_base, skt, svt, offs_m, offs_n, row_ok,
+               lo, hi, T, scale, beta, eps, o_fp32, kp, bm1, tb, ntw, sr_key, sr_qt, sr_row,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, ROUND: tl.constexpr,
+               INPUT_F32: tl.constexpr, FLOOR: tl.constexpr,
                GEMM_DT: tl.constexpr, STABILIZED: tl.constexpr, NEED_REP: tl.constexpr, PROBE: tl.constexpr,
                HAS_OFP32: tl.constexpr, ONE_BLOCK: tl.constexpr, MASKED: tl.constexpr, F32_DOT: tl.constexpr,
-               COUNTERS: tl.constexpr, KEYPAD: tl.constexpr):
+               COUNTERS: tl.constexpr, KEYPAD: tl.constexpr, GUARDED: tl.constexpr, CLAMP: tl.constexpr,
+               SR: tl.constexpr):
     """The forward over key tiles [lo, hi): online softmax (or, ONE_BLOCK, a fixed row max) and P̄V.
     l_raw (COUNTERS, online path): the row sum before paper_bf16's floor and the BF16 rounding of l, in FP32: what
-    tells a row whose every P̄ underflowed (AttnStats.underflow_rows, as the emulator counts it)."""
+    tells a row whose every P̄ underflowed (AttnStats.underflow_rows, as the emulator counts it).
+    p1 (COUNTERS with a stabilized softmax): the (row, tile) pairs where the shift fired but a P̄ fed to P̄V is still
+    1 (AttnStats.sfa_p1_rows); ONE_BLOCK: whether any such P̄ is (the row's fire decides at the end).
+    GUARDED, CLAMP, SR: softmax=stabilized_guarded, pbar_clamp, stochastic_round (the section above)."""
+    PV_ON: tl.constexpr = (_PV_OUT & ROUND) != 0
+    ACC_ON: tl.constexpr = (_ACC & ROUND) != 0
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
+        # stochastic_round's stream ids of this (query tile, key tile): ((qt << 16 | kt) << 2) | point
+        sr_tile = (sr_qt << 18) | (tl.cast(start_n // BLOCK_N, tl.uint32) << 2)
         s = _scores(q, k_base + cols[:, None] * skt, offs_m, cols, T, scale, ROUND, INPUT_F32, GEMM_DT, MASKED,
                     F32_DOT, kp, KEYPAD)
         if ONE_BLOCK:
@@ -155,6 +260,7 @@ def _fwd_inner(acc, l_i, m_i, raw_max, fired, pmax, l_raw, q, k_base, v_base, sk
                 d_s = _rb(d_s)
             p = tl.exp(d_s)
             l_i += tl.sum(p, 1)
+            fire = fired > 0  # the row's repeated max (pass 2 of the kernel)
             if PROBE:
                 pmax = tl.where(fired > 0, tl.maximum(pmax, tl.max(p, 1)), pmax)
         else:
@@ -167,12 +273,15 @@ def _fwd_inner(acc, l_i, m_i, raw_max, fired, pmax, l_raw, q, k_base, v_base, sk
                 near = _valid(offs_m, cols, T, MASKED, kp, KEYPAD) & (s >= thr[:, None])
                 fire = (tl.sum(near.to(tl.int32), 1) > 1) & row_ok
                 fired += fire.to(tl.int32)
+                sfa = fire  # rows where the stabilized shift is meant to act (sfa_p1_rows)
                 if STABILIZED:
                     rm_s = rm * beta
                     if (_SCORES & ROUND) != 0:
                         rm_s = _rb(rm_s)
                     rm = tl.where(fire & (rm > 0), rm_s, rm)
                     rm = tl.where(fire & (rm < 0), 0.0, rm)
+                if GUARDED:  # only where the repeated max reaches the running max; never past GUARD_HI
+                    rm, sfa = _guarded(rm, m_i, fire, bm1, ROUND)
             m_new = tl.maximum(m_i, rm)
             if (_STATS & ROUND) != 0:  # m stored in BF16 (a no-op when the scores are BF16 already)
                 m_new = _rb(m_new)
@@ -193,31 +302,49 @@ def _fwd_inner(acc, l_i, m_i, raw_max, fired, pmax, l_raw, q, k_base, v_base, sk
                 l_i = _rb(l_i)
             if PROBE:
                 pmax = tl.where(fire, tl.maximum(pmax, tl.max(p, 1)), pmax)
-            acc = _r(acc * alpha[:, None], o_fp32, (_ACC & ROUND) != 0, HAS_OFP32)
+            acc = _rs(acc * alpha[:, None], o_fp32, sr_key, sr_tile | 1, sr_row, ACC_ON, SR, HAS_OFP32, HEAD_DIM)
             m_i = m_new
+        if CLAMP:  # P̄ = 1 at a repeated max fed to P̄V as PBAR_CLAMP (l above: the unclamped P̄)
+            tie = fire[:, None] & (p == 1.0)
+            p = tl.where(tie, PBAR_CLAMP, p)
+            _tie_store(tb, tie, offs_m, start_n, row_ok, ntw, BLOCK_M, BLOCK_N)
         if MASKED:
             v = tl.load(v_base + cols[:, None] * svt, mask=(cols < T)[:, None], other=0.0).to(GEMM_DT)
         else:
             v = tl.load(v_base + cols[:, None] * svt).to(GEMM_DT)
         if HAS_OFP32 and (_PBAR & ROUND) != 0:  # heads with FP32 O skip P̄'s rounding: FP32 GEMM
-            pv = _dot_pt(tl.where(o_fp32, p, _rb(p)), v, False, INPUT_F32, F32_DOT)
+            p_in = tl.where(o_fp32, p, _rb(p))
+            pv = _dot_pt(p_in, v, False, INPUT_F32, F32_DOT)
         else:
+            p_in = p  # what the GEMM reads (counted only where it is used)
+            if (_PBAR & ROUND) != 0:
+                p_in = _rb(p)
             pv = _dot_pt(p, v, (_PBAR & ROUND) != 0, INPUT_F32, F32_DOT)
+        if COUNTERS and (STABILIZED or GUARDED):  # a P̄ fed to P̄V still 1 where the shift fired
+            hit = tl.max(p_in, 1) >= 1.0
+            if ONE_BLOCK:
+                p1 = p1 | hit.to(tl.int32)
+            else:
+                p1 += (sfa & hit).to(tl.int32)
         if ONE_BLOCK:  # stored once, after the last tile
             acc += pv
         else:  # O_acc = r(r(O_acc * alpha) + r(P̄V))
-            acc = _r(acc + _r(pv, o_fp32, (_PV_OUT & ROUND) != 0, HAS_OFP32), o_fp32, (_ACC & ROUND) != 0,
-                     HAS_OFP32)
-    return acc, l_i, m_i, raw_max, fired, pmax, l_raw
+            acc = _rs(acc + _rs(pv, o_fp32, sr_key, sr_tile, sr_row, PV_ON, SR, HAS_OFP32, HEAD_DIM), o_fp32, sr_key,
+                      sr_tile | 2, sr_row, ACC_ON, SR, HAS_OFP32, HEAD_DIM)
+    return acc, l_i, m_i, raw_max, fired, pmax, l_raw, p1
 
 @triton.jit
-def _fwd_kernel(Q, K, V, O, LSE, REP, MAXL, UNDER, OFP32, PMAX, FIRED, KP, FIRST,
+def _fwd_kernel(Q, K, V, O, LSE, REP, MAXL, UNDER, P1, OFP32, PMAX, FIRED, KP, FIRST, TIES, SRKEY,
                 sqb, sqh, sqt, sqd, skb, skh, skt, skd, svb, svh, svt, svd, sob, soh, sot, sod, skpb,
-                H, T, scale, beta, eps,
+                H, T, scale, beta, eps, bm1, ntw, sr_bq,
                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 ROUND: tl.constexpr, INPUT_F32: tl.constexpr, FLOOR: tl.constexpr, STABILIZED: tl.constexpr,
                 COUNTERS: tl.constexpr, HAS_OFP32: tl.constexpr, ONE_BLOCK: tl.constexpr,
-                PROBE: tl.constexpr, F32_DOT: tl.constexpr, KEYPAD: tl.constexpr):
+                PROBE: tl.constexpr, F32_DOT: tl.constexpr, KEYPAD: tl.constexpr, GUARDED: tl.constexpr,
+                CLAMP: tl.constexpr, SR: tl.constexpr):
+    """P1 (H,) int64: sfa_p1_rows (COUNTERS with a stabilized softmax). TIES (B*H, T, ntw) uint8: pbar_clamp's tie
+    bits (CLAMP). SRKEY () int64: stochastic_round's call key (SR; kernels/stochastic.py call_key), sr_bq the
+    emulator's query tile (its stream ids and element indices). bm1: beta - 1 in FP32 (GUARDED)."""
     start_m = tl.program_id(0)
     off_bh = tl.program_id(1)
     off_b = off_bh // H
@@ -247,7 +374,16 @@ def _fwd_kernel(Q, K, V, O, LSE, REP, MAXL, UNDER, OFP32, PMAX, FIRED, KP, FIRST
     fired = tl.zeros([BLOCK_M], dtype=tl.int32)
     pmax = tl.zeros([BLOCK_M], dtype=tl.float32)  # PROBE: largest P̄ in a tile where the SFA condition fired
     l_raw = tl.zeros([BLOCK_M], dtype=tl.float32)  # COUNTERS: the unfloored row sum (online path)
-    NEED_REP: tl.constexpr = STABILIZED or COUNTERS or PROBE
+    p1 = tl.zeros([BLOCK_M], dtype=tl.int32)  # COUNTERS, stabilized: sfa_p1_rows
+    NEED_REP: tl.constexpr = STABILIZED or COUNTERS or PROBE or GUARDED or CLAMP
+    tb = TIES + off_bh.to(tl.int64) * T * ntw  # CLAMP: this head's tie bits
+    sr_key = tl.load(SRKEY).to(tl.uint32)  # SR: the call's key (a dummy otherwise)
+    # SR: each row's query tile qt of the emulator (block_q rows, the last one shorter) and its flat index in that
+    # tile's (B, H, rows, D) tensor at d = 0: what the emulator's uniform16 numbers its elements by
+    qt = offs_m // sr_bq
+    sr_rows = tl.minimum(sr_bq, T - qt * sr_bq)
+    sr_qt = qt.to(tl.uint32)
+    sr_row = (off_bh.to(tl.uint32) * sr_rows.to(tl.uint32) + (offs_m - qt * sr_bq).to(tl.uint32)) * HEAD_DIM
 
     if ONE_BLOCK:
         # pass 1: the row max over the whole (causal) row, as one block would see it
@@ -275,6 +411,9 @@ def _fwd_kernel(Q, K, V, O, LSE, REP, MAXL, UNDER, OFP32, PMAX, FIRED, KP, FIRST
                     m_s = _rb(m_s)
                 m_i = tl.where(fire & (m_i > 0), m_s, m_i)
                 m_i = tl.where(fire & (m_i < 0), 0.0, m_i)
+            if GUARDED:  # one tile: against the initial running max, which every row's max reaches
+                m_i, _ = _guarded(m_i, tl.zeros([BLOCK_M], dtype=tl.float32) - 3.3895313892515355e38, fire, bm1,
+                                  ROUND)
         if (_STATS & ROUND) != 0:
             m_i = _rb(m_i)
 
@@ -285,14 +424,16 @@ def _fwd_kernel(Q, K, V, O, LSE, REP, MAXL, UNDER, OFP32, PMAX, FIRED, KP, FIRST
     if KEYPAD:
         lo1 = tl.minimum(lo, mid)
         lo2 = tl.maximum(lo, mid)
-    acc, l_i, m_i, raw_max, fired, pmax, l_raw = _fwd_inner(
-        acc, l_i, m_i, raw_max, fired, pmax, l_raw, q, k_base, v_base, skt, svt, offs_m, offs_n, row_ok, lo1, mid, T,
-        scale, beta, eps, o_fp32, kp, BLOCK_N, ROUND, INPUT_F32, FLOOR, GEMM_DT, STABILIZED, NEED_REP, PROBE,
-        HAS_OFP32, ONE_BLOCK, False, F32_DOT, COUNTERS, KEYPAD)
-    acc, l_i, m_i, raw_max, fired, pmax, l_raw = _fwd_inner(
-        acc, l_i, m_i, raw_max, fired, pmax, l_raw, q, k_base, v_base, skt, svt, offs_m, offs_n, row_ok, lo2, hi, T,
-        scale, beta, eps, o_fp32, kp, BLOCK_N, ROUND, INPUT_F32, FLOOR, GEMM_DT, STABILIZED, NEED_REP, PROBE,
-        HAS_OFP32, ONE_BLOCK, True, F32_DOT, COUNTERS, KEYPAD)
+    acc, l_i, m_i, raw_max, fired, pmax, l_raw, p1 = _fwd_inner(
+        acc, l_i, m_i, raw_max, fired, pmax, l_raw, p1, q, k_base, v_base, skt, svt, offs_m, offs_n, row_ok, lo1, mid,
+        T, scale, beta, eps, o_fp32, kp, bm1, tb, ntw, sr_key, sr_qt, sr_row, BLOCK_M, BLOCK_N, HEAD_DIM, ROUND,
+        INPUT_F32, FLOOR, GEMM_DT, STABILIZED, NEED_REP, PROBE, HAS_OFP32, ONE_BLOCK, False, F32_DOT, COUNTERS,
+        KEYPAD, GUARDED, CLAMP, SR)
+    acc, l_i, m_i, raw_max, fired, pmax, l_raw, p1 = _fwd_inner(
+        acc, l_i, m_i, raw_max, fired, pmax, l_raw, p1, q, k_base, v_base, skt, svt, offs_m, offs_n, row_ok, lo2, hi,
+        T, scale, beta, eps, o_fp32, kp, bm1, tb, ntw, sr_key, sr_qt, sr_row, BLOCK_M, BLOCK_N, HEAD_DIM, ROUND,
+        INPUT_F32, FLOOR, GEMM_DT, STABILIZED, NEED_REP, PROBE, HAS_OFP32, ONE_BLOCK, True, F32_DOT, COUNTERS,
+        KEYPAD, GUARDED, CLAMP, SR)
 
     if ONE_BLOCK:  # one tile: l and the P̄V product stored once
         if COUNTERS:
@@ -301,7 +442,12 @@ def _fwd_kernel(Q, K, V, O, LSE, REP, MAXL, UNDER, OFP32, PMAX, FIRED, KP, FIRST
             l_i = tl.maximum(l_i, 1e-10)
         if (_STATS & ROUND) != 0:
             l_i = _rb(l_i)
-        acc = _r(acc, o_fp32, ((_PV_OUT | _ACC) & ROUND) != 0, HAS_OFP32)
+        if SR and (_PV_OUT & ROUND) != 0:  # the emulator's one tile: SR(P̄V) at stream 0, its acc store a no-op
+            acc = _rs(acc, o_fp32, sr_key, sr_qt << 18, sr_row, True, True, HAS_OFP32, HEAD_DIM)
+        elif SR and (_ACC & ROUND) != 0:  # an FP32 P̄V: acc = SR(0 + P̄V) at stream 2
+            acc = _rs(acc, o_fp32, sr_key, (sr_qt << 18) | 2, sr_row, True, True, HAS_OFP32, HEAD_DIM)
+        else:
+            acc = _r(acc, o_fp32, ((_PV_OUT | _ACC) & ROUND) != 0, HAS_OFP32)
     if KEYPAD:  # rows with no key (before the first kept one): O = 0, lse = +inf (P = 0 in the backward)
         live = offs_m >= first
         l_i = tl.where(live, l_i, 1.0)  # (their l may be 0: every key tile skipped)
@@ -325,16 +471,21 @@ def _fwd_kernel(Q, K, V, O, LSE, REP, MAXL, UNDER, OFP32, PMAX, FIRED, KP, FIRST
         if KEYPAD:  # a row with no key at all is no underflow (it has no P̄ to lose)
             under = under & live
         tl.atomic_add(UNDER + off_h, tl.sum(under.to(tl.int32), 0).to(tl.int64))
+        if STABILIZED or GUARDED:  # (row, tile) pairs where the shift fired and a P̄ fed to P̄V is still 1
+            if ONE_BLOCK:
+                p1 = p1 & fired
+            tl.atomic_add(P1 + off_h, tl.sum(p1, 0).to(tl.int64))
 
 @triton.jit
-def _bwd_delta_kernel(Q, K, V, O, DO, LSE, DELTA, OFP32, KP, FIRST,
+def _bwd_delta_kernel(Q, K, V, O, DO, LSE, DELTA, OFP32, KP, FIRST, TIES,
                       sqb, sqh, sqt, sqd, skb, skh, skt, skd, svb, svh, svt, svd,
                       sob, soh, sot, sod, sdb, sdh, sdt, sdd, skpb,
-                      H, T, scale,
+                      H, T, scale, ntw,
                       HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       ROUND: tl.constexpr, INPUT_F32: tl.constexpr, DELTA_MODE: tl.constexpr,
-                      HAS_OFP32: tl.constexpr, F32_DOT: tl.constexpr, KEYPAD: tl.constexpr):
-    """delta = rowsum(r(dO*O)) | sum_j rowsum(dP_j*P_j) | rowsum(dO*(sum_j P_j V_j in FP32))."""
+                      HAS_OFP32: tl.constexpr, F32_DOT: tl.constexpr, KEYPAD: tl.constexpr, CLAMP: tl.constexpr):
+    """delta = rowsum(r(dO*O)) | sum_j rowsum(dP_j*P_j) | rowsum(dO*(sum_j P_j V_j in FP32)); CLAMP: P_j there is
+    c o P_j, c = PBAR_CLAMP at the forward's ties (TIES)."""
     start_m = tl.program_id(0)
     off_bh = tl.program_id(1)
     off_b = off_bh // H
@@ -369,6 +520,11 @@ def _bwd_delta_kernel(Q, K, V, O, DO, LSE, DELTA, OFP32, KP, FIRST,
             s = _scores(q, k_base + (start_n + offs_n)[:, None] * skt, offs_m, start_n + offs_n, T,
                         scale, ROUND, INPUT_F32, GEMM_DT, True, F32_DOT, kp, KEYPAD)
             p = tl.where(_valid(offs_m, start_n + offs_n, T, True, kp, KEYPAD), tl.exp(s - lse[:, None]), 0.0)
+            if CLAMP:
+                cols = start_n + offs_n
+                tie = _tie_load(TIES + off_bh.to(tl.int64) * T * ntw, offs_m[:, None], cols[None, :], ntw,
+                                row_ok[:, None] & (cols < T)[None, :])
+                p = tl.where(tie, p * PBAR_CLAMP, p)
             v = tl.load(v_base + (start_n + offs_n)[:, None] * svt,
                         mask=((start_n + offs_n) < T)[:, None], other=0.0).to(GEMM_DT)
             if DELTA_MODE == 1:  # dP as the backward computes it (stored like its GEMM outputs)
@@ -407,9 +563,11 @@ def _grad_end(g, ROUND: tl.constexpr, ONE_BLOCK: tl.constexpr):
 
 @triton.jit
 def _dkdv_inner(dk, dv, k, v, q_base, do_base, sqt, sdt, LSE, DELTA, off_bh, offs_n, offs_m0, lo, hi, T, scale,
-                kcol, BLOCK_M: tl.constexpr, ROUND: tl.constexpr, INPUT_F32: tl.constexpr, GEMM_DT: tl.constexpr,
-                ONE_BLOCK: tl.constexpr, MASKED: tl.constexpr, F32_DOT: tl.constexpr, KEYPAD: tl.constexpr):
-    """dK, dV of one key block over query tiles [lo, hi) (chunks at bwd_out, accumulators at grad_acc)."""
+                kcol, tb, ntw, BLOCK_M: tl.constexpr, ROUND: tl.constexpr, INPUT_F32: tl.constexpr,
+                GEMM_DT: tl.constexpr, ONE_BLOCK: tl.constexpr, MASKED: tl.constexpr, F32_DOT: tl.constexpr,
+                KEYPAD: tl.constexpr, CLAMP: tl.constexpr):
+    """dK, dV of one key block over query tiles [lo, hi) (chunks at bwd_out, accumulators at grad_acc); CLAMP:
+    dV = (c o P)^T dO, dS = P o (c o dP - delta), c = PBAR_CLAMP at the forward's ties (tb, this head's bits)."""
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + offs_m0
         m_ok = offs_m < T  # rows past T load as zeros and contribute nothing
@@ -427,10 +585,16 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, sqt, sdt, LSE, DELTA, off_bh, off
             pT = tl.where((offs_n[:, None] <= offs_m[None, :]) & m_ok[None, :], pT, 0.0)
         if KEYPAD:  # this block's masked keys (kcol: their keep flags)
             pT = tl.where(kcol[:, None], pT, 0.0)
-        dv_c = _dot_pt(pT, do, (_BWD_GEMM_IN & ROUND) != 0, INPUT_F32, F32_DOT)
+        if CLAMP:
+            tieT = _tie_load(tb, offs_m[None, :], offs_n[:, None], ntw, m_ok[None, :] & (offs_n < T)[:, None])
+            dv_c = _dot_pt(tl.where(tieT, pT * PBAR_CLAMP, pT), do, (_BWD_GEMM_IN & ROUND) != 0, INPUT_F32, F32_DOT)
+        else:
+            dv_c = _dot_pt(pT, do, (_BWD_GEMM_IN & ROUND) != 0, INPUT_F32, F32_DOT)
         dpT = _dot_in(v, tl.trans(do), INPUT_F32, F32_DOT)
         if (_BWD_OUT & ROUND) != 0:
             dpT = _rb(dpT)
+        if CLAMP:
+            dpT = tl.where(tieT, dpT * PBAR_CLAMP, dpT)
         dsT = (pT * scale) * (dpT - delta[None, :])
         dk_c = _dot_pt(dsT, q, (_BWD_GEMM_IN & ROUND) != 0, INPUT_F32, F32_DOT)
         dv = _grad_add(dv, dv_c, ROUND, ONE_BLOCK)
@@ -438,13 +602,13 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, sqt, sdt, LSE, DELTA, off_bh, off
     return dk, dv
 
 @triton.jit
-def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, KP, FIRST,
+def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, KP, FIRST, TIES,
                      sqb, sqh, sqt, sqd, skb, skh, skt, skd, svb, svh, svt, svd, sdb, sdh, sdt, sdd,
                      sgb, sgh, sgt, sgd, skpb,
-                     H, T, scale,
+                     H, T, scale, ntw,
                      HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      ROUND: tl.constexpr, INPUT_F32: tl.constexpr, ONE_BLOCK: tl.constexpr,
-                     F32_DOT: tl.constexpr, KEYPAD: tl.constexpr):
+                     F32_DOT: tl.constexpr, KEYPAD: tl.constexpr, CLAMP: tl.constexpr):
     """dK, dV for BLOCK_N keys, looping over query tiles of BLOCK_M (= block_q where rounding is emulated)."""
     start_n = tl.program_id(0)
     off_bh = tl.program_id(1)
@@ -472,10 +636,13 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, KP, FIRST,
         kcol = _key_ok(KP + off_b * skpb, offs_n, T)
         lo = tl.maximum(lo, tl.load(FIRST + off_b) // BLOCK_M * BLOCK_M)
         lo2 = tl.maximum(mid, lo)
+    tb = TIES + off_bh.to(tl.int64) * T * ntw  # CLAMP: this head's tie bits
     dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, sqt, sdt, LSE, DELTA, off_bh, offs_n, offs_m0, lo, mid, T,
-                         scale, kcol, BLOCK_M, ROUND, INPUT_F32, GEMM_DT, ONE_BLOCK, True, F32_DOT, KEYPAD)
+                         scale, kcol, tb, ntw, BLOCK_M, ROUND, INPUT_F32, GEMM_DT, ONE_BLOCK, True, F32_DOT, KEYPAD,
+                         CLAMP)
     dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, sqt, sdt, LSE, DELTA, off_bh, offs_n, offs_m0, lo2, T, T,
-                         scale, kcol, BLOCK_M, ROUND, INPUT_F32, GEMM_DT, ONE_BLOCK, False, F32_DOT, KEYPAD)
+                         scale, kcol, tb, ntw, BLOCK_M, ROUND, INPUT_F32, GEMM_DT, ONE_BLOCK, False, F32_DOT, KEYPAD,
+                         CLAMP)
     dk = _grad_end(dk, ROUND, ONE_BLOCK)
     dv = _grad_end(dv, ROUND, ONE_BLOCK)
     g = off_b * sgb + off_h * sgh + offs_n[:, None] * sgt + offs_d[None, :] * sgd
@@ -483,10 +650,12 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, KP, FIRST,
     tl.store(DV + g, _cast_out(dv, DV), mask=col_ok[:, None])
 
 @triton.jit
-def _dq_inner(dq, q, do, lse, delta, k_base, v_base, skt, svt, offs_m, offs_n0, lo, hi, T, scale, kp,
+def _dq_inner(dq, q, do, lse, delta, k_base, v_base, skt, svt, offs_m, offs_n0, lo, hi, T, scale, kp, tb, ntw,
               BLOCK_N: tl.constexpr, ROUND: tl.constexpr, INPUT_F32: tl.constexpr, GEMM_DT: tl.constexpr,
-              ONE_BLOCK: tl.constexpr, MASKED: tl.constexpr, F32_DOT: tl.constexpr, KEYPAD: tl.constexpr):
-    """dQ of one query block over key tiles [lo, hi) (chunks at bwd_out, the accumulator at grad_acc)."""
+              ONE_BLOCK: tl.constexpr, MASKED: tl.constexpr, F32_DOT: tl.constexpr, KEYPAD: tl.constexpr,
+              CLAMP: tl.constexpr):
+    """dQ of one query block over key tiles [lo, hi) (chunks at bwd_out, the accumulator at grad_acc); CLAMP:
+    dS = P o (c o dP - delta), c = PBAR_CLAMP at the forward's ties."""
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_n0
         s = _scores(q, k_base + offs_n[:, None] * skt, offs_m, offs_n, T, scale, ROUND, INPUT_F32, GEMM_DT,
@@ -504,18 +673,21 @@ def _dq_inner(dq, q, do, lse, delta, k_base, v_base, skt, svt, offs_m, offs_n0, 
         dp = _dot_in(do, tl.trans(v), INPUT_F32, F32_DOT)
         if (_BWD_OUT & ROUND) != 0:
             dp = _rb(dp)
+        if CLAMP:
+            tie = _tie_load(tb, offs_m[:, None], offs_n[None, :], ntw, (offs_m < T)[:, None] & (offs_n < T)[None, :])
+            dp = tl.where(tie, dp * PBAR_CLAMP, dp)
         ds = (p * scale) * (dp - delta[:, None])
         dq = _grad_add(dq, _dot_pt(ds, k, (_BWD_GEMM_IN & ROUND) != 0, INPUT_F32, F32_DOT), ROUND, ONE_BLOCK)
     return dq
 
 @triton.jit
-def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, KP, FIRST,
+def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, KP, FIRST, TIES,
                    sqb, sqh, sqt, sqd, skb, skh, skt, skd, svb, svh, svt, svd, sdb, sdh, sdt, sdd,
                    sgb, sgh, sgt, sgd, skpb,
-                   H, T, scale,
+                   H, T, scale, ntw,
                    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    ROUND: tl.constexpr, INPUT_F32: tl.constexpr, ONE_BLOCK: tl.constexpr,
-                   F32_DOT: tl.constexpr, KEYPAD: tl.constexpr):
+                   F32_DOT: tl.constexpr, KEYPAD: tl.constexpr, CLAMP: tl.constexpr):
     """dQ for BLOCK_M queries, looping over key tiles of BLOCK_N (= block_k where rounding is emulated)."""
     start_m = tl.program_id(0)
     off_bh = tl.program_id(1)
@@ -544,10 +716,11 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, KP, FIRST,
         lo = tl.load(FIRST + off_b) // BLOCK_N * BLOCK_N
         lo1 = tl.minimum(lo, mid)
         lo2 = tl.maximum(lo, mid)
-    dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, skt, svt, offs_m, offs_n0, lo1, mid, T, scale, kp,
-                   BLOCK_N, ROUND, INPUT_F32, GEMM_DT, ONE_BLOCK, False, F32_DOT, KEYPAD)
-    dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, skt, svt, offs_m, offs_n0, lo2, hi, T, scale, kp,
-                   BLOCK_N, ROUND, INPUT_F32, GEMM_DT, ONE_BLOCK, True, F32_DOT, KEYPAD)
+    tb = TIES + off_bh.to(tl.int64) * T * ntw  # CLAMP: this head's tie bits
+    dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, skt, svt, offs_m, offs_n0, lo1, mid, T, scale, kp, tb, ntw,
+                   BLOCK_N, ROUND, INPUT_F32, GEMM_DT, ONE_BLOCK, False, F32_DOT, KEYPAD, CLAMP)
+    dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, skt, svt, offs_m, offs_n0, lo2, hi, T, scale, kp, tb, ntw,
+                   BLOCK_N, ROUND, INPUT_F32, GEMM_DT, ONE_BLOCK, True, F32_DOT, KEYPAD, CLAMP)
     dq = _grad_end(dq, ROUND, ONE_BLOCK)
     tl.store(DQ + off_b * sgb + off_h * sgh + offs_m[:, None] * sgt + offs_d[None, :] * sgd,
              _cast_out(dq, DQ), mask=row_ok[:, None])

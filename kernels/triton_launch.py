@@ -11,6 +11,7 @@ import torch
 
 from flash_forensics.kernels.config import AttentionKnobs
 from flash_forensics.kernels.recipes import PV_POINTS, RECIPES, ROUNDING_POINTS, resolve
+from flash_forensics.kernels.stochastic import call_key
 
 try:  # Triton is optional: the emulator serves machines without it (kernels/triton_flash.py's supports() says so)
     from flash_forensics.kernels import triton_kernels as _k
@@ -103,9 +104,9 @@ def length_class(T: int) -> str:
 
 
 def key_tile_knobs(knobs: AttentionKnobs) -> bool:
-    """Whether a set knob acts per key tile of block_k: the stabilized softmax (the tile whose max repeats) and the
-    counters."""
-    return knobs.softmax != "safe" or bool(knobs.counters)
+    """Whether a set knob acts per key tile of block_k: either stabilized softmax (the tile whose max repeats),
+    the counters, pbar_clamp (the same tile) and stochastic_round (its stream ids name the tile)."""
+    return knobs.softmax != "safe" or bool(knobs.counters or knobs.pbar_clamp or knobs.stochastic_round)
 
 
 def fwd_family(knobs: AttentionKnobs) -> str:
@@ -223,13 +224,37 @@ def empty_like_order(like: torch.Tensor, shape, dtype) -> torch.Tensor:
     return like.new_empty((B, H, T, D), dtype=dtype)
 
 
-def _forward(q, k, v, knobs: AttentionKnobs, rep=None, maxl=None, probe: bool = False, under=None, key_keep=None):
+def tie_words(T: int) -> int:
+    """Bytes per query row of pbar_clamp's tie bits: 8 keys a byte, rows padded to whole 128-key tiles (every tile
+    size divides 128, so a forward tile never writes past its row)."""
+    return _cdiv(T, 128) * 16
+
+
+def tie_buffer(knobs: AttentionKnobs, q) -> torch.Tensor:
+    """pbar_clamp's tie bits (B, H, T, tie_words(T)) uint8, zeroed (tiles the forward skips have no tie), or an empty
+    tensor when the knob is off (the ops' third output: what the backward reads)."""
+    B, H, T, _ = q.shape
+    if not knobs.pbar_clamp:
+        return torch.empty(0, device=q.device, dtype=torch.uint8)
+    return torch.zeros((B, H, T, tie_words(T)), device=q.device, dtype=torch.uint8)
+
+
+def sr_key(knobs: AttentionKnobs, q, k, v) -> torch.Tensor:
+    """stochastic_round's call key, () int64 on the device: kernels/stochastic.py call_key of the seed and of q, k, v
+    as the emulator's kernel stores them (BF16 for the BF16 recipes), so both draw the same bits. No host sync."""
+    xs = (q, k, v) if knobs.recipe == "fp32" else tuple(x.to(torch.bfloat16) for x in (q, k, v))
+    return call_key(int(knobs.sr_seed), *xs)
+
+
+def _forward(q, k, v, knobs: AttentionKnobs, rep=None, maxl=None, probe: bool = False, under=None, key_keep=None,
+             p1=None, ties=None):
     """Launch the forward: (O stored for delta, lse, pmax, fired); pmax/fired only if probe.
 
     rep (H,) int64 / maxl () float32: the counters the kernel adds into (atomics, one per program); None: off.
     under (H,) int64: rows whose row sum underflowed (AttnStats.underflow_rows), counted with rep; None: a scratch
-    counter (callers that predate it).
-    key_keep (1 or B, T): keys masked on top of causality (key_padding); rows with no key get O = 0, lse = +inf."""
+    counter (callers that predate it). p1 (H,) int64: AttnStats.sfa_p1_rows, the same way.
+    key_keep (1 or B, T): keys masked on top of causality (key_padding); rows with no key get O = 0, lse = +inf.
+    ties: pbar_clamp's tie bits (tie_buffer), written for the backward; None: a scratch buffer."""
     B, H, T, D = q.shape
     dev = q.device
     kp, first, keypad = key_padding(key_keep, B, T, dev)
@@ -244,6 +269,16 @@ def _forward(q, k, v, knobs: AttentionKnobs, rep=None, maxl=None, probe: bool = 
     if under is None:  # counters off: never written; on without one: a scratch the kernel adds into
         under = torch.zeros(H, device=dev, dtype=torch.int64) if counters else _cached(("under", dev), lambda: (
             torch.zeros(1, device=dev, dtype=torch.int64)))
+    if p1 is None:
+        p1 = torch.zeros(H, device=dev, dtype=torch.int64) if counters else _cached(("under", dev), lambda: (
+            torch.zeros(1, device=dev, dtype=torch.int64)))
+    clamp = bool(knobs.pbar_clamp)
+    if clamp and ties is None:
+        ties = tie_buffer(knobs, q)
+    if not clamp:
+        ties = _cached(("ties", dev), lambda: torch.zeros(1, device=dev, dtype=torch.uint8))
+    key = sr_key(knobs, q, k, v) if knobs.stochastic_round else _cached(("srkey", dev), lambda: torch.zeros(
+        (), device=dev, dtype=torch.int64))
     if probe:
         pmax = torch.zeros((B, H, T), device=dev, dtype=torch.float32)
         fired = torch.zeros((B, H, T), device=dev, dtype=torch.int32)
@@ -251,13 +286,17 @@ def _forward(q, k, v, knobs: AttentionKnobs, rep=None, maxl=None, probe: bool = 
         pmax = fired = lse
     bm, bn, warps, stages = _fwd_blocks(knobs, D, T)
     grid = (_cdiv(T, bm), B * H)
-    _k._fwd_kernel[grid](q, k, v, o, lse, rep, maxl, under, ofp32, pmax, fired, kp, first,
+    sr_bq = min(knobs.block_q, T) if knobs.tiling else T  # the emulator's query tile (stochastic_round's streams)
+    _k._fwd_kernel[grid](q, k, v, o, lse, rep, maxl, under, p1, ofp32, pmax, fired, kp, first, ties, key,
                       *_strides(q), *_strides(k), *_strides(v), *_strides(o), kp.stride(0),
-                      H, T, 1.0 / math.sqrt(D), float(knobs.beta), float(knobs.eps),
+                      H, T, 1.0 / math.sqrt(D), float(knobs.beta), float(knobs.eps), float(knobs.beta) - 1.0,
+                      tie_words(T), sr_bq,
                       HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, ROUND=mask, INPUT_F32=knobs.recipe == "fp32",
                       FLOOR=knobs.recipe == "paper_bf16", STABILIZED=knobs.softmax == "stabilized",
                       COUNTERS=counters, HAS_OFP32=has_ofp32, ONE_BLOCK=not knobs.tiling,
-                      PROBE=probe, F32_DOT=knobs.fp32_gemm, KEYPAD=keypad, num_warps=warps, num_stages=stages)
+                      PROBE=probe, F32_DOT=knobs.fp32_gemm, KEYPAD=keypad,
+                      GUARDED=knobs.softmax == "stabilized_guarded", CLAMP=clamp, SR=bool(knobs.stochastic_round),
+                      num_warps=warps, num_stages=stages)
     return o, lse, (pmax if probe else None), (fired if probe else None)
 
 
@@ -275,10 +314,18 @@ def _ofp32_flags(knobs: AttentionKnobs, H: int, dev):
     return hit
 
 
-def _backward(do, q, k, v, o, lse, knobs: AttentionKnobs, key_keep=None):
-    """Launch the backward (delta, dK/dV, dQ): (dq, dk, dv) in the inputs' dtypes; key_keep as the forward's."""
+def _backward(do, q, k, v, o, lse, knobs: AttentionKnobs, key_keep=None, ties=None):
+    """Launch the backward (delta, dK/dV, dQ): (dq, dk, dv) in the inputs' dtypes; key_keep as the forward's; ties:
+    the forward's tie bits (pbar_clamp; required then)."""
     B, H, T, D = q.shape
     kp, first, keypad = key_padding(key_keep, B, T, q.device)
+    clamp = bool(knobs.pbar_clamp)
+    if clamp and (ties is None or tuple(ties.shape) != (B, H, T, tie_words(T))):
+        raise ValueError(f"ties={None if ties is None else tuple(ties.shape)} is not allowed: expected the forward's "
+                         f"tie bits of shape {(B, H, T, tie_words(T))} (pbar_clamp)")
+    if not clamp:
+        ties = _cached(("ties", q.device), lambda: torch.zeros(1, device=q.device, dtype=torch.uint8))
+    ntw = tie_words(T)
     recipe = RECIPE_IDS[knobs.recipe]
     mask, f32_in = round_mask(knobs), knobs.recipe == "fp32"
     scale = 1.0 / math.sqrt(D)
@@ -290,21 +337,23 @@ def _backward(do, q, k, v, o, lse, knobs: AttentionKnobs, key_keep=None):
     dv = empty_like_order(k, (B, H, T, D), v.dtype)  # k's order: the dK/dV kernel writes both with dK's strides
     dbm, dbn = (16, 16) if _interpret() else (32, 32) if recipe == 0 and knobs.fp32_gemm == "ieee" else (64, 64)
     _k._bwd_delta_kernel[(_cdiv(T, dbm), B * H)](
-        q, k, v, o, do, lse, delta, ofp32, kp, first,
+        q, k, v, o, do, lse, delta, ofp32, kp, first, ties,
         *_strides(q), *_strides(k), *_strides(v), *_strides(o), *_strides(do), kp.stride(0),
-        H, T, scale, HEAD_DIM=D, BLOCK_M=dbm, BLOCK_N=dbn, ROUND=mask, INPUT_F32=f32_in,
+        H, T, scale, ntw, HEAD_DIM=D, BLOCK_M=dbm, BLOCK_N=dbn, ROUND=mask, INPUT_F32=f32_in,
         DELTA_MODE=DELTA_IDS[knobs.delta], HAS_OFP32=has_ofp32, F32_DOT=knobs.fp32_gemm, KEYPAD=keypad,
-        num_warps=4)
+        CLAMP=clamp, num_warps=4)
     _k._bwd_dkdv_kernel[(_cdiv(T, n1), B * H)](
-        q, k, v, do, lse, delta, dk, dv, kp, first,
-        *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk), kp.stride(0), H, T, scale,
+        q, k, v, do, lse, delta, dk, dv, kp, first, ties,
+        *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk), kp.stride(0), H, T, scale, ntw,
         HEAD_DIM=D, BLOCK_M=m1, BLOCK_N=n1, ROUND=mask, INPUT_F32=f32_in,
-        ONE_BLOCK=not knobs.tiling, F32_DOT=knobs.fp32_gemm, KEYPAD=keypad, num_warps=warps, num_stages=stages)
+        ONE_BLOCK=not knobs.tiling, F32_DOT=knobs.fp32_gemm, KEYPAD=keypad, CLAMP=clamp, num_warps=warps,
+        num_stages=stages)
     _k._bwd_dq_kernel[(_cdiv(T, m2), B * H)](
-        q, k, v, do, lse, delta, dq, kp, first,
-        *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq), kp.stride(0), H, T, scale,
+        q, k, v, do, lse, delta, dq, kp, first, ties,
+        *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq), kp.stride(0), H, T, scale, ntw,
         HEAD_DIM=D, BLOCK_M=m2, BLOCK_N=n2, ROUND=mask, INPUT_F32=f32_in,
-        ONE_BLOCK=not knobs.tiling, F32_DOT=knobs.fp32_gemm, KEYPAD=keypad, num_warps=warps, num_stages=stages)
+        ONE_BLOCK=not knobs.tiling, F32_DOT=knobs.fp32_gemm, KEYPAD=keypad, CLAMP=clamp, num_warps=warps,
+        num_stages=stages)
     return dq, dk, dv
 
 

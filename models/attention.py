@@ -110,7 +110,7 @@ def route_name(knobs: AttentionKnobs, backend: str) -> str:
     `backend` is resolve_backend's answer. Each knob the implementation computes adds its label from the knob table
     (kernels/knobs.py); a knob it does not compute reads as off (sdpa: no-counters). A flash layer that backend=auto
     keeps on the emulator because Triton lacks some of its knobs says so, e.g. 'flash/emulator (triton lacks:
-    pbar_clamp)/paper_bf16+pbar_clamp': it runs there on any device.
+    exp_form)/paper_bf16+exp2_folded': it runs there on any device.
     """
     impl = knob_table.implementation(knobs, backend)
     if knobs.impl == "flash":

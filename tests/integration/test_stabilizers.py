@@ -259,15 +259,15 @@ def test_stochastic_round_is_deterministic_for_replay():
     assert all(torch.equal(x, y) for x, y in zip(g1, g2))
 
 
-def test_stochastic_round_routes_to_the_emulator_and_is_refused_where_it_rounds_nothing(tmp_path):
+def test_stochastic_round_routes_by_the_table_and_is_refused_where_it_rounds_nothing(tmp_path):
     kn = AttentionKnobs(stochastic_round=True)
-    assert [r.name for r in knob_table.unsupported(kn, "triton")] == ["stochastic_round"]
+    assert knob_table.unsupported(kn, "triton") == []  # the Triton forward draws the emulator's bits (issue 34)
+    assert [r.name for r in knob_table.unsupported(kn, "standard")] == ["stochastic_round"]
     assert knob_table.unsupported(AttentionKnobs(sr_seed=5), "triton") == []  # the seed alone asks nothing
+    assert knob_table.unsupported(AttentionKnobs(impl="sdpa", sr_seed=5), "sdpa") == []
     backend = resolve_backend(kn, "cpu")
-    assert backend == "emulator"
-    assert route_name(kn, backend) == "flash/emulator (triton lacks: stochastic_round)/paper_bf16+stoch_round(seed=0)"
-    with pytest.raises(ValueError, match=r"Triton does not compute stochastic_round"):
-        resolve_backend(AttentionKnobs(stochastic_round=True, backend="triton"), "cuda")
+    assert backend == "emulator"  # a CPU: the emulator
+    assert route_name(kn, backend) == "flash/emulator/paper_bf16+stoch_round(seed=0)"
     obj, att = validated(tmp_path, "intervention=stoch_round")
     assert att.for_layer(0).stochastic_round is True and att.for_layer(0).sr_seed == 0
     assert _others(att, {"stochastic_round"}) == _others(validated(tmp_path, "intervention=baseline")[1],

@@ -75,19 +75,22 @@ def test_generated_classes_compose_through_hydra_configstore():
         GlobalHydra.instance().clear()
 
 
-def test_intervention_composes_with_the_table_knob(tmp_path):
+def test_intervention_composes_with_the_table_knob(tmp_path, monkeypatch):
     cfg, ov = job_cfg(tmp_path, "intervention=pbar_clamp")
     obj, att = validate_config(cfg, ov, check_store=False)
     assert obj.intervention.pbar_clamp is True and att.for_layer(0).pbar_clamp is True
     model = GPT(ModelConfig(name="t", n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64), att)
-    assert model.attention_routes("cpu") == ["flash/emulator (triton lacks: pbar_clamp)/paper_bf16+pbar_clamp"] * 2
-    for extra, needle in ((["attention.backend=triton"], "attention.backend='triton'"),
-                          (["attention.impl=standard"], "attention.impl='standard'")):
-        cfg, ov = job_cfg(tmp_path, "intervention=pbar_clamp", *extra)
-        with pytest.raises(ConfigError) as e:
-            validate_config(cfg, ov, check_store=False)
-        assert "attention (layer 0): pbar_clamp=True is not computed by " + needle in str(e.value)
-        assert "computed by: emulator" in str(e.value)
+    assert model.attention_routes("cpu") == ["flash/emulator/paper_bf16+pbar_clamp"] * 2  # CPU: the emulator
+    # Triton computes it (an explicit backend=triton on a CPU needs the interpreter: check_triton_device)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    cfg, ov = job_cfg(tmp_path, "intervention=pbar_clamp", "attention.backend=triton")
+    assert validate_config(cfg, ov, check_store=False)[1].for_layer(0).backend == "triton"
+    monkeypatch.delenv("TRITON_INTERPRET")
+    cfg, ov = job_cfg(tmp_path, "intervention=pbar_clamp", "attention.impl=standard")
+    with pytest.raises(ConfigError) as e:
+        validate_config(cfg, ov, check_store=False)
+    assert "attention (layer 0): pbar_clamp=True is not computed by attention.impl='standard'" in str(e.value)
+    assert "computed by: emulator, triton" in str(e.value)
 
 
 def test_values_are_checked_by_the_table():
@@ -199,6 +202,24 @@ def test_new_knob_without_triton_routes_to_the_emulator_on_cuda(toy, cuda_like):
     assert tf.supports(plain, q) and not tf.supports(toy_on, q)  # supports() reads the table too
     assert route_name(toy_on, "emulator") == "flash/emulator (triton lacks: toy_knob)/fp32+blocks16x16+toy_knob"
     assert route_name(plain, "triton") == "flash/triton/fp32+blocks16x16"
+
+
+STABILIZER_KNOBS = [(dict(pbar_clamp=True), "pbar_clamp"),
+                    (dict(softmax="stabilized_guarded"), "sfa_guarded(beta=2)"),
+                    (dict(stochastic_round=True, sr_seed=7, round_bf16=["pv_out", "acc"]),
+                     "round_bf16=pv_out,acc+stoch_round(seed=7)")]
+
+
+@pytest.mark.parametrize("case,label", STABILIZER_KNOBS, ids=[c[1] for c in STABILIZER_KNOBS])
+def test_stabilizer_knobs_route_to_triton_on_cuda(cuda_like, case, label):
+    """pbar_clamp, softmax=stabilized_guarded and stochastic_round (issue 34): Triton computes them, so backend=auto
+    takes Triton on CUDA and the route no longer says 'triton lacks'. Their Triton numerics are checked against the
+    emulator by the interpreter tests and the `gpu` tests of tests/unit/test_triton.py."""
+    knobs = AttentionKnobs(recipe="fp32", block_q=16, block_k=16, **case)
+    assert table.unsupported(knobs, "triton") == []
+    assert resolve_backend(knobs, "cuda", head_dim=16) == "triton"
+    assert route_name(knobs, "triton") == f"flash/triton/fp32+blocks16x16+{label}"
+    assert resolve_backend(replace(knobs, backend="triton"), "cuda", head_dim=16) == "triton"
 
 
 def test_monkeypatched_table_row_without_triton_reroutes_a_real_model(monkeypatch, cuda_like, tmp_path):

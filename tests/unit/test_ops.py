@@ -46,7 +46,7 @@ def test_schema_declares_the_counters_mutated():
     _ops()
     schema = torch.ops.flash_forensics.flash_fwd.default._schema
     written = {a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write}
-    assert written == {"repeated_max_rows", "max_logit", "underflow_rows"}
+    assert written == {"repeated_max_rows", "max_logit", "underflow_rows", "sfa_p1_rows"}
     # torch <= 2.11 drops a default-valued argument before bumping the mutated ones' versions, then indexes past the
     # end (pytorch issue 176078): compile with counters off failed on the GPU. No mutated argument may have a default.
     defaulted = {a.name for a in schema.arguments if a.name in written and a.has_default_value()}
@@ -55,21 +55,25 @@ def test_schema_declares_the_counters_mutated():
                    for a in torch.ops.flash_forensics.flash_bwd.default._schema.arguments)
 
 
-@pytest.mark.parametrize("recipe,heads,saved", [("fa2", [], torch.bfloat16), ("paper_bf16", [], torch.bfloat16),
-                                                ("paper_bf16", [1], torch.float32), ("fp32", [], torch.float32)])
-def test_fake_tensors_propagate(recipe, heads, saved):
-    """Under FakeTensorMode (what dynamo / AOTAutograd trace with) the ops give the real outputs' shapes and dtypes."""
+@pytest.mark.parametrize("recipe,heads,saved,clamp", [("fa2", [], torch.bfloat16, False),
+                                                      ("paper_bf16", [], torch.bfloat16, False),
+                                                      ("paper_bf16", [1], torch.float32, True),
+                                                      ("fp32", [], torch.float32, True)])
+def test_fake_tensors_propagate(recipe, heads, saved, clamp):
+    """Under FakeTensorMode (what dynamo / AOTAutograd trace with) the ops give the real outputs' shapes and dtypes,
+    pbar_clamp's tie bits (the forward's third output, empty when off) included."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     _ops()
     dt = torch.float32 if recipe == "fp32" else torch.bfloat16
     with FakeTensorMode():
         q, k, v = (torch.empty(2, 3, 40, 16, dtype=dt) for _ in range(3))
         rep, maxl = torch.zeros(3, dtype=torch.int64), torch.zeros((), dtype=torch.float32)
-        spec = _spec(recipe, heads)
-        o, lse = torch.ops.flash_forensics.flash_fwd(q, k, v, rep, maxl, None, None, spec)
+        spec = _spec(recipe, heads, pbar_clamp=clamp)
+        o, lse, ties = torch.ops.flash_forensics.flash_fwd(q, k, v, rep, maxl, None, None, None, spec)
         assert o.shape == (2, 3, 40, 16) and o.dtype == saved
         assert lse.shape == (2, 3, 40) and lse.dtype == torch.float32
-        dq, dk, dv = torch.ops.flash_forensics.flash_bwd(o.to(dt), q, k, v, o, lse, None, spec)
+        assert ties.shape == ((2, 3, 40, 16) if clamp else (0,)) and ties.dtype == torch.uint8  # 40 keys: 16 bytes
+        dq, dk, dv = torch.ops.flash_forensics.flash_bwd(o.to(dt), q, k, v, o, lse, None, ties, spec)
         assert all(t.shape == q.shape and t.dtype == dt for t in (dq, dk, dv))
 
 
@@ -83,12 +87,16 @@ def test_op_args_carry_every_knob():
                            eps=1e-2, delta="dP_P", pv_fp32=True, o_fp32_heads=[2, 0])
     assert ops.op_args(knobs, 4) == ("paper_bf16", False, 32, 16, "stabilized", 3.0, 1e-2, "dP_P", True, [0, 2])
     assert ops.op_args(replace(knobs, o_fp32=True), 3)[-1] == [0, 1, 2]
+    assert ops.op_stabilizers(knobs) == (False, False, 0)
+    assert ops.op_stabilizers(replace(knobs, pbar_clamp=True, stochastic_round=True, sr_seed=9)) == (True, True, 9)
+    assert ops.op_stabilizers(replace(knobs, sr_seed=9)) == (False, False, 0)  # the seed alone: one compiled call
 
 
 @pytest.mark.parametrize("kw", [dict(recipe="paper_bf16", tiling=False, block_q=32, block_k=16, softmax="stabilized",
                                      beta=1.0001, eps=1e-2, delta="dP_P", pv_fp32=True, o_fp32_heads=[2, 0]),
                                 dict(recipe="fp32", fp32_gemm="tf32x3", beta=0.1 + 0.2, eps=1 / 3),
-                                dict(recipe="fa2", keep_fp32=["pbar"], round_bf16=["delta_prod"])])
+                                dict(recipe="fa2", keep_fp32=["pbar"], round_bf16=["delta_prod"]),
+                                dict(recipe="paper_bf16", pbar_clamp=True, stochastic_round=True, sr_seed=7)])
 def test_op_spec_carries_every_knob_exactly(kw):
     """The ops' one string argument gives back op_args, the rounding bits and the GEMM mode, floats to the bit."""
     ops = _ops()
@@ -96,9 +104,9 @@ def test_op_spec_carries_every_knob_exactly(kw):
     got = ops.parse_spec(ops.op_spec(knobs, 4))
     want = ops.op_args(knobs, 4)
     assert got[:9] == want[:9] and list(got[9]) == want[9]
-    assert got[10:] == (ops.op_rounding(knobs), knobs.fp32_gemm)
+    assert got[10:] == (ops.op_rounding(knobs), knobs.fp32_gemm, *ops.op_stabilizers(knobs))
     assert got[5] == knobs.beta and got[6] == knobs.eps  # repr round-trips a float exactly
-    with pytest.raises(ValueError, match=r"expected 12 ';'-separated fields"):
+    with pytest.raises(ValueError, match=r"expected 15 ';'-separated fields"):
         ops.parse_spec("fa2;1;64")
 
 
@@ -107,8 +115,8 @@ def test_op_schemas_are_short():
     schema's length (a no-op op: 127 us a call at 18 arguments, 45 at 8, on a 2-core CPU): the knobs travel as one
     string."""
     _ops()
-    assert len(torch.ops.flash_forensics.flash_fwd.default._schema.arguments) <= 8
-    assert len(torch.ops.flash_forensics.flash_bwd.default._schema.arguments) <= 8
+    assert len(torch.ops.flash_forensics.flash_fwd.default._schema.arguments) <= 9
+    assert len(torch.ops.flash_forensics.flash_bwd.default._schema.arguments) <= 9
 
 
 def test_train_compile_is_validated():
@@ -136,13 +144,20 @@ def _qkv(B=1, H=2, T=40, D=16, dtype=torch.float32, device="cpu", seed=0):
 
 @interp
 @pytest.mark.parametrize("counters", [True, False])
-def test_interpreter_opcheck(counters):
+@pytest.mark.parametrize("stab", [dict(), dict(pbar_clamp=True), dict(stochastic_round=True, sr_seed=3)], ids=str)
+def test_interpreter_opcheck(counters, stab):
     ops = _ops()
     q, k, v = (x.detach() for x in _qkv())
-    rep, maxl = (torch.zeros(2, dtype=torch.int64), torch.full((), float("-inf"))) if counters else (None, None)
-    torch.library.opcheck(ops.flash_fwd, (q, k, v, rep, maxl, None, None, _spec("fp32", softmax="stabilized")))
-    o, lse = ops.flash_fwd(q, k, v, None, None, None, None, _spec("fp32"))
-    torch.library.opcheck(ops.flash_bwd, (torch.randn_like(o), q, k, v, o, lse, None, _spec("fp32", delta="dP_P")))
+    rep, maxl, under, p1 = ((torch.zeros(2, dtype=torch.int64), torch.full((), float("-inf")),
+                             torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int64)) if counters
+                            else (None,) * 4)
+    sr = dict(round_bf16=["pv_out", "acc"])  # what SR rounds
+    torch.library.opcheck(ops.flash_fwd, (q, k, v, rep, maxl, under, p1, None,
+                                          _spec("fp32", softmax="stabilized", **sr, **stab)))
+    o, lse, ties = ops.flash_fwd(q, k, v, None, None, None, None, None, _spec("fp32", **sr, **stab))
+    assert ties.numel() > 0 if stab.get("pbar_clamp") else ties.numel() == 0
+    torch.library.opcheck(ops.flash_bwd, (torch.randn_like(o), q, k, v, o, lse, None, ties,
+                                          _spec("fp32", delta="dP_P", **sr, **stab)))
 
 
 def _fused_qkv(B=2, H=3, T=40, D=16, seed=0, grad=False):
@@ -160,14 +175,14 @@ def test_fakes_give_outputs_and_gradients_in_the_inputs_memory_order():
     with FakeTensorMode() as mode:
         for fused in (True, False):
             q, k, v = (mode.from_tensor(x if fused else x.contiguous()) for x in _fused_qkv())
-            o, lse = ops._flash_fwd_fake(q, k, v, None, None, None, None, _spec("paper_bf16"))
-            grads = ops._flash_bwd_fake(o, q, k, v, o, lse, None, _spec("paper_bf16"))
+            o, lse, ties = ops._flash_fwd_fake(q, k, v, None, None, None, None, None, _spec("paper_bf16"))
+            grads = ops._flash_bwd_fake(o, q, k, v, o, lse, None, ties, _spec("paper_bf16"))
             for t in (o, *grads):
                 assert t.shape == q.shape
                 assert t.transpose(1, 2).is_contiguous() == fused and t.is_contiguous() == (not fused)
             assert lse.is_contiguous()
         q, k, v = (mode.from_tensor(x) for x in _fused_qkv())
-        _, _, dv = ops._flash_bwd_fake(o, q, k, v.contiguous(), o, lse, None, _spec("paper_bf16"))
+        _, _, dv = ops._flash_bwd_fake(o, q, k, v.contiguous(), o, lse, None, ties, _spec("paper_bf16"))
         assert dv.transpose(1, 2).is_contiguous()  # dK's order (a view's), not contiguous v's
 
 
@@ -194,14 +209,16 @@ def test_interpreter_fused_qkv_views_give_ordered_outputs_bit_for_bit(recipe):
         g3 = torch.autograd.grad(flash_attention_triton(*mixed, knobs), mixed, g)
         assert all(torch.equal(a, b) for a, b in zip(g3, g2))
     q, k, v = (x.detach() for x in _fused_qkv(seed=5))
-    torch.library.opcheck(ops.flash_fwd, (q, k, v, None, None, None, None, _spec(recipe)))
-    o, lse = ops.flash_fwd(q, k, v, None, None, None, None, _spec(recipe))
-    torch.library.opcheck(ops.flash_bwd, (torch.randn_like(o), q, k, v, o, lse, None, _spec(recipe)))
+    torch.library.opcheck(ops.flash_fwd, (q, k, v, None, None, None, None, None, _spec(recipe)))
+    o, lse, ties = ops.flash_fwd(q, k, v, None, None, None, None, None, _spec(recipe))
+    torch.library.opcheck(ops.flash_bwd, (torch.randn_like(o), q, k, v, o, lse, None, ties, _spec(recipe)))
 
 
 @interp
-@pytest.mark.parametrize("case", [dict(), dict(softmax="stabilized"), dict(tiling=False, delta="recompute_fp32")],
-                         ids=["default", "stabilized", "untiled"])
+@pytest.mark.parametrize("case", [dict(), dict(softmax="stabilized"), dict(tiling=False, delta="recompute_fp32"),
+                                  dict(pbar_clamp=True, delta="dP_P"), dict(softmax="stabilized_guarded"),
+                                  dict(round_bf16=["pv_out", "acc"], stochastic_round=True, sr_seed=5)],
+                         ids=["default", "stabilized", "untiled", "pbar_clamp", "sfa_guarded", "stoch_round"])
 def test_interpreter_compiled_op_is_bitwise_eager(case):
     """fullgraph compile (AOTAutograd: forward and backward graphs) runs the same kernels: equal bits and counters."""
     import flash_forensics.kernels.emulator
@@ -221,7 +238,7 @@ def test_interpreter_compiled_op_is_bitwise_eager(case):
     (o1, *g1, s1), (o2, *g2, s2) = results
     assert torch.equal(o1, o2) and all(torch.equal(a, b) for a, b in zip(g1, g2))
     assert s1.repeated_max_rows.sum() > 0
-    for name in ("repeated_max_rows", "rows_seen", "max_logit"):
+    for name in ("repeated_max_rows", "rows_seen", "max_logit", "underflow_rows", "sfa_p1_rows"):
         assert torch.equal(getattr(s1, name), getattr(s2, name)), name
 
 
@@ -242,7 +259,10 @@ def test_interpreter_gpt_traces_without_graph_break(attention):
 
 # ------------------------------------------------------------------------------------------------------ GPU
 GPU_CASES = [("fa2", dict(counters=False)), ("fa2", dict(softmax="stabilized")), ("paper_bf16", {}),
-             ("paper_bf16", dict(o_fp32_heads=[1], delta="dP_P")), ("fp32", dict(tiling=False))]
+             ("paper_bf16", dict(o_fp32_heads=[1], delta="dP_P")), ("fp32", dict(tiling=False)),
+             ("paper_bf16", dict(pbar_clamp=True)), ("paper_bf16", dict(softmax="stabilized_guarded")),
+             ("paper_bf16", dict(stochastic_round=True, sr_seed=1)),
+             ("fa2", dict(pbar_clamp=True, softmax="stabilized_guarded", delta="recompute_fp32"))]
 
 
 @pytest.mark.gpu
@@ -268,7 +288,7 @@ def test_gpu_compiled_op_is_bitwise_eager(recipe, case):
     assert torch.equal(o1, o2)
     for a, b in zip(g1, g2):
         assert torch.equal(a, b)
-    for name in ("repeated_max_rows", "rows_seen", "max_logit"):
+    for name in ("repeated_max_rows", "rows_seen", "max_logit", "underflow_rows", "sfa_p1_rows"):
         assert torch.equal(getattr(s1, name), getattr(s2, name)), name
 
 

@@ -197,7 +197,10 @@ def _padded_keep(B, T):
 
 
 KEYPAD_CASES = [dict(), dict(softmax="stabilized"), dict(tiling=False), dict(delta="dP_P"),
-                dict(delta="recompute_fp32"), dict(block_q=32, block_k=16), dict(block_q=16, block_k=32)]
+                dict(delta="recompute_fp32"), dict(block_q=32, block_k=16), dict(block_q=16, block_k=32),
+                dict(pbar_clamp=True), dict(pbar_clamp=True, delta="dP_P", tiling=False),
+                dict(pbar_clamp=True, delta="recompute_fp32", block_q=32, block_k=16),
+                dict(softmax="stabilized_guarded"), dict(softmax="stabilized_guarded", tiling=False)]
 
 
 @interp
@@ -223,7 +226,7 @@ def test_interpreter_key_padding_matches_the_emulators_mask(tfi, case):
     for a, b in zip(torch.autograd.grad(o_t, xt, g), torch.autograd.grad(o_e, xe, g)):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     assert st_e.repeated_max_rows.sum() > 0
-    for name in ("repeated_max_rows", "rows_seen", "underflow_rows"):
+    for name in ("repeated_max_rows", "rows_seen", "underflow_rows", "sfa_p1_rows"):
         assert torch.equal(getattr(st_t, name), getattr(st_e, name)), name
     torch.testing.assert_close(st_t.max_logit, st_e.max_logit)
 
