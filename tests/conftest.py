@@ -64,3 +64,17 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def inductor_casts():
+    """Set torch._inductor.config.emulate_precision_casts in a test (call it with the value); restored afterwards by
+    assignment. Not monkeypatch.setattr: pytest 9.2 reads the old value from the module's __dict__, where inductor's
+    config module keeps none, and its undo then deletes the setting for the rest of the session."""
+    import torch._inductor.config as inductor
+    before = inductor.emulate_precision_casts
+
+    def set_(value: bool) -> None:
+        inductor.emulate_precision_casts = value
+    yield set_
+    inductor.emulate_precision_casts = before

@@ -37,18 +37,18 @@ def _run(f, q, k, v):
     return (o, *torch.autograd.grad(o.float().square().sum(), (q, k, v)))
 
 
-def test_compiling_without_emulated_casts_is_refused_naming_the_setting(monkeypatch):
-    monkeypatch.setattr(inductor, "emulate_precision_casts", False)
+def test_compiling_without_emulated_casts_is_refused_naming_the_setting(inductor_casts):
+    inductor_casts(False)
     q, k, v = _qkv()
     with pytest.raises(Exception, match=r"emulate_precision_casts=False is not allowed while compiling.*expected True"):
         torch.compile(lambda q, k, v: attention(q, k, v, is_causal=True))(q, k, v)
 
 
 @pytest.mark.parametrize("masked,recipe", [(False, "paper_bf16"), (True, "paper_bf16"), (True, "fp32")])
-def test_attention_compiled_equals_eager_bit_for_bit(monkeypatch, masked, recipe):
+def test_attention_compiled_equals_eager_bit_for_bit(inductor_casts, masked, recipe):
     """fp32: inductor's own FP32 code for the emulator's steps differed in the last bits (the emulator now runs
     eagerly inside the graph); paper_bf16: 488 of 1,024 outputs differed without emulated casts."""
-    monkeypatch.setattr(inductor, "emulate_precision_casts", True)
+    inductor_casts(True)
     q, k, v = (x.detach().to(torch.float32 if recipe == "fp32" else torch.bfloat16).requires_grad_()
                for x in _qkv())
     mask = _padded() if masked else None
@@ -60,8 +60,8 @@ def test_attention_compiled_equals_eager_bit_for_bit(monkeypatch, masked, recipe
         assert torch.equal(a, b)
 
 
-def test_patch_sdpa_sets_emulated_casts_in_its_scope_only(monkeypatch):
-    monkeypatch.setattr(inductor, "emulate_precision_casts", False)
+def test_patch_sdpa_sets_emulated_casts_in_its_scope_only(inductor_casts):
+    inductor_casts(False)
     q, k, v = _qkv()
 
     def f(q, k, v):  # unchanged SDPA code
@@ -93,29 +93,29 @@ def _model_run(model, fn, ids):
     return (logits, *torch.autograd.grad(logits.float().square().mean(), list(model.parameters())))
 
 
-def _compare_backend(monkeypatch, device):
-    monkeypatch.setattr(inductor, "emulate_precision_casts", True)
+def _compare_backend(inductor_casts, device):
+    inductor_casts(True)
     model, ids = _llama(device)
     got = _model_run(model, torch.compile(model), ids)
     want = _model_run(model, model, ids)
     for a, b in zip(got, want, strict=True):
         assert torch.equal(a, b)
-    monkeypatch.setattr(inductor, "emulate_precision_casts", False)
+    inductor_casts(False)
     torch._dynamo.reset()
     with pytest.raises(Exception, match="emulate_precision_casts=False is not allowed"):
         torch.compile(model)(input_ids=ids)
 
 
-def test_backend_compiled_model_equals_eager_bit_for_bit(monkeypatch):
-    _compare_backend(monkeypatch, "cpu")
+def test_backend_compiled_model_equals_eager_bit_for_bit(inductor_casts):
+    _compare_backend(inductor_casts, "cpu")
 
 
 @pytest.mark.gpu
-def test_backend_and_attention_compiled_equal_eager_on_cuda(monkeypatch):
+def test_backend_and_attention_compiled_equal_eager_on_cuda(inductor_casts):
     """CUDA: the backend's model (plain causal calls on the Triton route when it computes the knobs) and a padded
     attention() call on the emulator, compiled against eager, bit for bit."""
-    _compare_backend(monkeypatch, "cuda")
-    monkeypatch.setattr(inductor, "emulate_precision_casts", True)
+    _compare_backend(inductor_casts, "cuda")
+    inductor_casts(True)
     torch._dynamo.reset()
     q, k, v = _qkv("cuda")
     mask = _padded("cuda")

@@ -139,10 +139,10 @@ def test_patch_sdpa_routes_and_restores_also_on_errors():
     assert F.scaled_dot_product_attention is original
 
 
-def test_patch_sdpa_blocks_closed_out_of_order_leave_torch_s_function_and_inductor_as_they_were(monkeypatch):
+def test_patch_sdpa_blocks_closed_out_of_order_leave_torch_s_function_and_inductor_as_they_were(inductor_casts):
     import torch._inductor.config as inductor
 
-    monkeypatch.setattr(inductor, "emulate_precision_casts", False)
+    inductor_casts(False)
     q, k, v, _ = _inputs(5, 5, dtype=torch.float32)
     original = F.scaled_dot_product_attention
 
