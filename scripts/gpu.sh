@@ -29,7 +29,8 @@
 #                what it measured (partial: true in stabilizers-gpt2s.json)
 #   e2e          a smoke sweep through run.py on CUDA (baseline, fp32, sfa, pv_fp32)
 #   own-model    the transformers backend on CUDA: its GPU tests and a Llama's training step, emulator vs Triton vs
-#                transformers' SDPA (benchmarks/hf_llama.py); transformers from .whl_hf/ (wheels) when the image lacks it
+#                transformers' SDPA (benchmarks/hf_llama.py); the image's transformers (5.17.0 in 2026-11: in the declared
+#                range since 5.13), else from .whl_hf/ (wheels), so the lease need not carry them
 #   ddp          2 GPUs (DDP) vs 1 GPU with gradient accumulation (benchmarks/ddp.py; needs 2 GPUs)
 #   mini-repro   the miniature over 3 seeds, baseline vs FP32 reference (sweeps/mini_repro_seeds)
 #   capture-mini the miniature's baseline (seed 1337) with a capture at step CAPTURE_STEP (850) of layer 2, heads 0
@@ -281,7 +282,8 @@ print(re.sub('[^a-z0-9]+', '-', g).strip('-'))" "$LOG/kernel-bits.json") || die 
       $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "${FF_SITE:-/tmp/site}" \
         .whl_hf/*.whl || die "installing .whl_hf/*.whl failed"
     fi
-    $PY -c "import transformers" || die "transformers is not importable: carry .whl_hf/ (its wheels) or install it"
+    $PY -c "import transformers; print('transformers', transformers.__version__, transformers.__file__)" \
+      || die "transformers is not importable: carry .whl_hf/ (its wheels) or install it"
     timeout "${TEST_TIMEOUT:-300}" $PY -m pytest -q -m gpu -n "${WORKERS:-4}" -p no:cacheprovider -o addopts="-ra" \
       tests/integration/test_hf_fast_path.py tests/unit/test_triton.py tests/unit/test_ops.py \
       > "$LOG/pytest_gpu_own_model.log" 2>&1 || rc=1

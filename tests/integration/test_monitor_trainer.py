@@ -188,7 +188,9 @@ def test_what_was_not_measured_is_not_logged_as_zero():
 def test_gradient_checkpointing_counts_each_forward_once(reentrant):
     model = _llama()
     flash_forensics.use(model, recipe="fp32")
-    model.activation_checkpointing_enable({"use_reentrant": reentrant})  # recomputes each layer in the backward
+    # recomputes each layer in the backward (transformers 5.17 and older: gradient_checkpointing_enable)
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable({"use_reentrant": reentrant})
     model.train()
     mon = flash_forensics.Monitor(model, log_every=1, wq_every=50)
     ids = torch.randint(0, V, (2, 8))
