@@ -10,8 +10,16 @@ new test file needs nothing: it runs on one worker, its own temporary folders (t
 import os
 import sys
 
-import pytest
-import torch
+# One intra-op thread per process, set before torch starts its thread pool and inherited by every subprocess (run.py
+# jobs, scripts, CLIs). The suite runs two xdist workers on two cores, and often several jobs at once per worker
+# (isolate's forks, paper_1gpu's seeds, multirun launchers): with torch's default of one thread per core, N jobs
+# oversubscribe the cores N-fold and spin in OpenMP barriers (three concurrent smoke jobs: 38 s wall, 75 s CPU with
+# 2 threads each; 27 s, 52 s with 1). The tiny models gain nothing from a second thread. A value given is kept.
+for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
