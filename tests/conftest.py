@@ -17,6 +17,12 @@ import sys
 # 2 threads each; 27 s, 52 s with 1). The tiny models gain nothing from a second thread. A value given is kept.
 for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_var, "1")
+# The MLflow servers the tests start (scripts/mlflow_server.sh, `mlflow ui` as printed) track and serve artifacts and
+# the UI; nothing here submits MLflow server jobs (GenAI judges, trace rollups). With job execution on (MLflow 3's
+# default) each server also starts a job runner of seven huey consumers that import MLflow and then poll: ~20
+# CPU-seconds at start and ~0.8 of a core for as long as the server lives (the dashboard, dashboard views and shared
+# server files: 220 CPU-seconds with it, 133 without). A value given is kept.
+os.environ.setdefault("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
