@@ -10,8 +10,22 @@ new test file needs nothing: it runs on one worker, its own temporary folders (t
 import os
 import sys
 
-import pytest
-import torch
+# One intra-op thread per process, set before torch starts its thread pool and inherited by every subprocess (run.py
+# jobs, scripts, CLIs). The suite runs two xdist workers on two cores, and often several jobs at once per worker
+# (isolate's forks, paper_1gpu's seeds, multirun launchers): with torch's default of one thread per core, N jobs
+# oversubscribe the cores N-fold and spin in OpenMP barriers (three concurrent smoke jobs: 38 s wall, 75 s CPU with
+# 2 threads each; 27 s, 52 s with 1). The tiny models gain nothing from a second thread. A value given is kept.
+for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
+# The MLflow servers the tests start (scripts/mlflow_server.sh, `mlflow ui` as printed) track and serve artifacts and
+# the UI; nothing here submits MLflow server jobs (GenAI judges, trace rollups). With job execution on (MLflow 3's
+# default) each server also starts a job runner of seven huey consumers that import MLflow and then poll: ~20
+# CPU-seconds at start and ~0.8 of a core for as long as the server lives (the dashboard, dashboard views and shared
+# server files: 220 CPU-seconds with it, 133 without). A value given is kept.
+os.environ.setdefault("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
