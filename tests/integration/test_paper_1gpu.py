@@ -52,17 +52,21 @@ def test_schedule_is_constant_after_warmup():
     assert lr_factor(499, t.warmup_steps, t.max_steps, 1.0) == pytest.approx(0.5)
 
 
+@pytest.fixture(autouse=True)
+def _disk_is_not_the_question(monkeypatch):
+    """The preset keeps every checkpoint (~37 GB for its 6,000 steps), so validating it checks this machine's free
+    disk; the disk budget has its own tests (test_validate_inputs, test_dashboard), here the plans and knobs are."""
+    from flash_forensics.orchestrator.config import budget
+    monkeypatch.setattr(budget, "_free", lambda path: 1 << 50)
+
+
 @pytest.mark.parametrize("name,iv,recipe,impl,precision", [
     ("fp32", "fp32", "fp32", "flash", "bf16"),  # THE FP32 reference: attention in FP32
     ("fp32_train", "fp32", "fp32", "flash", "fp32"),  # no autocast at all
     ("fa2", "baseline", "fa2", "flash", "bf16"),
     ("sdpa", "baseline", "paper_bf16", "sdpa", "bf16"),
 ])
-def test_controls_compose_and_validate(name, iv, recipe, impl, precision, monkeypatch):
-    # the preset keeps every checkpoint (~37 GB for 6,000 steps): the disk check is tested on its own; here the
-    # knobs are, whatever this machine's free disk
-    from flash_forensics.orchestrator.config import budget
-    monkeypatch.setattr(budget, "_free", lambda path: 1 << 50)
+def test_controls_compose_and_validate(name, iv, recipe, impl, precision):
     jobs = dict(sweep_file_jobs(["paper_1gpu_controls"]))
     ov = jobs[f"paper_1gpu_controls-{['fp32', 'fp32_train', 'fa2', 'sdpa'].index(name)}"]
     assert ov == [f"+control={name}"]
