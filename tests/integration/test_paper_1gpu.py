@@ -52,10 +52,11 @@ def test_schedule_is_constant_after_warmup():
     assert lr_factor(499, t.warmup_steps, t.max_steps, 1.0) == pytest.approx(0.5)
 
 
-@pytest.fixture(autouse=True)
-def _disk_is_not_the_question(monkeypatch):
+@pytest.fixture
+def disk_is_not_the_question(monkeypatch):
     """The preset keeps every checkpoint (~37 GB for its 6,000 steps), so validating it checks this machine's free
-    disk; the disk budget has its own tests (test_validate_inputs, test_dashboard), here the plans and knobs are."""
+    disk; the disk budget has its own tests (test_preflight_checks_the_runs_as_launched, test_validate_inputs), here
+    the plans and knobs are."""
     from flash_forensics.orchestrator.config import budget
     monkeypatch.setattr(budget, "_free", lambda path: 1 << 50)
 
@@ -66,7 +67,7 @@ def _disk_is_not_the_question(monkeypatch):
     ("fa2", "baseline", "fa2", "flash", "bf16"),
     ("sdpa", "baseline", "paper_bf16", "sdpa", "bf16"),
 ])
-def test_controls_compose_and_validate(name, iv, recipe, impl, precision):
+def test_controls_compose_and_validate(name, iv, recipe, impl, precision, disk_is_not_the_question):
     jobs = dict(sweep_file_jobs(["paper_1gpu_controls"]))
     ov = jobs[f"paper_1gpu_controls-{['fp32', 'fp32_train', 'fa2', 'sdpa'].index(name)}"]
     assert ov == [f"+control={name}"]
@@ -233,7 +234,8 @@ def test_pick_rules_and_fork_end(tmp_path, rule, margin, past, want):
     assert (step, end) == want and ckpt.name == f"step_{want[0]}.pt"
 
 
-def test_fork_overrides_reach_forks_only_and_are_checked_before_the_baseline(tmp_path, monkeypatch, capsys):
+def test_fork_overrides_reach_forks_only_and_are_checked_before_the_baseline(tmp_path, monkeypatch, capsys,
+                                                                             disk_is_not_the_question):
     seen = []
     monkeypatch.setattr(isolate.Pipeline, "_run_py", lambda self, ov, log=None, gpu=None: seen.append(list(ov)) or 0)
     plan = isolate.Plan(root=tmp_path, out=tmp_path / "r", uri="sqlite:///x.db", sweeps=("paper_1gpu_numerics",),
