@@ -20,7 +20,7 @@ if str(ROOT) not in sys.path:
 from benchmarks import stabilizers as bench  # noqa: E402
 
 TINY = "train.device=cpu model.n_layer=1 model.n_head=2 model.n_embd=32 model.block_size=16 train.batch_size=2"
-VARIANTS = "baseline,stoch_round,sfa"  # stoch_round: Triton lacks a knob (the emulator kind), asked for in the middle
+VARIANTS = "baseline,fp16_baseline,sfa"  # fp16_baseline: Triton lacks its recipe (the emulator kind), asked for in the middle
 
 
 def _args(out, *extra):
@@ -71,10 +71,10 @@ def test_a_full_tiny_run_times_the_triton_kind_first_and_writes_after_every_vari
     assert json.loads(out.read_text()) == json.loads(json.dumps(doc))
     assert doc["partial"] is False and doc["stopped"] is None and doc["missing"] == []
     assert doc["rounds"] == doc["rounds_completed"] == 2
-    assert doc["order"] == {"mini": ["baseline", "sfa", "stoch_round"]}  # the emulator kind last, whatever the order
+    assert doc["order"] == {"mini": ["baseline", "sfa", "fp16_baseline"]}  # the emulator kind last, whatever the order
     rows = {r["variant"]: r for r in doc["rows"]}
     assert {n: r["route_kind"] for n, r in rows.items()} == {"baseline": "triton", "sfa": "triton",
-                                                              "stoch_round": "emulator"}  # fmt: skip
+                                                              "fp16_baseline": "emulator"}  # fmt: skip
     assert all(r["steps_timed"] == 4 and r["rounds_completed"] == 2 and r["tokens_per_s"] > 0 for r in rows.values())
     # a write after every variant's timing (3 variants x 2 rounds), partial until the last one
     timed = [tuple(r["steps_timed"] for r in w["rows"]) for w in writes]
@@ -83,7 +83,7 @@ def test_a_full_tiny_run_times_the_triton_kind_first_and_writes_after_every_vari
     assert not list(tmp_path.glob("*.tmp*"))  # the atomic write's temporary file is gone
     # the consumer reads it, and the same file in the old format alike
     table, md = _table(tmp_path, out)
-    assert all(table[n]["cost"]["mini"] is not None for n in ("sfa", "stoch_round"))
+    assert all(table[n]["cost"]["mini"] is not None for n in ("sfa", "fp16_baseline"))
     (tmp_path / "old.json").write_text(json.dumps(_old_format(doc)))
     old, _ = _table(tmp_path, tmp_path / "old.json")
     assert {n: r["cost"] for n, r in old.items()} == {n: r["cost"] for n, r in table.items()}
@@ -113,27 +113,27 @@ def test_max_seconds_leaves_out_what_does_not_fit_and_writes_a_partial_file_the_
 
     monkeypatch.setattr(bench.Variant, "run", run)
     out = tmp_path / "stab.json"
-    # 0-3 s baseline (warmup, 2 steps), 3-6 sfa, 6-16 stoch_round's warmup (estimated 1 s: no warmup of its kind
+    # 0-3 s baseline (warmup, 2 steps), 3-6 sfa, 6-16 fp16_baseline's warmup (estimated 1 s: no warmup of its kind
     # yet); its steps (~10 s each) no longer fit in 20 s, round 2's triton-kind steps (16-20 s) still do
     doc = bench.main(_args(out, "--rounds", "2", "--steps", "2", "--emulator-steps", "2", "--max-seconds", "20"))
     assert json.loads(out.read_text())["partial"] is True
     assert doc["partial"] is True and doc["stopped"] == "max_seconds" and doc["max_seconds"] == 20
     assert doc["elapsed_s"] == 20 and doc["rounds_completed"] == 0
     rows = {r["variant"]: r for r in doc["rows"]}
-    assert (rows["baseline"]["steps_timed"], rows["sfa"]["steps_timed"], rows["stoch_round"]["steps_timed"]) == (
+    assert (rows["baseline"]["steps_timed"], rows["sfa"]["steps_timed"], rows["fp16_baseline"]["steps_timed"]) == (
         4,
         4,
         0,
     )
-    assert rows["stoch_round"]["warmup_s"] == 10 and rows["stoch_round"]["tokens_per_s"] is None
-    assert doc["missing"] == [dict(shape="mini", variant="stoch_round", route_kind="emulator", set_up=True,
+    assert rows["fp16_baseline"]["warmup_s"] == 10 and rows["fp16_baseline"]["tokens_per_s"] is None
+    assert doc["missing"] == [dict(shape="mini", variant="fp16_baseline", route_kind="emulator", set_up=True,
                                    steps_timed=0, steps_missing=4, rounds_missing=[1, 2])]  # fmt: skip
     assert set(doc["summary"]["mini"]) == {"baseline", "sfa"}
     assert all(w["partial"] is True for w in writes)
-    # the table: sfa's cost measured, stoch_round's "not measured" (never a guess)
+    # the table: sfa's cost measured, fp16_baseline's "not measured" (never a guess)
     table, md = _table(tmp_path, out)
-    assert table["sfa"]["cost"]["mini"] is not None and table["stoch_round"]["cost"]["mini"] is None
-    assert next(line for line in md.splitlines() if line.startswith("| stoch_round |")).count("not measured") == 1
+    assert table["sfa"]["cost"]["mini"] is not None and table["fp16_baseline"]["cost"]["mini"] is None
+    assert next(line for line in md.splitlines() if line.startswith("| fp16_baseline |")).count("not measured") == 1
 
     # a budget nothing fits in (on the real clock: at most a first build, started within 1 ms): nothing timed,
     # every variant missing, still a file the table reads
@@ -144,7 +144,7 @@ def test_max_seconds_leaves_out_what_does_not_fit_and_writes_a_partial_file_the_
     # the first build's estimate is 0 s, so it starts when reached within the 1 ms (a fast machine does): set up
     # or not, nothing is timed and every round of every variant is missing
     missing = [(m["variant"], m["rounds_missing"]) for m in doc["missing"]]
-    assert missing == [("baseline", [1, 2]), ("stoch_round", [1, 2]), ("sfa", [1, 2])]
+    assert missing == [("baseline", [1, 2]), ("fp16_baseline", [1, 2]), ("sfa", [1, 2])]
     assert [m["set_up"] for m in doc["missing"]][1:] == [False, False]
     table, _ = _table(tmp_path, tmp_path / "none.json")
     assert all(c is None for r in table.values() for c in r["cost"].values())
@@ -157,7 +157,7 @@ def test_skip_emulator_leaves_the_emulator_kind_out_and_says_so(tmp_path):
                            "--skip-emulator"))  # fmt: skip
     assert doc["partial"] is False and doc["missing"] == [] and doc["order"] == {"mini": ["baseline", "sfa"]}
     assert [(s["variant"], s["route_kind"], s["why"]) for s in doc["skipped"]] == [
-        ("stoch_round", "emulator", "--skip-emulator")]  # fmt: skip
+        ("fp16_baseline", "emulator", "--skip-emulator")]  # fmt: skip
 
 
 def test_a_sigterm_keeps_what_was_measured_and_the_log_is_written_as_it_goes(tmp_path):
@@ -176,7 +176,7 @@ def test_a_sigterm_keeps_what_was_measured_and_the_log_is_written_as_it_goes(tmp
             time.sleep(0.02)
         first = log.read_text()  # block-buffered, the first of the log would come as 8 KiB of rounds at once
         assert first.startswith("stabilizers: cpu, shapes mini") and "round 1/" not in first, first
-        while "round 1/100000 stoch_round" not in log.read_text():
+        while "round 1/100000 fp16_baseline" not in log.read_text():
             assert p.poll() is None, log.read_text()
             assert time.time() < deadline, f"no progress line in the log after 120 s: {log.read_text()!r}"
             time.sleep(0.2)
