@@ -109,9 +109,9 @@ def test_isolation_slots_per_gpu(monkeypatch):
 
 # ---------------------------------------------------------------------------------- a real smoke sweep
 # FP32 outside attention (attention stays paper_bf16, as asserted below): CPU autocast's BF16 GEMMs were most of
-# this fixture's time, and nothing here depends on them; 10 steps: the NaN at step 7 stops its job at 10 anyway
-SMOKE = ["experiment=smoke", "sweep_name=paper_isolation", "tracking.writer=thread", "train.precision=fp32",
-         "train.max_steps=10"]
+# this fixture's time, and nothing here depends on them. The sweep keeps the preset's 20 steps: the NaN job's early
+# stop (3 steps after step 7, before step 20) is checked on it below, with the sweep going on past the failure
+SMOKE = ["experiment=smoke", "sweep_name=paper_isolation", "tracking.writer=thread", "train.precision=fp32"]
 
 
 def _run(tmp_path, *args):
@@ -138,7 +138,7 @@ def smoke_sweep(tmp_path_factory):
     shutil.copytree(ROOT / "results" / "paper_isolation" / "plots", committed / "plots")
     before = _digest(committed)
     sweep = _run(tmp, "-m", *SMOKE, "intervention=baseline", "debug.nan_at_step=7,null")
-    single = _run(tmp, *SMOKE, "intervention=fp32", f"hydra.run.dir={tmp}/single")
+    single = _run(tmp, *SMOKE, "intervention=fp32", "train.max_steps=10", f"hydra.run.dir={tmp}/single")
     return tmp, committed, before, sweep, single
 
 
@@ -154,6 +154,31 @@ def test_committed_report_is_not_overwritten(smoke_sweep):
     assert (tmp / "single" / "report" / "verdicts.json").is_file()  # the single run: its own folder
     assert len(json.loads((report / "verdicts.json").read_text())["runs"]) == 2  # not rewritten by the single run
     assert not [k for k in _digest(committed) if k not in before and not k.startswith(report.parent.name)]
+
+
+def test_forced_nan_diverges_stops_early_and_sweep_goes_on(smoke_sweep):
+    """The fixture's sweep through `python run.py -m` (the basic launcher): the forced NaN diverges at its step,
+    stops early with every step up to the stop recorded, and the sweep goes on to the clean job."""
+    tmp, committed, _, sweep, _ = smoke_sweep
+    assert sweep.returncode == 0, sweep.stderr[-3000:]
+    results = {}
+    for f in committed.glob("*/*/result.json"):  # the sweep's dated folder: <date>/<job>/result.json
+        res = json.loads(f.read_text())
+        results["nan" if any("nan_at_step=7" in o for o in res["overrides"]) else "clean"] = res
+    nan, clean = results["nan"], results["clean"]
+    assert nan["observed"] == "diverged" and nan["divergence_step"] == 7
+    assert nan["early_stopped"] and nan["steps_done"] < 20  # early_stop_after 3: stops at the flush after step 10
+    assert clean["observed"] == "stable" and clean["steps_done"] == 20 and clean["divergence_step"] is None
+    from mlflow.tracking import MlflowClient
+    c = MlflowClient(tracking_uri=f"sqlite:///{tmp}/mlflow.db")
+    run = c.get_run(nan["mlflow_run_id"])
+    assert run.data.tags["verdict"] == "diverged" and run.data.tags["divergence_step"] == "7"
+    hist = {m.step: m.value for m in c.get_metric_history(nan["mlflow_run_id"], "train/loss")}
+    assert math.isnan(hist[7]) and math.isfinite(hist[6])
+    assert sorted(hist) == list(range(nan["steps_done"]))  # everything up to the stop is recorded
+    report, = committed.glob("*/report")
+    doc = json.loads((report / "verdicts.json").read_text())
+    assert sorted(r["observed"] for r in doc["runs"]) == ["diverged", "stable"]
 
 
 def test_table_from_mlflow_equals_table_from_job_folders(smoke_sweep):
