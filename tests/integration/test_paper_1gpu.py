@@ -155,7 +155,11 @@ def test_scratch_plan_whose_runs_made_no_store_reports_without_one(tmp_path):
 TINY = ["data=default", "model=tiny", "model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=32",
         "train.batch_size=2", "train.device=cpu", "tracking.writer=thread", "tracking.system_metrics=false",
         "train.max_steps=14", "train.warmup_steps=2", "train.ckpt_every=2", "debug.nan_at_step=8",
-        "train.eval_every=0", "train.eval_batches=1", "monitor.wq_every=2", "monitor.log_every=2", "verdict.window=3"]
+        "train.eval_every=0", "train.eval_batches=1", "monitor.wq_every=2", "monitor.log_every=2", "verdict.window=3",
+        # not what these plans check, and a dozen CPU jobs' worth of cost: CPU autocast's BF16 GEMMs and the preset's
+        # probe at every checkpoint (here every 2 steps); tests/integration/test_probes.py covers the probes, as in
+        # the isolation script's end-to-end test
+        "train.precision=fp32", "monitor.probes.enabled=false"]
 
 
 def test_one_lease_plan_end_to_end_on_cpu(tmp_path):
