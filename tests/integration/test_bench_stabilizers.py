@@ -20,7 +20,7 @@ if str(ROOT) not in sys.path:
 from benchmarks import stabilizers as bench  # noqa: E402
 
 TINY = "train.device=cpu model.n_layer=1 model.n_head=2 model.n_embd=32 model.block_size=16 train.batch_size=2"
-VARIANTS = "baseline,fp16_baseline,sfa"  # fp16_baseline: Triton lacks its recipe (the emulator kind), asked for in the middle
+VARIANTS = "baseline,fp16_baseline,sfa"  # fp16_baseline: Triton lacks its recipe (emulator kind), in the middle
 
 
 def _args(out, *extra):
