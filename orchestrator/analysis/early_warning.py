@@ -297,7 +297,8 @@ def _fill_fork_jumps(rows: List[Tuple[Dict, Optional[str]]], histories: Optional
 
 def load(sources: Sequence[str] = (), tracking_uri: Optional[str] = None, experiment: Optional[str] = None,
          growth_window: int = 100, unfinished: bool = False,
-         histories: Optional[Dict[str, Dict]] = None, keep_jumped: bool = False) -> Tuple[List[Run], List[str]]:
+         histories: Optional[Dict[str, Dict]] = None, keep_jumped: bool = False,
+         spike_window: int = 100) -> Tuple[List[Run], List[str]]:
     """(runs, skipped): the judged runs with their signal series, and a line per run left out. histories:
     {run id: history} from a compact export (--histories) instead of the runs' MLflow stores."""
     skipped: List[str] = []
@@ -364,7 +365,8 @@ def load(sources: Sequence[str] = (), tracking_uri: Optional[str] = None, experi
             last = int(r["steps_done"]) - 1
         group = r.get("source_label") or (name.split("/", 1)[0] if "/" in name else None)
         runs.append(Run(name, r["observed"], start, r.get("divergence_step"),
-                        signals.series(hist, start, growth_window), r["mlflow_run_id"], last, group))
+                        signals.series(hist, start, growth_window, spike_window), r["mlflow_run_id"], last,
+                        group))
     return runs, skipped
 
 
@@ -410,14 +412,15 @@ def _holdout_md(folds: Sequence[Fold]) -> List[str]:
 
 
 def markdown(rows: Sequence[Row], runs: Sequence[Run], chosen: Optional[Row], skipped: Sequence[str],
-             growth_window: int, folds: Sequence[Fold] = ()) -> str:
+             growth_window: int, folds: Sequence[Fold] = (), spike_window: int = 100) -> str:
     n_div = sum(r.observed == "diverged" for r in runs)
     n_open = sum(r.observed == "unfinished" for r in runs)
     opened = f", {n_open} unfinished" if n_open else ""
     lines = ["# Early warning: signals as predictors of divergence", "",
              f"{len(runs)} runs ({n_div} diverged, {len(runs) - n_div - n_open} stable{opened}); wq_growth over "
-             f"{growth_window} steps. An alarm fires at the first logged step strictly past the threshold (entropy: "
-             "below); a diverged run is judged before its divergence step, a fork from its fork step.", ""]
+             f"{growth_window} steps, grad_spike and loss_spike against the median of the previous {spike_window} "
+             "values. An alarm fires at the first logged step strictly past the threshold (entropy: below); a "
+             "diverged run is judged before its divergence step, a fork from its fork step.", ""]
     if n_open:
         lines += ["Unfinished runs ended without a verdict and had not diverged by their last logged step. An alarm "
                   "on one is neither a hit nor a false alarm (it may diverge later); the last column says on how "
@@ -483,12 +486,12 @@ def plot(rows: Sequence[Row], chosen: Optional[Row], path: Path) -> Optional[Pat
 
 
 def write(out: Path, runs: Sequence[Run], rows: Sequence[Row], chosen: Optional[Row], skipped: Sequence[str],
-          growth_window: int, folds: Sequence[Fold] = ()) -> Dict[str, Path]:
+          growth_window: int, folds: Sequence[Fold] = (), spike_window: int = 100) -> Dict[str, Path]:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     doc = {"rule": "fewest misses, then fewest false alarms, then longest mean lead, then lowest threshold; among "
                    "signals present in every run",
-           "growth_window": growth_window, "chosen": asdict(chosen) if chosen else None,
+           "growth_window": growth_window, "spike_window": spike_window, "chosen": asdict(chosen) if chosen else None,
            "rows": [asdict(r) for r in rows], "skipped": list(skipped),
            "runs": [{"name": r.name, "observed": r.observed, "divergence_step": r.divergence_step, "start": r.start,
                      "last_step": r.last_step, "mlflow_run_id": r.run_id, "signals": sorted(r.series),
@@ -498,7 +501,7 @@ def write(out: Path, runs: Sequence[Run], rows: Sequence[Row], chosen: Optional[
         doc["holdout"] = {"folds": [asdict(f) for f in folds], "pooled": pooled(folds),
                           "per_signal": {s: p for s, p in per.items() if p["folds"]}}
     paths = {"md": out / "early_warning.md", "json": out / "early_warning.json"}
-    paths["md"].write_text(markdown(rows, runs, chosen, skipped, growth_window, folds))
+    paths["md"].write_text(markdown(rows, runs, chosen, skipped, growth_window, folds, spike_window))
     paths["json"].write_text(record.dumps(doc))
     png = plot(rows, chosen, out / "early_warning.png")
     if png:
@@ -535,6 +538,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                          "folder)")
     ap.add_argument("--growth-window", type=int, default=100,
                     help="steps of wq_growth's d ln sigma / d step (default: 100)")
+    ap.add_argument("--spike-window", type=int, default=100, help="logged values whose median grad_spike and "
+                    "loss_spike compare against (default: 100)")
     ap.add_argument("--thresholds", action="append", default=[], help="SIGNAL=a,b,...: extra thresholds")
     ap.add_argument("--histories", action="append", default=[], metavar="EXPORT.json.gz",
                     help="the runs' metric histories from a compact export (scripts/mlflow_export.py) instead of "
@@ -553,6 +558,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         ap.error("--experiment needs the store that holds it: --tracking-uri URI (or a store URI as a source)")
     if a.growth_window <= 0:
         ap.error(f"--growth-window={a.growth_window} is not allowed: expected an integer > 0")
+    if a.spike_window <= 0:
+        ap.error(f"--spike-window={a.spike_window} is not allowed: expected an integer > 0")
     if a.histories and (a.experiment is not None or any(_is_store(x) for x in a.sources)):
         ap.error("--histories reads job folders' runs from an export: give job or sweep folders, not a store")
     try:
@@ -568,7 +575,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         ap.error(str(e))
     try:
         runs, skipped = load(a.sources, a.tracking_uri, a.experiment, a.growth_window, a.include_unfinished, hist,
-                             a.keep_jumped)
+                             a.keep_jumped, a.spike_window)
     except ValueError as e:  # a source that is not what it should be: one line naming it
         print(f"Error: {e}", file=sys.stderr)
         return 1
@@ -584,7 +591,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if a.holdout and not folds:
         groups = sorted({str(r.group) for r in runs})
         ap.error(f"--holdout needs runs from at least two sources, each known: got {', '.join(groups) or 'none'}")
-    paths = write(Path(a.out), runs, rows, chosen, skipped, a.growth_window, folds)
+    paths = write(Path(a.out), runs, rows, chosen, skipped, a.growth_window, folds, a.spike_window)
     print(paths["md"].read_text())
     print("written: " + ", ".join(str(p) for p in paths.values()))
     return 0

@@ -44,12 +44,13 @@ _NOT_COPIED = ("intervention", "from_checkpoint", "resume", "data.replay", "hydr
 class AlarmConfig:
     enabled: bool = False
     # orchestrator/monitor/signals.py: rmax_rate max_logit max_logit_head entropy wq_sigma wq_growth delta_cumsum
-    # val_rise
+    # val_rise grad_spike loss_spike
     signal: str = "max_logit"
     threshold: float = 1000.0  # fires when the signal is strictly above it (entropy: below)
     action: str = "tag"  # tag | checkpoint | stop | fork (each also tags; all but tag write a checkpoint)
     fork_intervention: str = "sfa"  # action=fork: the intervention the child job runs from the alarm checkpoint
     growth_window: int = 100  # steps over which wq_growth measures d ln sigma / d step
+    spike_window: int = 100  # logged values whose median grad_spike and loss_spike compare against
 
     def validate(self, key: str = "monitor.alarm", monitor=None) -> "AlarmConfig":
         def bad(name, v, allowed):
@@ -65,6 +66,8 @@ class AlarmConfig:
             raise bad("action", self.action, "one of " + ", ".join(ACTIONS))
         if isinstance(self.growth_window, bool) or not isinstance(self.growth_window, int) or self.growth_window <= 0:
             raise bad("growth_window", self.growth_window, "an integer > 0 (steps)")
+        if isinstance(self.spike_window, bool) or not isinstance(self.spike_window, int) or self.spike_window <= 0:
+            raise bad("spike_window", self.spike_window, "an integer > 0 (logged values)")
         if self.enabled and self.action == "fork":
             allowed = spec.names()
             if self.fork_intervention not in allowed:
@@ -96,7 +99,7 @@ class Alarm:
     def __init__(self, cfg: AlarmConfig, start_step: int = 0):
         self.cfg = cfg
         self.signal = SIGNALS[cfg.signal]
-        self.state = SignalState(cfg.growth_window, start_step)
+        self.state = SignalState(cfg.growth_window, start_step, cfg.spike_window)
         self.fired: Optional[Dict[str, Any]] = None
         self.pending = False
 

@@ -15,13 +15,19 @@ Signals (the paper's vocabulary; each from one metric family, so points of one s
   at or before step - growth_window to this one), max over heads;
 - delta_cumsum: the probes' cumulative sum of the delta error per layer, max over layers of its absolute value;
 - val_rise: the validation loss (val/loss, every train.eval_every steps) minus its lowest value so far in the run
-  (a fork: since its fork step), in nats; 0 while it keeps falling.
+  (a fork: since its fork step), in nats; 0 while it keeps falling;
+- grad_spike, loss_spike: the generic monitors any trainer has, as the baseline the paper's signals must beat: the
+  gradient norm before clipping (train/grad_norm) over the median of its previous `spike_window` logged values, and
+  the training loss (train/loss) minus that median, in nats; from half a window of values on (a fork: after its fork
+  step). An infinite value is a spike (+inf); the median is of the finite ones.
 A probe signal is absent (never computed, never fires) in a run without monitor.probes.
 """
 from __future__ import annotations
 
 import math
 import re
+import statistics
+from collections import deque
 from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Tuple
 
@@ -49,7 +55,11 @@ SIGNALS: Dict[str, Signal] = {s.name: s for s in (
            "monitor.wq_every"),
     Signal("delta_cumsum", ABOVE, "|delta-error cumulative sum|, max over layers", "monitor.probes"),
     Signal("val_rise", ABOVE, "validation loss above its lowest so far in the run (nats)", "train.eval_every"),
+    Signal("grad_spike", ABOVE, "gradient norm over its median of the previous spike_window steps", "always logged"),
+    Signal("loss_spike", ABOVE, "training loss above its median of the previous spike_window steps (nats)",
+           "always logged"),
 )}
+SPIKES = {"grad": ("grad_spike", record.GRAD_NORM), "loss": ("loss_spike", record.LOSS)}  # family -> signal, metric
 PROBE_SIGNALS = tuple(n for n, s in SIGNALS.items() if s.needs == "monitor.probes")
 
 # the probes' metric kinds (monitor.probes, probe/<kind>/L<l>[.H<h>]) each signal reads
@@ -67,14 +77,18 @@ def _parse_probe(name: str) -> Optional[Tuple[str, int, Optional[int]]]:
 
 
 # what early_warning reads from MLflow
-PREFIXES = (record.WQ_SIGMA, record.RMAX_ROWS, record.MAX_LOGIT, "probe/", record.VAL_LOSS)
+PREFIXES = (record.WQ_SIGMA, record.RMAX_ROWS, record.MAX_LOGIT, "probe/", record.VAL_LOSS, record.GRAD_NORM,
+            record.LOSS)
 
 
 def family(name: str) -> Optional[Tuple[str, int]]:
     """(family, layer) of a metric name the signals read, else None. Families: rmax, max_logit, wq, val (layer
-    0: the model's), and the probe signals' names."""
+    0: the model's), grad and loss (the spikes'), and the probe signals' names."""
     if name == record.VAL_LOSS:
         return "val", 0
+    for fam, (_, metric) in SPIKES.items():
+        if name == metric:
+            return fam, 0
     head = record.parse_head_metric(name)
     if head:
         return ("wq" if head[0] == "wq_sigma" else "rmax"), head[1]
@@ -95,10 +109,12 @@ def crossed(direction: str, value: float, threshold: float) -> bool:
 class SignalState:
     """Feed it each logged batch of metrics in step order (`update(step, metrics)`); it returns the signals those
     metrics determine at that step. Non-finite NaN points are skipped (the divergence detector owns them); +-inf
-    count. start_step: the run's first step (a fork's fork step), where the first repeated-maxima interval starts."""
+    count (a spike). start_step: the run's first step (a fork's fork step), where the first repeated-maxima interval
+    starts. spike_window: the values grad_spike's and loss_spike's median is over."""
 
-    def __init__(self, growth_window: int = 100, start_step: int = 0):
+    def __init__(self, growth_window: int = 100, start_step: int = 0, spike_window: int = 100):
         self.growth_window = int(growth_window)
+        self._recent = {fam: deque(maxlen=int(spike_window)) for fam in SPIKES}  # the previous finite values
         self._rmax_prev = int(start_step) - 1  # the last step of the previous repeated-maxima interval
         self._wq: Dict[str, List[Tuple[int, float]]] = {}  # head -> [(step, ln sigma)]
         self._val_min = math.inf  # the lowest validation loss so far (val_rise)
@@ -132,6 +148,27 @@ class SignalState:
         if "val" in fams and not math.isinf(v := fams["val"][record.VAL_LOSS]):
             self._val_min = min(self._val_min, v)
             out["val_rise"] = v - self._val_min
+        for fam, (sig, metric) in SPIKES.items():
+            if fam in fams:
+                v = self._spike(fam, fams[fam][metric])
+                if v is not None:
+                    out[sig] = v
+        return out
+
+    def _spike(self, fam: str, v: float) -> Optional[float]:
+        """v against the median of the previous finite values (None until half a window of them is in)."""
+        buf = self._recent[fam]
+        out = None
+        if 2 * len(buf) >= buf.maxlen:
+            med = statistics.median(buf)
+            if not math.isfinite(v):
+                out = math.inf
+            elif fam == "loss":
+                out = v - med
+            elif med > 0:
+                out = v / med
+        if math.isfinite(v):
+            buf.append(v)
         return out
 
     def _wq_rate(self, name: str, step: int, sigma: float) -> Optional[float]:
@@ -148,7 +185,7 @@ class SignalState:
 
 
 def series(history: Mapping[str, List[Tuple[int, float]]], start_step: int = 0,
-           growth_window: int = 100) -> Dict[str, List[Tuple[int, float]]]:
+           growth_window: int = 100, spike_window: int = 100) -> Dict[str, List[Tuple[int, float]]]:
     """{signal: [(step, value)]} of one run's metric histories, from start_step on (a fork: its fork step), as the
     alarm would have seen them. A signal with no point is absent from the result."""
     by_step: Dict[int, Dict[str, float]] = {}
@@ -158,7 +195,7 @@ def series(history: Mapping[str, List[Tuple[int, float]]], start_step: int = 0,
         for s, v in pts:
             if s >= start_step:
                 by_step.setdefault(int(s), {})[name] = v
-    state = SignalState(growth_window, start_step)
+    state = SignalState(growth_window, start_step, spike_window)
     out: Dict[str, List[Tuple[int, float]]] = {}
     for s in sorted(by_step):
         for sig, v in state.update(s, by_step[s]).items():

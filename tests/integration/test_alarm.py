@@ -62,6 +62,7 @@ def test_fork_overrides_drop_what_the_child_sets(tmp_path):
     (on("action=explode"), ["monitor.alarm.action='explode'", "tag, checkpoint, stop, fork"]),
     (on("threshold=nan"), ["monitor.alarm.threshold=nan", "a finite number"]),
     (on("growth_window=0"), ["monitor.alarm.growth_window=0", "an integer > 0"]),
+    (on("spike_window=-3"), ["monitor.alarm.spike_window=-3", "an integer > 0"]),
     (on("action=fork", "fork_intervention=nope"), ["monitor.alarm.fork_intervention='nope'", "sfa"]),
     (on("action=fork", "fork_intervention=qk_norm"), ["monitor.alarm.fork_intervention='qk_norm'", "model patch"]),
     (on("signal=rmax_rate") + ["monitor.counters=false"], ["monitor.alarm.signal='rmax_rate'", "monitor.counters"]),

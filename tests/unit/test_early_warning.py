@@ -122,6 +122,31 @@ def test_wq_growth_is_d_ln_sigma_per_step_over_the_window():
     assert growth[300] == pytest.approx(0.05)  # b: 0 at 200 to 5 at 300
 
 
+def test_grad_and_loss_spikes_against_the_median_of_the_previous_values():
+    """The generic monitors: grad norm / median, loss - median, of the previous spike_window finite values, from
+    half a window on; NaN skipped (the detector's), inf a spike; a fork's window starts at its fork step."""
+    grad = [(s, 2.0 + (s % 3)) for s in range(10)]  # 2, 3, 4, 2, 3, 4, 30 (the spike), 3, 4, 2
+    loss = [(s, 5.0 - 0.25 * s) for s in range(10)]  # 5, 4.75, ..., 3.5, NaN (step 7), 3.0, 2.75
+    grad[6], loss[7] = (6, 30.0), (7, float("nan"))
+    out = signals.series({"train/grad_norm": grad, "train/loss": loss}, spike_window=4)
+    g = dict(out["grad_spike"])
+    assert sorted(g) == list(range(2, 10))  # from 2 previous values (half of 4) on
+    assert g[2] == 4.0 / 2.5 and g[5] == 4.0 / 3.0  # medians of (2, 3) and of the last 4, (3, 4, 2, 3)
+    assert g[6] == 30.0 / 3.5 and g[7] == 3.0 / 3.5  # the spike against (4, 2, 3, 4); then 30 is in the window
+    lo = dict(out["loss_spike"])
+    assert 7 not in lo and lo[8] == pytest.approx(3.0 - 3.875)  # NaN skipped: (4.25, 4.0, 3.75, 3.5) -> 3.875
+    st = signals.SignalState(spike_window=2)
+    assert "grad_spike" not in st.update(0, {"train/grad_norm": 1.0})
+    assert st.update(1, {"train/grad_norm": float("inf")})["grad_spike"] == math.inf  # an overflow is a spike
+    assert st.update(2, {"train/grad_norm": 3.0})["grad_spike"] == 3.0  # inf never enters the median
+    fork = signals.series({"train/grad_norm": grad}, start_step=5, spike_window=4)["grad_spike"]
+    assert fork[0] == (7, 3.0 / 17.0)  # from 5: (4, 30) before step 7; the source's values are not in its window
+    # in the table they are signals like the others, present in every run that logs a loss
+    rows = [r for r in ew.table([Run("d", "diverged", 0, 9, out), Run("s", "stable", 0, None, {
+        "grad_spike": [(3, 1.0)], "loss_spike": [(3, 0.0)]})]) if r.signal == "grad_spike"]
+    assert [(r.threshold, r.leads, r.false_alarms) for r in rows] == [(1.0, {"d": 7}, 0), (30.0 / 3.5, {"d": None}, 0)]
+
+
 def test_write_md_json_plot(tmp_path):
     runs = script()
     rows = ew.table(runs)
