@@ -19,7 +19,8 @@ Signals (the paper's vocabulary; each from one metric family, so points of one s
 - grad_spike, loss_spike: the generic monitors any trainer has, as the baseline the paper's signals must beat: the
   gradient norm before clipping (train/grad_norm) over the median of its previous `spike_window` logged values, and
   the training loss (train/loss) minus that median, in nats; from half a window of values on (a fork: after its fork
-  step). An infinite value is a spike (+inf); the median is of the finite ones.
+  step). An infinite gradient norm (the monitors log it as the flag train/grad_norm_nonfinite) is a spike (+inf);
+  the median is of the finite values.
 A probe signal is absent (never computed, never fires) in a run without monitor.probes.
 """
 from __future__ import annotations
@@ -87,7 +88,7 @@ def family(name: str) -> Optional[Tuple[str, int]]:
     if name == record.VAL_LOSS:
         return "val", 0
     for fam, (_, metric) in SPIKES.items():
-        if name == metric:
+        if name in (metric, metric + record.NONFINITE_SUFFIX):  # the suffix: the monitors' flag of an inf/NaN
             return fam, 0
     head = record.parse_head_metric(name)
     if head:
@@ -123,7 +124,10 @@ class SignalState:
         fams: Dict[str, Dict[str, float]] = {}
         for name, v in metrics.items():
             f = family(name)
-            if f is not None and v is not None and not math.isnan(float(v)):
+            if f is not None and name.endswith(record.NONFINITE_SUFFIX):  # train/grad_norm was not finite
+                if f[0] == "grad" and v:  # (a NaN/inf loss stays in train/loss: the detector's)
+                    fams.setdefault(f[0], {})[record.GRAD_NORM] = math.inf
+            elif f is not None and v is not None and not math.isnan(float(v)):
                 fams.setdefault(f[0], {})[name] = float(v)
         out: Dict[str, float] = {}
         if "rmax" in fams:

@@ -139,6 +139,9 @@ def test_grad_and_loss_spikes_against_the_median_of_the_previous_values():
     assert "grad_spike" not in st.update(0, {"train/grad_norm": 1.0})
     assert st.update(1, {"train/grad_norm": float("inf")})["grad_spike"] == math.inf  # an overflow is a spike
     assert st.update(2, {"train/grad_norm": 3.0})["grad_spike"] == 3.0  # inf never enters the median
+    # what the monitors log for a NaN/inf gradient norm: the flag, not the value; a NaN loss stays the detector's
+    got = st.update(3, {"train/grad_norm_nonfinite": 1.0, "train/loss": float("nan"), "train/loss_nonfinite": 1.0})
+    assert got == {"grad_spike": math.inf}
     fork = signals.series({"train/grad_norm": grad}, start_step=5, spike_window=4)["grad_spike"]
     assert fork[0] == (7, 3.0 / 17.0)  # from 5: (4, 30) before step 7; the source's values are not in its window
     # in the table they are signals like the others, present in every run that logs a loss
