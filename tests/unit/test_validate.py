@@ -147,6 +147,16 @@ def test_unreachable_tracking_server(sweep):
     assert "tracking.uri='http://127.0.0.1:9'" in str(e.value) and "unreachable" in str(e.value)
 
 
+def test_a_tracking_store_that_is_not_a_database_launches_nothing(sweep, tmp_path):
+    """tracking.uri=sqlite:///<a text file> passed validation: every job of the sweep started, failed on the store and
+    the report was written (exit 1); it is now refused before launch, naming tracking.uri."""
+    (tmp_path / "notes.txt").write_text("not a database\n")
+    with pytest.raises(ConfigError) as e:
+        sweep("experiment=smoke", uri=f"sqlite:///{tmp_path}/notes.txt")
+    assert f"tracking.uri='sqlite:///{tmp_path}/notes.txt'" in str(e.value)
+    assert "is not an SQLite database" in str(e.value)
+
+
 def test_resume_missing_or_other_shape(sweep, tmp_path):
     with pytest.raises(ConfigError) as e:
         sweep("experiment=smoke", f"resume={tmp_path}/nope.pt")
