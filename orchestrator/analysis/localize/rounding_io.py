@@ -155,6 +155,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (OSError, ValueError) as e:
         print(f"localize rounding: {e}", file=sys.stderr)
         return 2
+    if not result.points:  # else an empty rounding table, a "Cause" in the report and ff.cause.* tags, with exit 0
+        print(f"localize rounding: source {str(a.source)!r} is not allowed: its {len(rows)} runs hold no "
+              "rounding-point fork (intervention lift_<point> or bf16_only_<point>); expected the report or sweep "
+              "folder of a rounding-point sweep (flash-forensics rounding-sweep)", file=sys.stderr)
+        return 2
     print(result.format())
     paths = write(result, out)
     c = cause(result, paths)
