@@ -147,6 +147,28 @@ def test_fork_pick_and_list_pass_over_damaged_checkpoints(tmp_path, capsys):
     assert "no checkpoint in its checkpoints/ folder" in capsys.readouterr().err
 
 
+def test_fork_names_a_missing_job_folder_and_an_unreadable_result_json(tmp_path, capsys):
+    """fork pick on a folder that does not exist said 'no divergence step in result.json (the run did not
+    diverge...)'; a result.json that is not a record gave json's 'Expecting value: line 1 column 1' alone (or an
+    AttributeError for JSON that is not an object). Each is named now; fork list still lists the checkpoints."""
+    from flash_forensics.orchestrator.job import checkpoint
+    for cmd in ("list", "pick"):
+        assert fork.main([cmd, str(tmp_path / "missing")]) == 1
+        assert f"JOB_DIR={str(tmp_path / 'missing')!r} is not allowed: no such folder" in capsys.readouterr().err
+    (tmp_path / "checkpoints").mkdir()
+    checkpoint.save(tmp_path / "checkpoints" / "step_10.pt", {"step": 10, "model": {}})
+    for text, why in (("garbage", "JSONDecodeError"), ("[1, 2]", "AttributeError")):
+        (tmp_path / "result.json").write_text(text)
+        assert fork.main(["pick", str(tmp_path)]) == 1
+        err = capsys.readouterr().err
+        assert f"{tmp_path / 'result.json'} is not a readable run record ({why}" in err, err
+        assert fork.main(["list", str(tmp_path)]) == 0
+        printed = capsys.readouterr()
+        assert "step_10.pt" in printed.out and "listing without the divergence step" in printed.err
+    assert fork.main(["pick", str(tmp_path), "--before", "20"]) == 0  # --before needs no record
+    assert capsys.readouterr().out.strip() == str(tmp_path / "checkpoints" / "step_10.pt")
+
+
 def test_early_warning_from_job_folders_leaves_out_jumped_forks_as_from_the_report():
     lease = BASELINE.parent
     export = {**readback.histories_from_export(lease / "mlflow-seed1337.json.gz")}
