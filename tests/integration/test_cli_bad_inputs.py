@@ -258,6 +258,24 @@ def test_data_tool_names_a_missing_tokenizer_file_and_a_root_that_is_a_file(tmp_
     assert "must be a writable folder" in capsys.readouterr().err
 
 
+def test_data_prepare_checks_vocab_size_first_and_takes_overrides_after_options(tmp_path, capsys):
+    """--vocab-size 10 was refused only after the whole corpus was tokenized, naming model.vocab_size; overrides
+    after an option (`--force data=text_files ...`) were 'unrecognized arguments'."""
+    from flash_forensics.orchestrator.data.__main__ import main as data_main
+    with pytest.raises(SystemExit) as e:
+        data_main(["prepare", f"data.root={tmp_path / 'd'}", "--vocab-size", "10"])
+    assert e.value.code == 2 and "--vocab-size=10 is not allowed: expected an integer >= 50257" in \
+        capsys.readouterr().err
+    assert not (tmp_path / "d").exists()  # nothing tokenized
+    with pytest.raises(SystemExit):
+        data_main(["prepare", "--force", "--bogus"])
+    assert "unrecognized arguments: --bogus" in capsys.readouterr().err
+    (tmp_path / "a.txt").write_text("some words to tokenize, enough for a train and a val split.\n" * 4)
+    assert data_main(["prepare", "--force", f"data.root={tmp_path / 'd'}", "data=text_files",
+                      f"data.files=[{tmp_path / 'a.txt'}]"]) == 0
+    assert "text_files-" in capsys.readouterr().out
+
+
 def test_localize_names_its_flags_and_refuses_job_with_a_job_folder(tmp_path, capsys):
     assert localize_main([str(BASELINE), "--window", "0"]) == 2
     assert "localize: --window=0 is not allowed" in capsys.readouterr().err  # the flag, not localize.window
