@@ -198,6 +198,19 @@ def test_a_typod_key_is_refused_with_the_closest_fields():
                        "hydra/launcher=submitit_local", "train.max_steps=5"]) == []
 
 
+def test_run_py_takes_multirun_after_overrides(tmp_path):
+    """`run.py a=1 -m b=x,y` was Hydra's 'unrecognized arguments: b=x,y'; -m is moved first and the sweep is read."""
+    import subprocess
+    import sys
+    root = Path(__file__).resolve().parents[2]
+    p = subprocess.run([sys.executable, str(root / "run.py"), "experiment=smoke", f"results_dir={tmp_path}/r",
+                        f"tracking.uri=sqlite:///{tmp_path}/m.db", "-m", "intervention=baseline,no_such_one"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1 and "unrecognized arguments" not in p.stderr, p.stderr[-2000:]
+    assert "Could not find 'intervention/no_such_one'" in p.stderr, p.stderr[-2000:]
+    assert not (tmp_path / "r").exists() and not (tmp_path / "m.db").exists()
+
+
 def test_run_py_refuses_a_typod_key_before_hydra(tmp_path):
     import subprocess
     import sys
