@@ -160,10 +160,14 @@ def histories_from_export(path, prefixes: Sequence[str] = record.HISTORY_PREFIXE
         raise ValueError(f"--histories {str(p)!r}: not an export of scripts/mlflow_export.py "
                          f"({type(e).__name__}: {e})") from e
     out: Dict[str, History] = {}
-    for run in runs:
-        value = lambda v: math.nan if v is None else record.from_mlflow_value(v)  # noqa: E731  (NaN: null)
-        out[run["run_id"]] = {k: sorted((int(pt[0]), value(pt[1])) for pt in pts)
-                              for k, pts in (run.get("metrics") or {}).items() if k.startswith(tuple(prefixes))}
+    value = lambda v: math.nan if v is None else record.from_mlflow_value(v)  # noqa: E731  (NaN: null)
+    try:  # runs that are not a list of {run_id, metrics} objects: named, not a bare TypeError ('int' not iterable)
+        for run in runs:
+            out[run["run_id"]] = {k: sorted((int(pt[0]), value(pt[1])) for pt in pts)
+                                  for k, pts in (run.get("metrics") or {}).items() if k.startswith(tuple(prefixes))}
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
+        raise ValueError(f"--histories {str(p)!r}: not an export of scripts/mlflow_export.py (its runs: "
+                         f"{type(e).__name__}: {e}; expected a list of objects with run_id and metrics)") from e
     return out
 
 

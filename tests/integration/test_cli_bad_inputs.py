@@ -123,6 +123,19 @@ def test_truncated_and_foreign_inputs_are_named(tmp_path, capsys):
     assert row["observed"] == "failed" and "unreadable" in row["error"]
 
 
+def test_an_export_whose_runs_are_not_run_objects_is_named(tmp_path):
+    """{"runs": 5}, runs without run_id, or points that are not [step, value] gave a bare TypeError/KeyError
+    ('int' object is not iterable), naming neither --histories nor the file."""
+    import gzip
+    for i, doc in enumerate(({"runs": 5}, {"runs": [{"metrics": {}}]},
+                             {"runs": [{"run_id": "a", "metrics": {"train/loss": [5]}}]})):
+        gz = tmp_path / f"e{i}.json.gz"
+        gz.write_bytes(gzip.compress(json.dumps(doc).encode()))
+        with pytest.raises(ValueError, match=rf"--histories '{gz}': not an export of scripts/mlflow_export.py "
+                                             r"\(its runs: .*expected a list of objects with run_id and metrics"):
+            readback.histories_from_export(gz)
+
+
 def test_fork_pick_and_list_pass_over_damaged_checkpoints(tmp_path, capsys):
     from flash_forensics.orchestrator.job import checkpoint
     d = tmp_path / "checkpoints"
