@@ -179,3 +179,10 @@ def test_pv_trace_garbage_truncated_or_mismatched_input_is_named(tmp_path):
         msg = str(e.value.code)
         assert msg.startswith(f"--input={str(tmp_path / name)!r}") and needle in msg, (name, msg)
         assert "\n" not in msg and "unsafe" not in msg and "weights_only" not in msg, (name, msg)
+
+
+def test_pv_trace_out_under_a_file_is_named(tmp_path):
+    """--out a/x.png with a a file: mkdir's FileExistsError after the trace, naming no flag."""
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(SystemExit, match=re.escape(f"{tmp_path / 'afile'} is a file; expected a file path in a")):
+        fx.main(["pv-trace", "--length", "64", "--out", str(tmp_path / "afile" / "x.png")])

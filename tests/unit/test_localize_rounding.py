@@ -226,6 +226,17 @@ def test_cli_refuses_a_report_without_rounding_point_forks(tmp_path, capsys):
     assert ((out / "verdicts.md").read_text(), (out / "verdicts.json").read_text()) == before
 
 
+def test_cli_refuses_an_out_that_is_a_file_before_reading(tmp_path, capsys):
+    """--out a file (or under one) failed after the analysis with FileExistsError / NotADirectoryError."""
+    out = _report(tmp_path, pv_out_rows())
+    (tmp_path / "afile").write_text("x")
+    for bad in (tmp_path / "afile", tmp_path / "afile" / "sub"):
+        assert rounding_io.main([str(out), "--out", str(bad), "--no-tags"]) == 2
+        err = capsys.readouterr().err
+        assert f"--out={str(bad)!r} is not allowed: {tmp_path / 'afile'} is a file" in err, err
+    assert not (out / "rounding.json").exists()
+
+
 def test_write_report_renders_the_cause(tmp_path):
     from flash_forensics.orchestrator.report.sweep import write_report
     rows = pv_out_rows()
