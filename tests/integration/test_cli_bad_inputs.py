@@ -299,12 +299,16 @@ def test_localize_names_its_flags_and_refuses_job_with_a_job_folder(tmp_path, ca
     assert "source 'baselin' is not allowed: no such folder, and not an MLflow run id" in capsys.readouterr().err
 
 
-def test_a_run_missing_from_its_store_is_named_with_the_store(tmp_path):
+def test_a_run_missing_from_its_store_is_named_with_the_store(tmp_path, capsys):
     from flash_forensics.orchestrator.tracking.store import make_client
     uri = f"sqlite:///{tmp_path / 'm.db'}"
     make_client(uri)  # an empty store
     with pytest.raises(ValueError, match=r"MLflow run 0123abcd is not in sqlite:///.*m.db: give the store"):
         readback.history(readback.client_for(uri), "0123abcd")
+    # localize with a run id: was 'MlflowException: Run with id=... not found' (exit 1), naming no store
+    rid = "0123456789abcdef0123456789abcdef"
+    assert localize_main([rid, "--tracking-uri", uri]) == 2
+    assert f"localize: MLflow run {rid} is not in {uri}: give the store" in capsys.readouterr().err
 
 
 def test_stabilizers_refuses_a_report_twice_and_names_an_unreadable_bench(tmp_path, capsys):

@@ -47,7 +47,7 @@ def resolve_source(source: str, tracking_uri: Optional[str] = None, job: Optiona
         raise ValueError(f"source {source!r} is not allowed: no such folder, and not an MLflow run id (32 hex "
                          "digits); expected a baseline job dir, a sweep dir or a run id")
     client = store.client_for(tracking_uri)
-    run = store.retry(client.get_run, source)
+    run = store.get_run(client, source)  # a run id not in the store: named with the store, not MlflowException
     rec = record.from_mlflow_run(run, store.history(client, run, (record.LOSS,)))
     return {"run_id": source, "tracking_uri": tracking_uri, "divergence_step": rec.divergence_step, "job_dir": None,
             "intervention": rec.intervention}
