@@ -329,6 +329,19 @@ def test_stabilizers_refuses_a_report_twice_and_names_an_unreadable_bench(tmp_pa
     assert not (tmp_path / "stabilizers").exists()
 
 
+def test_early_warning_refuses_a_tracking_uri_it_would_not_read(tmp_path, capsys):
+    """--tracking-uri with --histories: the store was silently unread (every history came from the export)."""
+    import gzip
+    gz = tmp_path / "e.json.gz"
+    gz.write_bytes(gzip.compress(json.dumps({"runs": []}).encode()))
+    with pytest.raises(SystemExit) as e:
+        early_warning.main([str(tmp_path), "--histories", str(gz), "--tracking-uri", f"sqlite:///{tmp_path}/m.db",
+                            "--out", str(tmp_path / "ew")])
+    assert e.value.code == 2 and "with --histories is not allowed: the histories come from the export alone" in \
+        capsys.readouterr().err
+    assert not (tmp_path / "ew").exists() and not (tmp_path / "m.db").exists()
+
+
 def test_early_warning_refuses_a_run_given_twice(tmp_path, capsys):
     report = BASELINE.parent / "report"
     for twice in ([str(report / "verdicts.json"), str(report)], [str(report / "verdicts.json"), str(BASELINE)]):
