@@ -107,6 +107,18 @@ def test_fork_baseline_source_without_histories_says_it_was_not_applied(tmp_path
     assert "NOT applied to 18 of 18 fork(s)" in md and md.count("not re-judged: fresh (no source history") == 18
 
 
+def test_fork_baseline_source_without_forks_says_it_did_nothing(tmp_path, capsys):
+    """Over a baseline alone, --fork-baseline source re-judged nothing, and the report's meta said 'each fork judged
+    from its source's detector' as if it had."""
+    shutil.copytree(BASELINE, tmp_path / "baseline")
+    assert report_main([str(tmp_path / "baseline"), "--out", str(tmp_path / "rep"), "--fork-baseline", "source",
+                        "--histories", str(BASELINE.parent / "mlflow-seed1337.json.gz")]) == 0
+    assert "--fork-baseline source: no fork among the runs (no fork_step); nothing was re-judged" in \
+        capsys.readouterr().out
+    md = (tmp_path / "rep" / "verdicts.md").read_text()
+    assert "fork_rule: source: no fork among the runs, nothing re-judged" in md and "each fork judged" not in md
+
+
 def test_truncated_and_foreign_inputs_are_named(tmp_path, capsys):
     bad = tmp_path / "verdicts.json"
     bad.write_text('{"runs": [')
