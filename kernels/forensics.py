@@ -564,6 +564,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="format of P̄, V and the stored partial sums (default bf16, the paper's)")
     t.add_argument("--out", default="results/forensics/pv_trace.png", help="PNG path (default: %(default)s)")
     t.add_argument("--json", action="store_true", help="print the summary as JSON")
+    sub.metavar = "{" + ",".join(sub.choices) + "}"  # a missing command: "required: {a,b}", not "required: cmd"
     return ap
 
 

@@ -69,6 +69,7 @@ def main(argv=None) -> int:
     sub.add_parser("fetch", help="fill the user cache (GPT-2 BPE + default corpus) for offline use")
     t = sub.add_parser("tokenizer", help="install the GPT-2 BPE ranks into the cache")
     t.add_argument("--from", dest="source", help="gpt2.tiktoken file or openai-whisper sdist (.tar.gz)")
+    sub.metavar = "{" + ",".join(sub.choices) + "}"  # a missing command: "required: {a,b}", not "required: cmd"
     args, extra = ap.parse_known_args(argv)
     if args.cmd == "prepare":  # overrides after an option (`--force data=text_files`) were 'unrecognized arguments'
         args.overrides += [a for a in extra if "=" in a and not a.startswith("-")]

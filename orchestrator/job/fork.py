@@ -342,6 +342,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     jb = sub.add_parser("jobs", help="print the jobs of sweep files (sweeps/NAME.yaml), one per line: "
                                      "NAME-INDEX<TAB>overrides")
     jb.add_argument("sweeps", nargs="+")
+    sub.metavar = "{" + ",".join(sub.choices) + "}"  # a missing command: "required: {a,b}", not "required: cmd"
     args = ap.parse_args(argv)
     try:
         if args.cmd == "list":
