@@ -305,11 +305,23 @@ def sweep_file_jobs(names, root: Optional[Path] = None) -> List[Tuple[str, List[
         if not path.is_file():
             raise ForkError(f"sweep {name!r}: no {path}; allowed: "
                             f"{', '.join(sorted(p.stem for p in root.glob('*.yaml')))}")
-        doc = yaml.safe_load(path.read_text()) or {}
-        params = (doc.get("hydra") or {}).get("sweeper", {}).get("params") or {}
+        # a file that is not YAML, or no hydra.sweeper.params mapping: named (it was yaml's ParserError or an
+        # AttributeError naming no file, and an empty file gave one job with no overrides, exit 0)
+        try:
+            doc = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as e:
+            raise ForkError(f"sweep {name!r}: {path} is not valid YAML ({str(e).splitlines()[0]})") from None
+        sweeper = (doc.get("hydra") or {}).get("sweeper") if isinstance(doc, dict) else None
+        params = sweeper.get("params") if isinstance(sweeper, dict) else None
+        if not isinstance(params, dict) or not params:
+            raise ForkError(f"sweep {name!r}: {path} has no hydra.sweeper.params; expected a sweep file whose jobs "
+                            "are listed there (as in sweeps/beta_sweep.yaml)")
         rest = {k: v for k, v in doc.items() if k not in ("hydra", "sweep_name", "defaults")}
         fixed = [f"{k}={v}" for k, v in _flat(OmegaConf.to_container(OmegaConf.create(rest), resolve=False))]
-        parsed = parser.parse_overrides([f"{k}={v}" for k, v in params.items()])
+        try:
+            parsed = parser.parse_overrides([f"{k}={v}" for k, v in params.items()])
+        except Exception as e:  # Hydra's OverrideParseException: its message names the override
+            raise ForkError(f"sweep {name!r}: {path}: hydra.sweeper.params: {str(e).splitlines()[0]}") from None
         jobs = [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
         out += [(f"{name}-{i}", list(job) + fixed) for i, job in enumerate(jobs)]
     return out

@@ -260,6 +260,22 @@ def test_small_cli_refusals(tmp_path, capsys):
     assert "sweep 'beta_sweep' is given twice" in capsys.readouterr().err
 
 
+def test_a_sweep_file_that_is_no_sweep_is_named(tmp_path, capsys):
+    """fork jobs (and isolate --sweeps) on a file that is not YAML gave yaml's 'ParserError: while parsing a flow
+    node', on a YAML list an AttributeError, naming no file; an empty file gave one job with no overrides, exit 0."""
+    (tmp_path / "broken.yaml").write_text("foo: [1,\n")
+    (tmp_path / "alist.yaml").write_text("- a\n- b\n")
+    (tmp_path / "empty.yaml").write_text("\n")
+    (tmp_path / "badparam.yaml").write_text("hydra:\n  sweeper:\n    params:\n      intervention: 'a,(b'\n")
+    for name, says in (("broken", "broken.yaml is not valid YAML (while parsing a flow node)"),
+                       ("alist", "alist.yaml has no hydra.sweeper.params"),
+                       ("empty", "empty.yaml has no hydra.sweeper.params"),
+                       ("badparam", "badparam.yaml: hydra.sweeper.params: Error parsing override 'intervention=a,(b'")):
+        assert fork.main(["jobs", str(tmp_path / name)]) == 1
+        printed = capsys.readouterr()
+        assert f"sweep {str(tmp_path / name)!r}: {tmp_path / says}" in printed.err and not printed.out, printed
+
+
 def test_analyze_refuses_repeated_heads_and_a_blind_run_without_a_fingerprint(capsys):
     from flash_forensics.capture.cli import main as analyze_main
     cap = str(ROOT / "results" / "capture_default" / "gpt_step59_L3.safetensors")
