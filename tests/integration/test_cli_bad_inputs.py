@@ -260,6 +260,18 @@ def test_small_cli_refusals(tmp_path, capsys):
     assert "sweep 'beta_sweep' is given twice" in capsys.readouterr().err
 
 
+def test_localize_names_an_unreadable_result_json(tmp_path, capsys):
+    """A job folder whose result.json is not a record: 'localize: Expecting value: line 1 column 1 (char 0)',
+    naming no file; in a sweep folder, 'no job with result.json' though one was there, unreadable."""
+    job = tmp_path / "sweep" / "0"
+    job.mkdir(parents=True)
+    (job / "result.json").write_text("garbage")
+    assert localize_main([str(job)]) == 2
+    assert f"localize: {job / 'result.json'} is not a readable run record (JSONDecodeError" in capsys.readouterr().err
+    assert localize_main([str(tmp_path / "sweep")]) == 2
+    assert "; unreadable result.json in 0" in capsys.readouterr().err
+
+
 def test_a_sweep_file_that_is_no_sweep_is_named(tmp_path, capsys):
     """fork jobs (and isolate --sweeps) on a file that is not YAML gave yaml's 'ParserError: while parsing a flow
     node', on a YAML list an AttributeError, naming no file; an empty file gave one job with no overrides, exit 0."""
