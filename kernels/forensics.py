@@ -611,9 +611,13 @@ def main(argv=None) -> int:
         print(f"{'':12s}{'sum':>14s}{'count':>8s}{'mean':>14s}")
         print(f"{'P̄ = 1':12s}{s['ones_sum']:>14.6g}{s['ones_count']:>8d}{s['ones_mean']:>14.6g}")
         print(f"{'others':12s}{s['others_sum']:>14.6g}{s['others_count']:>8d}{s['others_mean']:>14.6g}")
-        print(f"share of the error at P̄ = 1 positions: {s['ones_share']:.3f} (|error| added there / |error| added "
-              f"anywhere, in [0, 1]); signed share {s['ones_share_signed']:+.3f} (sum there / (|sum there| + |sum "
-              f"elsewhere|), in [-1, 1])")
+        if not math.isfinite(s["ones_share"]):  # it printed 'nan' and '+nan', unexplained, as if shares
+            print("share of the error at P̄ = 1 positions: undefined: no error was added anywhere (|error| added "
+                  "anywhere is 0)")
+        else:
+            print(f"share of the error at P̄ = 1 positions: {s['ones_share']:.3f} (|error| added there / |error| "
+                  f"added anywhere, in [0, 1]); signed share {s['ones_share_signed']:+.3f} (sum there / (|sum there| "
+                  f"+ |sum elsewhere|), in [-1, 1])")
         print(f"plot: {png}")
     return 0
 

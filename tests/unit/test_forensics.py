@@ -186,3 +186,12 @@ def test_pv_trace_out_under_a_file_is_named(tmp_path):
     (tmp_path / "afile").write_text("x")
     with pytest.raises(SystemExit, match=re.escape(f"{tmp_path / 'afile'} is a file; expected a file path in a")):
         fx.main(["pv-trace", "--length", "64", "--out", str(tmp_path / "afile" / "x.png")])
+
+
+def test_pv_trace_of_a_row_without_error_says_the_share_is_undefined(tmp_path, capsys):
+    """A row whose P̄V adds no error (all zeros) printed 'share ...: nan ...; signed share +nan', unexplained."""
+    torch.save({"p": torch.zeros(8), "v": torch.zeros(8)}, tmp_path / "zeros.pt")
+    assert fx.main(["pv-trace", "--input", str(tmp_path / "zeros.pt"), "--out", str(tmp_path / "z.png")]) == 0
+    out = capsys.readouterr().out
+    assert "share of the error at P̄ = 1 positions: undefined: no error was added anywhere" in out
+    assert "nan" not in out
