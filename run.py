@@ -22,7 +22,15 @@ def main(cfg: DictConfig):
     return result
 
 
+def multirun_flag_first(argv):
+    """`python run.py a=1 -m b=1,2`: Hydra's parser takes the overrides in one run of positionals, so those after -m
+    were 'unrecognized arguments: b=1,2' (naming the override, not the flag's place); -m/--multirun go first."""
+    flags = [a for a in argv[1:] if a in ("-m", "--multirun")]
+    return [argv[0], *flags, *(a for a in argv[1:] if a not in flags)]
+
+
 if __name__ == "__main__":
+    sys.argv = multirun_flag_first(sys.argv)
     bad = check_keys(sys.argv[1:])  # a typo'd key, before Hydra composes (its hint, `+key=...`, would not help)
     if bad:
         print("Error: configuration rejected, nothing launched.\n" + "\n".join(bad), file=sys.stderr)

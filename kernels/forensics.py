@@ -21,8 +21,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import pickle
 import struct
 import sys
+import zipfile
 from dataclasses import asdict, dataclass
 from fractions import Fraction
 from pathlib import Path
@@ -442,6 +444,9 @@ def example_row(length: int = 1024, ones: int = 16, seed: int = 0):
     return p, v.to(torch.bfloat16).double()
 
 
+_WRITERS = {".pt": "torch.save", ".npy": "np.save", ".npz": "np.savez"}
+
+
 def load_row(path: str, p_key: str = "p", v_key: str = "v"):
     """P̄ row and V column from .pt ({p_key, v_key} dict or a (2, T) tensor), .npy ((2, T)) or .npz (keys); checked:
     two finite vectors of one length, P̄ in [0, 1] (a softmax numerator exp(s - max))."""
@@ -461,12 +466,20 @@ def load_row(path: str, p_key: str = "p", v_key: str = "v"):
             p, v = _pair(np.load(f), path)
     except KeyError as e:
         raise ValueError(f"--input={path!r} has no entry {e} (name them with --p-key / --v-key)") from None
-    except (OSError, RuntimeError, ValueError, EOFError) as e:
+    except (OSError, RuntimeError, ValueError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile) as e:
         if str(e).startswith("--input"):
             raise
-        raise ValueError(f"--input={path!r} is not readable as {f.suffix} ({type(e).__name__}: {e})") from None
+        # torch's and numpy's own words for a garbage or truncated file advise loading it unsafely (weights_only=False,
+        # allow_pickle=True: wrong for a text file) or run on for lines: say what the file should be, with their
+        # first sentence cut short where it is not that advice
+        why = "" if "pickl" in f"{type(e).__name__} {e}" else f" ({type(e).__name__}: {str(e).split('. ')[0][:120]})"
+        raise ValueError(f"--input={path!r} is not readable as {f.suffix}: expected a file "
+                         f"{_WRITERS[f.suffix]} wrote, whole{why}") from None
     p = np.asarray(p, dtype=np.float64).reshape(-1)
     v = np.asarray(v, dtype=np.float64).reshape(-1)
+    if p.size == 0 or p.shape != v.shape:  # checked here to name --input (pv_trace names only its own arguments)
+        raise ValueError(f"--input={path!r} is not allowed: P̄ has {p.size} and V {v.size} values; expected two "
+                         "non-empty vectors of one length")
     if not (np.isfinite(p).all() and np.isfinite(v).all()):
         raise ValueError(f"--input={path!r} is not allowed: it holds non-finite values (NaN or inf)")
     if p.size and (p.min() < 0 or p.max() > 1):
@@ -551,6 +564,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="format of P̄, V and the stored partial sums (default bf16, the paper's)")
     t.add_argument("--out", default="results/forensics/pv_trace.png", help="PNG path (default: %(default)s)")
     t.add_argument("--json", action="store_true", help="print the summary as JSON")
+    sub.metavar = "{" + ",".join(sub.choices) + "}"  # a missing command: "required: {a,b}", not "required: cmd"
     return ap
 
 
@@ -571,6 +585,9 @@ def main(argv=None) -> int:
     if out.is_dir() or out.suffix.lower() not in PLOT_SUFFIXES:
         raise SystemExit(f"--out={args.out!r} is not allowed: expected a file path ending in "
                          f"{', '.join(PLOT_SUFFIXES)}" + (" (it is a folder)" if out.is_dir() else ""))
+    under = next((q for q in out.parents if q.exists()), None)
+    if under is not None and not under.is_dir():  # else mkdir's FileExistsError after the trace, naming no flag
+        raise SystemExit(f"--out={args.out!r} is not allowed: {under} is a file; expected a file path in a folder")
     if args.input:
         try:
             p, v = load_row(args.input, args.p_key, args.v_key)
@@ -594,9 +611,13 @@ def main(argv=None) -> int:
         print(f"{'':12s}{'sum':>14s}{'count':>8s}{'mean':>14s}")
         print(f"{'P̄ = 1':12s}{s['ones_sum']:>14.6g}{s['ones_count']:>8d}{s['ones_mean']:>14.6g}")
         print(f"{'others':12s}{s['others_sum']:>14.6g}{s['others_count']:>8d}{s['others_mean']:>14.6g}")
-        print(f"share of the error at P̄ = 1 positions: {s['ones_share']:.3f} (|error| added there / |error| added "
-              f"anywhere, in [0, 1]); signed share {s['ones_share_signed']:+.3f} (sum there / (|sum there| + |sum "
-              f"elsewhere|), in [-1, 1])")
+        if not math.isfinite(s["ones_share"]):  # it printed 'nan' and '+nan', unexplained, as if shares
+            print("share of the error at P̄ = 1 positions: undefined: no error was added anywhere (|error| added "
+                  "anywhere is 0)")
+        else:
+            print(f"share of the error at P̄ = 1 positions: {s['ones_share']:.3f} (|error| added there / |error| "
+                  f"added anywhere, in [0, 1]); signed share {s['ones_share_signed']:+.3f} (sum there / (|sum there| "
+                  f"+ |sum elsewhere|), in [-1, 1])")
         print(f"plot: {png}")
     return 0
 

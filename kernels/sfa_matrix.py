@@ -120,6 +120,9 @@ def main(argv=None) -> int:
     if args.out is not None and args.out.is_dir():
         ap.error(f"--out={str(args.out)!r} is not allowed: it is a folder; expected a file path (e.g. "
                  f"{args.out / 'sfa_edge_matrix.md'})")
+    under = next((q for q in args.out.parents if q.exists()), None) if args.out is not None else None
+    if under is not None and not under.is_dir():  # else mkdir's FileExistsError, naming no flag, after the matrix
+        ap.error(f"--out={str(args.out)!r} is not allowed: {under} is a file; expected a file path in a folder")
     text = markdown(matrix())
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

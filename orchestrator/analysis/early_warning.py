@@ -562,6 +562,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         ap.error(f"--spike-window={a.spike_window} is not allowed: expected an integer > 0")
     if a.histories and (a.experiment is not None or any(_is_store(x) for x in a.sources)):
         ap.error("--histories reads job folders' runs from an export: give job or sweep folders, not a store")
+    if a.histories and a.tracking_uri is not None:  # every history then comes from the export: the store is unread
+        ap.error(f"--tracking-uri {a.tracking_uri!r} with --histories is not allowed: the histories come from the "
+                 "export alone, no store is read; give one of them")
     try:
         hist = None
         for path in a.histories:

@@ -57,11 +57,14 @@ from flash_forensics.orchestrator.analysis.localize import (
     rounding,
     rounding_io,
 )
+from flash_forensics.orchestrator.config.folders import check_folder
+from flash_forensics.orchestrator.config.keys import check_keys
 from flash_forensics.orchestrator.config.validate import validate_config
 from flash_forensics.orchestrator.job import fork
 from flash_forensics.orchestrator.report.readback import client_for, retry
 from flash_forensics.orchestrator.report.rows import rows_from_dirs
 from flash_forensics.orchestrator.report.sweep import log_sweep_metrics, write_report
+from flash_forensics.orchestrator.tracking.store import TrackingUnreachable, check_tracking
 from flash_forensics.orchestrator.tracking.tracker import default_tracking_uri, get_or_create_experiment, git_info
 
 REPO = Path(__file__).resolve().parents[2]
@@ -179,6 +182,9 @@ class Pipeline:
     def pick(self, job: Path, rec: record.RunRecord) -> Tuple[int, Path, int]:
         """(fork step, checkpoint, the forks' last step)."""
         p = self.plan
+        if rec.divergence_step is None:  # fork.pick_step's answer ("give --before STEP") names no flag of this tool
+            raise PipelineError(f"the baseline ({job}) did not diverge in its {rec.steps_done} steps: there is no "
+                                "divergence to isolate; train it longer (train.max_steps) or check the recipe")
         step, ckpt = fork.pick_step(job, at_min=p.pick_rule == "at-min", margin=p.margin)
         fs = p.fork_steps
         if p.past_divergence is not None:
@@ -340,6 +346,18 @@ def preflight(plan: Plan) -> None:
             raise PipelineError(f"{what}={name!r} is not allowed: no conf/{group}/{name}.yaml; expected one of {have}")
 
     known("experiment", plan.experiment, "--experiment")
+    # the folders and the store the runs write: else the baseline's run.py refused them and the pipeline went on to
+    # read a result.json that could not exist, or trained the baseline and found --out a file at the report
+    try:
+        check_folder("--root", str(plan.root), "the baseline's and the forks' job folders")
+        check_folder("--out", str(plan.out), "the report: verdicts.{md,json}, plots")
+        check_tracking(plan.uri)
+    except ValueError as e:  # ConfigError, TrackingUnreachable
+        raise PipelineError(f"--uri: {e}" if isinstance(e, TrackingUnreachable) else str(e)) from None
+    # a typo'd key gets run.py's answer (the closest fields), not Hydra's '+key=...' hint from the composition below
+    bad = check_keys([*plan.overrides, *plan.fork_overrides])
+    if bad:
+        raise PipelineError("; ".join(bad))
     for o in [*plan.overrides, *plan.fork_overrides]:
         if o.split("=", 1)[0].lstrip("+~") == "intervention":
             raise PipelineError(f"{o!r}: the pipeline chooses the interventions (baseline, then the sweeps' forks)")

@@ -33,6 +33,8 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 from flash_forensics.kernels.recipes import POINT_MEANINGS, RECIPES, ROUNDING_POINTS, resolve
+from flash_forensics.orchestrator.config.folders import check_folder
+from flash_forensics.orchestrator.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 SWEEP = "rounding_points"
@@ -175,6 +177,15 @@ def main(argv: Optional[Sequence[str]] = None, root: Path = ROOT) -> int:
                "paper_bf16's files are the committed ones" if a.recipe else "it needs --recipe")
         ap.error(f"--replace is not allowed here ({why}): it lets --recipe R (not paper_bf16) overwrite the committed "
                  "paper_bf16 sweep's files in the repository")
+    if a.out is not None:  # a file there failed mid-write with NotADirectoryError, naming no flag
+        try:
+            if a.check and a.out.exists() and not a.out.is_dir():
+                raise ConfigError(f"--out={str(a.out)!r} is not allowed: it is a file; expected the folder the "
+                                  "files were written under")
+            if not a.check:
+                check_folder("--out", str(a.out), "conf/intervention/ and sweeps/ go under it")
+        except ConfigError as e:
+            ap.error(str(e))
     files = generate(a.recipe) if a.recipe else generate_up(a.up) if a.up else generate_all()
     if a.out is not None:  # written there, or with --check compared with what is there (not the repository)
         root = a.out

@@ -16,7 +16,13 @@ import flash_forensics.orchestrator.config.schema  # noqa: F401  registers base_
 from flash_forensics.orchestrator.data.config import REPO_ROOT, DataConfig, DataError
 from flash_forensics.orchestrator.data.corpora import kjv_path
 from flash_forensics.orchestrator.data.prepare import ensure_prepared
-from flash_forensics.orchestrator.data.tokenizer import TokenizerUnavailable, gpt2_encoding, install_ranks, ranks_path
+from flash_forensics.orchestrator.data.tokenizer import (
+    N_VOCAB,
+    TokenizerUnavailable,
+    gpt2_encoding,
+    install_ranks,
+    ranks_path,
+)
 
 
 @dataclass
@@ -63,7 +69,16 @@ def main(argv=None) -> int:
     sub.add_parser("fetch", help="fill the user cache (GPT-2 BPE + default corpus) for offline use")
     t = sub.add_parser("tokenizer", help="install the GPT-2 BPE ranks into the cache")
     t.add_argument("--from", dest="source", help="gpt2.tiktoken file or openai-whisper sdist (.tar.gz)")
-    args = ap.parse_args(argv)
+    sub.metavar = "{" + ",".join(sub.choices) + "}"  # a missing command: "required: {a,b}", not "required: cmd"
+    args, extra = ap.parse_known_args(argv)
+    if args.cmd == "prepare":  # overrides after an option (`--force data=text_files`) were 'unrecognized arguments'
+        args.overrides += [a for a in extra if "=" in a and not a.startswith("-")]
+        extra = [a for a in extra if a not in args.overrides]
+    if extra:
+        ap.error(f"unrecognized arguments: {' '.join(extra)}")
+    if args.cmd == "prepare" and args.vocab_size < N_VOCAB:  # else refused only after the whole corpus is tokenized
+        p.error(f"--vocab-size={args.vocab_size} is not allowed: expected an integer >= {N_VOCAB} (the GPT-2 "
+                "tokenizer's ids; 50304 is the usual padded size)")
     try:
         if args.cmd == "prepare":
 

@@ -218,10 +218,24 @@ def checkpoints(job_dir) -> List[Tuple[int, Path]]:
 
 
 def _result_field(job_dir, key: str) -> Optional[int]:
-    """A field of the job's run record (None without one)."""
-    if not record.result_path(job_dir).is_file():
+    """A field of the job's run record (None without one); one that cannot be read is named (json's own words were
+    all a user saw: 'Expecting value: line 1 column 1')."""
+    path = record.result_path(job_dir)
+    if not path.is_file():
         return None
-    return getattr(record.read(job_dir), key)
+    try:
+        return getattr(record.read(job_dir), key)
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:  # not JSON, or JSON but not an object
+        raise ForkError(f"{path} is not a readable run record ({type(e).__name__}: {str(e)[:200]}); expected the "
+                        "result.json a job writes (fork pick --before STEP picks without it)") from None
+
+
+def _job_dir(value: str) -> str:
+    """JOB_DIR exists and is a folder (a missing one was said as 'no divergence step in result.json')."""
+    if not Path(value).is_dir():
+        raise ForkError(f"JOB_DIR={value!r} is not allowed: " + ("it is a file" if Path(value).exists() else
+                        "no such folder") + "; expected a job output folder (result.json, checkpoints/)")
+    return value
 
 
 def divergence_step(job_dir) -> Optional[int]:
@@ -291,11 +305,23 @@ def sweep_file_jobs(names, root: Optional[Path] = None) -> List[Tuple[str, List[
         if not path.is_file():
             raise ForkError(f"sweep {name!r}: no {path}; allowed: "
                             f"{', '.join(sorted(p.stem for p in root.glob('*.yaml')))}")
-        doc = yaml.safe_load(path.read_text()) or {}
-        params = (doc.get("hydra") or {}).get("sweeper", {}).get("params") or {}
+        # a file that is not YAML, or no hydra.sweeper.params mapping: named (it was yaml's ParserError or an
+        # AttributeError naming no file, and an empty file gave one job with no overrides, exit 0)
+        try:
+            doc = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as e:
+            raise ForkError(f"sweep {name!r}: {path} is not valid YAML ({str(e).splitlines()[0]})") from None
+        sweeper = (doc.get("hydra") or {}).get("sweeper") if isinstance(doc, dict) else None
+        params = sweeper.get("params") if isinstance(sweeper, dict) else None
+        if not isinstance(params, dict) or not params:
+            raise ForkError(f"sweep {name!r}: {path} has no hydra.sweeper.params; expected a sweep file whose jobs "
+                            "are listed there (as in sweeps/beta_sweep.yaml)")
         rest = {k: v for k, v in doc.items() if k not in ("hydra", "sweep_name", "defaults")}
         fixed = [f"{k}={v}" for k, v in _flat(OmegaConf.to_container(OmegaConf.create(rest), resolve=False))]
-        parsed = parser.parse_overrides([f"{k}={v}" for k, v in params.items()])
+        try:
+            parsed = parser.parse_overrides([f"{k}={v}" for k, v in params.items()])
+        except Exception as e:  # Hydra's OverrideParseException: its message names the override
+            raise ForkError(f"sweep {name!r}: {path}: hydra.sweeper.params: {str(e).splitlines()[0]}") from None
         jobs = [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
         out += [(f"{name}-{i}", list(job) + fixed) for i, job in enumerate(jobs)]
     return out
@@ -328,10 +354,17 @@ def main(argv: Optional[List[str]] = None) -> int:
     jb = sub.add_parser("jobs", help="print the jobs of sweep files (sweeps/NAME.yaml), one per line: "
                                      "NAME-INDEX<TAB>overrides")
     jb.add_argument("sweeps", nargs="+")
+    sub.metavar = "{" + ",".join(sub.choices) + "}"  # a missing command: "required: {a,b}", not "required: cmd"
     args = ap.parse_args(argv)
     try:
         if args.cmd == "list":
-            div = divergence_step(args.job_dir)
+            try:
+                div = divergence_step(_job_dir(args.job_dir))
+            except ForkError as e:  # the checkpoints are still listed, without the divergence marks
+                if not record.result_path(args.job_dir).is_file():
+                    raise
+                print(f"[fork] {e}; listing without the divergence step", file=sys.stderr)
+                div = None
             found = checkpoints(args.job_dir)
             if not found:  # an empty listing with exit 0 read as success
                 raise ForkError(f"{args.job_dir}: no checkpoint in its {CKPT_DIR}/ folder (step_<k>.pt or last.pt); "
@@ -352,7 +385,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             if args.before is not None and args.at_min:
                 raise ValueError("--at-min with --before is not allowed: --at-min chooses --before (the lowest "
                                  "loss before the divergence); give one of them")
-            step, path = pick_step(args.job_dir, args.before, args.margin, args.at_min)
+            step, path = pick_step(_job_dir(args.job_dir), args.before, args.margin, args.at_min)
             print(f"{step}\t{path}" if args.with_step else path)
     except ValueError as e:
         print(f"Error: {e}", file=sys.stderr)

@@ -62,18 +62,23 @@ def job_store(job_dir: Path) -> Optional[str]:
     return None
 
 
+def get_run(client, run_id: str):
+    """The MLflow run; one that is not in the store is a ValueError naming the store and what to do."""
+    try:
+        return retry(client.get_run, run_id)
+    except Exception as e:  # MLflow's RESOURCE_DOES_NOT_EXIST names neither the store nor what to do
+        if "not found" not in str(e) and "RESOURCE_DOES_NOT_EXIST" not in str(e):
+            raise
+        raise ValueError(f"MLflow run {run_id} is not in {getattr(client, 'tracking_uri', 'this store')}: give the "
+                         "store it was logged to (--tracking-uri), or an export of it where the tool takes one "
+                         "(--histories)") from None
+
+
 def history(client, run, prefixes: Sequence[str] = record.HISTORY_PREFIXES, progress: str = "") -> History:
     """{metric: [(step, value)]} of one run (an MLflow Run or its id), for the metrics starting with `prefixes`;
     +-inf come back as floats (record.from_mlflow_value), sorted by step."""
     if isinstance(run, str):
-        try:
-            run = retry(client.get_run, run)
-        except Exception as e:  # MLflow's RESOURCE_DOES_NOT_EXIST names neither the store nor what to do
-            if "not found" not in str(e) and "RESOURCE_DOES_NOT_EXIST" not in str(e):
-                raise
-            raise ValueError(f"MLflow run {run} is not in {getattr(client, 'tracking_uri', 'this store')}: give the "
-                             "store it was logged to (--tracking-uri), or an export of it where the tool takes one "
-                             "(--histories)") from None
+        run = get_run(client, run)
     rid = run.info.run_id
     keys = [k for k in run.data.metrics if k.startswith(tuple(prefixes))]
     from tqdm import tqdm
@@ -160,11 +165,15 @@ def histories_from_export(path, prefixes: Sequence[str] = record.HISTORY_PREFIXE
         raise ValueError(f"--histories {str(p)!r}: not an export of scripts/mlflow_export.py "
                          f"({type(e).__name__}: {e})") from e
     out: Dict[str, History] = {}
-    for run in runs:
-        value = lambda v: math.nan if v is None else record.from_mlflow_value(v)  # noqa: E731  (NaN: null)
-        out[run["run_id"]] = {k: sorted((int(pt[0]), value(pt[1])) for pt in pts)
-                              for k, pts in (run.get("metrics") or {}).items() if k.startswith(tuple(prefixes))}
+    value = lambda v: math.nan if v is None else record.from_mlflow_value(v)  # noqa: E731  (NaN: null)
+    try:  # runs that are not a list of {run_id, metrics} objects: named, not a bare TypeError ('int' not iterable)
+        for run in runs:
+            out[run["run_id"]] = {k: sorted((int(pt[0]), value(pt[1])) for pt in pts)
+                                  for k, pts in (run.get("metrics") or {}).items() if k.startswith(tuple(prefixes))}
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
+        raise ValueError(f"--histories {str(p)!r}: not an export of scripts/mlflow_export.py (its runs: "
+                         f"{type(e).__name__}: {e}; expected a list of objects with run_id and metrics)") from e
     return out
 
 
-__all__ = ["retry", "client_for", "history", "load_histories", "rows_from_mlflow", "histories_from_export"]
+__all__ = ["retry", "client_for", "get_run", "history", "load_histories", "rows_from_mlflow", "histories_from_export"]

@@ -386,7 +386,10 @@ def write_report(rows: List[Dict], out_dir: os.PathLike, tracking_uri: Optional[
         meta["fork_rule"] = ("source: each fork judged from its source's detector at the fork step (re-judged from "
                              "the histories where it ran fresh)"
                              + (f"; NOT applied to {len(kept)} of {len(forks)} fork(s), which keep their own "
-                                f"verdict: {kept[0]['fork_rule'][len('fresh ('):-1]}" if kept else ""))
+                                f"verdict: {kept[0]['fork_rule'][len('fresh ('):-1]}" if kept else "")
+                             if forks else "source: no fork among the runs, nothing re-judged")
+        if not forks:  # the flag did nothing: said, not left to read as if it had re-judged something
+            print("[report] --fork-baseline source: no fork among the runs (no fork_step); nothing was re-judged")
         if kept:
             print(f"[report] --fork-baseline source: {len(kept)} of {len(forks)} fork(s) keep their own verdict "
                   f"({kept[0]['fork_rule']}); give the histories (--tracking-uri or --histories)")

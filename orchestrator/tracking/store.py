@@ -90,6 +90,10 @@ def check_tracking(uri: Optional[str], timeout_s: float = 3.0) -> str:
             raise TrackingUnreachable(f"tracking.uri={uri!r}: cannot create folder {folder}: {e}") from None
         if not os.access(folder, os.W_OK) or (db.exists() and not os.access(db, os.W_OK)):
             raise TrackingUnreachable(f"tracking.uri={uri!r}: {db} is not writable")
+        try:  # checked before launch too: else every job of a sweep started, failed on it and the report was written
+            check_sqlite_file(db, f"tracking.uri={uri!r}")
+        except ValueError as e:
+            raise TrackingUnreachable(str(e)) from None
         return uri
     if uri.startswith(("file:", "/")) or "://" not in uri:
         raise TrackingUnreachable(
@@ -183,16 +187,22 @@ def _store_lock(db: Path):
     return exclusive(Path(db).with_name(Path(db).name + ".lock"))
 
 
+def check_sqlite_file(db: Path, said: str) -> None:
+    """A non-empty file at an sqlite store's path that is not an SQLite database is refused in one sentence that
+    starts with `said` (how the caller names the store)."""
+    if db.is_file() and db.stat().st_size:
+        with open(db, "rb") as f:
+            if f.read(16) != b"SQLite format 3\x00":
+                raise ValueError(f"{said}: {db} is not an SQLite database (an MLflow sqlite store is a "
+                                 f"file MLflow created; give a new path or the right file)")
+
+
 def make_client(uri: str):
     from mlflow.tracking import MlflowClient
     db = sqlite_path(uri)
     if db is None:
         return retry(MlflowClient, tracking_uri=uri)
-    if db.is_file() and db.stat().st_size:  # a file that is not a database: one sentence, before MLflow's traceback
-        with open(db, "rb") as f:
-            if f.read(16) != b"SQLite format 3\x00":
-                raise ValueError(f"tracking uri {uri}: {db} is not an SQLite database (an MLflow sqlite store is a "
-                                 f"file MLflow created; give a new path or the right file)")
+    check_sqlite_file(db, f"tracking uri {uri}")  # one sentence, before MLflow's traceback
     with _store_lock(db):
         client = retry(MlflowClient, tracking_uri=uri)
         retry(client.search_experiments, max_results=1)  # opens (creates, migrates) the store under the lock

@@ -107,6 +107,18 @@ def test_fork_baseline_source_without_histories_says_it_was_not_applied(tmp_path
     assert "NOT applied to 18 of 18 fork(s)" in md and md.count("not re-judged: fresh (no source history") == 18
 
 
+def test_fork_baseline_source_without_forks_says_it_did_nothing(tmp_path, capsys):
+    """Over a baseline alone, --fork-baseline source re-judged nothing, and the report's meta said 'each fork judged
+    from its source's detector' as if it had."""
+    shutil.copytree(BASELINE, tmp_path / "baseline")
+    assert report_main([str(tmp_path / "baseline"), "--out", str(tmp_path / "rep"), "--fork-baseline", "source",
+                        "--histories", str(BASELINE.parent / "mlflow-seed1337.json.gz")]) == 0
+    assert "--fork-baseline source: no fork among the runs (no fork_step); nothing was re-judged" in \
+        capsys.readouterr().out
+    md = (tmp_path / "rep" / "verdicts.md").read_text()
+    assert "fork_rule: source: no fork among the runs, nothing re-judged" in md and "each fork judged" not in md
+
+
 def test_truncated_and_foreign_inputs_are_named(tmp_path, capsys):
     bad = tmp_path / "verdicts.json"
     bad.write_text('{"runs": [')
@@ -121,6 +133,19 @@ def test_truncated_and_foreign_inputs_are_named(tmp_path, capsys):
     (tmp_path / "job" / "result.json").write_text("[1, 2]")  # JSON, not a record: a failed row, not a lost table
     row = job_row(tmp_path / "job", "job")
     assert row["observed"] == "failed" and "unreadable" in row["error"]
+
+
+def test_an_export_whose_runs_are_not_run_objects_is_named(tmp_path):
+    """{"runs": 5}, runs without run_id, or points that are not [step, value] gave a bare TypeError/KeyError
+    ('int' object is not iterable), naming neither --histories nor the file."""
+    import gzip
+    for i, doc in enumerate(({"runs": 5}, {"runs": [{"metrics": {}}]},
+                             {"runs": [{"run_id": "a", "metrics": {"train/loss": [5]}}]})):
+        gz = tmp_path / f"e{i}.json.gz"
+        gz.write_bytes(gzip.compress(json.dumps(doc).encode()))
+        with pytest.raises(ValueError, match=rf"--histories '{gz}': not an export of scripts/mlflow_export.py "
+                                             r"\(its runs: .*expected a list of objects with run_id and metrics"):
+            readback.histories_from_export(gz)
 
 
 def test_fork_pick_and_list_pass_over_damaged_checkpoints(tmp_path, capsys):
@@ -145,6 +170,28 @@ def test_fork_pick_and_list_pass_over_damaged_checkpoints(tmp_path, capsys):
         f.unlink()
     assert fork.main(["list", str(tmp_path)]) == 1  # was exit 0, nothing printed
     assert "no checkpoint in its checkpoints/ folder" in capsys.readouterr().err
+
+
+def test_fork_names_a_missing_job_folder_and_an_unreadable_result_json(tmp_path, capsys):
+    """fork pick on a folder that does not exist said 'no divergence step in result.json (the run did not
+    diverge...)'; a result.json that is not a record gave json's 'Expecting value: line 1 column 1' alone (or an
+    AttributeError for JSON that is not an object). Each is named now; fork list still lists the checkpoints."""
+    from flash_forensics.orchestrator.job import checkpoint
+    for cmd in ("list", "pick"):
+        assert fork.main([cmd, str(tmp_path / "missing")]) == 1
+        assert f"JOB_DIR={str(tmp_path / 'missing')!r} is not allowed: no such folder" in capsys.readouterr().err
+    (tmp_path / "checkpoints").mkdir()
+    checkpoint.save(tmp_path / "checkpoints" / "step_10.pt", {"step": 10, "model": {}})
+    for text, why in (("garbage", "JSONDecodeError"), ("[1, 2]", "AttributeError")):
+        (tmp_path / "result.json").write_text(text)
+        assert fork.main(["pick", str(tmp_path)]) == 1
+        err = capsys.readouterr().err
+        assert f"{tmp_path / 'result.json'} is not a readable run record ({why}" in err, err
+        assert fork.main(["list", str(tmp_path)]) == 0
+        printed = capsys.readouterr()
+        assert "step_10.pt" in printed.out and "listing without the divergence step" in printed.err
+    assert fork.main(["pick", str(tmp_path), "--before", "20"]) == 0  # --before needs no record
+    assert capsys.readouterr().out.strip() == str(tmp_path / "checkpoints" / "step_10.pt")
 
 
 def test_early_warning_from_job_folders_leaves_out_jumped_forks_as_from_the_report():
@@ -213,6 +260,34 @@ def test_small_cli_refusals(tmp_path, capsys):
     assert "sweep 'beta_sweep' is given twice" in capsys.readouterr().err
 
 
+def test_localize_names_an_unreadable_result_json(tmp_path, capsys):
+    """A job folder whose result.json is not a record: 'localize: Expecting value: line 1 column 1 (char 0)',
+    naming no file; in a sweep folder, 'no job with result.json' though one was there, unreadable."""
+    job = tmp_path / "sweep" / "0"
+    job.mkdir(parents=True)
+    (job / "result.json").write_text("garbage")
+    assert localize_main([str(job)]) == 2
+    assert f"localize: {job / 'result.json'} is not a readable run record (JSONDecodeError" in capsys.readouterr().err
+    assert localize_main([str(tmp_path / "sweep")]) == 2
+    assert "; unreadable result.json in 0" in capsys.readouterr().err
+
+
+def test_a_sweep_file_that_is_no_sweep_is_named(tmp_path, capsys):
+    """fork jobs (and isolate --sweeps) on a file that is not YAML gave yaml's 'ParserError: while parsing a flow
+    node', on a YAML list an AttributeError, naming no file; an empty file gave one job with no overrides, exit 0."""
+    (tmp_path / "broken.yaml").write_text("foo: [1,\n")
+    (tmp_path / "alist.yaml").write_text("- a\n- b\n")
+    (tmp_path / "empty.yaml").write_text("\n")
+    (tmp_path / "badparam.yaml").write_text("hydra:\n  sweeper:\n    params:\n      intervention: 'a,(b'\n")
+    for name, says in (("broken", "broken.yaml is not valid YAML (while parsing a flow node)"),
+                       ("alist", "alist.yaml has no hydra.sweeper.params"),
+                       ("empty", "empty.yaml has no hydra.sweeper.params"),
+                       ("badparam", "badparam.yaml: hydra.sweeper.params: Error parsing override 'intervention=a,(b'")):
+        assert fork.main(["jobs", str(tmp_path / name)]) == 1
+        printed = capsys.readouterr()
+        assert f"sweep {str(tmp_path / name)!r}: {tmp_path / says}" in printed.err and not printed.out, printed
+
+
 def test_analyze_refuses_repeated_heads_and_a_blind_run_without_a_fingerprint(capsys):
     from flash_forensics.capture.cli import main as analyze_main
     cap = str(ROOT / "results" / "capture_default" / "gpt_step59_L3.safetensors")
@@ -236,6 +311,24 @@ def test_data_tool_names_a_missing_tokenizer_file_and_a_root_that_is_a_file(tmp_
     assert "must be a writable folder" in capsys.readouterr().err
 
 
+def test_data_prepare_checks_vocab_size_first_and_takes_overrides_after_options(tmp_path, capsys):
+    """--vocab-size 10 was refused only after the whole corpus was tokenized, naming model.vocab_size; overrides
+    after an option (`--force data=text_files ...`) were 'unrecognized arguments'."""
+    from flash_forensics.orchestrator.data.__main__ import main as data_main
+    with pytest.raises(SystemExit) as e:
+        data_main(["prepare", f"data.root={tmp_path / 'd'}", "--vocab-size", "10"])
+    assert e.value.code == 2 and "--vocab-size=10 is not allowed: expected an integer >= 50257" in \
+        capsys.readouterr().err
+    assert not (tmp_path / "d").exists()  # nothing tokenized
+    with pytest.raises(SystemExit):
+        data_main(["prepare", "--force", "--bogus"])
+    assert "unrecognized arguments: --bogus" in capsys.readouterr().err
+    (tmp_path / "a.txt").write_text("some words to tokenize, enough for a train and a val split.\n" * 4)
+    assert data_main(["prepare", "--force", f"data.root={tmp_path / 'd'}", "data=text_files",
+                      f"data.files=[{tmp_path / 'a.txt'}]"]) == 0
+    assert "text_files-" in capsys.readouterr().out
+
+
 def test_localize_names_its_flags_and_refuses_job_with_a_job_folder(tmp_path, capsys):
     assert localize_main([str(BASELINE), "--window", "0"]) == 2
     assert "localize: --window=0 is not allowed" in capsys.readouterr().err  # the flag, not localize.window
@@ -246,12 +339,16 @@ def test_localize_names_its_flags_and_refuses_job_with_a_job_folder(tmp_path, ca
     assert "source 'baselin' is not allowed: no such folder, and not an MLflow run id" in capsys.readouterr().err
 
 
-def test_a_run_missing_from_its_store_is_named_with_the_store(tmp_path):
+def test_a_run_missing_from_its_store_is_named_with_the_store(tmp_path, capsys):
     from flash_forensics.orchestrator.tracking.store import make_client
     uri = f"sqlite:///{tmp_path / 'm.db'}"
     make_client(uri)  # an empty store
     with pytest.raises(ValueError, match=r"MLflow run 0123abcd is not in sqlite:///.*m.db: give the store"):
         readback.history(readback.client_for(uri), "0123abcd")
+    # localize with a run id: was 'MlflowException: Run with id=... not found' (exit 1), naming no store
+    rid = "0123456789abcdef0123456789abcdef"
+    assert localize_main([rid, "--tracking-uri", uri]) == 2
+    assert f"localize: MLflow run {rid} is not in {uri}: give the store" in capsys.readouterr().err
 
 
 def test_stabilizers_refuses_a_report_twice_and_names_an_unreadable_bench(tmp_path, capsys):
@@ -270,6 +367,19 @@ def test_stabilizers_refuses_a_report_twice_and_names_an_unreadable_bench(tmp_pa
         err = capsys.readouterr().err
         assert f"--bench={str(bench)!r} is not allowed: {why}; expected a benchmarks/stabilizers.py JSON" in err, err
     assert not (tmp_path / "stabilizers").exists()
+
+
+def test_early_warning_refuses_a_tracking_uri_it_would_not_read(tmp_path, capsys):
+    """--tracking-uri with --histories: the store was silently unread (every history came from the export)."""
+    import gzip
+    gz = tmp_path / "e.json.gz"
+    gz.write_bytes(gzip.compress(json.dumps({"runs": []}).encode()))
+    with pytest.raises(SystemExit) as e:
+        early_warning.main([str(tmp_path), "--histories", str(gz), "--tracking-uri", f"sqlite:///{tmp_path}/m.db",
+                            "--out", str(tmp_path / "ew")])
+    assert e.value.code == 2 and "with --histories is not allowed: the histories come from the export alone" in \
+        capsys.readouterr().err
+    assert not (tmp_path / "ew").exists() and not (tmp_path / "m.db").exists()
 
 
 def test_early_warning_refuses_a_run_given_twice(tmp_path, capsys):

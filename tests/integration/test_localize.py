@@ -200,6 +200,25 @@ def test_cli_on_sqlite_store(store, capsys):
     assert out.with_suffix(".png").stat().st_size > 10_000
 
 
+def test_cli_refuses_output_paths_it_cannot_write_before_reading(store, capsys):
+    """--out a folder failed after the report with IsADirectoryError (no flag named); --plot a folder or a bare name
+    was saved by matplotlib as <name>.png while 'wrote <name>' was printed (exit 0). Both are refused first."""
+    folder = store["tmp"] / "a_folder"
+    folder.mkdir()
+    for argv, says in ((["--out", str(folder)], f"--out={str(folder)!r} is not allowed: it is a folder"),
+                       (["--plot", str(folder)], f"--plot={str(folder)!r} is not allowed: it is a folder"),
+                       (["--plot", str(store["tmp"] / "loc")], "its suffix is ''; expected a file path ending in .png"),
+                       (["--out", str(store["tmp"] / "loc.json"), "--plot", str(store["tmp"] / "loc.txt")],
+                        "--plot=")):
+        with pytest.raises(SystemExit) as e:
+            main([store["run_id"], "--tracking-uri", store["uri"], *argv])
+        printed = capsys.readouterr()
+        assert e.value.code == 2 and says in printed.err, printed.err
+        assert "sweep target" not in printed.out  # refused before the run was read
+    assert list(folder.iterdir()) == [] and not list(store["tmp"].glob("loc*"))
+    assert not (store["tmp"] / "a_folder.png").exists()
+
+
 def test_cli_subprocess_on_job_dir(store):
     out = store["tmp"] / "by_job.json"
     png = store["tmp"] / "by_job.png"

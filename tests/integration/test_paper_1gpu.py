@@ -238,6 +238,16 @@ def test_pick_rules_and_fork_end(tmp_path, rule, margin, past, want):
     assert (step, end) == want and ckpt.name == f"step_{want[0]}.pt"
 
 
+def test_a_baseline_that_did_not_diverge_is_said_in_the_pipelines_words(tmp_path):
+    """It stopped with fork pick's 'no divergence step in result.json ...; give --before STEP' (no such flag here)."""
+    job, rec = _baseline_with_checkpoints(tmp_path, [100, 200], None, None, 200)
+    plan = isolate.Plan(root=tmp_path, out=tmp_path / "r", uri="sqlite:///x.db")
+    with pytest.raises(isolate.PipelineError) as e:
+        isolate.Pipeline(plan).pick(job, rec)
+    assert "did not diverge in its 200 steps: there is no divergence to isolate" in str(e.value)
+    assert "--before" not in str(e.value)
+
+
 def test_fork_overrides_reach_forks_only_and_are_checked_before_the_baseline(tmp_path, monkeypatch, capsys,
                                                                              disk_is_not_the_question):
     seen = []

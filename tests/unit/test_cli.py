@@ -26,6 +26,16 @@ def test_unknown_tool_names_the_choices(capsys):
     assert "unknown tool 'isolat'" in err and "isolate" in err
 
 
+@pytest.mark.parametrize("tool, commands", [("fork", "{list,pick,jobs}"), ("forensics", "{add,example,pv-trace}"),
+                                             ("data", "{prepare,fetch,tokenizer}")])
+def test_a_missing_command_names_the_commands(tool, commands, capsys):
+    """`flash-forensics fork` said 'the following arguments are required: cmd' (the parser's internal name)."""
+    with pytest.raises(SystemExit) as e:
+        cli.main([tool])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"the following arguments are required: {commands}" in err, err
+
+
 def test_a_tool_runs_through_the_command():
     r = subprocess.run([sys.executable, "-m", "flash_forensics.cli", "forensics", "add", "-2.4071154594421387",
                         "-2.296875"], capture_output=True, text=True, timeout=120)

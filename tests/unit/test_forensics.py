@@ -154,3 +154,44 @@ def test_the_explanation_says_when_the_sum_overflows_or_is_subnormal():
     assert "subnormal:" in sub and "2^-133" in sub
     paper = F.format_add(F.explain_add(F.PAPER_A, F.PAPER_B, "bf16"))
     assert "\noverflow:" not in paper and "\nsubnormal:" not in paper
+
+
+def test_pv_trace_garbage_truncated_or_mismatched_input_is_named(tmp_path):
+    """A text or random-bytes .pt/.npy/.npz gave torch's 'Weights only load failed ... re-run with weights_only=False'
+    (an UnpicklingError with no --input) or numpy's 'load it unsafely with allow_pickle'; P̄ and V of different
+    lengths or empty named p_row/v_col, not --input. Each is now one line naming --input and what it should be."""
+    (tmp_path / "junk.pt").write_bytes(bytes(range(100)))
+    (tmp_path / "text.npy").write_text("hello\n")
+    (tmp_path / "text.npz").write_text("hello\n")
+    torch.save({"p": torch.zeros(8), "v": torch.zeros(8)}, tmp_path / "whole.pt")
+    data = (tmp_path / "whole.pt").read_bytes()
+    (tmp_path / "cut.pt").write_bytes(data[: len(data) // 2])
+    torch.save({"p": torch.zeros(5), "v": torch.zeros(4)}, tmp_path / "lengths.pt")
+    np.save(tmp_path / "empty.npy", np.zeros((2, 0)))
+    for name, needle in (("junk.pt", "is not readable as .pt: expected a file torch.save wrote, whole"),
+                         ("text.npy", "is not readable as .npy: expected a file np.save wrote, whole"),
+                         ("text.npz", "is not readable as .npz: expected a file np.savez wrote, whole"),
+                         ("cut.pt", "is not readable as .pt: expected a file torch.save wrote, whole (RuntimeError"),
+                         ("lengths.pt", "P̄ has 5 and V 4 values; expected two non-empty vectors of one length"),
+                         ("empty.npy", "P̄ has 0 and V 0 values")):
+        with pytest.raises(SystemExit) as e:
+            fx.main(["pv-trace", "--input", str(tmp_path / name), "--out", str(tmp_path / "x.png")])
+        msg = str(e.value.code)
+        assert msg.startswith(f"--input={str(tmp_path / name)!r}") and needle in msg, (name, msg)
+        assert "\n" not in msg and "unsafe" not in msg and "weights_only" not in msg, (name, msg)
+
+
+def test_pv_trace_out_under_a_file_is_named(tmp_path):
+    """--out a/x.png with a a file: mkdir's FileExistsError after the trace, naming no flag."""
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(SystemExit, match=re.escape(f"{tmp_path / 'afile'} is a file; expected a file path in a")):
+        fx.main(["pv-trace", "--length", "64", "--out", str(tmp_path / "afile" / "x.png")])
+
+
+def test_pv_trace_of_a_row_without_error_says_the_share_is_undefined(tmp_path, capsys):
+    """A row whose P̄V adds no error (all zeros) printed 'share ...: nan ...; signed share +nan', unexplained."""
+    torch.save({"p": torch.zeros(8), "v": torch.zeros(8)}, tmp_path / "zeros.pt")
+    assert fx.main(["pv-trace", "--input", str(tmp_path / "zeros.pt"), "--out", str(tmp_path / "z.png")]) == 0
+    out = capsys.readouterr().out
+    assert "share of the error at P̄ = 1 positions: undefined: no error was added anywhere" in out
+    assert "nan" not in out

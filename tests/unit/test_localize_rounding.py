@@ -214,6 +214,29 @@ def test_cli_refuses_what_is_no_report(tmp_path, capsys):
     assert "--min-delay=0 is not allowed: expected an integer >= 1" in capsys.readouterr().err
 
 
+def test_cli_refuses_a_report_without_rounding_point_forks(tmp_path, capsys):
+    """A report of baseline and fp32 only wrote an empty rounding.json/png, a 'Cause: no rounding-point forks' into
+    verdicts.md/json and ff.cause.* tags, with exit 0; it is refused, and the report is left as it was."""
+    out = _report(tmp_path, [row("baseline", "baseline", "diverged", BD), row("fp32", "fp32", "stable")])
+    before = (out / "verdicts.md").read_text(), (out / "verdicts.json").read_text()
+    assert rounding_io.main([str(out), "--no-tags"]) == 2
+    err = capsys.readouterr().err
+    assert f"source {str(out)!r} is not allowed: its 2 runs hold no rounding-point fork" in err, err
+    assert not (out / "rounding.json").exists() and not (out / "rounding.png").exists()
+    assert ((out / "verdicts.md").read_text(), (out / "verdicts.json").read_text()) == before
+
+
+def test_cli_refuses_an_out_that_is_a_file_before_reading(tmp_path, capsys):
+    """--out a file (or under one) failed after the analysis with FileExistsError / NotADirectoryError."""
+    out = _report(tmp_path, pv_out_rows())
+    (tmp_path / "afile").write_text("x")
+    for bad in (tmp_path / "afile", tmp_path / "afile" / "sub"):
+        assert rounding_io.main([str(out), "--out", str(bad), "--no-tags"]) == 2
+        err = capsys.readouterr().err
+        assert f"--out={str(bad)!r} is not allowed: {tmp_path / 'afile'} is a file" in err, err
+    assert not (out / "rounding.json").exists()
+
+
 def test_write_report_renders_the_cause(tmp_path):
     from flash_forensics.orchestrator.report.sweep import write_report
     rows = pv_out_rows()

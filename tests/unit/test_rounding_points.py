@@ -394,6 +394,20 @@ def test_another_recipes_sweep_never_replaces_the_committed_one_unasked(tmp_path
         "sweeps/rounding_points.yaml"]
 
 
+def test_an_out_that_is_a_file_is_named_before_anything_is_written(tmp_path, capsys):
+    """--out a file (or a path under one) failed mid-write with NotADirectoryError naming no flag."""
+    from flash_forensics.orchestrator.config import rounding_sweep as rs
+    (tmp_path / "afile").write_text("x")
+    for args in (["--recipe", "fp32", "--out", str(tmp_path / "afile")],
+                 ["--up", "fp16", "--out", str(tmp_path / "afile" / "sub")],
+                 ["--check", "--out", str(tmp_path / "afile")]):
+        with pytest.raises(SystemExit) as e:
+            rs.main(args, root=tmp_path)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and f"--out={args[-1]!r} is not allowed:" in err and "is a file" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
+
+
 def test_sweep_expectations_follow_the_mechanism():
     import yaml
 

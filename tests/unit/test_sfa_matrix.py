@@ -94,3 +94,13 @@ def test_sfa_switched_on_at_the_paper_regimes_logits_zeroes_the_rows_it_fires_on
         zero[sm] = (int((o.float().abs().amax(-1) == 0).sum()), int(st.underflow_rows.sum()))
     assert zero["safe"] == (0, 0) and zero["stabilized_guarded"] == (0, 0)
     assert zero["stabilized"][0] >= T - 1 and zero["stabilized"][1] == zero["stabilized"][0]  # row 0 has one key
+
+
+def test_an_out_under_a_file_is_named(tmp_path, capsys):
+    """--out a/b.md with a a file: mkdir's FileExistsError naming no flag, after the matrix was computed."""
+    from flash_forensics.kernels import sfa_matrix
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(SystemExit) as e:
+        sfa_matrix.main(["--out", str(tmp_path / "afile" / "m.md")])
+    assert e.value.code == 2 and f"{tmp_path / 'afile'} is a file; expected a file path in a folder" in \
+        capsys.readouterr().err

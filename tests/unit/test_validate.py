@@ -147,6 +147,16 @@ def test_unreachable_tracking_server(sweep):
     assert "tracking.uri='http://127.0.0.1:9'" in str(e.value) and "unreachable" in str(e.value)
 
 
+def test_a_tracking_store_that_is_not_a_database_launches_nothing(sweep, tmp_path):
+    """tracking.uri=sqlite:///<a text file> passed validation: every job of the sweep started, failed on the store and
+    the report was written (exit 1); it is now refused before launch, naming tracking.uri."""
+    (tmp_path / "notes.txt").write_text("not a database\n")
+    with pytest.raises(ConfigError) as e:
+        sweep("experiment=smoke", uri=f"sqlite:///{tmp_path}/notes.txt")
+    assert f"tracking.uri='sqlite:///{tmp_path}/notes.txt'" in str(e.value)
+    assert "is not an SQLite database" in str(e.value)
+
+
 def test_resume_missing_or_other_shape(sweep, tmp_path):
     with pytest.raises(ConfigError) as e:
         sweep("experiment=smoke", f"resume={tmp_path}/nope.pt")
@@ -186,6 +196,19 @@ def test_a_typod_key_is_refused_with_the_closest_fields():
         assert unknown_key(ok) is None, ok
     assert check_keys(["-m", "experiment=smoke", "+foo.bar=1", "~train.seed", "hydra.run.dir=x", "model=tiny",
                        "hydra/launcher=submitit_local", "train.max_steps=5"]) == []
+
+
+def test_run_py_takes_multirun_after_overrides(tmp_path):
+    """`run.py a=1 -m b=x,y` was Hydra's 'unrecognized arguments: b=x,y'; -m is moved first and the sweep is read."""
+    import subprocess
+    import sys
+    root = Path(__file__).resolve().parents[2]
+    p = subprocess.run([sys.executable, str(root / "run.py"), "experiment=smoke", f"results_dir={tmp_path}/r",
+                        f"tracking.uri=sqlite:///{tmp_path}/m.db", "-m", "intervention=baseline,no_such_one"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1 and "unrecognized arguments" not in p.stderr, p.stderr[-2000:]
+    assert "Could not find 'intervention/no_such_one'" in p.stderr, p.stderr[-2000:]
+    assert not (tmp_path / "r").exists() and not (tmp_path / "m.db").exists()
 
 
 def test_run_py_refuses_a_typod_key_before_hydra(tmp_path):

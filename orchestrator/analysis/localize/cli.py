@@ -19,6 +19,8 @@ from flash_forensics.orchestrator.analysis.localize.source import load_history, 
 from flash_forensics.orchestrator.analysis.localize.stats import LocalizeConfig
 from flash_forensics.orchestrator.analysis.localize.text import format_localization
 
+PLOT_SUFFIXES = (".png", ".pdf", ".svg")  # what --plot writes (matplotlib takes its format from the suffix)
+
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -56,6 +58,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         p.error(f"--divergence-step={a.divergence_step} is not allowed: expected a step >= 1 (the window ends there)")
     if a.rate_threshold is not None and not (math.isfinite(a.rate_threshold) and a.rate_threshold > 0):
         p.error(f"--rate-threshold={a.rate_threshold} is not allowed: expected a finite number > 0 (ln sigma per step)")
+    # the output paths before any work: a folder as --out failed after the report (IsADirectoryError), and a folder
+    # or a bare name as --plot was written by matplotlib as <name>.png while "wrote <name>" was printed
+    png = (a.plot if a.plot is not True else (a.out.with_suffix(".png") if a.out else Path("localize.png"))) \
+        if a.plot else None
+    for flag, path, ok in (("--out", a.out, None), ("--plot", png, PLOT_SUFFIXES)):
+        if path is None:
+            continue
+        under = next((q for q in path.parents if q.exists()), Path("."))
+        if path.is_dir() or not under.is_dir() or (ok and path.suffix.lower() not in ok):
+            why = ("it is a folder" if path.is_dir() else f"{under} is a file" if not under.is_dir()
+                   else f"its suffix is {path.suffix!r}")
+            p.error(f"{flag}={str(path)!r} is not allowed: {why}; expected a file path"
+                    + (f" ending in {', '.join(ok)}" if ok else " (the localization as JSON)"))
     try:
         LocalizeConfig(window=a.window, samples=a.samples, rate_threshold=a.rate_threshold, margin=a.margin,
                        tie_tol=a.tie_tol, min_growth=a.min_growth, head_metric=a.head_metric,
@@ -90,8 +105,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(record.dumps(loc.to_dict()))
         say(f"\nwrote {a.out}")
-    if a.plot:
-        png = a.plot if a.plot is not True else (a.out.with_suffix(".png") if a.out else Path("localize.png"))
+    if png:
         say(f"wrote {plot(loc, history, png)}")
     if a.sweep_overrides:
         print(" ".join(loc.sweep_overrides()))

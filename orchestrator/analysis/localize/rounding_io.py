@@ -18,6 +18,7 @@ from flash_forensics.orchestrator import record
 from flash_forensics.orchestrator.analysis.localize import rounding
 from flash_forensics.orchestrator.analysis.localize.plot import rounding as plot_rounding
 from flash_forensics.orchestrator.analysis.localize.rounding import RoundingResult
+from flash_forensics.orchestrator.config.folders import check_folder
 from flash_forensics.orchestrator.report.render import insert_cause
 from flash_forensics.orchestrator.report.rows import rows_from_dirs
 from flash_forensics.orchestrator.tracking.tracker import (
@@ -149,11 +150,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if a.min_delay < 1:
         p.error(f"--min-delay={a.min_delay} is not allowed: expected an integer >= 1 (steps)")
     try:
+        if a.out is not None:  # a file there failed after the analysis with FileExistsError, naming no flag
+            check_folder("--out", str(a.out), "rounding.{json,png} go there")
         rows, meta, report = load(a.source)
         out = a.out or report
         result = rounding.analyze(rows, localization_target(out), str(a.source), a.min_delay)
     except (OSError, ValueError) as e:
         print(f"localize rounding: {e}", file=sys.stderr)
+        return 2
+    if not result.points:  # else an empty rounding table, a "Cause" in the report and ff.cause.* tags, with exit 0
+        print(f"localize rounding: source {str(a.source)!r} is not allowed: its {len(rows)} runs hold no "
+              "rounding-point fork (intervention lift_<point> or bf16_only_<point>); expected the report or sweep "
+              "folder of a rounding-point sweep (flash-forensics rounding-sweep)", file=sys.stderr)
         return 2
     print(result.format())
     paths = write(result, out)

@@ -30,13 +30,19 @@ def resolve_source(source: str, tracking_uri: Optional[str] = None, job: Optiona
                 rows = [r for r in rows if r.get("intervention") == "baseline"] or rows
                 rows.sort(key=lambda r: r.get("observed") != "diverged")  # a diverged baseline first
             if not rows:
+                bad = [r["job"] for r in collect_rows(path) if "unreadable" in str(r.get("error") or "")]
                 raise ValueError(f"{source}: no job with result.json and an MLflow run id"
-                                 + (f" named {job!r}" if job else "") + " (is it a job or sweep dir?)")
+                                 + (f" named {job!r}" if job else "") + " (is it a job or sweep dir?)"
+                                 + (f"; unreadable result.json in {', '.join(map(str, bad[:5]))}" if bad else ""))
             path = Path(rows[0]["job_dir"])
         elif job is not None:
             raise ValueError(f"--job {job!r} is not allowed with a job folder ({source} holds result.json): --job "
                              "picks a job of a sweep folder")
-        rec = record.read(path)
+        try:
+            rec = record.read(path)
+        except (OSError, ValueError, TypeError, AttributeError) as e:  # json's words alone named no file
+            raise ValueError(f"{record.result_path(path)} is not a readable run record ({type(e).__name__}: "
+                             f"{str(e)[:200]}); expected the result.json a job writes") from None
         if not rec.mlflow_run_id:
             raise ValueError(f"{record.result_path(path)}: no mlflow_run_id (the job died before tracking started)")
         return {"run_id": rec.mlflow_run_id, "tracking_uri": tracking_uri or store.job_store(path),
@@ -47,7 +53,7 @@ def resolve_source(source: str, tracking_uri: Optional[str] = None, job: Optiona
         raise ValueError(f"source {source!r} is not allowed: no such folder, and not an MLflow run id (32 hex "
                          "digits); expected a baseline job dir, a sweep dir or a run id")
     client = store.client_for(tracking_uri)
-    run = store.retry(client.get_run, source)
+    run = store.get_run(client, source)  # a run id not in the store: named with the store, not MlflowException
     rec = record.from_mlflow_run(run, store.history(client, run, (record.LOSS,)))
     return {"run_id": source, "tracking_uri": tracking_uri, "divergence_step": rec.divergence_step, "job_dir": None,
             "intervention": rec.intervention}
