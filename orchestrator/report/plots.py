@@ -43,8 +43,21 @@ def palette(n: int) -> List:
     return [base[i % len(base)] for i in range(n)]
 
 
-def _wrap(label: str) -> str:
-    return "\n".join(textwrap.wrap(label, _LABEL_WIDTH, break_long_words=False, break_on_hyphens=False)) or label
+def _wrap(label: str, width: int = _LABEL_WIDTH) -> str:
+    return "\n".join(textwrap.wrap(label, width, break_long_words=False, break_on_hyphens=False)) or label
+
+
+def _chars(inches: float, fontsize: float) -> int:
+    """About how many characters of a `fontsize` text fit in `inches` (a wrapped caption's width)."""
+    return max(40, int(inches * 72 / (0.55 * fontsize)))
+
+
+def _caption(ax, note: str, fontsize: float = 8.5) -> None:
+    """What every run (or all but a few) shares, said once under the axes instead of in every legend label."""
+    if note:
+        width = ax.figure.get_figwidth() * ax.get_position().width
+        ax.annotate(_wrap(note, _chars(width, fontsize)), (0, 0), xycoords="axes fraction", xytext=(0, -32),
+                    textcoords="offset points", va="top", ha="left", fontsize=fontsize, color="0.25")
 
 
 def _save(fig, path: Path) -> Path:
@@ -98,18 +111,29 @@ def _y_range(values: List[float]) -> Tuple[float, float]:
     return values[0], values[min(len(values) - 1, int(0.995 * len(values)))]
 
 
+_LEGEND_FS = 8.0  # points: the loss legend's labels
+
+
+def _legend_height(labels: Sequence[str], fontsize: float = _LEGEND_FS) -> float:
+    """Inches a one-column legend of these (wrapped) labels takes: 1.2 lines per text line, 0.5 between entries."""
+    lines = sum(lab.count("\n") + 1 for lab in labels)
+    return (1.2 * lines + 0.5 * len(labels)) * fontsize / 72 + 0.3
+
+
 def loss_curves(runs: Sequence[Tuple[str, History]], path: Path,
-                divergence: Optional[Dict[str, Optional[int]]] = None, window: Optional[int] = None
-                ) -> Optional[Path]:
+                divergence: Optional[Dict[str, Optional[int]]] = None, window: Optional[int] = None,
+                note: str = "") -> Optional[Path]:
     """Train loss of every run on a linear axis from `window` (the fork step; None: the whole run, the y range
     set by the last 90% of it so step 0's loss does not squeeze the rest). An X marks each divergence step, at the
-    run's last finite loss when the loss itself went NaN there."""
+    run's last finite loss when the loss itself went NaN there. Every run its own colour (21 distinct, the
+    line style changes every 10 runs); the figure is as tall as its legend, so the legend never outgrows the
+    axes. note: what the runs share (orchestrator/report/rows.py shared_overrides), said once under the axes."""
     runs = [(label, h) for label, h in runs if _finite(h.get("train/loss", []))]
     if not runs:
         return None
     many = len(runs) > MANY
     fig, ax = plt.subplots(figsize=(9.5 if many else 7.0, 5.0))
-    colors = palette(min(len(runs), 10))
+    colors = palette(len(runs))
     seen: List[float] = []
     x_end = max(s for _, h in runs for s, _ in _finite(h["train/loss"]))
     x0 = window if window is not None else 0
@@ -129,7 +153,7 @@ def loss_curves(runs: Sequence[Tuple[str, History]], path: Path,
     size = {j: 1 + sum(1 for o in over if o and o[0] == j) for j in range(len(curves))}
     for i, ((label, _), pts) in enumerate(zip(runs, curves)):
         d = (divergence or {}).get(label)
-        color, style = colors[i % len(colors)], _STYLES[(i // len(colors)) % len(_STYLES)]
+        color, style = colors[i], _STYLES[(i // 10) % len(_STYLES)]
         extra, said = {}, ""
         if over[i]:
             j, how = over[i]
@@ -156,7 +180,10 @@ def loss_curves(runs: Sequence[Tuple[str, History]], path: Path,
     ax.set_ylabel("train loss" + (f" (moving average of {SMOOTH} steps)" if many else ""))
     ax.set_title("Training loss" + (" after the fork" if window is not None else "") + "; X: divergence step")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7.5, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    legend = ax.legend(fontsize=_LEGEND_FS, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    # the axes (77% of the figure's height) at least as tall as the legend beside them
+    fig.set_figheight(min(max(5.0, _legend_height([t.get_text() for t in legend.get_texts()]) / 0.77), 16.0))
+    _caption(ax, note)
     return _save(fig, path)
 
 
@@ -179,23 +206,35 @@ def _per_head_runs(runs: Sequence[Tuple[str, History]], prefix: str):
 
 
 def _panels(n: int, sharey: bool = True):
+    """Up to 4 panels a row; one run: one wide panel. Constrained layout: the titles and the layer legend below
+    get their room without shrinking the panels to a strip."""
     cols = min(n, 4)
     rows = math.ceil(n / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.1 * rows), squeeze=False, sharey=sharey)
+    size = (7.0, 4.4) if n == 1 else (4.2 * cols, 3.1 * rows)
+    fig, axes = plt.subplots(rows, cols, figsize=size, squeeze=False, sharey=sharey, layout="constrained")
     for ax in axes.flat[n:]:
         ax.set_visible(False)
     return fig, list(axes.flat[:n])
 
 
-def _layer_legend(fig, axes, layers: List[int], colors, what: str) -> None:
+def _layer_legend(fig, axes, layers: List[int], colors, what: str, where: str = "lower") -> None:
+    """One row of layer colours (12 a row) under the panels (where="upper": over them, under the title): as wide
+    as the figure allows, a line or two tall."""
     from matplotlib.lines import Line2D
     handles = [Line2D([], [], color=colors[i], lw=2) for i in range(len(layers))]
-    fig.legend(handles, [f"L{layer}" for layer in layers], title=what, loc="upper left",
-               bbox_to_anchor=(1.0, 0.98), fontsize=8, frameon=False)
+    fig.legend(handles, [f"L{layer}" for layer in layers], title=what, loc=f"outside {where} center",
+               ncol=min(len(layers), 12), fontsize=8.5, title_fontsize=9, frameon=False, handlelength=1.6,
+               columnspacing=1.0)
+
+
+def _suptitle(fig, title: str, note: str) -> None:
+    """The figure's title and, under it, what the runs share (said once, not in every panel's title)."""
+    width = _chars(fig.get_figwidth(), 9.5)
+    fig.suptitle(title + ("\n" + _wrap(note, width) if note else ""), fontsize=10)
 
 
 def wq_spectral_norms(runs: Sequence[Tuple[str, History]], path: Path, window: Optional[int] = None,
-                      annotate: int = 3, named: Sequence[Tuple[int, int]] = ()) -> Optional[Path]:
+                      annotate: int = 3, named: Sequence[Tuple[int, int]] = (), note: str = "") -> Optional[Path]:
     """One panel per run: sigma_max(W_Q) of each layer's top head (largest peak), thin, and of every head in
     `named` (the heads the verdicts name, e.g. each run's peak_wq_where), bold and labelled in every panel, so a
     head a verdict names is read beside the same head of the other runs; the `annotate` largest other heads are
@@ -232,30 +271,29 @@ def wq_spectral_norms(runs: Sequence[Tuple[str, History]], path: Path, window: O
             s, v = max(heads[(layer, head)], key=lambda p: p[1])
             ax.annotate(f"L{layer}.H{head}", (s, v), fontsize=7, xytext=(2, 2), textcoords="offset points",
                         color=colors[layers.index(layer)])
-        ax.set_title(_wrap(label), fontsize=8)
+        ax.set_title(_wrap(label), fontsize=9)
     what = ("bold: " + ", ".join(f"L{lh[0]}.H{lh[1]}" for lh in named) + " (the verdicts' heads); thin: each "
             "layer's top head") if named else "the top head of each layer"
     return _finish_layer_panels(fig, axes, len(runs), layers, colors, path, ylabel="σ_max(W_Q)",
-                                legend="layer (its top head)", title=f"W_Q spectral norm: {what}")
+                                legend="layer (its top head)", title=f"W_Q spectral norm: {what}", note=note)
 
 
 def _finish_layer_panels(fig, axes, n_runs: int, layers, colors, path: Path, ylabel: str, legend: str,
-                         title: str) -> Path:
+                         title: str, note: str = "") -> Path:
     """The per-run panels of a per-layer plot: step axis and grid, y label on each row's first panel, one layer
-    legend, the title, saved."""
+    legend under them, the title and the runs' shared overrides over them, saved."""
     for ax in axes:
-        ax.set_xlabel("step", fontsize=8)
+        ax.set_xlabel("step", fontsize=8.5)
         ax.grid(alpha=0.3)
     for ax in axes[::min(n_runs, 4)]:
         ax.set_ylabel(ylabel)
     _layer_legend(fig, axes, layers, colors, legend)
-    fig.suptitle(title, y=1.0)
-    fig.tight_layout()
+    _suptitle(fig, title, note)
     return _save(fig, path)
 
 
-def repeated_maxima(runs: Sequence[Tuple[str, History]], path: Path, window: Optional[int] = None
-                    ) -> Optional[Path]:
+def repeated_maxima(runs: Sequence[Tuple[str, History]], path: Path, window: Optional[int] = None,
+                    note: str = "") -> Optional[Path]:
     """One panel per run: rows with repeated maxima per logging interval, summed over each layer's heads
     (colour = layer, the same in every panel); the busiest head is named in the title. Same y axis."""
     runs = _per_head_runs(runs, "rmax_rows/")
@@ -275,9 +313,10 @@ def repeated_maxima(runs: Sequence[Tuple[str, History]], path: Path, window: Opt
             steps = sorted(per_layer[layer])
             ax.plot(steps, [per_layer[layer][s] for s in steps], lw=1.0, color=colors[layers.index(layer)])
         top = max(heads, key=lambda k: sum(v for _, v in heads[k]))
-        ax.set_title(_wrap(label) + f"\nbusiest head L{top[0]}.H{top[1]}", fontsize=8)
+        ax.set_title(_wrap(label + f"; busiest head L{top[0]}.H{top[1]}"), fontsize=9)
     return _finish_layer_panels(fig, axes, len(runs), layers, colors, path, ylabel="rows with repeated maxima",
-                                legend="layer (sum of its heads)", title="Repeated-maxima rows per layer")
+                                legend="layer (sum of its heads)", title="Repeated-maxima rows per layer",
+                                note=note)
 
 
 # ------------------------------------------------------------------------------------------------ probes
@@ -290,7 +329,7 @@ _PROBE_PANELS = (("delta_err_mean", "mean delta error\n(delta_recipe - delta_FP6
                   "cosine"))
 
 
-def probes(runs: Sequence[Tuple[str, History]], path: Path) -> Optional[Path]:
+def probes(runs: Sequence[Tuple[str, History]], path: Path, note: str = "") -> Optional[Path]:
     """One row of four panels per run that logged probes (orchestrator/monitor/probes/), colour = layer, x = training
     step: the mean delta error, its cumulative sum, the tie share (signed and absolute) and the W_Q gradient-error
     coherence. Runs without probe metrics are left out; None when no run has any."""
@@ -308,7 +347,7 @@ def probes(runs: Sequence[Tuple[str, History]], path: Path) -> Optional[Path]:
         return None
     layers = sorted({layer for _, h in rows for kind, _, _ in _PROBE_PANELS for layer in per_layer(h, kind)})
     colors = palette(len(layers))
-    fig, axes = plt.subplots(len(rows), 4, figsize=(17, 3.3 * len(rows)), squeeze=False)
+    fig, axes = plt.subplots(len(rows), 4, figsize=(17, 3.3 * len(rows)), squeeze=False, layout="constrained")
     for r, (label, h) in enumerate(rows):
         for c, (kind, title, ylabel) in enumerate(_PROBE_PANELS):
             ax = axes[r][c]
@@ -331,15 +370,14 @@ def probes(runs: Sequence[Tuple[str, History]], path: Path) -> Optional[Path]:
             ax.set_xlabel("step", fontsize=8)
             ax.set_ylabel(ylabel, fontsize=8)
             ax.grid(alpha=0.3)
-    _layer_legend(fig, list(axes.flat), layers, colors, "layer")
-    fig.suptitle("Mechanism probes on the fixed probe batch", y=1.0)
-    fig.tight_layout()
+    _layer_legend(fig, list(axes.flat), layers, colors, "layer", "upper")  # a row a run: seen before the rows
+    _suptitle(fig, "Mechanism probes on the fixed probe batch", note)
     return _save(fig, path)
 
 
 # ------------------------------------------------------------------------------------------------ delays
-def delays(items: Sequence[Tuple[str, str, Optional[int], Optional[int], Optional[int]]], path: Path
-           ) -> Optional[Path]:
+def delays(items: Sequence[Tuple[str, str, Optional[int], Optional[int], Optional[int]]], path: Path,
+           note: str = "") -> Optional[Path]:
     """Horizontal bars, one per run: (label, observed, divergence step, last step, its baseline's divergence
     step). Diverged: divergence step minus the baseline's (red: earlier, orange: later). Stable: a hatched green
     bar to its last step, "no divergence by step N". None when no run has a diverged baseline to compare with, or
@@ -368,6 +406,7 @@ def delays(items: Sequence[Tuple[str, str, Optional[int], Optional[int], Optiona
     ax.set_title("Which intervention fixed it (green) and which only delayed (orange) or hastened (red) it")
     ax.grid(alpha=0.3, axis="x")
     ax.margins(x=0.25)
+    _caption(ax, note)
     return _save(fig, path)
 
 

@@ -311,17 +311,18 @@ def verdict_heads(rows) -> List[Tuple[int, int]]:
 
 
 def make_plots(rows, histories: Dict[str, Dict], pdir: Path) -> Dict[str, Path]:
-    common = R._common_overrides(rows)
-    labels = [R._label(r, common) for r in rows]
+    shared, note = R.shared_overrides(rows)  # said once in each plot, not in every label
+    labels = [R._label(r, shared) for r in rows]
     labelled = [(lab, histories.get(r.get("mlflow_run_id"), {})) for lab, r in zip(labels, rows)]
     div = {lab: r.get("divergence_step") for lab, r in zip(labels, rows)}
     window = _fork_window(rows)
-    made = (("loss_curves", plots.loss_curves(labelled, pdir / "loss_curves.png", div, window=window)),
+    made = (("loss_curves", plots.loss_curves(labelled, pdir / "loss_curves.png", div, window=window, note=note)),
             ("wq_spectral_norm", plots.wq_spectral_norms(labelled, pdir / "wq_spectral_norm.png", window=window,
-                                                         named=verdict_heads(rows))),
-            ("repeated_maxima", plots.repeated_maxima(labelled, pdir / "repeated_maxima.png", window=window)),
-            ("probes", plots.probes(labelled, pdir / "probes.png")),
-            ("delays", plots.delays(_delay_items(rows, labels), pdir / "delays.png")))
+                                                         named=verdict_heads(rows), note=note)),
+            ("repeated_maxima", plots.repeated_maxima(labelled, pdir / "repeated_maxima.png", window=window,
+                                                      note=note)),
+            ("probes", plots.probes(labelled, pdir / "probes.png", note=note)),
+            ("delays", plots.delays(_delay_items(rows, labels), pdir / "delays.png", note=note)))
     return {name: p for name, p in made if p is not None}
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import re
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from flash_forensics.orchestrator import record
 from flash_forensics.orchestrator.record import RESULT_FILE, matches_paper
@@ -265,6 +265,37 @@ def _label(row: Dict, common: set = frozenset()) -> str:
                    and not o.startswith("+sweep="))
     tail = (" " + " ".join(extra)) if extra else ""
     return f"{row.get('job') or ''}:{row.get('intervention')}{tail}"
+
+
+def shared_overrides(rows: Sequence[Dict]) -> Tuple[set, str]:
+    """What plot legends leave out, and the note that says it once instead: the overrides every run shares, and
+    those all runs but a few share (at most a quarter of them, e.g. `attention.fp32_gemm=tf32x3` on every fork
+    but not on the baseline they forked from); one run: all of its overrides. Plumbing (_PLUMBING) is neither in
+    the labels nor in the note. The note names the runs an override is not on by their job. Labels stay unique:
+    where leaving the near-shared overrides out would make two alike, only those of every run are left out."""
+    n = len(rows)
+    per = [_other_overrides(r) for r in rows]
+    if not n:
+        return set(), ""
+    every = set.intersection(*per)
+    count: Dict[str, int] = {}
+    for s in per:
+        for o in s:
+            count[o] = count.get(o, 0) + 1
+    few = n // 4 if n >= 4 else 0
+    shared = {o for o, c in count.items() if n - c <= few}
+    if len({_label(r, shared) for r in rows}) < len({_label(r, every) for r in rows}):
+        shared = set(every)
+    said = lambda o: not o.lstrip("+~").startswith(_PLUMBING)  # noqa: E731
+    groups: Dict[Tuple[str, ...], List[str]] = {}
+    for o in sorted(o for o in shared if said(o)):
+        without = tuple(str(r.get("job") or r.get("intervention")) for r, s in zip(rows, per) if o not in s)
+        groups.setdefault(without, []).append(o)
+    parts = [("every run" if not without else "every run but " + ", ".join(without)) + ": " + " ".join(os_)
+             for without, os_ in sorted(groups.items(), key=lambda kv: len(kv[0]))]
+    if n == 1 and parts:
+        parts = ["overrides: " + " ".join(groups[()])]
+    return shared, "; ".join(parts)
 
 
 def counts(rows: Sequence[Dict]) -> str:

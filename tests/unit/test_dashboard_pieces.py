@@ -1,5 +1,6 @@
 """Dashboard pieces without a server: plots that answer the question, the HTML page, links, run descriptions."""
 import math
+from pathlib import Path
 
 import matplotlib.image as mpimg
 import numpy as np
@@ -108,3 +109,106 @@ def test_links_and_descriptions():
     assert "Verdict: running" in describe_run("fp32", "stable", None)
     t = source_tags()
     assert t["mlflow.source.type"] in ("LOCAL", "JOB") and t["mlflow.user"] and "mlflow.source.git.commit" in t
+
+
+# ------------------------------------------------------------------------ plots people can read at a glance
+def _capture(monkeypatch):
+    """Keep each figure's legend texts, all its texts, line colours and the axes' share of the saved figure."""
+    from matplotlib.text import Text
+    got = {}
+    real_save = plots._save
+
+    def keep(fig, path):
+        fig.canvas.draw()
+        r = fig.canvas.get_renderer()
+        tight = fig.get_tightbbox(r)  # inches: what bbox_inches="tight" saves
+        ax = fig.axes[0]
+        leg = ax.get_legend() or (fig.legends[0] if fig.legends else None)
+        got[Path(path).stem] = dict(
+            legend=[t.get_text() for t in leg.get_texts()] if leg else [],
+            texts=[t.get_text() for t in fig.findobj(Text)],
+            colours=[ln.get_color() for ln in ax.get_lines() if not ln.get_label().startswith("_")],
+            ax_h=ax.get_window_extent(r).height / fig.dpi / tight.height,
+            legend_h=leg.get_window_extent(r).height / fig.dpi if leg else 0.0,
+            ax_h_in=ax.get_window_extent(r).height / fig.dpi)
+        return real_save(fig, path)
+
+    monkeypatch.setattr(plots, "_save", keep)
+    return got
+
+
+def _rows(n):
+    """n runs like a fork sweep: every fork has attention.fp32_gemm=tf32x3, the baseline they forked from not."""
+    rows = [{"job": "baseline", "intervention": "baseline", "observed": "diverged", "divergence_step": 150,
+             "mlflow_run_id": "r0", "overrides": ["experiment=paper_1gpu", "intervention=baseline", "train.seed=1"]}]
+    for k in range(1, n):
+        rows.append({"job": f"forks/paper_isolation-{k}", "intervention": f"iv{k}", "observed": "stable",
+                     "mlflow_run_id": f"r{k}", "fork_step": 100,
+                     "overrides": ["experiment=paper_1gpu", f"intervention=iv{k}", "train.seed=1",
+                                   "attention.fp32_gemm=tf32x3", "intervention.heads=[1]", "intervention.layer=1"]})
+    return rows
+
+
+def _hist(k, n=300):
+    h = {"train/loss": [(s, 3.0 + 0.3 * math.sin(s / 7 + k) + 0.05 * k) for s in range(n)]}
+    for layer in range(12):
+        h[f"rmax_rows/L{layer}.H0"] = [(s, float(layer * s + k)) for s in range(0, n, 10)]
+        h[f"wq_sigma/L{layer}.H0"] = [(s, 1.0 + layer + s / 100) for s in range(0, n, 10)]
+    return h
+
+
+def test_override_of_most_runs_said_once_not_in_every_label(monkeypatch, tmp_path):
+    from flash_forensics.orchestrator.report import render
+    got = _capture(monkeypatch)
+    rows = _rows(18)
+    render.make_plots(rows, {r["mlflow_run_id"]: _hist(i) for i, r in enumerate(rows)}, tmp_path)
+    loss = got["loss_curves"]
+    assert len(loss["legend"]) == 18 and len(set(loss["legend"])) == 18  # every run, each its own label
+    assert not any("tf32x3" in lab or "experiment=" in lab for lab in loss["legend"])
+    for name in ("loss_curves", "wq_spectral_norm", "repeated_maxima"):
+        text = " ".join(got[name]["texts"]).replace("\n", " ")
+        assert text.count("attention.fp32_gemm=tf32x3") == 1, name  # said once, with the run it is not on
+        assert "every run but baseline: attention.fp32_gemm=tf32x3" in text, name
+        assert "intervention.heads=[1]" in text  # shared by 17 of 18 too: said once as well
+    # 18 runs: 18 colours, no two alike (was 10 colours, repeated with another line style)
+    assert len(set(map(str, loss["colours"]))) == 18
+
+
+def test_many_runs_legend_no_taller_than_the_axes(monkeypatch, tmp_path):
+    got = _capture(monkeypatch)
+    runs = [(f"forks/paper_isolation-{k}:intervention_{k} intervention.heads=[0,1,5,6,8,10] intervention.layer=1 "
+             f"attention.fp32_gemm=tf32x3", _hist(k)) for k in range(18)]
+    plots.loss_curves(runs, tmp_path / "loss.png", {runs[0][0]: 150}, window=100)
+    loss = got["loss"]
+    assert loss["legend_h"] <= loss["ax_h_in"] * 1.05  # the legend beside the axes, not taller than them
+    assert loss["ax_h"] > 0.6  # the axes get most of the figure's height
+
+
+def test_one_run_panel_plot_gives_the_axes_the_figure(monkeypatch, tmp_path):
+    """One run: a long label once (not wrapped over the panel), the layer legend a row under it."""
+    got = _capture(monkeypatch)
+    from flash_forensics.orchestrator.report import rows as R
+    row = {"job": "baseline", "intervention": "baseline",
+           "overrides": ["intervention=baseline", "data.seed=1337", "experiment=paper_1gpu", "train.keep_last=false",
+                         "train.seed=1337", "verdict.early_stop_after=300"]}
+    shared, note = R.shared_overrides([row])
+    label = R._label(row, shared)
+    assert label == "baseline:baseline" and "verdict.early_stop_after=300" in note
+    plots.repeated_maxima([(label, _hist(0))], tmp_path / "rm.png", note=note)
+    plots.wq_spectral_norms([(label, _hist(0))], tmp_path / "wq.png", note=note)
+    for name in ("rm", "wq"):
+        assert got[name]["ax_h"] > 0.5, (name, got[name]["ax_h"])  # was 0.38: title and legend squeezed it
+        assert sum(t.count("verdict.early_stop_after=300") for t in got[name]["texts"]) == 1
+
+
+def test_shared_overrides_keep_labels_unique():
+    from flash_forensics.orchestrator.report import rows as R
+    rows = _rows(6)
+    shared, note = R.shared_overrides(rows)
+    assert "attention.fp32_gemm=tf32x3" in shared and note.startswith("every run: experiment=paper_1gpu")
+    # two runs that differ only by an override most runs share: it stays in their labels
+    a = {"job": "j", "intervention": "sfa", "overrides": ["intervention=sfa", "x=1"]}
+    rows = [dict(a) for _ in range(4)] + [dict(a, overrides=["intervention=sfa"])]
+    shared, _ = R.shared_overrides(rows)
+    assert "x=1" not in shared
+    assert R.shared_overrides([]) == (set(), "")
