@@ -387,6 +387,8 @@ def delays(items: Sequence[Tuple[str, str, Optional[int], Optional[int], Optiona
         return None
     fig, ax = plt.subplots(figsize=(8.0, 0.42 * len(items) + 1.6))
     labels = []
+    widest = max(abs((last if last is not None else bd) - bd) if obs != "diverged" or d is None else abs(d - bd)
+                 for _, obs, d, last, bd in items) or 1
     for y, (label, obs, d, last, bd) in enumerate(items):
         if obs == "diverged" and d is not None:
             delta = d - bd
@@ -396,14 +398,17 @@ def delays(items: Sequence[Tuple[str, str, Optional[int], Optional[int], Optiona
         else:
             span = (last if last is not None else bd) - bd
             ax.barh(y, span, color="#008856", alpha=0.35, hatch="//", edgecolor="#008856")
-            ax.text(span, y, f" stable: no divergence by step {last}", va="center", fontsize=7.5)
+            inside = span >= 0.5 * widest  # a long bar holds its words (they ran past the axes' right edge)
+            ax.text(span, y, f" stable: no divergence by step {last} ", va="center", ha="right" if inside else "left",
+                    fontsize=7.5, bbox=dict(facecolor="white", edgecolor="none", alpha=0.8, pad=1) if inside else None)
         labels.append(_wrap(label))
     ax.axvline(0, color="black", lw=0.8)
     ax.set_yticks(range(len(items)))
-    ax.set_yticklabels(labels, fontsize=7.5)
+    ax.set_yticklabels(labels, fontsize=8)
     ax.invert_yaxis()
     ax.set_xlabel("divergence step − the baseline's (steps)")
-    ax.set_title("Which intervention fixed it (green) and which only delayed (orange) or hastened (red) it")
+    ax.set_title("Which intervention fixed it (green) and which only delayed (orange) or hastened (red) it",
+                 fontsize=10.5)
     ax.grid(alpha=0.3, axis="x")
     ax.margins(x=0.25)
     _caption(ax, note)

@@ -212,3 +212,22 @@ def test_shared_overrides_keep_labels_unique():
     shared, _ = R.shared_overrides(rows)
     assert "x=1" not in shared
     assert R.shared_overrides([]) == (set(), "")
+
+
+def test_delays_words_stay_in_the_axes(monkeypatch, tmp_path):
+    """A stable run's 'no divergence by step N' ran past the axes' right edge; it is now inside its long bar."""
+    got = {}
+    real_save = plots._save
+
+    def keep(fig, path):
+        fig.canvas.draw()
+        r = fig.canvas.get_renderer()
+        ax = fig.axes[0]
+        got["right"] = ax.get_window_extent(r).x1
+        got["words"] = [t.get_window_extent(r).x1 for t in ax.texts if "no divergence" in t.get_text()]
+        return real_save(fig, path)
+
+    monkeypatch.setattr(plots, "_save", keep)
+    items = [(f"run{k}", "stable", None, 4651, 4342) for k in range(12)] + [("late", "diverged", 4363, 4651, 4342)]
+    plots.delays(items, tmp_path / "d.png")
+    assert len(got["words"]) == 12 and max(got["words"]) <= got["right"]
