@@ -315,7 +315,10 @@ def plot(rows: List[Dict[str, Any]], shapes: Sequence[str], path: Path) -> Optio
     runs = [r for r in rows if r["intervention"] != BASELINE]
     if not runs:
         return None
-    labels = [f"{r.get('label') or r['intervention']} (from {r['from_step']})" for r in runs]
+    starts = {r["from_step"] for r in runs}
+    one_start = len(starts) == 1  # the same fork step on every bar: said once, in the title
+    labels = [(r.get("label") or r["intervention"]) + ("" if one_start else f" (from {r['from_step']})")
+              for r in runs]
     fig, (a, b) = plt.subplots(1, 2, figsize=(13, 0.45 * len(runs) + 2), sharey=True)
     y = list(range(len(runs)))
     gains = [r["steps_gained"] or 0 for r in runs]
@@ -332,11 +335,16 @@ def plot(rows: List[Dict[str, Any]], shapes: Sequence[str], path: Path) -> Optio
     for i, (s, c) in enumerate(zip(shapes, palette(len(shapes)))):
         vals = [1 - r["cost"][s] if r["cost"].get(s) is not None else 0 for r in runs]
         b.barh([v + (i - (len(shapes) - 1) / 2) * width for v in y], vals, height=width, color=c, label=s)
+    for v, r in zip(y, runs):  # an empty row said in words, not left for the reader to decode as a zero
+        if shapes and all(r["cost"].get(s) is None for s in shapes):
+            b.text(0.01, v, "not measured", va="center", fontsize=8, color="0.4", transform=b.get_yaxis_transform())
     b.axvline(1, color="black", lw=0.8)
-    b.set_xlabel("training tokens/s relative to the baseline (0: not measured)")
-    if shapes:
-        b.legend(loc="lower right")
-    fig.suptitle("Stabilizers: steps gained and throughput")
+    b.set_xlabel("training tokens/s relative to the baseline (1: as fast)")
+    if shapes:  # above the bars, not over the last one
+        b.legend(title="benchmark shape", loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=len(shapes),
+                 frameon=False, fontsize=9)
+    fig.suptitle("Stabilizers: steps gained and throughput"
+                 + (f" (every run forked at step {next(iter(starts))})" if one_start else ""))
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

@@ -532,3 +532,31 @@ def test_stabilizers_scratch_report_without_a_baseline_borrows_the_same_regimes_
     rows = json.loads(stabilizers.write([seed1, other, scratch], None, "t3", results=tmp_path / "results")["json"]
                       .read_text())["rows"]
     assert next(r for r in rows if r["intervention"] == "qk_norm")["baseline_from"] is None
+
+
+def test_plot_says_the_common_fork_step_once_and_keeps_the_legend_off_the_bars(tmp_path, monkeypatch):
+    """'(from 2000)' was on every bar label and the shape legend sat over the last run's bars."""
+    import matplotlib.pyplot as plt
+
+    from flash_forensics.orchestrator.analysis import stabilizers as S
+    got = {}
+    real = plt.Figure.savefig
+
+    def keep(fig, path, **kw):
+        fig.canvas.draw()
+        r = fig.canvas.get_renderer()
+        a, b = fig.axes[:2]
+        got.update(labels=[t.get_text() for t in a.get_yticklabels()], title=fig._suptitle.get_text(),
+                   legend_y0=b.get_legend().get_window_extent(r).y0, axes_y1=b.get_window_extent(r).y1,
+                   words=[t.get_text() for t in b.texts])
+        return real(fig, path, **kw)
+
+    monkeypatch.setattr(plt.Figure, "savefig", keep)
+    row = dict(intervention="sfa", label="sfa intervention.beta=2", from_step=2000, steps_gained=310, stable=True,
+               observed="stable", steps_gained_at_least=True, cost={"mini": 0.0, "gpt2s": 0.01})
+    rows = [row, dict(row, intervention="fp32", label="fp32", cost={})]
+    assert S.plot(rows, ["mini", "gpt2s"], tmp_path / "s.png").is_file()
+    assert got["labels"] == ["sfa intervention.beta=2", "fp32"] and "forked at step 2000" in got["title"]
+    assert got["legend_y0"] >= got["axes_y1"] - 1 and got["words"] == ["not measured"]
+    S.plot([row, dict(row, label="late", from_step=2100)], ["mini"], tmp_path / "t.png")
+    assert got["labels"] == ["sfa intervention.beta=2 (from 2000)", "late (from 2100)"]
