@@ -454,8 +454,10 @@ def localization(loc, history: History, path: Path) -> Path:
         a.set_ylabel("σ_max(W_Q)")
     a.set_title(f"W_Q spectral norm, layer {layer}" + ("" if stands_out else " (best guess)"), fontsize=10)
     a.grid(alpha=0.3)
-    if a.get_legend_handles_labels()[0]:
-        a.legend(fontsize=7, ncol=2, loc="upper left", bbox_to_anchor=(0.0, -0.14), frameon=False)
+    entries = len(a.get_legend_handles_labels()[0])
+    if entries:  # two rows under the axes (was 2 columns: a list as tall as the axes)
+        a.legend(fontsize=8, ncol=max(2, math.ceil(entries / 2)), loc="upper left", bbox_to_anchor=(0.0, -0.14),
+                 frameon=False, handlelength=1.6, columnspacing=1.0)
 
     ls = sorted(loc.layers, key=lambda L: L.layer)
     xs = [L.layer for L in ls]
@@ -467,7 +469,7 @@ def localization(loc, history: History, path: Path) -> Path:
     for bar, L in zip(bars, ls):
         if L.layer == layer:
             bar.set(**chosen, linewidth=1.2)
-    b.set_ylabel("W_Q growth in the window (top head, end/start − 1)" if use_growth
+    b.set_ylabel("W_Q growth in the window\n(top head, end/start − 1)" if use_growth  # 2 lines: as tall as the axes
                  else "repeated-maxima rows in the window")
     if use_growth and any(L.rmax_total for L in ls):
         b2 = b.twinx()

@@ -231,3 +231,21 @@ def test_delays_words_stay_in_the_axes(monkeypatch, tmp_path):
     items = [(f"run{k}", "stable", None, 4651, 4342) for k in range(12)] + [("late", "diverged", 4363, 4651, 4342)]
     plots.delays(items, tmp_path / "d.png")
     assert len(got["words"]) == 12 and max(got["words"]) <= got["right"]
+
+
+def test_localization_head_legend_is_two_rows_not_a_column(monkeypatch, tmp_path):
+    """12 heads in 2 columns made a legend half as tall as the axes under them; now 2 rows."""
+    got = {}
+    real_save = plots._save
+
+    def keep(fig, path):
+        fig.canvas.draw()
+        r = fig.canvas.get_renderer()
+        a = fig.axes[0]
+        got.update(legend=a.get_legend().get_window_extent(r).height, axes=a.get_window_extent(r).height)
+        return real_save(fig, path)
+
+    monkeypatch.setattr(plots, "_save", keep)
+    hist = {f"wq_sigma/L2.H{h}": [(s, 1.0 + h * s / 50) for s in range(0, 60, 5)] for h in range(12)}
+    plots.localization(_loc(2), hist, tmp_path / "loc.png")
+    assert got["legend"] < 0.25 * got["axes"]
