@@ -459,3 +459,10 @@ def test_generated_interventions_compose_validate_and_route(tmp_path):
     cfg, ov = job_cfg(tmp_path, "intervention=lift_scores", "attention=fa2")
     with pytest.raises(ConfigError, match=r"keep_fp32=\['scores'\].*recipe fa2 keeps scores in FP32 already"):
         validate_config(cfg, ov, check_store=False)
+
+
+def test_rounding_grid_outcomes_each_their_own_colour():
+    """'reproduces' and 'hastens' (and 'inconclusive' and 'mixed') shared a colour: two identical legend swatches."""
+    import importlib
+    grid = importlib.import_module("flash_forensics.orchestrator.analysis.localize.plot")
+    assert len(set(grid._COLOURS.values())) == len(grid._COLOURS)

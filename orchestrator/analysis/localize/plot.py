@@ -9,9 +9,10 @@ from flash_forensics.orchestrator.analysis.localize.algorithm import History
 from flash_forensics.orchestrator.analysis.localize.stats import Localization
 from flash_forensics.orchestrator.report.plots import _save, localization
 
-# outcome -> colour: green fixes it, red reproduces / hastens, orange delays, grey says nothing
-_COLOURS = {"prevents": "#008856", "reproduces": "#BE0032", "delays": "#F38400", "hastens": "#BE0032",
-            "no effect": "#A1CAF1", "inconclusive": "#C2B280", "mixed": "#C2B280", "failed": "#848482",
+# outcome -> colour: green fixes it, dark red reproduces, red hastens (as in the delay chart), orange delays, grey
+# says nothing; no two outcomes share one (reproduces and hastens did: two identical swatches in the legend)
+_COLOURS = {"prevents": "#008856", "reproduces": "#6B0F1A", "delays": "#F38400", "hastens": "#BE0032",
+            "no effect": "#A1CAF1", "inconclusive": "#C2B280", "mixed": "#B3A2C7", "failed": "#848482",
             "not run": "#EEEEEE"}
 
 
