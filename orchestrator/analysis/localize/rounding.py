@@ -27,8 +27,6 @@ from flash_forensics.orchestrator.report.rows import BASELINE, REFERENCE, _peer
 SWEEP = "rounding_points"  # the sweep file (sweeps/rounding_points.yaml) whose forks this stage reads
 LIFT, BF16_ONLY = "lift", "bf16_only"
 _PREFIX = {BF16_ONLY: "bf16_only_", LIFT: "lift_"}
-LIFT_OUTCOMES = ("prevents", "delays", "no effect", "hastens", "inconclusive", "failed", "mixed", "not run")
-BF16_OUTCOMES = ("reproduces", "no effect", "inconclusive", "failed", "mixed", "not run")
 
 
 def parse_point(intervention: Optional[str]) -> Optional[Tuple[str, str]]:
