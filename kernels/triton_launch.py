@@ -22,7 +22,6 @@ RECIPE_IDS = {"fp32": 0, "fa2": 1, "paper_bf16": 2}
 DELTA_IDS = {"dO_O": 0, "dP_P": 1, "recompute_fp32": 2}
 HEAD_DIMS = (16, 32, 64, 128)
 TILE_SIZES = (16, 32, 64, 128)
-NEG_BF16 = -torch.finfo(torch.bfloat16).max  # masked score: the most negative BF16, as in the paper's code
 
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # read at import: the kernels were built for it
