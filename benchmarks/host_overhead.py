@@ -12,9 +12,9 @@ knobs, the launchers' bookkeeping, autograd) decides whether the GPU waits. Meth
 and, apart (`schema` rows, no kernel at all): two no-op mutating custom ops, one with the 18 arguments the forward op
 had before its knobs became one string, one with its 8 now: torch's dispatch cost against the schema's length.
 On the CPU the four Triton kernels are replaced by no-ops (`--device cpu`: triton's launcher is not timed; the figure
-is the rest). On CUDA the kernels run: `host_us` is the time to enqueue one fwd+bwd (a burst of --iters calls after
-a sync, shorter than the launch queue), `gpu_us` the fwd+bwd time by triton.testing.do_bench; host_us > gpu_us means
-the GPU waits on the host at that shape.
+is the rest). On CUDA the kernels run: `host_us_<method>` is the time to enqueue one fwd+bwd (a burst of --iters
+calls after a sync, shorter than the launch queue), `gpu_us` the fwd+bwd time by triton.testing.do_bench;
+`host_bound` (host_us_cached > gpu_us) means the GPU waits on the host at that shape.
 """
 from __future__ import annotations
 

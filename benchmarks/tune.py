@@ -56,15 +56,6 @@ def _time(fn, rep_ms=60):
     return triton.testing.do_bench(fn, warmup=20, rep=rep_ms, return_mode="median")
 
 
-def _dedupe(cands, key):
-    seen, out = set(), []
-    for c in cands:
-        if key(c) not in seen:
-            seen.add(key(c))
-            out.append(c)
-    return out
-
-
 def tune_shape(tf, fam, knobs, B, H, T, D, dev, log):
     """Time the forward and backward candidates of one family at one shape; keep the fastest in SHAPE_TABLE."""
     import flash_forensics.kernels.emulator

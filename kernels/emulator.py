@@ -519,7 +519,7 @@ def _tile_delta(p: _Plan, qi, kw, vw, doi, o_saved, lse_i, qs: int, qe: int):
 
 def row_delta(q, k, v, o_saved, lse, do, knobs: AttentionKnobs) -> torch.Tensor:
     """delta (B, H, T, 1) in the working dtype exactly as `backward` computes it for these knobs (the probes'
-    delta_recipe, orchestrator/probes); o_saved and lse are `forward`'s."""
+    delta_recipe, orchestrator/monitor/probes); o_saved and lse are `forward`'s."""
     p = _plan(knobs, q)
     qw, kw, vw, dow = _bwd_inputs(p, q, k, v, do)
     T = q.shape[2]

@@ -34,7 +34,7 @@ import torch
 
 from flash_forensics.kernels.formats import PBAR_SCALES, cast, quantize
 
-F32_FRAC, BF16_FRAC = 23, 7
+F32_FRAC = 23
 
 
 @dataclass(frozen=True)

@@ -227,10 +227,6 @@ class Recipe:
         return {"bwd_inputs": lambda: self.inputs, "do_in": lambda: self.operand("bwd_inputs"),
                 "ds_in": lambda: self.bwd_gemm_in, "dp_out": lambda: self.bwd_out}[field]()
 
-    def has_fp8(self) -> bool:
-        return any(fmt.is_fp8(getattr(self, f)) for f in ROUNDING_POINTS + ("inputs", "bwd_inputs", "do_in",
-                                                                             "ds_in", "dp_out"))
-
 
 def work_dtype(name: str, input_dtype: torch.dtype) -> torch.dtype:
     """FP64 for the fp32 recipe on FP64 inputs ("the input's precision if it is >= FP32"), else FP32."""

@@ -51,7 +51,6 @@ from flash_forensics.kernels.knobs import unsupported
 from flash_forensics.kernels.triton_launch import (  # noqa: F401  (re-exported: tests and benchmarks read them here)
     DELTA_IDS,
     HEAD_DIMS,
-    NEG_BF16,
     RECIPE_IDS,
     SHAPE_TABLE,
     TILE_SIZES,

@@ -724,17 +724,3 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, KP, FIRST, TIES,
     dq = _grad_end(dq, ROUND, ONE_BLOCK)
     tl.store(DQ + off_b * sgb + off_h * sgh + offs_m[:, None] * sgt + offs_d[None, :] * sgd,
              _cast_out(dq, DQ), mask=row_ok[:, None])
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# Launch configuration: block sizes that carry meaning come from the knobs; the rest is chosen for speed.
-#
-# A launch family per forward: fa2 (key tile free), fa2_exact (SFA / counters: the key tile is block_k, the unit
-# Algorithm 3 and the counters see), paper_bf16 (block_k: its rescaling roundings), fp32 (IEEE FP32 dots on the CUDA
-# cores, operands and accumulators in registers: smaller tiles). The backward's family is the recipe.
-#   forward (BLOCK_M, free BLOCK_N, num_warps, num_stages); BLOCK_M never changes a row's arithmetic
-#   backward (dkdv BLOCK_M, dkdv BLOCK_N, dq BLOCK_M, dq BLOCK_N, num_warps, num_stages); paper_bf16 overrides
-#   dkdv BLOCK_M = block_q and dq BLOCK_N = block_k (its BF16 accumulators round per emulator tile).
-# FWD_TABLE / BWD_TABLE are the defaults per head dim; SHAPE_TABLE holds per-(family, D, length class) choices that
-# benchmarks/tune.py measured (`python benchmarks/attention.py --tune` prints them). Fixed tables, not run-time
-# autotuning: the same knobs launch the same configuration in every process, so a replayed fa2 run is bit-identical.

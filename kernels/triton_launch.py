@@ -22,7 +22,6 @@ RECIPE_IDS = {"fp32": 0, "fa2": 1, "paper_bf16": 2}
 DELTA_IDS = {"dO_O": 0, "dP_P": 1, "recompute_fp32": 2}
 HEAD_DIMS = (16, 32, 64, 128)
 TILE_SIZES = (16, 32, 64, 128)
-NEG_BF16 = -torch.finfo(torch.bfloat16).max  # masked score: the most negative BF16, as in the paper's code
 
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # read at import: the kernels were built for it
@@ -74,6 +73,18 @@ def saved_o_dtype(mask: int, fp32_heads) -> torch.dtype:
     return torch.bfloat16 if (mask & _O_STORE_BIT and len(fp32_heads) == 0) else torch.float32
 
 
+# ----------------------------------------------------------------------------------------------------------------------
+# Launch configuration: block sizes that carry meaning come from the knobs; the rest is chosen for speed.
+#
+# A launch family per forward: fa2 (key tile free), fa2_exact (SFA / counters: the key tile is block_k, the unit
+# Algorithm 3 and the counters see), paper_bf16 (block_k: its rescaling roundings), fp32 (IEEE FP32 dots on the CUDA
+# cores, operands and accumulators in registers: smaller tiles). The backward's family is the recipe.
+#   forward (BLOCK_M, free BLOCK_N, num_warps, num_stages); BLOCK_M never changes a row's arithmetic
+#   backward (dkdv BLOCK_M, dkdv BLOCK_N, dq BLOCK_M, dq BLOCK_N, num_warps, num_stages); paper_bf16 overrides
+#   dkdv BLOCK_M = block_q and dq BLOCK_N = block_k (its BF16 accumulators round per emulator tile).
+# FWD_TABLE / BWD_TABLE are the defaults per head dim; SHAPE_TABLE holds per-(family, D, length class) choices that
+# benchmarks/tune.py measured (`python benchmarks/attention.py --tune` prints them). Fixed tables, not run-time
+# autotuning: the same knobs launch the same configuration in every process, so a replayed fa2 run is bit-identical.
 FWD_TABLE = {  # D=64 and D=128: measured by benchmarks/tune.py on an H200 (results/bench/tune-h200.json)
     "fa2": {16: (64, 64, 4, 3), 32: (64, 64, 4, 3), 64: (64, 64, 4, 3), 128: (64, 64, 4, 3)},
     "fa2_exact": {16: (64, 64, 4, 3), 32: (64, 64, 4, 3), 64: (64, 64, 4, 3), 128: (64, 64, 4, 3)},

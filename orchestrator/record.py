@@ -153,8 +153,6 @@ def dumps(obj) -> str:
 
 
 # ----------------------------------------------------------------------------------------- the verdict
-OBSERVED = ("stable", "diverged", "failed")
-EXPECTED = ("stable", "diverges")
 REFERENCE = "fp32"  # the intervention whose run is a divergence's control: every attention intermediate in FP32
 # Why a run diverged, judged against its control (an FP32 run of the same setup, `control_cause`):
 CAUSE_PRECISION = "precision"  # the FP32 control stayed stable past the divergence step: attention precision did it

@@ -3,8 +3,8 @@
     python scripts/format_mechanism.py [--steps 40] [--out results/formats]
 
 The default tiny model (conf/model/tiny.yaml) on fixed probe batches of the default corpus (the validation split,
-orchestrator/probes' PROBE_SEED), at initialisation and after `--steps` optimizer steps on the default corpus. It is
-trained with FP32 SDPA attention and FP32 everywhere else (as the CPU default trains outside attention), so every
+orchestrator/monitor/probes' PROBE_SEED), at initialisation and after `--steps` optimizer steps on the default corpus.
+It is trained with FP32 SDPA attention and FP32 everywhere else (as the CPU default trains outside attention), so every
 recipe is measured on the same weights, Q, K, V and dO: per layer, the emulator's forward and backward in the
 recipe (kernels/emulator.py), against FP64 attention of the same FP32 Q, K, V. Per recipe (summed / pooled over the
 layers):

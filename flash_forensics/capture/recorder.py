@@ -35,7 +35,6 @@ class _Kept:
     tensors: Dict[str, torch.Tensor]
     meta: dict
     name: str
-    has_backward: bool = False
     do: List[torch.Tensor] = field(default_factory=list)
 
 
@@ -126,7 +125,6 @@ class Recorder:
                 + (f"_{self._seen[key]}" if self.calls_per_layer > 1 else ""))
         kept = _Kept(tensors, meta, name)
         if call.o.requires_grad:
-            kept.has_backward = True
             call.o.register_hook(lambda g, kept=kept, sel=sel: kept.do.append(
                 g.detach()[rows].index_select(1, sel).contiguous().clone()) or None)
         self.kept.append(kept)

@@ -85,7 +85,6 @@ class PreemptionGuard:
         self.check_every = max(1, int(check_every))
         self.requested = False  # set by the handler; a plain bool so polling it costs nothing
         self.signum: Optional[int] = None
-        self.requested_at: Optional[float] = None
         self._previous: dict = {}
         self._installed = False
 
@@ -119,7 +118,7 @@ class PreemptionGuard:
     def _handle(self, signum, frame) -> None:
         # only set flags here: the train loop reaches a step boundary soon and does the real work
         if not self.requested:
-            self.requested, self.signum, self.requested_at = True, signum, time.time()
+            self.requested, self.signum = True, signum
             try:
                 sys.stderr.write(f"[preemption] caught {signal.Signals(signum).name}: checkpoint at the next step "
                                  f"boundary, then requeue\n")

@@ -12,7 +12,7 @@ from flash_forensics.orchestrator.job import checkpoint_policy as snapshot
 
 
 def new_result(iv, overrides, job_dir=None, verdict=None) -> dict:
-    """The result dict (the run record's fields, orchestrator/record.py; job.write_result types it) before anything
+    """The result dict (the run record's fields, orchestrator/record.py; folder.write_result types it) before anything
     ran: observed 'failed' until the run says otherwise; the detector's inputs recorded with it."""
     return record.RunRecord(
         intervention=iv.name, overrides=list(overrides), expected=iv.expect,

@@ -26,7 +26,6 @@ from flash_forensics.orchestrator.job import checkpoint, folder_lock
 from flash_forensics.orchestrator.job.distributed import detect_env
 from flash_forensics.orchestrator.job.folder import (  # noqa: F401  (re-exported)
     START_FILE,
-    _write_json,
     read_job_start,
     write_job_start,
     write_result,

@@ -73,7 +73,6 @@ class Monitors:
         self.last_tokens_per_s: Optional[float] = None
         self.peak_wq: float = -math.inf  # largest W_Q sigma seen, and where (for result.json)
         self.peak_wq_where: Optional[str] = None
-        self.flushes = 0
         self.numerics = {name: 0 for name in NUMERICS}  # run totals of the failure counters (host ints)
         self._counting: set = set()  # failure-counter metrics logged so far (each since its first non-zero count)
         self._warned: set = set()  # format counters already warned about
@@ -153,7 +152,6 @@ class Monitors:
         self._steps, self._losses, self._grad_norms, self._lrs = [], [], [], []
         wq_steps = [s for s, _ in self._wq]
         self._wq = []
-        self.flushes += 1
 
         losses = list(zip(steps, values["loss"])) if n else []
         if n and elapsed > 0:

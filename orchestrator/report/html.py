@@ -45,7 +45,7 @@ def _img(path: Path) -> str:
 
 
 def _inline_md(line: str) -> str:
-    """The markdown of report_render's MLflow lines: `code` and [text](url) only."""
+    """The markdown of render.py's MLflow lines: `code` and [text](url) only."""
     import re
     out, pos = [], 0
     for m in re.finditer(r"`([^`]*)`|\[([^\]]*)\]\(([^)]*)\)", line):
@@ -58,7 +58,7 @@ def _inline_md(line: str) -> str:
 
 def render(sweep: str, rows: Sequence[Dict], table: List[List[str]], meta_items: List, plot_paths: Dict[str, Path],
            urls: Optional[List[Optional[str]]] = None, mlflow_lines: Sequence[str] = ()) -> str:
-    """The page. table: report_render._table's [head] + body; meta_items: report_render.meta_items; urls: each
+    """The page. table: render._table's [head] + body; meta_items: render.meta_items; urls: each
     row's run page or None."""
     head, body = table[0], table[1:]
     h = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',

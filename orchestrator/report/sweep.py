@@ -26,11 +26,6 @@ from flash_forensics.orchestrator.record import HISTORY_PREFIXES, REPORT_DIR, ma
 from flash_forensics.orchestrator.report import readback
 from flash_forensics.orchestrator.report.readback import load_histories, retry, rows_from_mlflow  # noqa: F401  (re-exported)
 from flash_forensics.orchestrator.report.render import (  # noqa: F401  (re-exported)
-    _finite,
-    _fmt,
-    _fork_lines,
-    _markdown,
-    _table,
     format_table,
     run_meta,
     write_report,

@@ -40,7 +40,6 @@ from flash_forensics.orchestrator.tracking.store import (  # noqa: F401  (re-exp
     RESULTS_DIR,
     TrackingConfig,  # noqa: F401  (re-exported: the schema's node)
     TrackingUnreachable,
-    _store_lock,
     _truncate,
     artifact_root_for,
     check_tracking,

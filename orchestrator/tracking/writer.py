@@ -41,7 +41,6 @@ class _Sink:
         self.uri, self.retry_s = uri, retry_s
         self.store_error: Optional[str] = None  # the plain sentence of the last store failure (a warning)
         self._next_try = 0.0
-        self.spooled = 0
 
     def to_metrics(self, step: int, ts: int, values: Mapping[str, Any]) -> List:
         from mlflow.entities import Metric
@@ -96,7 +95,6 @@ class _Sink:
                              + f", and the MLflow store {self.uri} "
                              f"cannot be written ({getattr(self, 'store_cause', '?')}): the points cannot be kept") \
                 from e
-        self.spooled += len(batch)
 
     def replay(self, force: bool = False) -> bool:
         """Move the spool into the store; True when it is empty afterwards."""

@@ -1,8 +1,8 @@
 """Headless-Chromium screenshots of what a reader sees: the MLflow UI's runs table and run pages, verdicts.html.
 
 Debian's `chromium` + `chromium-driver` driven by selenium, with the driver's Debian path so that nothing is
-downloaded at run time (selenium's own driver manager would fetch one). Used by tests/test_dashboard_*.py and by
-hand:
+downloaded at run time (selenium's own driver manager would fetch one). Used by tests/integration/test_dashboard*.py
+and by hand:
 
     python -m tests.helpers.screenshots OUT.png URL [--wait-text TEXT] [--width 1800 --height 1100]
 """

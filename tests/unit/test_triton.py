@@ -24,7 +24,6 @@ from flash_forensics.kernels.stats import AttnStats
 triton = pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-BF16_ON_CPU = "Triton's CPU interpreter gets BF16 wrong (tl.dot, .to(bfloat16) rounding): BF16 recipes run on GPU"
 
 
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"

@@ -3,8 +3,8 @@
 The rounding-point forks are ordinary interventions, named by the point they move (ROUNDING_POINTS, kernels/recipes.py):
   lift_<point>       the run's recipe with only <point> kept in FP32 (attention.keep_fp32=[point]);
   bf16_only_<point>  the fp32 recipe with only <point> rounded to BF16 (attention.round_bf16=[point]).
-Each fork is judged against its peer (orchestrator/rows._peer: the run of that name with the most overrides in common,
-e.g. the same seed and checkpoint): a lift against the `baseline`, a lowering against the `fp32` reference.
+Each fork is judged against its peer (orchestrator/report/rows.py _peer: the run of that name with the most overrides
+in common, e.g. the same seed and checkpoint): a lift against the `baseline`, a lowering against the `fp32` reference.
 
   lift:      prevents (stable to at least the baseline's divergence step, where the baseline diverged) | delays by N
              steps (diverged N >= min_delay steps later) | hastens | no effect | inconclusive | failed | not run
@@ -27,8 +27,6 @@ from flash_forensics.orchestrator.report.rows import BASELINE, REFERENCE, _peer
 SWEEP = "rounding_points"  # the sweep file (sweeps/rounding_points.yaml) whose forks this stage reads
 LIFT, BF16_ONLY = "lift", "bf16_only"
 _PREFIX = {BF16_ONLY: "bf16_only_", LIFT: "lift_"}
-LIFT_OUTCOMES = ("prevents", "delays", "no effect", "hastens", "inconclusive", "failed", "mixed", "not run")
-BF16_OUTCOMES = ("reproduces", "no effect", "inconclusive", "failed", "mixed", "not run")
 
 
 def parse_point(intervention: Optional[str]) -> Optional[Tuple[str, str]]:
