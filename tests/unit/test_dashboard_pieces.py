@@ -112,15 +112,24 @@ def test_links_and_descriptions():
 
 
 # ------------------------------------------------------------------------ plots people can read at a glance
-def _capture(monkeypatch):
-    """Keep each figure's legend texts, all its texts, line colours and the axes' share of the saved figure."""
-    from matplotlib.text import Text
-    got = {}
+def _on_save(monkeypatch, measure):
+    """Patch plots._save: each figure is drawn, `measure(fig, renderer, path)` reads it, then it is saved."""
     real_save = plots._save
 
     def keep(fig, path):
         fig.canvas.draw()
-        r = fig.canvas.get_renderer()
+        measure(fig, fig.canvas.get_renderer(), path)
+        return real_save(fig, path)
+
+    monkeypatch.setattr(plots, "_save", keep)
+
+
+def _capture(monkeypatch):
+    """Keep each figure's legend texts, all its texts, line colours and the axes' share of the saved figure."""
+    from matplotlib.text import Text
+    got = {}
+
+    def measure(fig, r, path):
         tight = fig.get_tightbbox(r)  # inches: what bbox_inches="tight" saves
         ax = fig.axes[0]
         leg = ax.get_legend() or (fig.legends[0] if fig.legends else None)
@@ -131,9 +140,8 @@ def _capture(monkeypatch):
             ax_h=ax.get_window_extent(r).height / fig.dpi / tight.height,
             legend_h=leg.get_window_extent(r).height / fig.dpi if leg else 0.0,
             ax_h_in=ax.get_window_extent(r).height / fig.dpi)
-        return real_save(fig, path)
 
-    monkeypatch.setattr(plots, "_save", keep)
+    _on_save(monkeypatch, measure)
     return got
 
 
@@ -217,17 +225,13 @@ def test_shared_overrides_keep_labels_unique():
 def test_delays_words_stay_in_the_axes(monkeypatch, tmp_path):
     """A stable run's 'no divergence by step N' ran past the axes' right edge; it is now inside its long bar."""
     got = {}
-    real_save = plots._save
 
-    def keep(fig, path):
-        fig.canvas.draw()
-        r = fig.canvas.get_renderer()
+    def measure(fig, r, path):
         ax = fig.axes[0]
         got["right"] = ax.get_window_extent(r).x1
         got["words"] = [t.get_window_extent(r).x1 for t in ax.texts if "no divergence" in t.get_text()]
-        return real_save(fig, path)
 
-    monkeypatch.setattr(plots, "_save", keep)
+    _on_save(monkeypatch, measure)
     items = [(f"run{k}", "stable", None, 4651, 4342) for k in range(12)] + [("late", "diverged", 4363, 4651, 4342)]
     plots.delays(items, tmp_path / "d.png")
     assert len(got["words"]) == 12 and max(got["words"]) <= got["right"]
@@ -236,16 +240,12 @@ def test_delays_words_stay_in_the_axes(monkeypatch, tmp_path):
 def test_localization_head_legend_is_two_rows_not_a_column(monkeypatch, tmp_path):
     """12 heads in 2 columns made a legend half as tall as the axes under them; now 2 rows."""
     got = {}
-    real_save = plots._save
 
-    def keep(fig, path):
-        fig.canvas.draw()
-        r = fig.canvas.get_renderer()
+    def measure(fig, r, path):
         a = fig.axes[0]
         got.update(legend=a.get_legend().get_window_extent(r).height, axes=a.get_window_extent(r).height)
-        return real_save(fig, path)
 
-    monkeypatch.setattr(plots, "_save", keep)
+    _on_save(monkeypatch, measure)
     hist = {f"wq_sigma/L2.H{h}": [(s, 1.0 + h * s / 50) for s in range(0, 60, 5)] for h in range(12)}
     plots.localization(_loc(2), hist, tmp_path / "loc.png")
     assert got["legend"] < 0.25 * got["axes"]
