@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections import Counter
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -278,10 +279,7 @@ def shared_overrides(rows: Sequence[Dict]) -> Tuple[set, str]:
     if not n:
         return set(), ""
     every = set.intersection(*per)
-    count: Dict[str, int] = {}
-    for s in per:
-        for o in s:
-            count[o] = count.get(o, 0) + 1
+    count = Counter(o for s in per for o in s)
     few = n // 4 if n >= 4 else 0
     shared = {o for o, c in count.items() if n - c <= few}
     if len({_label(r, shared) for r in rows}) < len({_label(r, every) for r in rows}):
