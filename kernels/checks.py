@@ -5,6 +5,7 @@ raise its own ValueError subclass (flash_forensics.orchestrator.config.validate.
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Optional, Type
 
 
@@ -31,4 +32,11 @@ def int_range(low: int, high: Optional[int] = None) -> str:
     return f"an integer >= {low}" + (f" and <= {high}" if high is not None else "")
 
 
-__all__ = ["bad", "is_int", "is_num", "int_range"]
+def file_in_the_way(path) -> Optional[Path]:
+    """The nearest existing parent of an output file's path when it is a file (mkdir would fail there, after the
+    work), else None: the CLIs check their --out with it before any work."""
+    under = next((q for q in Path(path).parents if q.exists()), None)
+    return under if under is not None and not under.is_dir() else None
+
+
+__all__ = ["bad", "is_int", "is_num", "int_range", "file_in_the_way"]

@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from flash_forensics.kernels.checks import file_in_the_way
 from flash_forensics.kernels.formats import PBAR_SCALES, cast, quantize
 
 F32_FRAC = 23
@@ -585,8 +586,8 @@ def main(argv=None) -> int:
     if out.is_dir() or out.suffix.lower() not in PLOT_SUFFIXES:
         raise SystemExit(f"--out={args.out!r} is not allowed: expected a file path ending in "
                          f"{', '.join(PLOT_SUFFIXES)}" + (" (it is a folder)" if out.is_dir() else ""))
-    under = next((q for q in out.parents if q.exists()), None)
-    if under is not None and not under.is_dir():  # else mkdir's FileExistsError after the trace, naming no flag
+    under = file_in_the_way(out)
+    if under is not None:  # else mkdir's FileExistsError after the trace, naming no flag
         raise SystemExit(f"--out={args.out!r} is not allowed: {under} is a file; expected a file path in a folder")
     if args.input:
         try:

@@ -19,6 +19,7 @@ from typing import Dict, List
 
 import torch
 
+from flash_forensics.kernels.checks import file_in_the_way
 from flash_forensics.kernels.config import AttentionKnobs
 from flash_forensics.kernels.emulator import SFA_GUARD_HI, SFA_GUARD_LO, flash_attention, reference_attention
 from flash_forensics.kernels.stats import AttnStats
@@ -120,8 +121,8 @@ def main(argv=None) -> int:
     if args.out is not None and args.out.is_dir():
         ap.error(f"--out={str(args.out)!r} is not allowed: it is a folder; expected a file path (e.g. "
                  f"{args.out / 'sfa_edge_matrix.md'})")
-    under = next((q for q in args.out.parents if q.exists()), None) if args.out is not None else None
-    if under is not None and not under.is_dir():  # else mkdir's FileExistsError, naming no flag, after the matrix
+    under = file_in_the_way(args.out) if args.out is not None else None
+    if under is not None:  # else mkdir's FileExistsError, naming no flag, after the matrix
         ap.error(f"--out={str(args.out)!r} is not allowed: {under} is a file; expected a file path in a folder")
     text = markdown(matrix())
     if args.out:

@@ -321,6 +321,16 @@ def result_path(job_dir: Path) -> Path:
     return Path(job_dir) / RESULT_FILE
 
 
+def read_named(job_dir: Path) -> RunRecord:
+    """read(), with a result.json that is not a record said as such, naming the file (json's own words, e.g.
+    'Expecting value: line 1 column 1', named none): ValueError."""
+    try:
+        return read(job_dir)
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:  # not JSON, or JSON but not an object
+        raise ValueError(f"{result_path(job_dir)} is not a readable run record ({type(e).__name__}: "
+                         f"{str(e)[:200]}); expected the result.json a job writes") from None
+
+
 # ------------------------------------------------------------------------------------------ MLflow typing
 TAG_VERDICT = "verdict"  # running | stable | diverged | failed
 TAG_MATCHES = "matches_paper"  # "true" | "false"
@@ -493,7 +503,7 @@ __all__ = ["RunRecord", "RECORD_VERSION", "RESULT_FILE", "CKPT_DIR", "ORDER_FILE
            "PROBE", "PROBE_LAYER_KINDS", "PROBE_HEAD_KINDS", "PROBE_PLOTTED", "probe_name", "parse_probe_metric",
            "parse_where", "wq_sigma_name", "rmax_rows_name", "max_logit_name", "parse_head_metric",
            "parse_layer_metric", "encode", "decode_float", "from_mlflow_value", "dumps", "matches_paper", "write",
-           "read", "result_path", "record_tags", "record_metrics", "sweep_metrics", "from_mlflow_run",
+           "read", "read_named", "result_path", "record_tags", "record_metrics", "sweep_metrics", "from_mlflow_run",
            "RUN_METRICS", "SWEEP_METRICS", "TAG_VERDICT", "TAG_MATCHES", "TAG_INTERVENTION", "TAG_EXPECT",
            "REFERENCE", "NONFINITE_SUFFIX", "user_overrides", "CAUSES", "CAUSE_PRECISION", "CAUSE_NOT_PRECISION",
            "CAUSE_NO_CONTROL", "setup_of",

@@ -224,10 +224,9 @@ def _result_field(job_dir, key: str) -> Optional[int]:
     if not path.is_file():
         return None
     try:
-        return getattr(record.read(job_dir), key)
-    except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:  # not JSON, or JSON but not an object
-        raise ForkError(f"{path} is not a readable run record ({type(e).__name__}: {str(e)[:200]}); expected the "
-                        "result.json a job writes (fork pick --before STEP picks without it)") from None
+        return getattr(record.read_named(job_dir), key)
+    except ValueError as e:
+        raise ForkError(f"{e} (fork pick --before STEP picks without it)") from None
 
 
 def _job_dir(value: str) -> str:

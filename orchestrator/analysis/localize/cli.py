@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
+from flash_forensics.kernels.checks import file_in_the_way
 from flash_forensics.orchestrator import record
 from flash_forensics.orchestrator.analysis.localize import algorithm, rounding_io
 from flash_forensics.orchestrator.analysis.localize.algorithm import localize
@@ -65,9 +66,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for flag, path, ok in (("--out", a.out, None), ("--plot", png, PLOT_SUFFIXES)):
         if path is None:
             continue
-        under = next((q for q in path.parents if q.exists()), Path("."))
-        if path.is_dir() or not under.is_dir() or (ok and path.suffix.lower() not in ok):
-            why = ("it is a folder" if path.is_dir() else f"{under} is a file" if not under.is_dir()
+        under = file_in_the_way(path)
+        if path.is_dir() or under is not None or (ok and path.suffix.lower() not in ok):
+            why = ("it is a folder" if path.is_dir() else f"{under} is a file" if under is not None
                    else f"its suffix is {path.suffix!r}")
             p.error(f"{flag}={str(path)!r} is not allowed: {why}; expected a file path"
                     + (f" ending in {', '.join(ok)}" if ok else " (the localization as JSON)"))

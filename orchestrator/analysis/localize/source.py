@@ -38,11 +38,7 @@ def resolve_source(source: str, tracking_uri: Optional[str] = None, job: Optiona
         elif job is not None:
             raise ValueError(f"--job {job!r} is not allowed with a job folder ({source} holds result.json): --job "
                              "picks a job of a sweep folder")
-        try:
-            rec = record.read(path)
-        except (OSError, ValueError, TypeError, AttributeError) as e:  # json's words alone named no file
-            raise ValueError(f"{record.result_path(path)} is not a readable run record ({type(e).__name__}: "
-                             f"{str(e)[:200]}); expected the result.json a job writes") from None
+        rec = record.read_named(path)  # json's words alone named no file
         if not rec.mlflow_run_id:
             raise ValueError(f"{record.result_path(path)}: no mlflow_run_id (the job died before tracking started)")
         return {"run_id": rec.mlflow_run_id, "tracking_uri": tracking_uri or store.job_store(path),
