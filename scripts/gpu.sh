@@ -601,6 +601,7 @@ print(re.sub('[^a-z0-9]+', '-', g).strip('-'))" "$LOG/kernel-bits.json") || die 
           while [[ ${w[$i]} =~ ^[A-Za-z_][A-Za-z0-9_]*= ]]; do envs+=("${w[$i]}"); i=$((i+1)); done
           name="$n-${w[$i]}"; t=$(date +%s)
           printf '  %s: started %s (%s)\n' "$name" "$(date -u +%T)" "$item" >> "$Q/status"
+          mkdir -p "$Q/out/$name"  # the item's $OUT exists, as a `run` call's does (paper-table start copies into it)
           env "${envs[@]}" OUT="$Q/out/$name" bash scripts/gpu.sh "${w[@]:$i}" > "$Q/out/$name.log" 2>&1
           rc=$?
           printf '  %s: exit %s after %s s\n' "$name" "$rc" "$(( $(date +%s) - t ))" >> "$Q/status"

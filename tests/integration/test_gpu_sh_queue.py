@@ -41,6 +41,8 @@ def test_queue_runs_tasks_in_turn_says_failures_and_collects(tmp_path):
     assert "this tree's tests skipped (SKIP_HERE=1" in (tmp_path / "q" / "out" / "2-patch-tests.log").read_text()
     assert "status" in names
     assert not (ROOT / "tests" / "unit" / "test_zz_patched.py").exists()
+    # each item's $OUT is made before it runs, as a lent machine's is: paper-table start copies into it unmade
+    assert (tmp_path / "q" / "out" / "1-patch-tests").is_dir()
 
 
 def test_queue_refuses_an_item_without_a_task_and_a_wait_without_a_queue(tmp_path):
