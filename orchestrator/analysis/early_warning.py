@@ -190,13 +190,14 @@ def pooled(folds: Sequence[Fold], signal: Optional[str] = None) -> Dict:
 
 # ---------------------------------------------------------------------------------------------- loading
 def _usable(rec_rows: Sequence[Dict], skipped: List[str], unfinished: bool = False) -> List[Dict]:
-    """The rows that can be judged. With `unfinished`, a run without a verdict whose record shows no divergence and
-    some steps done becomes observed="unfinished" (its loss history is checked again in load())."""
+    """The rows that can be judged. With `unfinished`, a run without a verdict whose record shows no divergence
+    becomes observed="unfinished": load() judges it by its loss history (none logged: left out), since a job killed
+    before its result (known by its job.json) records no steps."""
     out = []
     for r in rec_rows:
         name = r.get("job") or r.get("mlflow_run_id")
         if (unfinished and r.get("observed") not in ("stable", "diverged") and r.get("divergence_step") is None
-                and (r.get("steps_done") or 0) > 0 and r.get("mlflow_run_id")):
+                and r.get("mlflow_run_id")):
             out.append(dict(r, observed="unfinished"))
         elif r.get("observed") not in ("stable", "diverged"):
             skipped.append(f"{name}: {r.get('observed')} ({r.get('error') or 'no verdict'})")
@@ -356,6 +357,9 @@ def load(sources: Sequence[str] = (), tracking_uri: Optional[str] = None, experi
             except ValueError as e:  # its store is gone or lacks it: left out, said, the others still judged
                 skipped.append(f"{name}: {e}")
                 continue
+        if r["observed"] == "unfinished" and not hist.get(record.LOSS):
+            skipped.append(f"{name}: unfinished, with no logged loss: nothing to judge")
+            continue
         if r["observed"] == "unfinished" and (div := _replayed_divergence(hist, r)) is not None:
             skipped.append(f"{name}: unfinished, and its loss diverged at step {div} by its detector: no verdict")
             continue

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from flash_forensics.orchestrator import record
+from flash_forensics.orchestrator.job.folder import START_FILE, read_job_start
 from flash_forensics.orchestrator.record import RESULT_FILE, matches_paper
 
 BASELINE, REFERENCE = "baseline", "fp32"
@@ -43,11 +44,15 @@ def row_from_result(result: Dict[str, Any], job: Optional[str] = None, job_dir: 
 
 
 def _failed_row(job_dir: Path, name: str, err: str) -> Dict:
-    overrides = _hydra_overrides(job_dir)
-    intervention = next((o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0].lstrip("+~")
-                         == "intervention"), None)
+    """A job without a readable record, named by its Hydra overrides or its job.json. job.json (written at start)
+    also gives its MLflow run id: a killed run's metrics stay findable (early-warning --include-unfinished)."""
+    start = read_job_start(job_dir) or {}
+    overrides = _hydra_overrides(job_dir) or [str(o) for o in start.get("overrides") or []]
+    intervention = start.get("intervention") or next(
+        (o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0].lstrip("+~") == "intervention"), None)
     return row_from_result({"intervention": intervention, "overrides": overrides, "observed": "failed",
-                            "error": err}, name, job_dir)
+                            "error": err, "expected": start.get("expected"),
+                            "mlflow_run_id": start.get("mlflow_run_id")}, name, job_dir)
 
 
 def job_row(job_dir: Path, name: str) -> Dict:
@@ -84,9 +89,10 @@ def _natural(parts: Sequence[str]):
 
 
 def collect_rows(sweep_dir: Path) -> List[Dict]:
-    """Rows for every job folder of a sweep (those holding result.json or Hydra's .hydra/), in job order."""
+    """Rows for every job folder of a sweep (those holding result.json, Hydra's .hydra/ or job.json: a job killed
+    before its result), in job order."""
     sweep_dir = Path(sweep_dir)
-    jobs = {p.parent for p in sweep_dir.rglob(RESULT_FILE)} | {p.parent for p in sweep_dir.rglob(".hydra")}
+    jobs = {p.parent for marker in (RESULT_FILE, ".hydra", START_FILE) for p in sweep_dir.rglob(marker)}
     jobs.discard(sweep_dir)
     jobs = {j for j in jobs if record.REPORT_DIR not in j.relative_to(sweep_dir).parts}
     return [job_row(j, str(j.relative_to(sweep_dir)))
@@ -97,12 +103,12 @@ def rows_from_dirs(dirs: Sequence) -> List[Dict]:
     """Rows from several places at once: a job dir (holding result.json) gives its row, a sweep dir its jobs'."""
     rows: List[Dict] = []
     for d in (Path(x).resolve() for x in dirs):  # resolved: "." gets its folder's name
-        if (d / RESULT_FILE).is_file():
+        if (d / RESULT_FILE).is_file() or (d / START_FILE).is_file():
             rows.append(job_row(d, d.name))
         elif d.is_dir():
             found = collect_rows(d)
             if not found:
-                raise ValueError(f"{d}: no job folders (result.json or .hydra/) under it")
+                raise ValueError(f"{d}: no job folders (result.json, .hydra/ or job.json) under it")
             rows.extend(dict(r, job=f"{d.name}/{r['job']}") for r in found)
         else:
             raise ValueError(f"{d}: not a directory")

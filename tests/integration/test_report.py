@@ -191,3 +191,20 @@ def test_hydra_multirun_nests_runs_and_writes_report(tmp_path):
     prun = client.get_run(parent["run_id"])
     assert prun.info.status == "FAILED" and "intervention=baseline,fp32,crash" in prun.data.tags["sweep.overrides"]
     assert (out / "plots" / "loss_curves.png").is_file()
+
+
+def test_a_job_folder_with_only_job_json_is_a_failed_row_that_keeps_its_mlflow_run(tmp_path):
+    """A job killed before result.json and outside Hydra's folders (isolate's baseline, a lent machine taken back)
+    leaves job.json: its row is failed, says why, and keeps the intervention, overrides and MLflow run job.json
+    names, so its metrics stay findable (early-warning --include-unfinished)."""
+    from flash_forensics.orchestrator.report.rows import collect_rows, rows_from_dirs
+    job = tmp_path / "seed1" / "baseline"
+    job.mkdir(parents=True)
+    (job / "job.json").write_text(json.dumps({"intervention": "baseline", "expected": "diverges", "mlflow_run_id":
+                                              "f7fc81f5", "overrides": ["experiment=paper_1gpu", "train.seed=1"]}))
+    for rows in (collect_rows(tmp_path / "seed1"), rows_from_dirs([job])):
+        (row,) = rows
+        assert (row["job"], row["observed"], row["intervention"], row["expected"], row["mlflow_run_id"]) == (
+            "baseline", "failed", "baseline", "diverges", "f7fc81f5")
+        assert row["overrides"] == ["experiment=paper_1gpu", "train.seed=1"]
+        assert "no result.json: the job was killed" in row["error"]

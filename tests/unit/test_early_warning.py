@@ -261,6 +261,32 @@ def test_cli_reads_job_folders_with_histories_from_a_compact_export(tmp_path):
         ew.main(["sqlite:///x.db", "--histories", str(tmp_path / "e.json.gz")])
 
 
+def test_a_job_killed_before_its_result_is_unfinished_by_its_job_json_and_its_exported_history(tmp_path, capsys):
+    """A job killed before result.json (the lent machine taken back mid-run) leaves only job.json, which names its
+    MLflow run: with --include-unfinished and an export it is judged as unfinished to its last logged step; without
+    a logged loss it is left out, said so; without --include-unfinished it is a failed row, left out."""
+    import gzip
+    for name, rid in (("seed1/baseline", "k1"), ("seed2/baseline", "k2")):
+        (tmp_path / name).mkdir(parents=True)
+        (tmp_path / name / "job.json").write_text(json.dumps({"intervention": "baseline", "expected": "diverges",
+                                                              "overrides": ["intervention=baseline"],
+                                                              "mlflow_run_id": rid}))
+    export = {"runs": [{"run_id": "k1", "metrics": {"train/loss": [[s, 5.0 - 0.01 * s] for s in range(60)],
+                                                    "max_logit/L0": [[s, 10.0 * s] for s in FLUSH]}},
+                       {"run_id": "k2", "metrics": {"max_logit/L0": [[s, 1.0] for s in FLUSH]}}]}
+    with gzip.open(tmp_path / "e.json.gz", "wt") as f:
+        json.dump(export, f)
+    args = [str(tmp_path / "seed1"), str(tmp_path / "seed2"), "--histories", str(tmp_path / "e.json.gz")]
+    assert ew.main([*args, "--include-unfinished", "--out", str(tmp_path / "ew")]) == 0
+    doc = json.loads((tmp_path / "ew" / "early_warning.json").read_text())
+    assert [(r["name"], r["observed"], r["last_step"]) for r in doc["runs"]] == [("seed1/baseline", "unfinished",
+                                                                                   59)]
+    assert any(s.startswith("seed2/baseline: unfinished, with no logged loss") for s in doc["skipped"])
+    assert ew.main([*args, "--out", str(tmp_path / "ew2")]) == 1  # nothing left to judge: refused, each said
+    err = capsys.readouterr().err
+    assert "every run was left out" in err and err.count("failed (no result.json: the job was killed") == 2
+
+
 def test_cli_reads_several_seeds_reports_and_exports_and_leaves_out_jumped_forks(tmp_path):
     """Two seeds' tables (a report's verdicts.json each) and their exports (--histories twice): runs named by their
     seed's folder, since both have a 'baseline'; a fork whose first loss jumped (fork_jump > 0.5 nats: the
