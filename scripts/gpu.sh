@@ -74,7 +74,9 @@
 #   - PYTHONPATH=$FF_SITE:<repo>, so `python -m flash_forensics.cli` and run.py import this checkout;
 #   - the corpus cache: .stage/*.tar.xz (from `stage`) unpacked once, then FLASH_FORENSICS_CACHE=<repo>/.ffcache and
 #     TIKTOKEN_CACHE_DIR=<repo>/.ffcache/tiktoken when .ffcache/ exists.
-#   .whl/, .stage/ and .ffcache/ are git-ignored: copy them along with the tree.
+#   .whl/, .stage/ and .ffcache/ are git-ignored: copy them along with the tree. With them the tracked tree no
+#   longer fits what a lent machine's call carries (64 MiB): `bash scripts/lease_aside.sh out` first (committed
+#   results but results/bench/ wait in /tmp/ff-aside), `back` after the lease.
 # Logs and benchmark JSONs go to $OUT/<task> (default results/bench/gpu/<task>). Env: PY (python3), WORKERS.
 set -uo pipefail
 cd "$(dirname "$0")/.."
