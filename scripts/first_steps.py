@@ -1,0 +1,154 @@
+"""The paper regime's first training steps, bit for bit against the losses recorded on each GPU.
+
+Seed 1 diverged at step 2,288 on an H200 and had not by 7,610 on an H100; the two runs' losses differ from step 1
+(results/paper_1gpu/h100-2026-12-05/). Whether the GPU or a commit moved the bits is settled by a few steps:
+
+    python scripts/first_steps.py run [--seed 1] [--steps 3] [--out DIR] [--ref FILE] [-- OVERRIDES...]
+        trains `python run.py experiment=paper_1gpu train.seed=S data.seed=S` (plus OVERRIDES) for N steps (a NaN
+        forced at step N stops it: max_steps and the lr schedule stay the preset's), reads its train/loss and
+        compares every step with each record of the same seed in FILE: "bit for bit as <gpu> <commit>", or the
+        first step that differs. Writes DIR/first_steps.json. Exit 0 when it ran.
+    python scripts/first_steps.py record EXPORT.json.gz --gpu NAME --commit SHA --source PATH [--run-prefix baseline]
+                                         [--steps 10] [--ref FILE]
+        adds a record (a run's first losses, from a compact export: scripts/mlflow_export.py) to FILE.
+
+FILE defaults to results/bench/first-steps-paper_1gpu.json (results/bench/ stays in the tree during a lease:
+scripts/lease_aside.sh). `bash scripts/gpu.sh first-steps` runs `run` on a lent GPU.
+"""
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+ROOT = Path(__file__).resolve().parents[1]
+REF = ROOT / "results" / "bench" / "first-steps-paper_1gpu.json"
+LOSS = "train/loss"
+
+
+def losses_of(runs: Sequence[Dict], prefix: str = "", steps: Optional[int] = None) -> List[float]:
+    """The train/loss of the one run from step 0 (forks start later) whose name starts with prefix, steps 0, 1, ...
+    in order (a gap is an error)."""
+    got = [r for r in runs if str(r.get("name") or "").startswith(prefix)
+           and min((int(p[0]) for p in r.get("metrics", {}).get(LOSS) or []), default=None) == 0]
+    if len(got) != 1:
+        raise SystemExit(f"first_steps: expected one run named {prefix!r}... with {LOSS} from step 0, found "
+                         f"{len(got)}: {[r.get('name') for r in got]}")
+    pts = sorted((int(p[0]), float("nan") if p[1] is None else float(p[1]))  # the export writes NaN as null
+                 for p in got[0]["metrics"][LOSS])
+    out = []
+    for i, (s, v) in enumerate(pts[:steps] if steps else pts):
+        if s != i:
+            raise SystemExit(f"first_steps: {LOSS} of {got[0].get('name')!r} has no step {i} (next logged: {s})")
+        out.append(v)
+    return out
+
+
+def compare(losses: Sequence[float], record: Dict) -> str:
+    """One line: the same bits as the record at every shared step, or the first step that differs."""
+    ref = record["losses"]
+    n = min(len(losses), len(ref))
+    who = f"{record['gpu']} {record.get('commit', '?')}"
+    for i in range(n):
+        if losses[i] != ref[i]:
+            return f"differs from {who} at step {i}: {losses[i]!r} against {ref[i]!r}"
+    return f"bit for bit as {who} at steps 0-{n - 1}"
+
+
+def _load_ref(path: Path) -> Dict:
+    if not path.is_file():
+        return {"what": "the paper regime's first train/loss values per seed and GPU (scripts/first_steps.py)",
+                "records": []}
+    return json.loads(path.read_text())
+
+
+def cmd_record(a) -> int:
+    with gzip.open(a.export, "rt") as f:
+        runs = json.load(f)["runs"]
+    losses = losses_of(runs, a.run_prefix, a.steps)
+    ref = _load_ref(a.ref)
+    rec = {"gpu": a.gpu, "commit": a.commit, "seed": a.seed, "source": a.source, "losses": losses}
+    ref["records"] = [r for r in ref["records"] if (r["gpu"], r.get("commit"), r.get("seed")) !=
+                      (a.gpu, a.commit, a.seed)] + [rec]
+    a.ref.parent.mkdir(parents=True, exist_ok=True)
+    a.ref.write_text(json.dumps(ref, indent=1) + "\n")
+    print(f"first_steps: {len(losses)} losses of seed {a.seed} on {a.gpu} ({a.commit}) -> {a.ref}")
+    return 0
+
+
+def _gpu() -> str:
+    try:
+        import torch
+        return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    except Exception as e:  # noqa: BLE001 (a name for the record; the run itself says what failed)
+        return f"unknown ({e})"
+
+
+def cmd_run(a, overrides: Sequence[str]) -> int:
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from mlflow_export import export
+    out = Path(a.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    uri = f"sqlite:///{out / 'mlflow.db'}"
+    # max_steps and the warmup stay the preset's (the lr at a step depends on both); a NaN forced at step N ends the
+    # run there (the verdict path: diverged, stopped 0 steps after), after N steps computed as in a full run
+    cmd = [sys.executable, str(ROOT / "run.py"), "experiment=paper_1gpu", f"train.seed={a.seed}",
+           f"data.seed={a.seed}", f"debug.nan_at_step={a.steps}", "train.early_stop=true",
+           "verdict.early_stop_after=0", "train.ckpt_every=0", f"tracking.uri={uri}", "sweep_name=first_steps",
+           f"hydra.run.dir={out / 'run'}", *overrides]
+    print("first_steps:", " ".join(cmd), flush=True)
+    with open(out / "run.log", "w") as log:
+        rc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ)).returncode
+    if rc != 0:
+        tail = (out / "run.log").read_text()[-2000:]
+        raise SystemExit(f"first_steps: the run failed (exit {rc}); the end of {out / 'run.log'}:\n{tail}")
+    losses = losses_of(export(uri)["runs"], steps=a.steps)
+    gpu = _gpu()
+    lines = [compare(losses, r) for r in _load_ref(a.ref)["records"] if r.get("seed") == a.seed]
+    doc = {"gpu": gpu, "seed": a.seed, "command": " ".join(cmd), "losses": losses, "against": lines}
+    (out / "first_steps.json").write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"first_steps: seed {a.seed} on {gpu}: " + ", ".join(repr(x) for x in losses))
+    for line in lines or [f"no record of seed {a.seed} in {a.ref}"]:
+        print("  " + line)
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    overrides: List[str] = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, overrides = argv[:i], argv[i + 1:]
+    ap = argparse.ArgumentParser(prog="first_steps.py", description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="train the first steps here and compare them with the records")
+    r.add_argument("--seed", type=int, default=1)
+    r.add_argument("--steps", type=int, default=3)
+    r.add_argument("--out", default="results/bench/gpu/first-steps")
+    r.add_argument("--ref", type=Path, default=REF)
+    c = sub.add_parser("record", help="add a run's first losses from a compact export to the records")
+    c.add_argument("export")
+    c.add_argument("--gpu", required=True)
+    c.add_argument("--commit", required=True)
+    c.add_argument("--source", required=True)
+    c.add_argument("--seed", type=int, default=1)
+    c.add_argument("--run-prefix", default="baseline")
+    c.add_argument("--steps", type=int, default=10)
+    c.add_argument("--ref", type=Path, default=REF)
+    a = ap.parse_args(argv)
+    if a.cmd == "record":
+        if overrides:
+            ap.error("record takes no overrides")
+        return cmd_record(a)
+    if a.steps < 1:
+        ap.error(f"--steps {a.steps}: expected an integer >= 1")
+    return cmd_run(a, overrides)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

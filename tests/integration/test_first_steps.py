@@ -1,0 +1,72 @@
+"""scripts/first_steps.py: the paper regime's first losses, against those recorded per GPU and commit."""
+import gzip
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "scripts"))
+import first_steps as fs  # noqa: E402
+
+TINY = ["model=tiny", "data=default", "train.device=cpu", "train.precision=fp32", "train.batch_size=2",
+        "monitor.probes.enabled=false"]
+
+
+def _run(name, first, losses):
+    return {"name": name, "metrics": {fs.LOSS: [[first + i, v, 0] for i, v in enumerate(losses)]}}
+
+
+def test_the_run_from_step_0_is_read_and_compared_step_by_step():
+    runs = [_run("baseline seed=1", 0, [10.5, 10.25, None]), _run("baseline fork@2000", 2000, [3.0]),
+            _run("fp32", 0, [9.0])]
+    got = fs.losses_of(runs, "baseline")
+    assert got[:2] == [10.5, 10.25] and got[2] != got[2]  # the export's null is NaN
+    assert fs.losses_of(runs, "baseline", steps=2) == [10.5, 10.25]
+    with pytest.raises(SystemExit, match="found 2"):
+        fs.losses_of(runs + [_run("baseline again", 0, [1.0])], "baseline")
+    with pytest.raises(SystemExit, match="has no step 1"):
+        fs.losses_of([{"name": "b", "metrics": {fs.LOSS: [[0, 1.0], [2, 1.0]]}}], "b")
+    rec = {"gpu": "NVIDIA H200", "commit": "fa3c407", "losses": [10.5, 10.25, 10.0]}
+    assert fs.compare([10.5, 10.25], rec) == "bit for bit as NVIDIA H200 fa3c407 at steps 0-1"
+    assert fs.compare([10.5, 10.250000000000002], rec) == (
+        "differs from NVIDIA H200 fa3c407 at step 1: 10.250000000000002 against 10.25")
+
+
+def test_record_adds_and_replaces_by_gpu_commit_and_seed(tmp_path):
+    export = tmp_path / "e.json.gz"
+    with gzip.open(export, "wt") as f:
+        json.dump({"runs": [_run("baseline x", 0, [10.0 + i for i in range(12)]), _run("baseline f", 50, [1.0])]}, f)
+    ref = tmp_path / "ref.json"
+    args = ["record", str(export), "--gpu", "G", "--commit", "c1", "--source", "e", "--ref", str(ref)]
+    assert fs.main(args) == 0 and fs.main(args + ["--steps", "3"]) == 0  # the same key: replaced, not doubled
+    assert fs.main(args[:5] + ["c2"] + args[6:]) == 0
+    recs = json.loads(ref.read_text())["records"]
+    assert [(r["commit"], r["seed"], len(r["losses"])) for r in recs] == [("c1", 1, 3), ("c2", 1, 10)]
+
+
+def test_run_trains_the_first_steps_and_names_the_record_it_repeats(tmp_path, capsys):
+    """A tiny CPU stand-in for the GPT-2S preset (overrides after --): the run stops after its first 2 steps (a NaN
+    forced at step 2) and each record of its seed is named: the same bits, or the step where they part."""
+    out = tmp_path / "fs"
+    assert fs.main(["run", "--steps", "2", "--out", str(out), "--ref", str(tmp_path / "none.json"), "--", *TINY]) == 0
+    doc = json.loads((out / "first_steps.json").read_text())
+    losses = doc["losses"]
+    assert len(losses) == 2 and all(x == x for x in losses) and doc["gpu"] == "cpu"
+    assert "debug.nan_at_step=2" in doc["command"] and "no record of seed 1" in capsys.readouterr().out
+    ref = tmp_path / "ref.json"
+    ref.write_text(json.dumps({"records": [
+        {"gpu": "same", "commit": "a", "seed": 1, "losses": losses + [1.0]},
+        {"gpu": "other", "commit": "b", "seed": 1, "losses": [losses[0], losses[1] + 1e-6]},
+        {"gpu": "seed2", "commit": "c", "seed": 2, "losses": losses}]}))
+    assert fs.main(["run", "--steps", "2", "--out", str(out), "--ref", str(ref), "--", *TINY]) == 0
+    doc = json.loads((out / "first_steps.json").read_text())
+    assert doc["losses"] == losses  # the same machine repeats itself bit for bit
+    assert doc["against"][0] == "bit for bit as same a at steps 0-1"
+    assert doc["against"][1].startswith("differs from other b at step 1") and len(doc["against"]) == 2
+
+
+def test_a_failed_run_says_why(tmp_path):
+    with pytest.raises(SystemExit, match="the run failed"):
+        fs.main(["run", "--steps", "2", "--out", str(tmp_path / "x"), "--", *TINY, "train.batch_size=-1"])
