@@ -14,11 +14,12 @@
 #   SEED          train.seed = data.seed (1: seed 1 diverges at step 2,288, the earliest of the three seeds measured)
 #   MAX_STEPS     steps per run (2598 = seed 1's divergence + 310; seed 2: 4652, seed 1337: 10007)
 #   INTERVENTIONS the stabilizers sweep's runs ("baseline fp32 qk_norm gated_attn", sweeps/stabilizers_scratch);
-#                 "qk_norm gated_attn" when a report of the same seed already holds the baseline and the FP32 reference:
-#                 a baseline is deterministic (seed 1's, run again here on 2026-12-05, logged the val losses of the
-#                 2026-12-04 lease's at steps 500, 1,000 and 1,500 digit for digit), and `flash-forensics stabilizers`
-#                 takes steps gained from that report's baseline (same experiment and seeds): two runs share the GPU,
-#                 not four (four shared one H200 at 2.7-4.0 it/s each)
+#                 "qk_norm gated_attn" only when a report of the same seed AND the same GPU model already holds the
+#                 baseline and the FP32 reference: a baseline repeats bit for bit on one GPU model (seed 1 on H200s,
+#                 2026-12-04 and -05), not across models (on an H100 seed 1 left the H200's bits at step 1 and did not
+#                 diverge by 7,610: results/paper_1gpu/h100-2026-12-05; `gpu.sh first-steps` tells which record a
+#                 GPU repeats). Then `flash-forensics stabilizers` takes steps gained from that report's baseline and
+#                 two runs share the GPU, not four (four shared one H200 at 2.7-4.0 it/s each)
 #   LRS           baselines at these learning rates (lr = min_lr, the preset's constant schedule; "5e-4"; "" none)
 #   EXPERIMENT    the preset (paper_1gpu)        ROOT  where everything goes (results/runs/paper_scratch/<date>)
 #   STOP_AFTER    a run stops this many steps after its divergence (20: nothing more is needed of it)
