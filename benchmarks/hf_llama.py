@@ -1,12 +1,13 @@
 """A transformers Llama through the flash-forensics backend: the emulator route vs the Triton route vs transformers'
-own SDPA, one training step each, side by side in one process (issue 31: "the GPU speed of a transformers Llama
-through the backend").
+own SDPA and eager attention, one training step each, side by side in one process (issue 31: "the GPU speed of a
+transformers Llama through the backend").
 
     python benchmarks/hf_llama.py [--batch 8 --seq 1024 --layers 12] [--recipe paper_bf16] [--rounds 3]
                                   [--out results/bench/hf-llama-<gpu>.json]
 
 Methods, one model each with the same weights (BF16 parameters, CUDA):
 - sdpa: `attn_implementation="sdpa"` (transformers' default; the SDPA backend that ran is read from the profiler);
+- eager: `attn_implementation="eager"` (transformers' own matmul-softmax-matmul attention);
 - triton: `attn_implementation="forensics"` + `use(model, recipe)`; plain causal batches take the Triton route
   (flash_forensics/fast_path.py);
 - emulator: the same model with the fast path's tests answering "no", so every call takes the emulator.
@@ -49,10 +50,12 @@ def build(args, device):
     # a config object per model: transformers writes the attention choice into it (issue 31, "a shared config")
     ours = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation=NAME)
     sdpa = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation="sdpa")
+    eager = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation="eager")
     sdpa.load_state_dict(ours.state_dict())
-    ours, sdpa = ours.to(device, torch.bfloat16), sdpa.to(device, torch.bfloat16)
+    eager.load_state_dict(ours.state_dict())
+    ours, sdpa, eager = (m.to(device, torch.bfloat16) for m in (ours, sdpa, eager))
     use(ours, recipe=args.recipe)
-    return ours, sdpa
+    return ours, sdpa, eager
 
 
 class _EmulatorOnly:
@@ -155,7 +158,7 @@ def main(argv=None) -> int:
                  f"kv-heads must divide heads")
     out_path = a.out or os.path.join(ROOT, "results", "bench", "hf-llama-" + (
         torch.cuda.get_device_name().split()[-1].lower() if a.device == "cuda" else "cpu-smoke") + ".json")
-    ours, sdpa = build(a, a.device)
+    ours, sdpa, eager = build(a, a.device)
     g = torch.Generator(device="cpu").manual_seed(1)
     ids = torch.randint(0, a.vocab, (a.batch, a.seq), generator=g).to(a.device)
     if not 0 <= a.left_pad < a.seq:
@@ -164,13 +167,15 @@ def main(argv=None) -> int:
     if a.left_pad:
         am = torch.ones(a.batch, a.seq, dtype=torch.long, device=a.device)
         am[1::2, :a.left_pad] = 0
-    methods = {"sdpa": step_fn(sdpa, ids, am), "emulator": step_fn(ours, ids, am, emulator=True)}
+    methods = {"sdpa": step_fn(sdpa, ids, am), "eager": step_fn(eager, ids, am),
+               "emulator": step_fn(ours, ids, am, emulator=True)}
     if a.device == "cuda":
         methods["triton"] = step_fn(ours, ids, am)
     with torch.no_grad():
-        info = {"sdpa": {"routes": ["transformers sdpa"], "loss": float(sdpa(**_batch(ids, am)).loss)}}
+        info = {"sdpa": {"routes": ["transformers sdpa"], "loss": float(sdpa(**_batch(ids, am)).loss)},
+                "eager": {"routes": ["transformers eager"], "loss": float(eager(**_batch(ids, am)).loss)}}
     for m in methods:
-        if m != "sdpa":
+        if m not in info:
             r, loss = routes(ours, ids, am, emulator=(m == "emulator"))
             info[m] = {"routes": r, "loss": loss}
     if a.device == "cuda":

@@ -168,9 +168,11 @@ def test_the_llama_speed_benchmark_runs_its_plumbing_on_cpu(tmp_path):
                           "--heads", "4", "--kv-heads", "2", "--vocab", "128", "--rounds", "1",
                           "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
-    assert doc["smoke"] is True and set(doc["methods"]) == {"sdpa", "emulator"}
+    assert doc["smoke"] is True and set(doc["methods"]) == {"sdpa", "eager", "emulator"}
     assert doc["methods"]["emulator"]["routes"] == ["emulator"]
     # the same weights and batch: the paper_bf16 emulator's loss is within BF16's reach of transformers' SDPA
     assert abs(doc["methods"]["emulator"]["loss"] - doc["methods"]["sdpa"]["loss"]) < 0.05
+    assert abs(doc["methods"]["eager"]["loss"] - doc["methods"]["sdpa"]["loss"]) < 0.05
+    assert "eager_vs_sdpa" in doc["summary"]
     with pytest.raises(SystemExit):
         hf_llama.main(["--device", "cpu", "--heads", "5", "--out", str(out)])
