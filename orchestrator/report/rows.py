@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import math
 import re
+import socket
 from collections import Counter
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from flash_forensics.orchestrator import record
+from flash_forensics.orchestrator.errors import _alive
 from flash_forensics.orchestrator.job.folder import START_FILE, read_job_start
 from flash_forensics.orchestrator.record import RESULT_FILE, matches_paper
 
@@ -55,12 +57,21 @@ def _failed_row(job_dir: Path, name: str, err: str) -> Dict:
                             "mlflow_run_id": start.get("mlflow_run_id")}, name, job_dir)
 
 
+def _no_result(job_dir: Path) -> str:
+    """Why a job folder has no result.json: still running (its job.json's pid, alive on this host), else killed."""
+    start = read_job_start(job_dir) or {}
+    pid = start.get("pid")
+    if (isinstance(pid, int) and not isinstance(pid, bool) and pid > 0 and start.get("host") == socket.gethostname()
+            and _alive(pid)):
+        return f"no result.json yet: the job is still running (pid {pid})"
+    return "no result.json: the job was killed before it could write one (timeout, OOM, preemption?)"
+
+
 def job_row(job_dir: Path, name: str) -> Dict:
     """The row of one job folder: its record, else a failed row that says why (named by its Hydra overrides)."""
     rfile = Path(job_dir) / RESULT_FILE
     if not rfile.is_file():
-        return _failed_row(job_dir, name, "no result.json: the job was killed before it could write one (timeout, "
-                                          "OOM, preemption?)")
+        return _failed_row(job_dir, name, _no_result(job_dir))
     try:
         row = row_from_record(record.read(job_dir), name, job_dir)
     except (OSError, ValueError, TypeError, AttributeError, KeyError) as e:  # killed mid-write, or not a record

@@ -208,3 +208,21 @@ def test_a_job_folder_with_only_job_json_is_a_failed_row_that_keeps_its_mlflow_r
             "baseline", "failed", "baseline", "diverges", "f7fc81f5")
         assert row["overrides"] == ["experiment=paper_1gpu", "train.seed=1"]
         assert "no result.json: the job was killed" in row["error"]
+
+
+def test_a_job_folder_whose_job_is_still_running_says_so(tmp_path):
+    """A partial report collected while a job trains (gpu.sh paper-table collect): its job.json's pid is alive on
+    this host, so the row says it is still running, not that it was killed."""
+    import os
+    import socket
+
+    from flash_forensics.orchestrator.report.rows import rows_from_dirs
+    job = tmp_path / "baseline"
+    job.mkdir()
+    start = {"intervention": "baseline", "mlflow_run_id": "r1", "pid": os.getpid(), "host": socket.gethostname()}
+    (job / "job.json").write_text(json.dumps(start))
+    (row,) = rows_from_dirs([job])
+    assert row["error"] == f"no result.json yet: the job is still running (pid {os.getpid()})"
+    (job / "job.json").write_text(json.dumps(dict(start, host="another-host")))  # its pid means nothing here
+    (row,) = rows_from_dirs([job])
+    assert row["error"].startswith("no result.json: the job was killed")
