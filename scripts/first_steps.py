@@ -8,6 +8,10 @@ Seed 1 diverged at step 2,288 on an H200 and had not by 7,610 on an H100; the tw
         forced at step N stops it: max_steps and the lr schedule stay the preset's), reads its train/loss and
         compares every step with each record of the same seed in FILE: "bit for bit as <gpu> <commit>", or the
         first step that differs. Writes DIR/first_steps.json. Exit 0 when it ran.
+    python scripts/first_steps.py check sqlite:///STORE --seed S [--steps 3] [--run-prefix baseline]
+        the same comparison for a run already training (its store, read while it writes): what `gpu.sh paper-table`
+        prints once its baseline has logged the steps, so a lease knows in its first minutes whether the divergence
+        step recorded for this seed applies on its GPU. Exit 2 while the run has fewer steps.
     python scripts/first_steps.py record EXPORT.json.gz --gpu NAME --commit SHA --source PATH [--run-prefix baseline]
                                          [--steps 10] [--ref FILE]
         adds a record (a run's first losses, from a compact export: scripts/mlflow_export.py) to FILE.
@@ -21,6 +25,7 @@ import argparse
 import gzip
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -72,7 +77,8 @@ def cmd_record(a) -> int:
         runs = json.load(f)["runs"]
     losses = losses_of(runs, a.run_prefix, a.steps)
     ref = _load_ref(a.ref)
-    rec = {"gpu": a.gpu, "commit": a.commit, "seed": a.seed, "source": a.source, "losses": losses}
+    rec = {"gpu": a.gpu, "commit": a.commit, "seed": a.seed, "source": a.source, "divergence": a.divergence,
+           "note": a.note, "losses": losses}
     ref["records"] = [r for r in ref["records"] if (r["gpu"], r.get("commit"), r.get("seed")) !=
                       (a.gpu, a.commit, a.seed)] + [rec]
     a.ref.parent.mkdir(parents=True, exist_ok=True)
@@ -89,11 +95,40 @@ def _gpu() -> str:
         return f"unknown ({e})"
 
 
+def _against(losses: Sequence[float], seed: int, ref: Path) -> List[str]:
+    recs = _load_ref(ref)["records"]
+    return [compare(losses, r) + (f" (that run diverged at step {r['divergence']})" if r.get("divergence") else "")
+            + (f" ({r['note']})" if r.get("note") else "")
+            for r in recs if r.get("seed") == seed] or [f"no record of seed {seed} in {ref}"]
+
+
+def cmd_check(a) -> int:
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from mlflow_export import export
+    runs = export(a.store)["runs"]
+    try:
+        losses = losses_of(runs, a.run_prefix, a.steps)
+    except SystemExit as e:
+        print(f"first_steps: {e}")
+        return 2
+    if len(losses) < a.steps:
+        print(f"first_steps: {len(losses)} of {a.steps} steps logged so far")
+        return 2
+    print(f"first_steps: seed {a.seed}, steps 0-{a.steps - 1} on {_gpu()}:")
+    for line in _against(losses, a.seed, a.ref):
+        print("  " + line)
+    return 0
+
+
 def cmd_run(a, overrides: Sequence[str]) -> int:
     sys.path.insert(0, str(ROOT / "scripts"))
     from mlflow_export import export
     out = Path(a.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
+    for old in ("mlflow.db", "run", "run.log", "first_steps.json"):  # an earlier run's: run.py would resume into it
+        if (out / old).exists():
+            print(f"first_steps: replacing the earlier {out / old}")
+            shutil.rmtree(out / old) if (out / old).is_dir() else (out / old).unlink()
     uri = f"sqlite:///{out / 'mlflow.db'}"
     # max_steps and the warmup stay the preset's (the lr at a step depends on both); a NaN forced at step N ends the
     # run there (the verdict path: diverged, stopped 0 steps after), after N steps computed as in a full run
@@ -109,11 +144,11 @@ def cmd_run(a, overrides: Sequence[str]) -> int:
         raise SystemExit(f"first_steps: the run failed (exit {rc}); the end of {out / 'run.log'}:\n{tail}")
     losses = losses_of(export(uri)["runs"], steps=a.steps)
     gpu = _gpu()
-    lines = [compare(losses, r) for r in _load_ref(a.ref)["records"] if r.get("seed") == a.seed]
+    lines = _against(losses, a.seed, a.ref)
     doc = {"gpu": gpu, "seed": a.seed, "command": " ".join(cmd), "losses": losses, "against": lines}
     (out / "first_steps.json").write_text(json.dumps(doc, indent=1) + "\n")
     print(f"first_steps: seed {a.seed} on {gpu}: " + ", ".join(repr(x) for x in losses))
-    for line in lines or [f"no record of seed {a.seed} in {a.ref}"]:
+    for line in lines:
         print("  " + line)
     return 0
 
@@ -131,6 +166,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     r.add_argument("--steps", type=int, default=3)
     r.add_argument("--out", default="results/bench/gpu/first-steps")
     r.add_argument("--ref", type=Path, default=REF)
+    k = sub.add_parser("check", help="compare a training run's first steps (its store) with the records")
+    k.add_argument("store")
+    k.add_argument("--seed", type=int, default=1)
+    k.add_argument("--steps", type=int, default=3)
+    k.add_argument("--run-prefix", default="baseline")
+    k.add_argument("--ref", type=Path, default=REF)
     c = sub.add_parser("record", help="add a run's first losses from a compact export to the records")
     c.add_argument("export")
     c.add_argument("--gpu", required=True)
@@ -139,12 +180,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     c.add_argument("--seed", type=int, default=1)
     c.add_argument("--run-prefix", default="baseline")
     c.add_argument("--steps", type=int, default=10)
+    c.add_argument("--divergence", type=int, default=None, help="the step this run diverged at (none: not known)")
+    c.add_argument("--note", default=None, help="what else is known, e.g. 'not diverged by step 7,610'")
     c.add_argument("--ref", type=Path, default=REF)
     a = ap.parse_args(argv)
+    if a.cmd in ("record", "check") and overrides:
+        ap.error(f"{a.cmd} takes no overrides")
     if a.cmd == "record":
-        if overrides:
-            ap.error("record takes no overrides")
         return cmd_record(a)
+    if a.cmd == "check":
+        return cmd_check(a)
     if a.steps < 1:
         ap.error(f"--steps {a.steps}: expected an integer >= 1")
     return cmd_run(a, overrides)

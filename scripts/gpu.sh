@@ -425,6 +425,15 @@ print(re.sub('[^a-z0-9]+', '-', g).strip('-'))" "$LOG/kernel-bits.json") || die 
       nf=$( (ls "$R"/runs/seed*/forks/*.log 2>/dev/null || true) | wc -l)
       echo "[paper-table $(date -u +%T)] baseline ckpt ${ck:-none}; forks done $nd/$nf; GPU $(nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader | tr -d '\n'); disk $(df -h --output=avail "$R" | tail -1 | tr -d ' ')"
       grep -a "1/5\|2/5\|3/5\|4/5\|5/5\|done\|FAILED\|stopped\|preflight" "$L/paper.log" 2>/dev/null | tail -3 | cut -c1-220
+      # once the baseline has logged 3 steps: does this GPU repeat a recorded run of the seed, whose divergence step
+      # is then known here (scripts/first_steps.py check)? Said once, kept in $L/first_steps.txt
+      if [ ! -s "$L/first_steps.txt" ]; then
+        for db in "$R"/runs/seed*/mlflow.db; do
+          [ -f "$db" ] || continue; s=${db%/mlflow.db}; s=${s##*seed}
+          $PY scripts/first_steps.py check "sqlite:///$db" --seed "$s" > "$L/first_steps.tmp" 2>&1 \
+            && mv "$L/first_steps.tmp" "$L/first_steps.txt" && cat "$L/first_steps.txt"
+        done
+      fi
       tail -c 2000 "$R"/runs/seed*/baseline/run.log 2>/dev/null | tr '\r' '\n' | grep -a "it/s\|s/it\|\[job\]" | tail -1 | cut -c1-200
     }
     if [ "$mode" = run ]; then  # the collect gets the last ~60 s of the budget, whatever the plan is doing

@@ -61,10 +61,20 @@ def test_run_trains_the_first_steps_and_names_the_record_it_repeats(tmp_path, ca
         {"gpu": "other", "commit": "b", "seed": 1, "losses": [losses[0], losses[1] + 1e-6]},
         {"gpu": "seed2", "commit": "c", "seed": 2, "losses": losses}]}))
     assert fs.main(["run", "--steps", "2", "--out", str(out), "--ref", str(ref), "--", *TINY]) == 0
+    assert "replacing the earlier" in capsys.readouterr().out  # the same --out: a fresh run, not a resumed one
     doc = json.loads((out / "first_steps.json").read_text())
     assert doc["losses"] == losses  # the same machine repeats itself bit for bit
     assert doc["against"][0] == "bit for bit as same a at steps 0-1"
     assert doc["against"][1].startswith("differs from other b at step 1") and len(doc["against"]) == 2
+    # check: the same comparison read from a run's store (gpu.sh paper-table, while its baseline trains)
+    capsys.readouterr()
+    store = f"sqlite:///{out / 'mlflow.db'}"
+    assert fs.main(["check", store, "--run-prefix", "", "--steps", "2", "--ref", str(ref)]) == 0
+    said = capsys.readouterr().out
+    assert "bit for bit as same a at steps 0-1" in said and "differs from other b at step 1" in said
+    assert fs.main(["check", store, "--run-prefix", "", "--steps", "500", "--ref", str(ref)]) == 2
+    assert "of 500 steps logged so far" in capsys.readouterr().out
+    assert fs.main(["check", store, "--run-prefix", "nothing", "--ref", str(ref)]) == 2  # no such run yet
 
 
 def test_a_failed_run_says_why(tmp_path):
