@@ -37,6 +37,8 @@ import torch  # noqa: E402
 
 from benchmarks.attention import _write  # noqa: E402
 
+SPREAD_WARN = 1.10  # slowest round / fastest round above which the run says its rounds disagree
+
 
 def build(args, device):
     import transformers
@@ -188,6 +190,8 @@ def main(argv=None) -> int:
     tokens = a.batch * a.seq
     rows = {m: dict(info[m], ms_rounds=ms[m], ms=statistics.median(ms[m]),
                     tokens_per_s=tokens / (statistics.median(ms[m]) / 1e3)) for m in methods}
+    for row in rows.values():  # rounds that disagree (a busy or throttled GPU) are said, not averaged away
+        row["spread"] = max(row["ms_rounds"]) / min(row["ms_rounds"])
     summary = {f"{m}_vs_sdpa": rows["sdpa"]["ms"] / rows[m]["ms"] for m in methods if m != "sdpa"}
     if "triton" in rows:
         summary["triton_vs_emulator"] = rows["emulator"]["ms"] / rows["triton"]["ms"]
@@ -201,6 +205,10 @@ def main(argv=None) -> int:
         print(f"{m:9s} {row['ms']:9.2f} ms  {row['tokens_per_s']:12,.0f} tokens/s  routes {row['routes']}  "
               f"loss {row['loss']:.4f}")
     print("summary:", {k: round(v, 3) for k, v in summary.items()}, "->", out_path)
+    wide = {m: round(row["spread"], 2) for m, row in rows.items() if row["spread"] > SPREAD_WARN}
+    if wide and a.device == "cuda":
+        print(f"[hf_llama] WARNING: rounds disagree by more than {SPREAD_WARN - 1:.0%} (slowest / fastest: {wide}): "
+              "another process on the GPU, or clocks? The medians above are less sure than they look", flush=True)
     return 0
 
 

@@ -174,5 +174,6 @@ def test_the_llama_speed_benchmark_runs_its_plumbing_on_cpu(tmp_path):
     assert abs(doc["methods"]["emulator"]["loss"] - doc["methods"]["sdpa"]["loss"]) < 0.05
     assert abs(doc["methods"]["eager"]["loss"] - doc["methods"]["sdpa"]["loss"]) < 0.05
     assert "eager_vs_sdpa" in doc["summary"]
+    assert all(row["spread"] == max(row["ms_rounds"]) / min(row["ms_rounds"]) >= 1.0 for row in doc["methods"].values())
     with pytest.raises(SystemExit):
         hf_llama.main(["--device", "cpu", "--heads", "5", "--out", str(out)])
