@@ -419,7 +419,7 @@ print(re.sub('[^a-z0-9]+', '-', g).strip('-'))" "$LOG/kernel-bits.json") || die 
     R=${R:-/tmp/paper}; L=$R/logs; mode=${1:-start}
     plan_alive() { [ -f "$R/plan.pid" ] && kill -0 "$(cat "$R/plan.pid")" 2>/dev/null; }
     progress_line() {
-      local ck nd nf
+      local ck nd nf db s
       ck=$( (ls "$R"/runs/seed*/baseline/checkpoints/ 2>/dev/null || true) | sed -n 's/step_\([0-9]*\)\.pt/\1/p' | sort -n | tail -1)
       nd=$( (ls "$R"/runs/seed*/forks/*/result.json 2>/dev/null || true) | wc -l)
       nf=$( (ls "$R"/runs/seed*/forks/*.log 2>/dev/null || true) | wc -l)
