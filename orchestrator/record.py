@@ -160,9 +160,11 @@ CAUSE_NOT_PRECISION = "not precision"  # the FP32 control diverged too: somethin
 CAUSE_NO_CONTROL = "no FP32 control"  # no conclusive FP32 run of the same setup: nothing can be said
 CAUSES = (CAUSE_PRECISION, CAUSE_NOT_PRECISION, CAUSE_NO_CONTROL)
 # effective config keys (flattened, as MLflow params name them) a run and its control must share: seed, data
-# order, optimizer (learning rate), model and batch; keys either side lacks are not compared (older records)
+# order, optimizer (learning rate), model and batch; keys either side lacks are not compared (older records).
+# And the device model: the same seed repeats bit for bit on one GPU model, not across models (seed 1 of the
+# paper regime diverged at step 2,288 on an H200 and not by 7,610 on an H100: results/paper_1gpu/h100-2026-12-05)
 SETUP_PREFIXES = ("model.", "data.", "optimizer.", "train.seed", "train.batch_size", "train.grad_accum",
-                  "train.warmup_steps", "train.grad_clip", "train.precision")
+                  "train.warmup_steps", "train.grad_clip", "train.precision", "device.")
 _SETUP_SKIP = ("data.num_proc", "data.root", "data.max_docs")  # how a corpus is prepared, not which batches
 
 
@@ -170,6 +172,16 @@ def setup_of(flat: Mapping[str, Any]) -> Dict[str, str]:
     """The part of a flattened config (dotted keys, e.g. MLflow params) that a run's FP32 control must share."""
     return {k: str(v) for k, v in sorted(flat.items())
             if k.startswith(SETUP_PREFIXES) and not k.startswith(_SETUP_SKIP) and v is not None}
+
+
+def device_name(device) -> str:
+    """The setup's `device.name`: the GPU model a run computed on (torch's name for it, e.g. 'NVIDIA H100 80GB
+    HBM3'), else the device type ('cpu')."""
+    import torch
+    d = torch.device(device)
+    if d.type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_name(d)
+    return d.type
 
 
 def setup_differs(a: Optional[Mapping[str, str]], b: Optional[Mapping[str, str]]) -> List[str]:

@@ -9,8 +9,9 @@ writes <results>/<name>/stabilizers.md, stabilizers.json and stabilizers.png. Pe
 - steps gained: its divergence step minus its report's baseline's; a stable run gained at least (its last step -
   the baseline's divergence step), written ">= N"; none when its baseline did not diverge. A report of from-step-0
   runs without a baseline (qk_norm, gated_attn run beside none) takes another report's from-step-0 baseline with
-  the same trajectory-deciding overrides (experiment, seeds, lr, no control: RUN_ONLY lists what may differ), and
-  the table says so;
+  the same trajectory-deciding overrides (experiment, seeds, lr, no control: RUN_ONLY lists what may differ) and
+  the same GPU model (where both records name one: a seed's divergence step holds on one GPU model only), and the
+  table says so;
 - final and validation loss, and their difference to the fp32 row (of the same report, else of any report);
 - throughput cost per benchmark shape: 1 - tokens/s over the baseline's tokens/s (measured; "not measured" when the
   benchmark has no row for it, never a guess), with the route its layers took there;
@@ -153,12 +154,18 @@ def _regime(run: Dict[str, Any]) -> frozenset:
                      if not o.lstrip("+~").split("=", 1)[0].startswith(RUN_ONLY))
 
 
+def _gpu(run: Dict[str, Any]) -> Optional[str]:
+    """The device model the run computed on (its record's setup; None in records older than 2026-12-05)."""
+    return (run.get("setup") or {}).get("device.name")
+
+
 def _baseline_of(runs: Sequence[Dict[str, Any]], all_reports: Sequence[Dict[str, Any]]):
     """(baseline row, the report it came from or None when its own): the report's from-step-0 baseline, else its
     forked baseline, else, for a report of from-step-0 runs that ran none (qk_norm and gated_attn beside a baseline
-    already run: it is deterministic), another report's from-step-0 baseline whose trajectory-deciding overrides are
-    the runs' own (the same experiment and seeds, no other lr, no control). None when no report has one, or when two
-    such baselines disagree."""
+    already run: it repeats bit for bit on the same GPU model), another report's from-step-0 baseline whose
+    trajectory-deciding overrides are the runs' own (the same experiment and seeds, no other lr, no control) and
+    whose GPU model is theirs where both records name one. None when no report has one, or when two such baselines
+    disagree."""
     base = next((r for r in runs if r.get("intervention") == BASELINE and r.get("fork_step") is None), None) or \
         next((r for r in runs if r.get("intervention") == BASELINE), None)
     if base is not None:
@@ -166,8 +173,10 @@ def _baseline_of(runs: Sequence[Dict[str, Any]], all_reports: Sequence[Dict[str,
     regimes = {_regime(r) for r in runs}
     if len(regimes) != 1 or not next(iter(regimes)):
         return None, None
+    gpus = {_gpu(r) for r in runs} - {None}
     found = [(r, Path(rep["path"])) for rep in all_reports for r in rep["runs"]
-             if r.get("intervention") == BASELINE and r.get("fork_step") is None and _regime(r) in regimes]
+             if r.get("intervention") == BASELINE and r.get("fork_step") is None and _regime(r) in regimes
+             and not (gpus and _gpu(r) and _gpu(r) not in gpus)]  # a seed repeats on one GPU model only
     if not found or len({r.get("divergence_step") for r, _ in found}) > 1:
         return None, None
     return found[0]

@@ -154,6 +154,7 @@ class Job:
         """Model and optimizer, then the start state's weights and optimizer state (resume or fork)."""
 
         seed_everything(self.cfg.train.seed)
+        self.result["setup"]["device.name"] = record.device_name(device)  # a seed repeats on one GPU model only
         model = build_model(self.cfg.model, self.attention).to(device)
         self.result["attention_routes"] = model.attention_routes()
         if self.is_main:
@@ -246,7 +247,8 @@ class Job:
         resolved.parent.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(OmegaConf.structured(cfg), resolved)
         if not resuming:
-            self.tracker.log_params(record.run_params(cfg, self.attention, self.result["attention_routes"]))
+            self.tracker.log_params({**record.run_params(cfg, self.attention, self.result["attention_routes"]),
+                                     "device": {"name": self.result["setup"].get("device.name")}})
             self.tracker.log_artifact(resolved)
         self.tracker.set_tags({**sweep_tags, record.TAG_VERDICT: "running",
                                record.TAG_VERSION: str(record.RECORD_VERSION)})

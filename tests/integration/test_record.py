@@ -237,6 +237,8 @@ def test_mlflow_fields_are_typed(smoke_sweep):
         assert p["intervention.name"] == "baseline" and "None" not in [p[k] for k in p
                                                                           if k.startswith("intervention.")]
         assert p["attention_effective.recipe"] == "paper_bf16" and p["attention_route.L0"]
+        # the device model is part of the setup a control must share (a seed repeats on one GPU model only)
+        assert p["device.name"] == "cpu" and res.setup["device.name"] == "cpu"
     assert jobs["diverged"].data.metrics["divergence_step"] == 7 and jobs["diverged"].data.tags["divergence_step"] \
         == "7"
     assert "divergence_step" not in jobs["stable"].data.metrics  # absent, not the string "None"

@@ -532,6 +532,20 @@ def test_stabilizers_scratch_report_without_a_baseline_borrows_the_same_regimes_
     rows = json.loads(stabilizers.write([seed1, other, scratch], None, "t3", results=tmp_path / "results")["json"]
                       .read_text())["rows"]
     assert next(r for r in rows if r["intervention"] == "qk_norm")["baseline_from"] is None
+    # the same seed on another GPU model is another trajectory (seed 1: 2,288 on an H200, none by 7,610 on an H100)
+    gpu = lambda name: {"setup": {"device.name": name}}  # noqa: E731
+    for d, runs in ((seed1, [_run("baseline", "diverged", 2288, final=3.2, **ov(1), **gpu("NVIDIA H200"))]),
+                    (scratch, [_run("qk_norm", "stable", steps_done=2598, final=2.3, **scr("qk_norm"),
+                                    **gpu("NVIDIA H100 80GB HBM3"))])):
+        (d / "verdicts.json").write_text(json.dumps({"runs": runs}))
+    rows = json.loads(stabilizers.write([seed1, scratch], None, "t4", results=tmp_path / "results")["json"]
+                      .read_text())["rows"]
+    assert next(r for r in rows if r["intervention"] == "qk_norm")["baseline_from"] is None
+    (scratch / "verdicts.json").write_text(json.dumps({"runs": [_run("qk_norm", "stable", steps_done=2598, final=2.3,
+                                                                     **scr("qk_norm"), **gpu("NVIDIA H200"))]}))
+    rows = json.loads(stabilizers.write([seed1, scratch], None, "t5", results=tmp_path / "results")["json"]
+                      .read_text())["rows"]
+    assert next(r for r in rows if r["intervention"] == "qk_norm")["baseline_from"] == str(seed1)
 
 
 def test_plot_says_the_common_fork_step_once_and_keeps_the_legend_off_the_bars(tmp_path, monkeypatch):
