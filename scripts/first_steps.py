@@ -88,6 +88,14 @@ def cmd_record(a) -> int:
 
 
 def _gpu() -> str:
+    """The first GPU's name from nvidia-smi (no CUDA context beside a training run), else torch's, else 'cpu'."""
+    try:
+        names = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                               text=True, timeout=30).stdout.split("\n")
+        if names[0].strip():
+            return names[0].strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
     try:
         import torch
         return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
