@@ -63,6 +63,10 @@
 #                the queue's status and the next one starts; a runner that died is said (exit 1). A task that leaves
 #                runs in the background (scratch-table run SECONDS past its SECONDS) ends its item, not its runs.
 #                Q (default /tmp/queue, outside the tree) holds it all; a new start moves the last one to $Q.prev
+#   stop         ends what a lease left in the background: the queue, and the round, paper-table and scratch-table
+#                plans with their training runs (each started as its own process group; folders: Q, ROUND_R,
+#                PAPER_R, SCRATCH_R, default /tmp/queue, /tmp/round, /tmp/paper, /tmp/scratch), then lists what still
+#                holds the GPU. Not `pkill -f PATTERN` in a call: a pattern in the call's own command line kills it
 #   wheels       on a machine WITH a network and a python3.12: .whl/site-py312.tar.xz, the packages the GPU image
 #                lacks (../shared/gpu/wheels.sh's list), installed and packed for setup below
 #   stage [data=NAME ...]
@@ -665,6 +669,25 @@ print(re.sub('[^a-z0-9]+', '-', g).strip('-'))" "$LOG/kernel-bits.json") || die 
         ;;
       *) die "usage: gpu.sh queue start 'TASK [ARGS]' ... | wait [SECONDS] | collect" ;;
     esac
+    ;;
+  stop)
+    n=0
+    for f in "${Q:-/tmp/queue}/queue.pid" "${ROUND_R:-/tmp/round}/plan.pid" "${PAPER_R:-/tmp/paper}/plan.pid" \
+             "${SCRATCH_R:-/tmp/scratch}/plan.pid" "${SCRATCH_R:-/tmp/scratch}/tests.pid"; do
+      [ -s "$f" ] || continue
+      pid=$(cat "$f")
+      [[ $pid =~ ^[0-9]+$ ]] && kill -0 "$pid" 2>/dev/null || continue
+      kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null  # its group: the runs it started go too
+      for _ in $(seq 20); do kill -0 "$pid" 2>/dev/null || break; sleep 0.5; done
+      kill -0 "$pid" 2>/dev/null && { kill -KILL -- "-$pid" 2>/dev/null || kill -KILL "$pid" 2>/dev/null; }
+      echo "[stop] ended $f (pid $pid, with its process group)"; n=$((n + 1))
+    done
+    [ "$n" -gt 0 ] || echo "[stop] nothing of a queue or plan was running"
+    if command -v nvidia-smi > /dev/null; then
+      sleep 2
+      apps=$(nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv,noheader 2>/dev/null)
+      [ -n "$apps" ] && echo "$apps" | sed 's/^/[stop] still on the GPU: /' || echo "[stop] nothing holds the GPU"
+    fi
     ;;
   wheels)
     # on a machine with a network: the packages the GPU image lacks, for its Python 3.12, as ONE .whl/site-py312.tar.xz

@@ -85,3 +85,38 @@ def test_queue_says_a_dead_runner_keeps_the_last_queue_and_names_what_stays(tmp_
     p = _q(tmp_path, "start", "check")
     assert p.returncode == 0 and "moved to" in p.stdout and (tmp_path / "q.prev" / "out" / "big.bin").exists()
     os.killpg(int((tmp_path / "q" / "queue.pid").read_text()), 9)  # nothing more to see: not left running
+
+
+def test_stop_ends_a_plan_with_the_runs_it_started_and_leaves_the_rest(tmp_path):
+    """`gpu.sh stop`: a plan (its own process group, as paper-table starts it) ends with the run it started; a pid
+    file of a process that is gone, or of none, is passed over; no queue or plan running is said."""
+    import time
+    paper, scratch = tmp_path / "paper", tmp_path / "scratch"
+    paper.mkdir()
+    scratch.mkdir()
+    (scratch / "plan.pid").write_text("999999999")  # no such process
+    plan = subprocess.Popen(["setsid", "bash", "-c", f"sleep 300 & echo $! > {tmp_path / 'run.pid'}; wait"])
+    for _ in range(50):
+        if (tmp_path / "run.pid").is_file() and (tmp_path / "run.pid").read_text().strip():
+            break
+        time.sleep(0.1)
+    (paper / "plan.pid").write_text(str(plan.pid))
+    run_pid = int((tmp_path / "run.pid").read_text())
+    env = dict(os.environ, Q=str(tmp_path / "q"), ROUND_R=str(tmp_path / "round"), PAPER_R=str(paper),
+               SCRATCH_R=str(scratch), PATH="/usr/bin:/bin")  # no nvidia-smi: the GPU lines are left out
+    p = subprocess.run(["bash", str(ROOT / "scripts" / "gpu.sh"), "stop"], env=env, capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert f"[stop] ended {paper / 'plan.pid'} (pid {plan.pid}" in p.stdout and "999999999" not in p.stdout
+    assert plan.wait(timeout=10) is not None
+    for _ in range(50):  # the run it started went with its group
+        try:
+            os.kill(run_pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"the plan's run {run_pid} is still alive")
+    p = subprocess.run(["bash", str(ROOT / "scripts" / "gpu.sh"), "stop"], env=env, capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 0 and "nothing of a queue or plan was running" in p.stdout
