@@ -604,7 +604,7 @@ print(re.sub('[^a-z0-9]+', '-', g).strip('-'))" "$LOG/kernel-bits.json") || die 
         for item in "$@"; do  # every item names a task of this script, before anything starts
           qwords "$item"; i=0
           while [ $i -lt ${#w[@]} ] && [[ ${w[$i]} =~ ^[A-Za-z_][A-Za-z0-9_]*= ]]; do i=$((i+1)); done
-          [ $i -lt ${#w[@]} ] && grep -Fxq -- "${w[$i]}" <<< "$tasks" && [ "${w[$i]}" != queue ] \
+          [ $i -lt ${#w[@]} ] && grep -Fxq -- "${w[$i]}" <<< "$tasks" && [ "${w[$i]}" != queue ] && [ "${w[$i]}" != stop ] \
             || die "queue item '$item': no gpu.sh task in it (the tasks: the header of scripts/gpu.sh)"
         done
         if [ -d "$Q" ]; then  # an earlier queue's output is kept, once

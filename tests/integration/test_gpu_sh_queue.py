@@ -51,6 +51,8 @@ def test_queue_refuses_an_item_without_a_task_and_a_wait_without_a_queue(tmp_pat
     assert not (tmp_path / "q").exists()  # nothing started
     p = _q(tmp_path, "start", "queue wait")
     assert p.returncode != 0 and "no gpu.sh task" in p.stderr
+    p = _q(tmp_path, "start", "check", "stop")  # it would end the queue that runs it
+    assert p.returncode != 0 and "no gpu.sh task" in p.stderr
     p = _q(tmp_path, "start", "X='unbalanced tests")
     assert p.returncode != 0 and "not shell words" in p.stderr
     p = _q(tmp_path, "wait", "1")
