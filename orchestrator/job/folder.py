@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any, Dict, Optional
 
 from flash_forensics.orchestrator import record
-from flash_forensics.orchestrator.errors import WriteError, sentence, temp_name
+from flash_forensics.orchestrator.errors import WriteError, _alive, sentence, temp_name
 from flash_forensics.orchestrator.record import RESULT_FILE
 
 START_FILE = "job.json"  # written at job start: what the launcher needs if the job dies without a result
@@ -41,6 +41,14 @@ def write_job_start(job_dir: Path, **fields) -> Path:
     data = read_job_start(job_dir) or {}
     data.update(fields)
     return _write_json(path, data, "the job record")
+
+
+def alive_here(start: Dict[str, Any]) -> bool:
+    """job.json's process is alive on this machine (its host is this one, its pid a live process)."""
+    import socket
+    pid = start.get("pid")
+    return (start.get("host") == socket.gethostname() and isinstance(pid, int) and not isinstance(pid, bool)
+            and pid > 0 and _alive(pid))
 
 
 def read_job_start(job_dir: Path) -> Optional[Dict[str, Any]]:

@@ -20,12 +20,13 @@ from omegaconf import DictConfig, OmegaConf
 from flash_forensics.orchestrator import record
 from flash_forensics.orchestrator.config.folders import check_capture_dir
 from flash_forensics.orchestrator.config.validate import selected_interventions, validate_config
-from flash_forensics.orchestrator.errors import WriteError, _alive
+from flash_forensics.orchestrator.errors import WriteError
 from flash_forensics.orchestrator.interventions import effective_model
 from flash_forensics.orchestrator.job import checkpoint, folder_lock
 from flash_forensics.orchestrator.job.distributed import detect_env
 from flash_forensics.orchestrator.job.folder import (  # noqa: F401  (re-exported)
     START_FILE,
+    alive_here,
     read_job_start,
     write_job_start,
     write_result,
@@ -67,8 +68,7 @@ def close_dead_jobs(root: Path, reason: str = "the job died without writing a re
         info = read_job_start(job_dir)
         if info is None or (job_dir / RESULT_FILE).exists():
             continue
-        pid = info.get("pid")
-        if info.get("host") == _host() and isinstance(pid, int) and pid != os.getpid() and _alive(pid):
+        if alive_here(info) and info["pid"] != os.getpid():
             continue  # still running (this machine)
         result = {"intervention": info.get("intervention"), "overrides": info.get("overrides", []),
                   "expected": info.get("expected"), "observed": "failed", "divergence_step": None,
@@ -156,8 +156,7 @@ def unfinished_twins(job_dir: Path, overrides: List[str]) -> List[Path]:
         info = read_job_start(d) or {}
         if d == Path(job_dir) or (d / RESULT_FILE).exists() or info.get("overrides") != list(overrides):
             continue
-        pid = info.get("pid")
-        if info.get("host") != _host() or (isinstance(pid, int) and _alive(pid) and pid != os.getpid()):
+        if info.get("host") != _host() or (alive_here(info) and info["pid"] != os.getpid()):
             continue  # another machine's, or still running
         if (d / "checkpoints" / "last.pt").is_file() or checkpoint.step_files(d / "checkpoints"):
             out.append(d)

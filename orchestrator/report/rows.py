@@ -7,14 +7,12 @@ from __future__ import annotations
 
 import math
 import re
-import socket
 from collections import Counter
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from flash_forensics.orchestrator import record
-from flash_forensics.orchestrator.errors import _alive
-from flash_forensics.orchestrator.job.folder import START_FILE, read_job_start
+from flash_forensics.orchestrator.job.folder import START_FILE, alive_here, read_job_start
 from flash_forensics.orchestrator.record import RESULT_FILE, matches_paper
 
 BASELINE, REFERENCE = "baseline", "fp32"
@@ -45,10 +43,11 @@ def row_from_result(result: Dict[str, Any], job: Optional[str] = None, job_dir: 
     return row_from_record(record.RunRecord.from_dict(result), job, job_dir)
 
 
-def _failed_row(job_dir: Path, name: str, err: str) -> Dict:
-    """A job without a readable record, named by its Hydra overrides or its job.json. job.json (written at start)
-    also gives its MLflow run id: a killed run's metrics stay findable (early-warning --include-unfinished)."""
-    start = read_job_start(job_dir) or {}
+def _failed_row(job_dir: Path, name: str, err: str, start: Optional[Dict] = None) -> Dict:
+    """A job without a readable record, named by its Hydra overrides or its job.json (start: as read already).
+    job.json (written at start) also gives its MLflow run id: a killed run's metrics stay findable (early-warning
+    --include-unfinished)."""
+    start = (read_job_start(job_dir) or {}) if start is None else start
     overrides = _hydra_overrides(job_dir) or [str(o) for o in start.get("overrides") or []]
     intervention = start.get("intervention") or next(
         (o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0].lstrip("+~") == "intervention"), None)
@@ -57,21 +56,14 @@ def _failed_row(job_dir: Path, name: str, err: str) -> Dict:
                             "mlflow_run_id": start.get("mlflow_run_id")}, name, job_dir)
 
 
-def _no_result(job_dir: Path) -> str:
-    """Why a job folder has no result.json: still running (its job.json's pid, alive on this host), else killed."""
-    start = read_job_start(job_dir) or {}
-    pid = start.get("pid")
-    if (isinstance(pid, int) and not isinstance(pid, bool) and pid > 0 and start.get("host") == socket.gethostname()
-            and _alive(pid)):
-        return f"no result.json yet: the job is still running (pid {pid})"
-    return "no result.json: the job was killed before it could write one (timeout, OOM, preemption?)"
-
-
 def job_row(job_dir: Path, name: str) -> Dict:
     """The row of one job folder: its record, else a failed row that says why (named by its Hydra overrides)."""
     rfile = Path(job_dir) / RESULT_FILE
-    if not rfile.is_file():
-        return _failed_row(job_dir, name, _no_result(job_dir))
+    if not rfile.is_file():  # still running (job.json's pid alive on this host), else killed
+        start = read_job_start(job_dir) or {}
+        why = (f"no result.json yet: the job is still running (pid {start['pid']})" if alive_here(start) else
+               "no result.json: the job was killed before it could write one (timeout, OOM, preemption?)")
+        return _failed_row(job_dir, name, why, start)
     try:
         row = row_from_record(record.read(job_dir), name, job_dir)
     except (OSError, ValueError, TypeError, AttributeError, KeyError) as e:  # killed mid-write, or not a record
