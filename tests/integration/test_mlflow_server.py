@@ -65,7 +65,9 @@ def test_status_and_artifacts_on_the_shared_root(server):
 
 
 def test_eight_concurrent_writers_lose_and_duplicate_nothing(server):
-    ctx = mp.get_context("fork")
+    # forkserver: the writers fork from a fresh single-threaded server, not from this pytest worker, whose threads
+    # (earlier tests' MLflow and metrics threads) a fork copies mid-lock: one writer of 8 hung in a full suite
+    ctx = mp.get_context("forkserver")
     barrier, out = ctx.Barrier(N_PROCS), ctx.Queue()
     procs = [ctx.Process(target=_writer, args=(server["uri"], i, barrier, out)) for i in range(N_PROCS)]
     for p in procs:
