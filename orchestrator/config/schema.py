@@ -72,9 +72,12 @@ class TrainConfig:
     eval_every: int = 50  # val loss every N steps (and at the end); 0 = only at the end
     eval_batches: int = 4
     ckpt_every: int = 0  # checkpoint every N steps (always at the end); 0 = only at the end
-    # periodic checkpoints only from this step on (the end is always saved): a GPT-2S checkpoint is 1.5 GB and a
-    # write stalls training for seconds, so a run whose forks start near a known step need not write the early ones
+    # periodic checkpoints only from this step on (the end is always saved): a GPT-2S checkpoint is 1.5 GB of disk
+    # and of write bandwidth, so a run whose forks start near a known step need not write the early ones
     ckpt_start: int = 0
+    # periodic checkpoints written by a thread while training goes on; the loop pays only for a copy to host memory
+    # (orchestrator/job/ckpt_writer.py). false: written in the loop, as before
+    ckpt_async: bool = True
     early_stop: bool = True  # stop verdict.early_stop_after steps after divergence
     record_batches: bool = True  # record the batch order (replay file, logged to MLflow)
     auto_resume: bool = True  # resume from <job dir>/checkpoints/last.pt when it exists (requeued jobs)

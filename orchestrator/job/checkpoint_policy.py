@@ -96,27 +96,40 @@ def job_state(job, model, optimizer, done: int) -> Dict[str, Any]:
 
 
 def save(job, model, optimizer, done: int, name: str, keep_step: bool = False,
-         kill_mid_write: bool = False) -> Optional[Path]:
+         kill_mid_write: bool = False, background: bool = False) -> Optional[Path]:
     """Flush the monitors and the tracker first: a checkpoint is committed only once every metric point of the
     steps it covers is in the store or the spool (a kill -9 right after it loses none), and its detector state and
     MLflow agree on the last step. keep_step: also keep it as step_<done>.pt (periodic and final checkpoints: what a
-    fork starts from). kill_mid_write: debug (fault tests), SIGKILL once 1 MiB of the file is written."""
+    fork starts from). background: the state is copied to host memory and written by job.ckpt_writer's thread
+    (orchestrator/job/ckpt_writer.py) while training goes on; every save first waits for the write before it.
+    kill_mid_write: debug (fault tests), SIGKILL once 1 MiB of the file is written."""
     job.sync_monitors()
     if not job.is_main:
         return None
     job.tracker.flush()
+    writer = getattr(job, "ckpt_writer", None)
+    if writer is not None:
+        writer.wait()  # one write at a time, in order; a background write that failed raises here
     path = job.job_dir / CKPT_DIR / name
     state = job_state(job, model, optimizer, done)
-    if kill_mid_write:
-        checkpoint.KILL_AFTER_BYTES = 1 << 20
-    with sigint_deferred():  # a ^C inside torch.save's zip writer left a RuntimeError, not the interrupt
+    protect = job.detector.divergence_step  # as of this step: the detector moves on while a thread writes
+
+    def write(s: Dict[str, Any]) -> None:
         if keep_step:
-            checkpoint.save_step(path.parent, done, state, keep=job.cfg.train.keep_checkpoints,
-                                 protect_before=job.detector.divergence_step, last=name)
+            checkpoint.save_step(path.parent, done, s, keep=job.cfg.train.keep_checkpoints, protect_before=protect,
+                                 last=name)
         else:
-            checkpoint.save(path, state)
+            checkpoint.save(path, s)
         job.result["checkpoint"] = str(path)
         job.saved_step = done  # what an interrupted run says a rerun resumes from (run_end.interrupted)
+
+    if kill_mid_write:
+        checkpoint.KILL_AFTER_BYTES = 1 << 20
+    if background and writer is not None:
+        writer.submit(write, state)
+        return path
+    with sigint_deferred():  # a ^C inside torch.save's zip writer left a RuntimeError, not the interrupt
+        write(state)
     return path
 
 

@@ -56,6 +56,16 @@ def finish(job, stream, done: int, status: str = "FINISHED") -> None:
         job.result["warnings"] = [*job.result.get("warnings", []), job.tracker.store_error]
 
 
+def _settle_writer(job) -> None:
+    """On a failing path: the background checkpoint write finished first (the checkpoint a rerun resumes from is then
+    on disk, or its failure is in the result), before anything else is written."""
+    writer = getattr(job, "ckpt_writer", None)
+    err = writer.settle() if writer is not None else None
+    if err is not None:
+        job.result["warnings"] = [*job.result.get("warnings", []),
+                                  f"the last periodic checkpoint was not written: {type(err).__name__}: {err}"]
+
+
 def _settle_quietly(job, done: int) -> None:
     """On a failing path: flush the monitors and fill the verdict as far as they go; the run is marked failed."""
     try:
@@ -69,6 +79,7 @@ def _settle_quietly(job, done: int) -> None:
 def interrupted(job, stream, done: int, by: str) -> None:
     """Preemption signal (SystemExit after the checkpoint) or ^C (mid-step, no checkpoint of its own): result.json
     counts the steps done and says which checkpoint a rerun resumes from, if any; the verdict tag leaves 'running'."""
+    _settle_writer(job)
     _settle_quietly(job, done)
     saved = getattr(job, "saved_step", None)  # the newest checkpoint on disk: saved or resumed by this process
     path = job.result.get("checkpoint") or job.job_dir / snapshot.CKPT_DIR / "last.pt"
@@ -112,7 +123,7 @@ def _finite_params(model) -> bool:
 def crash(job, model, optimizer, done: int, stream, save: bool = True) -> None:
     """Record what is known: monitors flushed, verdict 'failed', a crash checkpoint when the weights are sane (and
     `save`: not for a run refused for its length, whose weights nobody will resume)."""
-
+    _settle_writer(job)
     if job.monitors is not None:
         _settle_quietly(job, done)
     job.result["observed"] = "failed"

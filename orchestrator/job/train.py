@@ -34,6 +34,7 @@ from flash_forensics.orchestrator.errors import ConfigError, remove_stale_temps
 from flash_forensics.orchestrator.interventions import build_hooks
 from flash_forensics.orchestrator.job import checkpoint, run_end
 from flash_forensics.orchestrator.job import checkpoint_policy as snapshot
+from flash_forensics.orchestrator.job.ckpt_writer import CheckpointWriter
 from flash_forensics.orchestrator.job.distributed import init_distributed
 from flash_forensics.orchestrator.job.folder import read_job_start, write_job_start
 from flash_forensics.orchestrator.job.optim import build_optimizer
@@ -139,6 +140,7 @@ class Job:
         self.is_main = True
         self._done = 0  # steps done so far (the crash path records them)
         self.saved_step: Optional[int] = None  # the newest checkpoint on disk (run_end.interrupted says it)
+        self.ckpt_writer = CheckpointWriter()  # train.ckpt_async: periodic checkpoints written behind the loop
 
     # ---------------------------------------------------------------------------------------------- setup
     def _init_dist(self):
@@ -295,6 +297,7 @@ class Job:
         self.monitors.reset_clock()
         try:
             done = self._loop(model, optimizer, step_fn, stream, val, start, device, guard, bar)
+            self.ckpt_writer.wait()
             run_end.finish(self, stream, done, status="FINISHED")
             final = checkpoint.step_path(self.job_dir / CKPT_DIR, done)
             if not self.cfg.train.keep_last and self.is_main and final.is_file():  # auto-resume finds step_<k>.pt
@@ -326,6 +329,7 @@ class Job:
             if cfg.debug.raise_at_step == step:
                 raise RuntimeError(f"debug.raise_at_step={step}: forced failure")
             self._maybe_kill(step, "step_start")
+            self.ckpt_writer.check()  # a background checkpoint write that failed (disk full, ...) ends the run here
             if probe_sdpa:
                 model.probe = (step + 1) % cfg.monitor.log_every == 0
             with self.capture.during(step, step_fn):
@@ -356,7 +360,7 @@ class Job:
             if ckpt:
                 snapshot.save(self, model, optimizer, done, "last.pt", keep_step=True,
                               kill_mid_write=cfg.debug.kill_at_step == step and
-                              cfg.debug.kill_where == "checkpoint_write")
+                              cfg.debug.kill_where == "checkpoint_write", background=tc.ckpt_async and not last)
                 self._maybe_kill(step, "after_checkpoint")
             if self.alarm is not None and self.alarm.pending and self.alarm.act(self, model, optimizer, done, stream):
                 self.result["early_stopped"] = True  # action=stop: a clean end, its reason in result.json's alarm
@@ -382,6 +386,8 @@ class Job:
         """debug.kill_at_step / kill_where: SIGKILL this process there (the fault-injection tests)."""
         d = self.cfg.debug
         if d.kill_at_step == step and d.kill_where == where:
+            if where == "after_checkpoint":  # after it is on disk, not while a thread writes it
+                self.ckpt_writer.wait()
             import os
             import signal
             os.kill(os.getpid(), signal.SIGKILL)
