@@ -21,7 +21,8 @@
 #                (benchmarks/train_step.py); SPEED_PARTS="host train1024" runs only those; SPEED_PARTS=cudagraphs:
 #                the training step under torch.compile(mode="reduce-overhead") beside the default compile
 #   bench        the other benchmarks: emulator vs SDPA, monitor overhead, probe cost, stabilizer throughput
-#                (benchmarks/stabilizers.py in a budget: STAB_BENCH_SECONDS, default 100)
+#                (benchmarks/stabilizers.py in a budget: STAB_BENCH_SECONDS, default 100), a GPT-2S checkpoint's
+#                stall of the step loop, written in the loop vs on a thread (benchmarks/checkpoint_write.py)
 #   stabilizer-cost
 #                the stabilizers' throughput cost at the paper's shape (GPT-2S B16 T1024; benchmarks/stabilizers.py
 #                --shapes gpt2s): the Triton-route variants first, the emulator ones last, within STAB_SECONDS
@@ -262,7 +263,10 @@ print(re.sub('[^a-z0-9]+', '-', g).strip('-'))" "$LOG/kernel-bits.json") || die 
     sb=${STAB_BENCH_SECONDS:-100}  # a budget: the JSON says what it measured (partial: true) when it runs out
     timeout -k 15 $((sb + 40)) $PY benchmarks/stabilizers.py --shapes mini,gpt2s --rounds 2 --max-seconds "$sb" \
       --out "$LOG/stabilizers.json" > "$LOG/stabilizers.log" 2>&1 || rc=1
-    for f in emulator monitors monitors_flash probes stabilizers; do echo "== $f"; tail -8 "$LOG/$f.log"; done
+    # on the disk the paper runs write to (/tmp): the loop's stall per GPT-2S checkpoint, in the loop vs on a thread
+    timeout 240 $PY benchmarks/checkpoint_write.py --rounds 3 --dir /tmp/ckpt-bench --out "$LOG/checkpoint_write.json" \
+      > "$LOG/checkpoint_write.log" 2>&1 || rc=1
+    for f in emulator monitors monitors_flash probes stabilizers checkpoint_write; do echo "== $f"; tail -8 "$LOG/$f.log"; done
     exit $rc
     ;;
   stabilizer-cost)

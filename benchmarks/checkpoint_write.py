@@ -1,0 +1,133 @@
+"""What a periodic checkpoint costs the step loop: written in the loop (train.ckpt_async=false) against written by a
+thread (true), on the paper regime's state (GPT-2S weights and AdamW moments, 1.5 GB), side by side in one process.
+
+    python benchmarks/checkpoint_write.py [--device cuda] [--rounds 3] [--dir /tmp/ckpt-bench] [--out FILE]
+
+Round-robin, each round: `sync` times checkpoint.save_step (torch.save, sha256, fsync, the last.pt copy, pruning:
+what the loop waited for before); `async` times CheckpointWriter.submit (the host copy the loop now waits for; on
+CUDA that is queueing the copy, and the time to the copied state is timed apart as `host_copy_s`) and then, apart,
+the write to disk on the thread (`to_disk_s`, which the loop does not wait for unless the next checkpoint comes
+sooner). The model is experiment=paper_1gpu's, after one AdamW step (its moments allocated). The files go to --dir
+(deleted at the end): put it on the disk the runs use.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+
+
+def paper_state(device: str):
+    """experiment=paper_1gpu's model and AdamW (fused on CUDA, as the preset), one step taken: the state a
+    checkpoint holds, less the small parts (RNG, detector, config)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    import flash_forensics.orchestrator.config.schema  # noqa: F401  registers base_config
+    from flash_forensics.models.hf import build_model
+    from flash_forensics.orchestrator.job.optim import build_optimizer
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(os.path.join(ROOT, "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=["experiment=paper_1gpu", f"train.device={device}"])
+    GlobalHydra.instance().clear()
+    from flash_forensics.orchestrator.config.validate import validate_config
+    obj, attention = validate_config(cfg, [], check_store=False)
+    dev = torch.device(device)
+    model = build_model(obj.model, attention).to(dev)
+    opt = build_optimizer(model, obj.optimizer, dev)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return model, opt
+
+
+def sync(dev) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def main(argv=None) -> int:
+    from flash_forensics.orchestrator.job import checkpoint
+    from flash_forensics.orchestrator.job.ckpt_writer import CheckpointWriter
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--dir", default=None, help="where the files are written (default: a temp folder under /tmp)")
+    ap.add_argument("--out", default=None, help="JSON (default results/bench/checkpoint-write-<device>.json)")
+    args = ap.parse_args(argv)
+    if args.rounds < 1:
+        ap.error(f"--rounds={args.rounds} is not allowed: expected 1 or more")
+    dev = torch.device(args.device)
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu ({os.cpu_count()} cores)"
+    model, opt = paper_state(args.device)
+    n_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values()) + sum(
+        t.numel() * t.element_size() for st in opt.state_dict()["state"].values() for t in st.values()
+        if torch.is_tensor(t))
+    base = args.dir or tempfile.mkdtemp(prefix="ckpt-bench-")
+    folder = os.path.join(base, "checkpoints")
+    os.makedirs(folder, exist_ok=True)
+    writer = CheckpointWriter()
+    rows = {"sync": [], "async": []}
+    step = 0
+    print(f"[checkpoint_write] {n_bytes / 2 ** 30:.2f} GiB of tensors on {name}; files in {folder}", flush=True)
+    try:
+        for r in range(args.rounds):
+            for method in ("sync", "async"):
+                step += 1
+                state = {"step": step, "model": model.state_dict(), "optimizer": opt.state_dict()}
+                sync(dev)
+                t0 = time.perf_counter()
+                if method == "sync":
+                    checkpoint.save_step(folder, step, state, keep=2)
+                    rows[method].append(dict(stall_s=time.perf_counter() - t0))
+                else:
+                    times = {}
+
+                    def write(s, times=times, step=step):
+                        times["copied"] = time.perf_counter()
+                        checkpoint.save_step(folder, step, s, keep=2)
+                        times["written"] = time.perf_counter()
+
+                    writer.submit(write, state)
+                    stall = time.perf_counter() - t0
+                    writer.wait()
+                    rows[method].append(dict(stall_s=stall, host_copy_s=times["copied"] - t0,
+                                             to_disk_s=times["written"] - t0))
+                print(f"[checkpoint_write] round {r + 1} {method}: "
+                      + ", ".join(f"{k} {v:.3f}" for k, v in rows[method][-1].items()), flush=True)
+    finally:
+        writer.settle()
+        shutil.rmtree(folder, ignore_errors=True)
+        if args.dir is None:
+            shutil.rmtree(base, ignore_errors=True)
+    med = {m: {k: statistics.median(x[k] for x in v) for k in v[0]} for m, v in rows.items()}
+    out = dict(command="python " + " ".join(["benchmarks/checkpoint_write.py", *(argv or sys.argv[1:])]),
+               device=name, torch=torch.__version__, python=platform.python_version(),
+               time=time.strftime("%Y-%m-%dT%H:%M:%S"), state_bytes=n_bytes, rounds=args.rounds, rows=rows,
+               median=med, stall_ratio_async_vs_sync=med["async"]["stall_s"] / med["sync"]["stall_s"])
+    path = args.out or os.path.join(ROOT, "results", "bench",
+                                    f"checkpoint-write-{'cpu' if dev.type == 'cpu' else name.lower().replace(' ', '-')}"
+                                    ".json")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as fh:
+        json.dump(out, fh, indent=2)
+    print(f"[checkpoint_write] the loop waits {med['sync']['stall_s']:.3f} s (sync) vs {med['async']['stall_s']:.3f} s "
+          f"(async; on disk {med['async']['to_disk_s']:.3f} s later, on the thread); {path}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
