@@ -422,8 +422,11 @@ print(re.sub('[^a-z0-9]+', '-', g).strip('-'))" "$LOG/kernel-bits.json") || die 
     # PAST_DIVERGENCE (310), FORK_MEMORY (26 GiB; "" no check), PER_GPU_FIRST (6), FORK_OVERRIDES (attention.fp32_gemm=tf32x3),
     # MAX_STEPS (20000), CKPT_START (8500: seed 1337 diverges at step 9,697; the 34 checkpoints before 8,500 cost
     # ~2 min of a 30-minute lease and are never forked from; 0 for a seed whose divergence is not known; seed 1
-    # diverges at 2,288), OVERRIDES (more Hydra overrides for every run, space-separated):
-    # see scripts/paper_1gpu.sh.
+    # diverges at 2,288), OVERRIDES (more Hydra overrides for every run, space-separated), RACE (0; 1 with several
+    # seeds, SEED="2 1337": every seed gets the first's plan and the first whose baseline diverges keeps the GPU, the
+    # others stop: for a GPU on which no seed's divergence step is known), OVERRIDES_<seed> (Hydra overrides of that
+    # seed's runs only, after OVERRIDES, e.g. OVERRIDES_1337="train.ckpt_start=8500"; passed on as they are, in the
+    # environment): see scripts/paper_1gpu.sh.
     R=${R:-/tmp/paper}; L=$R/logs; mode=${1:-start}
     plan_alive() { [ -f "$R/plan.pid" ] && kill -0 "$(cat "$R/plan.pid")" 2>/dev/null; }
     progress_line() {
@@ -462,7 +465,8 @@ print(re.sub('[^a-z0-9]+', '-', g).strip('-'))" "$LOG/kernel-bits.json") || die 
         grep -a "summary\|Error\|error" "$L/bench_fp32_reference.log" | tail -5 | cut -c1-600
       fi
       export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
-      setsid nohup env ROOT="$R/runs" SEEDS="${SEED:-1337}" STOP_AFTER="${STOP_AFTER:-20}" \
+      # env VAR=... keeps the rest of the environment: OVERRIDES_<seed> reach the plan as they are
+      setsid nohup env ROOT="$R/runs" SEEDS="${SEED:-1337}" RACE="${RACE:-0}" STOP_AFTER="${STOP_AFTER:-20}" \
         PICK="${PICK:-before-divergence}" MARGIN="${MARGIN:-150}" PAST_DIVERGENCE="${PAST_DIVERGENCE:-310}" \
         KEEP_CHECKPOINTS="${KEEP_CHECKPOINTS:-3}" FORK_MEMORY="${FORK_MEMORY-26}" PER_GPU_FIRST="${PER_GPU_FIRST:-6}" \
         FORK_OVERRIDES="${FORK_OVERRIDES-attention.fp32_gemm=tf32x3}" CONTROL_SWEEPS="${CONTROL_SWEEPS:-paper_isolation}" \

@@ -8,6 +8,7 @@
 #
 #   bash scripts/paper_1gpu.sh [hydra overrides for every run]          # e.g. train.compile=true
 #   DRY_RUN=1 bash scripts/paper_1gpu.sh                                # print the plan, run nothing
+#   RACE=1 SEEDS="2 1337" bash scripts/paper_1gpu.sh ...                # the first seed to diverge keeps the GPU
 #
 # Env, each optional:
 #   ROOT          where everything goes (default results/runs/paper_1gpu/<date>): seed<S>/{baseline,forks,report,
@@ -28,6 +29,15 @@
 #                 a GPT-2S checkpoint (weights + AdamW moments) is ~1.5 GB, and all are kept until the forks start
 #   CONTROL_SWEEPS (paper_1gpu_controls)   ISOLATION_SWEEPS (paper_isolation beta_sweep; "" for none)
 #   PROGRESS_EVERY seconds between progress lines (60)
+#   RACE          1: a race for a GPU on which no seed's divergence step is known (0). Every seed gets what the first
+#                 gets (its sweeps, PER_GPU_FIRST, the preset's checkpoint interval); as soon as one seed's baseline
+#                 has diverged (its result.json says so), every seed whose baseline has not ended yet is stopped
+#                 (its isolate's process group; the baseline checkpoints where it stops, its result.json says
+#                 "stopped by SIGTERM") and said at the end as stopped by the race, not failed; seeds whose
+#                 baselines had already ended keep going
+#   OVERRIDES_<S> Hydra overrides of seed S's runs only (baseline and forks), space-separated, after the arguments
+#                 (e.g. OVERRIDES_1337="train.ckpt_start=8500"). Hydra takes the last value of a key given twice
+#                 (key=value, group=option: the seed's wins over the arguments'); a +key appended twice is refused
 # Each finished fork's own final checkpoint is deleted as soon as its result.json exists (it is never forked from).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -61,9 +71,10 @@ first=${SEEDS%% *}
 declare -A PIDS=()
 say "root $ROOT; experiment $EXPERIMENT; seeds $SEEDS; baselines stop $STOP_AFTER steps after their divergence"
 [ -z "${DRY_RUN:-}" ] && command -v df >/dev/null && say "disk free under $ROOT: $(df -h --output=avail "$ROOT" | tail -1 | tr -d ' ')"
+RACE=${RACE:-0}
 for s in $SEEDS; do
   dir="$ROOT/seed$s"
-  if [ "$s" = "$first" ]; then
+  if [ "$s" = "$first" ] || [ "$RACE" = 1 ]; then
     sweeps="$CONTROL_SWEEPS $ISOLATION_SWEEPS" per=$PER_GPU_FIRST extra=()
   else
     sweeps="$CONTROL_SWEEPS" per=$PER_GPU_OTHERS extra=("train.ckpt_every=$CKPT_EVERY_OTHERS")
@@ -72,30 +83,38 @@ for s in $SEEDS; do
   [ -n "$PAST_DIVERGENCE" ] && opts+=(--past-divergence "$PAST_DIVERGENCE")
   [ -n "$FORK_MEMORY" ] && opts+=(--fork-memory "$FORK_MEMORY")
   for o in $FORK_OVERRIDES; do opts+=(--fork-override "$o"); done
+  ov_var=OVERRIDES_$s; read -ra mine <<< "${!ov_var:-}"  # this seed's own overrides, after everyone's
   # shellcheck disable=SC2206
   cmd=(python -m flash_forensics.orchestrator.analysis.isolate --experiment "$EXPERIMENT" --root "$dir" --out "$dir/report"
        --uri "sqlite:///$dir/mlflow.db" --stop-after "$STOP_AFTER" --fork-steps "$FORK_STEPS" --per-gpu "$per"
-       "${opts[@]}" --sweeps $sweeps -- "train.seed=$s" "data.seed=$s" train.keep_last=false ${extra[@]+"${extra[@]}"} "$@")
+       "${opts[@]}" --sweeps $sweeps -- "train.seed=$s" "data.seed=$s" train.keep_last=false ${extra[@]+"${extra[@]}"} "$@"
+       ${mine[@]+"${mine[@]}"})
   say "seed $s: ${cmd[*]}"
   [ -n "${DRY_RUN:-}" ] && continue
   mkdir -p "$dir"
   setsid "${cmd[@]}" > "$ROOT/seed$s.log" 2>&1 &  # its own process group: stopping this script stops its runs
   PIDS[$s]=$!
 done
+[ "$RACE" = 1 ] && say "race: the first seed whose baseline diverges keeps the GPU; the others stop"
 [ -n "${DRY_RUN:-}" ] && exit 0
 stop_all() { for p in "${PIDS[@]}"; do kill -- "-$p" 2>/dev/null || true; done; }
 trap 'say "interrupted: stopping every isolate and its runs"; stop_all; exit 130' INT TERM
 
+newest_ckpt() {  # the newest checkpoint step of seed $1's baseline (empty: none)
+  (find "$ROOT/seed$1/baseline/checkpoints" -name 'step_*.pt' 2>/dev/null || true) | sed 's/.*step_\([0-9]*\)\.pt/\1/' \
+    | sort -n | tail -1
+}
+
 progress() {  # one line per seed: the baseline's newest checkpoint, forks done, the isolate's last step line
   for s in $SEEDS; do
     dir="$ROOT/seed$s"
-    ck=$( (find "$dir/baseline/checkpoints" -name 'step_*.pt' 2>/dev/null || true) | sed 's/.*step_\([0-9]*\)\.pt/\1/' \
-         | sort -n | tail -1)
+    ck=$(newest_ckpt "$s")
     nf=$( (find "$dir/forks" -maxdepth 1 -name '*.log' 2>/dev/null || true) | wc -l)
     nd=$( (find "$dir/forks" -mindepth 2 -maxdepth 2 -name result.json 2>/dev/null || true) | wc -l)
     last=$( (grep -a '^\[paper_isolation' "$ROOT/seed$s.log" 2>/dev/null || true) | tail -1)
     last=${last:-starting}
     state=running; kill -0 "${PIDS[$s]}" 2>/dev/null || state=ended
+    [ -n "${STOPPED[$s]+x}" ] && state="stopped by the race"
     say "seed $s ($state): baseline checkpoint step ${ck:-none} | forks done $nd/$nf | $(echo "${last//$ROOT\//}" | cut -c1-140)"
   done
 }
@@ -106,17 +125,55 @@ janitor() {  # a finished fork's final checkpoint is never forked from: free its
   done
 }
 
+# RACE=1: each baseline's result.json is read once, when it appears; the first that says "diverged" wins, and every
+# isolate whose baseline has not ended yet is stopped: TERM to its process group, KILL 15 s later if still there. The
+# baseline's run.py takes TERM as a preemption: a checkpoint at its next step boundary, then a result.json "failed"
+# whose error says "stopped by SIGTERM after N steps" (resume it from there on this machine with resume=...)
+declare -A ENDED=() STOPPED=()
+winner="" won_at=""
+race() {
+  local s o r ck stopped=()
+  for s in $SEEDS; do
+    [ -n "${ENDED[$s]+x}" ] && continue
+    r="$ROOT/seed$s/baseline/result.json"
+    [ -f "$r" ] || continue
+    ENDED[$s]=$(python -c 'import json,sys; r=json.load(open(sys.argv[1])); print(r["observed"], r.get("divergence_step"))' \
+                "$r" 2>/dev/null || echo "unreadable -")
+    if [ -z "$winner" ] && [ "${ENDED[$s]%% *}" = diverged ]; then winner=$s won_at=${ENDED[$s]#* }; fi
+  done
+  [ -n "$winner" ] || return 0
+  for o in $SEEDS; do
+    [ -n "${ENDED[$o]+x}" ] || [ -f "$ROOT/seed$o/baseline/result.json" ] && continue
+    kill -0 "${PIDS[$o]}" 2>/dev/null || continue  # ended on its own (a crash): said as such at the end
+    ck=$(newest_ckpt "$o"); STOPPED[$o]=${ck:-none}; stopped+=("seed $o at baseline checkpoint step ${ck:-none}")
+    kill -- "-${PIDS[$o]}" 2>/dev/null || true
+  done
+  for _ in $(seq 30); do
+    local left=0
+    for o in "${!STOPPED[@]}"; do kill -0 -- "-${PIDS[$o]}" 2>/dev/null && left=1; done
+    [ "$left" = 0 ] && break
+    sleep 0.5
+  done
+  for o in "${!STOPPED[@]}"; do kill -KILL -- "-${PIDS[$o]}" 2>/dev/null || true; done
+  local list; list=$(printf '%s, ' ${stopped[@]+"${stopped[@]}"}); list=${list%, }
+  say "race: seed $winner diverged first, at step $won_at; stopped: ${list:-none (every other baseline had ended)}"
+}
+
 alive() { for s in $SEEDS; do kill -0 "${PIDS[$s]}" 2>/dev/null && return 0; done; return 1; }
 next=$(( $(date +%s) + PROGRESS_EVERY ))
 while alive; do
   sleep 2
   janitor
+  [ "$RACE" = 1 ] && [ -z "$winner" ] && race
   if [ "$(date +%s)" -ge "$next" ]; then progress; next=$(( $(date +%s) + PROGRESS_EVERY )); fi
 done
 janitor
 rc=0
 for s in $SEEDS; do
-  if wait "${PIDS[$s]}"; then say "seed $s: done, table $ROOT/seed$s/report/verdicts.md"
+  if [ -n "${STOPPED[$s]+x}" ]; then
+    wait "${PIDS[$s]}" 2>/dev/null || true
+    say "seed $s: stopped by the race (seed $winner diverged first at step $won_at)"
+  elif wait "${PIDS[$s]}"; then say "seed $s: done, table $ROOT/seed$s/report/verdicts.md"
   else
     code=$?; rc=1
     # a baseline that never diverged has no fork point: a finding (its result.json says so), not a crash

@@ -112,6 +112,35 @@ def test_plan_dry_run():
     assert "--sweeps paper_1gpu_controls paper_isolation beta_sweep --" in lines[1337]
     for s in (1, 2):
         assert "--sweeps paper_1gpu_controls --" in lines[s] and "train.ckpt_every=500" in lines[s]
+    assert "race:" not in r.stdout  # RACE=0 by default
+
+
+def test_race_plan_dry_run():
+    """RACE=1: every seed gets the first seed's plan (its sweeps, --per-gpu, the preset's checkpoint interval);
+    OVERRIDES_<seed> reach that seed's isolate only, after the overrides of every run."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OVERRIDES_")}
+    env.update(DRY_RUN="1", ROOT="/tmp/ff-race-plan", SEEDS="2 1337", RACE="1",
+               OVERRIDES_1337="train.ckpt_start=8500 train.compile=false")
+    r = subprocess.run(["bash", "scripts/paper_1gpu.sh", "train.compile=true"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    cmd = "python -m flash_forensics.orchestrator.analysis.isolate"
+    lines = {s: next(ln for ln in r.stdout.splitlines() if f"seed {s}: {cmd}" in ln) for s in (2, 1337)}
+    assert not Path("/tmp/ff-race-plan").exists()
+    for s, ln in lines.items():
+        assert "--sweeps paper_1gpu_controls paper_isolation beta_sweep --" in ln and "--per-gpu 2 " in ln, ln
+        assert "train.ckpt_every=" not in ln and f"train.seed={s} data.seed={s}" in ln
+    assert lines[2].endswith("train.compile=true") and "ckpt_start" not in lines[2]
+    assert lines[1337].endswith("train.compile=true train.ckpt_start=8500 train.compile=false")
+    assert "race: the first seed whose baseline diverges keeps the GPU; the others stop" in r.stdout
+
+
+def test_a_key_given_twice_takes_its_last_value():
+    """What OVERRIDES_<seed> relies on (scripts/paper_1gpu.sh's header): after the overrides of every run, a
+    seed's own value of the same key wins."""
+    c = _compose("train.ckpt_start=0", "train.max_steps=14", "debug.nan_at_step=8", "train.ckpt_start=8500",
+                 "debug.nan_at_step=null", "train.max_steps=100000")
+    assert (c.train.ckpt_start, c.debug.nan_at_step, c.train.max_steps) == (8500, None, 100000)
 
 
 def test_scratch_plan_dry_run():
@@ -209,6 +238,67 @@ def test_one_lease_plan_end_to_end_on_cpu(tmp_path):
             assert not list((fd / "checkpoints").glob("*.pt"))  # freed
         assert (d / "mlflow.db").is_file()
         assert f"seed {s}: done" in r.stdout
+
+
+def test_race_on_cpu_the_first_seed_to_diverge_keeps_the_machine(tmp_path):
+    """RACE=1, two seeds at once: seed 1337's baseline NaNs at step 8 (its result.json says diverged at step 11) while
+    seed 1's would run 100,000 steps without diverging (its own OVERRIDES_1, after the tiny overrides of every run: no
+    forced NaN, and a loss spike must be 100 nats high; at the tiny's margin it spikes near step 170); seed 1 is
+    stopped at once, as a race, not a failure, and seed 1337 forks the FP32 reference from its checkpoint. Without the
+    race the plan would not end: the script is then stopped (its trap stops the isolates) and the test fails."""
+    import time
+    root = tmp_path / "root"
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES" and not k.startswith("OVERRIDES_")}
+    env.update(ROOT=str(root), SEEDS="1337 1", RACE="1", CONTROL_SWEEPS="paper_1gpu_fp32", ISOLATION_SWEEPS="",
+               STOP_AFTER="2", PER_GPU_FIRST="1", PROGRESS_EVERY="5", OMP_NUM_THREADS="1", PICK="before-divergence",
+               MARGIN="2", PAST_DIVERGENCE="6", KEEP_CHECKPOINTS="4",
+               FORK_OVERRIDES="attention.fp32_gemm=tf32x3 debug.nan_at_step=null",
+               OVERRIDES_1="debug.nan_at_step=null train.max_steps=100000 verdict.margin=100")
+    t0 = time.monotonic()
+    proc = subprocess.Popen(["bash", "scripts/paper_1gpu.sh", *TINY, f"results_dir={tmp_path}/results"], cwd=ROOT,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+        proc.terminate()  # the script's trap stops every isolate (each its own process group)
+        out, err = proc.communicate(timeout=120)
+        pytest.fail(f"the race did not end the plan in 600 s:\n{out[-3000:]}")
+    took = time.monotonic() - t0
+    r = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    logs = "".join(f"\n--- {p}\n{p.read_text()[-2500:]}" for p in sorted(root.glob("seed*.log")))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:] + logs
+    win = root / "seed1337"
+    base = json.loads((win / "baseline" / "result.json").read_text())
+    assert base["observed"] == "diverged" and base["divergence_step"] == 8
+    fork = json.loads((win / "forks" / "paper_1gpu_fp32-0" / "result.json").read_text())
+    assert fork["fork_step"] == 6 and fork["observed"] == "stable", fork
+    assert "seed 1337: done" in r.stdout and "seed 1337 forks/paper_1gpu_fp32-0" in r.stdout
+    assert "seed 1: stopped by the race (seed 1337 diverged first at step 8)" in r.stdout, r.stdout[-3000:]
+    assert "race: seed 1337 diverged first, at step 8; stopped: seed 1 at baseline checkpoint step " in r.stdout
+    assert "FAILED" not in r.stdout
+    # seed 1 stopped mid-baseline: no fork, no table; its run.py took the TERM as a preemption (a checkpoint where it
+    # stopped, a result.json saying so) unless the KILL came first
+    one = root / "seed1"
+    assert not (one / "forks").exists() and not (one / "report" / "verdicts.json").exists()
+    if (one / "baseline" / "result.json").exists():
+        stopped = json.loads((one / "baseline" / "result.json").read_text())
+        assert stopped["observed"] != "diverged" and stopped["steps_done"] < 10_000, stopped
+        assert stopped["error"].startswith("stopped by SIGTERM"), stopped["error"]
+    # OVERRIDES_1 reached seed 1 only, after the overrides of every run (Hydra: the last value of a key wins)
+    cfg1, cfg1337 = ((root / f"seed{s}" / "baseline" / "config_resolved.yaml").read_text() for s in (1, 1337))
+    assert "max_steps: 100000" in cfg1 and "nan_at_step: null" in cfg1
+    assert "max_steps: 14" in cfg1337 and "nan_at_step: 8" in cfg1337
+    # nothing of seed 1's is left running
+    left = [p for p in Path("/proc").iterdir() if p.name.isdigit() and _cmdline(p).count(str(root / "seed1"))]
+    assert not left, [_cmdline(p) for p in left]
+    assert took < 400, took  # seed 1 alone would need 100,000 steps
+
+
+def _cmdline(proc: Path) -> str:
+    try:
+        return (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
 
 
 def _baseline_with_checkpoints(tmp_path, steps, divergence, min_loss_step, done):
