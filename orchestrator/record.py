@@ -271,7 +271,8 @@ class RunRecord:
     fork_baseline: Optional[str] = None
     error: Optional[str] = None
     warnings: List[str] = field(default_factory=list)  # counted numerical failures, a store that failed (spooled)
-    # monitor.alarm fired: step, signal, value, threshold, action, checkpoint, ...
+    # monitor.alarm when it was on: signal, threshold, direction, action, and the step (None until it fires), value,
+    # checkpoint, ... of its firing
     alarm: Optional[Dict[str, Any]] = None
     job_dir: Optional[str] = None
     # the divergence's control: what must agree with an FP32 run (setup_of), the cause found against one (the sweep's
@@ -459,6 +460,19 @@ def sweep_metrics(records: Sequence[Any]) -> Dict[str, float]:
             "runs_failed": float(sum(o not in ("stable", "diverged") for o in obs))}
 
 
+def alarm_from_mlflow(tags: Mapping[str, str], params: Mapping[str, str]) -> Optional[Dict[str, Any]]:
+    """The record's `alarm` from what a run logged: armed by the param monitor.alarm.enabled, fired by the tags
+    ff.alarm.* (orchestrator/monitor/alarm.py)."""
+    if str(params.get("monitor.alarm.enabled")).lower() != "true" and "ff.alarm.step" not in tags:
+        return None
+    fired = str(tags.get("ff.alarm.step", "")).isdigit()
+    return {"step": int(tags["ff.alarm.step"]) if fired else None,
+            "signal": tags.get("ff.alarm.signal") or params.get("monitor.alarm.signal"),
+            "threshold": decode_float(tags.get("ff.alarm.threshold") or params.get("monitor.alarm.threshold")),
+            "action": tags.get("ff.alarm.action") or params.get("monitor.alarm.action"),
+            **({"value": decode_float(tags.get("ff.alarm.value"))} if fired else {})}
+
+
 def from_mlflow_run(run, history: Mapping[str, Sequence[Tuple[int, float]]]) -> RunRecord:
     """A RunRecord from an MLflow run's tags, params and metrics as the job logged them (record_version 2). For
     older runs, or a run killed before its final metrics, the numbers come from its loss and W_Q histories; min_loss
@@ -504,6 +518,7 @@ def from_mlflow_run(run, history: Mapping[str, Sequence[Tuple[int, float]]]) -> 
         det.update(losses)
         r.min_loss = det.min_loss if math.isfinite(det.min_loss) else None
         r.min_loss_step = det.min_loss_step
+    r.alarm = alarm_from_mlflow(t, p)
     r.error = t.get(TAG_ERROR) or (None if observed != "failed" else
                                    f"no final verdict in MLflow (tag verdict={verdict!r}): the run stopped at step "
                                    f"{last} (killed, timed out or still running)")
@@ -515,6 +530,7 @@ __all__ = ["RunRecord", "RECORD_VERSION", "RESULT_FILE", "CKPT_DIR", "ORDER_FILE
            "PROBE", "PROBE_LAYER_KINDS", "PROBE_HEAD_KINDS", "PROBE_PLOTTED", "probe_name", "parse_probe_metric",
            "parse_where", "wq_sigma_name", "rmax_rows_name", "max_logit_name", "parse_head_metric",
            "parse_layer_metric", "encode", "decode_float", "from_mlflow_value", "dumps", "matches_paper", "write",
+           "alarm_from_mlflow",
            "read", "read_named", "result_path", "record_tags", "record_metrics", "sweep_metrics", "from_mlflow_run",
            "RUN_METRICS", "SWEEP_METRICS", "TAG_VERDICT", "TAG_MATCHES", "TAG_INTERVENTION", "TAG_EXPECT",
            "REFERENCE", "NONFINITE_SUFFIX", "user_overrides", "CAUSES", "CAUSE_PRECISION", "CAUSE_NOT_PRECISION",

@@ -161,6 +161,9 @@ def attach(job, start_step: int) -> Optional[Alarm]:
                           f"ranks would not stop at the same step)")
     alarm = Alarm(cfg, start_step)
     job.tracker = _Listening(job.tracker, alarm)
+    # armed, not fired (step None): the report counts a quiet alarm too (a miss, or a stable run it rightly spared)
+    job.result["alarm"] = {"step": None, "signal": cfg.signal, "threshold": cfg.threshold,
+                           "direction": alarm.signal.direction, "action": cfg.action}
     return alarm
 
 

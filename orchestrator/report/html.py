@@ -57,9 +57,10 @@ def _inline_md(line: str) -> str:
 
 
 def render(sweep: str, rows: Sequence[Dict], table: List[List[str]], meta_items: List, plot_paths: Dict[str, Path],
-           urls: Optional[List[Optional[str]]] = None, mlflow_lines: Sequence[str] = ()) -> str:
+           urls: Optional[List[Optional[str]]] = None, mlflow_lines: Sequence[str] = (),
+           alarm_lines: Sequence[str] = ()) -> str:
     """The page. table: render._table's [head] + body; meta_items: render.meta_items; urls: each
-    row's run page or None."""
+    row's run page or None; alarm_lines: the live-alarm section (report/alarm_view.py: heading, summary, items)."""
     head, body = table[0], table[1:]
     h = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
          '<meta name="viewport" content="width=device-width, initial-scale=1">',
@@ -83,6 +84,11 @@ def render(sweep: str, rows: Sequence[Dict], table: List[List[str]], meta_items:
         h += ["<h2>Failed runs</h2>", "<ul>"]
         h += [f"<li>job {_esc(r.get('job'))} ({_esc(r.get('intervention'))}): "
               f"<code>{_esc((r.get('error') or '?').strip()[:2000])}</code></li>" for r in failed]
+        h.append("</ul>")
+    alarm = [x for x in alarm_lines if x.strip()]
+    if alarm:
+        h += [f"<h2>{_esc(alarm[0].lstrip('# '))}</h2>", f"<p>{_inline_md(alarm[1])}</p>", "<ul>"]
+        h += [f"<li>{_inline_md(x[2:])}</li>" for x in alarm[2:]]
         h.append("</ul>")
     if plot_paths:
         h.append("<h2>Plots</h2>")

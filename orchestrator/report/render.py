@@ -22,7 +22,16 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from flash_forensics.orchestrator import record
-from flash_forensics.orchestrator.report import fork_health, links, plots, probe_table, readback, rejudge, verdict_view
+from flash_forensics.orchestrator.report import (
+    alarm_view,
+    fork_health,
+    links,
+    plots,
+    probe_table,
+    readback,
+    rejudge,
+    verdict_view,
+)
 from flash_forensics.orchestrator.report import html as report_html
 from flash_forensics.orchestrator.report import rows as R
 from flash_forensics.orchestrator.tracking.run_fields import git_info
@@ -210,6 +219,9 @@ def _markdown(rows, meta, plot_paths, out_dir: Path, sweep: str, urls: Optional[
         md += ["", "## Failed runs", ""]
         for r in failed:
             md.append(f"- job {r.get('job')} ({r.get('intervention')}): `{(r.get('error') or '?').strip()[:2000]}`")
+    alarm = alarm_view.lines(rows)
+    if alarm:
+        md += [""] + alarm[:-1]
     if plot_paths:
         md += ["", "## Plots", ""]
         for name, p in plot_paths.items():
@@ -429,7 +441,7 @@ def write_report(rows: List[Dict], out_dir: os.PathLike, tracking_uri: Optional[
     items = ([[("Cause: ", False), (cause["verdict"], False)]] if cause else []) + meta_items(rows, meta)
     html_plots = {**plot_paths, **({"rounding points": Path(cause["plot"])} if cause and cause.get("plot") else {})}
     paths["html"].write_text(report_html.render(sweep, rows, _table(rows), items, html_plots, urls,
-                                                _mlflow_lines(meta)))
+                                                _mlflow_lines(meta), alarm_view.lines(rows)))
     if parent_run_id and uri:
         client = make_client(uri)
         with tempfile.TemporaryDirectory() as tmp:  # the copy for MLflow's viewer: UI routes, not disk paths

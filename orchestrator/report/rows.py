@@ -20,7 +20,7 @@ ROW_KEYS = ("job", "intervention", "overrides", "expected", "observed", "matches
             "final_loss", "min_loss", "peak_wq_norm", "peak_wq_where", "steps_done", "wall_s", "vs_baseline",
             "mlflow_run_id", "error", "job_dir", "fork_step", "forked_from", "verdict", "cause", "control", "setup",
             "fork_jump", "loss_rise", "source_run_id", "fork_baseline", "verdict_margin", "verdict_window",
-            "fork_rule")
+            "fork_rule", "alarm")
 
 
 def _num(x) -> Optional[float]:

@@ -171,3 +171,17 @@ def test_tag_only_and_fork_child(tmp_path):
     assert t["alarm"]["step"] == 1 and "checkpoint" not in t["alarm"] and t["steps_done"] == 4
     assert not list((tmp_path / "tag" / record.CKPT_DIR).glob("alarm_*"))
     assert _run(tmp_path, t["mlflow_run_id"]).data.tags["ff.alarm.step"] == "1"
+    # the report says what the live alarm did, from the job folder and from MLflow alike: it fired in a run that
+    # stayed stable, a false alarm
+    from flash_forensics.orchestrator.report import alarm_view, render
+    from flash_forensics.orchestrator.report.rows import rows_from_dirs
+    rows = rows_from_dirs([tmp_path / "tag"])
+    assert rows[0]["alarm"]["step"] == 1 and rows[0]["alarm"]["signal"] == "max_logit"
+    paths = render.write_report(rows, tmp_path / "report", sweep="alarm")
+    md, page = paths["md"].read_text(), paths["html"].read_text()
+    assert alarm_view.HEADING in md and "False alarms: 1 of 1 stable runs" in md
+    assert "fired at step 1 (max_logit = " in md and "a false alarm, the run stayed stable" in md
+    assert "<h2>Live alarm (monitor.alarm)</h2>" in page and "a false alarm, the run stayed stable" in page
+    back = record.from_mlflow_run(_run(tmp_path, t["mlflow_run_id"]), {})
+    assert (back.alarm["step"], back.alarm["signal"], back.alarm["action"]) == (1, "max_logit", "tag")
+    assert back.alarm["value"] == t["alarm"]["value"]
