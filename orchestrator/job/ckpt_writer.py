@@ -34,8 +34,8 @@ class HostSnapshot:
         t = t.detach()
         cuda = t.device.type == "cuda"
         buf = self._buffers.get(where)
-        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype or buf.stride() != t.stride():
-            buf = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu", pin_memory=cuda)
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:  # contiguous: load_state_dict copies values
+            buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=cuda)
             self._buffers[where] = buf
         buf.copy_(t, non_blocking=cuda)
         return buf

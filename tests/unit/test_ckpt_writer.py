@@ -30,6 +30,14 @@ def test_snapshot_is_the_state_at_the_step_boundary():
     assert host["detector"]["losses"] == [1.0, 2.0] and host["step"] == 5
 
 
+def test_a_strided_or_expanded_tensor_is_copied_by_value():
+    base = torch.arange(12.0).reshape(3, 4)
+    state = {"t": base.t(), "e": torch.ones(1, 4).expand(3, 4)}  # a transpose, and stride 0 rows
+    host, _ = HostSnapshot().take(state)
+    base.add_(1)
+    assert torch.equal(host["t"], torch.arange(12.0).reshape(3, 4).t()) and torch.equal(host["e"], torch.ones(3, 4))
+
+
 def test_snapshot_saves_and_loads_like_the_state(tmp_path):
     s = _state()
     host, _ = HostSnapshot().take(s)
