@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import copy
 import threading
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -24,7 +24,7 @@ class HostSnapshot:
     """A deep copy of a checkpoint's state with every tensor in host memory, in buffers kept per position in the
     state and reused by the next snapshot (allocating 1.5 GB, page-locked or not, costs more than the copy: on a
     2-core CPU the first copy took 2.5-7.7 s, mostly page faults). CUDA tensors go to page-locked buffers without a
-    host sync; the returned event says when they are there. CPU tensors are copied too: the optimizer updates the
+    host sync; the returned events say when they are there. CPU tensors are copied too: the optimizer updates the
     originals in place. A snapshot's tensors are valid until the next one is taken."""
 
     def __init__(self):
@@ -40,16 +40,17 @@ class HostSnapshot:
         buf.copy_(t, non_blocking=cuda)
         return buf
 
-    def take(self, state: Any) -> Tuple[Any, Optional["torch.cuda.Event"]]:
+    def take(self, state: Any) -> Tuple[Any, List["torch.cuda.Event"]]:
+        """(the copy, the events to wait on before reading it: one per CUDA device its tensors came from)."""
         memo: Dict[int, Any] = {}  # deepcopy's memo: each tensor (shared ones once) already mapped to its copy
-        cuda = False
+        devices = set()
 
         def visit(obj, where):
-            nonlocal cuda
             if isinstance(obj, torch.Tensor):
                 if id(obj) not in memo:
                     memo[id(obj)] = self._host(obj, where)
-                    cuda = cuda or obj.device.type == "cuda"
+                    if obj.device.type == "cuda":
+                        devices.add(obj.device)
             elif isinstance(obj, dict):
                 for k, v in obj.items():
                     visit(v, (*where, k))
@@ -59,11 +60,13 @@ class HostSnapshot:
 
         visit(state, ())
         out = copy.deepcopy(state, memo)  # containers and plain values copied: the detector keeps mutating its own
-        event = None
-        if cuda:
-            event = torch.cuda.Event()
-            event.record()
-        return out, event
+        events = []
+        for dev in devices:  # each copy is queued on its own device's current stream (a job on cuda:1 sets no device)
+            with torch.cuda.device(dev):
+                ev = torch.cuda.Event()
+                ev.record(torch.cuda.current_stream(dev))
+            events.append(ev)
+        return out, events
 
 
 class CheckpointWriter:
@@ -81,12 +84,12 @@ class CheckpointWriter:
 
     def submit(self, write: Callable[[Any], None], state: Any) -> None:
         self.wait()
-        host, event = self._snapshot.take(state)
+        host, events = self._snapshot.take(state)
 
         def run():
             try:
-                if event is not None:
-                    event.synchronize()
+                for ev in events:
+                    ev.synchronize()
                 write(host)
             except BaseException as e:  # raised in the step loop by wait/check, never lost with the thread
                 self._error = e

@@ -19,8 +19,8 @@ def _state():
 
 def test_snapshot_is_the_state_at_the_step_boundary():
     s = _state()
-    host, event = HostSnapshot().take(s)
-    assert event is None  # no CUDA tensor: nothing to wait for
+    host, events = HostSnapshot().take(s)
+    assert events == []  # no CUDA tensor: nothing to wait for
     s["model"]["w"].add_(100)  # the optimizer's in-place update of the next step
     s["optimizer"]["state"][0]["exp_avg"].mul_(0)
     s["detector"]["losses"].append(3.0)  # the detector goes on in the loop
@@ -91,10 +91,12 @@ def test_cuda_state_goes_to_reused_page_locked_buffers():
     snap = HostSnapshot()
     t = torch.randn(1 << 20, device="cuda")
     before = t.cpu()
-    host, event = snap.take({"w": t})
+    host, events = snap.take({"w": t})
     t.add_(1)  # queued after the copy on the same stream
-    event.synchronize()
-    assert host["w"].is_pinned() and torch.equal(host["w"], before)
-    again, event = snap.take({"w": t})
-    event.synchronize()
+    for ev in events:
+        ev.synchronize()
+    assert len(events) == 1 and host["w"].is_pinned() and torch.equal(host["w"], before)
+    again, events = snap.take({"w": t})
+    for ev in events:
+        ev.synchronize()
     assert again["w"].data_ptr() == host["w"].data_ptr() and torch.equal(again["w"], t.cpu())
