@@ -16,6 +16,7 @@ import json
 from typing import Dict, List, Optional, Sequence
 
 from flash_forensics.orchestrator import record
+from flash_forensics.orchestrator.report import alarm_view
 from flash_forensics.orchestrator.report.links import artifact_view_route
 from flash_forensics.orchestrator.tracking.run_fields import RUN_LOG, describe_run
 from flash_forensics.orchestrator.tracking.store import MAX_TAG_VAL_LENGTH, _truncate, retry
@@ -31,7 +32,8 @@ SWEEP_RUN_TAG = "sweep_run"  # the parent's run id, on the parent and its runs: 
 COLUMNS = (("tags", record.TAG_EXPECT), ("tags", record.TAG_VERDICT), ("tags", record.TAG_MATCHES),
            ("tags", record.TAG_CAUSE), ("tags", record.TAG_CONTROL), ("tags", "job"),
            ("metrics", "divergence_step"), ("metrics", "final_loss"), ("metrics", "peak_wq_sigma"),
-           ("tags", "fork_health"))
+           ("tags", "fork_health"), ("tags", "live_alarm"))
+LIVE_ALARM = "live_alarm"  # hit, N steps before | late | miss | false alarm | quiet | not judged
 # verdict -> shades (darkest first): one hue per verdict, a new shade per run of that verdict
 PALETTES = {record.CAUSE_PRECISION: ("#d62728", "#a11d1e", "#f06a6b", "#7a1516"),
             record.CAUSE_NOT_PRECISION: ("#ff7f0e", "#c25f05", "#ffab5e", "#8c4503"),
@@ -108,6 +110,9 @@ def publish(client, rows: Sequence[Dict], experiments: Dict[str, str],
             tags["fork_health"] = "; ".join(r["fork_notes"])
         if r.get("cause"):
             tags[record.TAG_CAUSE] = r["cause"]
+        if isinstance(r.get("alarm"), dict):  # monitor.alarm was on: how it did against the verdict (report/alarm_view)
+            o = alarm_view.outcome(r)
+            tags[LIVE_ALARM] = o["kind"] + (f", {o['lead']} steps before" if o["kind"] == "hit" else "")
         if r.get("control"):  # short, so the column shows it whole; the run id in its own tag
             cj = str(r.get("control_job") or "")
             tags[record.TAG_CONTROL] = f"job {cj.zfill(job_width) if cj.isdigit() else cj}" if cj else r["control"]
@@ -133,4 +138,4 @@ def publish(client, rows: Sequence[Dict], experiments: Dict[str, str],
 
 
 __all__ = ["publish", "colors", "view_state", "share_key", "mark_training", "COLUMNS", "PALETTES", "RUN_COLOR",
-           "SHARED_VIEW_PREFIX", "SWEEP_RUN_TAG"]
+           "SHARED_VIEW_PREFIX", "SWEEP_RUN_TAG", "LIVE_ALARM"]

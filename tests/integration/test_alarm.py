@@ -177,7 +177,8 @@ def test_tag_only_and_fork_child(tmp_path):
     from flash_forensics.orchestrator.report.rows import rows_from_dirs
     rows = rows_from_dirs([tmp_path / "tag"])
     assert rows[0]["alarm"]["step"] == 1 and rows[0]["alarm"]["signal"] == "max_logit"
-    paths = render.write_report(rows, tmp_path / "report", sweep="alarm")
+    paths = render.write_report(rows, tmp_path / "report", sweep="alarm", tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
+    assert _run(tmp_path, t["mlflow_run_id"]).data.tags["live_alarm"] == "false alarm"  # the MLflow column
     md, page = paths["md"].read_text(), paths["html"].read_text()
     assert alarm_view.HEADING in md and "False alarms: 1 of 1 stable runs" in md
     assert "fired at step 1 (max_logit = " in md and "a false alarm, the run stayed stable" in md
