@@ -445,11 +445,13 @@ print(re.sub('[^a-z0-9]+', '-', g).strip('-'))" "$LOG/kernel-bits.json") || die 
             && mv "$L/first_steps.tmp" "$L/first_steps.txt" && cat "$L/first_steps.txt"
         done
       fi
-      tail -c 2000 "$R"/runs/seed*/baseline/run.log 2>/dev/null | tr '\r' '\n' | grep -a "it/s\|s/it\|\[job\]" | tail -1 | cut -c1-200
+      # no step line yet is not a failure (pipefail would make it `start`'s exit status: the queue said "exit 1")
+      tail -c 2000 "$R"/runs/seed*/baseline/run.log 2>/dev/null | tr '\r' '\n' | grep -a "it/s\|s/it\|\[job\]" | tail -1 | cut -c1-200 \
+        || true
     }
     if [ "$mode" = run ]; then  # the collect gets the last ~60 s of the budget, whatever the plan is doing
       t_run=$(date +%s); budget=${2:-560}; self=$ROOT/scripts/gpu.sh
-      rm -f "$R/plan.pid"; bash "$self" paper-table start
+      rm -f "$R/plan.pid"; bash "$self" paper-table start || die "start exited $?"
       [ -f "$R/plan.pid" ] || die "start failed: no plan was started"
       bash "$self" paper-table wait $(( budget - ($(date +%s) - t_run) - 60 ))
       COLLECT_WAIT=0 bash "$self" paper-table collect
