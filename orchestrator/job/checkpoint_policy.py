@@ -71,6 +71,10 @@ def restore_run_state(job, state: Dict[str, Any], resuming: bool) -> None:
     if resuming:
         job.hooks.load_state_dict(state.get("hooks") or [])
         job.probes.load_state_dict(state.get("probes"))
+        if getattr(job, "alarm", None) is not None:  # fired before the checkpoint: said once, not again later
+            job.alarm.load_state_dict(state.get("alarm"))
+            if job.alarm.fired is not None:
+                job.result["alarm"] = job.alarm.fired
     if resuming or (job.forking and job.cfg.verdict.fork_baseline == "source"):
         job.detector.load_state_dict(state["detector"])
         mon = state.get("monitor", {})
@@ -92,7 +96,8 @@ def job_state(job, model, optimizer, done: int) -> Dict[str, Any]:
         "config": OmegaConf.to_container(OmegaConf.structured(job.cfg)),
         "batch_order": str(job.order_path) if job.order_path else None, "job_dir": str(job.job_dir),
         "fork": job.fork, "hooks": job.hooks.state_dict(),
-        "probes": job.probes.state_dict() if job.probes is not None else None}
+        "probes": job.probes.state_dict() if job.probes is not None else None,
+        "alarm": job.alarm.state_dict() if getattr(job, "alarm", None) is not None else None}
 
 
 def save(job, model, optimizer, done: int, name: str, keep_step: bool = False,

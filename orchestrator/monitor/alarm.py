@@ -114,6 +114,16 @@ class Alarm:
             print(f"[alarm] {self.cfg.signal}={v:.6g} at step {step} ({self.signal.direction} "
                   f"{self.cfg.threshold:g}): {self.cfg.action}", flush=True)
 
+    def state_dict(self) -> Dict[str, Any]:
+        """What a resumed run needs to neither fire a second time nor forget its firing (checkpoints hold it)."""
+        return {"fired": self.fired, "pending": self.pending, "signals": self.state.state_dict()}
+
+    def load_state_dict(self, state: Optional[Dict[str, Any]]) -> None:
+        if not state:  # a checkpoint of a run without the alarm, or from before it was saved: start fresh
+            return
+        self.fired, self.pending = state.get("fired"), bool(state.get("pending"))
+        self.state.load_state_dict(state.get("signals") or {})
+
     def act(self, job, model, optimizer, done: int, stream) -> bool:
         """Tag, checkpoint, then stop or fork; the record's `alarm` says what was done. True: end the run."""
         self.pending = False

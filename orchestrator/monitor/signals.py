@@ -30,7 +30,7 @@ import re
 import statistics
 from collections import deque
 from dataclasses import dataclass
-from typing import Dict, List, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from flash_forensics.orchestrator import record
 
@@ -119,6 +119,20 @@ class SignalState:
         self._rmax_prev = int(start_step) - 1  # the last step of the previous repeated-maxima interval
         self._wq: Dict[str, List[Tuple[int, float]]] = {}  # head -> [(step, ln sigma)]
         self._val_min = math.inf  # the lowest validation loss so far (val_rise)
+
+    def state_dict(self) -> Dict[str, Any]:
+        """Plain values (a checkpoint's): the windows a resumed run's signals go on from."""
+        return {"recent": {f: list(d) for f, d in self._recent.items()}, "rmax_prev": self._rmax_prev,
+                "wq": {h: [list(p) for p in pts] for h, pts in self._wq.items()}, "val_min": self._val_min}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        for f, values in (state.get("recent") or {}).items():
+            if f in self._recent:
+                self._recent[f].clear()
+                self._recent[f].extend(values)
+        self._rmax_prev = int(state.get("rmax_prev", self._rmax_prev))
+        self._wq = {h: [(int(s), float(v)) for s, v in pts] for h, pts in (state.get("wq") or {}).items()}
+        self._val_min = float(state.get("val_min", self._val_min))
 
     def update(self, step: int, metrics: Mapping[str, float]) -> Dict[str, float]:
         fams: Dict[str, Dict[str, float]] = {}

@@ -186,3 +186,26 @@ def test_tag_only_and_fork_child(tmp_path):
     back = record.from_mlflow_run(_run(tmp_path, t["mlflow_run_id"]), {})
     assert (back.alarm["step"], back.alarm["signal"], back.alarm["action"]) == (1, "max_logit", "tag")
     assert back.alarm["value"] == t["alarm"]["value"]
+
+
+def test_a_resumed_run_keeps_its_firing_and_does_not_fire_again(tmp_path):
+    """Fired at step 1 (threshold 0, a tag), killed -9 at step 5 after the checkpoint at 4: the resumed run's
+    record and tags still say step 1, with the value of that firing; without the alarm in the checkpoint it fired
+    anew at the first flush after the resume."""
+    import subprocess
+    import sys
+    args = [*BASE, "train.ckpt_every=2", *on("threshold=0"), f"tracking.uri=sqlite:///{tmp_path}/mlflow.db",
+            f"results_dir={tmp_path}/results", f"hydra.run.dir={tmp_path}/job"]
+    run = [sys.executable, str(_jobs.ROOT / "run.py"), *args]
+    killed = subprocess.run([*run, "debug.kill_at_step=5", "debug.kill_where=step"], cwd=_jobs.ROOT,
+                            capture_output=True, text=True, timeout=600)
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    first = [ln for ln in killed.stdout.splitlines() if ln.startswith("[alarm]")]
+    assert len(first) == 1 and "at step 1 " in first[0], killed.stdout[-2000:]
+    again = subprocess.run(run, cwd=_jobs.ROOT, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "resuming from" in again.stdout and "[alarm]" not in again.stdout  # said once, in the first process
+    res = json.loads((tmp_path / "job" / record.RESULT_FILE).read_text())
+    assert res["steps_done"] == 8 and res["alarm"]["step"] == 1 and res["alarm"]["signal"] == "max_logit"
+    assert first[0].split("max_logit=")[1].split(" ")[0] == f"{res['alarm']['value']:.6g}"
+    assert _run(tmp_path, res["mlflow_run_id"]).data.tags["ff.alarm.step"] == "1"
