@@ -70,6 +70,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.rounds < 1:
         ap.error(f"--rounds={args.rounds} is not allowed: expected 1 or more")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        ap.error(f"--device={args.device} is not allowed here: CUDA is not available; expected --device cpu")
     dev = torch.device(args.device)
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu ({os.cpu_count()} cores)"
     model, opt = paper_state(args.device)

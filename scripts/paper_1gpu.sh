@@ -57,6 +57,11 @@ FORK_MEMORY=${FORK_MEMORY:-}
 CONTROL_SWEEPS=${CONTROL_SWEEPS:-paper_1gpu_controls}
 ISOLATION_SWEEPS=${ISOLATION_SWEEPS-paper_isolation beta_sweep}
 PROGRESS_EVERY=${PROGRESS_EVERY:-60}
+RACE=${RACE:-0}  # checked before anything is made or printed
+case "$RACE" in 0|1) ;; *) echo "paper_1gpu.sh: RACE=$RACE is not allowed: expected 0 or 1" >&2; exit 2;; esac
+for v in $(compgen -v OVERRIDES_); do  # a seed's overrides for a seed not in the plan would be silently unused
+  [[ " $SEEDS " == *" ${v#OVERRIDES_} "* ]] || { echo "paper_1gpu.sh: $v is set, but seed ${v#OVERRIDES_} is not in SEEDS=\"$SEEDS\": expected OVERRIDES_<seed> for one of them" >&2; exit 2; }
+done
 ROOT=$(realpath -m "${ROOT:-results/runs/paper_1gpu/$(date +%Y-%m-%d_%H-%M-%S)}")
 [ -n "${DRY_RUN:-}" ] || mkdir -p "$ROOT"
 T0=$(date +%s)
@@ -71,7 +76,6 @@ first=${SEEDS%% *}
 declare -A PIDS=()
 say "root $ROOT; experiment $EXPERIMENT; seeds $SEEDS; baselines stop $STOP_AFTER steps after their divergence"
 [ -z "${DRY_RUN:-}" ] && command -v df >/dev/null && say "disk free under $ROOT: $(df -h --output=avail "$ROOT" | tail -1 | tr -d ' ')"
-RACE=${RACE:-0}
 for s in $SEEDS; do
   dir="$ROOT/seed$s"
   if [ "$s" = "$first" ] || [ "$RACE" = 1 ]; then

@@ -412,3 +412,15 @@ def test_lease_wrapper_runs_start_wait_collect_in_one_call(tmp_path):
     assert rows["baseline"]["observed"] == "diverged" and rows["baseline"]["divergence_step"] == 8
     assert rows["forks/paper_1gpu_fp32-0"]["intervention"] == "fp32", rows
     assert rows["forks/paper_1gpu_fp32-0"]["observed"] == "stable", rows
+
+
+@pytest.mark.parametrize("env,needle", [
+    (dict(RACE="yes"), "RACE=yes is not allowed: expected 0 or 1"),
+    (dict(SEEDS="2 1337", OVERRIDES_7="train.ckpt_start=0"),
+     'OVERRIDES_7 is set, but seed 7 is not in SEEDS="2 1337"'),
+])
+def test_plan_refuses_a_bad_race_or_a_seeds_overrides_for_no_seed(tmp_path, env, needle):
+    r = subprocess.run(["bash", "scripts/paper_1gpu.sh"], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                       env=dict(os.environ, ROOT=str(tmp_path / "plan"), **env))
+    assert r.returncode == 2 and needle in r.stderr, (r.returncode, r.stderr)
+    assert not (tmp_path / "plan").exists() and r.stdout == ""  # nothing made, nothing started
