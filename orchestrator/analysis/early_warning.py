@@ -66,6 +66,7 @@ class Run:
     run_id: Optional[str] = None
     last_step: Optional[int] = None  # the last logged training step (unfinished runs: how far "not diverged" goes)
     group: Optional[str] = None  # where it came from (a seed's table, a store): --holdout leaves one out at a time
+    live: Optional[Dict] = None  # the record's alarm: monitor.alarm's rule and its firing in the run (live_check)
 
 
 @dataclass
@@ -370,11 +371,47 @@ def load(sources: Sequence[str] = (), tracking_uri: Optional[str] = None, experi
         group = r.get("source_label") or (name.split("/", 1)[0] if "/" in name else None)
         runs.append(Run(name, r["observed"], start, r.get("divergence_step"),
                         signals.series(hist, start, growth_window, spike_window), r["mlflow_run_id"], last,
-                        group))
+                        group, r.get("alarm") if isinstance(r.get("alarm"), dict) else None))
     return runs, skipped
 
 
 # ---------------------------------------------------------------------------------------------- output
+def live_check(runs: Sequence[Run]) -> List[Dict]:
+    """Per run that had monitor.alarm on: the step it fired at in the run (online) against the step this table's
+    computation gives for the same rule on the run's logged history (offline, from its start; not cut at the
+    divergence: the run's alarm is not either). They agree when the online signal is the offline one."""
+    out = []
+    for r in runs:
+        a = r.live or {}
+        sig = a.get("signal")
+        if sig not in SIGNALS or not isinstance(a.get("threshold"), (int, float)):
+            continue
+        hit = signals.first_alarm([(s, v) for s, v in r.series.get(sig, []) if s >= r.start],
+                                  SIGNALS[sig].direction, float(a["threshold"]))
+        offline = hit[0] if hit else None
+        out.append({"run": r.name, "signal": sig, "threshold": a["threshold"], "online_step": a.get("step"),
+                    "online_value": a.get("value"), "offline_step": offline,
+                    "offline_value": hit[1] if hit else None, "agree": offline == a.get("step")})
+    return out
+
+
+def _live_md(checks: Sequence[Dict], growth_window: int, spike_window: int) -> List[str]:
+    if not checks:
+        return []
+    n = sum(c["agree"] for c in checks)
+    out = ["", "## Live alarms: the run's firing against this table's", "",
+           f"{n} of {len(checks)} runs with monitor.alarm on fired where this table's computation of the same rule "
+           f"fires on their logged history (offline: wq_growth over {growth_window} steps, spikes against "
+           f"{spike_window} values; a run that used other windows can differ for those signals).", "",
+           "| run | rule | fired in the run | offline | agree |", "|---|---|---|---|---|"]
+    for c in checks:
+        rule = f"{c['signal']} {'>' if SIGNALS[c['signal']].direction == ABOVE else '<'} {c['threshold']:.6g}"
+        on = "never" if c["online_step"] is None else f"step {c['online_step']} ({_fmt(c['online_value'], 6)})"
+        off = "never" if c["offline_step"] is None else f"step {c['offline_step']} ({_fmt(c['offline_value'], 6)})"
+        out.append(f"| {c['run']} | {rule} | {on} | {off} | {'yes' if c['agree'] else '**NO**'} |")
+    return out
+
+
 def _fmt(x, nd=4):
     return "-" if x is None else (f"{x:.{nd}g}" if isinstance(x, float) else str(x))
 
@@ -461,6 +498,7 @@ def markdown(rows: Sequence[Row], runs: Sequence[Run], chosen: Optional[Row], sk
               "|---|---|---|---|---|"]
     lines += [f"| {r.name} | {r.observed} | {_fmt(r.divergence_step)} | {r.start} | {_fmt(r.last_step)} |"
               for r in runs]
+    lines += _live_md(live_check(runs), growth_window, spike_window)
     if skipped:
         lines += ["", "## Left out", ""] + [f"- {s}" for s in skipped]
     return "\n".join(lines) + "\n"
@@ -499,7 +537,7 @@ def write(out: Path, runs: Sequence[Run], rows: Sequence[Row], chosen: Optional[
            "rows": [asdict(r) for r in rows], "skipped": list(skipped),
            "runs": [{"name": r.name, "observed": r.observed, "divergence_step": r.divergence_step, "start": r.start,
                      "last_step": r.last_step, "mlflow_run_id": r.run_id, "signals": sorted(r.series),
-                     "group": r.group} for r in runs]}
+                     "group": r.group} for r in runs], "live_check": live_check(runs)}
     if folds:
         per = {s: pooled(folds, s) for s in SIGNALS}
         doc["holdout"] = {"folds": [asdict(f) for f in folds], "pooled": pooled(folds),

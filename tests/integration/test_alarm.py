@@ -149,6 +149,12 @@ def test_checkpoint_then_stop_at_the_first_step_above(tmp_path):
     assert {"max_logit", "wq_sigma"} <= set(doc["runs"][0]["signals"]) and doc["chosen"] is None  # nothing diverged
     md = (tmp_path / "ew" / "early_warning.md").read_text()
     assert "entropy: absent in 2 of 2 runs" in md  # monitor.probes is off
+    # the runs' own firings against the table's offline computation of the same rule on their histories
+    live = {c["run"]: c for c in doc["live_check"]}
+    assert (live["ckpt"]["online_step"], live["ckpt"]["offline_step"], live["ckpt"]["agree"]) == (1, 1, True)
+    assert (live["stop"]["online_step"], live["stop"]["offline_step"]) == (step, step) and live["stop"]["agree"]
+    assert live["stop"]["offline_value"] == live["stop"]["online_value"] == r2["alarm"]["value"]
+    assert "2 of 2 runs with monitor.alarm on fired where this table's computation" in md
 
 
 def test_tag_only_and_fork_child(tmp_path):
