@@ -366,15 +366,14 @@ def test_cli_holdout_needs_two_sources(tmp_path, capsys):
 
 
 def test_live_check_compares_the_runs_firing_with_the_offline_rule():
-    from flash_forensics.orchestrator.analysis.early_warning import Run, live_check, markdown
     pts = [(9, 10.0), (19, 500.0), (29, 2000.0)]
     rule = {"signal": "max_logit", "threshold": 1000.0, "action": "tag"}
     runs = [Run("same", "stable", 0, None, {"max_logit": pts}, live={**rule, "step": 29, "value": 2000.0}),
             Run("other", "stable", 0, None, {"max_logit": pts}, live={**rule, "step": 19, "value": 500.0}),
             Run("quiet", "stable", 0, None, {"max_logit": pts[:2]}, live={**rule, "step": None}),
             Run("off", "stable", 0, None, {"max_logit": pts})]
-    got = {c["run"]: (c["online_step"], c["offline_step"], c["agree"]) for c in live_check(runs)}
+    got = {c["run"]: (c["online_step"], c["offline_step"], c["agree"]) for c in ew.live_check(runs)}
     assert got == {"same": (29, 29, True), "other": (19, 29, False), "quiet": (None, None, True)}
-    md = markdown([], runs, None, [], 100)
+    md = ew.markdown([], runs, None, [], 100)
     assert "2 of 3 runs with monitor.alarm on fired where" in md and "| other | max_logit > 1000 | step 19" in md
     assert "| **NO** |" in md
