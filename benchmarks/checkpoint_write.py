@@ -3,12 +3,14 @@ thread (true), on the paper regime's state (GPT-2S weights and AdamW moments, 1.
 
     python benchmarks/checkpoint_write.py [--device cuda] [--rounds 3] [--dir /tmp/ckpt-bench] [--out FILE]
 
-Round-robin, each round: `sync` times checkpoint.save_step (torch.save, sha256, fsync, the last.pt copy, pruning:
-what the loop waited for before); `async` times CheckpointWriter.submit (the host copy the loop now waits for; on
-CUDA that is queueing the copy, and the time to the copied state is timed apart as `host_copy_s`) and then, apart,
-the write to disk on the thread (`to_disk_s`, which the loop does not wait for unless the next checkpoint comes
-sooner). The model is experiment=paper_1gpu's, after one AdamW step (its moments allocated). The files go to --dir
-(deleted at the end): put it on the disk the runs use.
+Round-robin, each round: `idle` runs a stand-in for training (matmuls on the device, a host sync every 8) for
+--work-seconds and counts its rate; `sync` times checkpoint.save_step (torch.save, sha256, fsync, the last.pt copy,
+pruning: what the loop waited for before); `async` times CheckpointWriter.submit (what the loop waits for now: the
+copy into host buffers, queued on CUDA; the time until the thread starts writing is `host_copy_s`), then runs the
+stand-in while the thread writes, until the file is on disk (`to_disk_s`): `work_ratio` is its rate then against
+idle's, and `lost_s` = stall + (1 - work_ratio) x the time it ran beside the write, the work the write cost. The
+model is experiment=paper_1gpu's, after one AdamW step (its moments allocated); tied weights counted once. The
+files go to --dir (deleted at the end): put it on the disk the runs use.
 """
 from __future__ import annotations
 
@@ -59,6 +61,32 @@ def sync(dev) -> None:
         torch.cuda.synchronize()
 
 
+def stand_in(dev, seconds=None, until=None) -> float:
+    """Matmuls at training's pace (a host sync every 8, as the monitors' flushes bound how far the host runs ahead):
+    iterations per second over `seconds`, or while until() is true."""
+    n = 2048 if dev.type == "cuda" else 384
+    a, b = torch.randn(n, n, device=dev), torch.randn(n, n, device=dev)
+    it, t0 = 0, time.perf_counter()
+    while True:
+        a @ b
+        it += 1
+        if it % 8 == 0:
+            sync(dev)
+            if (seconds is not None and time.perf_counter() - t0 >= seconds) or (until is not None and not until()):
+                break
+    sync(dev)
+    return it / (time.perf_counter() - t0)
+
+
+def state_bytes(tensors) -> int:
+    """Bytes of distinct tensor memory (a tied weight is two state_dict entries over one storage)."""
+    seen = {}
+    for t in tensors:
+        if torch.is_tensor(t):
+            seen[(t.device, t.data_ptr())] = t.numel() * t.element_size()
+    return sum(seen.values())
+
+
 def main(argv=None) -> int:
     from flash_forensics.orchestrator.job import checkpoint
     from flash_forensics.orchestrator.job.ckpt_writer import CheckpointWriter
@@ -67,6 +95,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dir", default=None, help="where the files are written (default: a temp folder under /tmp)")
     ap.add_argument("--out", default=None, help="JSON (default results/bench/checkpoint-write-<device>.json)")
+    ap.add_argument("--work-seconds", type=float, default=3.0, help="the idle stand-in's duration per round")
     args = ap.parse_args(argv)
     if args.rounds < 1:
         ap.error(f"--rounds={args.rounds} is not allowed: expected 1 or more")
@@ -75,19 +104,23 @@ def main(argv=None) -> int:
     dev = torch.device(args.device)
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu ({os.cpu_count()} cores)"
     model, opt = paper_state(args.device)
-    n_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values()) + sum(
-        t.numel() * t.element_size() for st in opt.state_dict()["state"].values() for t in st.values()
-        if torch.is_tensor(t))
+    n_bytes = state_bytes([*model.state_dict().values(),
+                           *(t for st in opt.state_dict()["state"].values() for t in st.values())])
     base = args.dir or tempfile.mkdtemp(prefix="ckpt-bench-")
     folder = os.path.join(base, "checkpoints")
     os.makedirs(folder, exist_ok=True)
     writer = CheckpointWriter()
-    rows = {"sync": [], "async": []}
+    rows = {"idle": [], "sync": [], "async": []}
     step = 0
     print(f"[checkpoint_write] {n_bytes / 2 ** 30:.2f} GiB of tensors on {name}; files in {folder}", flush=True)
     try:
         for r in range(args.rounds):
-            for method in ("sync", "async"):
+            for method in ("idle", "sync", "async"):
+                if method == "idle":
+                    rows[method].append(dict(work_rate=stand_in(dev, seconds=args.work_seconds)))
+                    print(f"[checkpoint_write] round {r + 1} idle: {rows[method][-1]['work_rate']:.1f} it/s",
+                          flush=True)
+                    continue
                 step += 1
                 state = {"step": step, "model": model.state_dict(), "optimizer": opt.state_dict()}
                 sync(dev)
@@ -105,9 +138,14 @@ def main(argv=None) -> int:
 
                     writer.submit(write, state)
                     stall = time.perf_counter() - t0
+                    t1 = time.perf_counter()
+                    rate = stand_in(dev, until=lambda: writer.busy)
+                    beside = time.perf_counter() - t1
                     writer.wait()
+                    ratio = rate / rows["idle"][-1]["work_rate"]
                     rows[method].append(dict(stall_s=stall, host_copy_s=times["copied"] - t0,
-                                             to_disk_s=times["written"] - t0))
+                                             to_disk_s=times["written"] - t0, work_ratio=ratio,
+                                             lost_s=stall + max(0.0, 1 - ratio) * beside))
                 print(f"[checkpoint_write] round {r + 1} {method}: "
                       + ", ".join(f"{k} {v:.3f}" for k, v in rows[method][-1].items()), flush=True)
     finally:
@@ -119,7 +157,8 @@ def main(argv=None) -> int:
     out = dict(command="python " + " ".join(["benchmarks/checkpoint_write.py", *(argv or sys.argv[1:])]),
                device=name, torch=torch.__version__, python=platform.python_version(),
                time=time.strftime("%Y-%m-%dT%H:%M:%S"), state_bytes=n_bytes, rounds=args.rounds, rows=rows,
-               median=med, stall_ratio_async_vs_sync=med["async"]["stall_s"] / med["sync"]["stall_s"])
+               median=med, stall_ratio_async_vs_sync=med["async"]["stall_s"] / med["sync"]["stall_s"],
+               lost_ratio_async_vs_sync=med["async"]["lost_s"] / med["sync"]["stall_s"])
     path = args.out or os.path.join(ROOT, "results", "bench",
                                     f"checkpoint-write-{'cpu' if dev.type == 'cpu' else name.lower().replace(' ', '-')}"
                                     ".json")
@@ -127,7 +166,9 @@ def main(argv=None) -> int:
     with open(path, "w") as fh:
         json.dump(out, fh, indent=2)
     print(f"[checkpoint_write] the loop waits {med['sync']['stall_s']:.3f} s (sync) vs {med['async']['stall_s']:.3f} s "
-          f"(async; on disk {med['async']['to_disk_s']:.3f} s later, on the thread); {path}", flush=True)
+          f"(async; on disk {med['async']['to_disk_s']:.3f} s later, the work beside it at "
+          f"{med['async']['work_ratio']:.2f} of its idle rate: {med['async']['lost_s']:.3f} s of work lost); {path}",
+          flush=True)
     return 0
 
 

@@ -130,9 +130,10 @@ janitor() {  # a finished fork's final checkpoint is never forked from: free its
 }
 
 # RACE=1: each baseline's result.json is read once, when it appears; the first that says "diverged" wins, and every
-# isolate whose baseline has not ended yet is stopped: TERM to its process group, KILL 15 s later if still there. The
-# baseline's run.py takes TERM as a preemption: a checkpoint at its next step boundary, then a result.json "failed"
-# whose error says "stopped by SIGTERM after N steps" (resume it from there on this machine with resume=...)
+# isolate whose baseline has not ended yet is stopped: TERM to its process group, KILL 90 s later if still there. The
+# baseline's run.py takes TERM as a preemption: it waits for a checkpoint write in flight, writes one at its next step
+# boundary (a GPT-2S checkpoint took ~6 s on an H200), then a result.json "failed" whose error says "stopped by
+# SIGTERM after N steps" (resume it from there on this machine with resume=...)
 declare -A ENDED=() STOPPED=()
 winner="" won_at=""
 race() {
@@ -149,16 +150,19 @@ race() {
   for o in $SEEDS; do
     [ -n "${ENDED[$o]+x}" ] || [ -f "$ROOT/seed$o/baseline/result.json" ] && continue
     kill -0 "${PIDS[$o]}" 2>/dev/null || continue  # ended on its own (a crash): said as such at the end
-    ck=$(newest_ckpt "$o"); STOPPED[$o]=${ck:-none}; stopped+=("seed $o at baseline checkpoint step ${ck:-none}")
+    STOPPED[$o]=none
     kill -- "-${PIDS[$o]}" 2>/dev/null || true
   done
-  for _ in $(seq 30); do
+  for _ in $(seq 180); do
     local left=0
     for o in "${!STOPPED[@]}"; do kill -0 -- "-${PIDS[$o]}" 2>/dev/null && left=1; done
     [ "$left" = 0 ] && break
     sleep 0.5
   done
-  for o in "${!STOPPED[@]}"; do kill -KILL -- "-${PIDS[$o]}" 2>/dev/null || true; done
+  for o in "${!STOPPED[@]}"; do
+    kill -KILL -- "-${PIDS[$o]}" 2>/dev/null || true
+    ck=$(newest_ckpt "$o"); STOPPED[$o]=${ck:-none}; stopped+=("seed $o at baseline checkpoint step ${ck:-none}")
+  done
   local list; list=$(printf '%s, ' ${stopped[@]+"${stopped[@]}"}); list=${list%, }
   say "race: seed $winner diverged first, at step $won_at; stopped: ${list:-none (every other baseline had ended)}"
 }

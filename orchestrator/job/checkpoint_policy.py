@@ -75,6 +75,8 @@ def restore_run_state(job, state: Dict[str, Any], resuming: bool) -> None:
             job.alarm.load_state_dict(state.get("alarm"))
             if job.alarm.fired is not None:
                 job.result["alarm"] = job.alarm.fired
+                if job.capture is not None and not job.alarm.pending:  # its at_alarm capture was taken then
+                    job.capture._alarm_done = True
     if resuming or (job.forking and job.cfg.verdict.fork_baseline == "source"):
         job.detector.load_state_dict(state["detector"])
         mon = state.get("monitor", {})

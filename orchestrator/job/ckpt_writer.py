@@ -43,12 +43,16 @@ class HostSnapshot:
     def take(self, state: Any) -> Tuple[Any, List["torch.cuda.Event"]]:
         """(the copy, the events to wait on before reading it: one per CUDA device its tensors came from)."""
         memo: Dict[int, Any] = {}  # deepcopy's memo: each tensor (shared ones once) already mapped to its copy
+        same: Dict[Tuple, torch.Tensor] = {}  # one copy per view: tied weights are two objects over one memory
         devices = set()
 
         def visit(obj, where):
             if isinstance(obj, torch.Tensor):
                 if id(obj) not in memo:
-                    memo[id(obj)] = self._host(obj, where)
+                    view = (obj.device, obj.data_ptr(), obj.dtype, tuple(obj.shape), obj.stride())
+                    if view not in same:  # torch.save then writes a shared storage once, as it did the originals
+                        same[view] = self._host(obj, where)
+                    memo[id(obj)] = same[view]
                     if obj.device.type == "cuda":
                         devices.add(obj.device)
             elif isinstance(obj, dict):
@@ -99,9 +103,9 @@ class CheckpointWriter:
         self._thread.start()
 
     def wait(self) -> None:
-        t, self._thread = self._thread, None
-        if t is not None:
-            t.join()
+        if self._thread is not None:  # joined before it is forgotten: a ^C in the join leaves it to settle()
+            self._thread.join()
+        self._thread = None
         err, self._error = self._error, None
         if err is not None:
             raise err

@@ -357,14 +357,15 @@ class Job:
             if (tc.eval_every and done % tc.eval_every == 0) or last:
                 self._log_val(model, val, device, step)
                 val_done_at = step
+            # the alarm acts before this boundary's checkpoint, which then holds it done: a resume never acts twice
+            if self.alarm is not None and self.alarm.pending and self.alarm.act(self, model, optimizer, done, stream):
+                self.result["early_stopped"] = True  # action=stop: a clean end, its reason in result.json's alarm
+                break
             if ckpt:
                 snapshot.save(self, model, optimizer, done, "last.pt", keep_step=True,
                               kill_mid_write=cfg.debug.kill_at_step == step and
                               cfg.debug.kill_where == "checkpoint_write", background=tc.ckpt_async and not last)
                 self._maybe_kill(step, "after_checkpoint")
-            if self.alarm is not None and self.alarm.pending and self.alarm.act(self, model, optimizer, done, stream):
-                self.result["early_stopped"] = True  # action=stop: a clean end, its reason in result.json's alarm
-                break
             if tc.early_stop and self.detector.should_stop(step):
                 self.result["early_stopped"] = True
                 break

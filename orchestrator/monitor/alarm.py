@@ -13,7 +13,8 @@ the signal both times). The first time the signal passes the threshold it fires,
   data.replay=<a full copy of this run's batch order> hydra.run.dir=<job dir>/alarm_fork ...` (this run's other
   overrides, the alarm off), launched with its own session; this run goes on. The command, pid and log are in
   result.json and the tag ff.alarm.fork_command; when the launch fails, the command is recorded with the error.
-Every action records `alarm` in result.json. The state is not checkpointed: a resumed run starts listening afresh.
+Every action records `alarm` in result.json. Its state (the firing, the signals' windows) is in the job's checkpoints:
+a resumed run neither fires a second time nor acts twice; one that the alarm stopped, rerun, stops again.
 """
 from __future__ import annotations
 
@@ -122,6 +123,8 @@ class Alarm:
         if not state:  # a checkpoint of a run without the alarm, or from before it was saved: start fresh
             return
         self.fired, self.pending = state.get("fired"), bool(state.get("pending"))
+        if self.fired and self.fired.get("stopped"):  # a run the alarm stopped, rerun: it stops again at once
+            self.pending = True
         self.state.load_state_dict(state.get("signals") or {})
 
     def act(self, job, model, optimizer, done: int, stream) -> bool:
