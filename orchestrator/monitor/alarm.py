@@ -123,7 +123,7 @@ class Alarm:
         if not state:  # a checkpoint of a run without the alarm, or from before it was saved: start fresh
             return
         self.fired, self.pending = state.get("fired"), bool(state.get("pending"))
-        if self.fired and self.fired.get("stopped"):  # a run the alarm stopped, rerun: it stops again at once
+        if self.fired and self.fired.get("stopped"):  # a run it stopped, rerun: stops again at its next boundary
             self.pending = True
         self.state.load_state_dict(state.get("signals") or {})
 

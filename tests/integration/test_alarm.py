@@ -194,16 +194,18 @@ def test_tag_only_and_fork_child(tmp_path):
     assert back.alarm["value"] == t["alarm"]["value"]
 
 
-def test_a_resumed_run_keeps_its_firing_and_does_not_fire_again(tmp_path):
-    """Fired at step 1 (threshold 0, a tag), killed -9 at step 5 after the checkpoint at 4: the resumed run's
-    record and tags still say step 1, with the value of that firing; without the alarm in the checkpoint it fired
-    anew at the first flush after the resume."""
+def test_a_resumed_run_keeps_its_firing_and_does_not_fire_or_act_again(tmp_path):
+    """Fired at step 1 (threshold 0, action checkpoint: alarm_2.pt), killed -9 at step 3, so the run resumes from
+    step_2.pt, the checkpoint of the boundary where it fired: the resumed run's record and tags still say step 1,
+    with the value of that firing, and there is one alarm checkpoint. Without the alarm in the checkpoint it fired
+    anew at the first flush after the resume; with it but acting after that checkpoint, it acted again."""
     import subprocess
     import sys
-    args = [*BASE, "train.ckpt_every=2", *on("threshold=0"), f"tracking.uri=sqlite:///{tmp_path}/mlflow.db",
+    args = [*BASE, "train.ckpt_every=2", *on("threshold=0", "action=checkpoint"),
+            f"tracking.uri=sqlite:///{tmp_path}/mlflow.db",
             f"results_dir={tmp_path}/results", f"hydra.run.dir={tmp_path}/job"]
     run = [sys.executable, str(_jobs.ROOT / "run.py"), *args]
-    killed = subprocess.run([*run, "debug.kill_at_step=5", "debug.kill_where=step"], cwd=_jobs.ROOT,
+    killed = subprocess.run([*run, "debug.kill_at_step=3", "debug.kill_where=step"], cwd=_jobs.ROOT,
                             capture_output=True, text=True, timeout=600)
     assert killed.returncode == -9, killed.stderr[-2000:]
     first = [ln for ln in killed.stdout.splitlines() if ln.startswith("[alarm]")]
@@ -215,3 +217,15 @@ def test_a_resumed_run_keeps_its_firing_and_does_not_fire_again(tmp_path):
     assert res["steps_done"] == 8 and res["alarm"]["step"] == 1 and res["alarm"]["signal"] == "max_logit"
     assert first[0].split("max_logit=")[1].split(" ")[0] == f"{res['alarm']['value']:.6g}"
     assert _run(tmp_path, res["mlflow_run_id"]).data.tags["ff.alarm.step"] == "1"
+    assert "resuming from" in again.stdout and " at step 2 " in again.stdout
+    assert sorted(p.name for p in (tmp_path / "job" / record.CKPT_DIR).glob("alarm_*.pt")) == ["alarm_2.pt"]
+
+
+def test_a_run_the_alarm_stopped_stops_again_when_rerun(tmp_path):
+    """action=stop at step 1 ends the run at 2 steps; the same job again resumes from that end and, its alarm's
+    firing restored, stops at its next step boundary instead of training on to train.max_steps."""
+    first = _jobs.run_in(BASE, tmp_path, "stop", *on("threshold=0", "action=stop"))
+    assert first["alarm"]["stopped"] and first["steps_done"] == 2
+    again = _jobs.run_in(BASE, tmp_path, "stop", *on("threshold=0", "action=stop"))
+    assert again["resumed_from"] and again["alarm"]["step"] == 1 and again["alarm"]["stopped"]
+    assert again["early_stopped"] and again["steps_done"] == 3, again

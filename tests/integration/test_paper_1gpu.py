@@ -291,7 +291,7 @@ def test_race_on_cpu_the_first_seed_to_diverge_keeps_the_machine(tmp_path):
     # nothing of seed 1's is left running
     left = [p for p in Path("/proc").iterdir() if p.name.isdigit() and _cmdline(p).count(str(root / "seed1"))]
     assert not left, [_cmdline(p) for p in left]
-    assert took < 400, took  # seed 1 alone would need 100,000 steps
+    assert took < 550, took  # seed 1 alone would need 100,000 steps
 
 
 def _cmdline(proc: Path) -> str:
