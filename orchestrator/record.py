@@ -465,11 +465,9 @@ def alarm_from_mlflow(tags: Mapping[str, str], params: Mapping[str, str]) -> Opt
     ff.alarm.* (orchestrator/monitor/alarm.py)."""
     if str(params.get("monitor.alarm.enabled")).lower() != "true" and "ff.alarm.step" not in tags:
         return None
-    from flash_forensics.orchestrator.monitor.signals import SIGNALS  # signals imports this module
-    fired = str(tags.get("ff.alarm.step", "")).isdigit()
+    fired = str(tags.get("ff.alarm.step", "")).isdigit()  # no tag carries the direction: the signal's own (report)
     signal = tags.get("ff.alarm.signal") or params.get("monitor.alarm.signal")
     return {"step": int(tags["ff.alarm.step"]) if fired else None, "signal": signal,
-            "direction": SIGNALS[signal].direction if signal in SIGNALS else None,
             "threshold": decode_float(tags.get("ff.alarm.threshold") or params.get("monitor.alarm.threshold")),
             "action": tags.get("ff.alarm.action") or params.get("monitor.alarm.action"),
             **({"value": decode_float(tags.get("ff.alarm.value"))} if fired else {})}

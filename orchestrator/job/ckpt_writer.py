@@ -4,8 +4,10 @@ A GPT-2S checkpoint (weights and AdamW moments, 1.5 GB) stalled the paper regime
 torch.save, its sha256 and fsync, then the separate last.pt copy. 34 of them were 201 s of an 838 s baseline
 (results/FINDINGS.md, section 2). Here the step loop only copies the state into host memory: page-locked buffers
 kept from one checkpoint to the next, the copy queued on the current CUDA stream behind the step that made the state,
-so nothing waits for it. A thread waits for the copy, then writes the files exactly as the synchronous path does
-(atomic, checksummed: orchestrator/job/checkpoint.py).
+so the loop does not wait for it. A thread waits for the copy, then writes the files exactly as the synchronous path
+does (atomic, checksummed: orchestrator/job/checkpoint.py). The write still uses the host's cores and disk: on a
+2-core CPU, work beside it ran at 0.35 of its rate, so a checkpoint cost 0.57 of writing it in the loop
+(results/bench/checkpoint-write-cpu.json; not yet measured on a GPU).
 
 One write at a time: the next checkpoint, every other save, the run's end and each failure path wait for it first,
 and a write that failed raises there (or at the next step, `check`). A kill -9 leaves what it left before, the
@@ -23,9 +25,9 @@ import torch
 class HostSnapshot:
     """A deep copy of a checkpoint's state with every tensor in host memory, in buffers kept per position in the
     state and reused by the next snapshot (allocating 1.5 GB, page-locked or not, costs more than the copy: on a
-    2-core CPU the first copy took 2.5-7.7 s, mostly page faults). CUDA tensors go to page-locked buffers without a
-    host sync; the returned events say when they are there. CPU tensors are copied too: the optimizer updates the
-    originals in place. A snapshot's tensors are valid until the next one is taken."""
+    2-core CPU the first copy took 0.7-7.7 s, mostly page faults, the next ones 0.09-0.16 s). CUDA tensors go to
+    page-locked buffers without a host sync; the returned events say when they are there. CPU tensors are copied
+    too: the optimizer updates the originals in place. A snapshot's tensors are valid until the next one is taken."""
 
     def __init__(self):
         self._buffers: Dict[Tuple, torch.Tensor] = {}

@@ -11,11 +11,14 @@ from __future__ import annotations
 import statistics
 from typing import Dict, List, Sequence
 
+from flash_forensics.orchestrator.monitor.signals import BELOW, SIGNALS
+
 HEADING = "## Live alarm (monitor.alarm)"
 
 
 def _rule(a: Dict) -> str:
-    op = "<" if a.get("direction") == "below" else ">"
+    sig = SIGNALS.get(a.get("signal"))  # a record read back from MLflow has no direction: the signal's own
+    op = "<" if (a.get("direction") or (sig.direction if sig else None)) == BELOW else ">"
     thr = a.get("threshold")
     return f"{a.get('signal')} {op} {thr:g}" if isinstance(thr, (int, float)) else f"{a.get('signal')} {op} {thr}"
 

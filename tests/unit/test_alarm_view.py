@@ -44,10 +44,9 @@ def test_alarm_read_back_from_mlflow_params_and_tags():
     params = {"monitor.alarm.enabled": "True", "monitor.alarm.signal": "rmax_rate",
               "monitor.alarm.threshold": "339961.4", "monitor.alarm.action": "tag"}
     quiet = record.alarm_from_mlflow({}, params)
-    assert quiet == {"step": None, "signal": "rmax_rate", "direction": "above", "threshold": 339961.4, "action": "tag"}
+    assert quiet == {"step": None, "signal": "rmax_rate", "threshold": 339961.4, "action": "tag"}
     entropy = record.alarm_from_mlflow({}, {**params, "monitor.alarm.signal": "entropy"})
-    assert entropy["direction"] == "below" and "entropy < " in alarm_view.lines(
-        [{"job": "j", "observed": "stable", "alarm": entropy}])[2]  # no tag carries it: the signal's own
+    assert "entropy < " in alarm_view.lines([{"job": "j", "observed": "stable", "alarm": entropy}])[2]  # its own
     tags = {"ff.alarm.step": "2219", "ff.alarm.signal": "rmax_rate", "ff.alarm.value": "351234.5",
             "ff.alarm.threshold": "339961.4", "ff.alarm.action": "tag"}
     fired = record.alarm_from_mlflow(tags, params)
