@@ -92,3 +92,15 @@ def test_analysis_as_an_mlflow_run(source, tmp_path):
     run = MlflowClient(uri).get_run(run_id)
     assert run.data.params["fingerprint_best"] == "paper_bf16"
     assert run.data.metrics["fingerprint_o_identical"] == 1.0
+
+
+def test_a_resumed_run_does_not_capture_its_alarm_again(tmp_path):
+    """The alarm fired and its at_alarm capture was taken in the first process; the same job resumed for more steps
+    restores the firing, so it takes no second alarm capture (it took one at its first step before)."""
+    on = ["monitor.capture.at_alarm=true", "monitor.capture.layers=[1]", "monitor.alarm.enabled=true",
+          "monitor.alarm.signal=max_logit", "monitor.alarm.threshold=-1e9"]
+    first = _jobs.run_in(BASE, tmp_path, "job", *on)
+    assert [Path(p).name for p in first["captures"]] == [f"alarm_gpt_step{first['alarm']['step'] + 1}_L1.safetensors"]
+    again = _jobs.run_in(BASE, tmp_path, "job", *on, "train.max_steps=10")
+    assert again["resumed_from"] and again["steps_done"] == 10 and again["alarm"]["step"] == first["alarm"]["step"]
+    assert not [p for p in again.get("captures") or [] if Path(p).name.startswith("alarm_")], again.get("captures")
