@@ -15,7 +15,6 @@ files go to --dir (deleted at the end): put it on the disk the runs use.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import shutil
@@ -34,18 +33,10 @@ import torch  # noqa: E402
 def paper_state(device: str):
     """experiment=paper_1gpu's model and AdamW (fused on CUDA, as the preset), one step taken: the state a
     checkpoint holds, less the small parts (RNG, detector, config)."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    import flash_forensics.orchestrator.config.schema  # noqa: F401  registers base_config
+    from benchmarks.stabilizers import composed
     from flash_forensics.models.hf import build_model
     from flash_forensics.orchestrator.job.optim import build_optimizer
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(os.path.join(ROOT, "conf"), version_base="1.3"):
-        cfg = compose("config", overrides=["experiment=paper_1gpu", f"train.device={device}"])
-    GlobalHydra.instance().clear()
-    from flash_forensics.orchestrator.config.validate import validate_config
-    obj, attention = validate_config(cfg, [], check_store=False)
+    obj, attention = composed(["experiment=paper_1gpu", f"train.device={device}"])
     dev = torch.device(device)
     model = build_model(obj.model, attention).to(dev)
     opt = build_optimizer(model, obj.optimizer, dev)
@@ -88,6 +79,7 @@ def state_bytes(tensors) -> int:
 
 
 def main(argv=None) -> int:
+    from benchmarks.attention import _write
     from flash_forensics.orchestrator.job import checkpoint
     from flash_forensics.orchestrator.job.ckpt_writer import CheckpointWriter
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -162,9 +154,7 @@ def main(argv=None) -> int:
     path = args.out or os.path.join(ROOT, "results", "bench",
                                     f"checkpoint-write-{'cpu' if dev.type == 'cpu' else name.lower().replace(' ', '-')}"
                                     ".json")
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as fh:
-        json.dump(out, fh, indent=2)
+    _write(out, path)
     print(f"[checkpoint_write] the loop waits {med['sync']['stall_s']:.3f} s (sync) vs {med['async']['stall_s']:.3f} s "
           f"(async; on disk {med['async']['to_disk_s']:.3f} s later, the work beside it at "
           f"{med['async']['work_ratio']:.2f} of its idle rate: {med['async']['lost_s']:.3f} s of work lost); {path}",

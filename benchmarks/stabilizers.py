@@ -101,6 +101,12 @@ def environment(argv, device: torch.device) -> dict:
 
 def compose(variant: str, shape_overrides, extra):
     """(validated schema.Config, effective AttentionConfig) of `intervention=<variant>`, as a run composes it."""
+    return composed(["experiment=mini_repro", f"intervention={variant}", *shape_overrides, *extra])
+
+
+def composed(overrides):
+    """(validated schema.Config, effective AttentionConfig) of conf/config.yaml with `overrides`, as a run composes
+    it (benchmarks/checkpoint_write.py builds the paper regime's model with it too)."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
@@ -108,7 +114,6 @@ def compose(variant: str, shape_overrides, extra):
     import flash_forensics.orchestrator.config.schema  # noqa: F401  registers base_config
     from flash_forensics.orchestrator.config.validate import validate_config
 
-    overrides = ["experiment=mini_repro", f"intervention={variant}", *shape_overrides, *extra]
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(os.path.join(ROOT, "conf"), version_base="1.3"):

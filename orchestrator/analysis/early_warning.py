@@ -405,7 +405,7 @@ def _live_md(checks: Sequence[Dict], growth_window: int, spike_window: int) -> L
            f"{spike_window} values; a run that used other windows can differ for those signals).", "",
            "| run | rule | fired in the run | offline | agree |", "|---|---|---|---|---|"]
     for c in checks:
-        rule = f"{c['signal']} {'>' if SIGNALS[c['signal']].direction == ABOVE else '<'} {c['threshold']:.6g}"
+        rule = signals.rule_text(c["signal"], c["threshold"])
         on = "never" if c["online_step"] is None else f"step {c['online_step']} ({_fmt(c['online_value'], 6)})"
         off = "never" if c["offline_step"] is None else f"step {c['offline_step']} ({_fmt(c['offline_value'], 6)})"
         out.append(f"| {c['run']} | {rule} | {on} | {off} | {'yes' if c['agree'] else '**NO**'} |")
@@ -417,7 +417,7 @@ def _fmt(x, nd=4):
 
 
 def _rule(r: Row) -> str:
-    return f"`{r.signal} {'>' if r.direction == ABOVE else '<'} {r.threshold:.6g}`"
+    return f"`{signals.rule_text(r.signal, r.threshold, r.direction)}`"
 
 
 def _holdout_md(folds: Sequence[Fold]) -> List[str]:

@@ -107,6 +107,14 @@ def crossed(direction: str, value: float, threshold: float) -> bool:
     return value > threshold if direction == ABOVE else value < threshold
 
 
+def rule_text(signal: str, threshold, direction: Optional[str] = None) -> str:
+    """`signal > threshold` (or <), as tables and reports print a rule; direction: the signal's own when not given
+    (a record read back from MLflow carries none)."""
+    direction = direction or (SIGNALS[signal].direction if signal in SIGNALS else ABOVE)
+    thr = f"{threshold:.6g}" if isinstance(threshold, (int, float)) else str(threshold)
+    return f"{signal} {'<' if direction == BELOW else '>'} {thr}"
+
+
 class SignalState:
     """Feed it each logged batch of metrics in step order (`update(step, metrics)`); it returns the signals those
     metrics determine at that step. Non-finite NaN points are skipped (the divergence detector owns them); +-inf
@@ -227,4 +235,4 @@ def first_alarm(pts: List[Tuple[int, float]], direction: str, threshold: float) 
 
 
 __all__ = ["ABOVE", "BELOW", "Signal", "SIGNALS", "PROBE_SIGNALS", "PREFIXES", "family", "crossed", "SignalState",
-           "series", "first_alarm"]
+           "series", "first_alarm", "rule_text"]

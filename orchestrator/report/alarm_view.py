@@ -11,16 +11,9 @@ from __future__ import annotations
 import statistics
 from typing import Dict, List, Sequence
 
-from flash_forensics.orchestrator.monitor.signals import BELOW, SIGNALS
+from flash_forensics.orchestrator.monitor.signals import rule_text
 
 HEADING = "## Live alarm (monitor.alarm)"
-
-
-def _rule(a: Dict) -> str:
-    sig = SIGNALS.get(a.get("signal"))  # a record read back from MLflow has no direction: the signal's own
-    op = "<" if (a.get("direction") or (sig.direction if sig else None)) == BELOW else ">"
-    thr = a.get("threshold")
-    return f"{a.get('signal')} {op} {thr:g}" if isinstance(thr, (int, float)) else f"{a.get('signal')} {op} {thr}"
 
 
 def outcome(row: Dict) -> Dict:
@@ -55,7 +48,8 @@ def lines(rows: Sequence[Dict]) -> List[str]:
     leads = [o["lead"] for _, o in got if o["kind"] == "hit"]
     diverged = n("hit") + n("late") + n("miss")
     stable = n("false alarm") + n("quiet")
-    rules = sorted({_rule(r["alarm"]) for r in armed})
+    rules = sorted({rule_text(r["alarm"].get("signal"), r["alarm"].get("threshold"), r["alarm"].get("direction"))
+                    for r in armed})
     head = (f"monitor.alarm was on in {len(armed)} of {len(rows)} runs (rule{'s' if len(rules) > 1 else ''}: "
             + ", ".join(f"`{x}`" for x in rules) + f"). Diverged runs warned in time: {n('hit')} of {diverged}"
             + (f" (lead: median {statistics.median(leads):g}, min {min(leads)}, max {max(leads)} steps)" if leads

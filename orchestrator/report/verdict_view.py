@@ -25,6 +25,7 @@ SHARED_VIEW_PREFIX = "mlflow.sharedViewState."
 RUN_COLOR = "mlflow.runColor"
 PARENT_COLOR = "#1f3b73"  # the sweep's own row: navy, no verdict's hue
 SWEEP_RUN_TAG = "sweep_run"  # the parent's run id, on the parent and its runs: the view's filter
+LIVE_ALARM = "live_alarm"  # monitor.alarm against the verdict: hit, N steps before | late | miss | false alarm | ...
 # left to right as the verdict reads: what the paper expects, what happened, whether that matches, why (the cause,
 # against which control), the job; then the numbers. No intervention column: the run name starts with it, and MLflow's
 # Run Name, Created and Duration columns (always shown) plus its assistant panel (open on a first visit) leave
@@ -32,8 +33,7 @@ SWEEP_RUN_TAG = "sweep_run"  # the parent's run id, on the parent and its runs: 
 COLUMNS = (("tags", record.TAG_EXPECT), ("tags", record.TAG_VERDICT), ("tags", record.TAG_MATCHES),
            ("tags", record.TAG_CAUSE), ("tags", record.TAG_CONTROL), ("tags", "job"),
            ("metrics", "divergence_step"), ("metrics", "final_loss"), ("metrics", "peak_wq_sigma"),
-           ("tags", "fork_health"), ("tags", "live_alarm"))
-LIVE_ALARM = "live_alarm"  # hit, N steps before | late | miss | false alarm | quiet | not judged
+           ("tags", "fork_health"), ("tags", LIVE_ALARM))
 # verdict -> shades (darkest first): one hue per verdict, a new shade per run of that verdict
 PALETTES = {record.CAUSE_PRECISION: ("#d62728", "#a11d1e", "#f06a6b", "#7a1516"),
             record.CAUSE_NOT_PRECISION: ("#ff7f0e", "#c25f05", "#ffab5e", "#8c4503"),
