@@ -14,6 +14,7 @@ import atexit
 import json
 import os
 import queue
+import signal
 import threading
 import time
 from pathlib import Path
@@ -60,6 +61,7 @@ from flash_forensics.orchestrator.tracking.writer import (  # noqa: F401
     _Sink,
     _writer_process,
     spooled_last_steps,
+    start_writer_process,
     store_cause,
 )
 
@@ -99,6 +101,18 @@ def flatten_config(cfg: Any, prefix: str = "") -> Dict[str, str]:
     walk(cfg, prefix)
     return {k[:MAX_KEY_LENGTH]: v for k, v in out.items()}
 
+
+
+def _writer_died(exitcode) -> str:
+    """Why the writer process is gone, in words: a signal by name, else the spawn guard a script may lack."""
+    if exitcode is not None and exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        return f"MLflow writer process was killed by {name} before the run's last points were written"
+    return (f"MLflow writer process exited with code {exitcode} (a script using tracking.writer=process needs an "
+            f"`if __name__ == '__main__':` guard)")
 
 
 class Tracker:
@@ -175,7 +189,10 @@ class Tracker:
                 target=_drain, name=f"mlflow-log-{self.run_id[:8]}", daemon=True,
                 args=(lambda t: self._queue.get(timeout=t), self._sink, cfg.flush_interval_s,
                       lambda event: event.set(), lambda e: setattr(self, "_error", e)))
-        self._worker.start()
+        if cfg.writer == "process":
+            start_writer_process(self._worker)
+        else:
+            self._worker.start()
         atexit.register(self._atexit)
 
     # -------------------------------------------------------------------------------------- public API
@@ -289,9 +306,7 @@ class Tracker:
                 msg = self._acks.get(timeout=0.5)
             except queue.Empty:
                 if not self._worker.is_alive():
-                    self._error = self._error or RuntimeError(
-                        f"MLflow writer process exited with code {self._worker.exitcode} (a script using "
-                        f"tracking.writer=process needs an `if __name__ == '__main__':` guard)")
+                    self._error = self._error or RuntimeError(_writer_died(self._worker.exitcode))
                     self._queue.cancel_join_thread()  # nobody reads the pipe: do not hang at exit
                     return
                 continue

@@ -3,8 +3,10 @@ store fails, replayed later without duplicates."""
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import queue
+import signal
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional
@@ -197,15 +199,56 @@ def _drain(get, sink: _Sink, interval: float, ack, fail) -> None:
                     return
 
 
+def _stop_signals() -> set:
+    """What asks a run to stop: ^C, SLURM's SIGTERM, submitit's preemption signal (SUBMITIT_PREEMPT_SIGNAL)."""
+    names = {"SIGINT", "SIGTERM", "SIGUSR1", "SIGUSR2",
+             "SIG" + os.environ.get("SUBMITIT_PREEMPT_SIGNAL", "USR2").removeprefix("SIG")}
+    return {getattr(signal, n) for n in names if hasattr(signal, n)}
+
+
+def start_writer_process(proc) -> None:
+    """Start the writer with the stop signals blocked; it ignores them once it runs (_writer_process).
+
+    A stop request sent to the whole process group (^C in a terminal, SLURM's SIGTERM, a race's TERM to a run's
+    group) is the training process's to answer. Ended first, the writer would take the points of that answer's
+    last flush with it, and the stop checkpoint would fail. The mask is inherited through spawn's exec, so the
+    seconds the child spends importing before it runs a line of ours are covered too."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, _stop_signals())
+    try:
+        proc.start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)  # a signal that came meanwhile is delivered here
+
+
+def _ignore_stop_signals() -> None:
+    """Ignored, then unblocked: one that came while they were blocked is discarded."""
+    sigs = _stop_signals()
+    for s in sigs:
+        signal.signal(s, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, sigs)
+
+
 def _writer_process(uri: str, run_id: str, last_step: Dict[str, int], interval: float, q, acks,
                     spool: Optional[str] = None) -> None:
     """Entry point of writer='process': MLflow's Python work runs here, off the training process's GIL."""
+    _ignore_stop_signals()
+    parent = multiprocessing.parent_process()
     try:
         sink = _Sink(make_client(uri), run_id, last_step, spool, uri)
     except BaseException as e:
         acks.put(("error", f"{type(e).__name__}: {e}"))
         return
-    _drain(lambda t: q.get(timeout=t), sink, interval,
+
+    def get(timeout: float):
+        try:
+            return q.get(timeout=timeout)
+        except queue.Empty:
+            if parent is not None and not parent.is_alive():  # killed (-9): no _STOP will come; post what is here
+                acks.cancel_join_thread()  # and exit: nobody reads the acks
+                return (_STOP, None)
+            raise
+
+    _drain(get, sink, interval,
            ack=lambda token: acks.put(("ack", token, sink.points_logged, sink.dropped, sink.store_error)),
            fail=lambda e: acks.put(("error", f"{type(e).__name__}: {e}")))
 

@@ -296,6 +296,39 @@ def test_sigterm_outside_slurm_counts_the_steps_done(tmp_path):
     assert "SIGTERM" in res["error"]
 
 
+@pytest.mark.parametrize("writer", ["process", "thread"])
+def test_sigterm_to_the_process_group_loses_nothing(tmp_path, writer):
+    """A TERM to the run's whole process group (what SLURM sends, and gpu.sh's race to the seed it stops) reaches
+    the MLflow writer process too. The writer leaves the stop to the training process: the stop checkpoint is
+    written and every step's loss is in the store. Before the writer ignored it, the TERM ended it first, the last
+    flush failed and the run was recorded as failed (the H100 lease of 2026-12-06, seed 2)."""
+    import signal
+    import time
+
+    from mlflow.tracking import MlflowClient
+    cmd = [sys.executable, "run.py", *BASE, "train.max_steps=2000", "train.ckpt_every=0", "monitor.log_every=1",
+           f"tracking.writer={writer}", f"tracking.uri=sqlite:///{tmp_path}/mlflow.db",
+           f"results_dir={tmp_path}/results", f"hydra.run.dir={tmp_path}/term"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SUBMITIT_"))}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    order = tmp_path / "term" / "batch_order.bin"
+    deadline = time.time() + 300
+    while time.time() < deadline and (not order.is_file() or order.stat().st_size < 64 + 5 * 4 * 4):
+        time.sleep(0.5)  # a few steps recorded
+    time.sleep(2)  # past the writer's start (a signal before its first line of Python still ends it)
+    os.killpg(proc.pid, signal.SIGTERM)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 3, err[-3000:]  # REQUEUE_EXIT_CODE: checkpoint saved, not finished
+    res = json.loads((tmp_path / "term" / "result.json").read_text())
+    assert res["error"].startswith("stopped by SIGTERM"), res["error"]  # a preemption, not "MLflow logging failed"
+    state = checkpoint.load(tmp_path / "term" / "checkpoints" / "last.pt")
+    assert res["steps_done"] == state["step"] > 0
+    c = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
+    steps = sorted(m.step for m in c.get_metric_history(res["mlflow_run_id"], "train/loss"))
+    assert steps == list(range(res["steps_done"])), (steps[-5:], res["steps_done"])
+
+
 def test_fork_never_writes_to_its_source_run(ref):
     """A fork pointed at its source's own folder (auto-resume would reopen the source's run) is refused, writing
     nothing: the source's MLflow run, result.json and job.json stay as they were."""

@@ -376,6 +376,54 @@ def test_process_writer_delivers_exactly_once_and_resumes(uri):
     assert again.client.get_run(tr.run_id).info.status == "FINISHED"
 
 
+def test_process_writer_outlives_stop_signals_and_not_its_trainer(tmp_path):
+    """writer=process: a TERM or INT sent to the writer (as to a whole process group) leaves it running, and the
+    run's points all arrive; when the training process is killed (-9) the writer posts what it holds and exits
+    instead of waiting forever for a stop."""
+    import os
+    import signal
+    uri = f"sqlite:///{tmp_path / 'm.db'}"
+    code = ("import os, signal, sys, time; sys.path.insert(0, %r)\n"
+            "from flash_forensics.orchestrator.tracking.tracker import Tracker, TrackingConfig\n"
+            "if __name__ == '__main__':\n"
+            "    t = Tracker(TrackingConfig(uri=%r, flush_interval_s=0.2, writer='process'), 'sig', experiment='t')\n"
+            "    t.flush()\n"
+            "    print(t.run_id, t._worker.pid, flush=True)\n"
+            "    sys.stdin.readline()\n"  # the test signals the writer meanwhile
+            "    for s in range(300): t.log_metrics({'train/loss': float(s)}, step=s)\n"
+            "    t.flush()\n"
+            "    for s in range(300, 310): t.log_metrics({'train/loss': float(s)}, step=s)\n"
+            "    time.sleep(1)\n"  # posted by the writer's timer (0.2 s), not by a flush
+            "    print('logged', flush=True)\n"
+            "    os.kill(os.getpid(), signal.SIGKILL)\n") % (str(ROOT), uri)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    run_id, pid = proc.stdout.readline().split()
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2):
+        os.kill(int(pid), sig)
+    time.sleep(0.5)
+    proc.stdin.write("go\n")
+    proc.stdin.flush()
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == -signal.SIGKILL and "logged" in out, err[-3000:]
+    deadline = time.time() + 30
+    while time.time() < deadline and _running(int(pid)):
+        time.sleep(0.2)
+    assert not _running(int(pid)), "the writer outlived its killed training process"
+    probe = Tracker(TrackingConfig(uri=uri), "probe", experiment="t")
+    assert [s for s, _ in history(probe, run_id, "train/loss")] == list(range(310))
+    probe.close()
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan is reaped by whoever adopts it, perhaps later)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")
+
+
 def test_process_writer_surfaces_errors(tmp_path):
     uri = f"sqlite:///{tmp_path / 'm.db'}"
     tr = Tracker(TrackingConfig(uri=uri, writer="process"), "gone", experiment="t-proc-err")
