@@ -226,11 +226,12 @@ def _rows_of(source: str) -> List[Dict]:
 
 
 def _label(source: str) -> str:
-    """A source's short name: <folder>/report/verdicts.json -> <folder>; a job or sweep folder -> its name."""
+    """A source's short name: <folder>/report*/verdicts.json (report, report_source, report_partial, ...) ->
+    <folder>; a job or sweep folder -> its name."""
     p = Path(source)
     if p.suffix == ".json":
         p = p.parent
-    return p.parent.name if p.name in ("report", "report_source", "report_gpu") else p.name
+    return p.parent.name if p.name.startswith("report") else p.name
 
 
 def _is_store(source: str) -> bool:

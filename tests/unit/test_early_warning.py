@@ -377,3 +377,10 @@ def test_live_check_compares_the_runs_firing_with_the_offline_rule():
     md = ew.markdown([], runs, None, [], 100)
     assert "2 of 3 runs with monitor.alarm on fired where" in md and "| other | max_logit > 1000 | step 19" in md
     assert "| **NO** |" in md
+
+
+def test_a_source_is_named_by_the_folder_above_its_report():
+    for report in ("report", "report_source", "report_gpu", "report_partial"):
+        assert ew._label(f"results/x/seed1337-h100/{report}/verdicts.json") == "seed1337-h100"
+    assert ew._label("results/x/seed1337-h100/baseline") == "baseline"  # a job folder: its own name
+    assert ew._label("results/x/seed2-h100") == "seed2-h100"
