@@ -234,6 +234,12 @@ def _label(source: str) -> str:
     return p.parent.name if p.name.startswith("report") else p.name
 
 
+def _qualified(row: Dict) -> str:
+    """A run's name prefixed with its source's, once (a job folder given as a source already starts with it)."""
+    name, label = str(row.get("job") or row["mlflow_run_id"]), row["source_label"]
+    return name if name.startswith(f"{label}/") else f"{label}/{name}"
+
+
 def _is_store(source: str) -> bool:
     return "://" in source  # sqlite:///..., http://host:port, ...
 
@@ -326,8 +332,7 @@ def load(sources: Sequence[str] = (), tracking_uri: Optional[str] = None, experi
              for r in _usable(_rows_of(src), skipped, unfinished)], src)
     names = [str(r.get("job") or r.get("mlflow_run_id")) for r, _ in rows]
     if len(set(names)) < len(names):  # several seeds' tables: 'baseline' in each, told apart by where they came from
-        rows = [(dict(r, job=f"{r['source_label']}/{r.get('job') or r['mlflow_run_id']}") if "source_label" in r
-                 else r, uri) for r, uri in rows]
+        rows = [(dict(r, job=_qualified(r)) if "source_label" in r else r, uri) for r, uri in rows]
     if experiment is not None and not any(_is_store(s) for s in sources):
         add(_store_rows(tracking_uri, experiment, skipped, unfinished), f"--experiment {experiment}")
     clients: Dict[Optional[str], object] = {}

@@ -384,3 +384,9 @@ def test_a_source_is_named_by_the_folder_above_its_report():
         assert ew._label(f"results/x/seed1337-h100/{report}/verdicts.json") == "seed1337-h100"
     assert ew._label("results/x/seed1337-h100/baseline") == "baseline"  # a job folder: its own name
     assert ew._label("results/x/seed2-h100") == "seed2-h100"
+
+
+def test_a_run_is_prefixed_with_its_source_once():
+    assert ew._qualified({"job": "baseline", "source_label": "seed1"}) == "seed1/baseline"
+    assert ew._qualified({"job": "seed2-h100/baseline", "source_label": "seed2-h100"}) == "seed2-h100/baseline"
+    assert ew._qualified({"job": None, "mlflow_run_id": "abc", "source_label": "s"}) == "s/abc"
