@@ -39,9 +39,12 @@
 #   isolation    the isolation table on the miniature (scripts/paper_isolation.sh ARGS: Hydra overrides)
 #   rounding     the miniature's rounding-point forks (flash-forensics isolate --sweeps rounding_refs rounding_points)
 #   paper-1gpu   the paper's regime on one GPU (scripts/paper_1gpu.sh ARGS)
-#   first-steps  the paper regime's first STEPS (3) training steps of each of SEEDS (1), their losses bit for bit
+#   first-steps [OVERRIDES...]
+#                the paper regime's first STEPS (3) training steps of each of SEEDS (1), their losses bit for bit
 #                against those recorded per GPU and commit (scripts/first_steps.py, results/bench/
-#                first-steps-paper_1gpu.json): which GPU's run this one repeats, or the first step it leaves them
+#                first-steps-paper_1gpu.json): which GPU's run this one repeats, or the first step it leaves them.
+#                Hydra OVERRIDES go to every run: `first-steps train.compile=true` says whether compiling keeps the
+#                preset's bits for those steps (a step that differs settles it; equal steps are necessary only)
 #   paper-table start|wait|collect|run
 #                the paper's regime in one lease: the FP32-reference benchmark, the baseline, every fork at once, the
 #                report; `wait` prints progress, `collect` packs reports, logs and compact MLflow exports into $OUT
@@ -311,7 +314,7 @@ print(re.sub('[^a-z0-9]+', '-', g).strip('-'))" "$LOG/kernel-bits.json") || die 
     setup; logdir first-steps; rc=0
     for s in ${SEEDS:-1}; do
       timeout "${FS_TIMEOUT:-300}" $PY scripts/first_steps.py run --seed "$s" --steps "${STEPS:-3}" --out "$LOG/seed$s" \
-        || rc=1
+        -- "$@" || rc=1
     done
     exit $rc
     ;;
