@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
@@ -197,6 +198,18 @@ def _outcome(row: Dict[str, Any]) -> tuple:
                                   "val_loss"))
 
 
+def _fork_step(run: Dict[str, Any]) -> int:
+    """Where a run started: its record's fork step, else (a fork that failed or was cut before its result.json) the
+    step of the checkpoint its from_checkpoint override names; 0 for a run from scratch."""
+    if run.get("fork_step") is not None:
+        return int(run["fork_step"])
+    for o in reversed(run.get("overrides") or []):  # Hydra: the last value of a key wins
+        m = re.fullmatch(r"from_checkpoint=.*step_(\d+)\.pt", str(o))
+        if m:
+            return int(m.group(1))
+    return 0
+
+
 def table_rows(reports: Sequence[Dict[str, Any]], bench: Dict[str, Any]) -> List[Dict[str, Any]]:
     """One row per run of every report (a report: {"path", "runs"}), in report order; a run that repeats another of
     its report (the same label, fork step and outcome to the last digit: e.g. the baseline fork each sweep of an
@@ -217,7 +230,7 @@ def table_rows(reports: Sequence[Dict[str, Any]], bench: Dict[str, Any]) -> List
             final, val = _finite(run.get("final_loss")), _val_loss(run, Path(rep["path"]))
             row = dict(report=str(rep["path"]), job=run.get("job"), intervention=name, label=_label(run),
                        fork_jump=_finite(run.get("fork_jump")), observed=run.get("observed"),
-                       stable=run.get("observed") == "stable", from_step=run.get("fork_step") or 0,
+                       stable=run.get("observed") == "stable", from_step=_fork_step(run),
                        divergence_step=run.get("divergence_step"), steps_done=run.get("steps_done"),
                        **_gained(run, base), final_loss=final, val_loss=val,
                        final_vs_fp32=None if final is None or ref_final is None else final - ref_final,

@@ -460,6 +460,18 @@ def test_stabilizers_table_reads_val_loss_of_a_report_copied_off_its_machine(tmp
     assert rows["z_loss"]["val_loss"] is None and rows["z_loss"]["val_vs_fp32"] is None
 
 
+def test_a_fork_cut_before_its_result_starts_where_its_checkpoint_says(tmp_path):
+    """A fork with no result.json (cut by a lease's end, failed) has no fork_step in its row: its start is the step of
+    the checkpoint its from_checkpoint override names (the last one given), not step 0."""
+    from flash_forensics.orchestrator.analysis import stabilizers
+    cut = dict(_run("pbar_clamp", "failed", None), fork_step=None, overrides=[
+        "from_checkpoint=/x/step_500.pt", "intervention=pbar_clamp", "from_checkpoint=/tmp/runs/ckpts/step_7750.pt"])
+    runs = [_run("baseline", "diverged", 8064, final=4.5), cut, _run("fp32", "stable", fork_step=7750, final=1.8)]
+    rows = {r["intervention"]: r for r in stabilizers.table_rows([{"path": tmp_path, "runs": runs}], {})}
+    assert (rows["pbar_clamp"]["from_step"], rows["pbar_clamp"]["observed"]) == (7750, "failed")
+    assert rows["fp32"]["from_step"] == 7750 and rows["baseline"]["from_step"] == 0
+
+
 def test_stabilizers_table_merges_one_bench_per_shape_and_refuses_a_shape_twice(tmp_path):
     from flash_forensics.orchestrator.analysis import stabilizers
     rep = tmp_path / "report"
