@@ -12,6 +12,9 @@ Seed 1 diverged at step 2,288 on an H200 and had not by 7,610 on an H100; the tw
         the same comparison for a run already training (its store, read while it writes): what `gpu.sh paper-table`
         prints once its baseline has logged the steps, so a lease knows in its first minutes whether the divergence
         step recorded for this seed applies on its GPU. Exit 2 while the run has fewer steps.
+    python scripts/first_steps.py known [--gpu NAME] [--ref FILE]
+        what FILE records of each seed on this GPU model (nvidia-smi's name, or NAME): the step it diverged at, or
+        how far it went without; `gpu.sh paper-table start` prints it before its plan starts.
     python scripts/first_steps.py record EXPORT.json.gz --gpu NAME --commit SHA --source PATH [--run-prefix baseline]
                                          [--steps 10] [--ref FILE]
         adds a record (a run's first losses, from a compact export: scripts/mlflow_export.py) to FILE.
@@ -161,6 +164,33 @@ def cmd_run(a, overrides: Sequence[str]) -> int:
     return 0
 
 
+def known(gpu: str, ref: Path) -> List[str]:
+    """What the records say of each seed on this GPU model: where it diverged, or how far it went without."""
+    recs = [r for r in _load_ref(ref)["records"] if r.get("gpu") == gpu]
+    if not recs:
+        return [f"no paper_1gpu run is recorded on {gpu}: no seed's divergence step is known on it (RACE=1 races "
+                "seeds; the first to diverge keeps the GPU)"]
+    out = []
+    for seed in sorted({r["seed"] for r in recs}):
+        mine = [r for r in recs if r["seed"] == seed]
+        div = sorted({r["divergence"] for r in mine if r.get("divergence") is not None})
+        where = ", ".join(f"{r.get('commit', '?')}" for r in mine)
+        if div:
+            out.append(f"seed {seed}: diverged at step {', '.join(f'{d:,}' for d in div)} ({where})")
+        else:
+            notes = "; ".join(r["note"] for r in mine if r.get("note"))
+            out.append(f"seed {seed}: no divergence recorded ({notes or 'no note'}; {where})")
+    return out
+
+
+def cmd_known(a) -> int:
+    gpu = a.gpu or _gpu()
+    print(f"first_steps: the records of {gpu} ({a.ref.name}):")
+    for line in known(gpu, a.ref):
+        print("  " + line)
+    return 0
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     overrides: List[str] = []
@@ -190,13 +220,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     c.add_argument("--divergence", type=int, default=None, help="the step this run diverged at (none: not known)")
     c.add_argument("--note", default=None, help="what else is known, e.g. 'not diverged by step 7,610'")
     c.add_argument("--ref", type=Path, default=REF)
+    n = sub.add_parser("known", help="what the records say of each seed on this GPU model (or --gpu NAME)")
+    n.add_argument("--gpu", default=None)
+    n.add_argument("--ref", type=Path, default=REF)
     a = ap.parse_args(argv)
-    if a.cmd in ("record", "check") and overrides:
+    if a.cmd in ("record", "check", "known") and overrides:
         ap.error(f"{a.cmd} takes no overrides")
     if a.cmd == "record":
         return cmd_record(a)
     if a.cmd == "check":
         return cmd_check(a)
+    if a.cmd == "known":
+        return cmd_known(a)
     if a.steps < 1:
         ap.error(f"--steps {a.steps}: expected an integer >= 1")
     return cmd_run(a, overrides)

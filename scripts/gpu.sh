@@ -463,6 +463,8 @@ print(re.sub('[^a-z0-9]+', '-', g).strip('-'))" "$LOG/kernel-bits.json") || die 
       mkdir -p "$L" "$R/src"
       cp -a . "$R/src" 2>/dev/null; cd "$R/src" || die "no copy"
       setup; env_txt | tee "$L/env.txt"
+      $PY scripts/first_steps.py known | tee "$L/known.txt"  # which seed diverges where on this GPU model, if known
+      echo "[paper-table] seeds: ${SEED:-1337}"
       t0=$(date +%s)
       if [ "${BENCH:-1}" = 1 ]; then  # a quiet GPU: nothing else runs yet
         timeout 240 $PY benchmarks/fp32_reference.py --rounds 3 --train-steps 6 --out "$L/fp32-reference-h200.json" \

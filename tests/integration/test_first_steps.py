@@ -94,3 +94,18 @@ def test_gpu_sh_first_steps_passes_its_overrides_to_the_run(tmp_path):
     doc = json.loads((tmp_path / "out" / "first-steps" / "seed2" / "first_steps.json").read_text())
     assert doc["command"].endswith(" ".join([*TINY, "model.n_embd=32"])) and len(doc["losses"]) == 2, doc
     assert "train.seed=2" in doc["command"]
+
+
+def test_known_says_per_seed_where_it_diverged_on_this_gpu_model(tmp_path, capsys):
+    ref = tmp_path / "ref.json"
+    ref.write_text(json.dumps({"records": [
+        {"gpu": "G1", "commit": "a", "seed": 1, "divergence": 2288, "losses": [1.0]},
+        {"gpu": "G1", "commit": "b", "seed": 1, "divergence": None, "note": "stopped at step 1,869", "losses": [1.0]},
+        {"gpu": "G2", "commit": "c", "seed": 1, "divergence": None, "note": "not diverged by 7,610", "losses": [2.0]},
+        {"gpu": "G2", "commit": "c", "seed": 1337, "divergence": 8064, "losses": [3.0]}]}))
+    assert fs.known("G1", ref) == ["seed 1: diverged at step 2,288 (a, b)"]
+    assert fs.known("G2", ref) == ["seed 1: no divergence recorded (not diverged by 7,610; c)",
+                                   "seed 1337: diverged at step 8,064 (c)"]
+    assert fs.known("G3", ref)[0].startswith("no paper_1gpu run is recorded on G3")
+    assert fs.main(["known", "--gpu", "G2", "--ref", str(ref)]) == 0
+    assert "seed 1337: diverged at step 8,064" in capsys.readouterr().out
