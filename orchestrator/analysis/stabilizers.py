@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import re
 import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
@@ -31,6 +30,7 @@ from typing import Any, Dict, List, Optional, Sequence
 from flash_forensics.orchestrator import interventions, record
 from flash_forensics.orchestrator.config.folders import check_folder
 from flash_forensics.orchestrator.errors import ConfigError
+from flash_forensics.orchestrator.job import checkpoint
 from flash_forensics.orchestrator.job.fork import MODEL_KEYS
 from flash_forensics.orchestrator.report.fork_health import JUMP_NATS
 from flash_forensics.orchestrator.report.plots import palette
@@ -203,11 +203,9 @@ def _fork_step(run: Dict[str, Any]) -> int:
     step of the checkpoint its from_checkpoint override names; 0 for a run from scratch."""
     if run.get("fork_step") is not None:
         return int(run["fork_step"])
-    for o in reversed(run.get("overrides") or []):  # Hydra: the last value of a key wins
-        m = re.fullmatch(r"from_checkpoint=.*step_(\d+)\.pt", str(o))
-        if m:
-            return int(m.group(1))
-    return 0
+    given = [str(o).split("=", 1)[1] for o in run.get("overrides") or [] if str(o).startswith("from_checkpoint=")]
+    m = checkpoint.STEP_RE.match(Path(given[-1]).name) if given else None  # Hydra: the last value of a key wins
+    return int(m.group(1)) if m else 0
 
 
 def table_rows(reports: Sequence[Dict[str, Any]], bench: Dict[str, Any]) -> List[Dict[str, Any]]:
