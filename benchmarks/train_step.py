@@ -18,7 +18,8 @@ beat, as nanoGPT compiles); the flash variants compile as the project's training
 compile_model: `emulate_precision_casts`, so a fused chain rounds to BF16 where eager does). `+cudagraphs` (opt-in,
 not in the default list) is torch.compile(mode="reduce-overhead"): CUDA graphs replay the step's launches, taking the
 host off the critical path; each step is marked (cudagraph_mark_step_begin) and its loss copied out of the graph's
-memory, which the next replay overwrites.
+memory, which the next replay overwrites. Dynamo's recompile limit grows with the compiled variants (they share
+GPT.forward), and a compiled variant whose first step compiles no graph (dynamo ran it eager) is an error, not a row.
 Each row records the attention route that ran and, for SDPA, the aten op that ran (flash, cuDNN, efficient or math).
 `profile`, from one profiled step after the timed ones: on CUDA the GPU kernels' time, how much of the step's GPU span
 they keep the GPU busy (busy_fraction well under 1: the GPU waits on the host), attention's kernels' share, and the
@@ -55,12 +56,31 @@ VARIANTS = ["sdpa+compile", "sdpa", "triton_fa2", "triton_fa2+compile", "triton_
             "triton_paper_bf16+compile", "paper_1gpu", "paper_1gpu+compile", "triton_fa2_sfa+compile"]
 SDPA_OPS = ("flash", "cudnn", "efficient", "math")  # aten::_scaled_dot_product_<op>_attention[_for_cpu]
 MODES = {"compile": None, "cudagraphs": "reduce-overhead"}  # ATTN+MODE: torch.compile's mode
+COMPILE_BACKEND = "inductor"  # torch.compile's backend (a CPU test swaps in "eager": dynamo alone, no C++ build)
+RECOMPILES_PER_VARIANT = 8  # dynamo's default recompile_limit is 8 per code object for the whole process
 # GPU kernels that compute attention: this project's four Triton kernels, torch's flash / cuDNN / efficient ones
 ATTN_KERNELS = re.compile(r"(?i)(flash|fmha|sdpa|attention|_fwd_kernel|_bwd_(delta|dkdv|dq)_kernel)")
 
 
 def log(msg: str) -> None:
     print(msg, flush=True)
+
+
+def dynamo_graphs() -> int:
+    """Graphs dynamo has compiled in this process so far (a compiled variant's first step must add at least one)."""
+    from torch._dynamo.utils import counters
+    return counters["stats"]["unique_graphs"]
+
+
+def raise_recompile_limit(n_compiled: int) -> int:
+    """Every compiled variant compiles the same GPT.forward (one code object) for its own model, and dynamo's
+    recompile limit (8 per code object, for the whole process) otherwise runs the later ones eager with only a log
+    warning (2026-12-06: paper_1gpu+cudagraphs, the fifth, timed eager and kept as compiled). Returns the limit."""
+    import torch._dynamo.config as dc
+    need = RECOMPILES_PER_VARIANT * max(1, n_compiled)
+    dc.recompile_limit = max(dc.recompile_limit, need)
+    dc.accumulated_recompile_limit = max(dc.accumulated_recompile_limit, 4 * need)
+    return dc.recompile_limit
 
 
 def _sync(dev):
@@ -82,7 +102,8 @@ class Variant:
         self.compiled, self.cudagraphs = mode is not None, mode == "cudagraphs"
         torch.manual_seed(0)  # every variant starts from the same weights
         self.model = GPT(ModelConfig.preset(model_name, block_size=T), AttentionConfig(**ATTN[self.attn])).to(dev)
-        self.fwd = torch.compile(self.model, mode=MODES[mode]) if self.compiled else self.model
+        self.fwd = (torch.compile(self.model, mode=MODES[mode], backend=COMPILE_BACKEND) if self.compiled
+                    else self.model)
         # inductor reads the setting when it compiles (the first call): patched around every call, per variant
         self.emulate = self.compiled and self.attn != "sdpa"
         self.config_scope = lambda: inductor_config.patch(emulate_precision_casts=self.emulate)
@@ -97,6 +118,7 @@ class Variant:
         if self.attn == "sdpa":  # as orchestrator/job/train.py: sdpa pays its max-logit pass on the flush steps
             model.probe = (self.i + 1) % self.monitors.cfg.log_every == 0
         _sync(self.dev)
+        graphs = dynamo_graphs() if self.compiled and self.i == 0 else None  # its first step compiles
         t0 = time.perf_counter()
         if self.cudagraphs:  # a new iteration: the previous step's graph outputs may be overwritten
             torch.compiler.cudagraph_mark_step_begin()
@@ -112,9 +134,14 @@ class Variant:
         self.monitors.step_end(self.i, loss.detach(), gn, 3e-4, x.shape[0] * (x.shape[1] - 1))
         self.last_host = time.perf_counter() - t0  # the step enqueued: the host's share (no sync on most steps)
         _sync(self.dev)
+        dt = time.perf_counter() - t0
+        if graphs is not None and dynamo_graphs() == graphs:  # never a row that says compiled and ran eager
+            import torch._dynamo.config as dc
+            raise RuntimeError(f"torch.compile compiled no graph in {self.name}'s first step: dynamo ran the model "
+                               f"eager (recompile limit {dc.recompile_limit} reached? TORCH_LOGS=recompiles says)")
         self.i += 1
         self.losses.append(loss.detach())
-        return time.perf_counter() - t0
+        return dt
 
     def profiled(self, x):
         """One more step under the profiler (after the timed ones: it changes no recorded loss): the aten SDPA ops
@@ -301,6 +328,7 @@ def main(argv=None):
             ap.error(f"--variants: {v!r} is not allowed with --device {dev.type}: CUDA graphs need --device cuda")
     if not names:
         ap.error("--variants: empty")
+    raise_recompile_limit(sum(parse_variant(v)[1] is not None for v in names))
     out = dict(env, model=args.model, optimizer="AdamW" + ("(fused)" if dev.type == "cuda" else ""),
                precision="bf16 autocast", order="round-robin", rounds=args.rounds, order_by_round={}, rows=[],
                errors=[], partial=True)

@@ -85,3 +85,43 @@ def test_a_bad_variant_stops_before_anything_is_built(tmp_path, capsys):
         bench.main(["--device", "cpu", "--variants", "sdpa+cudagraphs", "--out", str(tmp_path / "x.json")])
     assert "CUDA graphs need --device cuda" in capsys.readouterr().err
     assert not (tmp_path / "x.json").exists()
+
+
+@pytest.fixture
+def dynamo_eager(monkeypatch):
+    """torch.compile through dynamo only (backend eager: no C++ build on a CPU), its caches and limits restored."""
+    import torch._dynamo
+    import torch._dynamo.config as dc
+    monkeypatch.setattr(bench, "COMPILE_BACKEND", "eager")
+    monkeypatch.setattr(dc, "recompile_limit", dc.recompile_limit)  # restored after the test
+    monkeypatch.setattr(dc, "accumulated_recompile_limit", dc.accumulated_recompile_limit)
+    torch._dynamo.reset()
+    yield dc
+    torch._dynamo.reset()
+
+
+def _compiled_pair(tmp_path):
+    return bench.main(["--device", "cpu", "--model", "tiny", "--shapes", "2x16", "--steps", "2", "--rounds", "1",
+                       "--warmup", "1", "--variants", "sdpa+compile,emulator_paper_bf16+compile",
+                       "--out", str(tmp_path / "ts.json")])
+
+
+def test_a_compiled_variant_that_ran_eager_is_an_error_not_a_row(tmp_path, monkeypatch, dynamo_eager):
+    # the 2026-12-06 H100 run: the recompile limit of GPT.forward, shared by every variant, reached by the earlier
+    # ones; the next "compiled" variant ran eager and its row said compiled. Here the limit is 1 and not raised
+    dynamo_eager.recompile_limit = 1
+    monkeypatch.setattr(bench, "raise_recompile_limit", lambda n: dynamo_eager.recompile_limit)
+    doc = _compiled_pair(tmp_path)
+    assert [r["variant"] for r in doc["rows"]] == ["sdpa+compile"]
+    (err,) = doc["errors"]
+    assert err["variant"] == "emulator_paper_bf16+compile"
+    assert "compiled no graph" in err["error"] and "recompile limit 1" in err["error"]
+
+
+def test_the_recompile_limit_grows_with_the_compiled_variants(tmp_path, dynamo_eager):
+    dynamo_eager.recompile_limit = 1  # as above, but the benchmark raises it: both variants compile
+    doc = _compiled_pair(tmp_path)
+    assert doc["errors"] == []
+    assert [r["variant"] for r in doc["rows"]] == ["sdpa+compile", "emulator_paper_bf16+compile"]
+    assert dynamo_eager.recompile_limit == 2 * bench.RECOMPILES_PER_VARIANT
+    assert all(r["compiled"] for r in doc["rows"])
