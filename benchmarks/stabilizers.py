@@ -11,7 +11,8 @@ orchestrator (experiment=mini_repro; shape gpt2s adds model.block_size=1024 trai
 (qk_norm, attn_gate, z_loss), the attention knobs (and so the route: Triton, or the emulator where Triton lacks a
 knob) and the train hooks (qk_clip) are the run's. One training step is flash_forensics.orchestrator.job.step.TrainStep
 (BF16 autocast, grad clip, AdamW, the hooks), eager as mini_repro runs. Monitors are off: they cost every variant alike.
-Every variant gets the same initialisation (train.seed) and the same random token batches.
+Every variant gets the same initialisation (train.seed, its model made on the device) and the same random token
+batches; each row says where its build's time went (build_parts: Hydra's compose, the model).
 
 Timing: CUDA events around each step (host clock on a CPU), after one warmup step per variant (its first call:
 allocation, Triton's autotuning), taken just before the variant's first timed steps. Rounds go round-robin over the
@@ -149,10 +150,17 @@ class Variant:
         from flash_forensics.orchestrator.job.train import seed_everything
 
         self.name = name
+        t = clock()
         obj, att = compose(name, shape_overrides, extra)
         self.obj = obj
         seed_everything(obj.train.seed)
-        self.model = GPT(obj.model, att).to(device)
+        t_model = clock()
+        # made on its device, not initialised on the host and copied: a variant's build took 11-12 s on the H100
+        # machine of 2026-12-06 (ten: 130 s of a 150 s budget before any step), of which the host's init of GPT-2S is
+        # the likely part (1.4 of 2.7 s on a 2-core CPU box); build_parts says what it was next time
+        with torch.device(device):
+            self.model = GPT(obj.model, att)
+        self.build_parts = dict(compose_s=round(t_model - t, 3), model_s=round(clock() - t_model, 3))
         self.routes = self.model.attention_routes()
         self.emulated = any("/emulator" in r for r in self.routes)
         self.kind = route_kind(self.routes, device)
@@ -226,6 +234,7 @@ def row_of(v: Variant, shape: str) -> dict:
         route_kind=v.kind,
         rounds_completed=v.rounds_completed,
         build_s=v.build_s,
+        build_parts=v.build_parts,
         warmup_s=v.warmup_s,
         changes_model=changes_model(v.obj),
         expect=v.obj.intervention.expect,
@@ -416,7 +425,9 @@ class Bench:
                 del v
                 continue
             built.append(v)
-            self.say(f"setup {name} ({v.kind}): built in {v.build_s:.1f} s, route {', '.join(sorted(set(v.routes)))}")
+            parts = ", ".join(f"{k[:-2]} {x:.1f}" for k, x in v.build_parts.items())
+            self.say(f"setup {name} ({v.kind}): built in {v.build_s:.1f} s ({parts}), "
+                     f"route {', '.join(sorted(set(v.routes)))}")
         built.sort(key=lambda v: v.kind == "emulator")  # stable: the given order within each kind
         self.live = [(v, batches_for(v, self.device)) for v in built]
         self.write()

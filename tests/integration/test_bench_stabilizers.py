@@ -46,7 +46,7 @@ def _old_format(doc):
     """What the script wrote before --max-seconds: no partial/missing/order keys, rows without the new fields."""
     new_top = {"partial", "stopped", "max_seconds", "elapsed_s", "rounds", "rounds_completed", "missing", "skipped",
                "order"}  # fmt: skip
-    new_row = {"route_kind", "rounds_completed", "build_s", "warmup_s"}
+    new_row = {"route_kind", "rounds_completed", "build_s", "build_parts", "warmup_s"}
     rows = [{k: v for k, v in r.items() if k not in new_row} for r in doc["rows"]]
     return dict({k: v for k, v in doc.items() if k not in new_top}, rows=rows)
 
@@ -76,6 +76,9 @@ def test_a_full_tiny_run_times_the_triton_kind_first_and_writes_after_every_vari
     assert {n: r["route_kind"] for n, r in rows.items()} == {"baseline": "triton", "sfa": "triton",
                                                               "fp16_baseline": "emulator"}  # fmt: skip
     assert all(r["steps_timed"] == 4 and r["rounds_completed"] == 2 and r["tokens_per_s"] > 0 for r in rows.values())
+    for r in rows.values():  # where a build's time went (Hydra's compose, the model), within the build's time
+        assert set(r["build_parts"]) == {"compose_s", "model_s"} and min(r["build_parts"].values()) >= 0
+        assert sum(r["build_parts"].values()) <= r["build_s"]
     # a write after every variant's timing (3 variants x 2 rounds), partial until the last one
     timed = [tuple(r["steps_timed"] for r in w["rows"]) for w in writes]
     assert len(set(timed)) >= 1 + 3 * 2, timed
