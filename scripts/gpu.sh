@@ -26,8 +26,9 @@
 #   stabilizer-cost
 #                the stabilizers' throughput cost at the paper's shape (GPT-2S B16 T1024; benchmarks/stabilizers.py
 #                --shapes gpt2s): the Triton-route variants first, the emulator ones last, within STAB_SECONDS
-#                (default 200; SKIP_EMULATOR=1 leaves those out; ARGS go to the script); a cut-short run keeps
-#                what it measured (partial: true in stabilizers-gpt2s.json)
+#                (default 200; SKIP_EMULATOR=1 leaves those out; STAB_VARIANTS the order within a kind, the never
+#                measured Triton pbar_clamp, sfa_guarded, stoch_round first; ARGS go to the script); a cut-short run
+#                keeps what it measured (partial: true in stabilizers-gpt2s.json)
 #   e2e          a smoke sweep through run.py on CUDA (baseline, fp32, sfa, pv_fp32)
 #   own-model    the transformers backend on CUDA: its GPU tests and a Llama's training step, emulator vs Triton vs
 #                transformers' SDPA (benchmarks/hf_llama.py); the image's transformers (5.17.0 in 2026-11: in the declared
@@ -276,9 +277,12 @@ print(re.sub('[^a-z0-9]+', '-', g).strip('-'))" "$LOG/kernel-bits.json") || die 
     # the emulator-route variants (pbar_clamp, sfa_guarded, stoch_round) take seconds per step here: they come last,
     # and --max-seconds stops before work that would end past the budget; the timeout (budget + 90 s: about one
     # emulator step the estimate could not foresee) only backs it up, and its SIGTERM still writes the JSON
+    # STAB_VARIANTS: the order within each kind, so what a short budget leaves out comes last (default: the Triton
+    # stabilizers whose cost was never measured at this shape first; 2026-12-06's 150 s timed only the first two)
     setup; logdir stabilizer-cost
     sb=${STAB_SECONDS:-200}
     timeout -k 15 $((sb + 90)) $PY benchmarks/stabilizers.py --shapes gpt2s --rounds "${STAB_ROUNDS:-2}" \
+      --variants "${STAB_VARIANTS:-baseline,pbar_clamp,sfa_guarded,stoch_round,fp32,qk_norm,qk_clip,gated_attn,sfa,z_loss}" \
       --steps "${STAB_STEPS:-5}" --emulator-steps "${STAB_EMULATOR_STEPS:-1}" --max-seconds "$sb" \
       ${SKIP_EMULATOR:+--skip-emulator} --out "$LOG/stabilizers-gpt2s.json" "$@" > "$LOG/stabilizers-gpt2s.log" 2>&1
     rc=$?
