@@ -174,7 +174,7 @@ def known(gpu: str, ref: Path) -> List[str]:
     for seed in sorted({r["seed"] for r in recs}):
         mine = [r for r in recs if r["seed"] == seed]
         div = sorted({r["divergence"] for r in mine if r.get("divergence") is not None})
-        where = ", ".join(f"{r.get('commit', '?')}" for r in mine)
+        where = ", ".join(str(r.get("commit", "?")) for r in mine)
         if div:
             out.append(f"seed {seed}: diverged at step {', '.join(f'{d:,}' for d in div)} ({where})")
         else:
