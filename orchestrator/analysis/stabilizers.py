@@ -17,6 +17,11 @@ writes <results>/<name>/stabilizers.md, stabilizers.json and stabilizers.png. Pe
   benchmark has no row for it, never a guess), with the route its layers took there;
 - needs a model change: its intervention file's model patch sets a parameter-deciding field (fork.MODEL_KEYS), so it
   cannot fork from a baseline checkpoint.
+
+`--only pbar_clamp sfa_guarded ...` keeps those interventions' rows, the baselines (not their controls) and the fp32
+reference: the isolation rows and controls a report also holds are left out of the stabilizers' table and plot.
+The plot has three panels: steps gained, validation loss over the fp32 reference's (what separates runs that are
+all stable), and tokens/s relative to the baseline.
 """
 from __future__ import annotations
 
@@ -192,6 +197,22 @@ def _label(run: Dict[str, Any]) -> str:
     return " ".join([str(run.get("intervention")), *keep])
 
 
+def check_only(only: Optional[Sequence[str]]) -> None:
+    """--only names interventions that have a file in conf/intervention; a typo would silently empty the table."""
+    known = interventions.names()
+    bad = [n for n in only or () if n not in known]
+    if bad:
+        raise ValueError(f"--only {bad[0]!r} is not allowed: expected intervention names, one of: {', '.join(known)}")
+
+
+def keep_only(rows: List[Dict[str, Any]], only: Optional[Sequence[str]]) -> List[Dict[str, Any]]:
+    """The rows of the named interventions, the baselines (a control's baseline row is not one) and the fp32 rows."""
+    if not only:
+        return rows
+    return [r for r in rows if r["intervention"] in only or r["intervention"] == REFERENCE
+            or (r["intervention"] == BASELINE and "control=" not in str(r.get("label")))]
+
+
 def _outcome(row: Dict[str, Any]) -> tuple:
     """What makes two rows of a report the same run twice: label, fork step and outcome to the last digit."""
     return tuple(row[k] for k in ("report", "label", "from_step", "observed", "divergence_step", "final_loss",
@@ -327,7 +348,9 @@ def markdown(rows: List[Dict[str, Any]], bench: Dict[str, Any], shapes: Sequence
 
 
 def plot(rows: List[Dict[str, Any]], shapes: Sequence[str], path: Path) -> Optional[Path]:
-    """Left: steps gained per run (hatched: stable, a lower bound); right: tokens/s relative to the baseline."""
+    """Left: steps gained per run (hatched: stable, a lower bound); middle: validation loss over the fp32
+    reference's (grey: the fork's first loss jumped, not a like-for-like continuation); right: tokens/s relative to
+    the baseline."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -339,7 +362,8 @@ def plot(rows: List[Dict[str, Any]], shapes: Sequence[str], path: Path) -> Optio
     one_start = len(starts) == 1  # the same fork step on every bar: said once, in the title
     labels = [(r.get("label") or r["intervention"]) + ("" if one_start else f" (from {r['from_step']})")
               for r in runs]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(13, 0.45 * len(runs) + 2), sharey=True)
+    fig, (a, m, b) = plt.subplots(1, 3, figsize=(17, 0.45 * len(runs) + 2), sharey=True,
+                                  gridspec_kw={"width_ratios": [1, 0.8, 1]})
     y = list(range(len(runs)))
     gains = [r["steps_gained"] or 0 for r in runs]
     colors = ["tab:green" if r["stable"] else "tab:red" if r["observed"] == "diverged" else "tab:gray" for r in runs]
@@ -351,6 +375,17 @@ def plot(rows: List[Dict[str, Any]], shapes: Sequence[str], path: Path) -> Optio
     a.set_yticks(y, labels)
     a.invert_yaxis()
     a.set_xlabel("steps gained over the baseline's divergence (hatched: stable, at least)")
+    gaps = [r.get("val_vs_fp32") for r in runs]
+    jumped = [abs(r.get("fork_jump") or 0) > JUMP_NATS for r in runs]
+    m.barh(y, [g or 0 for g in gaps], color=["0.6" if j else "tab:blue" for j in jumped])
+    for v, g, j in zip(y, gaps, jumped):  # no value said in words; a jumped fork said so beside its bar
+        if g is None:
+            m.text(0.01, v, "no val loss", va="center", fontsize=8, color="0.4", transform=m.get_yaxis_transform())
+        elif j:
+            m.text(g, v, " not like-for-like", va="center", ha="left" if g >= 0 else "right", fontsize=7,
+                   color="0.3")
+    m.axvline(0, color="black", lw=0.8)
+    m.set_xlabel("validation loss minus the fp32 reference's (nats; lower is better)")
     width = 0.8 / max(1, len(shapes))
     for i, (s, c) in enumerate(zip(shapes, palette(len(shapes)))):
         vals = [1 - r["cost"][s] if r["cost"].get(s) is not None else 0 for r in runs]
@@ -363,7 +398,7 @@ def plot(rows: List[Dict[str, Any]], shapes: Sequence[str], path: Path) -> Optio
     if shapes:  # above the bars, not over the last one
         b.legend(title="benchmark shape", loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=len(shapes),
                  frameon=False, fontsize=9)
-    fig.suptitle("Stabilizers: steps gained and throughput"
+    fig.suptitle("Stabilizers: steps gained, loss against the fp32 reference, throughput"
                  + (f" (every run forked at step {next(iter(starts))})" if one_start else ""))
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -373,7 +408,8 @@ def plot(rows: List[Dict[str, Any]], shapes: Sequence[str], path: Path) -> Optio
 
 
 def write(report_dirs: Sequence[Path], bench_path, name: str,
-          results: Path = REPO / "results") -> Dict[str, Path]:
+          results: Path = REPO / "results", only: Optional[Sequence[str]] = None) -> Dict[str, Path]:
+    check_only(only)
     twice = _repeated(report_dirs)
     if twice:  # its rows would fold into the first copy's, each read as a run repeated ("x2: one outcome")
         raise ValueError(f"--reports {twice!r} is given twice: each report folder once")
@@ -396,14 +432,14 @@ def write(report_dirs: Sequence[Path], bench_path, name: str,
         reports.append({"path": Path(d), "runs": runs})
     bench = load_bench(bench_path)
     shapes = list(dict.fromkeys(r["shape"] for r in bench.get("rows", [])))
-    rows = table_rows(reports, bench)
+    rows = keep_only(table_rows(reports, bench), only)
     out = Path(results) / name
     out.mkdir(parents=True, exist_ok=True)
     paths = {"md": out / "stabilizers.md", "json": out / "stabilizers.json"}
     paths["md"].write_text(markdown(rows, bench, shapes))
     benches = [str(b) for b in (bench_path if isinstance(bench_path, (list, tuple)) else [bench_path]) if b]
     meta = {"reports": [str(d) for d in report_dirs], "bench": benches[0] if len(benches) == 1 else benches or None,
-            "bench_sources": bench.get("sources", []), "shapes": shapes}
+            "bench_sources": bench.get("sources", []), "shapes": shapes, "only": list(only) if only else None}
     paths["json"].write_text(record.dumps({"meta": meta, "rows": rows}))
     png = plot(rows, shapes, out / "stabilizers.png")
     if png:
@@ -417,6 +453,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--bench", type=Path, nargs="+", default=None,
                     help="benchmarks/stabilizers.py JSON(s): several merge, one file per shape (default: none, cost "
                          "not measured)")
+    ap.add_argument("--only", nargs="+", default=None, metavar="INTERVENTION",
+                    help="keep these interventions' rows, the baselines and the fp32 reference (default: every run of "
+                         "every report, isolation rows and controls included)")
     ap.add_argument("--name", default="stabilizers", help="the folder under --results (a plain name)")
     ap.add_argument("--results", type=Path, default=REPO / "results",
                     help=f"where the --name folder goes (default: {REPO / 'results'})")
@@ -429,7 +468,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ConfigError as e:
         ap.error(str(e))
     try:
-        paths = write(a.reports, a.bench, a.name, a.results)
+        paths = write(a.reports, a.bench, a.name, a.results, only=a.only)
     except (OSError, ValueError) as e:
         print(f"[stabilizers] {e}", file=sys.stderr)
         return 1

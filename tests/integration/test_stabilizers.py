@@ -571,10 +571,11 @@ def test_plot_says_the_common_fork_step_once_and_keeps_the_legend_off_the_bars(t
     def keep(fig, path, **kw):
         fig.canvas.draw()
         r = fig.canvas.get_renderer()
-        a, b = fig.axes[:2]
+        a, m, b = fig.axes[:3]
         got.update(labels=[t.get_text() for t in a.get_yticklabels()], title=fig._suptitle.get_text(),
                    legend_y0=b.get_legend().get_window_extent(r).y0, axes_y1=b.get_window_extent(r).y1,
-                   words=[t.get_text() for t in b.texts])
+                   words=[t.get_text() for t in b.texts], loss_words=[t.get_text().strip() for t in m.texts],
+                   gaps=[p.get_width() for p in m.patches], gap_colors=[p.get_facecolor()[:3] for p in m.patches])
         return real(fig, path, **kw)
 
     monkeypatch.setattr(plt.Figure, "savefig", keep)
@@ -584,5 +585,33 @@ def test_plot_says_the_common_fork_step_once_and_keeps_the_legend_off_the_bars(t
     assert S.plot(rows, ["mini", "gpt2s"], tmp_path / "s.png").is_file()
     assert got["labels"] == ["sfa intervention.beta=2", "fp32"] and "forked at step 2000" in got["title"]
     assert got["legend_y0"] >= got["axes_y1"] - 1 and got["words"] == ["not measured"]
+    assert got["loss_words"] == ["no val loss", "no val loss"]  # neither row has a validation loss: said, not a 0
+    jumped = dict(row, label="jumped", val_vs_fp32=0.4, fork_jump=1.6)
+    S.plot([dict(row, val_vs_fp32=0.05), jumped], ["mini"], tmp_path / "u.png")
+    assert got["gaps"] == [0.05, 0.4] and got["loss_words"] == ["not like-for-like"]
+    assert got["gap_colors"][0] != got["gap_colors"][1]  # the jumped fork's bar is told apart, not only labelled
     S.plot([row, dict(row, label="late", from_step=2100)], ["mini"], tmp_path / "t.png")
     assert got["labels"] == ["sfa intervention.beta=2 (from 2000)", "late (from 2100)"]
+
+
+def test_only_keeps_the_named_stabilizers_the_baselines_and_the_reference(tmp_path):
+    """An isolate report holds isolation rows and controls beside the stabilizers; --only leaves those out, keeps the
+    baselines (a control's baseline row is not one) and the fp32 rows, and refuses a name with no intervention file."""
+    from flash_forensics.orchestrator.analysis import stabilizers as S
+    rep = tmp_path / "seed" / "report"
+    rep.mkdir(parents=True)
+    runs = [_run("baseline", "diverged", 100, final=5.0),
+            _run("baseline", "stable", fork_step=50, final=3.05, overrides=["+control=fa2"]),
+            _run("fp32", "stable", fork_step=50, final=3.0), _run("tiling_off", "stable", fork_step=50, final=3.2),
+            _run("pbar_clamp", "stable", fork_step=50, final=3.1), _run("qk_clip", "stable", fork_step=50, final=3.3)]
+    (rep / "verdicts.json").write_text(json.dumps({"runs": runs}))
+    paths = S.write([rep], None, "only", results=tmp_path / "out", only=["pbar_clamp", "qk_clip"])
+    doc = json.loads(paths["json"].read_text())
+    assert [r["label"] for r in doc["rows"]] == ["baseline", "fp32", "pbar_clamp", "qk_clip"]
+    assert doc["meta"]["only"] == ["pbar_clamp", "qk_clip"]
+    assert len(json.loads(S.write([rep], None, "all", results=tmp_path / "out")["json"].read_text())["rows"]) == 6
+    with pytest.raises(ValueError, match=r"--only 'pbar_clamb' is not allowed: expected intervention names, one of: .*"
+                                         r"pbar_clamp"):
+        S.write([rep], None, "bad", results=tmp_path / "out", only=["pbar_clamb"])
+    assert not (tmp_path / "out" / "bad").exists()  # refused before anything is written
+    assert S.main(["--reports", str(rep), "--only", "nope", "--name", "cli", "--results", str(tmp_path / "out")]) == 1
