@@ -129,6 +129,14 @@ env_txt() {
 }
 
 logdir() { LOG=${OUT:-$ROOT/results/bench/gpu}/$1; mkdir -p "$LOG"; env_txt > "$LOG/env.txt" 2>&1; cat "$LOG/env.txt"; }
+# bounded SECONDS LOGFILE CMD...: CMD under `timeout`, its output to LOGFILE; a kill by the limit is said in the log
+# (the benchmark itself cannot: it is killed mid-line, e.g. probes at 2 of 5 rounds on 2026-12-06). Returns CMD's rc.
+bounded() {
+  local secs=$1 log=$2 rc=0; shift 2
+  timeout "$secs" "$@" > "$log" 2>&1 || rc=$?
+  [ "$rc" = 124 ] && printf '\n[gpu.sh] stopped by its %s s limit (timeout %s): no result written\n' "$secs" "$secs" >> "$log"
+  return "$rc"
+}
 
 # the kernel tests a patch to kernels/ must pass on the GPU (patch-tests' default)
 PATCH_TESTS="tests/unit/test_triton_stabilizers.py tests/unit/test_ops.py tests/unit/test_triton.py
@@ -259,17 +267,18 @@ print(re.sub('[^a-z0-9]+', '-', g).strip('-'))" "$LOG/kernel-bits.json") || die 
     ;;
   bench)
     setup; logdir bench; rc=0
-    timeout 120 $PY benchmarks/emulator.py --device cuda --reps 3 --out "$LOG/emulator.json" > "$LOG/emulator.log" 2>&1 || rc=1
-    timeout 150 $PY benchmarks/monitors.py --model gpt2_s --out "$LOG/monitors.json" > "$LOG/monitors.log" 2>&1 || rc=1
-    timeout 150 $PY benchmarks/monitors.py --model gpt2_s --impl flash --out "$LOG/monitors_flash.json" \
-      > "$LOG/monitors_flash.log" 2>&1 || rc=1
-    timeout 90 $PY benchmarks/probes.py --out "$LOG/probes.json" > "$LOG/probes.log" 2>&1 || rc=1
+    bounded 120 "$LOG/emulator.log" $PY benchmarks/emulator.py --device cuda --reps 3 --out "$LOG/emulator.json" || rc=1
+    bounded 150 "$LOG/monitors.log" $PY benchmarks/monitors.py --model gpt2_s --out "$LOG/monitors.json" || rc=1
+    bounded 150 "$LOG/monitors_flash.log" $PY benchmarks/monitors.py --model gpt2_s --impl flash \
+      --out "$LOG/monitors_flash.json" || rc=1
+    # 5 rounds of ~33 s each on an H200 (2026-12-06): 90 s killed it at round 2
+    bounded "${PROBES_SECONDS:-200}" "$LOG/probes.log" $PY benchmarks/probes.py --out "$LOG/probes.json" || rc=1
     sb=${STAB_BENCH_SECONDS:-100}  # a budget: the JSON says what it measured (partial: true) when it runs out
     timeout -k 15 $((sb + 40)) $PY benchmarks/stabilizers.py --shapes mini,gpt2s --rounds 2 --max-seconds "$sb" \
       --out "$LOG/stabilizers.json" > "$LOG/stabilizers.log" 2>&1 || rc=1
     # on the disk the paper runs write to (/tmp): the loop's stall per GPT-2S checkpoint, in the loop vs on a thread
-    timeout 240 $PY benchmarks/checkpoint_write.py --rounds 3 --dir /tmp/ckpt-bench --out "$LOG/checkpoint_write.json" \
-      > "$LOG/checkpoint_write.log" 2>&1 || rc=1
+    bounded 240 "$LOG/checkpoint_write.log" $PY benchmarks/checkpoint_write.py --rounds 3 --dir /tmp/ckpt-bench \
+      --out "$LOG/checkpoint_write.json" || rc=1
     for f in emulator monitors monitors_flash probes stabilizers checkpoint_write; do echo "== $f"; tail -8 "$LOG/$f.log"; done
     exit $rc
     ;;

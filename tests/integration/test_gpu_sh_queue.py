@@ -122,3 +122,22 @@ def test_stop_ends_a_plan_with_the_runs_it_started_and_leaves_the_rest(tmp_path)
     p = subprocess.run(["bash", str(ROOT / "scripts" / "gpu.sh"), "stop"], env=env, capture_output=True, text=True,
                        timeout=60)
     assert p.returncode == 0 and "nothing of a queue or plan was running" in p.stdout
+
+
+def _bounded(tmp_path, secs, *cmd):
+    """gpu.sh's `bounded` alone (its definition read from the script, so the test runs the shipped function)."""
+    src = (ROOT / "scripts" / "gpu.sh").read_text()
+    body = src[src.index("bounded() {"):]
+    body = body[:body.index("\n}\n") + 3]
+    log = tmp_path / "b.log"
+    p = subprocess.run(["bash", "-c", body + f'bounded {secs} "$0" "$@"', str(log), *cmd], capture_output=True,
+                       text=True, timeout=60)
+    return p.returncode, log.read_text()
+
+
+def test_a_benchmark_killed_by_its_limit_says_so_in_its_log(tmp_path):
+    """probes was killed by `timeout 90` mid-progress-bar on 2026-12-06 and its log ended there, saying nothing."""
+    rc, log = _bounded(tmp_path, 1, "bash", "-c", "echo started; sleep 20")
+    assert rc == 124 and log.startswith("started") and "[gpu.sh] stopped by its 1 s limit (timeout 1)" in log
+    rc, log = _bounded(tmp_path, 10, "bash", "-c", "echo done; exit 3")
+    assert rc == 3 and log == "done\n"  # its own failure: its rc, nothing added
