@@ -9,6 +9,9 @@ knobs, the launchers' bookkeeping, autograd) decides whether the GPU waits. Meth
   rebuilt   the same path with both rebuilt on every call (as before the cache), for the side-by-side difference
   dispatch  what a compiled graph runs: torch.ops.flash_forensics.flash_fwd then flash_bwd, through torch's dispatch
             of custom ops (the forward mutates the counters, so it takes the mutation bookkeeping path)
+and where the cached path's host time goes (`launch_us`, apart from the side-by-side methods): each Triton kernel's
+launch (`kernel[grid](...)`, Triton's argument binding and enqueue) timed on its own, and the rest of the call
+(`host_us_outside_launches`: the op, knobs, allocations, autograd), so a host-bound shape says which to cut;
 and, apart (`schema` rows, no kernel at all): two no-op mutating custom ops, one with the 18 arguments the forward op
 had before its knobs became one string, one with its 8 now: torch's dispatch cost against the schema's length.
 On the CPU the four Triton kernels are replaced by no-ops (`--device cpu`: triton's launcher is not timed; the figure
@@ -50,6 +53,37 @@ class _NoLaunch:
 
     def __getitem__(self, grid):
         return lambda *a, **k: None
+
+
+KERNELS = ("_fwd_kernel", "_bwd_delta_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel")
+
+
+class _Timed:
+    """A jit kernel's proxy: each `kernel[grid](*args)` runs the kernel and adds its host time to acc[name]."""
+
+    def __init__(self, kernel, name: str, acc: dict):
+        self.kernel, self.name, self.acc = kernel, name, acc
+
+    def __getitem__(self, grid):
+        def launch(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return self.kernel[grid](*a, **k)
+            finally:
+                self.acc[self.name] += time.perf_counter() - t0
+        return launch
+
+
+@contextlib.contextmanager
+def timed_launches(acc: dict):
+    """The launcher's kernels wrapped in _Timed for the duration (acc: kernel name -> seconds, added to)."""
+    from flash_forensics.kernels import triton_launch as tf
+    saved = tf._k
+    tf._k = types.SimpleNamespace(**{n: _Timed(getattr(saved, n), n, acc) for n in KERNELS})
+    try:
+        yield
+    finally:
+        tf._k = saved
 
 
 @contextlib.contextmanager
@@ -115,8 +149,7 @@ def main(argv=None):
     from flash_forensics.kernels.stats import AttnStats
     dev = torch.device(a.device)
     if dev.type == "cpu":  # the launches stubbed: host work only
-        tf._k = types.SimpleNamespace(_fwd_kernel=_NoLaunch(), _bwd_delta_kernel=_NoLaunch(),
-                                      _bwd_dkdv_kernel=_NoLaunch(), _bwd_dq_kernel=_NoLaunch())
+        tf._k = types.SimpleNamespace(**{n: _NoLaunch() for n in KERNELS})
     env = dict(command="python " + " ".join(["benchmarks/host_overhead.py", *argv]), torch=torch.__version__,
                python=platform.python_version(), processor=platform.processor() or platform.machine(),
                time=time.strftime("%Y-%m-%dT%H:%M:%S"),
@@ -177,10 +210,25 @@ def main(argv=None):
                     times[(c["shape"], c["knobs"], m)].append((time.perf_counter() - t0) / a.iters * 1e6)
                     sync()
         print(f"round {r + 1}/{a.rounds}", flush=True)
+    split = {}  # (shape, knobs) -> (host us per call, {kernel: launch us per call}): the cached path, launches timed
+    for c in cases:
+        acc = dict.fromkeys(KERNELS, 0.0)
+        with timed_launches(acc):
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(a.rounds * a.iters):
+                eager(c)
+            total = time.perf_counter() - t0
+            sync()
+        n = a.rounds * a.iters
+        split[(c["shape"], c["knobs"])] = (total / n * 1e6, {k: v / n * 1e6 for k, v in acc.items()})
     for c in cases:
         row = dict(shape=c["shape"], knobs=c["knobs"])
         for m in METHODS:
             row[f"host_us_{m}"] = statistics.median(times[(c["shape"], c["knobs"], m)])
+        total, launches = split[(c["shape"], c["knobs"])]
+        row["launch_us"] = launches  # the kernels a call launched (zeros: not launched by this recipe and knobs)
+        row["host_us_outside_launches"] = total - sum(launches.values())
         if dev.type == "cuda":
             from triton.testing import do_bench
             row["gpu_us"] = do_bench(lambda c=c: eager(c)) * 1e3

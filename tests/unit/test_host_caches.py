@@ -60,11 +60,16 @@ def test_host_overhead_benchmark_times_both_ways_on_a_cpu(tmp_path):
         # a second run in one process: its no-op ops registered once
         again = host_overhead.main(["--shapes", "1x2x64x16", "--knobs", "fa2", "--rounds", "1", "--iters", "1",
                                     "--out", str(tmp_path / "h2.json")])
+        after = tf._k  # the benchmark's own stubs, the timing proxies gone again
     finally:
         tf._k = saved  # the benchmark stubs the kernels for its own process
     assert [r["knobs"] for r in doc["rows"]] == ["fa2", "paper_bf16_counters"]
     assert all(r[f"host_us_{m}"] > 0 for r in doc["rows"] for m in ("cached", "rebuilt", "dispatch"))
     assert set(doc["schema"]) == {"schema_18_args", "schema_8_args"} and all(v > 0 for v in doc["schema"].values())
+    for r in doc["rows"]:  # where the host time goes: each kernel's launch (stubbed here: ~0) and the rest
+        assert set(r["launch_us"]) == set(host_overhead.KERNELS) and all(v > 0 for v in r["launch_us"].values())
+        assert 0 < r["host_us_outside_launches"] < r["host_us_outside_launches"] + sum(r["launch_us"].values())
+    assert all(isinstance(getattr(after, n), host_overhead._NoLaunch) for n in host_overhead.KERNELS)
     assert again["rows"][0]["knobs"] == "fa2"
     assert ops._knobs_cached.__wrapped__ is not ops._knobs_cached  # the cache is back after the `rebuilt` method
     with pytest.raises(SystemExit):
