@@ -188,13 +188,29 @@ def _baseline_of(runs: Sequence[Dict[str, Any]], all_reports: Sequence[Dict[str,
     return found[0]
 
 
+def _is_default(name: str, override: str) -> bool:
+    """`intervention.<knob>=<value>` that sets what the intervention's file already sets (sfa's intervention.beta=2):
+    the same run as without it, so its label drops it and two such rows of one outcome fold into one."""
+    key, _, value = override.partition("=")
+    if name not in interventions.names():
+        return False
+    default = getattr(interventions.load(name), key.split(".", 1)[1], None)
+    if isinstance(default, bool):  # bool("false") is True: Hydra's spellings instead
+        return value.lower() in ("true", "false") and (value.lower() == "true") == default
+    try:
+        return default is not None and not isinstance(default, (list, dict)) and type(default)(value) == default
+    except (TypeError, ValueError):
+        return False
+
+
 def _label(run: Dict[str, Any]) -> str:
-    """The intervention and what tells its rows apart: its own knobs (intervention.beta=2) and a control (+control=fa2),
-    not the layer and heads localization chose for every row alike."""
-    ov = _overrides(run)
+    """The intervention and what tells its rows apart: its own knobs (intervention.beta=4, not a value its file
+    already sets) and a control (+control=fa2), not the layer and heads localization chose for every row alike."""
+    ov, name = _overrides(run), str(run.get("intervention"))
     keep = [o for o in ov if o.lstrip("+~").split("=", 1)[0] == "control"
-            or (o.startswith("intervention.") and not o.startswith(("intervention.layer=", "intervention.heads=")))]
-    return " ".join([str(run.get("intervention")), *keep])
+            or (o.startswith("intervention.") and not o.startswith(("intervention.layer=", "intervention.heads="))
+                and not _is_default(name, o))]
+    return " ".join([name, *keep])
 
 
 def check_only(only: Optional[Sequence[str]]) -> None:

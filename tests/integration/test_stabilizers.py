@@ -409,6 +409,15 @@ def test_stabilizers_table_tells_rows_of_one_intervention_apart_and_flags_a_jump
     paths = stabilizers.write([rep], None, "labels", results=tmp_path / "results")
     labels = [r["label"] for r in json.loads(paths["json"].read_text())["rows"]]
     assert labels == ["baseline", "sfa intervention.beta=1.05", "sfa intervention.beta=8", "baseline +control=fa2"]
+    # beta=2 is what sfa's file sets: the beta sweep's beta=2 and the stabilizers sweep's plain sfa are one run
+    runs += [dict(_run("sfa", "stable", fork_step=50, final=3.4), job="forks/beta-2",
+                  overrides=[*common, "intervention=sfa", "intervention.beta=2"]),
+             dict(_run("sfa", "stable", fork_step=50, final=3.4), job="forks/stab-0",
+                  overrides=[*common, "intervention=sfa"])]
+    (rep / "verdicts.json").write_text(json.dumps({"runs": runs}))
+    rows = json.loads(stabilizers.write([rep], None, "labels2", results=tmp_path / "results")["json"].read_text())
+    two = [r for r in rows["rows"] if r["label"] == "sfa"]
+    assert [(r["job"], r.get("repeats")) for r in two] == [("forks/beta-2", ["forks/stab-0"])]
     md = paths["md"].read_text()
     assert "| sfa intervention.beta=1.05 |" in md and "+1.600 (not like-for-like)" in md
     beta8 = next(line for line in md.splitlines() if line.startswith("| sfa intervention.beta=8 |"))
