@@ -470,7 +470,8 @@ def alarm_from_mlflow(tags: Mapping[str, str], params: Mapping[str, str]) -> Opt
     return {"step": int(tags["ff.alarm.step"]) if fired else None, "signal": signal,
             "threshold": decode_float(tags.get("ff.alarm.threshold") or params.get("monitor.alarm.threshold")),
             "action": tags.get("ff.alarm.action") or params.get("monitor.alarm.action"),
-            **({"value": decode_float(tags.get("ff.alarm.value"))} if fired else {})}
+            **({"value": decode_float(tags.get("ff.alarm.value"))} if fired else {}),
+            **({"inactive": tags["ff.alarm.inactive"]} if tags.get("ff.alarm.inactive") else {})}
 
 
 def from_mlflow_run(run, history: Mapping[str, Sequence[Tuple[int, float]]]) -> RunRecord:

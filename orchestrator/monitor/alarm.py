@@ -177,7 +177,24 @@ def attach(job, start_step: int) -> Optional[Alarm]:
     # armed, not fired (step None): the report counts a quiet alarm too (a miss, or a stable run it rightly spared)
     job.result["alarm"] = {"step": None, "signal": cfg.signal, "threshold": cfg.threshold,
                            "direction": alarm.signal.direction, "action": cfg.action}
+    why = cannot_fire(cfg.signal, job.result.get("attention_routes") or [])
+    if why:  # allowed (a sweep's SDPA control beside flash runs), but said: a quiet alarm here means nothing
+        print(f"[job] warning: monitor.alarm.signal={cfg.signal} can never fire in this run: {why}", flush=True)
+        job.result["alarm"]["inactive"] = why
+        job.tracker.set_tags({INACTIVE_TAG: why})
     return alarm
+
+
+INACTIVE_TAG = "ff.alarm.inactive"
+
+
+def cannot_fire(signal: str, routes) -> Optional[str]:
+    """Why the signal is never logged with these attention routes (None: it can be). rmax_rate reads the kernels'
+    repeated-maxima counters, which SDPA never computes and attention.counters=false turns off; every route then
+    says no-counters. (monitor.counters=false is refused before launch: orchestrator/monitor/alarm.py validate.)"""
+    if signal == "rmax_rate" and routes and all("no-counters" in r for r in routes):
+        return f"no layer counts repeated maxima (attention routes: {', '.join(dict.fromkeys(routes))})"
+    return None
 
 
 # ------------------------------------------------------------------------------------------------ the fork

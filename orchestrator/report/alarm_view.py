@@ -3,7 +3,8 @@
 A run's record holds `alarm` when monitor.alarm was on (orchestrator/monitor/alarm.py): its rule, and the step it
 fired at (None: it never did). Per run: a hit (fired before the divergence: the lead in steps), late (at or after
 it), a miss (a divergence it never fired before), a false alarm (fired in a stable run), quiet (a stable run it
-spared), or not judged (a failed or unfinished run). `flash-forensics early-warning` chooses rules offline over many
+spared), inactive (its signal was never logged, e.g. rmax_rate with SDPA: counted apart), or not judged (a failed or
+unfinished run). `flash-forensics early-warning` chooses rules offline over many
 runs; this says how a rule did live, in the runs of one report.
 """
 from __future__ import annotations
@@ -20,6 +21,8 @@ def outcome(row: Dict) -> Dict:
     """{kind: hit | late | miss | false alarm | quiet | not judged, lead: steps (hits), line: one sentence}."""
     a, obs, div = row["alarm"], row.get("observed"), row.get("divergence_step")
     step = a.get("step")
+    if a.get("inactive") and step is None:  # its signal was never logged: neither a miss nor a rightly quiet alarm
+        return dict(kind="inactive", line=f"could never fire: {a['inactive']}")
     fired = (f"fired at step {step} ({a.get('signal')} = {a['value']:.6g})" if step is not None and
              isinstance(a.get("value"), (int, float)) else f"fired at step {step}")
     if obs == "diverged" and div is not None:
@@ -54,7 +57,8 @@ def lines(rows: Sequence[Dict]) -> List[str]:
             + ", ".join(f"`{x}`" for x in rules) + f"). Diverged runs warned in time: {n('hit')} of {diverged}"
             + (f" (lead: median {statistics.median(leads):g}, min {min(leads)}, max {max(leads)} steps)" if leads
                else "") + f"; late {n('late')}, missed {n('miss')}. False alarms: {n('false alarm')} of {stable} "
-            f"stable runs." + (f" Not judged: {n('not judged')}." if n("not judged") else ""))
+            f"stable runs." + (f" Not judged: {n('not judged')}." if n("not judged") else "")
+            + (f" Could never fire (its signal not logged): {n('inactive')}." if n("inactive") else ""))
     out = [HEADING, "", head, ""]
     out += [f"- {r.get('job')} ({r.get('intervention')}): {o['line']}" for r, o in got]
     return out + [""]

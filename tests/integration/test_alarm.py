@@ -229,3 +229,23 @@ def test_a_run_the_alarm_stopped_stops_again_when_rerun(tmp_path):
     again = _jobs.run_in(BASE, tmp_path, "stop", *on("threshold=0", "action=stop"))
     assert again["resumed_from"] and again["alarm"]["step"] == 1 and again["alarm"]["stopped"]
     assert again["early_stopped"] and again["steps_done"] == 3, again
+
+
+def test_an_rmax_rate_alarm_that_cannot_fire_says_so(tmp_path):
+    """SDPA computes no repeated-maxima counters, so an rmax_rate alarm there stays quiet whatever happens. The run is
+    allowed (a sweep's SDPA control beside flash runs), and its record, its tags and the report say the alarm could
+    never fire, instead of counting a quiet alarm as a run rightly spared."""
+    r = _jobs.run_in(BASE + ["train.max_steps=4"], tmp_path, "sdpa", *on("signal=rmax_rate", "threshold=0"))
+    why = r["alarm"]["inactive"]
+    assert r["alarm"]["step"] is None and "no layer counts repeated maxima" in why and "sdpa/bf16/no-counters" in why
+    assert _run(tmp_path, r["mlflow_run_id"]).data.tags["ff.alarm.inactive"] == why
+    assert record.from_mlflow_run(_run(tmp_path, r["mlflow_run_id"]), {}).alarm["inactive"] == why
+    from flash_forensics.orchestrator.report import alarm_view
+    row = dict(job="sdpa", intervention="baseline", observed="stable", alarm=r["alarm"])
+    assert alarm_view.outcome(row) == dict(kind="inactive", line=f"could never fire: {why}")
+    text = "\n".join(alarm_view.lines([row]))
+    assert "Could never fire (its signal not logged): 1." in text and "False alarms: 0 of 0" in text
+    # the default attention (flash, counters on) logs rmax_rate: armed as usual, threshold 0 fires at once
+    f = _jobs.run_in(["experiment=smoke", "train.max_steps=4", "monitor.log_every=2", "train.early_stop=false"],
+                     tmp_path, "flash", *on("signal=rmax_rate", "threshold=0"))
+    assert "inactive" not in f["alarm"] and f["alarm"]["step"] == 1
