@@ -233,34 +233,35 @@ print(re.sub('[^a-z0-9]+', '-', g).strip('-'))" "$LOG/kernel-bits.json") || die 
     setup; logdir speed; rc=0; parts=" ${SPEED_PARTS:-attention host train1024 train256} "
     if [[ $parts == *" attention "* ]]; then
     # ATTN_LAYOUT=bthd: q, k, v as the model makes them (views of the fused QKV projection; benchmarks/attention.py)
-    timeout "${ATTN_TIMEOUT:-300}" $PY benchmarks/attention.py ${TUNE:+--tune} ${ATTN_LAYOUT:+--layout "$ATTN_LAYOUT"} \
-      --rounds 3 --out "$LOG/attention${ATTN_LAYOUT:+-$ATTN_LAYOUT}.json" \
-      > "$LOG/attention.log" 2>&1 || rc=1
+    bounded "${ATTN_TIMEOUT:-300}" "$LOG/attention.log" $PY benchmarks/attention.py ${TUNE:+--tune} \
+      ${ATTN_LAYOUT:+--layout "$ATTN_LAYOUT"} --rounds 3 --out "$LOG/attention${ATTN_LAYOUT:+-$ATTN_LAYOUT}.json" || rc=1
     grep -E "^\|" "$LOG/attention.log"
     fi
     if [[ $parts == *" host "* ]]; then
     # two knob sets: each compiles its four kernels first (cold Triton cache: tens of seconds)
-    timeout "${HOST_TIMEOUT:-240}" $PY benchmarks/host_overhead.py --device cuda --knobs "${HOST_KNOBS:-fa2,paper_bf16_counters}" \
-      --out "$LOG/host_overhead.json" > "$LOG/host_overhead.log" 2>&1 || rc=1
+    bounded "${HOST_TIMEOUT:-240}" "$LOG/host_overhead.log" $PY benchmarks/host_overhead.py --device cuda \
+      --knobs "${HOST_KNOBS:-fa2,paper_bf16_counters}" --out "$LOG/host_overhead.json" || rc=1
     grep '"shape"' "$LOG/host_overhead.log" | cut -c1-200
     fi
     if [[ $parts == *" train1024 "* ]]; then
     # every variant built first, then round-robin (benchmarks/train_step.py); 4 compiles take most of the time
-    timeout "${TRAIN_TIMEOUT:-420}" $PY benchmarks/train_step.py --shapes 16x1024 --steps 24 --rounds 4 \
+    bounded "${TRAIN_TIMEOUT:-420}" "$LOG/train_T1024.log" $PY benchmarks/train_step.py --shapes 16x1024 --steps 24 \
+      --rounds 4 --out "$LOG/train_T1024.json" \
       --variants sdpa+compile,triton_fa2+compile,triton_paper_bf16+compile,paper_1gpu+compile,sdpa,triton_fa2,triton_paper_bf16,paper_1gpu \
-      --out "$LOG/train_T1024.json" > "$LOG/train_T1024.log" 2>&1 || rc=1
+      || rc=1
     fi
     if [[ $parts == *" cudagraphs "* ]]; then
     # torch.compile(mode="reduce-overhead") against the default compile: does taking the host off the critical
     # path close the gap to SDPA + compile, and does paper_1gpu stay bit for bit with its eager twin
-    timeout "${TRAIN_TIMEOUT:-420}" $PY benchmarks/train_step.py --shapes 16x1024 --steps 24 --rounds 4 \
+    bounded "${TRAIN_TIMEOUT:-420}" "$LOG/train_T1024_cudagraphs.log" $PY benchmarks/train_step.py --shapes 16x1024 \
+      --steps 24 --rounds 4 --out "$LOG/train_T1024_cudagraphs.json" \
       --variants sdpa+compile,sdpa+cudagraphs,triton_fa2+compile,triton_fa2+cudagraphs,paper_1gpu+cudagraphs,paper_1gpu \
-      --out "$LOG/train_T1024_cudagraphs.json" > "$LOG/train_T1024_cudagraphs.log" 2>&1 || rc=1
+      || rc=1
     fi
     if [[ $parts == *" train256 "* ]]; then
-    timeout "${TRAIN_TIMEOUT:-300}" $PY benchmarks/train_step.py --shapes 32x256 --steps 24 --rounds 4 \
-      --variants sdpa+compile,triton_fa2+compile,triton_paper_bf16+compile,triton_paper_bf16 \
-      --out "$LOG/train_T256.json" > "$LOG/train_T256.log" 2>&1 || rc=1
+    bounded "${TRAIN_TIMEOUT:-300}" "$LOG/train_T256.log" $PY benchmarks/train_step.py --shapes 32x256 --steps 24 \
+      --rounds 4 --variants sdpa+compile,triton_fa2+compile,triton_paper_bf16+compile,triton_paper_bf16 \
+      --out "$LOG/train_T256.json" || rc=1
     fi
     grep -h '"variant"' "$LOG"/train_T*.log 2>/dev/null | cut -c1-230
     exit $rc
@@ -317,10 +318,10 @@ print(re.sub('[^a-z0-9]+', '-', g).strip('-'))" "$LOG/kernel-bits.json") || die 
       tests/integration/test_hf_fast_path.py tests/unit/test_triton.py tests/unit/test_ops.py \
       > "$LOG/pytest_gpu_own_model.log" 2>&1 || rc=1
     tail -8 "$LOG/pytest_gpu_own_model.log"
-    timeout "${BENCH_TIMEOUT:-240}" $PY benchmarks/hf_llama.py --out "$LOG/hf-llama.json" > "$LOG/hf_llama.log" 2>&1 || rc=1
+    bounded "${BENCH_TIMEOUT:-240}" "$LOG/hf_llama.log" $PY benchmarks/hf_llama.py --out "$LOG/hf-llama.json" || rc=1
     tail -5 "$LOG/hf_llama.log"
-    timeout "${BENCH_TIMEOUT:-240}" $PY benchmarks/hf_llama.py --left-pad 100 --out "$LOG/hf-llama-padded.json" \
-      > "$LOG/hf_llama_padded.log" 2>&1 || rc=1
+    bounded "${BENCH_TIMEOUT:-240}" "$LOG/hf_llama_padded.log" $PY benchmarks/hf_llama.py --left-pad 100 \
+      --out "$LOG/hf-llama-padded.json" || rc=1
     tail -5 "$LOG/hf_llama_padded.log"; exit $rc
     ;;
   first-steps)
