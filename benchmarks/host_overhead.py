@@ -211,15 +211,16 @@ def main(argv=None):
                     sync()
         print(f"round {r + 1}/{a.rounds}", flush=True)
     split = {}  # (shape, knobs) -> (host us per call, {kernel: launch us per call}): the cached path, launches timed
-    for c in cases:
-        acc = dict.fromkeys(KERNELS, 0.0)
+    for c in cases:  # in bursts of --iters as above: a longer burst would fill the launch queue and wait on the GPU
+        acc, total = dict.fromkeys(KERNELS, 0.0), 0.0
         with timed_launches(acc):
-            sync()
-            t0 = time.perf_counter()
-            for _ in range(a.rounds * a.iters):
-                eager(c)
-            total = time.perf_counter() - t0
-            sync()
+            for _ in range(a.rounds):
+                sync()
+                t0 = time.perf_counter()
+                for _ in range(a.iters):
+                    eager(c)
+                total += time.perf_counter() - t0
+                sync()
         n = a.rounds * a.iters
         split[(c["shape"], c["knobs"])] = (total / n * 1e6, {k: v / n * 1e6 for k, v in acc.items()})
     for c in cases:
