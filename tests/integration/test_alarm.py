@@ -245,7 +245,12 @@ def test_an_rmax_rate_alarm_that_cannot_fire_says_so(tmp_path):
     assert alarm_view.outcome(row) == dict(kind="inactive", line=f"could never fire: {why}")
     text = "\n".join(alarm_view.lines([row]))
     assert "Could never fire (its signal not logged): 1." in text and "False alarms: 0 of 0" in text
-    # the default attention (flash, counters on) logs rmax_rate: armed as usual, threshold 0 fires at once
-    f = _jobs.run_in(["experiment=smoke", "train.max_steps=4", "monitor.log_every=2", "train.early_stop=false"],
-                     tmp_path, "flash", *on("signal=rmax_rate", "threshold=0"))
-    assert "inactive" not in f["alarm"] and f["alarm"]["step"] == 1
+    # where one layer counts (flash, counters on), or for another signal, nothing is said
+    from flash_forensics.kernels.config import AttentionKnobs
+    from flash_forensics.models.attention import route_name
+    from flash_forensics.orchestrator.monitor.alarm import cannot_fire
+    flash = route_name(AttentionKnobs(recipe="paper_bf16"), "emulator")
+    off = route_name(AttentionKnobs(recipe="fa2", counters=False), "emulator")
+    assert "no-counters" in off and "no-counters" not in flash
+    assert cannot_fire("rmax_rate", [off]) and cannot_fire("rmax_rate", [off, flash]) is None
+    assert cannot_fire("max_logit", ["sdpa/bf16/no-counters"]) is None and cannot_fire("rmax_rate", []) is None
