@@ -155,9 +155,9 @@ class Variant:
         self.obj = obj
         seed_everything(obj.train.seed)
         t_model = clock()
-        # made on its device, not initialised on the host and copied: a variant's build took 11-12 s on the H100
-        # machine of 2026-12-06 (ten: 130 s of a 150 s budget before any step), of which the host's init of GPT-2S is
-        # the likely part (1.4 of 2.7 s on a 2-core CPU box); build_parts says what it was next time
+        # made on its device, not initialised on the host and copied (1.4 of a 2.7 s build on a 2-core CPU box);
+        # build_parts showed the H200's 8 s builds of 2026-12-06 were the compose (a pip download per validation, gone
+        # since 8b791e7), not the model
         with torch.device(device):
             self.model = GPT(obj.model, att)
         self.build_parts = dict(compose_s=round(t_model - t, 3), model_s=round(clock() - t_model, 3))

@@ -18,7 +18,8 @@ HEADING = "## Live alarm (monitor.alarm)"
 
 
 def outcome(row: Dict) -> Dict:
-    """{kind: hit | late | miss | false alarm | quiet | not judged, lead: steps (hits), line: one sentence}."""
+    """{kind: hit | late | miss | false alarm | quiet | inactive | not judged, lead: steps (hits), line: one
+    sentence}."""
     a, obs, div = row["alarm"], row.get("observed"), row.get("divergence_step")
     step = a.get("step")
     if a.get("inactive") and step is None:  # its signal was never logged: neither a miss nor a rightly quiet alarm
