@@ -6,6 +6,8 @@ Methods (causal, BF16 inputs (B, H, T, D); FLOPs = 7*B*H*T^2*D per fwd+bwd):
   sdpa_flash / sdpa_cudnn / sdpa_efficient  torch SDPA with that backend forced (torch.nn.attention.sdpa_kernel);
                                             a backend that refuses the shape is recorded with its error
   triton_fa2                                the fa2 recipe, counters off
+  triton_fa2_jit                            the same, every kernel launched through Triton's own fn[grid] (what
+                                            kernels/launch_cache.py's cache replaces: its gain, side by side)
   triton_fa2_counters                       fa2 with the repeated-maxima counters and max logit (as a run logs)
   triton_fa2_sfa_counters                   fa2, stabilized softmax (Algorithm 3) + counters
   triton_paper_bf16                         the paper's recipe, counters on (its tile size fixed by block_q/k)
@@ -20,6 +22,7 @@ the JSON.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -40,6 +43,7 @@ from flash_forensics.kernels.config import AttentionKnobs  # noqa: E402
 SDPA = ("sdpa_flash", "sdpa_cudnn", "sdpa_efficient")
 KNOBS = {  # method -> knobs (counters on means the layer's AttnStats is passed)
     "triton_fa2": AttentionKnobs(recipe="fa2", backend="triton", counters=False),
+    "triton_fa2_jit": AttentionKnobs(recipe="fa2", backend="triton", counters=False),
     "triton_fa2_counters": AttentionKnobs(recipe="fa2", backend="triton", counters=True),
     "triton_fa2_sfa_counters": AttentionKnobs(recipe="fa2", backend="triton", softmax="stabilized", counters=True),
     "triton_paper_bf16": AttentionKnobs(recipe="paper_bf16", backend="triton", counters=True),
@@ -99,20 +103,27 @@ def method_fn(name, H, dev):
         return lambda q, k, v: flash_forensics.kernels.emulator.flash_attention(q, k, v, knobs, stats)
     if knobs.recipe == "fp32":
         return lambda q, k, v: flash_attention_triton(q.float(), k.float(), v.float(), knobs, stats)
-    return lambda q, k, v: flash_attention_triton(q, k, v, knobs, stats)
+    f = lambda q, k, v: flash_attention_triton(q, k, v, knobs, stats)  # noqa: E731
+    if name.endswith("_jit"):  # forward and backward launched by Triton itself
+        from flash_forensics.kernels.triton_launch import triton_own_launch
+        f.scope = triton_own_launch
+    return f
 
 
 def fwd_bwd(f, q, k, v, do, leaves=None):
+    scope = getattr(f, "scope", contextlib.nullcontext)
     if q is None:  # bthd: the views made per call, as a model's forward makes them
         (qkv,), (B, H, T, D) = leaves, do.shape
 
         def run_fused():
             q, k, v = (t.view(B, T, H, D).transpose(1, 2) for t in qkv.split(H * D, dim=2))
-            f(q, k, v).backward(do)
+            with scope():
+                f(q, k, v).backward(do)
         return run_fused
 
     def run():
-        f(q, k, v).backward(do)
+        with scope():
+            f(q, k, v).backward(do)
     return run
 
 
@@ -149,6 +160,8 @@ def summarize(rows, shapes) -> dict:
                                        vs_sdpa_flash=ran["sdpa_flash"] / r["ms"] if "sdpa_flash" in ran else None,
                                        vs_best_sdpa=ran[best] / r["ms"])
         ms = {m: v["ms"] for m, v in d["methods"].items()}
+        if "triton_fa2" in ms and "triton_fa2_jit" in ms:  # > 1: the launch cache is faster than Triton's launch
+            d["launch_cache_speedup"] = ms["triton_fa2_jit"] / ms["triton_fa2"]
         if "triton_fa2" in ms:
             for m in ("triton_fa2_counters", "triton_fa2_sfa_counters"):
                 if m in ms:

@@ -9,6 +9,8 @@ knobs, the launchers' bookkeeping, autograd) decides whether the GPU waits. Meth
   rebuilt   the same path with both rebuilt on every call (as before the cache), for the side-by-side difference
   dispatch  what a compiled graph runs: torch.ops.flash_forensics.flash_fwd then flash_bwd, through torch's dispatch
             of custom ops (the forward mutates the counters, so it takes the mutation bookkeeping path)
+  jit       (CUDA only) the cached path with every kernel launched through Triton's own fn[grid], not the launch
+            cache (kernels/launch_cache.py): the cache's gain is host_us_jit - host_us_cached
 and where the cached path's host time goes (`launch_us`, apart from the side-by-side methods): each Triton kernel's
 launch (`kernel[grid](...)`, Triton's argument binding and enqueue) timed on its own, and the rest of the call
 (`host_us_outside_launches`: the op, knobs, allocations, autograd), so a host-bound shape says which to cut;
@@ -45,7 +47,7 @@ KNOBS = {  # name -> AttentionKnobs fields (counters: the layer's AttnStats is g
     "fa2_sfa_counters": dict(recipe="fa2", softmax="stabilized", counters=True),
     "paper_bf16_counters": dict(recipe="paper_bf16", counters=True),
 }
-METHODS = ("cached", "rebuilt", "dispatch")
+METHODS = ("cached", "rebuilt", "dispatch", "jit")
 
 
 class _NoLaunch:
@@ -55,7 +57,7 @@ class _NoLaunch:
         return lambda *a, **k: None
 
 
-KERNELS = ("_fwd_kernel", "_bwd_delta_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel")
+from flash_forensics.kernels.triton_launch import KERNELS  # noqa: E402
 
 
 class _Timed:
@@ -95,7 +97,11 @@ def method(name):
     if name == "rebuilt":
         ops._knobs_cached, tf._rows_cached = ops._knobs_cached.__wrapped__, tf._rows_per_head_of
     try:
-        yield
+        if name == "jit":
+            with tf.triton_own_launch():
+                yield
+        else:
+            yield
     finally:
         ops._knobs_cached, tf._rows_cached = saved
 
@@ -159,7 +165,8 @@ def main(argv=None):
         env["triton"] = triton.__version__
     except ImportError:
         env["triton"] = None
-    out = dict(env, methods=list(METHODS), rounds=a.rounds, iters=a.iters, rows=[])
+    methods = METHODS if dev.type == "cuda" else tuple(m for m in METHODS if m != "jit")  # CPU: kernels stubbed
+    out = dict(env, methods=list(methods), rounds=a.rounds, iters=a.iters, rows=[])
     path = a.out or os.path.join(ROOT, "results", "bench", f"host-overhead-{a.device}.json")
 
     cases = []
@@ -193,15 +200,15 @@ def main(argv=None):
         if dev.type == "cuda":
             torch.cuda.synchronize()
 
-    times = {(c["shape"], c["knobs"], m): [] for c in cases for m in METHODS}
+    times = {(c["shape"], c["knobs"], m): [] for c in cases for m in methods}
     for c in cases:  # warm: Triton's compiles, the caches
-        for m in METHODS:
+        for m in methods:
             with method(m):
                 call(c, m)
     sync()
     for r in range(a.rounds):
         for c in cases:
-            for m in (METHODS if r % 2 == 0 else METHODS[::-1]):
+            for m in (methods if r % 2 == 0 else methods[::-1]):
                 with method(m):
                     sync()
                     t0 = time.perf_counter()
@@ -225,7 +232,7 @@ def main(argv=None):
         split[(c["shape"], c["knobs"])] = (total / n * 1e6, {k: v / n * 1e6 for k, v in acc.items()})
     for c in cases:
         row = dict(shape=c["shape"], knobs=c["knobs"])
-        for m in METHODS:
+        for m in methods:
             row[f"host_us_{m}"] = statistics.median(times[(c["shape"], c["knobs"], m)])
         total, launches = split[(c["shape"], c["knobs"])]
         row["launch_us"] = launches  # the kernels a call launched (zeros: not launched by this recipe and knobs)

@@ -20,6 +20,8 @@ not in the default list) is torch.compile(mode="reduce-overhead"): CUDA graphs r
 host off the critical path; each step is marked (cudagraph_mark_step_begin) and its loss copied out of the graph's
 memory, which the next replay overwrites. Dynamo's recompile limit grows with the compiled variants (they share
 GPT.forward), and a compiled variant whose first step compiles no graph (dynamo ran it eager) is an error, not a row.
+`ATTN+jitlaunch` runs eager with every Triton kernel launched through Triton's own fn[grid], not the launch cache
+(kernels/launch_cache.py); `launch_cache_vs_jit` in the summary: its speed-up and whether the losses agree bit for bit.
 Each row records the attention route that ran and, for SDPA, the aten op that ran (flash, cuDNN, efficient or math).
 `profile`, from one profiled step after the timed ones: on CUDA the GPU kernels' time, how much of the step's GPU span
 they keep the GPU busy (busy_fraction well under 1: the GPU waits on the host), attention's kernels' share, and the
@@ -30,6 +32,7 @@ and the largest difference.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -56,6 +59,9 @@ VARIANTS = ["sdpa+compile", "sdpa", "triton_fa2", "triton_fa2+compile", "triton_
             "triton_paper_bf16+compile", "paper_1gpu", "paper_1gpu+compile", "triton_fa2_sfa+compile"]
 SDPA_OPS = ("flash", "cudnn", "efficient", "math")  # aten::_scaled_dot_product_<op>_attention[_for_cpu]
 MODES = {"compile": None, "cudagraphs": "reduce-overhead"}  # ATTN+MODE: torch.compile's mode
+# ATTN+jitlaunch: eager, every Triton kernel launched through Triton's own fn[grid] instead of the launch cache
+# (kernels/launch_cache.py): the cache's effect on a training step, side by side
+JIT_LAUNCH = "jitlaunch"
 COMPILE_BACKEND = "inductor"  # torch.compile's backend (a CPU test swaps in "eager": dynamo alone, no C++ build)
 RECOMPILES_PER_VARIANT = 8  # dynamo's default recompile_limit is 8 per code object for the whole process
 # GPU kernels that compute attention: this project's four Triton kernels, torch's flash / cuDNN / efficient ones
@@ -99,7 +105,9 @@ class Variant:
         from flash_forensics.orchestrator.monitor.monitors import MonitorConfig, Monitors
         self.name, self.dev = name, dev
         self.attn, mode = parse_variant(name)
-        self.compiled, self.cudagraphs = mode is not None, mode == "cudagraphs"
+        self.compiled, self.cudagraphs = mode in MODES, mode == "cudagraphs"
+        from flash_forensics.kernels.triton_launch import triton_own_launch
+        self.launch_scope = triton_own_launch if mode == JIT_LAUNCH else contextlib.nullcontext
         torch.manual_seed(0)  # every variant starts from the same weights
         self.model = GPT(ModelConfig.preset(model_name, block_size=T), AttentionConfig(**ATTN[self.attn])).to(dev)
         self.fwd = (torch.compile(self.model, mode=MODES[mode], backend=COMPILE_BACKEND) if self.compiled
@@ -122,9 +130,9 @@ class Variant:
         t0 = time.perf_counter()
         if self.cudagraphs:  # a new iteration: the previous step's graph outputs may be overwritten
             torch.compiler.cudagraph_mark_step_begin()
-        with self.config_scope(), torch.autocast(self.dev.type, dtype=torch.bfloat16):
+        with self.launch_scope(), self.config_scope(), torch.autocast(self.dev.type, dtype=torch.bfloat16):
             _, loss = self.fwd(x[:, :-1].contiguous(), x[:, 1:].contiguous())
-        with self.config_scope():
+        with self.launch_scope(), self.config_scope():
             loss.backward()
         if self.cudagraphs:  # kept past the next replay (monitors, losses): out of the graph's memory
             loss = loss.detach().clone()
@@ -173,9 +181,9 @@ class Variant:
 def parse_variant(name: str):
     """(ATTN, MODE or None) of ATTN[+MODE]; ValueError naming --variants otherwise."""
     attn, plus, mode = name.partition("+")
-    if attn not in ATTN or (plus and mode not in MODES):
+    if attn not in ATTN or (plus and mode not in (*MODES, JIT_LAUNCH)):
         raise ValueError(f"--variants: {name!r} is not allowed: expected ATTN or ATTN+MODE, ATTN one of "
-                         f"{', '.join(ATTN)}, MODE one of {', '.join(MODES)}")
+                         f"{', '.join(ATTN)}, MODE one of {', '.join((*MODES, JIT_LAUNCH))}")
     return attn, (mode if plus else None)
 
 
@@ -285,6 +293,10 @@ def summarize(rows) -> dict:
                 d["compiled_vs_eager"][name] = dict(
                     steps=n, bit_identical=not diff, first_diff_step=diff[0] if diff else None,
                     max_abs_loss_diff=max((abs(a[i] - b[i]) for i in range(n)), default=None))
+        # the launch cache against Triton's own launch: the same kernels, so the same losses, bit for bit
+        d["launch_cache_vs_jit"] = {v: dict(speedup=rs[v]["tokens_per_s"] / rs[f"{v}+{JIT_LAUNCH}"]["tokens_per_s"],
+                                            bit_identical=rs[v]["losses"] == rs[f"{v}+{JIT_LAUNCH}"]["losses"])
+                                    for v in rs if f"{v}+{JIT_LAUNCH}" in rs}
         out[f"B{key[0]}_T{key[1]}"] = d
     return out
 
@@ -328,7 +340,7 @@ def main(argv=None):
             ap.error(f"--variants: {v!r} is not allowed with --device {dev.type}: CUDA graphs need --device cuda")
     if not names:
         ap.error("--variants: empty")
-    raise_recompile_limit(sum(parse_variant(v)[1] is not None for v in names))
+    raise_recompile_limit(sum(parse_variant(v)[1] in MODES for v in names))
     out = dict(env, model=args.model, optimizer="AdamW" + ("(fused)" if dev.type == "cuda" else ""),
                precision="bf16 autocast", order="round-robin", rounds=args.rounds, order_by_round={}, rows=[],
                errors=[], partial=True)

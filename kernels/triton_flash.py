@@ -59,6 +59,7 @@ from flash_forensics.kernels.triton_launch import (  # noqa: F401  (re-exported:
     _forward,
     _fwd_blocks,
     _interpret,
+    _jit,
     _k,
     fired_pbar_max,
     fwd_family,
@@ -72,7 +73,7 @@ from flash_forensics.kernels.triton_launch import (  # noqa: F401  (re-exported:
     tie_words,
 )
 
-triton = _k.triton if _k is not None else None  # None where triton is not installed
+triton = _jit.triton if _jit is not None else None  # None where triton is not installed
 
 
 def supports(knobs: AttentionKnobs, q: torch.Tensor) -> bool:

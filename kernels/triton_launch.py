@@ -3,6 +3,7 @@ grids and arguments, and the forward and backward passes as plain functions (ker
 torch.library operators; kernels/triton_flash.py is the public face). Recipe semantics: kernels/triton_flash.py."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
@@ -10,21 +11,38 @@ import os
 import torch
 
 from flash_forensics.kernels.config import AttentionKnobs
+from flash_forensics.kernels.launch_cache import Kernels, launch_mode
 from flash_forensics.kernels.recipes import PV_POINTS, RECIPES, ROUNDING_POINTS, resolve
 from flash_forensics.kernels.stochastic import call_key
 
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # read at import: the kernels were built for it
+KERNELS = ("_fwd_kernel", "_bwd_delta_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel")
+
 try:  # Triton is optional: the emulator serves machines without it (kernels/triton_flash.py's supports() says so)
-    from flash_forensics.kernels import triton_kernels as _k
+    from flash_forensics.kernels import triton_kernels as _jit
 except ImportError:  # pragma: no cover - exercised only where triton is missing
-    _k = None
+    _jit = _k = None
+else:  # the launches past Triton's per-call binding (kernels/launch_cache.py); the interpreter: Triton's own
+    _k = Kernels(_jit, KERNELS, "jit" if _INTERPRET else launch_mode())
+
+
+@contextlib.contextmanager
+def triton_own_launch():
+    """Every kernel launched in the scope goes through Triton's own `fn[grid]` (FF_TRITON_LAUNCH=jit), whatever the
+    process's mode: the benchmarks time the launch cache against it side by side, in one process."""
+    global _k
+    saved = _k
+    if _k is not None:  # (no triton: nothing launches)
+        _k = Kernels(_jit, KERNELS, "jit")
+    try:
+        yield
+    finally:
+        _k = saved
 
 RECIPE_IDS = {"fp32": 0, "fa2": 1, "paper_bf16": 2}
 DELTA_IDS = {"dO_O": 0, "dP_P": 1, "recompute_fp32": 2}
 HEAD_DIMS = (16, 32, 64, 128)
 TILE_SIZES = (16, 32, 64, 128)
-
-
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # read at import: the kernels were built for it
 
 
 def _interpret() -> bool:

@@ -18,7 +18,8 @@
 #   speed        attention fwd+bwd side by side (benchmarks/attention.py; TUNE=1 times launch configs first;
 #                ATTN_LAYOUT=bthd: q, k, v as views of one fused projection, as the model makes them), the
 #                host's time per call against the GPU's (benchmarks/host_overhead.py) and the GPT-2S training step
-#                (benchmarks/train_step.py); SPEED_PARTS="host train1024" runs only those; SPEED_PARTS=cudagraphs:
+#                (benchmarks/train_step.py; TRAIN_VARIANTS: its variants at T1024, "+jitlaunch" ones time Triton's own
+#                launch beside the launch cache); SPEED_PARTS="host train1024" runs only those; SPEED_PARTS=cudagraphs:
 #                the training step under torch.compile(mode="reduce-overhead") beside the default compile
 #   bench        the other benchmarks: emulator vs SDPA, monitor overhead, probe cost, stabilizer throughput
 #                (benchmarks/stabilizers.py in a budget: STAB_BENCH_SECONDS, default 100), a GPT-2S checkpoint's
@@ -139,14 +140,16 @@ bounded() {
 }
 
 # the kernel tests a patch to kernels/ must pass on the GPU (patch-tests' default)
-PATCH_TESTS="tests/unit/test_triton_stabilizers.py tests/unit/test_ops.py tests/unit/test_triton.py
+PATCH_TESTS="tests/unit/test_launch_cache.py tests/unit/test_triton_stabilizers.py tests/unit/test_ops.py tests/unit/test_triton.py
   tests/unit/test_rounding_points.py tests/unit/test_sdpa_dropin.py tests/integration/test_hf_fast_path.py
   tests/integration/test_compile_faithful.py"
 
 gpu_tests() {  # $1: log file, then the test paths (default: tests)
   local log=$1; shift
   [ $# -gt 0 ] || set -- tests
-  timeout "${TEST_TIMEOUT:-420}" $PY -m pytest -q -m gpu "$@" -n "${WORKERS:-6}" -p no:cacheprovider -o addopts="-ra" \
+  # the launch cache in check mode: each cached launch also asks Triton which kernel it would run (launch_cache.py)
+  FF_TRITON_LAUNCH=${FF_TRITON_LAUNCH:-check} timeout "${TEST_TIMEOUT:-420}" $PY -m pytest -q -m gpu "$@" \
+    -n "${WORKERS:-6}" -p no:cacheprovider -o addopts="-ra" \
     > "$log" 2>&1
   local rc=$?; tail -15 "$log"; return $rc
 }
@@ -247,7 +250,7 @@ print(re.sub('[^a-z0-9]+', '-', g).strip('-'))" "$LOG/kernel-bits.json") || die 
     # every variant built first, then round-robin (benchmarks/train_step.py); 4 compiles take most of the time
     bounded "${TRAIN_TIMEOUT:-420}" "$LOG/train_T1024.log" $PY benchmarks/train_step.py --shapes 16x1024 --steps 24 \
       --rounds 4 --out "$LOG/train_T1024.json" \
-      --variants sdpa+compile,triton_fa2+compile,triton_paper_bf16+compile,paper_1gpu+compile,sdpa,triton_fa2,triton_paper_bf16,paper_1gpu \
+      --variants "${TRAIN_VARIANTS:-sdpa+compile,triton_fa2+compile,triton_paper_bf16+compile,paper_1gpu+compile,sdpa,triton_fa2,triton_fa2+jitlaunch,triton_paper_bf16,paper_1gpu,paper_1gpu+jitlaunch}" \
       || rc=1
     fi
     if [[ $parts == *" cudagraphs "* ]]; then
