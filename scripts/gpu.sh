@@ -15,7 +15,8 @@
 #                cases in both trees (scripts/kernel_bits.py; kernel_bits.log, bits_*.json; BITS=0 skips them,
 #                BITS_DEVICE=cpu runs them on Triton's interpreter); exit 0 only when both pass and every case is
 #                bit-identical; SKIP_HERE=1: the patched copy's tests only
-#   speed        attention fwd+bwd side by side (benchmarks/attention.py; TUNE=1 times launch configs first;
+#   speed        attention fwd+bwd side by side (benchmarks/attention.py; TUNE=1 times launch configs first, at
+#                TUNE_SHAPES; ATTN_METHODS its methods;
 #                ATTN_LAYOUT=bthd: q, k, v as views of one fused projection, as the model makes them), the
 #                host's time per call against the GPU's (benchmarks/host_overhead.py) and the GPT-2S training step
 #                (benchmarks/train_step.py; TRAIN_VARIANTS: its variants at T1024, "+jitlaunch" ones time Triton's own
@@ -237,6 +238,7 @@ print(re.sub('[^a-z0-9]+', '-', g).strip('-'))" "$LOG/kernel-bits.json") || die 
     if [[ $parts == *" attention "* ]]; then
     # ATTN_LAYOUT=bthd: q, k, v as the model makes them (views of the fused QKV projection; benchmarks/attention.py)
     bounded "${ATTN_TIMEOUT:-300}" "$LOG/attention.log" $PY benchmarks/attention.py ${TUNE:+--tune} \
+      ${TUNE_SHAPES:+--tune-shapes "$TUNE_SHAPES"} ${ATTN_METHODS:+--methods "$ATTN_METHODS"} \
       ${ATTN_LAYOUT:+--layout "$ATTN_LAYOUT"} --rounds 3 --out "$LOG/attention${ATTN_LAYOUT:+-$ATTN_LAYOUT}.json" || rc=1
     grep -E "^\|" "$LOG/attention.log"
     fi

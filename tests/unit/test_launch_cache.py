@@ -217,3 +217,22 @@ def test_the_key_is_at_least_as_fine_as_triton_s_own_specialization():
         theirs.setdefault(lc.spec_of((v,))[0], set()).add(repr(native_specialize_impl(CUDABackend, v, False, True,
                                                                                         True)))
     assert all(len(s) == 1 for s in theirs.values()), {k: s for k, s in theirs.items() if len(s) > 1}
+
+
+def test_t4096_takes_its_own_tuned_entry_and_t1024_keeps_the_default():
+    """benchmarks/tune.py fills SHAPE_TABLE per length class: a T = 4096 choice must not move T = 1024's launch."""
+    from flash_forensics.kernels import triton_launch as tl_
+    from flash_forensics.kernels.config import AttentionKnobs
+    knobs = AttentionKnobs(recipe="fa2", backend="triton", counters=False)
+    assert [tl_.length_class(T) for T in (256, 1024, 2048, 4096, 8192)] == ["short", "long", "long", "xlong", "xlong"]
+    before = tl_._fwd_blocks(knobs, 64, 1024)
+    key = ("fwd", "fa2", 64, "xlong")
+    try:
+        tl_.SHAPE_TABLE[key] = (128, 64, 8, 4)
+        assert tl_._fwd_blocks(knobs, 64, 1024) == before
+        if not tl_._interpret():
+            assert tl_._fwd_blocks(knobs, 64, 4096) == (128, 64, 8, 4)
+        else:  # the interpreter's blocks are its own; the warps and stages still come from the entry
+            assert tl_._fwd_blocks(knobs, 64, 4096)[2:] == (8, 4)
+    finally:
+        tl_.SHAPE_TABLE.pop(key, None)
