@@ -20,6 +20,8 @@ not in the default list) is torch.compile(mode="reduce-overhead"): CUDA graphs r
 host off the critical path; each step is marked (cudagraph_mark_step_begin) and its loss copied out of the graph's
 memory, which the next replay overwrites. Dynamo's recompile limit grows with the compiled variants (they share
 GPT.forward), and a compiled variant whose first step compiles no graph (dynamo ran it eager) is an error, not a row.
+`ATTN+tuned` runs eager with --tuned-table's launch configs (a benchmarks/tune.py JSON) during its steps only;
+`tuned_vs_default` in the summary: its speed-up over ATTN and whether the losses agree bit for bit.
 `ATTN+jitlaunch` runs eager with every Triton kernel launched through Triton's own fn[grid], not the launch cache
 (kernels/launch_cache.py); `launch_cache_vs_jit` in the summary: its speed-up and whether the losses agree bit for bit.
 Each row records the attention route that ran and, for SDPA, the aten op that ran (flash, cuDNN, efficient or math).
@@ -62,6 +64,9 @@ MODES = {"compile": None, "cudagraphs": "reduce-overhead"}  # ATTN+MODE: torch.c
 # ATTN+jitlaunch: eager, every Triton kernel launched through Triton's own fn[grid] instead of the launch cache
 # (kernels/launch_cache.py): the cache's effect on a training step, side by side
 JIT_LAUNCH = "jitlaunch"
+# ATTN+tuned: eager, with --tuned-table's launch configs (a tune JSON) in SHAPE_TABLE during its steps only
+TUNED = "tuned"
+EAGER_MODES = (JIT_LAUNCH, TUNED)
 COMPILE_BACKEND = "inductor"  # torch.compile's backend (a CPU test swaps in "eager": dynamo alone, no C++ build)
 RECOMPILES_PER_VARIANT = 8  # dynamo's default recompile_limit is 8 per code object for the whole process
 # GPU kernels that compute attention: this project's four Triton kernels, torch's flash / cuDNN / efficient ones
@@ -97,7 +102,7 @@ def _sync(dev):
 class Variant:
     """One training setup, its state kept across rounds: model, optimizer, monitors, the next batch's index."""
 
-    def __init__(self, name, model_name, T, dev):
+    def __init__(self, name, model_name, T, dev, tuned_table=None):
         import torch._inductor.config as inductor_config
 
         from flash_forensics.kernels.config import AttentionConfig
@@ -106,8 +111,9 @@ class Variant:
         self.name, self.dev = name, dev
         self.attn, mode = parse_variant(name)
         self.compiled, self.cudagraphs = mode in MODES, mode == "cudagraphs"
-        from flash_forensics.kernels.triton_launch import triton_own_launch
-        self.launch_scope = triton_own_launch if mode == JIT_LAUNCH else contextlib.nullcontext
+        from flash_forensics.kernels.triton_launch import shape_table_scope, triton_own_launch
+        self.launch_scope = (triton_own_launch if mode == JIT_LAUNCH else
+                             (lambda: shape_table_scope(tuned_table)) if mode == TUNED else contextlib.nullcontext)
         torch.manual_seed(0)  # every variant starts from the same weights
         self.model = GPT(ModelConfig.preset(model_name, block_size=T), AttentionConfig(**ATTN[self.attn])).to(dev)
         self.fwd = (torch.compile(self.model, mode=MODES[mode], backend=COMPILE_BACKEND) if self.compiled
@@ -181,9 +187,9 @@ class Variant:
 def parse_variant(name: str):
     """(ATTN, MODE or None) of ATTN[+MODE]; ValueError naming --variants otherwise."""
     attn, plus, mode = name.partition("+")
-    if attn not in ATTN or (plus and mode not in (*MODES, JIT_LAUNCH)):
+    if attn not in ATTN or (plus and mode not in (*MODES, *EAGER_MODES)):
         raise ValueError(f"--variants: {name!r} is not allowed: expected ATTN or ATTN+MODE, ATTN one of "
-                         f"{', '.join(ATTN)}, MODE one of {', '.join((*MODES, JIT_LAUNCH))}")
+                         f"{', '.join(ATTN)}, MODE one of {', '.join((*MODES, *EAGER_MODES))}")
     return attn, (mode if plus else None)
 
 
@@ -236,7 +242,7 @@ def run_shape(names, batch, T, args, dev, errors):
     live = []
     for name in names:
         try:
-            live.append(Variant(name, args.model, T, dev))
+            live.append(Variant(name, args.model, T, dev, args.tuned))
         except Exception as e:  # recorded, the other variants still run
             errors.append(dict(variant=name, batch=batch, T=T, error=f"{type(e).__name__}: {e}"[:600]))
             log(f"[{batch}x{T}] {name}: {errors[-1]['error']}")
@@ -297,6 +303,10 @@ def summarize(rows) -> dict:
         d["launch_cache_vs_jit"] = {v: dict(speedup=rs[v]["tokens_per_s"] / rs[f"{v}+{JIT_LAUNCH}"]["tokens_per_s"],
                                             bit_identical=rs[v]["losses"] == rs[f"{v}+{JIT_LAUNCH}"]["losses"])
                                     for v in rs if f"{v}+{JIT_LAUNCH}" in rs}
+        # a tuned launch table against the default one: its speed-up, and whether it kept the losses bit for bit
+        d["tuned_vs_default"] = {v: dict(speedup=rs[f"{v}+{TUNED}"]["tokens_per_s"] / rs[v]["tokens_per_s"],
+                                         bit_identical=rs[v]["losses"] == rs[f"{v}+{TUNED}"]["losses"])
+                                 for v in rs if f"{v}+{TUNED}" in rs}
         out[f"B{key[0]}_T{key[1]}"] = d
     return out
 
@@ -312,6 +322,8 @@ def main(argv=None):
     ap.add_argument("--model", default="gpt2_s", help="models/gpt.py preset (tiny for a CPU smoke run)")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke run, not a speed")
     ap.add_argument("--launch-table", default=None, help="tune JSON (benchmarks/tune.py) whose shape_table to use")
+    ap.add_argument("--tuned-table", default=None, help="tune JSON whose shape_table the ATTN+tuned variants use "
+                    "during their steps (the others keep the default launch)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     for k in ("steps", "rounds", "warmup"):
@@ -327,10 +339,23 @@ def main(argv=None):
         import platform
         env = dict(command="python " + " ".join(["benchmarks/train_step.py"] + list(argv)), gpu="cpu",
                    torch=torch.__version__, python=platform.python_version(), time=time.strftime("%Y-%m-%dT%H:%M:%S"))
+    from flash_forensics.kernels.triton_launch import load_shape_table
     if args.launch_table:
-        from benchmarks.tune import load_shape_table
         load_shape_table(args.launch_table)
     names = [v for v in args.variants.split(",") if v]
+    args.tuned = None
+    if any(v.endswith(f"+{TUNED}") for v in names):  # read before anything is built: a bad file stops the run here
+        if not args.tuned_table:
+            ap.error(f"--variants: a '+{TUNED}' variant needs --tuned-table (a benchmarks/tune.py JSON)")
+        from flash_forensics.kernels import triton_launch
+        saved = dict(triton_launch.SHAPE_TABLE)
+        try:
+            args.tuned = load_shape_table(args.tuned_table)
+        except ValueError as e:
+            ap.error(f"--tuned-table: {e}")
+        finally:  # only the +tuned variants' steps see it
+            triton_launch.SHAPE_TABLE.clear()
+            triton_launch.SHAPE_TABLE.update(saved)
     for v in names:  # every name checked before anything is built
         try:
             parse_variant(v)

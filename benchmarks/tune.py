@@ -2,12 +2,20 @@
 
     python benchmarks/tune.py [--out results/bench/tune-<gpu>.json]     (or: benchmarks/attention.py --tune)
 
-For each forward family (fa2, fa2_exact, paper_bf16, fp32) and backward recipe, every candidate below is timed
-alone (forward: the forward kernel; backward: delta + dK/dV + dQ from a saved forward) with do_bench, and the
-fastest is written into flash_forensics.kernels.triton_flash.SHAPE_TABLE for this process. The candidates never touch a
-block size that carries meaning: paper_bf16 and fa2_exact keep block_k as the forward's key tile and paper_bf16 keeps
-block_q / block_k in the backward (kernels/triton_launch.py applies those overrides after the table). The JSON lists
-every timing; the chosen ones are what to copy into FWD_TABLE / BWD_TABLE / SHAPE_TABLE (kernels/triton_launch.py).
+    python benchmarks/tune.py --shapes gpt2s_T1024 --families paper_1gpu --out /tmp/tune.json
+    FF_LAUNCH_TABLE=/tmp/tune.json python ...     (any process: the JSON's choices in its SHAPE_TABLE)
+
+For each family (fa2, fa2_exact, paper_bf16, fp32, and paper_1gpu: paper_bf16 at experiment=paper_1gpu's 128x128
+tiles) and backward recipe, every candidate below is timed alone (forward: the forward kernel; backward: delta +
+dK/dV + dQ from a saved forward) with do_bench on a CUDA graph of the call (the kernels' time, not the host's:
+`timing` says where a capture failed and the call was timed as it is), and the fastest is written into
+flash_forensics.kernels.triton_launch.SHAPE_TABLE for this process, keyed by kernels/triton_launch.py table_family
+(paper_bf16's tile sizes are in it). The candidates never touch a block size that carries meaning: paper_bf16 and
+fa2_exact keep block_k as the forward's key tile and paper_bf16 keeps block_q / block_k in the backward
+(kernels/triton_launch.py applies those overrides after the table). For those families (KEEP_BITS) a candidate is
+chosen only if its outputs on the tuning inputs equal the default launch's bit for bit (`same_bits` in the JSON).
+The JSON lists every timing; the chosen ones are what to copy into FWD_TABLE / BWD_TABLE / SHAPE_TABLE
+(kernels/triton_launch.py).
 """
 from __future__ import annotations
 
@@ -41,26 +49,52 @@ BWD = {  # (dkdv BLOCK_M, dkdv BLOCK_N, dq BLOCK_M, dq BLOCK_N, num_warps, num_s
                   (32, 32, 32, 32, 8, 2), (16, 64, 64, 16, 4, 2)],
              128: [(16, 32, 32, 16, 4, 1), (16, 16, 16, 16, 4, 2), (32, 32, 32, 32, 8, 2)]},
 }
-FAMILIES = {  # forward family -> the knobs it is tuned with (counters as a run uses them)
+# experiment=paper_1gpu's attention: paper_bf16 at 128x128 tiles, which fix the forward's BLOCK_N and the backward's
+# dK/dV BLOCK_M and dQ BLOCK_N to 128; the candidates vary the rest (the first: the default launch)
+FWD["paper_1gpu"] = {64: [(64, 128, 4, 3), (64, 128, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2), (32, 128, 4, 3),
+                          (64, 128, 4, 2), (64, 128, 8, 2), (128, 128, 4, 3)]}
+BWD["paper_1gpu"] = {64: [(128, 64, 64, 128, 4, 3), (128, 32, 32, 128, 4, 3), (128, 64, 64, 128, 8, 3),
+                          (128, 32, 64, 128, 4, 2), (128, 64, 32, 128, 8, 2), (128, 128, 64, 128, 8, 2),
+                          (128, 32, 32, 128, 8, 3), (128, 64, 64, 128, 8, 2), (128, 32, 32, 128, 4, 4),
+                          (128, 64, 64, 128, 4, 2)]}
+FAMILIES = {  # name -> the knobs it is tuned with (counters as a run uses them)
     "fa2": AttentionKnobs(recipe="fa2", counters=False),
     "fa2_exact": AttentionKnobs(recipe="fa2", counters=True),
     "paper_bf16": AttentionKnobs(recipe="paper_bf16", counters=True),
     "fp32": AttentionKnobs(recipe="fp32", counters=True),
+    "paper_1gpu": AttentionKnobs(recipe="paper_bf16", block_q=128, block_k=128, counters=True),
 }
+KEEP_BITS = ("fa2_exact", "paper_bf16", "paper_1gpu")  # tune_shape: only bit-identical candidates are chosen
 FP32_MAX_T = 2048  # the FP32 recipe runs ~30x slower: tuned at the short shapes only
 
 
-def _time(fn, rep_ms=60):
+def _time(fn, rep_ms=60, graph=True):
+    """Median ms of fn on the GPU. graph: fn captured once in a CUDA graph and the graph replayed, so the figure is
+    the kernels' time, not the host's (at T <= 1024 one call's host work outlasts its kernels, and a host-bound
+    timing ranks candidates by noise); a capture that fails falls back to timing fn itself (`timing` says which)."""
     import triton.testing
     fn()
     torch.cuda.synchronize()
-    return triton.testing.do_bench(fn, warmup=20, rep=rep_ms, return_mode="median")
+    if graph:
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm-up off the default stream, as torch.cuda.graphs asks
+                fn()
+            torch.cuda.current_stream().wait_stream(side)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                fn()
+            return triton.testing.do_bench(g.replay, warmup=20, rep=rep_ms, return_mode="median"), "cuda_graph"
+        except Exception:  # (e.g. a host sync inside fn): timed as it is
+            torch.cuda.synchronize()
+    return triton.testing.do_bench(fn, warmup=20, rep=rep_ms, return_mode="median"), "eager"
 
 
 def tune_shape(tf, fam, knobs, B, H, T, D, dev, log):
     """Time the forward and backward candidates of one family at one shape; keep the fastest in SHAPE_TABLE."""
     import flash_forensics.kernels.emulator
-    kind = "fp32" if fam == "fp32" else "bf16"
+    kind = fam if fam in FWD else "fp32" if fam == "fp32" else "bf16"
     dt = torch.float32 if fam == "fp32" else torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(0)
     q, k, v, do = (torch.randn(B, H, T, D, device=dev, dtype=dt, generator=g) for _ in range(4))
@@ -68,8 +102,22 @@ def tune_shape(tf, fam, knobs, B, H, T, D, dev, log):
     rep, maxl = (stats.repeated_max_rows, stats.max_logit) if knobs.counters else (None, None)
     res = dict(family=fam, shape=[B, H, T, D], fwd=[], bwd=[])
     fwd_key = lambda c: tf._fwd_blocks(knobs, D, T)  # noqa: E731  (with c in SHAPE_TABLE: what actually launches)
+    # families whose tiles carry meaning keep the default launch's bits: a candidate whose outputs differ is timed
+    # and listed (same_bits: false) but never chosen; fa2 and fp32 leave their tiles free
+    keep_bits = fam in KEEP_BITS
+    res["keep_bits"] = keep_bits
+    fn_now = None
+
+    def outputs():  # the call's tensors (O and lse, or dQ, dK and dV), kept apart from the next call's
+        return [t.clone() for t in fn_now() if isinstance(t, torch.Tensor)]
 
     def pick(kind_key, table_key, cands, fn, key):
+        nonlocal fn_now
+        fn_now = fn
+        saved = tf.SHAPE_TABLE.pop(table_key, None)
+        ref = outputs()  # the launch this table key would not change: the default (what the code launches now)
+        if saved is not None:
+            tf.SHAPE_TABLE[table_key] = saved
         best, best_ms = None, None
         tried = set()
         for c in cands:
@@ -79,11 +127,15 @@ def tune_shape(tf, fam, knobs, B, H, T, D, dev, log):
                 continue
             tried.add(eff)
             try:
-                ms = _time(fn)
+                ms, timing = _time(fn)
+                same = all(torch.equal(a, b) for a, b in zip(ref, outputs()))
             except Exception as e:  # e.g. out of shared memory: skipped
                 log(f"  {fam:10s} {kind_key} T={T} D={D} {c}: failed {type(e).__name__}")
                 continue
-            res[kind_key].append(dict(config=list(c), launch=str(eff), ms=ms))
+            res[kind_key].append(dict(config=list(c), launch=str(eff), ms=ms, timing=timing, same_bits=same))
+            if keep_bits and not same:  # faster or not, it would change the recipe's numbers
+                log(f"  {fam:10s} {kind_key} T={T} D={D} {c}: {ms:.3f} ms, bits differ from the default: not chosen")
+                continue
             if best_ms is None or ms < best_ms:
                 best, best_ms = c, ms
         if best is None:
@@ -93,22 +145,25 @@ def tune_shape(tf, fam, knobs, B, H, T, D, dev, log):
         log(f"  {fam:10s} {kind_key} T={T} D={D}: best {best} {best_ms:.3f} ms of {len(res[kind_key])}")
         return best, best_ms
 
-    res["fwd_best"], res["fwd_ms"] = pick("fwd", ("fwd", fam, D, tf.length_class(T)), FWD[kind][D],
-                                          lambda: tf._forward(q, k, v, knobs, rep, maxl), fwd_key)
-    if fam in ("fa2", "paper_bf16", "fp32"):  # the backward does not depend on SFA / counters: one per recipe
+    lc = tf.length_class(T)
+    res["fwd_best"], res["fwd_ms"] = pick("fwd", ("fwd", tf.table_family(tf.fwd_family(knobs), knobs), D, lc),
+                                          FWD[kind][D], lambda: tf._forward(q, k, v, knobs, rep, maxl), fwd_key)
+    if fam in ("fa2", "paper_bf16", "fp32", "paper_1gpu"):  # the backward does not depend on SFA / counters
         o, lse, _, _ = tf._forward(q, k, v, knobs)
-        res["bwd_best"], res["bwd_ms"] = pick("bwd", ("bwd", knobs.recipe, D, tf.length_class(T)), BWD[kind][D],
+        res["bwd_best"], res["bwd_ms"] = pick("bwd", ("bwd", tf.table_family(tf.bwd_family(knobs), knobs), D, lc),
+                                              BWD[kind][D],
                                               lambda: tf._backward(do, q, k, v, o, lse, knobs),
                                               lambda c: tf._bwd_blocks(knobs, D, T))
     return res
 
 
-def tune_all(dev, shapes, log=print) -> dict:
-    from flash_forensics.kernels import triton_flash as tf
+def tune_all(dev, shapes, log=print, families=None) -> dict:
+    from flash_forensics.kernels import triton_launch as tf
     out = dict(results=[])
     for B, H, T, D in shapes:
         for fam, knobs in FAMILIES.items():
-            if fam == "fp32" and T > FP32_MAX_T:
+            if (fam == "fp32" and T > FP32_MAX_T) or (families and fam not in families) or D not in FWD.get(
+                    fam, FWD["bf16"]):
                 continue
             log(f"tuning {fam} at B={B} H={H} T={T} D={D}")
             out["results"].append(tune_shape(tf, fam, knobs, B, H, T, D, dev, log))
@@ -117,24 +172,28 @@ def tune_all(dev, shapes, log=print) -> dict:
 
 
 def load_shape_table(path) -> dict:
-    """Put a tune JSON's chosen configs into kernels/triton_flash.py's SHAPE_TABLE (another process's tuning)."""
-    from flash_forensics.kernels import triton_flash as tf
-    with open(path) as f:
-        data = json.load(f)
-    table = data["shape_table"] if "shape_table" in data else data["tuning"]["shape_table"]  # tune or attention JSON
-    for key, cfg in table.items():
-        kind, fam, D, length = key.split("/")
-        tf.SHAPE_TABLE[(kind, fam, int(D), length)] = tuple(cfg)
-    return table
+    """Put a tune JSON's chosen configs into SHAPE_TABLE (kernels/triton_launch.py load_shape_table)."""
+    from flash_forensics.kernels.triton_launch import load_shape_table as load
+    return load(path)
 
 
 def main(argv=None):
     from benchmarks.shapes import SHAPES
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--families", default=",".join(FAMILIES), help="comma list of: " + ", ".join(FAMILIES))
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    res = tune_all(torch.device("cuda"), [SHAPES[s] for s in args.shapes.split(",")])
+    for name, known in (("shapes", SHAPES), ("families", FAMILIES)):
+        bad = [x for x in getattr(args, name).split(",") if x not in known]
+        if bad:
+            ap.error(f"--{name}: {bad[0]!r} is not allowed: expected names from {', '.join(known)}")
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks/tune.py needs a CUDA GPU")
+    res = tune_all(torch.device("cuda"), [SHAPES[s] for s in args.shapes.split(",")],
+                   families=args.families.split(","))
+    from benchmarks.attention import environment
+    res.update(environment(sys.argv[1:] if argv is None else argv, script=__file__))
     path = args.out or os.path.join(ROOT, "results", "bench", "tune.json")
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:

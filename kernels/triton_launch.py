@@ -148,10 +148,66 @@ def fwd_family(knobs: AttentionKnobs) -> str:
     return "fa2_exact" if exact_n else "fa2"
 
 
+def bwd_family(knobs: AttentionKnobs) -> str:
+    return "fp32_tc" if knobs.recipe == "fp32" and knobs.fp32_gemm == "tf32x3" else knobs.recipe
+
+
+def table_family(fam: str, knobs: AttentionKnobs) -> str:
+    """The SHAPE_TABLE family of a launch. paper_bf16 with tiling fixes the forward's key tile and the backward's
+    dK/dV query tile and dQ key tile to block_q / block_k, so the rest of its configuration is tuned per tile size:
+    the tiles are in the name (paper_bf16_128x128: experiment=paper_1gpu's), and a choice made at one tile size
+    never moves another's launch."""
+    if fam == "paper_bf16" and knobs.tiling:
+        return f"paper_bf16_{knobs.block_q}x{knobs.block_k}"
+    return fam
+
+
+def _table(kind: str, fam: str, knobs: AttentionKnobs, D: int, T: int):
+    """SHAPE_TABLE's entry for this launch: the tile-size family's, else the family's, else None."""
+    lc = length_class(T)
+    return SHAPE_TABLE.get((kind, table_family(fam, knobs), D, lc)) or SHAPE_TABLE.get((kind, fam, D, lc))
+
+
+def load_shape_table(path) -> dict:
+    """Put a tune JSON's chosen configs (benchmarks/tune.py, or an attention JSON made with --tune) into
+    SHAPE_TABLE. They are speed-only: the launcher still sets every block size a recipe's meaning fixes."""
+    import json
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        table = data["shape_table"] if "shape_table" in data else data["tuning"]["shape_table"]
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"launch table {path!r} is not allowed: expected a tune JSON with a shape_table "
+                         f"(benchmarks/tune.py --out): {type(e).__name__}: {e}") from None
+    for key, cfg in table.items():
+        kind, fam, D, length = key.split("/")
+        SHAPE_TABLE[(kind, fam, int(D), length)] = tuple(cfg)
+    return table
+
+
+@contextlib.contextmanager
+def shape_table_scope(table: dict):
+    """SHAPE_TABLE with `table`'s entries (tune JSON keys, "kind/family/D/length") added for the duration: a
+    benchmark times a tuned launch beside the default one in one process."""
+    saved = dict(SHAPE_TABLE)
+    for key, cfg in table.items():
+        kind, fam, D, length = key.split("/")
+        SHAPE_TABLE[(kind, fam, int(D), length)] = tuple(cfg)
+    try:
+        yield
+    finally:
+        SHAPE_TABLE.clear()
+        SHAPE_TABLE.update(saved)
+
+
+if os.environ.get("FF_LAUNCH_TABLE"):  # a tune JSON's choices for this process (checked by the lease's bit tests)
+    load_shape_table(os.environ["FF_LAUNCH_TABLE"])
+
+
 def _fwd_blocks(knobs: AttentionKnobs, D: int, T: int = 1024):
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the forward."""
     fam = fwd_family(knobs)
-    block_m, free_n, warps, stages = SHAPE_TABLE.get(("fwd", fam, D, length_class(T))) or FWD_TABLE[fam][D]
+    block_m, free_n, warps, stages = _table("fwd", fam, knobs, D, T) or FWD_TABLE[fam][D]
     # the key tile is the unit Algorithm 3, the counters and BF16 rescaling roundings (paper_bf16's) see
     exact_n = knobs.tiling and (fam in ("fa2_exact", "paper_bf16") or key_tile_knobs(knobs)
                                 or bool(round_mask(knobs) & _FWD_TILED))
@@ -163,8 +219,8 @@ def _fwd_blocks(knobs: AttentionKnobs, D: int, T: int = 1024):
 
 def _bwd_blocks(knobs: AttentionKnobs, D: int, T: int = 1024):
     """((dkdv BLOCK_M, BLOCK_N), (dq BLOCK_M, BLOCK_N), num_warps, num_stages) of the backward passes."""
-    fam = "fp32_tc" if knobs.recipe == "fp32" and knobs.fp32_gemm == "tf32x3" else knobs.recipe
-    m1, n1, m2, n2, warps, stages = (SHAPE_TABLE.get(("bwd", fam, D, length_class(T))) or BWD_TABLE[fam][D])
+    fam = bwd_family(knobs)
+    m1, n1, m2, n2, warps, stages = _table("bwd", fam, knobs, D, T) or BWD_TABLE[fam][D]
     if knobs.tiling and round_mask(knobs) & _BWD_TILED:  # BF16 chunks / accumulators rounded per emulator tile
         m1, n2 = knobs.block_q, knobs.block_k
     elif _interpret():

@@ -156,7 +156,8 @@ def cmd_run(a, overrides: Sequence[str]) -> int:
     losses = losses_of(export(uri)["runs"], steps=a.steps)
     gpu = _gpu()
     lines = _against(losses, a.seed, a.ref)
-    doc = {"gpu": gpu, "seed": a.seed, "command": " ".join(cmd), "losses": losses, "against": lines}
+    doc = {"gpu": gpu, "seed": a.seed, "command": " ".join(cmd), "losses": losses, "against": lines,
+           "launch_table": os.environ.get("FF_LAUNCH_TABLE")}  # a tune JSON's launch configs, if the run had one
     (out / "first_steps.json").write_text(json.dumps(doc, indent=1) + "\n")
     print(f"first_steps: seed {a.seed} on {gpu}: " + ", ".join(repr(x) for x in losses))
     for line in lines:

@@ -22,6 +22,10 @@
 #                (benchmarks/train_step.py; TRAIN_VARIANTS: its variants at T1024, "+jitlaunch" ones time Triton's own
 #                launch beside the launch cache); SPEED_PARTS="host train1024" runs only those; SPEED_PARTS=cudagraphs:
 #                the training step under torch.compile(mode="reduce-overhead") beside the default compile
+#   tune         launch configs timed on CUDA graphs (benchmarks/tune.py; TUNE_SHAPES, TUNE_FAMILIES, default the
+#                paper_1gpu preset's tiles at T1024); its JSON also lands in TUNE_TABLE (/tmp/ff-tune.json) for later
+#                items: FF_LAUNCH_TABLE=<it> bits / first-steps (bit for bit with it?), TUNED_TABLE=<it> speed
+#                (train1024's ATTN+tuned variants)
 #   bench        the other benchmarks: emulator vs SDPA, monitor overhead, probe cost, stabilizer throughput
 #                (benchmarks/stabilizers.py in a budget: STAB_BENCH_SECONDS, default 100), a GPT-2S checkpoint's
 #                stall of the step loop, written in the loop vs on a thread (benchmarks/checkpoint_write.py)
@@ -251,7 +255,7 @@ print(re.sub('[^a-z0-9]+', '-', g).strip('-'))" "$LOG/kernel-bits.json") || die 
     if [[ $parts == *" train1024 "* ]]; then
     # every variant built first, then round-robin (benchmarks/train_step.py); 4 compiles take most of the time
     bounded "${TRAIN_TIMEOUT:-420}" "$LOG/train_T1024.log" $PY benchmarks/train_step.py --shapes 16x1024 --steps 24 \
-      --rounds 4 --out "$LOG/train_T1024.json" \
+      --rounds 4 --out "$LOG/train_T1024.json" ${TUNED_TABLE:+--tuned-table "$TUNED_TABLE"} \
       --variants "${TRAIN_VARIANTS:-sdpa+compile,triton_fa2+compile,triton_paper_bf16+compile,paper_1gpu+compile,sdpa,triton_fa2,triton_fa2+jitlaunch,triton_paper_bf16,paper_1gpu,paper_1gpu+jitlaunch}" \
       || rc=1
     fi
@@ -269,6 +273,17 @@ print(re.sub('[^a-z0-9]+', '-', g).strip('-'))" "$LOG/kernel-bits.json") || die 
       --out "$LOG/train_T256.json" || rc=1
     fi
     grep -h '"variant"' "$LOG"/train_T*.log 2>/dev/null | cut -c1-230
+    exit $rc
+    ;;
+  tune)
+    # speed-only launch configs timed on CUDA graphs (benchmarks/tune.py): TUNE_SHAPES (default gpt2s_T1024),
+    # TUNE_FAMILIES (default paper_1gpu); the JSON also goes to TUNE_TABLE (default /tmp/ff-tune.json), where a later
+    # queue item reads it: FF_LAUNCH_TABLE=/tmp/ff-tune.json bits | first-steps, TUNED_TABLE=... speed
+    setup; logdir tune
+    bounded "${TUNE_TIMEOUT:-300}" "$LOG/tune.log" $PY benchmarks/tune.py --shapes "${TUNE_SHAPES:-gpt2s_T1024}" \
+      --families "${TUNE_FAMILIES:-paper_1gpu}" --out "$LOG/tune.json"; rc=$?
+    grep -E "best" "$LOG/tune.log"
+    [ -f "$LOG/tune.json" ] && cp "$LOG/tune.json" "${TUNE_TABLE:-/tmp/ff-tune.json}"
     exit $rc
     ;;
   bench)

@@ -119,6 +119,7 @@ def _env(device: str) -> dict:
     except ImportError:
         env["triton"] = None
     env["gpu"] = torch.cuda.get_device_name() if device == "cuda" else "cpu (Triton interpreter)"
+    env["launch_table"] = os.environ.get("FF_LAUNCH_TABLE")  # a tune JSON's launch configs (speed-only), if any
     try:
         env["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                                        timeout=10).stdout.strip() or None
