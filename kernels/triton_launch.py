@@ -124,6 +124,12 @@ BWD_TABLE = {
 }
 SHAPE_TABLE: dict = {  # ("fwd" | "bwd", family, D, length class) -> config tuple, as above
     ("fwd", "fp32", 64, "short"): (16, 32, 4, 2),
+    # experiment=paper_1gpu's tiles (table_family): 2 pipeline stages instead of 3. On an H100 (2026-12-06, two tune
+    # runs on CUDA graphs, results/bench/gpu-h100-2026-12-06c/) the backward took 0.556-0.560 ms instead of
+    # 0.696-0.697 and the forward 0.229 instead of 0.230-0.233; the kernel-bits cases and the preset's first steps
+    # stayed bit for bit, and a GPT-2S step ran 2.9-3.3% more tokens/s with the same losses.
+    ("fwd", "paper_bf16_128x128", 64, "long"): (64, 128, 4, 2),
+    ("bwd", "paper_bf16_128x128", 64, "long"): (128, 64, 64, 128, 4, 2),
 }
 
 

@@ -28,12 +28,13 @@ def test_a_preset_tile_entry_moves_only_that_tile_size_and_never_a_fixed_block()
     assert tl_.table_family("paper_bf16", SMALL) == "paper_bf16_64x64"
     assert tl_.table_family("fa2", PRESET) == "fa2"
     small_before = (tl_._fwd_blocks(SMALL, 64, 1024), tl_._bwd_blocks(SMALL, 64, 1024))
+    table_before = dict(tl_.SHAPE_TABLE)
     table = {"fwd/paper_bf16_128x128/64/long": [128, 32, 8, 2],
              "bwd/paper_bf16_128x128/64/long": [32, 32, 16, 32, 8, 2]}
     with tl_.shape_table_scope(table):
         fwd, bwd = tl_._fwd_blocks(PRESET, 64, 1024), tl_._bwd_blocks(PRESET, 64, 1024)
         assert (tl_._fwd_blocks(SMALL, 64, 1024), tl_._bwd_blocks(SMALL, 64, 1024)) == small_before
-    assert ("fwd", "paper_bf16_128x128", 64, "long") not in tl_.SHAPE_TABLE  # the scope restored the table
+    assert tl_.SHAPE_TABLE == table_before  # the scope restored the table
     # the key tile (forward BLOCK_N), the dK/dV query tile and the dQ key tile stay the preset's 128
     assert fwd[2:] == (8, 2) and bwd[2:] == (8, 2)
     if not tl_._interpret():
@@ -41,10 +42,18 @@ def test_a_preset_tile_entry_moves_only_that_tile_size_and_never_a_fixed_block()
 
 
 def test_a_generic_family_entry_still_applies_where_no_tile_entry_exists():
-    with tl_.shape_table_scope({"fwd/paper_bf16/64/long": [32, 64, 8, 4]}):
-        assert tl_._fwd_blocks(PRESET, 64, 1024)[2:] == (8, 4)
-        with tl_.shape_table_scope({"fwd/paper_bf16_128x128/64/long": [64, 64, 4, 2]}):
-            assert tl_._fwd_blocks(PRESET, 64, 1024)[2:] == (4, 2)  # the tile entry first
+    with tl_.shape_table_scope({"fwd/paper_bf16/32/long": [32, 64, 8, 4]}):  # (no paper_bf16_128x128 entry at D32)
+        assert tl_._fwd_blocks(PRESET, 32, 1024)[2:] == (8, 4)
+        with tl_.shape_table_scope({"fwd/paper_bf16_128x128/32/long": [64, 64, 4, 1]}):
+            assert tl_._fwd_blocks(PRESET, 32, 1024)[2:] == (4, 1)  # the tile entry first
+
+
+def test_the_preset_launch_is_the_measured_one_and_other_tiles_keep_theirs():
+    """SHAPE_TABLE's paper_bf16_128x128 entries (2 stages, measured on an H100 to keep the bits) apply to
+    experiment=paper_1gpu's attention at T1024 and to no other tile size."""
+    assert tl_.launch_config(PRESET, 64, 1024)["bwd"]["num_stages"] == 2
+    assert tl_.launch_config(PRESET, 64, 1024)["fwd"]["num_stages"] == 2
+    assert tl_.launch_config(SMALL, 64, 1024)["bwd"]["num_stages"] == tl_.BWD_TABLE["paper_bf16"][64][5]
 
 
 def test_a_bad_launch_table_names_the_file_and_what_it_expected(tmp_path):
