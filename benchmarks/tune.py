@@ -107,16 +107,13 @@ def tune_shape(tf, fam, knobs, B, H, T, D, dev, log):
     # and listed (same_bits: false) but never chosen; fa2 and fp32 leave their tiles free
     keep_bits = fam in KEEP_BITS
     res["keep_bits"] = keep_bits
-    fn_now = None
 
-    def outputs():  # the call's tensors (O and lse, or dQ, dK and dV), kept apart from the next call's
-        return [t.clone() for t in fn_now() if isinstance(t, torch.Tensor)]
+    def outputs(fn):  # the call's tensors (O and lse, or dQ, dK and dV), kept apart from the next call's
+        return [t.clone() for t in fn() if isinstance(t, torch.Tensor)]
 
     def pick(kind_key, table_key, cands, fn, key):
-        nonlocal fn_now
-        fn_now = fn
         saved = tf.SHAPE_TABLE.pop(table_key, None)
-        ref = outputs()  # the launch this table key would not change: the default (what the code launches now)
+        ref = outputs(fn)  # the launch without this table key: the default (what the code launched before it)
         if saved is not None:
             tf.SHAPE_TABLE[table_key] = saved
         best, best_ms = None, None
@@ -129,7 +126,7 @@ def tune_shape(tf, fam, knobs, B, H, T, D, dev, log):
             tried.add(eff)
             try:
                 ms, timing = _time(fn)
-                same = all(torch.equal(a, b) for a, b in zip(ref, outputs()))
+                same = all(torch.equal(a, b) for a, b in zip(ref, outputs(fn)))
             except Exception as e:  # e.g. out of shared memory: skipped
                 log(f"  {fam:10s} {kind_key} T={T} D={D} {c}: failed {type(e).__name__}")
                 continue

@@ -6,7 +6,8 @@ Why: at T <= 1024 one fwd+bwd of the attention is four launches whose host time,
 `fn[grid](...)` binds ~60 arguments, builds and hashes the specialization key, checks the kernel's globals, and its
 launcher calls `data_ptr()` and cuPointerGetAttribute for every tensor argument. Here the key is computed from the
 same properties Triton specializes on (an argument's type, 16-byte alignment, divisibility by 16, the value 1), and
-the tensors travel as their device addresses (Triton's launcher takes an int as a pointer as it is).
+the tensors travel as their device addresses (Triton's launcher takes an int as a pointer as it is). On an H100
+(results/bench/gpu-h100-2026-12-06c/) this took fa2's fwd+bwd from 751-809 to 620-625 us of host time.
 
 The kernel that runs is always one Triton compiled for these arguments: the first call of a key goes through
 `fn[grid]` (Triton binds, compiles, launches and returns it). `FF_TRITON_LAUNCH`:

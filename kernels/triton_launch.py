@@ -125,7 +125,7 @@ BWD_TABLE = {
 SHAPE_TABLE: dict = {  # ("fwd" | "bwd", family, D, length class) -> config tuple, as above
     ("fwd", "fp32", 64, "short"): (16, 32, 4, 2),
     # experiment=paper_1gpu's tiles (table_family): 2 pipeline stages instead of 3. On an H100 (2026-12-06, two tune
-    # runs on CUDA graphs, results/bench/gpu-h100-2026-12-06c/) the backward took 0.556-0.560 ms instead of
+    # runs on CUDA graphs, results/bench/gpu-h100-2026-12-06c/) the backward took 0.555-0.560 ms instead of
     # 0.696-0.697 and the forward 0.229 instead of 0.230-0.233; the kernel-bits cases and the preset's first steps
     # stayed bit for bit, and a GPT-2S step ran 2.9-3.3% more tokens/s with the same losses.
     ("fwd", "paper_bf16_128x128", 64, "long"): (64, 128, 4, 2),
@@ -185,10 +185,15 @@ def load_shape_table(path) -> dict:
     except (OSError, ValueError, KeyError) as e:
         raise ValueError(f"launch table {path!r} is not allowed: expected a tune JSON with a shape_table "
                          f"(benchmarks/tune.py --out): {type(e).__name__}: {e}") from None
+    _add_entries(table)
+    return table
+
+
+def _add_entries(table: dict) -> None:
+    """A tune JSON's shape_table ("kind/family/D/length" -> config list) into SHAPE_TABLE."""
     for key, cfg in table.items():
         kind, fam, D, length = key.split("/")
         SHAPE_TABLE[(kind, fam, int(D), length)] = tuple(cfg)
-    return table
 
 
 @contextlib.contextmanager
@@ -196,9 +201,7 @@ def shape_table_scope(table: dict):
     """SHAPE_TABLE with `table`'s entries (tune JSON keys, "kind/family/D/length") added for the duration: a
     benchmark times a tuned launch beside the default one in one process."""
     saved = dict(SHAPE_TABLE)
-    for key, cfg in table.items():
-        kind, fam, D, length = key.split("/")
-        SHAPE_TABLE[(kind, fam, int(D), length)] = tuple(cfg)
+    _add_entries(table)
     try:
         yield
     finally:
