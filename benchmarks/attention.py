@@ -25,10 +25,8 @@ import argparse
 import contextlib
 import json
 import os
-import platform
 import statistics
 import sys
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -134,14 +132,10 @@ def _write(out, path):
 
 
 def environment(argv, script=None) -> dict:
-    """script: the benchmark that ran (default: the one Python started; train_step.py and fp32_reference.py call
-    this too, and their JSON named attention.py as the command)."""
-    import triton
-    script = script or (sys.argv[0] if sys.argv and sys.argv[0].endswith(".py") else __file__)
-    return dict(command="python " + " ".join([os.path.relpath(os.path.abspath(script), ROOT)] + list(argv)),
-                gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version(), python=platform.python_version(),
-                time=time.strftime("%Y-%m-%dT%H:%M:%S"))
+    """benchmarks/envinfo.py's, script defaulting to the benchmark Python started (train_step.py and
+    fp32_reference.py call this too, and their JSON named attention.py as the command)."""
+    from benchmarks.envinfo import environment as env
+    return env(argv, script or (sys.argv[0] if sys.argv and sys.argv[0].endswith(".py") else __file__))
 
 
 def summarize(rows, shapes) -> dict:

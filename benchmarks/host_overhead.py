@@ -18,8 +18,10 @@ and, apart (`schema` rows, no kernel at all): two no-op mutating custom ops, one
 had before its knobs became one string, one with its 8 now: torch's dispatch cost against the schema's length.
 On the CPU the four Triton kernels are replaced by no-ops (`--device cpu`: triton's launcher is not timed; the figure
 is the rest). On CUDA the kernels run: `host_us_<method>` is the time to enqueue one fwd+bwd (a burst of --iters
-calls after a sync, shorter than the launch queue), `gpu_us` the fwd+bwd time by triton.testing.do_bench;
-`host_bound` (host_us_cached > gpu_us) means the GPU waits on the host at that shape.
+calls after a sync, shorter than the launch queue), `gpu_us` the kernels' time of one fwd+bwd, from a CUDA graph
+of the call (benchmarks/kernel_time.py; `gpu_timing` "eager" where the capture failed and the call itself was timed,
+host included; every result up to 2026-12-06 was timed that way); `host_bound` (host_us_cached > gpu_us) means the
+GPU waits on the host at that shape.
 """
 from __future__ import annotations
 
@@ -238,8 +240,9 @@ def main(argv=None):
         row["launch_us"] = launches  # the kernels a call launched (zeros: not launched by this recipe and knobs)
         row["host_us_outside_launches"] = total - sum(launches.values())
         if dev.type == "cuda":
-            from triton.testing import do_bench
-            row["gpu_us"] = do_bench(lambda c=c: eager(c)) * 1e3
+            from benchmarks.kernel_time import kernel_ms
+            ms, row["gpu_timing"] = kernel_ms(lambda c=c: eager(c), rep_ms=100)
+            row["gpu_us"] = ms * 1e3
             row["host_bound"] = row["host_us_cached"] > row["gpu_us"]
         out["rows"].append(row)
         print(json.dumps(row), flush=True)

@@ -69,27 +69,11 @@ KEEP_BITS = ("fa2_exact", "paper_bf16", "paper_1gpu")  # tune_shape: only bit-id
 FP32_MAX_T = 2048  # the FP32 recipe runs ~30x slower: tuned at the short shapes only
 
 
-def _time(fn, rep_ms=60, graph=True):
-    """Median ms of fn on the GPU. graph: fn captured once in a CUDA graph and the graph replayed, so the figure is
-    the kernels' time, not the host's (at T <= 1024 one call's host work outlasts its kernels, and a host-bound
-    timing ranks candidates by noise); a capture that fails falls back to timing fn itself (`timing` says which)."""
-    import triton.testing
-    fn()
-    torch.cuda.synchronize()
-    if graph:
-        try:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # warm-up off the default stream, as torch.cuda.graphs asks
-                fn()
-            torch.cuda.current_stream().wait_stream(side)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                fn()
-            return triton.testing.do_bench(g.replay, warmup=20, rep=rep_ms, return_mode="median"), "cuda_graph"
-        except Exception:  # (e.g. a host sync inside fn): timed as it is
-            torch.cuda.synchronize()
-    return triton.testing.do_bench(fn, warmup=20, rep=rep_ms, return_mode="median"), "eager"
+def _time(fn):
+    """(median ms, timing) of fn's kernels: benchmarks/kernel_time.py (a CUDA graph of the call, so the figure is the
+    kernels' time, not the host's; at T <= 1024 a host-bound timing would rank the candidates by noise)."""
+    from benchmarks.kernel_time import kernel_ms
+    return kernel_ms(fn)
 
 
 def tune_shape(tf, fam, knobs, B, H, T, D, dev, log):
@@ -190,8 +174,8 @@ def main(argv=None):
         sys.exit("benchmarks/tune.py needs a CUDA GPU")
     res = tune_all(torch.device("cuda"), [SHAPES[s] for s in args.shapes.split(",")],
                    families=args.families.split(","))
-    from benchmarks.attention import environment
-    res.update(environment(sys.argv[1:] if argv is None else argv, script=__file__))
+    from benchmarks.envinfo import environment
+    res.update(environment(sys.argv[1:] if argv is None else argv, __file__))
     path = args.out or os.path.join(ROOT, "results", "bench", "tune.json")
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
