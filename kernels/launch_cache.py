@@ -23,6 +23,12 @@ import os
 
 import torch
 
+try:  # read once here, not per launch (a function-level import costs on the hot path this module exists for)
+    from triton import knobs as _knobs
+    from triton.runtime import driver as _driver
+except ImportError:  # pragma: no cover - no triton: nothing launches
+    _knobs = _driver = None
+
 MODES = ("direct", "jit", "check")
 
 
@@ -67,19 +73,16 @@ def spec_of(args):
 
 def current_device() -> int:
     """The device Triton launches on: its driver's current one (what fn[grid] reads)."""
-    from triton.runtime import driver
-    return driver.active.get_current_device()
+    return _driver.active.get_current_device()
 
 
 def current_stream(device: int):
-    from triton.runtime import driver
-    return driver.active.get_current_stream(device)
+    return _driver.active.get_current_stream(device)
 
 
 def _hooked() -> bool:
     """Whether a launch hook is set (a HookChain with calls since Triton 3.4; None or a function before)."""
-    from triton import knobs
-    rt = knobs.runtime
+    rt = _knobs.runtime
     return any(h is not None and bool(getattr(h, "calls", True)) for h in (rt.launch_enter_hook, rt.launch_exit_hook))
 
 
