@@ -14,7 +14,9 @@ Methods (causal, BF16 inputs (B, H, T, D); FLOPs = 7*B*H*T^2*D per fwd+bwd):
   triton_fp32                               the FP32 reference recipe on FP32 inputs (cast as a run casts them)
   emulator_paper_bf16                       the plain-PyTorch source of truth (first round, GPT-2S shape only)
 Every round times every (shape, method) once with triton.testing.do_bench (median, CUDA events, L2 flushed, grads
-reset); a row's figure is the median over rounds. Ratios are against sdpa_flash and against the fastest SDPA
+reset); a row's figure is the median over rounds. --kernels N then profiles each row N calls (torch.profiler): its
+kernels' GPU time one by one, without the host's (benchmarks/kernel_time.py kernel_split), and
+kernels_vs_best_sdpa, the ratio of those totals. Ratios are against sdpa_flash and against the fastest SDPA
 backend that ran at that shape. --tune first times speed-only launch configs per recipe and shape
 (kernels/triton_launch.py: launch_config) and keeps the fastest for the rest of the process; what it chose is in
 the JSON.
@@ -153,6 +155,9 @@ def summarize(rows, shapes) -> dict:
                 d["methods"][m] = dict(ms=r["ms"], tflops=r["tflops"],
                                        vs_sdpa_flash=ran["sdpa_flash"] / r["ms"] if "sdpa_flash" in ran else None,
                                        vs_best_sdpa=ran[best] / r["ms"])
+                if r.get("total_us") and by[(s, best)].get("total_us"):  # --kernels: the GPU's time alone
+                    d["methods"][m].update(kernels_us=r["total_us"],
+                                           kernels_vs_best_sdpa=by[(s, best)]["total_us"] / r["total_us"])
         ms = {m: v["ms"] for m, v in d["methods"].items()}
         if "triton_fa2" in ms and "triton_fa2_jit" in ms:  # > 1: the launch cache is faster than Triton's launch
             d["launch_cache_speedup"] = ms["triton_fa2_jit"] / ms["triton_fa2"]
@@ -160,6 +165,9 @@ def summarize(rows, shapes) -> dict:
             for m in ("triton_fa2_counters", "triton_fa2_sfa_counters"):
                 if m in ms:
                     d[f"{m}_overhead_vs_fa2"] = ms[m] / ms["triton_fa2"] - 1
+                    ku = {x: d["methods"][x].get("kernels_us") for x in (m, "triton_fa2")}
+                    if all(ku.values()):  # the same on the kernels' GPU time alone
+                        d[f"{m}_kernels_overhead_vs_fa2"] = ku[m] / ku["triton_fa2"] - 1
         out[s] = d
     return out
 
@@ -192,6 +200,9 @@ def main(argv=None):
     ap.add_argument("--methods", default=",".join(SDPA + tuple(KNOBS)), help="comma list of methods")
     ap.add_argument("--rounds", type=int, default=3, help="round-robin rounds (a row is the median over them)")
     ap.add_argument("--rep-ms", type=int, default=300, help="do_bench repetition time per (row, round)")
+    ap.add_argument("--kernels", type=int, default=0, metavar="ITERS",
+                    help="after the rounds, each (shape, method) ITERS times under torch.profiler: its GPU time kernel "
+                         "by kernel (the host's time left out), and the ratios of those totals in the summary")
     ap.add_argument("--layout", choices=("bhtd", "bthd"), default="bhtd",
                     help="inputs: contiguous (B, H, T, D) tensors (bhtd, the default), or views of one fused QKV "
                          "projection as a GPT makes them (bthd: fwd+bwd then includes the gradients' copy back)")
@@ -232,6 +243,20 @@ def main(argv=None):
         print(f"round {rnd} {s:12s} {m:24s} {msg}", flush=True)
         out["rows"] = list(rows.values())
         _write(out, path)  # partial results survive a timeout
+    if args.kernels:
+        from benchmarks.kernel_time import kernel_split
+        for s in shapes:
+            inputs.clear()
+            B, H, T, D = SHAPES[s]
+            q, k, v, do, leaves = make_inputs(B, H, T, D, dev, layout=args.layout)
+            for m in names:
+                row = rows.get((s, m))
+                if row is None or "error" in row:
+                    continue
+                row.update(kernel_split(fwd_bwd(fns[(s, m)], q, k, v, do, leaves), args.kernels))
+                print(f"kernels {s:12s} {m:24s} {row['total_us']:9.1f} us: " + ", ".join(
+                    f"{r['name'][:40]} {r['us']:.1f}" for r in row["kernels"][:4]), flush=True)
+                _write(out, path)
     out["summary"] = summarize(out["rows"], shapes)
     out["targets"] = targets(out["summary"])
     _write(out, path)

@@ -27,3 +27,34 @@ def kernel_ms(fn, rep_ms: int = 60, graph: bool = True):
         except Exception:  # (e.g. a host sync inside fn): timed as it is
             torch.cuda.synchronize()
     return triton.testing.do_bench(fn, warmup=20, rep=rep_ms, return_mode="median"), "eager"
+
+
+def kernel_split(fn, iters: int = 20) -> dict:
+    """Where fn's GPU time goes, kernel by kernel: fn run `iters` times under torch.profiler (CUDA activity only),
+    each kernel's device time per call of fn. The profiler times kernels on the GPU's own clock, so the host's work
+    per call is not in it, as in kernel_ms; unlike kernel_ms, each kernel is named (forward, delta, dK/dV, dQ, a
+    copy, ...). {"kernels": [{name, us, launches}], "total_us"}, longest first."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    return split_events(prof.events(), iters)
+
+
+def split_events(events, iters: int) -> dict:
+    """kernel_split's aggregation over profiler events (FunctionEvent: .name, .device_type, .time_range): the
+    device events' time per call of the profiled function, by kernel name."""
+    from torch.autograd import DeviceType
+    acc: dict = {}
+    for e in events:
+        if getattr(e, "device_type", None) != DeviceType.CUDA:
+            continue
+        a = acc.setdefault(e.name, [0.0, 0])
+        a[0] += e.time_range.elapsed_us()
+        a[1] += 1
+    rows = [dict(name=n, us=t / iters, launches=c / iters) for n, (t, c) in acc.items()]
+    rows.sort(key=lambda r: -r["us"])
+    return dict(kernels=rows, total_us=sum(r["us"] for r in rows))

@@ -270,7 +270,9 @@ def _fwd_inner(acc, l_i, m_i, raw_max, fired, pmax, l_raw, p1, q, k_base, v_base
                 thr = rm - eps
                 if (_SCORES & ROUND) != 0:
                     thr = _rb(thr)
-                near = _valid(offs_m, cols, T, MASKED, kp, KEYPAD) & (s >= thr[:, None])
+                near = s >= thr[:, None]
+                if MASKED or KEYPAD:  # elsewhere every entry is valid: no per-entry test (the counters' cost)
+                    near = near & _valid(offs_m, cols, T, MASKED, kp, KEYPAD)
                 fire = (tl.sum(near.to(tl.int32), 1) > 1) & row_ok
                 fired += fire.to(tl.int32)
                 sfa = fire  # rows where the stabilized shift is meant to act (sfa_p1_rows)

@@ -17,7 +17,8 @@
 #                bit-identical; SKIP_HERE=1: the patched copy's tests only
 #   speed        attention fwd+bwd side by side (benchmarks/attention.py; TUNE=1 times launch configs first, at
 #                TUNE_SHAPES; ATTN_METHODS its methods;
-#                ATTN_LAYOUT=bthd: q, k, v as views of one fused projection, as the model makes them), the
+#                ATTN_LAYOUT=bthd: q, k, v as views of one fused projection, as the model makes them;
+#                ATTN_KERNELS=N: each row's kernels profiled over N calls, their GPU time without the host's), the
 #                host's time per call against the GPU's (benchmarks/host_overhead.py) and the GPT-2S training step
 #                (benchmarks/train_step.py; TRAIN_VARIANTS: its variants at T1024, "+jitlaunch" ones time Triton's own
 #                launch beside the launch cache); SPEED_PARTS="host train1024" runs only those; SPEED_PARTS=cudagraphs:
@@ -39,6 +40,9 @@
 #   own-model    the transformers backend on CUDA: its GPU tests and a Llama's training step, emulator vs Triton vs
 #                transformers' SDPA (benchmarks/hf_llama.py); the image's transformers (5.17.0 in 2026-11: in the declared
 #                range since 5.13), else from .whl_hf/ (wheels), so the lease need not carry them
+#   baseline-time
+#                the paper_1gpu baseline alone to step STEP (9697) and no further, SEED (1337), as the one-lease plan
+#                runs it (checkpoints from CKPT_START 8500): its result.json's wall_s is the time to that step
 #   ddp          2 GPUs (DDP) vs 1 GPU with gradient accumulation (benchmarks/ddp.py; needs 2 GPUs)
 #   mini-repro   the miniature over 3 seeds, baseline vs FP32 reference (sweeps/mini_repro_seeds)
 #   capture-mini the miniature's baseline (seed 1337) with a capture at step CAPTURE_STEP (850) of layer 2, heads 0
@@ -243,7 +247,7 @@ print(re.sub('[^a-z0-9]+', '-', g).strip('-'))" "$LOG/kernel-bits.json") || die 
     # ATTN_LAYOUT=bthd: q, k, v as the model makes them (views of the fused QKV projection; benchmarks/attention.py)
     bounded "${ATTN_TIMEOUT:-300}" "$LOG/attention.log" $PY benchmarks/attention.py ${TUNE:+--tune} \
       ${TUNE_SHAPES:+--tune-shapes "$TUNE_SHAPES"} ${ATTN_METHODS:+--methods "$ATTN_METHODS"} \
-      ${ATTN_LAYOUT:+--layout "$ATTN_LAYOUT"} --rounds 3 --out "$LOG/attention${ATTN_LAYOUT:+-$ATTN_LAYOUT}.json" || rc=1
+      ${ATTN_LAYOUT:+--layout "$ATTN_LAYOUT"} ${ATTN_KERNELS:+--kernels "$ATTN_KERNELS"} --rounds 3 --out "$LOG/attention${ATTN_LAYOUT:+-$ATTN_LAYOUT}.json" || rc=1
     grep -E "^\|" "$LOG/attention.log"
     fi
     if [[ $parts == *" host "* ]]; then
@@ -350,6 +354,22 @@ print(re.sub('[^a-z0-9]+', '-', g).strip('-'))" "$LOG/kernel-bits.json") || die 
       timeout "${FS_TIMEOUT:-300}" $PY scripts/first_steps.py run --seed "$s" --steps "${STEPS:-3}" --out "$LOG/seed$s" \
         -- "$@" || rc=1
     done
+    exit $rc
+    ;;
+  baseline-time)
+    # the paper_1gpu baseline alone on the GPU, to step STEP (9697: seed 1337's divergence on an H200) and no further,
+    # as the one-lease plan runs it (checkpoints from CKPT_START, evaluation, monitors, probes, MLflow), its
+    # divergence not stopping it (train.early_stop=false): result.json's wall_s is the time to that step. Runs and
+    # checkpoints under BT_R (default /tmp/baseline-time); result.json and the log come back. Hydra overrides: ARGS
+    setup; logdir baseline-time; R=${BT_R:-/tmp/baseline-time}; step=${STEP:-9697}
+    rm -rf "$R"; mkdir -p "$R"
+    timeout "${BT_TIMEOUT:-1200}" $PY run.py experiment=paper_1gpu train.seed="${SEED:-1337}" data.seed="${SEED:-1337}" \
+      train.max_steps=$((step + 1)) train.ckpt_start="${CKPT_START:-8500}" train.early_stop=false results_dir="$R" \
+      "$@" > "$LOG/run.log" 2>&1; rc=$?
+    res=$(find "$R" -name result.json | head -1)
+    [ -n "$res" ] && cp "$res" "$LOG/result.json" && $PY -c "import json, sys; r = json.load(open(sys.argv[1])); \
+print({k: r.get(k) for k in ('steps_done', 'wall_s', 'divergence_step', 'min_loss', 'min_loss_step', 'status')})" "$res"
+    tail -5 "$LOG/run.log"
     exit $rc
     ;;
   ddp)

@@ -51,3 +51,37 @@ def test_targets_judge_against_the_fastest_sdpa_backend_and_cap_the_overheads():
     assert t["fa2_counters_overhead_vs_fa2@T4096"]["met"] is False
     assert t["fa2_sfa_counters_overhead_vs_fa2@T4096"]["met"] is True
     assert t["fa2_vs_best_sdpa@D128_T2048"] == dict(target=0.8, measured=None, met=None, bound="min", against=None)
+
+
+def test_kernel_split_sums_device_events_per_call_by_name_and_skips_host_events():
+    """benchmarks/kernel_time.py split_events: only device (CUDA) events count, per call of the profiled function,
+    longest first; a host event of any length changes nothing."""
+    from types import SimpleNamespace as NS
+
+    from torch.autograd import DeviceType
+
+    from benchmarks.kernel_time import split_events
+
+    def ev(name, us, dev=DeviceType.CUDA):
+        return NS(name=name, device_type=dev, time_range=NS(elapsed_us=lambda: us))
+    events = [ev("_fwd_kernel", 100.0), ev("_bwd_dq_kernel", 60.0), ev("_fwd_kernel", 110.0),
+              ev("_bwd_dq_kernel", 50.0), ev("aten::add_", 9999.0, DeviceType.CPU), ev("_bwd_delta_kernel", 8.0)]
+    got = split_events(events, iters=2)
+    assert [r["name"] for r in got["kernels"]] == ["_fwd_kernel", "_bwd_dq_kernel", "_bwd_delta_kernel"]
+    assert got["kernels"][0] == dict(name="_fwd_kernel", us=105.0, launches=1.0)
+    assert got["kernels"][2]["launches"] == 0.5 and abs(got["total_us"] - (105 + 55 + 4)) < 1e-12
+
+
+def test_summary_gives_kernel_only_ratios_where_rows_were_profiled():
+    """--kernels: the ratio of the kernels' GPU totals beside the timed one (host left out), and the counters'
+    overhead on them; rows without a profile get neither."""
+    from benchmarks.attention import summarize
+    rows = [dict(shape="s", method="sdpa_cudnn", ms=0.38, tflops=1.0, total_us=375.0),
+            dict(shape="s", method="triton_fa2", ms=0.42, tflops=1.0, total_us=400.0),
+            dict(shape="s", method="triton_fa2_counters", ms=0.46, tflops=1.0, total_us=430.0),
+            dict(shape="s", method="triton_fa2_sfa_counters", ms=0.47, tflops=1.0)]
+    d = summarize(rows, ["s"])["s"]
+    assert abs(d["methods"]["triton_fa2"]["kernels_vs_best_sdpa"] - 375 / 400) < 1e-12
+    assert abs(d["triton_fa2_counters_kernels_overhead_vs_fa2"] - (430 / 400 - 1)) < 1e-12
+    assert "kernels_vs_best_sdpa" not in d["methods"]["triton_fa2_sfa_counters"]
+    assert "triton_fa2_sfa_counters_kernels_overhead_vs_fa2" not in d
