@@ -253,7 +253,7 @@ def main(argv=None):
                 row = rows.get((s, m))
                 if row is None or "error" in row:
                     continue
-                row.update(kernel_split(fwd_bwd(fns[(s, m)], q, k, v, do, leaves), args.kernels))
+                row.update(kernel_split(fwd_bwd(fns[(s, m)], q, k, v, do, leaves), args.kernels, leaves))
                 print(f"kernels {s:12s} {m:24s} {row['total_us']:9.1f} us: " + ", ".join(
                     f"{r['name'][:40]} {r['us']:.1f}" for r in row["kernels"][:4]), flush=True)
                 _write(out, path)

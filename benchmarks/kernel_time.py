@@ -29,17 +29,24 @@ def kernel_ms(fn, rep_ms: int = 60, graph: bool = True):
     return triton.testing.do_bench(fn, warmup=20, rep=rep_ms, return_mode="median"), "eager"
 
 
-def kernel_split(fn, iters: int = 20) -> dict:
+def kernel_split(fn, iters: int = 20, grads=()) -> dict:
     """Where fn's GPU time goes, kernel by kernel: fn run `iters` times under torch.profiler (CUDA activity only),
     each kernel's device time per call of fn. The profiler times kernels on the GPU's own clock, so the host's work
     per call is not in it, as in kernel_ms; unlike kernel_ms, each kernel is named (forward, delta, dK/dV, dQ, a
-    copy, ...). {"kernels": [{name, us, launches}], "total_us"}, longest first."""
+    copy, ...). `grads`: leaves whose .grad is reset before each call (as do_bench's grad_to_none), so a backward
+    writes its gradients instead of adding them into the last call's. {"kernels": [{name, us, launches}],
+    "total_us"}, longest first."""
     from torch.profiler import ProfilerActivity, profile
-    fn()
+
+    def call():
+        for g in grads:
+            g.grad = None
+        fn()
+    call()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(iters):
-            fn()
+            call()
         torch.cuda.synchronize()
     return split_events(prof.events(), iters)
 
