@@ -18,7 +18,8 @@
 #   speed        attention fwd+bwd side by side (benchmarks/attention.py; TUNE=1 times launch configs first, at
 #                TUNE_SHAPES; ATTN_METHODS its methods;
 #                ATTN_LAYOUT=bthd: q, k, v as views of one fused projection, as the model makes them;
-#                ATTN_KERNELS=N: each row's kernels profiled over N calls, their GPU time without the host's), the
+#                ATTN_KERNELS=N (default 20, 0 none): each row's kernels profiled over N calls, their GPU time
+#                without the host's), the
 #                host's time per call against the GPU's (benchmarks/host_overhead.py) and the GPT-2S training step
 #                (benchmarks/train_step.py; TRAIN_VARIANTS: its variants at T1024, "+jitlaunch" ones time Triton's own
 #                launch beside the launch cache); SPEED_PARTS="host train1024" runs only those; SPEED_PARTS=cudagraphs:
@@ -247,7 +248,7 @@ print(re.sub('[^a-z0-9]+', '-', g).strip('-'))" "$LOG/kernel-bits.json") || die 
     # ATTN_LAYOUT=bthd: q, k, v as the model makes them (views of the fused QKV projection; benchmarks/attention.py)
     bounded "${ATTN_TIMEOUT:-300}" "$LOG/attention.log" $PY benchmarks/attention.py ${TUNE:+--tune} \
       ${TUNE_SHAPES:+--tune-shapes "$TUNE_SHAPES"} ${ATTN_METHODS:+--methods "$ATTN_METHODS"} \
-      ${ATTN_LAYOUT:+--layout "$ATTN_LAYOUT"} ${ATTN_KERNELS:+--kernels "$ATTN_KERNELS"} --rounds 3 --out "$LOG/attention${ATTN_LAYOUT:+-$ATTN_LAYOUT}.json" || rc=1
+      ${ATTN_LAYOUT:+--layout "$ATTN_LAYOUT"} --kernels "${ATTN_KERNELS:-20}" --rounds 3 --out "$LOG/attention${ATTN_LAYOUT:+-$ATTN_LAYOUT}.json" || rc=1
     grep -E "^\|" "$LOG/attention.log"
     fi
     if [[ $parts == *" host "* ]]; then

@@ -85,3 +85,18 @@ def test_summary_gives_kernel_only_ratios_where_rows_were_profiled():
     assert abs(d["triton_fa2_counters_kernels_overhead_vs_fa2"] - (430 / 400 - 1)) < 1e-12
     assert "kernels_vs_best_sdpa" not in d["methods"]["triton_fa2_sfa_counters"]
     assert "triton_fa2_sfa_counters_kernels_overhead_vs_fa2" not in d
+
+
+def test_targets_carry_the_kernel_only_figure_beside_the_timed_one():
+    """With --kernels, each target also says its figure on the kernels' GPU time; `met` stays the timed one's."""
+    from benchmarks.attention import summarize, targets
+    rows = [dict(shape="gpt2s_T1024", method="sdpa_cudnn", ms=0.38, tflops=1.0, total_us=370.0),
+            dict(shape="gpt2s_T1024", method="triton_fa2", ms=0.70, tflops=1.0, total_us=411.0),
+            dict(shape="gpt2s_T1024", method="triton_fa2_counters", ms=0.72, tflops=1.0, total_us=452.0)]
+    t = targets(summarize(rows, ["gpt2s_T1024"]))
+    fa2 = t["fa2_vs_best_sdpa@gpt2s_T1024"]
+    assert fa2["met"] is False and abs(fa2["measured"] - 0.38 / 0.70) < 1e-12
+    assert abs(fa2["measured_kernels"] - 370 / 411) < 1e-12
+    cnt = t["fa2_counters_overhead_vs_fa2@gpt2s_T1024"]
+    assert abs(cnt["measured_kernels"] - (452 / 411 - 1)) < 1e-12
+    assert "measured_kernels" not in t["fa2_sfa_counters_overhead_vs_fa2@gpt2s_T1024"]
