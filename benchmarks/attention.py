@@ -9,6 +9,8 @@ Methods (causal, BF16 inputs (B, H, T, D); FLOPs = 7*B*H*T^2*D per fwd+bwd):
   triton_fa2_jit                            the same, every kernel launched through Triton's own fn[grid] (what
                                             kernels/launch_cache.py's cache replaces: its gain, side by side)
   triton_fa2_counters                       fa2 with the repeated-maxima counters and max logit (as a run logs)
+  triton_fa2_exp2[_counters]                fa2 with exp_form=exp2_folded (FlashAttention-2's softmax: the scale
+                                            folded into exp2's multiply), without / with the counters
   triton_fa2_sfa_counters                   fa2, stabilized softmax (Algorithm 3) + counters
   triton_paper_bf16                         the paper's recipe, counters on (its tile size fixed by block_q/k)
   triton_fp32                               the FP32 reference recipe on FP32 inputs (cast as a run casts them)
@@ -45,6 +47,8 @@ KNOBS = {  # method -> knobs (counters on means the layer's AttnStats is passed)
     "triton_fa2": AttentionKnobs(recipe="fa2", backend="triton", counters=False),
     "triton_fa2_jit": AttentionKnobs(recipe="fa2", backend="triton", counters=False),
     "triton_fa2_counters": AttentionKnobs(recipe="fa2", backend="triton", counters=True),
+    "triton_fa2_exp2": AttentionKnobs(recipe="fa2", backend="triton", counters=False, exp_form="exp2_folded"),
+    "triton_fa2_exp2_counters": AttentionKnobs(recipe="fa2", backend="triton", counters=True, exp_form="exp2_folded"),
     "triton_fa2_sfa_counters": AttentionKnobs(recipe="fa2", backend="triton", softmax="stabilized", counters=True),
     "triton_paper_bf16": AttentionKnobs(recipe="paper_bf16", backend="triton", counters=True),
     "triton_fp32": AttentionKnobs(recipe="fp32", backend="triton", counters=True),
@@ -159,6 +163,11 @@ def summarize(rows, shapes) -> dict:
                     d["methods"][m].update(kernels_us=r["total_us"],
                                            kernels_vs_best_sdpa=by[(s, best)]["total_us"] / r["total_us"])
         ms = {m: v["ms"] for m, v in d["methods"].items()}
+        if "triton_fa2" in ms and "triton_fa2_exp2" in ms:  # > 1: exp_form=exp2_folded is faster than exp
+            d["fa2_exp2_speedup"] = ms["triton_fa2"] / ms["triton_fa2_exp2"]
+            ku = [d["methods"][x].get("kernels_us") for x in ("triton_fa2", "triton_fa2_exp2")]
+            if all(ku):
+                d["fa2_exp2_kernels_speedup"] = ku[0] / ku[1]
         if "triton_fa2" in ms and "triton_fa2_jit" in ms:  # > 1: the launch cache is faster than Triton's launch
             d["launch_cache_speedup"] = ms["triton_fa2_jit"] / ms["triton_fa2"]
         if "triton_fa2" in ms:

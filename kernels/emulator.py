@@ -351,8 +351,13 @@ def _online(p: _Plan, qi, kw, vw, qs: int, qe: int, tiles, fill: float, m_init: 
     narrow = _narrow(rc.pbar, rc.inputs)
     for ks, ke in tiles:
         mask, bias = p.tile(qs, qe, ks, ke, dev)
-        s = _scores(p, qi, kw[:, :, ks:ke], mask, fill, bias, raw=p.exp_form == "exp2_folded")
-        rm, rep, m_new, fired = _tile_shift(p, s, m, mask, count or capture is not None or p.clamp)
+        folded = p.exp_form == "exp2_folded"
+        want_rep = count or capture is not None or p.clamp
+        s = _scores(p, qi, kw[:, :, ks:ke], mask, fill, bias, raw=folded)
+        rm, rep, m_new, fired = _tile_shift(p, s, m, mask, want_rep and not folded)
+        if folded and want_rep:  # repeated maxima and the max logit on the scaled scores, as exp_form=exp has them
+            s_sc = p.r("scores", s * p.scale)
+            rm, _, rep = _tile_max(p, s_sc if mask is None else s_sc.masked_fill(mask, fill), mask, True)
         pbar = p.expd(s, m_new)
         alpha = p.alpha(m, m_new)
         rowsum = pbar.sum(dim=-1, keepdim=True)

@@ -265,9 +265,14 @@ KNOBS: Tuple[Knob, ...] = (
     # (the two products rounded apart: measured, 99.7% vs 94.7% of O with one FMA on repeated maxima), the rescale
     # exp2((m_old - m_new) * c). exp2_mul: Triton's tl.exp (exp2 of x * log2(e), x rounded first). exp2 is exact then
     # rounded: the GPU's ex2.approx.f32 is not specified bit for bit (the one term the table leaves open).
+    # Triton computes exp2_folded in its forward where the scores and statistics stay FP32 (fa2, fp32) and tiling is on
+    # (kernels/triton_launch.py fold_supported; else the emulator): a multiply and a subtract per score instead of
+    # three; a probe of the one-FMA variant ran fa2's forward 21% faster on an H100, this two-rounding form is not
+    # timed yet (results/bench/gpu-h100-2026-12-06d/).
     Knob("exp_form", str, "exp", "how P̄ = exp(S - m) is evaluated: exp, exp2_folded (FlashAttention-2: scale and "
          "log2(e) folded into one multiply of the unscaled scores, exp2), exp2_mul (Triton's tl.exp)",
-         computed_by={"emulator": ("exp2_folded", "exp2_mul")}, off="exp", choices=EXP_FORMS,
+         computed_by={"emulator": ("exp2_folded", "exp2_mul"), "triton": ("exp2_folded",)}, off="exp",
+         choices=EXP_FORMS,
          label=lambda k: None if k.exp_form == "exp" else k.exp_form),
     # FlashAttention-2's forward visits key blocks from the last to the first (flash_fwd_kernel.h
     # compute_attn_1rowblock: n_block from n_block_max - 1 down), so the online softmax rescales in that order.

@@ -6,10 +6,11 @@ into them or reorders their roundings: compiled and eager attention run the same
 agree bit for bit. An optional key_keep (1 or B, T) (bool / int8 / uint8, nonzero = attend) masks keys on top of
 causality (transformers' padded batches; kernels/triton_launch.py key_padding); None runs the kernels without key
 masks, as before. The knobs travel as ONE string argument, `spec` (op_spec: recipe, tiling, tiles, softmax, beta,
-eps, delta, pv_fp32, FP32-O heads, rounding points, FP32 GEMM mode; floats by repr, so exact): torch's dispatch of a
-mutating custom op fills in the schema's defaults over `schema.arguments`, rebuilt for every argument, so its cost
-grows with the square of the argument count (a no-op op with the 18 arguments these ops had: 127 us a call, with
-8: 45 us, on a 2-core CPU; benchmarks/host_overhead.py), and a compiled graph calls the ops through that dispatch.
+eps, delta, pv_fp32, FP32-O heads, rounding points, FP32 GEMM mode, exp_form; floats by repr, so exact): torch's
+dispatch of a mutating custom op fills in the schema's defaults over `schema.arguments`, rebuilt for every argument,
+so its cost grows with the square of the argument count (a no-op op with the 18 arguments these ops had: 127 us a
+call, with 8: 45 us, on a 2-core CPU; benchmarks/host_overhead.py), and a compiled graph calls the ops through that
+dispatch.
 The forward adds into the layer's AttnStats counters, which its schema declares as mutated (`Tensor(a!)?`). Its
 third output is pbar_clamp's tie bits (kernels/triton_launch.py tie_buffer; empty when the knob is off), which the
 backward reads. torch.library refuses an autograd formula on a mutating op, so autograd is one
@@ -33,38 +34,40 @@ LIB = "flash_forensics"
 def _knobs(recipe: str, tiling: bool, block_q: int, block_k: int, softmax: str = "safe", beta: float = 2.0,
            eps: float = 1e-3, delta: str = "dO_O", pv_fp32: bool = False,
            fp32_heads: Optional[List[int]] = None, rounding: int = -1, fp32_gemm: str = "ieee",
-           pbar_clamp: bool = False, stochastic_round: bool = False, sr_seed: int = 0) -> AttentionKnobs:
+           pbar_clamp: bool = False, stochastic_round: bool = False, sr_seed: int = 0,
+           exp_form: str = "exp") -> AttentionKnobs:
     """The knobs an op call carries, as the launchers take them (read only: one object per distinct call, cached,
     since building it resolves the recipe, tens of microseconds a call on the host). `rounding`: the BF16 rounding
     points as flash_forensics.kernels.triton_flash.round_mask gives them (pv_fp32 included); -1: the recipe's own."""
     return _knobs_cached(recipe, bool(tiling), int(block_q), int(block_k), softmax, float(beta), float(eps), delta,
                          bool(pv_fp32), tuple(int(h) for h in fp32_heads or ()), int(rounding), fp32_gemm,
-                         bool(pbar_clamp), bool(stochastic_round), int(sr_seed))
+                         bool(pbar_clamp), bool(stochastic_round), int(sr_seed), exp_form)
 
 
 @functools.lru_cache(maxsize=1024)
 def _knobs_cached(recipe, tiling, block_q, block_k, softmax, beta, eps, delta, pv_fp32, fp32_heads, rounding,
-                  fp32_gemm, pbar_clamp, stochastic_round, sr_seed) -> AttentionKnobs:
+                  fp32_gemm, pbar_clamp, stochastic_round, sr_seed, exp_form) -> AttentionKnobs:
     keep, rnd = tf.mask_points(recipe, rounding) if rounding >= 0 else ([], [])
     return AttentionKnobs(impl="flash", backend="triton", recipe=recipe, tiling=tiling, block_q=block_q,
                           block_k=block_k, softmax=softmax, beta=beta, eps=eps, delta=delta, pv_fp32=pv_fp32,
                           o_fp32_heads=list(fp32_heads or ()), keep_fp32=keep, round_bf16=rnd, fp32_gemm=fp32_gemm,
-                          pbar_clamp=pbar_clamp, stochastic_round=stochastic_round, sr_seed=sr_seed)
+                          pbar_clamp=pbar_clamp, stochastic_round=stochastic_round, sr_seed=sr_seed,
+                          exp_form=exp_form)
 
 
 SPEC_FIELDS = ("recipe", "tiling", "block_q", "block_k", "softmax", "beta", "eps", "delta", "pv_fp32", "fp32_heads",
-               "rounding", "fp32_gemm", "pbar_clamp", "stochastic_round", "sr_seed")
+               "rounding", "fp32_gemm", "pbar_clamp", "stochastic_round", "sr_seed", "exp_form")
 
 
 def op_spec(knobs: AttentionKnobs, n_head: int) -> str:
-    """The ops' `spec`: op_args, the rounding bitmask, the FP32 GEMM mode and op_stabilizers, ';'-separated (beta and
-    eps by repr, so parse_spec gives back the same floats). Plain string work on constants: dynamo folds it without a
-    graph break."""
+    """The ops' `spec`: op_args, the rounding bitmask, the FP32 GEMM mode, op_stabilizers and exp_form,
+    ';'-separated (beta and eps by repr, so parse_spec gives back the same floats). Plain string work on constants:
+    dynamo folds it without a graph break."""
     recipe, tiling, bq, bk, softmax, beta, eps, delta, pv, heads = op_args(knobs, n_head)
     hs = ",".join([str(h) for h in heads])
     clamp, sr, seed = op_stabilizers(knobs)
     return (f"{recipe};{int(tiling)};{bq};{bk};{softmax};{beta!r};{eps!r};{delta};{int(pv)};{hs};"
-            f"{op_rounding(knobs)};{knobs.fp32_gemm};{int(clamp)};{int(sr)};{seed}")
+            f"{op_rounding(knobs)};{knobs.fp32_gemm};{int(clamp)};{int(sr)};{seed};{knobs.exp_form}")
 
 
 @functools.lru_cache(maxsize=1024)
@@ -75,12 +78,13 @@ def parse_spec(spec: str) -> tuple:
         raise ValueError(f"spec={spec!r} is not allowed: expected {len(SPEC_FIELDS)} ';'-separated fields "
                          f"({', '.join(SPEC_FIELDS)}), as kernels/ops.py op_spec writes them")
     return (f[0], f[1] == "1", int(f[2]), int(f[3]), f[4], float(f[5]), float(f[6]), f[7], f[8] == "1",
-            tuple(int(h) for h in f[9].split(",") if h), int(f[10]), f[11], f[12] == "1", f[13] == "1", int(f[14]))
+            tuple(int(h) for h in f[9].split(",") if h), int(f[10]), f[11], f[12] == "1", f[13] == "1", int(f[14]),
+            f[15])
 
 
 def _fwd_body(q, k, v, rep, maxl, under, p1, key_keep, spec):
-    recipe, tiling, bq, bk, softmax, beta, eps, _delta, pv, heads, rounding, gemm, clamp, sr, seed = parse_spec(spec)
-    knobs = _knobs(recipe, tiling, bq, bk, softmax, beta, eps, "dO_O", pv, heads, rounding, gemm, clamp, sr, seed)
+    recipe, tiling, bq, bk, softmax, beta, eps, _dl, pv, heads, rounding, gemm, clamp, sr, seed, ef = parse_spec(spec)
+    knobs = _knobs(recipe, tiling, bq, bk, softmax, beta, eps, "dO_O", pv, heads, rounding, gemm, clamp, sr, seed, ef)
     ties = tf.tie_buffer(knobs, q)
     o, lse, _, _ = tf._forward(q, k, v, knobs, rep, maxl, under=under, key_keep=key_keep, p1=p1, ties=ties)
     return o, lse, ties

@@ -62,6 +62,7 @@ from flash_forensics.kernels.triton_launch import (  # noqa: F401  (re-exported:
     _jit,
     _k,
     fired_pbar_max,
+    fold_supported,
     fwd_family,
     launch_config,
     length_class,
@@ -89,6 +90,8 @@ def supports(knobs: AttentionKnobs, q: torch.Tensor) -> bool:
     if q.dim() != 4 or q.shape[-1] not in HEAD_DIMS:
         return False
     if q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return False
+    if knobs.exp_form == "exp2_folded" and not fold_supported(knobs):  # BF16 scores or statistics, or no tiling
         return False
     return not knobs.tiling or (knobs.block_q in TILE_SIZES and knobs.block_k in TILE_SIZES)
 

@@ -53,6 +53,20 @@ else:
         return b.to(tl.float32, bitcast=True)
 
 if not _INTERPRET:
+    from triton.language.extra import libdevice
+
+    @triton.jit
+    def _mul_rn(a, b):
+        """a * b rounded on its own (mul.rn: never contracted into an FMA with a following add)."""
+        return libdevice.mul_rn(a, b)
+else:
+    @triton.jit
+    def _mul_rn(a, b):
+        return a * b  # NumPy rounds every product on its own
+
+LOG2E = tl.constexpr(1.4426950408889634)  # log2(e); the kernels' c = fl(scale * log2(e)) is what the host passes
+
+if not _INTERPRET:
     @triton.jit
     def _cast_out(x, ptr):
         """x in the element type of the gradient tensor it is stored to."""
@@ -233,27 +247,32 @@ def _rs(x, keep, key, stream, ctr_row, ON: tl.constexpr, SR: tl.constexpr, HAS_O
 
 @triton.jit
 def _fwd_inner(acc, l_i, m_i, raw_max, fired, pmax, l_raw, p1, q, k_base, v_base, skt, svt, offs_m, offs_n, row_ok,
-               lo, hi, T, scale, beta, eps, o_fp32, kp, bm1, tb, ntw, sr_key, sr_qt, sr_row,
+               lo, hi, T, scale, beta, eps, o_fp32, kp, bm1, tb, ntw, sr_key, sr_qt, sr_row, c_log2,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, ROUND: tl.constexpr,
                INPUT_F32: tl.constexpr, FLOOR: tl.constexpr,
                GEMM_DT: tl.constexpr, STABILIZED: tl.constexpr, NEED_REP: tl.constexpr, PROBE: tl.constexpr,
                HAS_OFP32: tl.constexpr, ONE_BLOCK: tl.constexpr, MASKED: tl.constexpr, F32_DOT: tl.constexpr,
                COUNTERS: tl.constexpr, KEYPAD: tl.constexpr, GUARDED: tl.constexpr, CLAMP: tl.constexpr,
-               SR: tl.constexpr):
+               SR: tl.constexpr, FOLD: tl.constexpr):
     """The forward over key tiles [lo, hi): online softmax (or, ONE_BLOCK, a fixed row max) and P̄V.
     l_raw (COUNTERS, online path): the row sum before paper_bf16's floor and the BF16 rounding of l, in FP32: what
     tells a row whose every P̄ underflowed (AttnStats.underflow_rows, as the emulator counts it).
     p1 (COUNTERS with a stabilized softmax): the (row, tile) pairs where the shift fired but a P̄ fed to P̄V is still
     1 (AttnStats.sfa_p1_rows); ONE_BLOCK: whether any such P̄ is (the row's fire decides at the end).
-    GUARDED, CLAMP, SR: softmax=stabilized_guarded, pbar_clamp, stochastic_round (the section above)."""
+    GUARDED, CLAMP, SR: softmax=stabilized_guarded, pbar_clamp, stochastic_round (the section above).
+    FOLD (exp_form=exp2_folded; the online path, no score / shift / stats rounding): FlashAttention-2's softmax on the
+    unscaled scores S, m their running max, P̄ = exp2(fl(S c) - fl(m c)), alpha = exp2(fl((m_old - m_new) c)),
+    c = c_log2 = fl(scale log2(e)): one multiply per score instead of the scale's and exp's two, and no separate
+    subtract-then-multiply. The counters read the scaled scores fl(S scale), whose maxima are fl(m scale) (rounding
+    is monotone): the same counts and max logit as exp_form=exp."""
     PV_ON: tl.constexpr = (_PV_OUT & ROUND) != 0
     ACC_ON: tl.constexpr = (_ACC & ROUND) != 0
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
         # stochastic_round's stream ids of this (query tile, key tile): ((qt << 16 | kt) << 2) | point
         sr_tile = (sr_qt << 18) | (tl.cast(start_n // BLOCK_N, tl.uint32) << 2)
-        s = _scores(q, k_base + cols[:, None] * skt, offs_m, cols, T, scale, ROUND, INPUT_F32, GEMM_DT, MASKED,
-                    F32_DOT, kp, KEYPAD)
+        s = _scores(q, k_base + cols[:, None] * skt, offs_m, cols, T, 1.0 if FOLD else scale, ROUND, INPUT_F32,
+                    GEMM_DT, MASKED, F32_DOT, kp, KEYPAD)
         if ONE_BLOCK:
             d_s = s - m_i[:, None]
             if (_SHIFT & ROUND) != 0:
@@ -265,12 +284,16 @@ def _fwd_inner(acc, l_i, m_i, raw_max, fired, pmax, l_raw, p1, q, k_base, v_base
                 pmax = tl.where(fired > 0, tl.maximum(pmax, tl.max(p, 1)), pmax)
         else:
             rm = tl.max(s, 1)
-            raw_max = tl.maximum(raw_max, rm)
+            raw_max = tl.maximum(raw_max, rm)  # FOLD: unscaled (scaled once, at the end)
             if NEED_REP:  # Algorithm 3 on this key tile (masked entries never count)
-                thr = rm - eps
-                if (_SCORES & ROUND) != 0:
-                    thr = _rb(thr)
-                near = s >= thr[:, None]
+                if FOLD:  # on the scaled scores, as exp_form=exp counts
+                    thr = _mul_rn(rm, scale) - eps
+                    near = s * scale >= thr[:, None]
+                else:
+                    thr = rm - eps
+                    if (_SCORES & ROUND) != 0:
+                        thr = _rb(thr)
+                    near = s >= thr[:, None]
                 if MASKED or KEYPAD:  # elsewhere every entry is valid: no per-entry test (the counters' cost)
                     near = near & _valid(offs_m, cols, T, MASKED, kp, KEYPAD)
                 # an int32 count: an FP32 one (exact too) cut fa2's forward with counters by 5% on an H100 but
@@ -294,8 +317,12 @@ def _fwd_inner(acc, l_i, m_i, raw_max, fired, pmax, l_raw, p1, q, k_base, v_base
             if (_SHIFT & ROUND) != 0:  # the arguments of exp stored in BF16, exp and row sum in FP32
                 d_m = _rb(d_m)
                 d_s = _rb(d_s)
-            alpha = tl.exp(d_m)
-            p = tl.exp(d_s)
+            if FOLD:
+                alpha = tl.math.exp2(d_m * c_log2)
+                p = tl.math.exp2(_mul_rn(s, c_log2) - _mul_rn(m_new, c_log2)[:, None])
+            else:
+                alpha = tl.exp(d_m)
+                p = tl.exp(d_s)
             rs = tl.sum(p, 1)
             if COUNTERS:
                 l_raw = alpha * l_raw + rs
@@ -340,15 +367,16 @@ def _fwd_inner(acc, l_i, m_i, raw_max, fired, pmax, l_raw, p1, q, k_base, v_base
 @triton.jit
 def _fwd_kernel(Q, K, V, O, LSE, REP, MAXL, UNDER, P1, OFP32, PMAX, FIRED, KP, FIRST, TIES, SRKEY,
                 sqb, sqh, sqt, sqd, skb, skh, skt, skd, svb, svh, svt, svd, sob, soh, sot, sod, skpb,
-                H, T, scale, beta, eps, bm1, ntw, sr_bq,
+                H, T, scale, beta, eps, bm1, ntw, sr_bq, c_log2,
                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 ROUND: tl.constexpr, INPUT_F32: tl.constexpr, FLOOR: tl.constexpr, STABILIZED: tl.constexpr,
                 COUNTERS: tl.constexpr, HAS_OFP32: tl.constexpr, ONE_BLOCK: tl.constexpr,
                 PROBE: tl.constexpr, F32_DOT: tl.constexpr, KEYPAD: tl.constexpr, GUARDED: tl.constexpr,
-                CLAMP: tl.constexpr, SR: tl.constexpr):
+                CLAMP: tl.constexpr, SR: tl.constexpr, FOLD: tl.constexpr):
     """P1 (H,) int64: sfa_p1_rows (COUNTERS with a stabilized softmax). TIES (B*H, T, ntw) uint8: pbar_clamp's tie
     bits (CLAMP). SRKEY () int64: stochastic_round's call key (SR; kernels/stochastic.py call_key), sr_bq the
-    emulator's query tile (its stream ids and element indices). bm1: beta - 1 in FP32 (GUARDED)."""
+    emulator's query tile (its stream ids and element indices). bm1: beta - 1 in FP32 (GUARDED). FOLD, c_log2:
+    exp_form=exp2_folded (_fwd_inner); lse = fl(m scale) + log(l) then, as the emulator's (an FMA there)."""
     start_m = tl.program_id(0)
     off_bh = tl.program_id(1)
     off_b = off_bh // H
@@ -430,14 +458,14 @@ def _fwd_kernel(Q, K, V, O, LSE, REP, MAXL, UNDER, P1, OFP32, PMAX, FIRED, KP, F
         lo2 = tl.maximum(lo, mid)
     acc, l_i, m_i, raw_max, fired, pmax, l_raw, p1 = _fwd_inner(
         acc, l_i, m_i, raw_max, fired, pmax, l_raw, p1, q, k_base, v_base, skt, svt, offs_m, offs_n, row_ok, lo1, mid,
-        T, scale, beta, eps, o_fp32, kp, bm1, tb, ntw, sr_key, sr_qt, sr_row, BLOCK_M, BLOCK_N, HEAD_DIM, ROUND,
-        INPUT_F32, FLOOR, GEMM_DT, STABILIZED, NEED_REP, PROBE, HAS_OFP32, ONE_BLOCK, False, F32_DOT, COUNTERS,
-        KEYPAD, GUARDED, CLAMP, SR)
+        T, scale, beta, eps, o_fp32, kp, bm1, tb, ntw, sr_key, sr_qt, sr_row, c_log2, BLOCK_M, BLOCK_N, HEAD_DIM,
+        ROUND, INPUT_F32, FLOOR, GEMM_DT, STABILIZED, NEED_REP, PROBE, HAS_OFP32, ONE_BLOCK, False, F32_DOT, COUNTERS,
+        KEYPAD, GUARDED, CLAMP, SR, FOLD)
     acc, l_i, m_i, raw_max, fired, pmax, l_raw, p1 = _fwd_inner(
         acc, l_i, m_i, raw_max, fired, pmax, l_raw, p1, q, k_base, v_base, skt, svt, offs_m, offs_n, row_ok, lo2, hi,
-        T, scale, beta, eps, o_fp32, kp, bm1, tb, ntw, sr_key, sr_qt, sr_row, BLOCK_M, BLOCK_N, HEAD_DIM, ROUND,
-        INPUT_F32, FLOOR, GEMM_DT, STABILIZED, NEED_REP, PROBE, HAS_OFP32, ONE_BLOCK, True, F32_DOT, COUNTERS,
-        KEYPAD, GUARDED, CLAMP, SR)
+        T, scale, beta, eps, o_fp32, kp, bm1, tb, ntw, sr_key, sr_qt, sr_row, c_log2, BLOCK_M, BLOCK_N, HEAD_DIM,
+        ROUND, INPUT_F32, FLOOR, GEMM_DT, STABILIZED, NEED_REP, PROBE, HAS_OFP32, ONE_BLOCK, True, F32_DOT, COUNTERS,
+        KEYPAD, GUARDED, CLAMP, SR, FOLD)
 
     if ONE_BLOCK:  # one tile: l and the P̄V product stored once
         if COUNTERS:
@@ -456,6 +484,9 @@ def _fwd_kernel(Q, K, V, O, LSE, REP, MAXL, UNDER, P1, OFP32, PMAX, FIRED, KP, F
         live = offs_m >= first
         l_i = tl.where(live, l_i, 1.0)  # (their l may be 0: every key tile skipped)
     o = _r(acc / l_i[:, None], o_fp32, (_O_STORE & ROUND) != 0, HAS_OFP32)  # O stored (for delta)
+    if FOLD:
+        m_i = _mul_rn(m_i, scale)  # the scaled running max (FOLD kept it unscaled)
+        raw_max = raw_max * scale
     lse = m_i + tl.log(l_i)
     if KEYPAD:
         o = tl.where(live[:, None], o, 0.0)

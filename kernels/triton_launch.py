@@ -61,6 +61,16 @@ _O_STORE_BIT = _bits("o_store")
 _OFP32_BITS = _bits("pbar", "pv_out", "acc", "o_store", "delta_prod")  # what o_fp32 heads keep in FP32
 
 
+# exp_form=exp2_folded runs on unscaled scores and an unscaled running max: the kernels fold it only where neither is
+# stored in BF16 (the emulator rounds the unscaled values there), and on the online path (tiling)
+_FOLD_REFUSED = _bits("scores", "shift", "stats")
+
+
+def fold_supported(knobs: AttentionKnobs) -> bool:
+    """Whether the forward computes exp_form=exp2_folded for these knobs (else the emulator does)."""
+    return bool(knobs.tiling) and not round_mask(knobs) & _FOLD_REFUSED
+
+
 _RECIPE_MASK = {name: _bits(*resolve(name).rounded()) for name in RECIPES}
 _PV_MASK = _bits(*PV_POINTS)
 
@@ -385,13 +395,13 @@ def _forward(q, k, v, knobs: AttentionKnobs, rep=None, maxl=None, probe: bool = 
     _k._fwd_kernel[grid](q, k, v, o, lse, rep, maxl, under, p1, ofp32, pmax, fired, kp, first, ties, key,
                       *_strides(q), *_strides(k), *_strides(v), *_strides(o), kp.stride(0),
                       H, T, 1.0 / math.sqrt(D), float(knobs.beta), float(knobs.eps), float(knobs.beta) - 1.0,
-                      tie_words(T), sr_bq,
+                      tie_words(T), sr_bq, float(1.0 / math.sqrt(D) * 1.4426950408889634),
                       HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, ROUND=mask, INPUT_F32=knobs.recipe == "fp32",
                       FLOOR=knobs.recipe == "paper_bf16", STABILIZED=knobs.softmax == "stabilized",
                       COUNTERS=counters, HAS_OFP32=has_ofp32, ONE_BLOCK=not knobs.tiling,
                       PROBE=probe, F32_DOT=knobs.fp32_gemm, KEYPAD=keypad,
                       GUARDED=knobs.softmax == "stabilized_guarded", CLAMP=clamp, SR=bool(knobs.stochastic_round),
-                      num_warps=warps, num_stages=stages)
+                      FOLD=knobs.exp_form == "exp2_folded", num_warps=warps, num_stages=stages)
     return o, lse, (pmax if probe else None), (fired if probe else None)
 
 

@@ -100,3 +100,13 @@ def test_targets_carry_the_kernel_only_figure_beside_the_timed_one():
     cnt = t["fa2_counters_overhead_vs_fa2@gpt2s_T1024"]
     assert abs(cnt["measured_kernels"] - (452 / 411 - 1)) < 1e-12
     assert "measured_kernels" not in t["fa2_sfa_counters_overhead_vs_fa2@gpt2s_T1024"]
+
+
+def test_summary_times_exp2_folded_against_plain_fa2():
+    from benchmarks.attention import KNOBS, summarize
+    assert KNOBS["triton_fa2_exp2"].exp_form == "exp2_folded" and not KNOBS["triton_fa2_exp2"].counters
+    rows = [dict(shape="s", method="sdpa_cudnn", ms=0.38, tflops=1.0, total_us=370.0),
+            dict(shape="s", method="triton_fa2", ms=0.42, tflops=1.0, total_us=411.0),
+            dict(shape="s", method="triton_fa2_exp2", ms=0.40, tflops=1.0, total_us=390.0)]
+    d = summarize(rows, ["s"])["s"]
+    assert abs(d["fa2_exp2_speedup"] - 0.42 / 0.40) < 1e-12 and abs(d["fa2_exp2_kernels_speedup"] - 411 / 390) < 1e-12

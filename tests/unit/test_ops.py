@@ -96,7 +96,8 @@ def test_op_args_carry_every_knob():
                                      beta=1.0001, eps=1e-2, delta="dP_P", pv_fp32=True, o_fp32_heads=[2, 0]),
                                 dict(recipe="fp32", fp32_gemm="tf32x3", beta=0.1 + 0.2, eps=1 / 3),
                                 dict(recipe="fa2", keep_fp32=["pbar"], round_bf16=["delta_prod"]),
-                                dict(recipe="paper_bf16", pbar_clamp=True, stochastic_round=True, sr_seed=7)])
+                                dict(recipe="paper_bf16", pbar_clamp=True, stochastic_round=True, sr_seed=7),
+                                dict(recipe="fa2", exp_form="exp2_folded")])
 def test_op_spec_carries_every_knob_exactly(kw):
     """The ops' one string argument gives back op_args, the rounding bits and the GEMM mode, floats to the bit."""
     ops = _ops()
@@ -104,9 +105,9 @@ def test_op_spec_carries_every_knob_exactly(kw):
     got = ops.parse_spec(ops.op_spec(knobs, 4))
     want = ops.op_args(knobs, 4)
     assert got[:9] == want[:9] and list(got[9]) == want[9]
-    assert got[10:] == (ops.op_rounding(knobs), knobs.fp32_gemm, *ops.op_stabilizers(knobs))
+    assert got[10:] == (ops.op_rounding(knobs), knobs.fp32_gemm, *ops.op_stabilizers(knobs), knobs.exp_form)
     assert got[5] == knobs.beta and got[6] == knobs.eps  # repr round-trips a float exactly
-    with pytest.raises(ValueError, match=r"expected 15 ';'-separated fields"):
+    with pytest.raises(ValueError, match=r"expected 16 ';'-separated fields"):
         ops.parse_spec("fa2;1;64")
 
 

@@ -112,3 +112,20 @@ def test_analyze_fingerprints_the_kernels_own_backward(tmp_path):
     path = write_call(tmp_path / "g.safetensors", q, k, v, o, do, dq=dq, dk=dk, dv=dv, family="test", layer=0)
     bwd = analyze(path, attribute=False, progress=False)["fingerprint"]["backward"]
     assert bwd["dq"] == 1.0 and bwd["dv"] == 1.0 and bwd["dk"] == 1 - 1 / dk.numel()
+
+
+@pytest.mark.parametrize("recipe", ["fa2", "fp32"])
+def test_folded_exp2_keeps_the_counters_of_exp(recipe):
+    """exp2_folded's online softmax runs on the unscaled scores, but its counters read the scaled ones, as exp_form=exp
+    does: repeated maxima and the max logit bit for bit (the Triton forward computes the form too, and the same
+    counts; tests/unit/test_triton.py)."""
+    from flash_forensics.kernels.stats import AttnStats
+    q, k, v, _ = tied_inputs(2, 2, 96, 32, seed=5)
+    if recipe == "fp32":
+        q, k, v = q.float(), k.float(), v.float()
+    st = [AttnStats(2, "cpu"), AttnStats(2, "cpu")]
+    for form, s in zip(("exp", "exp2_folded"), st):
+        emulator.flash_attention(q, k, v, AttentionKnobs(recipe=recipe, block_q=32, block_k=32, exp_form=form), s)
+    assert st[0].repeated_max_rows.sum() > 0
+    for name in ("repeated_max_rows", "max_logit", "rows_seen", "underflow_rows"):
+        assert torch.equal(getattr(st[0], name), getattr(st[1], name)), name

@@ -166,6 +166,62 @@ def test_interpreter_counters_match_emulator(tfi, blocks):
 
 
 @interp
+@pytest.mark.parametrize("case", [dict(), dict(block_q=32, block_k=16), dict(key_keep=True)],
+                         ids=["default", "q32k16", "keypad"])
+def test_interpreter_exp2_folded_matches_the_emulator_and_keeps_the_counters(tfi, case):
+    """exp_form=exp2_folded (FlashAttention-2's softmax on unscaled scores, P̄ = exp2(fl(S c) - fl(m c))) in the
+    forward: O, lse and gradients as the emulator's exp2_folded computes them, and the counters bit for bit as
+    exp_form=exp counts them (they read the scaled scores either way); O within FP32 noise of exp_form=exp."""
+    from flash_forensics.kernels.masking import Masking
+    flash_attention, AttnStats = _emulator()
+    case = dict(case)
+    B, H, T, D = 3, 2, 48, 16
+    keep = _padded_keep(B, T) if case.pop("key_keep", False) else None
+    knobs = replace(AttentionKnobs(recipe="fp32", block_q=16, block_k=16, counters=True), **case)
+    folded = replace(knobs, exp_form="exp2_folded")
+    assert tfi.supports(folded, torch.empty(1, H, T, D))
+    q, k, v = planted(B, H, T, D, "cpu", seed=6)
+    st_f, st_x, st_e = AttnStats(H, "cpu"), AttnStats(H, "cpu"), AttnStats(H, "cpu")
+    o_f = tfi.flash_attention_triton(q, k, v, folded, st_f, key_keep=keep)
+    o_x = tfi.flash_attention_triton(q, k, v, knobs, st_x, key_keep=keep)
+    if keep is None:
+        o_e = flash_attention(q, k, v, folded, st_e)
+    else:
+        m = torch.ones(T, T, dtype=torch.bool).tril()[None, None] & keep[:, None, None, :]
+        o_e = flash_attention(q, k, v, folded, st_e, Masking(keep=m))
+        live = m.any(-1, keepdim=True)  # rows with a key (the kernels give the others O = 0)
+        o_f, o_x, o_e = (torch.where(live, x, 0.0) for x in (o_f, o_x, o_e))
+    assert st_x.repeated_max_rows.sum() > 0
+    for name in ("repeated_max_rows", "max_logit", "underflow_rows", "rows_seen"):
+        assert torch.equal(getattr(st_f, name), getattr(st_x, name)), name
+    assert torch.equal(st_e.repeated_max_rows, st_f.repeated_max_rows)
+    torch.testing.assert_close(o_f, o_e, atol=2e-6, rtol=2e-6)
+    torch.testing.assert_close(o_f, o_x, atol=2e-6, rtol=2e-6)
+    assert not torch.equal(o_f, o_x), "the folded form must change some bits of O (else the knob did nothing)"
+    g = torch.randn_like(o_f)
+    for a, b in zip(_grads(o_f, (q, k, v), g), _grads(o_e, (q, k, v), g)):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_exp2_folded_routes_to_triton_only_where_the_kernels_fold_it(tfi):
+    """The forward folds the scale on FP32 scores and statistics with tiling on (fa2, fp32); paper_bf16's BF16 scores,
+    or tiling off, stay on the emulator (knob table + supports), so no route drops the knob."""
+    from flash_forensics.kernels.knobs import unsupported
+    q = torch.empty(1, 2, 64, 64)
+    for recipe, tiling, ok in (("fa2", True, True), ("fp32", True, True), ("paper_bf16", True, False),
+                               ("fa2", False, False)):
+        knobs = AttentionKnobs(recipe=recipe, tiling=tiling, exp_form="exp2_folded")
+        assert not unsupported(knobs, "triton")
+        assert tfi.fold_supported(knobs) is ok, (recipe, tiling)
+    assert not tfi.fold_supported(AttentionKnobs(recipe="fa2", round_bf16=["scores"], exp_form="exp2_folded"))
+    for recipe, tiling in (("fa2", True), ("paper_bf16", True), ("fa2", False)):  # any device: as exp does, or no
+        knobs = AttentionKnobs(recipe=recipe, tiling=tiling)
+        ok = tfi.supports(knobs, q) and tfi.fold_supported(knobs)
+        assert tfi.supports(replace(knobs, exp_form="exp2_folded"), q) is ok
+    assert unsupported(AttentionKnobs(exp_form="exp2_mul"), "triton")  # only the folded form is in the kernels
+
+
+@interp
 @pytest.mark.parametrize("tiling", [True, False])
 def test_interpreter_underflow_rows_match_emulator(tfi, tiling):
     """Algorithm 3 at huge logits: the shift beta * rowmax underflows every P̄ of a row with repeated maxima (the
@@ -325,7 +381,10 @@ def _rel(a, b):
 GPU_PARAMS = [(r, c, 64) for r, c in GPU_CASES] + [
     ("fp32", {}, 128), ("fa2", {}, 128), ("fa2", dict(softmax="stabilized"), 128), ("paper_bf16", {}, 128),
     ("paper_bf16", dict(softmax="stabilized", delta="dP_P"), 128), ("paper_bf16", dict(o_fp32_heads=[0]), 128),
-    ("fp32", dict(fp32_gemm="tf32x3"), 128)]
+    ("fp32", dict(fp32_gemm="tf32x3"), 128),
+    # exp_form=exp2_folded in the forward (FlashAttention-2's softmax; the emulator's model of it)
+    ("fa2", dict(exp_form="exp2_folded"), 64), ("fa2", dict(exp_form="exp2_folded"), 128),
+    ("fp32", dict(exp_form="exp2_folded"), 64)]
 
 
 @pytest.mark.gpu
@@ -397,6 +456,30 @@ def test_gpu_key_padding_matches_the_emulators_mask(recipe):
     ct, ce = st_t.repeated_max_rows, st_e.repeated_max_rows
     assert ce.sum() > 0 and torch.equal(st_t.rows_seen, st_e.rows_seen)
     assert (ct - ce).abs().sum().item() <= max(2, int(0.01 * ce.sum().item()))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [64, 128])
+def test_gpu_exp2_folded_keeps_the_counters_and_moves_only_the_last_bits(D):
+    """fa2 with exp_form=exp2_folded against exp_form=exp on the GPU: the counters (repeated maxima, max logit) bit
+    for bit, since both read the scaled scores; O and the gradients within BF16 rounding of each other, and O not
+    bit-identical (the knob reached the kernel)."""
+    from flash_forensics.kernels import triton_flash as tf
+    _, AttnStats = _emulator()
+    knobs = AttentionKnobs(recipe="fa2", backend="triton", counters=True)
+    folded = replace(knobs, exp_form="exp2_folded")
+    q, k, v = planted(2, 4, 384, D, "cuda", dtype=torch.bfloat16, seed=D + 1)
+    st_x, st_f = AttnStats(4, "cuda"), AttnStats(4, "cuda")
+    o_x = tf.flash_attention_triton(q, k, v, knobs, st_x)
+    o_f = tf.flash_attention_triton(q, k, v, folded, st_f)
+    assert st_x.repeated_max_rows.sum() > 0
+    for name in ("repeated_max_rows", "max_logit", "underflow_rows", "rows_seen"):
+        assert torch.equal(getattr(st_f, name), getattr(st_x, name)), name
+    assert not torch.equal(o_f, o_x)
+    assert (o_f.float() - o_x.float()).abs().max().item() <= 2e-2
+    g = torch.randn_like(o_x)
+    for a, b in zip(_grads(o_f, (q, k, v), g), _grads(o_x, (q, k, v), g)):
+        assert _rel(a, b) <= 2e-2
 
 
 @pytest.mark.gpu
