@@ -64,8 +64,6 @@ else:
     def _mul_rn(a, b):
         return a * b  # NumPy rounds every product on its own
 
-LOG2E = tl.constexpr(1.4426950408889634)  # log2(e); the kernels' c = fl(scale * log2(e)) is what the host passes
-
 if not _INTERPRET:
     @triton.jit
     def _cast_out(x, ptr):

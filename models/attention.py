@@ -115,6 +115,9 @@ def route_name(knobs: AttentionKnobs, backend: str) -> str:
     impl = knob_table.implementation(knobs, backend)
     if knobs.impl == "flash":
         lacks = [r.name for r in knob_table.unsupported(knobs, "triton")] if knobs.backend == "auto" else []
+        fold = getattr(_triton_module(), "fold_supported", None)
+        if knobs.backend == "auto" and knobs.exp_form == "exp2_folded" and fold is not None and not fold(knobs):
+            lacks.append("exp_form")  # Triton folds it only on FP32 scores and statistics, with tiling
         base = f"flash/{backend}" + (f" (triton lacks: {', '.join(lacks)})" if lacks else "") + f"/{knobs.recipe}"
     elif knobs.impl == "standard":
         base = f"standard/{knobs.recipe}"

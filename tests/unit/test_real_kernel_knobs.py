@@ -129,3 +129,12 @@ def test_folded_exp2_keeps_the_counters_of_exp(recipe):
     assert st[0].repeated_max_rows.sum() > 0
     for name in ("repeated_max_rows", "max_logit", "rows_seen", "underflow_rows"):
         assert torch.equal(getattr(st[0], name), getattr(st[1], name)), name
+
+
+def test_a_route_says_why_exp2_folded_stays_on_the_emulator():
+    """Triton folds exp2 only on FP32 scores and statistics with tiling on: paper_bf16's route names exp_form as what
+    Triton lacks; fa2's does not."""
+    from flash_forensics.models.attention import route_name
+    assert route_name(AttentionKnobs(recipe="paper_bf16", exp_form="exp2_folded"), "emulator") == \
+        "flash/emulator (triton lacks: exp_form)/paper_bf16+exp2_folded"
+    assert route_name(AttentionKnobs(recipe="fa2", exp_form="exp2_folded"), "triton") == "flash/triton/fa2+exp2_folded"
