@@ -52,13 +52,16 @@ ATTN = {
     "sdpa": dict(impl="sdpa", recipe="paper_bf16"),
     "triton_fa2": dict(impl="flash", backend="triton", recipe="fa2"),
     "triton_fa2_sfa": dict(impl="flash", backend="triton", recipe="fa2", softmax="stabilized"),
+    # FlashAttention-2's softmax form (the scale folded into exp2's multiply): the forward's lever (issue 33)
+    "triton_fa2_exp2": dict(impl="flash", backend="triton", recipe="fa2", exp_form="exp2_folded"),
     "triton_paper_bf16": dict(impl="flash", backend="triton", recipe="paper_bf16"),
     # experiment=paper_1gpu's attention (backend auto is Triton on CUDA; 128x128 tiles)
     "paper_1gpu": dict(impl="flash", backend="triton", recipe="paper_bf16", block_q=128, block_k=128),
     "emulator_paper_bf16": dict(impl="flash", backend="emulator", recipe="paper_bf16"),  # the CPU smoke's flash
 }
 VARIANTS = ["sdpa+compile", "sdpa", "triton_fa2", "triton_fa2+compile", "triton_paper_bf16",
-            "triton_paper_bf16+compile", "paper_1gpu", "paper_1gpu+compile", "triton_fa2_sfa+compile"]
+            "triton_paper_bf16+compile", "paper_1gpu", "paper_1gpu+compile", "triton_fa2_sfa+compile",
+            "triton_fa2_exp2+compile"]
 SDPA_OPS = ("flash", "cudnn", "efficient", "math")  # aten::_scaled_dot_product_<op>_attention[_for_cpu]
 MODES = {"compile": None, "cudagraphs": "reduce-overhead"}  # ATTN+MODE: torch.compile's mode
 # ATTN+jitlaunch: eager, every Triton kernel launched through Triton's own fn[grid] instead of the launch cache

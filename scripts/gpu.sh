@@ -261,7 +261,7 @@ print(re.sub('[^a-z0-9]+', '-', g).strip('-'))" "$LOG/kernel-bits.json") || die 
     # every variant built first, then round-robin (benchmarks/train_step.py); 4 compiles take most of the time
     bounded "${TRAIN_TIMEOUT:-420}" "$LOG/train_T1024.log" $PY benchmarks/train_step.py --shapes 16x1024 --steps 24 \
       --rounds 4 --out "$LOG/train_T1024.json" ${TUNED_TABLE:+--tuned-table "$TUNED_TABLE"} \
-      --variants "${TRAIN_VARIANTS:-sdpa+compile,triton_fa2+compile,triton_paper_bf16+compile,paper_1gpu+compile,sdpa,triton_fa2,triton_fa2+jitlaunch,triton_paper_bf16,paper_1gpu,paper_1gpu+jitlaunch}" \
+      --variants "${TRAIN_VARIANTS:-sdpa+compile,triton_fa2+compile,triton_fa2_exp2+compile,triton_paper_bf16+compile,paper_1gpu+compile,sdpa,triton_fa2,triton_fa2+jitlaunch,triton_paper_bf16,paper_1gpu,paper_1gpu+jitlaunch}" \
       || rc=1
     fi
     if [[ $parts == *" cudagraphs "* ]]; then
