@@ -1,0 +1,191 @@
+"""The Triton kernels compiled for a GPU on any machine (no GPU needed), and their instruction mix: what a knob adds to
+a kernel's inner loop, before a lease times it.
+
+    python scripts/kernel_sass.py                                   # fa2 against fa2 + exp_form=exp2_folded, sm_90
+    python scripts/kernel_sass.py --variants "fa2;fa2:counters=true;paper_1gpu" --kernels fwd,dkdv --shape 16,12,1024,64
+
+Each variant's launch is recorded from the real launchers (kernels/triton_launch.py _forward / _backward: the same
+arguments, block sizes, warps, stages and constexprs a CUDA call would launch, the tensors made on the CPU), then
+compiled ahead of time by Triton for --arch (its bundled ptxas), and the SASS counted with Triton's cuobjdump. The
+counts are per kernel, over the whole kernel (prologue, the masked and the unmasked key loop). They say which
+instructions a change adds or removes; only a GPU says what that costs. Triton's CPU interpreter never compiles, so
+this is also the one CPU check that a kernel edit still compiles for the GPU.
+A variant: `fa2`, `paper_bf16`, `fp32` or `paper_1gpu` (paper_bf16 at 128x128 tiles), then `:knob=value` pairs of
+AttentionKnobs (`counters=true`: the counters on, as a run's monitors have them).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+
+OPS = ("HGMMA", "MUFU.EX2", "FMUL", "FADD", "FFMA", "FMNMX", "FSETP", "FSEL", "F2FP", "SEL", "IADD3", "SHFL",
+       "LDG", "STG", "LDS", "STS", "BAR", "ATOM", "RED")
+KERNEL_OF = {"fwd": "_fwd_kernel", "delta": "_bwd_delta_kernel", "dkdv": "_bwd_dkdv_kernel", "dq": "_bwd_dq_kernel"}
+PRESETS = {"paper_1gpu": dict(recipe="paper_bf16", block_q=128, block_k=128)}
+TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int64: "i64", torch.int32: "i32",
+         torch.uint8: "u8", torch.int8: "i8", torch.bool: "i1"}
+
+
+def parse_variant(text: str):
+    """'fa2:counters=true:exp_form=exp2_folded' -> AttentionKnobs (backend triton); a bad knob or value names it."""
+    from flash_forensics.kernels.config import AttentionKnobs
+    name, *pairs = text.split(":")
+    kw = dict(PRESETS.get(name, dict(recipe=name)), backend="triton", counters=False)
+    fields = {f.name: f for f in dataclasses.fields(AttentionKnobs)}
+    for pair in pairs:
+        key, _, value = pair.partition("=")
+        if key not in fields:
+            raise SystemExit(f"variant {text!r}: {key!r} is not an AttentionKnobs field (e.g. counters, exp_form)")
+        default = getattr(AttentionKnobs(), key)
+        kw[key] = (value.lower() in ("1", "true", "yes") if isinstance(default, bool) else
+                   type(default)(value) if isinstance(default, (int, float)) else value)
+    try:
+        return AttentionKnobs(**kw).validate()
+    except ValueError as e:
+        raise SystemExit(f"variant {text!r}: {e}") from None
+
+
+class _Recorder:
+    """Stands in for kernels/launch_cache.py's Kernels: records each launch's (kernel, args, kwargs)."""
+
+    def __init__(self, jit):
+        self.jit, self.calls = jit, []
+
+    def __getattr__(self, name):
+        fn = getattr(self.jit, name)
+
+        class _Grid:
+            def __getitem__(_, grid):
+                return lambda *args, **kw: self.calls.append((name, fn, args, kw))
+        return _Grid()
+
+
+def record_launches(knobs, shape):
+    """The launches one fwd+bwd of `knobs` at `shape` makes, from the launchers themselves (CPU tensors)."""
+    from flash_forensics.kernels import triton_launch as tl_
+    from flash_forensics.kernels.stats import AttnStats
+    B, H, T, D = shape
+    dt = torch.float32 if knobs.recipe == "fp32" else torch.bfloat16
+    q, k, v, do = (torch.zeros(B, H, T, D, dtype=dt) for _ in range(4))
+    rec, saved = _Recorder(tl_._jit), tl_._k
+    tl_._k = rec
+    try:
+        st = AttnStats(H, "cpu") if knobs.counters else None
+        rep, maxl = (st.repeated_max_rows, st.max_logit) if st else (None, None)
+        o, lse, _, _ = tl_._forward(q, k, v, knobs, rep, maxl, under=getattr(st, "underflow_rows", None),
+                                    p1=getattr(st, "sfa_p1_rows", None))
+        tl_._backward(do, q, k, v, o, lse, knobs)
+    finally:
+        tl_._k = saved
+    return rec.calls
+
+
+def _signature(fn, args, kw):
+    """Triton's (signature, constexprs, attrs) for these arguments, specialized as a launch specializes them:
+    ints equal to 1 become constants, ints divisible by 16 and 16-byte aligned pointers are marked so."""
+    sig, const, attrs = {}, {}, {}
+    names = fn.arg_names
+    for i, name in enumerate(names):
+        if name in kw:
+            sig[name], const[(i,)] = "constexpr", kw[name]
+            continue
+        a = args[i]
+        if isinstance(a, torch.Tensor):
+            sig[name] = "*" + TYPES[a.dtype]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(a, bool):
+            sig[name] = "i1"
+        elif isinstance(a, int):
+            if a == 1:
+                sig[name], const[(i,)] = "constexpr", 1
+            else:
+                sig[name] = "i32" if -2**31 <= a < 2**31 else "i64"
+                if a % 16 == 0:
+                    attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(a, float):
+            sig[name] = "fp32"
+        else:
+            raise TypeError(f"{name}: an argument of type {type(a).__name__}")
+    return sig, const, attrs
+
+
+def _tools():
+    import triton.backends.nvidia as nv
+    d = os.path.join(os.path.dirname(nv.__file__), "bin")
+    return os.path.join(d, "cuobjdump")
+
+
+def compile_counts(fn, args, kw, arch: int) -> dict:
+    """{op: count} of the kernel's SASS, and its registers, compiled ahead of time for sm_<arch>."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    launch = {k: v for k, v in kw.items() if k in ("num_warps", "num_stages")}
+    consts = {k: v for k, v in kw.items() if k not in launch}
+    sig, const, attrs = _signature(fn, args, consts)
+    src = ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs)
+    # FP fusion on, as a launch compiles (Triton's default through 3.9; stated, so a later default does not move it)
+    ck = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(launch, enable_fp_fusion=True))
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(ck.asm["cubin"])
+    try:
+        sass = subprocess.run([_tools(), "-sass", f.name], capture_output=True, text=True, check=True).stdout
+        res = subprocess.run([_tools(), "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    finally:
+        os.unlink(f.name)
+    instr = [ln.split("*/", 1)[1].split(";")[0].strip() for ln in sass.splitlines()
+             if re.match(r"\s*/\*[0-9a-f]{4}\*/", ln)]
+    counts = {op: sum(1 for i in instr if re.search(r"(^|\s|\})" + re.escape(op) + r"(\.|\s|$)", i)) for op in OPS}
+    m = re.search(r"REG:(\d+)", res)
+    return dict(counts, instructions=len(instr), registers=int(m.group(1)) if m else None,
+                exp_denormal_fixups=sum(1 for i in instr if "FSETP.GEU" in i and "-126" in i), **launch)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--variants", default="fa2;fa2:exp_form=exp2_folded",
+                    help="';'-separated: recipe or preset, then :knob=value pairs")
+    ap.add_argument("--kernels", default="fwd", help="comma list of: " + ", ".join(KERNEL_OF))
+    ap.add_argument("--shape", default="16,12,1024,64", help="B,H,T,D")
+    ap.add_argument("--arch", type=int, default=90, help="compute capability x10 (90: H100 / H200)")
+    ap.add_argument("--out", default=None, help="JSON path (nothing written without it)")
+    args = ap.parse_args(argv)
+    shape = tuple(int(x) for x in args.shape.split(","))
+    kernels = args.kernels.split(",")
+    bad = [k for k in kernels if k not in KERNEL_OF]
+    if bad:
+        raise SystemExit(f"--kernels={bad[0]!r} is not allowed: expected one of {', '.join(KERNEL_OF)}")
+    rows = []
+    for text in args.variants.split(";"):
+        knobs = parse_variant(text)
+        calls = record_launches(knobs, shape)
+        for kern in kernels:
+            for name, fn, a, kw in calls:
+                if name == KERNEL_OF[kern]:
+                    rows.append(dict(variant=text, kernel=kern, **compile_counts(fn, a, kw, args.arch)))
+                    print(json.dumps(rows[-1]), flush=True)
+    cols = ("instructions", "registers") + OPS[:10] + ("exp_denormal_fixups",)
+    print("| variant | kernel | " + " | ".join(cols) + " |\n|" + "---|" * (len(cols) + 2))
+    for r in rows:
+        print(f"| {r['variant']} | {r['kernel']} | " + " | ".join(str(r[c]) for c in cols) + " |")
+    if args.out:
+        import triton
+        with open(args.out, "w") as f:
+            json.dump(dict(command="python " + " ".join([sys.argv[0]] + (argv or sys.argv[1:])), arch=args.arch,
+                           shape=shape, triton=triton.__version__, torch=torch.__version__, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

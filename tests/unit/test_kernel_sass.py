@@ -1,0 +1,55 @@
+"""scripts/kernel_sass.py: the Triton forward compiled for sm_90 on a CPU, from the launchers' own arguments. Triton's
+interpreter never compiles a kernel, so this is the CPU's one check that the GPU code still compiles; the counts say
+what exp_form=exp2_folded removes: tl.exp's denormal fix-up (a compare and two predicated multiplies around each
+MUFU.EX2) and the scale's multiply."""
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("kernel_sass", ROOT / "scripts" / "kernel_sass.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _have_tools():
+    try:
+        import triton.backends.nvidia as nv
+        from triton.backends.compiler import GPUTarget  # noqa: F401
+    except Exception:
+        return False
+    return os.path.exists(os.path.join(os.path.dirname(nv.__file__), "bin", "cuobjdump"))
+
+
+pytestmark = pytest.mark.skipif(not _have_tools() or os.environ.get("TRITON_INTERPRET") == "1",
+                                reason="needs Triton's NVIDIA backend (ptxas, cuobjdump), as its wheel ships them")
+
+
+def test_the_forward_compiles_for_sm90_and_exp2_folded_drops_the_exp_fixups():
+    ks = _script()
+    compile_counts, parse_variant, record_launches = ks.compile_counts, ks.parse_variant, ks.record_launches
+    got = {}
+    for text in ("fa2", "fa2:exp_form=exp2_folded"):
+        calls = record_launches(parse_variant(text), (2, 2, 256, 64))
+        assert [c[0] for c in calls] == ["_fwd_kernel", "_bwd_delta_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel"]
+        name, fn, args, kw = calls[0]
+        assert kw["FOLD"] is (text != "fa2") and kw["BLOCK_N"] == 64
+        got[text] = compile_counts(fn, args, kw, 90)
+    exp, fold = got["fa2"], got["fa2:exp_form=exp2_folded"]
+    assert exp["HGMMA"] > 0 and exp["MUFU.EX2"] == fold["MUFU.EX2"] > 0  # wgmma, one exp2 per score either way
+    assert exp["exp_denormal_fixups"] == exp["MUFU.EX2"] and fold["exp_denormal_fixups"] == 0
+    assert fold["FMUL"] + fold["FSETP"] < exp["FMUL"] + exp["FSETP"] and fold["instructions"] < exp["instructions"]
+
+
+def test_a_bad_variant_names_the_knob():
+    parse_variant = _script().parse_variant
+    with pytest.raises(SystemExit, match="'exp_fom' is not an AttentionKnobs field"):
+        parse_variant("fa2:exp_fom=exp2_folded")
+    with pytest.raises(SystemExit, match="exp_form"):
+        parse_variant("fa2:exp_form=exp10")
