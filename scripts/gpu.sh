@@ -362,14 +362,16 @@ print(re.sub('[^a-z0-9]+', '-', g).strip('-'))" "$LOG/kernel-bits.json") || die 
     # as the one-lease plan runs it (checkpoints from CKPT_START, evaluation, monitors, probes, MLflow), its
     # divergence not stopping it (train.early_stop=false): result.json's wall_s is the time to that step. Runs and
     # checkpoints under BT_R (default /tmp/baseline-time); result.json and the log come back. Hydra overrides: ARGS
-    setup; logdir baseline-time; R=${BT_R:-/tmp/baseline-time}; step=${STEP:-9697}
+    R=$(realpath -m "${BT_R:-/tmp/baseline-time}"); step=${STEP:-9697}
+    case "$R/" in /|"$ROOT"/*|"$HOME"/) die "BT_R=$R: give a scratch folder outside the tree (it is emptied first)";; esac
+    setup; logdir baseline-time
     rm -rf "$R"; mkdir -p "$R"
     timeout "${BT_TIMEOUT:-1200}" $PY run.py experiment=paper_1gpu train.seed="${SEED:-1337}" data.seed="${SEED:-1337}" \
       train.max_steps=$((step + 1)) train.ckpt_start="${CKPT_START:-8500}" train.early_stop=false results_dir="$R" \
       "$@" > "$LOG/run.log" 2>&1; rc=$?
     res=$(find "$R" -name result.json | head -1)
     [ -n "$res" ] && cp "$res" "$LOG/result.json" && $PY -c "import json, sys; r = json.load(open(sys.argv[1])); \
-print({k: r.get(k) for k in ('steps_done', 'wall_s', 'divergence_step', 'min_loss', 'min_loss_step', 'status')})" "$res"
+print({k: r.get(k) for k in ('steps_done', 'wall_s', 'observed', 'divergence_step', 'min_loss', 'min_loss_step')})" "$res"
     tail -5 "$LOG/run.log"
     exit $rc
     ;;
