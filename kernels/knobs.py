@@ -266,9 +266,10 @@ KNOBS: Tuple[Knob, ...] = (
     # exp2((m_old - m_new) * c). exp2_mul: Triton's tl.exp (exp2 of x * log2(e), x rounded first). exp2 is exact then
     # rounded: the GPU's ex2.approx.f32 is not specified bit for bit (the one term the table leaves open).
     # Triton computes exp2_folded in its forward where the scores and statistics stay FP32 (fa2, fp32) and tiling is on
-    # (kernels/triton_launch.py fold_supported; else the emulator): a multiply and a subtract per score instead of
-    # three; a probe of the one-FMA variant ran fa2's forward 21% faster on an H100, this two-rounding form is not
-    # timed yet (results/bench/gpu-h100-2026-12-06d/).
+    # (kernels/triton_launch.py fold_supported; else the emulator): a multiply, a subtract and an ftz exp2 per score,
+    # where exp_form=exp spends the scale's multiply, the subtract, exp's multiply by log2(e) and ex2's denormal
+    # fix-up (a compare, two multiplies: scripts/kernel_sass.py). A probe of the one-FMA variant ran fa2's forward 21%
+    # faster on an H100; this two-rounding form is not timed yet (results/bench/gpu-h100-2026-12-06d/).
     Knob("exp_form", str, "exp", "how P̄ = exp(S - m) is evaluated: exp, exp2_folded (FlashAttention-2: scale and "
          "log2(e) folded into one multiply of the unscaled scores, exp2), exp2_mul (Triton's tl.exp)",
          computed_by={"emulator": ("exp2_folded", "exp2_mul"), "triton": ("exp2_folded",)}, off="exp",
