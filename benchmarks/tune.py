@@ -57,7 +57,11 @@ FWD["paper_1gpu"] = {64: [(64, 128, 4, 3), (64, 128, 4, 2), (64, 128, 4, 1), (12
 BWD["paper_1gpu"] = {64: [(128, 64, 64, 128, 4, 3), (128, 64, 64, 128, 4, 2), (128, 64, 64, 128, 4, 1),
                           (128, 128, 64, 128, 4, 2), (128, 64, 128, 128, 4, 2), (128, 32, 64, 128, 4, 1),
                           (128, 64, 32, 128, 4, 2), (128, 128, 128, 128, 4, 2), (128, 32, 32, 128, 4, 2),
-                          (128, 128, 64, 128, 4, 1)]}
+                          (128, 128, 64, 128, 4, 1),
+                          # 8 warps: compiled for sm_90, the 4-warp dK/dV kernel of this launch spills (255 registers
+                          # and a 104-byte stack), the 8-warp one with 1 or 3 stages does not (scripts/kernel_sass.py,
+                          # Triton 3.6, 2026-12-06); not timed yet
+                          (128, 64, 64, 128, 8, 2), (128, 64, 64, 128, 8, 1), (128, 64, 64, 128, 8, 3)]}
 FAMILIES = {  # name -> the knobs it is tuned with (counters as a run uses them)
     "fa2": AttentionKnobs(recipe="fa2", counters=False),
     "fa2_exact": AttentionKnobs(recipe="fa2", counters=True),

@@ -6,7 +6,8 @@ a kernel's inner loop, before a lease times it.
 
 Each variant's launch is recorded from the real launchers (kernels/triton_launch.py _forward / _backward: the same
 arguments, block sizes, warps, stages and constexprs a CUDA call would launch, the tensors made on the CPU), then
-compiled ahead of time by Triton for --arch (its bundled ptxas), and the SASS counted with Triton's cuobjdump. The
+compiled ahead of time by Triton for --arch (its bundled ptxas), and the SASS counted with Triton's cuobjdump (and
+the registers and stack: a stack means spilled registers). The
 counts are per kernel, over the whole kernel (prologue, the masked and the unmasked key loop). They say which
 instructions a change adds or removes; only a GPU says what that costs. Triton's CPU interpreter never compiles, so
 this is also the one CPU check that a kernel edit still compiles for the GPU.
@@ -146,10 +147,11 @@ def compile_counts(fn, args, kw, arch: int) -> dict:
     finally:
         os.unlink(f.name)
     instr = [ln.split("*/", 1)[1].split(";")[0].strip() for ln in sass.splitlines()
-             if re.match(r"\s*/\*[0-9a-f]{4}\*/", ln)]
+             if re.match(r"\s*/\*[0-9a-f]{4,}\*/", ln)]
     counts = {op: sum(1 for i in instr if re.search(r"(^|\s|\})" + re.escape(op) + r"(\.|\s|$)", i)) for op in OPS}
-    m = re.search(r"REG:(\d+)", res)
+    m, st = re.search(r"REG:(\d+)", res), re.search(r"STACK:(\d+)", res)
     return dict(counts, instructions=len(instr), registers=int(m.group(1)) if m else None,
+                stack_bytes=int(st.group(1)) if st else None,  # > 0: registers spilled to local memory
                 exp_denormal_fixups=sum(1 for i in instr if "FSETP.GEU" in i and "-126" in i), **launch)
 
 
@@ -176,7 +178,7 @@ def main(argv=None):
                 if name == KERNEL_OF[kern]:
                     rows.append(dict(variant=text, kernel=kern, **compile_counts(fn, a, kw, args.arch)))
                     print(json.dumps(rows[-1]), flush=True)
-    cols = ("instructions", "registers") + OPS[:10] + ("exp_denormal_fixups",)
+    cols = ("instructions", "registers", "stack_bytes") + OPS[:10] + ("exp_denormal_fixups",)
     print("| variant | kernel | " + " | ".join(cols) + " |\n|" + "---|" * (len(cols) + 2))
     for r in rows:
         print(f"| {r['variant']} | {r['kernel']} | " + " | ".join(str(r[c]) for c in cols) + " |")
