@@ -146,13 +146,41 @@ def compile_counts(fn, args, kw, arch: int) -> dict:
         res = subprocess.run([_tools(), "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
     finally:
         os.unlink(f.name)
-    instr = [ln.split("*/", 1)[1].split(";")[0].strip() for ln in sass.splitlines()
-             if re.match(r"\s*/\*[0-9a-f]{4,}\*/", ln)]
+    instr = sass_instructions(sass)
     counts = {op: sum(1 for i in instr if re.search(r"(^|\s|\})" + re.escape(op) + r"(\.|\s|$)", i)) for op in OPS}
     m, st = re.search(r"REG:(\d+)", res), re.search(r"STACK:(\d+)", res)
-    return dict(counts, instructions=len(instr), registers=int(m.group(1)) if m else None,
+    return dict(counts, instructions=len(instr), registers=int(m.group(1)) if m else None, sass=instr,
                 stack_bytes=int(st.group(1)) if st else None,  # > 0: registers spilled to local memory
                 exp_denormal_fixups=sum(1 for i in instr if "FSETP.GEU" in i and "-126" in i), **launch)
+
+
+def sass_instructions(sass: str) -> list:
+    """The instructions of cuobjdump -sass output, one string each (offsets and encodings dropped)."""
+    return [ln.split("*/", 1)[1].split(";")[0].strip() for ln in sass.splitlines()
+            if re.match(r"\s*/\*[0-9a-f]{4,}\*/", ln)]
+
+
+def normalized(instr: list) -> list:
+    """Instructions with what moves when only the kernel's argument list changes taken out: constant-bank offsets
+    (where each argument lives) and hex immediates (addresses). Opcodes, registers, predicates and float immediates
+    stay: two kernels equal here run the same arithmetic in the same order."""
+    return [re.sub(r"0x[0-9a-f]+", "HEX", re.sub(r"c\[0x[0-9a-f]+\]\[0x[0-9a-f]+\]", "c[ARG]", i)) for i in instr]
+
+
+def compare(rows: list, other: list) -> list:
+    """(variant, kernel, verdict) per row of `rows` against the same row of `other`: 'identical' (normalized SASS
+    equal), 'differs (n vs m instructions)', or 'missing' there."""
+    theirs = {(r["variant"], r["kernel"]): r for r in other}
+    out = []
+    for r in rows:
+        o = theirs.get((r["variant"], r["kernel"]))
+        if o is None:
+            out.append((r["variant"], r["kernel"], "missing"))
+        elif normalized(r["sass"]) == normalized(o["sass"]):
+            out.append((r["variant"], r["kernel"], "identical"))
+        else:
+            out.append((r["variant"], r["kernel"], f"differs ({len(o['sass'])} vs {len(r['sass'])} instructions)"))
+    return out
 
 
 def main(argv=None):
@@ -163,7 +191,15 @@ def main(argv=None):
     ap.add_argument("--shape", default="16,12,1024,64", help="B,H,T,D")
     ap.add_argument("--arch", type=int, default=90, help="compute capability x10 (90: H100 / H200)")
     ap.add_argument("--out", default=None, help="JSON path (nothing written without it)")
+    ap.add_argument("--against", default=None, metavar="DIR",
+                    help="another checkout (e.g. `git worktree add /tmp/base main`): its kernels compiled the same "
+                         "way, each kernel's SASS compared with this tree's (argument offsets aside); exit 1 when any "
+                         "differs. A refactor that must keep every bit should leave them identical")
+    ap.add_argument("--root", default=None, help=argparse.SUPPRESS)  # --against's child: import the kernels from here
+    ap.add_argument("--keep-sass", action="store_true", help=argparse.SUPPRESS)  # --against's child: rows with SASS
     args = ap.parse_args(argv)
+    if args.root:
+        sys.path.insert(0, os.path.abspath(args.root))
     shape = tuple(int(x) for x in args.shape.split(","))
     kernels = args.kernels.split(",")
     bad = [k for k in kernels if k not in KERNEL_OF]
@@ -177,16 +213,39 @@ def main(argv=None):
             for name, fn, a, kw in calls:
                 if name == KERNEL_OF[kern]:
                     rows.append(dict(variant=text, kernel=kern, **compile_counts(fn, a, kw, args.arch)))
-                    print(json.dumps(rows[-1]), flush=True)
+                    print(json.dumps({k: v for k, v in rows[-1].items() if k != "sass"}), flush=True)
+    verdicts = None
+    if args.against:
+        if not os.path.isdir(os.path.join(args.against, "kernels")):
+            raise SystemExit(f"--against={args.against!r} is not allowed: expected a checkout (a folder with kernels/)")
+        with tempfile.TemporaryDirectory() as tmp:
+            dump = os.path.join(tmp, "other.json")
+            cmd = [sys.executable, os.path.abspath(__file__), "--root", args.against, "--variants", args.variants,
+                   "--kernels", args.kernels, "--shape", args.shape, "--arch", str(args.arch), "--out", dump,
+                   "--keep-sass"]
+            r = subprocess.run(cmd, cwd=args.against, capture_output=True, text=True)
+            if r.returncode != 0:
+                raise SystemExit(f"compiling {args.against}'s kernels failed:\n{r.stderr[-2000:]}")
+            with open(dump) as f:
+                verdicts = compare(rows, json.load(f)["rows"])
     cols = ("instructions", "registers", "stack_bytes") + OPS[:10] + ("exp_denormal_fixups",)
     print("| variant | kernel | " + " | ".join(cols) + " |\n|" + "---|" * (len(cols) + 2))
     for r in rows:
         print(f"| {r['variant']} | {r['kernel']} | " + " | ".join(str(r[c]) for c in cols) + " |")
+    if verdicts is not None:
+        print(f"\nSASS against {args.against}:")
+        for v, k, verdict in verdicts:
+            print(f"  {v} {k}: {verdict}")
     if args.out:
         import triton
         with open(args.out, "w") as f:
             json.dump(dict(command="python " + " ".join([sys.argv[0]] + (argv or sys.argv[1:])), arch=args.arch,
-                           shape=shape, triton=triton.__version__, torch=torch.__version__, rows=rows), f, indent=1)
+                           shape=shape, triton=triton.__version__, torch=torch.__version__,
+                           rows=rows if args.keep_sass else [{k: v for k, v in r.items() if k != "sass"} for r in rows],
+                           against=None if verdicts is None else dict(tree=args.against, kernels=[
+                               dict(variant=v, kernel=k, verdict=x) for v, k, x in verdicts])), f, indent=1)
+    if verdicts is not None and any(x != "identical" for _, _, x in verdicts):
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

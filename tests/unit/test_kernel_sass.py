@@ -53,3 +53,21 @@ def test_a_bad_variant_names_the_knob():
         parse_variant("fa2:exp_fom=exp2_folded")
     with pytest.raises(SystemExit, match="exp_form"):
         parse_variant("fa2:exp_form=exp10")
+
+
+def test_compare_sets_argument_offsets_aside_and_names_what_differs():
+    """--against: two kernels whose SASS differs only in where their arguments live (a new argument moves every
+    constant-bank offset) are identical; another opcode, register or float immediate differs; a kernel the other
+    tree lacks is missing."""
+    ks = _script()
+    a = ["FMUL R50, R41, 1.4426950216293334961", "LDC R2, c[0x0][0x3a0]", "IADD3 R4, P0, R2, 0x10, RZ"]
+    moved = ["FMUL R50, R41, 1.4426950216293334961", "LDC R2, c[0x0][0x3a8]", "IADD3 R4, P0, R2, 0x10, RZ"]
+    other_op = ["FMUL.FTZ R50, R41, 1.4426950216293334961", "LDC R2, c[0x0][0x3a0]", "IADD3 R4, P0, R2, 0x10, RZ"]
+    rows = [dict(variant="fa2", kernel="fwd", sass=a), dict(variant="fa2", kernel="dq", sass=a),
+            dict(variant="fa2", kernel="dkdv", sass=a)]
+    other = [dict(variant="fa2", kernel="fwd", sass=moved), dict(variant="fa2", kernel="dq", sass=other_op)]
+    assert ks.compare(rows, other) == [("fa2", "fwd", "identical"), ("fa2", "dq", "differs (3 vs 3 instructions)"),
+                                       ("fa2", "dkdv", "missing")]
+    sass = "        /*0040*/                   FMUL R50, R41, 1.4426950216293334961 ;   /* 0x3fb8aa3b29327820 */\n" \
+           "        /*10000*/                  EXIT ;                                    /* 0x000000000000794d */\n"
+    assert ks.sass_instructions(sass) == ["FMUL R50, R41, 1.4426950216293334961", "EXIT"]
