@@ -35,8 +35,6 @@ OPS = ("HGMMA", "MUFU.EX2", "FMUL", "FADD", "FFMA", "FMNMX", "FSETP", "FSEL", "F
        "LDG", "STG", "LDS", "STS", "BAR", "ATOM", "RED")
 KERNEL_OF = {"fwd": "_fwd_kernel", "delta": "_bwd_delta_kernel", "dkdv": "_bwd_dkdv_kernel", "dq": "_bwd_dq_kernel"}
 PRESETS = {"paper_1gpu": dict(recipe="paper_bf16", block_q=128, block_k=128)}
-TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int64: "i64", torch.int32: "i32",
-         torch.uint8: "u8", torch.int8: "i8", torch.bool: "i1"}
 
 
 def parse_variant(text: str):
@@ -94,31 +92,26 @@ def record_launches(knobs, shape):
 
 
 def _signature(fn, args, kw):
-    """Triton's (signature, constexprs, attrs) for these arguments, specialized as a launch specializes them:
-    ints equal to 1 become constants, ints divisible by 16 and 16-byte aligned pointers are marked so."""
+    """Triton's (signature, constexprs, attrs) for these arguments, specialized as a launch specializes them: the
+    launch cache's key (kernels/launch_cache.py spec_of: the value 1 a constant, divisibility by 16, 16-byte
+    alignment) and Triton's own type names (triton.runtime.jit.mangle_type)."""
+    from triton.runtime.jit import mangle_type
+
+    from flash_forensics.kernels.launch_cache import spec_of
+    got = spec_of(args)
+    if got is None:
+        raise TypeError(f"{fn.__name__}: an argument of a type the launch cache does not specialize")
     sig, const, attrs = {}, {}, {}
     names = fn.arg_names
-    for i, name in enumerate(names):
-        if name in kw:
-            sig[name], const[(i,)] = "constexpr", kw[name]
+    for i, (name, a, tag) in enumerate(zip(names, args, got[0])):  # the runtime arguments come first
+        if tag == "one":
+            sig[name], const[(i,)] = "constexpr", 1
             continue
-        a = args[i]
-        if isinstance(a, torch.Tensor):
-            sig[name] = "*" + TYPES[a.dtype]
+        sig[name] = mangle_type(a)
+        if isinstance(tag, tuple) and tag[1]:  # a 16-byte aligned address or an int 16 divides
             attrs[(i,)] = [["tt.divisibility", 16]]
-        elif isinstance(a, bool):
-            sig[name] = "i1"
-        elif isinstance(a, int):
-            if a == 1:
-                sig[name], const[(i,)] = "constexpr", 1
-            else:
-                sig[name] = "i32" if -2**31 <= a < 2**31 else "i64"
-                if a % 16 == 0:
-                    attrs[(i,)] = [["tt.divisibility", 16]]
-        elif isinstance(a, float):
-            sig[name] = "fp32"
-        else:
-            raise TypeError(f"{name}: an argument of type {type(a).__name__}")
+    for i, name in enumerate(names[len(args):], start=len(args)):
+        sig[name], const[(i,)] = "constexpr", kw[name]
     return sig, const, attrs
 
 
