@@ -294,8 +294,8 @@ def _fwd_inner(acc, l_i, m_i, raw_max, fired, pmax, l_raw, p1, q, k_base, v_base
                     near = s >= thr[:, None]
                 if MASKED or KEYPAD:  # elsewhere every entry is valid: no per-entry test (the counters' cost)
                     near = near & _valid(offs_m, cols, T, MASKED, kp, KEYPAD)
-                # an int32 count: an FP32 one (exact too) cut fa2's forward with counters by 5% on an H100 but
-                # slowed paper_bf16's by 4% and SFA's by 23% (results/bench/gpu-h100-2026-12-06d/)
+                # an int32 count: an FP32 one (exact too) ran fa2's forward with counters 5% faster on an H100, but
+                # paper_bf16's 4% and SFA's 23% slower, across two machines (results/bench/gpu-h100-2026-12-06d)
                 fire = (tl.sum(near.to(tl.int32), 1) > 1) & row_ok
                 fired += fire.to(tl.int32)
                 sfa = fire  # rows where the stabilized shift is meant to act (sfa_p1_rows)
