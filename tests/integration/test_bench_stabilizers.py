@@ -78,7 +78,8 @@ def test_a_full_tiny_run_times_the_triton_kind_first_and_writes_after_every_vari
     assert all(r["steps_timed"] == 4 and r["rounds_completed"] == 2 and r["tokens_per_s"] > 0 for r in rows.values())
     for r in rows.values():  # where a build's time went (Hydra's compose, the model), within the build's time
         assert set(r["build_parts"]) == {"compose_s", "model_s"} and min(r["build_parts"].values()) >= 0
-        assert sum(r["build_parts"].values()) <= r["build_s"]
+        # each of the three figures is rounded to the millisecond: up to 0.5 ms apiece (CI saw 0.147 + 0.023 > 0.169)
+        assert sum(r["build_parts"].values()) <= r["build_s"] + 3 * 0.0005 + 1e-9
     # a write after every variant's timing (3 variants x 2 rounds), partial until the last one
     timed = [tuple(r["steps_timed"] for r in w["rows"]) for w in writes]
     assert len(set(timed)) >= 1 + 3 * 2, timed
