@@ -8,6 +8,8 @@ Methods (causal, BF16 inputs (B, H, T, D); FLOPs = 7*B*H*T^2*D per fwd+bwd):
   triton_fa2                                the fa2 recipe, counters off
   triton_fa2_jit                            the same, every kernel launched through Triton's own fn[grid] (what
                                             kernels/launch_cache.py's cache replaces: its gain, side by side)
+  triton_fa2_linear                         the same, the query-tile kernels launched tile 0 first (the order
+                                            before longest-first: kernels/triton_launch.py launch_order)
   triton_fa2_counters                       fa2 with the repeated-maxima counters and max logit (as a run logs)
   triton_fa2_exp2[_counters]                fa2 with exp_form=exp2_folded (FlashAttention-2's softmax: the scale
                                             folded into exp2's multiply), without / with the counters
@@ -46,6 +48,7 @@ SDPA = ("sdpa_flash", "sdpa_cudnn", "sdpa_efficient")
 KNOBS = {  # method -> knobs (counters on means the layer's AttnStats is passed)
     "triton_fa2": AttentionKnobs(recipe="fa2", backend="triton", counters=False),
     "triton_fa2_jit": AttentionKnobs(recipe="fa2", backend="triton", counters=False),
+    "triton_fa2_linear": AttentionKnobs(recipe="fa2", backend="triton", counters=False),
     "triton_fa2_counters": AttentionKnobs(recipe="fa2", backend="triton", counters=True),
     "triton_fa2_exp2": AttentionKnobs(recipe="fa2", backend="triton", counters=False, exp_form="exp2_folded"),
     "triton_fa2_exp2_counters": AttentionKnobs(recipe="fa2", backend="triton", counters=True, exp_form="exp2_folded"),
@@ -111,6 +114,9 @@ def method_fn(name, H, dev):
     if name.endswith("_jit"):  # forward and backward launched by Triton itself
         from flash_forensics.kernels.triton_launch import triton_own_launch
         f.scope = triton_own_launch
+    if name.endswith("_linear"):  # the query tiles launched in order (every bit the same: speed only)
+        from flash_forensics.kernels.triton_launch import launch_order
+        f.scope = lambda: launch_order("linear")
     return f
 
 
@@ -168,6 +174,11 @@ def summarize(rows, shapes) -> dict:
             ku = [d["methods"][x].get("kernels_us") for x in ("triton_fa2", "triton_fa2_exp2")]
             if all(ku):
                 d["fa2_exp2_kernels_speedup"] = ku[0] / ku[1]
+        if "triton_fa2" in ms and "triton_fa2_linear" in ms:  # > 1: longest-first launch order is faster
+            d["lpt_speedup"] = ms["triton_fa2_linear"] / ms["triton_fa2"]
+            ku = [d["methods"][x].get("kernels_us") for x in ("triton_fa2_linear", "triton_fa2")]
+            if all(ku):
+                d["lpt_kernels_speedup"] = ku[0] / ku[1]
         if "triton_fa2" in ms and "triton_fa2_jit" in ms:  # > 1: the launch cache is faster than Triton's launch
             d["launch_cache_speedup"] = ms["triton_fa2_jit"] / ms["triton_fa2"]
         if "triton_fa2" in ms:

@@ -26,6 +26,25 @@ else:  # the launches past Triton's per-call binding (kernels/launch_cache.py); 
     _k = Kernels(_jit, KERNELS, "jit" if _INTERPRET else launch_mode())
 
 
+LAUNCH_ORDERS = ("longest_first", "linear")
+_order = {"lpt": True}  # the query-tile kernels' launch order (kernels/triton_kernels.py _query_tile)
+
+
+@contextlib.contextmanager
+def launch_order(order: str):
+    """The forward, delta and dQ kernels launched in `order` within the scope: longest_first (the default: the
+    query tiles with the most key tiles first) or linear (tile 0 first, as before). Speed only, every bit the same:
+    the benchmarks time one against the other side by side, in one process."""
+    if order not in LAUNCH_ORDERS:
+        raise ValueError(f"order={order!r} is not allowed: expected one of {', '.join(LAUNCH_ORDERS)}")
+    saved = _order["lpt"]
+    _order["lpt"] = order == "longest_first"
+    try:
+        yield
+    finally:
+        _order["lpt"] = saved
+
+
 @contextlib.contextmanager
 def triton_own_launch():
     """Every kernel launched in the scope goes through Triton's own `fn[grid]` (FF_TRITON_LAUNCH=jit), whatever the
@@ -401,7 +420,7 @@ def _forward(q, k, v, knobs: AttentionKnobs, rep=None, maxl=None, probe: bool = 
                       COUNTERS=counters, HAS_OFP32=has_ofp32, ONE_BLOCK=not knobs.tiling,
                       PROBE=probe, F32_DOT=knobs.fp32_gemm, KEYPAD=keypad,
                       GUARDED=knobs.softmax == "stabilized_guarded", CLAMP=clamp, SR=bool(knobs.stochastic_round),
-                      FOLD=knobs.exp_form == "exp2_folded", num_warps=warps, num_stages=stages)
+                      FOLD=knobs.exp_form == "exp2_folded", LPT=_order["lpt"], num_warps=warps, num_stages=stages)
     return o, lse, (pmax if probe else None), (fired if probe else None)
 
 
@@ -440,13 +459,14 @@ def _backward(do, q, k, v, o, lse, knobs: AttentionKnobs, key_keep=None, ties=No
     dq = empty_like_order(q, (B, H, T, D), q.dtype)  # gradients in the inputs' dtypes and memory orders
     dk = empty_like_order(k, (B, H, T, D), k.dtype)
     dv = empty_like_order(k, (B, H, T, D), v.dtype)  # k's order: the dK/dV kernel writes both with dK's strides
+    lpt = _order["lpt"]
     dbm, dbn = (16, 16) if _interpret() else (32, 32) if recipe == 0 and knobs.fp32_gemm == "ieee" else (64, 64)
     _k._bwd_delta_kernel[(_cdiv(T, dbm), B * H)](
         q, k, v, o, do, lse, delta, ofp32, kp, first, ties,
         *_strides(q), *_strides(k), *_strides(v), *_strides(o), *_strides(do), kp.stride(0),
         H, T, scale, ntw, HEAD_DIM=D, BLOCK_M=dbm, BLOCK_N=dbn, ROUND=mask, INPUT_F32=f32_in,
         DELTA_MODE=DELTA_IDS[knobs.delta], HAS_OFP32=has_ofp32, F32_DOT=knobs.fp32_gemm, KEYPAD=keypad,
-        CLAMP=clamp, num_warps=4)
+        CLAMP=clamp, LPT=lpt, num_warps=4)
     _k._bwd_dkdv_kernel[(_cdiv(T, n1), B * H)](
         q, k, v, do, lse, delta, dk, dv, kp, first, ties,
         *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk), kp.stride(0), H, T, scale, ntw,
@@ -457,7 +477,7 @@ def _backward(do, q, k, v, o, lse, knobs: AttentionKnobs, key_keep=None, ties=No
         q, k, v, do, lse, delta, dq, kp, first, ties,
         *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq), kp.stride(0), H, T, scale, ntw,
         HEAD_DIM=D, BLOCK_M=m2, BLOCK_N=n2, ROUND=mask, INPUT_F32=f32_in,
-        ONE_BLOCK=not knobs.tiling, F32_DOT=knobs.fp32_gemm, KEYPAD=keypad, CLAMP=clamp, num_warps=warps,
+        ONE_BLOCK=not knobs.tiling, F32_DOT=knobs.fp32_gemm, KEYPAD=keypad, CLAMP=clamp, LPT=lpt, num_warps=warps,
         num_stages=stages)
     return dq, dk, dv
 

@@ -110,3 +110,25 @@ def test_summary_times_exp2_folded_against_plain_fa2():
             dict(shape="s", method="triton_fa2_exp2", ms=0.40, tflops=1.0, total_us=390.0)]
     d = summarize(rows, ["s"])["s"]
     assert abs(d["fa2_exp2_speedup"] - 0.42 / 0.40) < 1e-12 and abs(d["fa2_exp2_kernels_speedup"] - 411 / 390) < 1e-12
+
+
+def test_summary_times_the_launch_orders_side_by_side_and_the_linear_row_runs_in_its_scope():
+    """triton_fa2_linear: fa2 with the query tiles launched in order, in launch_order("linear")'s scope;
+    lpt_speedup > 1 where longest-first (the default) is faster."""
+    from benchmarks.attention import KNOBS, summarize
+    assert KNOBS["triton_fa2_linear"] == KNOBS["triton_fa2"]
+    rows = [dict(shape="s", method="sdpa_cudnn", ms=0.38, tflops=1.0, total_us=370.0),
+            dict(shape="s", method="triton_fa2", ms=0.40, tflops=1.0, total_us=400.0),
+            dict(shape="s", method="triton_fa2_linear", ms=0.42, tflops=1.0, total_us=411.0)]
+    d = summarize(rows, ["s"])["s"]
+    assert abs(d["lpt_speedup"] - 0.42 / 0.40) < 1e-12 and abs(d["lpt_kernels_speedup"] - 411 / 400) < 1e-12
+    assert "lpt_speedup" not in summarize(rows[:2], ["s"])["s"]
+    import torch
+
+    from benchmarks.attention import method_fn
+    from flash_forensics.kernels import triton_launch
+    f = method_fn("triton_fa2_linear", 2, torch.device("cpu"))
+    with f.scope():
+        assert triton_launch._order["lpt"] is False
+    assert triton_launch._order["lpt"] is True and not hasattr(method_fn("triton_fa2", 2, torch.device("cpu")),
+                                                                "scope")

@@ -325,6 +325,49 @@ def test_interpreter_stabilized_leaves_no_unit_pbar(tfi):
     assert (pmax[fired] < 1).all()
 
 
+# the launch order of the query-tile kernels (kernels/triton_kernels.py _query_tile): speed only, every bit the same
+ORDER_CASES = [
+    (dict(recipe="fp32", counters=True), None),
+    (dict(recipe="fp32", counters=True, tiling=False), None),
+    (dict(recipe="fp32", counters=True, softmax="stabilized", delta="dP_P"), None),
+    (dict(recipe="fp32", counters=True, delta="recompute_fp32", block_q=32), "keep"),
+    (dict(recipe="paper_bf16", counters=True, pbar_clamp=0.99, stochastic_round=True), None),
+]
+
+
+@interp
+@pytest.mark.parametrize("case,keep", ORDER_CASES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items())
+                         if isinstance(c, dict) else str(c))
+def test_interpreter_the_launch_order_keeps_every_bit(tfi, case, keep):
+    from flash_forensics.kernels import triton_launch
+    B, H, T, D = 2, 2, 56, 16  # 4 query tiles of 16, the last one short
+    q, k, v = (x.detach() for x in planted(B, H, T, D, "cpu", seed=11))
+    knobs = AttentionKnobs(**{"block_q": 16, "block_k": 16, **case})
+    key_keep = None
+    if keep:  # a padded batch element: its first 9 keys masked
+        key_keep = torch.ones(B, T, dtype=torch.bool)
+        key_keep[1, :9] = False
+    out = {}
+    for order in triton_launch.LAUNCH_ORDERS:
+        x = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        st = AttnStats(H)
+        with triton_launch.launch_order(order):
+            o = tfi.flash_attention_triton(*x, knobs, st, key_keep=key_keep)
+            grads = torch.autograd.grad(o, x, torch.randn(o.shape, generator=torch.Generator().manual_seed(1)))
+        out[order] = (o, *grads, st.repeated_max_rows, st.max_logit, st.underflow_rows, st.sfa_p1_rows)
+    assert out["longest_first"][-4].sum() > 0, "the planted repeats must be counted"
+    for a, b in zip(out["longest_first"], out["linear"]):
+        assert torch.equal(a, b)
+
+
+def test_a_launch_order_outside_the_list_is_refused():
+    from flash_forensics.kernels import triton_launch
+    with pytest.raises(ValueError, match="order='lpt' is not allowed: expected one of longest_first, linear"):
+        with triton_launch.launch_order("lpt"):
+            pass
+    assert triton_launch._order["lpt"] is True  # left as it was
+
+
 def test_supports():
     from flash_forensics.kernels import triton_flash as tf
     q = torch.zeros(1, 2, 8, 64)
