@@ -7,7 +7,8 @@ a kernel's inner loop, before a lease times it.
 Each variant's launch is recorded from the real launchers (kernels/triton_launch.py _forward / _backward: the same
 arguments, block sizes, warps, stages and constexprs a CUDA call would launch, the tensors made on the CPU), then
 compiled ahead of time by Triton for --arch (its bundled ptxas), and the SASS counted with Triton's cuobjdump (and
-the registers and stack: a stack means spilled registers). The
+the registers and stack: a stack means spilled registers), with the shared memory Triton gives the kernel and, for
+sm_90, how many of its programs an SM holds at once and which limit sets that (`ctas_per_sm`). The
 counts are per kernel, over the whole kernel (prologue, the masked and the unmasked key loop). They say which
 instructions a change adds or removes; only a GPU says what that costs. Triton's CPU interpreter never compiles, so
 this is also the one CPU check that a kernel edit still compiles for the GPU.
@@ -142,9 +143,23 @@ def compile_counts(fn, args, kw, arch: int) -> dict:
     instr = sass_instructions(sass)
     counts = {op: sum(1 for i in instr if re.search(r"(^|\s|\})" + re.escape(op) + r"(\.|\s|$)", i)) for op in OPS}
     m, st = re.search(r"REG:(\d+)", res), re.search(r"STACK:(\d+)", res)
-    return dict(counts, instructions=len(instr), registers=int(m.group(1)) if m else None, sass=instr,
+    regs, shared = int(m.group(1)) if m else None, int(ck.metadata.shared)
+    return dict(counts, instructions=len(instr), registers=regs, sass=instr,
                 stack_bytes=int(st.group(1)) if st else None,  # > 0: registers spilled to local memory
-                exp_denormal_fixups=sum(1 for i in instr if "FSETP.GEU" in i and "-126" in i), **launch)
+                exp_denormal_fixups=sum(1 for i in instr if "FSETP.GEU" in i and "-126" in i), shared_bytes=shared,
+                ctas_per_sm=ctas_per_sm(regs, shared, launch.get("num_warps", 4)) if arch == 90 and regs else None,
+                **launch)
+
+
+def ctas_per_sm(registers: int, shared: int, num_warps: int) -> dict:
+    """How many of these programs an sm_90 SM (H100 / H200) holds at once, by each of its limits: 64K registers
+    (allocated per warp in units of 256), 228 KB of shared memory (1 KB more reserved per program), 64 warps, 32
+    programs. The smallest (`ctas`) is the occupancy the GPU can reach; which limit sets it is `by`."""
+    per_warp = -(-registers * 32 // 256) * 256
+    limits = dict(registers=65536 // (per_warp * num_warps), shared=233472 // (shared + 1024), warps=64 // num_warps,
+                  programs=32)
+    by = min(limits, key=limits.get)
+    return dict(limits, ctas=limits[by], by=by)
 
 
 def sass_instructions(sass: str) -> list:
@@ -221,10 +236,12 @@ def main(argv=None):
                 raise SystemExit(f"compiling {args.against}'s kernels failed:\n{r.stderr[-2000:]}")
             with open(dump) as f:
                 verdicts = compare(rows, json.load(f)["rows"])
-    cols = ("instructions", "registers", "stack_bytes") + OPS[:10] + ("exp_denormal_fixups",)
-    print("| variant | kernel | " + " | ".join(cols) + " |\n|" + "---|" * (len(cols) + 2))
+    cols = ("instructions", "registers", "stack_bytes", "shared_bytes") + OPS[:10] + ("exp_denormal_fixups",)
+    print("| variant | kernel | " + " | ".join(cols) + " | programs per SM (limit) |\n|" + "---|" * (len(cols) + 3))
     for r in rows:
-        print(f"| {r['variant']} | {r['kernel']} | " + " | ".join(str(r[c]) for c in cols) + " |")
+        occ = r.get("ctas_per_sm")
+        print(f"| {r['variant']} | {r['kernel']} | " + " | ".join(str(r[c]) for c in cols)
+              + (f" | {occ['ctas']} ({occ['by']}) |" if occ else " | - |"))
     if verdicts is not None:
         print(f"\nSASS against {args.against}:")
         for v, k, verdict in verdicts:

@@ -91,3 +91,13 @@ def test_the_launch_order_reaches_the_query_tile_kernels_and_leaves_their_arithm
     assert ks.normalized(a["sass"]) != ks.normalized(b["sass"])
     for op in ("HGMMA", "MUFU.EX2", "FMUL", "FFMA", "FMNMX", "FSETP", "SHFL"):
         assert a[op] == b[op], op
+
+
+def test_programs_per_sm_by_each_sm90_limit():
+    """ctas_per_sm: the sm_90 occupancy of a kernel from its registers (per warp, in units of 256), shared memory
+    (+1 KB a program), warps and programs; `by` names the limit that sets it."""
+    occ = _script().ctas_per_sm
+    assert occ(137, 57344, 4) == dict(registers=3, shared=4, warps=16, programs=32, ctas=3, by="registers")
+    assert occ(122, 57344, 4)["ctas"] == 4  # 122 registers round up to 128 a thread: 16K a program
+    assert occ(64, 120000, 4) == dict(registers=8, shared=1, warps=16, programs=32, ctas=1, by="shared")
+    assert occ(32, 0, 8) == dict(registers=8, shared=228, warps=8, programs=32, ctas=8, by="registers")
