@@ -29,8 +29,11 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# (name, knobs, (B, H, T, D), layout): every knob exists in the kernels as of this file; a patch may add knobs,
-# never change what these compute. layout bthd: q, k, v as views of one fused projection (the GPT's own layout).
+# (name, knobs, (B, H, T, D), layout[, input scale]): every knob exists in the kernels as of this file; a patch may
+# add knobs, never change what these compute. layout bthd: q, k, v as views of one fused projection (the GPT's own
+# layout). The input scale (default 2) multiplies q, k and v: at 24 the scores spread over thousands, as the paper
+# regime's reach (max logits up to 38,400 in layer 1), so P and P̄ underflow, some of them through FP32's denormals
+# (exp(x) for x in (-103.3, -87.3)): the cases where an exp that flushes denormals to zero would differ.
 FULL = (
     ("paper_1gpu", dict(recipe="paper_bf16", block_q=128, block_k=128, counters=True), (2, 4, 384, 64), "bthd"),
     ("paper_bf16", dict(recipe="paper_bf16", counters=True), (2, 4, 300, 64), "bhtd"),
@@ -47,6 +50,9 @@ FULL = (
     ("fa2_keypad", dict(recipe="fa2", counters=True), (2, 4, 256, 64), "keypad"),
     ("fp32", dict(recipe="fp32", counters=True), (1, 2, 256, 64), "bhtd"),
     ("fp32_tf32x3", dict(recipe="fp32", fp32_gemm="tf32x3"), (1, 2, 256, 64), "bhtd"),
+    ("paper_1gpu_large_logits", dict(recipe="paper_bf16", block_q=128, block_k=128, counters=True), (1, 4, 384, 64),
+     "bthd", 24.0),
+    ("fa2_large_logits", dict(recipe="fa2", counters=True), (1, 4, 256, 64), "bhtd", 24.0),
 )
 SMALL = (  # the interpreter's (CPU) cases: tiny shapes, tiles of 16
     ("paper_bf16", dict(recipe="paper_bf16", block_q=16, block_k=16, counters=True), (1, 2, 40, 16), "bthd"),
@@ -58,13 +64,14 @@ CASES = {"full": FULL, "small": SMALL}
 COUNTERS = ("repeated_max_rows", "max_logit", "underflow_rows")
 
 
-def _inputs(shape, layout: str, dtype, device, seed: int):
+def _inputs(shape, layout: str, dtype, device, seed: int, scale: float = 2.0):
     """q, k, v (B, H, T, D) with exact ties: every 7th key repeats the key before it, so rows attending both see
-    their row max twice; scaled so that BF16 scores are coarse. bthd: views of one (B, T, 3, H, D) tensor."""
+    their row max twice; scaled (`scale`) so that BF16 scores are coarse. bthd: views of one (B, T, 3, H, D)
+    tensor."""
     import torch
     B, H, T, D = shape
     g = torch.Generator().manual_seed(seed)
-    qkv = torch.randn(B, T, 3, H, D, generator=g) * 2.0
+    qkv = torch.randn(B, T, 3, H, D, generator=g) * scale
     qkv[:, 6::7, 1] = qkv[:, 5:T - 1:7, 1][:, :qkv[:, 6::7, 1].shape[1]]
     qkv = qkv.to(dtype)
     if layout == "bthd":
@@ -89,7 +96,7 @@ def _digest(t) -> str:
     return hashlib.sha256(raw.numpy().tobytes()).hexdigest()
 
 
-def _run_case(knobs_kw, shape, layout, device, seed):
+def _run_case(knobs_kw, shape, layout, device, seed, scale: float = 2.0):
     import torch
 
     from flash_forensics.kernels.config import AttentionKnobs
@@ -97,7 +104,7 @@ def _run_case(knobs_kw, shape, layout, device, seed):
     from flash_forensics.kernels.triton_flash import flash_attention_triton, supports
     knobs = AttentionKnobs(impl="flash", backend="triton", **knobs_kw).validate(shape[1])
     dtype = torch.float32 if knobs.recipe == "fp32" else torch.bfloat16
-    q, k, v, do, keep = _inputs(shape, layout, dtype, device, seed)
+    q, k, v, do, keep = _inputs(shape, layout, dtype, device, seed, scale)
     if not supports(knobs, q):
         raise SystemExit(f"case knobs {knobs_kw} at shape {shape}: the Triton kernels here do not compute them")
     q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
@@ -135,9 +142,10 @@ def record(out: str, device: str, cases: str, tensors_path=None, seed: int = 0) 
     import torch
     doc = dict(env=_env(device), cases_set=cases, seed=seed, cases={})
     saved = {}
-    for name, kw, shape, layout in CASES[cases]:
-        outs = _run_case(kw, shape, layout, device, seed)
-        doc["cases"][name] = dict(knobs=kw, shape=list(shape), layout=layout,
+    for name, kw, shape, layout, *scale in CASES[cases]:
+        scale = scale[0] if scale else 2.0
+        outs = _run_case(kw, shape, layout, device, seed, scale)
+        doc["cases"][name] = dict(knobs=kw, shape=list(shape), layout=layout, input_scale=scale,
                                   outputs={n: dict(sha256=_digest(t), dtype=str(t.dtype).replace("torch.", ""),
                                                    shape=list(t.shape)) for n, t in outs.items()})
         saved[name] = {n: t.cpu() for n, t in outs.items()}

@@ -86,6 +86,24 @@ def test_the_cases_run_only_knobs_the_kernels_have_and_validate():
     for table in kb.CASES.values():
         names = [c[0] for c in table]
         assert len(set(names)) == len(names)
-        for name, kw, shape, layout in table:
+        for name, kw, shape, layout, *scale in table:
             AttentionKnobs(impl="flash", backend="triton", **kw).validate(shape[1])
             assert layout in ("bhtd", "bthd", "keypad"), name
+            assert scale in ([], [24.0]), name
+
+
+def test_the_large_logit_cases_reach_fp32_denormals_in_p():
+    """The input-scale-24 cases: some P = exp(s - max) fall in FP32's denormals (s - max in (-103.3, -87.3)), where
+    an exp that flushes denormals to zero would differ, and the rest of their scores are spread over thousands."""
+    import torch
+    scaled = [c for c in kb.FULL if len(c) == 5]
+    assert {c[0] for c in scaled} == {"paper_1gpu_large_logits", "fa2_large_logits"}
+    for name, _kw, shape, layout, scale in scaled:
+        q, k, _, _, _ = kb._inputs(shape, layout, torch.bfloat16, "cpu", 0, scale)
+        s = (q.double() @ k.double().transpose(-1, -2)) / shape[3] ** 0.5
+        T = shape[2]
+        s = s.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
+        x = s - s.amax(-1, keepdim=True)
+        in_band = int(((x > -103.28) & (x < -87.34)).sum())
+        assert in_band >= 100, (name, in_band)
+        assert float(s.amax()) > 1000, name
