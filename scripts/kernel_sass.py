@@ -3,6 +3,7 @@ a kernel's inner loop, before a lease times it.
 
     python scripts/kernel_sass.py                                   # fa2 against fa2 + exp_form=exp2_folded, sm_90
     python scripts/kernel_sass.py --variants "fa2;fa2:counters=true;paper_1gpu" --kernels fwd,dkdv --shape 16,12,1024,64
+    python scripts/kernel_sass.py --tune-family paper_1gpu          # benchmarks/tune.py's candidates, before a GPU
 
 Each variant's launch is recorded from the real launchers (kernels/triton_launch.py _forward / _backward: the same
 arguments, block sizes, warps, stages and constexprs a CUDA call would launch, the tensors made on the CPU), then
@@ -33,7 +34,7 @@ if ROOT not in sys.path:
 import torch  # noqa: E402
 
 OPS = ("HGMMA", "MUFU.EX2", "FMUL", "FADD", "FFMA", "FMNMX", "FSETP", "FSEL", "F2FP", "SEL", "IADD3", "SHFL",
-       "LDG", "STG", "LDS", "STS", "BAR", "ATOM", "RED")
+       "LDG", "STG", "LDS", "STS", "BAR", "ATOM", "RED", "HMMA")
 KERNEL_OF = {"fwd": "_fwd_kernel", "delta": "_bwd_delta_kernel", "dkdv": "_bwd_dkdv_kernel", "dq": "_bwd_dq_kernel"}
 PRESETS = {"paper_1gpu": dict(recipe="paper_bf16", block_q=128, block_k=128)}
 
@@ -90,6 +91,36 @@ def record_launches(knobs, shape):
     finally:
         tl_._k = saved
     return rec.calls
+
+
+def tune_candidates(family: str, shape):
+    """(knobs, [(kind, config, launch, table entry)]) of benchmarks/tune.py's candidates for `family` at `shape`:
+    each forward and backward config it would time, with the launch it makes (block sizes the knobs fix applied)
+    and the SHAPE_TABLE entry (kernels/triton_launch.py shape_table_scope) that selects it. A config whose launch
+    repeats an earlier one is left out, as tune.py skips it."""
+    sys.path.insert(0, ROOT)
+    from benchmarks import tune
+    from flash_forensics.kernels import triton_launch as tl_
+    if family not in tune.FAMILIES:
+        raise SystemExit(f"--tune-family={family!r} is not allowed: expected one of {', '.join(tune.FAMILIES)}")
+    knobs = tune.FAMILIES[family]
+    _, _, T, D = shape
+    kind = family if family in tune.FWD else "fp32" if family == "fp32" else "bf16"
+    lc, out = tl_.length_class(T), []
+    for what, table, fam_of, blocks in (("fwd", tune.FWD, tl_.fwd_family, tl_._fwd_blocks),
+                                        ("bwd", tune.BWD, tl_.bwd_family, tl_._bwd_blocks)):
+        if what == "bwd" and family not in ("fa2", "paper_bf16", "fp32", "paper_1gpu"):
+            continue  # tune.py times the backward of these only (SFA and the counters leave it alone)
+        key = "/".join(map(str, (what, tl_.table_family(fam_of(knobs), knobs), D, lc)))
+        seen = set()
+        for cfg in table[kind].get(D, []):
+            with tl_.shape_table_scope({key: cfg}):
+                launch = blocks(knobs, D, T)
+            if launch in seen:
+                continue
+            seen.add(launch)
+            out.append((what, tuple(cfg), launch, {key: cfg}))
+    return knobs, out
 
 
 def _signature(fn, args, kw):
@@ -203,6 +234,10 @@ def main(argv=None):
                     help="another checkout (e.g. `git worktree add /tmp/base main`): its kernels compiled the same "
                          "way, each kernel's SASS compared with this tree's (argument offsets aside); exit 1 when any "
                          "differs. A refactor that must keep every bit should leave them identical")
+    ap.add_argument("--tune-family", default=None, metavar="FAMILY",
+                    help="instead of --variants: every launch config benchmarks/tune.py would time for FAMILY "
+                         "(fa2, fa2_exact, paper_bf16, fp32, paper_1gpu) at --shape, compiled: registers, spills "
+                         "and programs per SM of each before a GPU times it")
     ap.add_argument("--root", default=None, help=argparse.SUPPRESS)  # --against's child: import the kernels from here
     ap.add_argument("--keep-sass", action="store_true", help=argparse.SUPPRESS)  # --against's child: rows with SASS
     args = ap.parse_args(argv)
@@ -214,7 +249,23 @@ def main(argv=None):
     if bad:
         raise SystemExit(f"--kernels={bad[0]!r} is not allowed: expected one of {', '.join(KERNEL_OF)}")
     rows = []
-    for text in args.variants.split(";"):
+    if args.tune_family:
+        if args.against:
+            raise SystemExit("--against compares --variants, not --tune-family")
+        knobs, cands = tune_candidates(args.tune_family, shape)
+        from flash_forensics.kernels import triton_launch as tl_
+        for what, cfg, launch, entry in cands:
+            with tl_.shape_table_scope(entry):
+                calls = record_launches(knobs, shape)
+            for kern in (("fwd",) if what == "fwd" else ("dkdv", "dq")):
+                for name, fn, a, kw in calls:
+                    if name == KERNEL_OF[kern]:
+                        rows.append(dict(variant=f"{args.tune_family}:{what}={','.join(map(str, cfg))}",
+                                         kernel=kern, config=list(cfg), launch=str(launch),
+                                         **compile_counts(fn, a, kw, args.arch)))
+                        print(json.dumps({k: v for k, v in rows[-1].items() if k != "sass"}), flush=True)
+        args.variants = ""
+    for text in filter(None, args.variants.split(";")):
         knobs = parse_variant(text)
         calls = record_launches(knobs, shape)
         for kern in kernels:
@@ -236,7 +287,8 @@ def main(argv=None):
                 raise SystemExit(f"compiling {args.against}'s kernels failed:\n{r.stderr[-2000:]}")
             with open(dump) as f:
                 verdicts = compare(rows, json.load(f)["rows"])
-    cols = ("instructions", "registers", "stack_bytes", "shared_bytes") + OPS[:10] + ("exp_denormal_fixups",)
+    cols = ("instructions", "registers", "stack_bytes", "shared_bytes", "HGMMA", "HMMA") + OPS[1:10] + (
+        "exp_denormal_fixups",)
     print("| variant | kernel | " + " | ".join(cols) + " | programs per SM (limit) |\n|" + "---|" * (len(cols) + 3))
     for r in rows:
         occ = r.get("ctas_per_sm")

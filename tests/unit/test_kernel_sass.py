@@ -101,3 +101,24 @@ def test_programs_per_sm_by_each_sm90_limit():
     assert occ(122, 57344, 4)["ctas"] == 4  # 122 registers round up to 128 a thread: 16K a program
     assert occ(64, 120000, 4) == dict(registers=8, shared=1, warps=16, programs=32, ctas=1, by="shared")
     assert occ(32, 0, 8) == dict(registers=8, shared=228, warps=8, programs=32, ctas=8, by="registers")
+
+
+def test_tune_family_lists_each_distinct_launch_of_tune_py_once():
+    """--tune-family: benchmarks/tune.py's candidates for a family, each with the launch it makes once the knobs'
+    fixed block sizes apply (paper_1gpu: the forward's key tile stays 128) and the SHAPE_TABLE entry selecting it;
+    configs that launch the same kernel as an earlier one are left out; a family tune.py lacks is refused."""
+    ks = _script()
+    from benchmarks import tune
+    knobs, cands = ks.tune_candidates("paper_1gpu", (16, 12, 1024, 64))
+    assert knobs == tune.FAMILIES["paper_1gpu"]
+    fwd = [c for c in cands if c[0] == "fwd"]
+    bwd = [c for c in cands if c[0] == "bwd"]
+    assert [c[1] for c in fwd] == [tuple(x) for x in tune.FWD["paper_1gpu"][64]]
+    assert all(c[2][1] == 128 for c in fwd)  # BLOCK_N is block_k, whatever the candidate says
+    assert all(c[3] == {"fwd/paper_bf16_128x128/64/long": c[1]} for c in fwd)
+    assert len({c[2] for c in bwd}) == len(bwd) and 0 < len(bwd) <= len(tune.BWD["paper_1gpu"][64])
+    assert all(c[2][0] == (128, c[1][1]) and c[2][1] == (c[1][2], 128) for c in bwd)  # dK/dV BLOCK_M, dQ BLOCK_N
+    _, fa2 = ks.tune_candidates("fa2_exact", (16, 12, 1024, 64))
+    assert {c[0] for c in fa2} == {"fwd"}  # tune.py times fa2_exact's forward only
+    with pytest.raises(SystemExit, match="--tune-family='fa3' is not allowed: expected one of fa2, "):
+        ks.tune_candidates("fa3", (16, 12, 1024, 64))
