@@ -244,17 +244,24 @@ def _rs(x, keep, key, stream, ctr_row, ON: tl.constexpr, SR: tl.constexpr, HAS_O
         return _r(x, keep, ON, HAS_OFP32)
 
 @triton.jit
-def _query_tile(LPT: tl.constexpr):
-    """This program's query tile; LPT: the last one first (longest processing time first). Under the causal mask a
-    query tile visits the key tiles up to its diagonal, so the work grows with the tile, and the GPU starts programs
-    in launch order: launched last, the longest programs run nearly alone at the end of the grid (a tail of up to
-    T / BLOCK_N key tiles); launched first, the short ones fill in behind them. Which program computes which tile
-    changes no arithmetic (each program's rows are its own; the counters' atomics add integers and take a max), so
-    the order keeps every bit."""
-    pid = tl.program_id(0)
+def _program(LPT: tl.constexpr, LAST_FIRST: tl.constexpr):
+    """(tile, batch-head) of this program. LPT (longest processing time first): the grid (heads of a section, tiles,
+    sections), so the GPU, which starts programs in launch order, starts the longest tile of every head of a
+    section, then the next longest, and so on; a section's K and V fit in L2 (kernels/triton_launch.py _grid, sized
+    as FlashAttention-3's tile scheduler sizes them). Under the causal mask a query tile's work grows with its index
+    (LAST_FIRST: the last is the longest) and a key block's shrinks with it. In tile order, head by head (the grid
+    (tiles, heads) of before, without LPT), the longest programs of the last heads started last and ran nearly alone
+    at the end of the grid. Which program computes which tile changes no arithmetic (each program's rows are its
+    own; the counters' atomics add integers and take a max), so the order keeps every bit."""
     if LPT:
-        pid = tl.num_programs(0) - 1 - pid
-    return pid
+        bh = tl.program_id(2) * tl.num_programs(0) + tl.program_id(0)
+        t = tl.program_id(1)
+        if LAST_FIRST:
+            t = tl.num_programs(1) - 1 - t
+    else:
+        t = tl.program_id(0)
+        bh = tl.program_id(1)
+    return t, bh
 
 @triton.jit
 def _fwd_inner(acc, l_i, m_i, raw_max, fired, pmax, l_raw, p1, q, k_base, v_base, skt, svt, offs_m, offs_n, row_ok,
@@ -388,9 +395,8 @@ def _fwd_kernel(Q, K, V, O, LSE, REP, MAXL, UNDER, P1, OFP32, PMAX, FIRED, KP, F
     bits (CLAMP). SRKEY () int64: stochastic_round's call key (SR; kernels/stochastic.py call_key), sr_bq the
     emulator's query tile (its stream ids and element indices). bm1: beta - 1 in FP32 (GUARDED). FOLD, c_log2:
     exp_form=exp2_folded (_fwd_inner); lse = fl(m scale) + log(l) then, as the emulator's (an FMA there).
-    LPT: the query tiles in reverse launch order (_query_tile)."""
-    start_m = _query_tile(LPT)
-    off_bh = tl.program_id(1)
+    LPT: the launch order (_program)."""
+    start_m, off_bh = _program(LPT, True)
     off_b = off_bh // H
     off_h = off_bh % H
     GEMM_DT: tl.constexpr = tl.float32 if INPUT_F32 else tl.bfloat16
@@ -533,9 +539,8 @@ def _bwd_delta_kernel(Q, K, V, O, DO, LSE, DELTA, OFP32, KP, FIRST, TIES,
                       HAS_OFP32: tl.constexpr, F32_DOT: tl.constexpr, KEYPAD: tl.constexpr, CLAMP: tl.constexpr,
                       LPT: tl.constexpr):
     """delta = rowsum(r(dO*O)) | sum_j rowsum(dP_j*P_j) | rowsum(dO*(sum_j P_j V_j in FP32)); CLAMP: P_j there is
-    c o P_j, c = PBAR_CLAMP at the forward's ties (TIES). LPT: _query_tile."""
-    start_m = _query_tile(LPT)
-    off_bh = tl.program_id(1)
+    c o P_j, c = PBAR_CLAMP at the forward's ties (TIES). LPT: the launch order (_program)."""
+    start_m, off_bh = _program(LPT, True)
     off_b = off_bh // H
     off_h = off_bh % H
     GEMM_DT: tl.constexpr = tl.float32 if INPUT_F32 else tl.bfloat16
@@ -656,11 +661,10 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, KP, FIRST, TIES,
                      H, T, scale, ntw,
                      HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      ROUND: tl.constexpr, INPUT_F32: tl.constexpr, ONE_BLOCK: tl.constexpr,
-                     F32_DOT: tl.constexpr, KEYPAD: tl.constexpr, CLAMP: tl.constexpr):
-    """dK, dV for BLOCK_N keys, looping over query tiles of BLOCK_M (= block_q where rounding is emulated). Its
-    launch order is already the longest first: key block 0 sees every query tile under the causal mask."""
-    start_n = tl.program_id(0)
-    off_bh = tl.program_id(1)
+                     F32_DOT: tl.constexpr, KEYPAD: tl.constexpr, CLAMP: tl.constexpr, LPT: tl.constexpr):
+    """dK, dV for BLOCK_N keys, looping over query tiles of BLOCK_M (= block_q where rounding is emulated). LPT: the
+    launch order (_program; key block 0, which sees every query tile, is the longest)."""
+    start_n, off_bh = _program(LPT, False)
     off_b = off_bh // H
     off_h = off_bh % H
     GEMM_DT: tl.constexpr = tl.float32 if INPUT_F32 else tl.bfloat16
@@ -738,9 +742,8 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, KP, FIRST, TIES,
                    ROUND: tl.constexpr, INPUT_F32: tl.constexpr, ONE_BLOCK: tl.constexpr,
                    F32_DOT: tl.constexpr, KEYPAD: tl.constexpr, CLAMP: tl.constexpr, LPT: tl.constexpr):
     """dQ for BLOCK_M queries, looping over key tiles of BLOCK_N (= block_k where rounding is emulated); LPT:
-    _query_tile."""
-    start_m = _query_tile(LPT)
-    off_bh = tl.program_id(1)
+    the launch order (_program)."""
+    start_m, off_bh = _program(LPT, True)
     off_b = off_bh // H
     off_h = off_bh % H
     GEMM_DT: tl.constexpr = tl.float32 if INPUT_F32 else tl.bfloat16

@@ -27,22 +27,48 @@ else:  # the launches past Triton's per-call binding (kernels/launch_cache.py); 
 
 
 LAUNCH_ORDERS = ("longest_first", "linear")
-_order = {"lpt": True}  # the query-tile kernels' launch order (kernels/triton_kernels.py _query_tile)
+# the kernels' launch order (kernels/triton_kernels.py _program): longest first within sections of heads whose K
+# and V take at most section_bytes together (FlashAttention-3 sizes its sections to 32 MB of L2 the same way), or
+# linear: tile-major per head, as before
+_order = {"lpt": True, "section_bytes": 32 << 20}
 
 
 @contextlib.contextmanager
-def launch_order(order: str):
-    """The forward, delta and dQ kernels launched in `order` within the scope: longest_first (the default: the
-    query tiles with the most key tiles first) or linear (tile 0 first, as before). Speed only, every bit the same:
-    the benchmarks time one against the other side by side, in one process."""
+def launch_order(order: str, section_bytes: int = None):
+    """The kernels launched in `order` within the scope: longest_first (the default) or linear (tile 0 first, head
+    by head, as before); section_bytes: longest_first's section size. Speed only, every bit the same: the benchmarks
+    time one against the other side by side, in one process."""
     if order not in LAUNCH_ORDERS:
         raise ValueError(f"order={order!r} is not allowed: expected one of {', '.join(LAUNCH_ORDERS)}")
-    saved = _order["lpt"]
+    if section_bytes is not None and (not isinstance(section_bytes, int) or section_bytes < 1):
+        raise ValueError(f"section_bytes={section_bytes!r} is not allowed: expected a positive int")
+    saved = dict(_order)
     _order["lpt"] = order == "longest_first"
+    if section_bytes is not None:
+        _order["section_bytes"] = section_bytes
     try:
         yield
     finally:
-        _order["lpt"] = saved
+        _order.update(saved)
+
+
+@functools.lru_cache(maxsize=256)
+def section_heads(BH: int, most: int) -> int:
+    """The largest divisor of BH that is at most `most` (at least 1): a section's heads, so that every section is
+    whole and the grid needs no program that does nothing."""
+    return max(d for d in range(1, min(BH, max(1, most)) + 1) if BH % d == 0)
+
+
+def _grid(n_tiles: int, BH: int, kv):
+    """(grid, LPT) of a kernel over n_tiles tiles of B*H heads in the scope's launch order; kv: a K or V tensor
+    (its length, head dim and element size give a head's K and V bytes, which bound a section's heads).
+    longest_first: (heads of a section, tiles, sections), kernels/triton_kernels.py _program; linear: (tiles, heads),
+    as before."""
+    if not _order["lpt"]:
+        return (n_tiles, BH), False
+    T, D = kv.shape[-2], kv.shape[-1]
+    g = section_heads(BH, _order["section_bytes"] // (2 * T * D * kv.element_size()))
+    return (g, n_tiles, BH // g), True
 
 
 @contextlib.contextmanager
@@ -409,7 +435,7 @@ def _forward(q, k, v, knobs: AttentionKnobs, rep=None, maxl=None, probe: bool = 
     else:
         pmax = fired = lse
     bm, bn, warps, stages = _fwd_blocks(knobs, D, T)
-    grid = (_cdiv(T, bm), B * H)
+    grid, lpt = _grid(_cdiv(T, bm), B * H, k)
     sr_bq = min(knobs.block_q, T) if knobs.tiling else T  # the emulator's query tile (stochastic_round's streams)
     _k._fwd_kernel[grid](q, k, v, o, lse, rep, maxl, under, p1, ofp32, pmax, fired, kp, first, ties, key,
                       *_strides(q), *_strides(k), *_strides(v), *_strides(o), kp.stride(0),
@@ -420,7 +446,7 @@ def _forward(q, k, v, knobs: AttentionKnobs, rep=None, maxl=None, probe: bool = 
                       COUNTERS=counters, HAS_OFP32=has_ofp32, ONE_BLOCK=not knobs.tiling,
                       PROBE=probe, F32_DOT=knobs.fp32_gemm, KEYPAD=keypad,
                       GUARDED=knobs.softmax == "stabilized_guarded", CLAMP=clamp, SR=bool(knobs.stochastic_round),
-                      FOLD=knobs.exp_form == "exp2_folded", LPT=_order["lpt"], num_warps=warps, num_stages=stages)
+                      FOLD=knobs.exp_form == "exp2_folded", LPT=lpt, num_warps=warps, num_stages=stages)
     return o, lse, (pmax if probe else None), (fired if probe else None)
 
 
@@ -459,21 +485,23 @@ def _backward(do, q, k, v, o, lse, knobs: AttentionKnobs, key_keep=None, ties=No
     dq = empty_like_order(q, (B, H, T, D), q.dtype)  # gradients in the inputs' dtypes and memory orders
     dk = empty_like_order(k, (B, H, T, D), k.dtype)
     dv = empty_like_order(k, (B, H, T, D), v.dtype)  # k's order: the dK/dV kernel writes both with dK's strides
-    lpt = _order["lpt"]
     dbm, dbn = (16, 16) if _interpret() else (32, 32) if recipe == 0 and knobs.fp32_gemm == "ieee" else (64, 64)
-    _k._bwd_delta_kernel[(_cdiv(T, dbm), B * H)](
+    grid, lpt = _grid(_cdiv(T, dbm), B * H, k)
+    _k._bwd_delta_kernel[grid](
         q, k, v, o, do, lse, delta, ofp32, kp, first, ties,
         *_strides(q), *_strides(k), *_strides(v), *_strides(o), *_strides(do), kp.stride(0),
         H, T, scale, ntw, HEAD_DIM=D, BLOCK_M=dbm, BLOCK_N=dbn, ROUND=mask, INPUT_F32=f32_in,
         DELTA_MODE=DELTA_IDS[knobs.delta], HAS_OFP32=has_ofp32, F32_DOT=knobs.fp32_gemm, KEYPAD=keypad,
         CLAMP=clamp, LPT=lpt, num_warps=4)
-    _k._bwd_dkdv_kernel[(_cdiv(T, n1), B * H)](
+    grid, lpt = _grid(_cdiv(T, n1), B * H, k)
+    _k._bwd_dkdv_kernel[grid](
         q, k, v, do, lse, delta, dk, dv, kp, first, ties,
         *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk), kp.stride(0), H, T, scale, ntw,
         HEAD_DIM=D, BLOCK_M=m1, BLOCK_N=n1, ROUND=mask, INPUT_F32=f32_in,
-        ONE_BLOCK=not knobs.tiling, F32_DOT=knobs.fp32_gemm, KEYPAD=keypad, CLAMP=clamp, num_warps=warps,
+        ONE_BLOCK=not knobs.tiling, F32_DOT=knobs.fp32_gemm, KEYPAD=keypad, CLAMP=clamp, LPT=lpt, num_warps=warps,
         num_stages=stages)
-    _k._bwd_dq_kernel[(_cdiv(T, m2), B * H)](
+    grid, lpt = _grid(_cdiv(T, m2), B * H, k)
+    _k._bwd_dq_kernel[grid](
         q, k, v, do, lse, delta, dq, kp, first, ties,
         *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq), kp.stride(0), H, T, scale, ntw,
         HEAD_DIM=D, BLOCK_M=m2, BLOCK_N=n2, ROUND=mask, INPUT_F32=f32_in,

@@ -347,17 +347,22 @@ def test_interpreter_the_launch_order_keeps_every_bit(tfi, case, keep):
     if keep:  # a padded batch element: its first 9 keys masked
         key_keep = torch.ones(B, T, dtype=torch.bool)
         key_keep[1, :9] = False
+    head_bytes = 2 * T * D * k.element_size()  # a head's K and V, as the launcher counts them
     out = {}
-    for order in triton_launch.LAUNCH_ORDERS:
+    # longest first in one section of all 4 heads, in two sections of 2 (3 heads' bytes: 2 divides 4), and linear
+    for order, section_bytes in (("longest_first", None), ("longest_first", 3 * head_bytes), ("linear", None)):
         x = [t.clone().requires_grad_(True) for t in (q, k, v)]
         st = AttnStats(H)
-        with triton_launch.launch_order(order):
+        with triton_launch.launch_order(order, section_bytes):
             o = tfi.flash_attention_triton(*x, knobs, st, key_keep=key_keep)
             grads = torch.autograd.grad(o, x, torch.randn(o.shape, generator=torch.Generator().manual_seed(1)))
-        out[order] = (o, *grads, st.repeated_max_rows, st.max_logit, st.underflow_rows, st.sfa_p1_rows)
-    assert out["longest_first"][-4].sum() > 0, "the planted repeats must be counted"
-    for a, b in zip(out["longest_first"], out["linear"]):
-        assert torch.equal(a, b)
+        out[order, section_bytes] = (o, *grads, st.repeated_max_rows, st.max_logit, st.underflow_rows,
+                                     st.sfa_p1_rows)
+    ref = out["linear", None]
+    assert ref[-4].sum() > 0, "the planted repeats must be counted"
+    for key, got in out.items():
+        for a, b in zip(got, ref):
+            assert torch.equal(a, b), key
 
 
 def test_a_launch_order_outside_the_list_is_refused():
@@ -365,7 +370,25 @@ def test_a_launch_order_outside_the_list_is_refused():
     with pytest.raises(ValueError, match="order='lpt' is not allowed: expected one of longest_first, linear"):
         with triton_launch.launch_order("lpt"):
             pass
-    assert triton_launch._order["lpt"] is True  # left as it was
+    with pytest.raises(ValueError, match="section_bytes=0 is not allowed: expected a positive int"):
+        with triton_launch.launch_order("longest_first", 0):
+            pass
+    assert triton_launch._order == {"lpt": True, "section_bytes": 32 << 20}  # left as it was
+
+
+def test_longest_first_sections_hold_the_heads_whose_k_and_v_fit():
+    """The launcher's grid: (heads of a section, tiles, sections), a section as many heads as section_bytes of K and
+    V hold, rounded down to a divisor of B*H (at least 1, at most all); linear: the (tiles, heads) grid of before."""
+    from flash_forensics.kernels import triton_launch as tl_
+    k = torch.zeros(16, 12, 1024, 64, dtype=torch.bfloat16)  # 256 KiB of K and V a head: 32 MiB hold 128 heads
+    assert tl_._grid(16, 192, k) == ((96, 16, 2), True)  # 96: the largest divisor of 192 up to 128
+    with tl_.launch_order("longest_first", 1):
+        assert tl_._grid(16, 192, k) == ((1, 16, 192), True)
+    with tl_.launch_order("longest_first", 1 << 40):
+        assert tl_._grid(16, 192, k) == ((192, 16, 1), True)
+    with tl_.launch_order("linear"):
+        assert tl_._grid(16, 192, k) == ((16, 192), False)
+    assert [tl_.section_heads(*a) for a in ((192, 128), (7, 5), (12, 12), (12, 0), (12, 100))] == [96, 1, 12, 1, 12]
 
 
 def test_supports():
