@@ -8,8 +8,8 @@ Methods (causal, BF16 inputs (B, H, T, D); FLOPs = 7*B*H*T^2*D per fwd+bwd):
   triton_fa2                                the fa2 recipe, counters off
   triton_fa2_jit                            the same, every kernel launched through Triton's own fn[grid] (what
                                             kernels/launch_cache.py's cache replaces: its gain, side by side)
-  triton_fa2_linear                         the same, the query-tile kernels launched tile 0 first (the order
-                                            before longest-first: kernels/triton_launch.py launch_order)
+  triton_fa2_linear                         the same, launched in the old order: tile 0 first, head by head
+                                            (kernels/triton_launch.py launch_order; the default: longest first)
   triton_fa2_counters                       fa2 with the repeated-maxima counters and max logit (as a run logs)
   triton_fa2_exp2[_counters]                fa2 with exp_form=exp2_folded (FlashAttention-2's softmax: the scale
                                             folded into exp2's multiply), without / with the counters
