@@ -73,7 +73,7 @@ def test_compare_sets_argument_offsets_aside_and_names_what_differs():
     assert ks.sass_instructions(sass) == ["FMUL R50, R41, 1.4426950216293334961", "EXIT"]
 
 
-def test_the_launch_order_reaches_the_query_tile_kernels_and_leaves_their_arithmetic():
+def test_the_launch_order_reaches_every_kernel_and_leaves_their_arithmetic():
     """kernels/triton_launch.py launch_order: every kernel gets LPT (longest first by default, on the grid (heads of
     a section, tiles, sections); off under `linear`); the compiled forward differs between the two orders, by the
     program index only: the same GEMMs, exps and multiplies."""
