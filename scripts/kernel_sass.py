@@ -98,8 +98,7 @@ def tune_candidates(family: str, shape):
     each forward and backward config it would time, with the launch it makes (block sizes the knobs fix applied)
     and the SHAPE_TABLE entry (kernels/triton_launch.py shape_table_scope) that selects it. A config whose launch
     repeats an earlier one is left out, as tune.py skips it."""
-    sys.path.insert(0, ROOT)
-    from benchmarks import tune
+    from benchmarks import tune  # (ROOT is on sys.path: see the imports above)
     from flash_forensics.kernels import triton_launch as tl_
     if family not in tune.FAMILIES:
         raise SystemExit(f"--tune-family={family!r} is not allowed: expected one of {', '.join(tune.FAMILIES)}")
@@ -264,8 +263,7 @@ def main(argv=None):
                                          kernel=kern, config=list(cfg), launch=str(launch),
                                          **compile_counts(fn, a, kw, args.arch)))
                         print(json.dumps({k: v for k, v in rows[-1].items() if k != "sass"}), flush=True)
-        args.variants = ""
-    for text in filter(None, args.variants.split(";")):
+    for text in [] if args.tune_family else args.variants.split(";"):
         knobs = parse_variant(text)
         calls = record_launches(knobs, shape)
         for kern in kernels:
