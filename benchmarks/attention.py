@@ -10,6 +10,8 @@ Methods (causal, BF16 inputs (B, H, T, D); FLOPs = 7*B*H*T^2*D per fwd+bwd):
                                             kernels/launch_cache.py's cache replaces: its gain, side by side)
   triton_fa2_linear                         the same, launched in the old order: tile 0 first, head by head
                                             (kernels/triton_launch.py launch_order; the default: longest first)
+  triton_fa2_ftz, triton_paper_bf16_ftz     the same recipes with exp on ex2.approx.ftz (no denormal fix-up;
+                                            kernels/triton_launch.py exp_instruction; the default: tl.exp's)
   triton_fa2_counters                       fa2 with the repeated-maxima counters and max logit (as a run logs)
   triton_fa2_exp2[_counters]                fa2 with exp_form=exp2_folded (FlashAttention-2's softmax: the scale
                                             folded into exp2's multiply), without / with the counters
@@ -49,11 +51,13 @@ KNOBS = {  # method -> knobs (counters on means the layer's AttnStats is passed)
     "triton_fa2": AttentionKnobs(recipe="fa2", backend="triton", counters=False),
     "triton_fa2_jit": AttentionKnobs(recipe="fa2", backend="triton", counters=False),
     "triton_fa2_linear": AttentionKnobs(recipe="fa2", backend="triton", counters=False),
+    "triton_fa2_ftz": AttentionKnobs(recipe="fa2", backend="triton", counters=False),
     "triton_fa2_counters": AttentionKnobs(recipe="fa2", backend="triton", counters=True),
     "triton_fa2_exp2": AttentionKnobs(recipe="fa2", backend="triton", counters=False, exp_form="exp2_folded"),
     "triton_fa2_exp2_counters": AttentionKnobs(recipe="fa2", backend="triton", counters=True, exp_form="exp2_folded"),
     "triton_fa2_sfa_counters": AttentionKnobs(recipe="fa2", backend="triton", softmax="stabilized", counters=True),
     "triton_paper_bf16": AttentionKnobs(recipe="paper_bf16", backend="triton", counters=True),
+    "triton_paper_bf16_ftz": AttentionKnobs(recipe="paper_bf16", backend="triton", counters=True),
     "triton_fp32": AttentionKnobs(recipe="fp32", backend="triton", counters=True),
     "emulator_paper_bf16": AttentionKnobs(recipe="paper_bf16", backend="emulator", counters=True),
 }
@@ -117,6 +121,9 @@ def method_fn(name, H, dev):
     if name.endswith("_linear"):  # the query tiles launched in order (every bit the same: speed only)
         from flash_forensics.kernels.triton_launch import launch_order
         f.scope = lambda: launch_order("linear")
+    if name.endswith("_ftz"):  # exp without tl.exp's denormal fix-up (bits: scripts/kernel_bits.py --exp)
+        from flash_forensics.kernels.triton_launch import exp_instruction
+        f.scope = lambda: exp_instruction("ex2_approx_ftz")
     return f
 
 
@@ -179,6 +186,12 @@ def summarize(rows, shapes) -> dict:
             ku = [d["methods"][x].get("kernels_us") for x in ("triton_fa2_linear", "triton_fa2")]
             if all(ku):
                 d["lpt_kernels_speedup"] = ku[0] / ku[1]
+        for base in ("triton_fa2", "triton_paper_bf16"):  # > 1: ex2.approx.ftz is faster than tl.exp
+            if base in ms and f"{base}_ftz" in ms:
+                d[f"{base[7:]}_ftz_speedup"] = ms[base] / ms[f"{base}_ftz"]
+                ku = [d["methods"][x].get("kernels_us") for x in (base, f"{base}_ftz")]
+                if all(ku):
+                    d[f"{base[7:]}_ftz_kernels_speedup"] = ku[0] / ku[1]
         if "triton_fa2" in ms and "triton_fa2_jit" in ms:  # > 1: the launch cache is faster than Triton's launch
             d["launch_cache_speedup"] = ms["triton_fa2_jit"] / ms["triton_fa2"]
         if "triton_fa2" in ms:

@@ -22,6 +22,8 @@ memory, which the next replay overwrites. Dynamo's recompile limit grows with th
 GPT.forward), and a compiled variant whose first step compiles no graph (dynamo ran it eager) is an error, not a row.
 `ATTN+tuned` runs eager with --tuned-table's launch configs (a benchmarks/tune.py JSON) during its steps only;
 `tuned_vs_default` in the summary: its speed-up over ATTN and whether the losses agree bit for bit.
+`ATTN+ftz` runs eager with every kernel's exp on ex2.approx.ftz (kernels/triton_launch.py exp_instruction);
+`ftz_vs_tl_exp` in the summary: its speed-up over ATTN and whether the losses agree bit for bit.
 `ATTN+jitlaunch` runs eager with every Triton kernel launched through Triton's own fn[grid], not the launch cache
 (kernels/launch_cache.py); `launch_cache_vs_jit` in the summary: its speed-up and whether the losses agree bit for bit.
 Each row records the attention route that ran and, for SDPA, the aten op that ran (flash, cuDNN, efficient or math).
@@ -69,7 +71,9 @@ MODES = {"compile": None, "cudagraphs": "reduce-overhead"}  # ATTN+MODE: torch.c
 JIT_LAUNCH = "jitlaunch"
 # ATTN+tuned: eager, with --tuned-table's launch configs (a tune JSON) in SHAPE_TABLE during its steps only
 TUNED = "tuned"
-EAGER_MODES = (JIT_LAUNCH, TUNED)
+# ATTN+ftz: eager, every kernel's exp on ex2.approx.ftz (kernels/triton_launch.py exp_instruction) instead of tl.exp's
+FTZ = "ftz"
+EAGER_MODES = (JIT_LAUNCH, TUNED, FTZ)
 COMPILE_BACKEND = "inductor"  # torch.compile's backend (a CPU test swaps in "eager": dynamo alone, no C++ build)
 RECOMPILES_PER_VARIANT = 8  # dynamo's default recompile_limit is 8 per code object for the whole process
 # GPU kernels that compute attention: this project's four Triton kernels, torch's flash / cuDNN / efficient ones
@@ -114,9 +118,10 @@ class Variant:
         self.name, self.dev = name, dev
         self.attn, mode = parse_variant(name)
         self.compiled, self.cudagraphs = mode in MODES, mode == "cudagraphs"
-        from flash_forensics.kernels.triton_launch import shape_table_scope, triton_own_launch
+        from flash_forensics.kernels.triton_launch import exp_instruction, shape_table_scope, triton_own_launch
         self.launch_scope = (triton_own_launch if mode == JIT_LAUNCH else
-                             (lambda: shape_table_scope(tuned_table)) if mode == TUNED else contextlib.nullcontext)
+                             (lambda: shape_table_scope(tuned_table)) if mode == TUNED else
+                             (lambda: exp_instruction("ex2_approx_ftz")) if mode == FTZ else contextlib.nullcontext)
         torch.manual_seed(0)  # every variant starts from the same weights
         self.model = GPT(ModelConfig.preset(model_name, block_size=T), AttentionConfig(**ATTN[self.attn])).to(dev)
         self.fwd = (torch.compile(self.model, mode=MODES[mode], backend=COMPILE_BACKEND) if self.compiled
@@ -310,6 +315,10 @@ def summarize(rows) -> dict:
         d["tuned_vs_default"] = {v: dict(speedup=rs[f"{v}+{TUNED}"]["tokens_per_s"] / rs[v]["tokens_per_s"],
                                          bit_identical=rs[v]["losses"] == rs[f"{v}+{TUNED}"]["losses"])
                                  for v in rs if f"{v}+{TUNED}" in rs}
+        # exp on ex2.approx.ftz against tl.exp's: its speed-up, and whether the steps' losses kept every bit
+        d["ftz_vs_tl_exp"] = {v: dict(speedup=rs[f"{v}+{FTZ}"]["tokens_per_s"] / rs[v]["tokens_per_s"],
+                                      bit_identical=rs[v]["losses"] == rs[f"{v}+{FTZ}"]["losses"])
+                              for v in rs if f"{v}+{FTZ}" in rs}
         out[f"B{key[0]}_T{key[1]}"] = d
     return out
 

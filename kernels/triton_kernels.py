@@ -66,6 +66,22 @@ else:
 
 if not _INTERPRET:
     @triton.jit
+    def _exp(x, FTZ: tl.constexpr):
+        """exp(x). FTZ off: tl.exp, ex2.approx.f32 of fl(x log2(e)) with its denormal fix-up (a compare and two
+        predicated multiplies per element, scripts/kernel_sass.py). FTZ on: the same product into ex2.approx.ftz.f32,
+        which differs only where exp(x) < 2^-126 (flushed to 0): a speed knob (triton_launch.exp_instruction) until
+        the GPU's kernel bits say it keeps every bit."""
+        if FTZ:
+            return tl.math.exp2(x * 1.4426950408889634)
+        else:
+            return tl.exp(x)
+else:
+    @triton.jit
+    def _exp(x, FTZ: tl.constexpr):
+        return tl.exp(x)  # NumPy's exp: the interpreter cannot tell ftz apart
+
+if not _INTERPRET:
+    @triton.jit
     def _cast_out(x, ptr):
         """x in the element type of the gradient tensor it is stored to."""
         return x.to(ptr.dtype.element_ty)
@@ -271,7 +287,7 @@ def _fwd_inner(acc, l_i, m_i, raw_max, fired, pmax, l_raw, p1, q, k_base, v_base
                GEMM_DT: tl.constexpr, STABILIZED: tl.constexpr, NEED_REP: tl.constexpr, PROBE: tl.constexpr,
                HAS_OFP32: tl.constexpr, ONE_BLOCK: tl.constexpr, MASKED: tl.constexpr, F32_DOT: tl.constexpr,
                COUNTERS: tl.constexpr, KEYPAD: tl.constexpr, GUARDED: tl.constexpr, CLAMP: tl.constexpr,
-               SR: tl.constexpr, FOLD: tl.constexpr):
+               SR: tl.constexpr, FOLD: tl.constexpr, FTZ: tl.constexpr):
     """The forward over key tiles [lo, hi): online softmax (or, ONE_BLOCK, a fixed row max) and P̄V.
     l_raw (COUNTERS, online path): the row sum before paper_bf16's floor and the BF16 rounding of l, in FP32: what
     tells a row whose every P̄ underflowed (AttnStats.underflow_rows, as the emulator counts it).
@@ -295,7 +311,7 @@ def _fwd_inner(acc, l_i, m_i, raw_max, fired, pmax, l_raw, p1, q, k_base, v_base
             d_s = s - m_i[:, None]
             if (_SHIFT & ROUND) != 0:
                 d_s = _rb(d_s)
-            p = tl.exp(d_s)
+            p = _exp(d_s, FTZ)
             l_i += tl.sum(p, 1)
             fire = fired > 0  # the row's repeated max (pass 2 of the kernel)
             if PROBE:
@@ -339,8 +355,8 @@ def _fwd_inner(acc, l_i, m_i, raw_max, fired, pmax, l_raw, p1, q, k_base, v_base
                 alpha = tl.math.exp2(d_m * c_log2)
                 p = tl.math.exp2(_mul_rn(s, c_log2) - _mul_rn(m_new, c_log2)[:, None])
             else:
-                alpha = tl.exp(d_m)
-                p = tl.exp(d_s)
+                alpha = _exp(d_m, FTZ)
+                p = _exp(d_s, FTZ)
             rs = tl.sum(p, 1)
             if COUNTERS:
                 l_raw = alpha * l_raw + rs
@@ -390,12 +406,13 @@ def _fwd_kernel(Q, K, V, O, LSE, REP, MAXL, UNDER, P1, OFP32, PMAX, FIRED, KP, F
                 ROUND: tl.constexpr, INPUT_F32: tl.constexpr, FLOOR: tl.constexpr, STABILIZED: tl.constexpr,
                 COUNTERS: tl.constexpr, HAS_OFP32: tl.constexpr, ONE_BLOCK: tl.constexpr,
                 PROBE: tl.constexpr, F32_DOT: tl.constexpr, KEYPAD: tl.constexpr, GUARDED: tl.constexpr,
-                CLAMP: tl.constexpr, SR: tl.constexpr, FOLD: tl.constexpr, LPT: tl.constexpr):
+                CLAMP: tl.constexpr, SR: tl.constexpr, FOLD: tl.constexpr, LPT: tl.constexpr,
+                FTZ: tl.constexpr):
     """P1 (H,) int64: sfa_p1_rows (COUNTERS with a stabilized softmax). TIES (B*H, T, ntw) uint8: pbar_clamp's tie
     bits (CLAMP). SRKEY () int64: stochastic_round's call key (SR; kernels/stochastic.py call_key), sr_bq the
     emulator's query tile (its stream ids and element indices). bm1: beta - 1 in FP32 (GUARDED). FOLD, c_log2:
     exp_form=exp2_folded (_fwd_inner); lse = fl(m scale) + log(l) then, as the emulator's (an FMA there).
-    LPT: the launch order (_program)."""
+    LPT: the launch order (_program). FTZ: exp's instruction (_exp; every kernel has it)."""
     start_m, off_bh = _program(LPT, True)
     off_b = off_bh // H
     off_h = off_bh % H
@@ -478,12 +495,12 @@ def _fwd_kernel(Q, K, V, O, LSE, REP, MAXL, UNDER, P1, OFP32, PMAX, FIRED, KP, F
         acc, l_i, m_i, raw_max, fired, pmax, l_raw, p1, q, k_base, v_base, skt, svt, offs_m, offs_n, row_ok, lo1, mid,
         T, scale, beta, eps, o_fp32, kp, bm1, tb, ntw, sr_key, sr_qt, sr_row, c_log2, BLOCK_M, BLOCK_N, HEAD_DIM,
         ROUND, INPUT_F32, FLOOR, GEMM_DT, STABILIZED, NEED_REP, PROBE, HAS_OFP32, ONE_BLOCK, False, F32_DOT, COUNTERS,
-        KEYPAD, GUARDED, CLAMP, SR, FOLD)
+        KEYPAD, GUARDED, CLAMP, SR, FOLD, FTZ)
     acc, l_i, m_i, raw_max, fired, pmax, l_raw, p1 = _fwd_inner(
         acc, l_i, m_i, raw_max, fired, pmax, l_raw, p1, q, k_base, v_base, skt, svt, offs_m, offs_n, row_ok, lo2, hi,
         T, scale, beta, eps, o_fp32, kp, bm1, tb, ntw, sr_key, sr_qt, sr_row, c_log2, BLOCK_M, BLOCK_N, HEAD_DIM,
         ROUND, INPUT_F32, FLOOR, GEMM_DT, STABILIZED, NEED_REP, PROBE, HAS_OFP32, ONE_BLOCK, True, F32_DOT, COUNTERS,
-        KEYPAD, GUARDED, CLAMP, SR, FOLD)
+        KEYPAD, GUARDED, CLAMP, SR, FOLD, FTZ)
 
     if ONE_BLOCK:  # one tile: l and the P̄V product stored once
         if COUNTERS:
@@ -537,7 +554,7 @@ def _bwd_delta_kernel(Q, K, V, O, DO, LSE, DELTA, OFP32, KP, FIRST, TIES,
                       HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       ROUND: tl.constexpr, INPUT_F32: tl.constexpr, DELTA_MODE: tl.constexpr,
                       HAS_OFP32: tl.constexpr, F32_DOT: tl.constexpr, KEYPAD: tl.constexpr, CLAMP: tl.constexpr,
-                      LPT: tl.constexpr):
+                      LPT: tl.constexpr, FTZ: tl.constexpr):
     """delta = rowsum(r(dO*O)) | sum_j rowsum(dP_j*P_j) | rowsum(dO*(sum_j P_j V_j in FP32)); CLAMP: P_j there is
     c o P_j, c = PBAR_CLAMP at the forward's ties (TIES). LPT: the launch order (_program)."""
     start_m, off_bh = _program(LPT, True)
@@ -572,7 +589,7 @@ def _bwd_delta_kernel(Q, K, V, O, DO, LSE, DELTA, OFP32, KP, FIRST, TIES,
         for start_n in range(lo, hi, BLOCK_N):
             s = _scores(q, k_base + (start_n + offs_n)[:, None] * skt, offs_m, start_n + offs_n, T,
                         scale, ROUND, INPUT_F32, GEMM_DT, True, F32_DOT, kp, KEYPAD)
-            p = tl.where(_valid(offs_m, start_n + offs_n, T, True, kp, KEYPAD), tl.exp(s - lse[:, None]), 0.0)
+            p = tl.where(_valid(offs_m, start_n + offs_n, T, True, kp, KEYPAD), _exp(s - lse[:, None], FTZ), 0.0)
             if CLAMP:
                 cols = start_n + offs_n
                 tie = _tie_load(TIES + off_bh.to(tl.int64) * T * ntw, offs_m[:, None], cols[None, :], ntw,
@@ -618,7 +635,7 @@ def _grad_end(g, ROUND: tl.constexpr, ONE_BLOCK: tl.constexpr):
 def _dkdv_inner(dk, dv, k, v, q_base, do_base, sqt, sdt, LSE, DELTA, off_bh, offs_n, offs_m0, lo, hi, T, scale,
                 kcol, tb, ntw, BLOCK_M: tl.constexpr, ROUND: tl.constexpr, INPUT_F32: tl.constexpr,
                 GEMM_DT: tl.constexpr, ONE_BLOCK: tl.constexpr, MASKED: tl.constexpr, F32_DOT: tl.constexpr,
-                KEYPAD: tl.constexpr, CLAMP: tl.constexpr):
+                KEYPAD: tl.constexpr, CLAMP: tl.constexpr, FTZ: tl.constexpr):
     """dK, dV of one key block over query tiles [lo, hi) (chunks at bwd_out, accumulators at grad_acc); CLAMP:
     dV = (c o P)^T dO, dS = P o (c o dP - delta), c = PBAR_CLAMP at the forward's ties (tb, this head's bits)."""
     for start_m in range(lo, hi, BLOCK_M):
@@ -633,7 +650,7 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, sqt, sdt, LSE, DELTA, off_bh, off
             sT = _rb(_rb(sT) * scale)
         else:
             sT = sT * scale
-        pT = tl.exp(sT - lse[None, :])
+        pT = _exp(sT - lse[None, :], FTZ)
         if MASKED:
             pT = tl.where((offs_n[:, None] <= offs_m[None, :]) & m_ok[None, :], pT, 0.0)
         if KEYPAD:  # this block's masked keys (kcol: their keep flags)
@@ -661,7 +678,8 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, KP, FIRST, TIES,
                      H, T, scale, ntw,
                      HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      ROUND: tl.constexpr, INPUT_F32: tl.constexpr, ONE_BLOCK: tl.constexpr,
-                     F32_DOT: tl.constexpr, KEYPAD: tl.constexpr, CLAMP: tl.constexpr, LPT: tl.constexpr):
+                     F32_DOT: tl.constexpr, KEYPAD: tl.constexpr, CLAMP: tl.constexpr, LPT: tl.constexpr,
+                     FTZ: tl.constexpr):
     """dK, dV for BLOCK_N keys, looping over query tiles of BLOCK_M (= block_q where rounding is emulated). LPT: the
     launch order (_program; key block 0, which sees every query tile, is the longest)."""
     start_n, off_bh = _program(LPT, False)
@@ -692,10 +710,10 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, KP, FIRST, TIES,
     tb = TIES + off_bh.to(tl.int64) * T * ntw  # CLAMP: this head's tie bits
     dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, sqt, sdt, LSE, DELTA, off_bh, offs_n, offs_m0, lo, mid, T,
                          scale, kcol, tb, ntw, BLOCK_M, ROUND, INPUT_F32, GEMM_DT, ONE_BLOCK, True, F32_DOT, KEYPAD,
-                         CLAMP)
+                         CLAMP, FTZ)
     dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, sqt, sdt, LSE, DELTA, off_bh, offs_n, offs_m0, lo2, T, T,
                          scale, kcol, tb, ntw, BLOCK_M, ROUND, INPUT_F32, GEMM_DT, ONE_BLOCK, False, F32_DOT, KEYPAD,
-                         CLAMP)
+                         CLAMP, FTZ)
     dk = _grad_end(dk, ROUND, ONE_BLOCK)
     dv = _grad_end(dv, ROUND, ONE_BLOCK)
     g = off_b * sgb + off_h * sgh + offs_n[:, None] * sgt + offs_d[None, :] * sgd
@@ -706,14 +724,14 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, KP, FIRST, TIES,
 def _dq_inner(dq, q, do, lse, delta, k_base, v_base, skt, svt, offs_m, offs_n0, lo, hi, T, scale, kp, tb, ntw,
               BLOCK_N: tl.constexpr, ROUND: tl.constexpr, INPUT_F32: tl.constexpr, GEMM_DT: tl.constexpr,
               ONE_BLOCK: tl.constexpr, MASKED: tl.constexpr, F32_DOT: tl.constexpr, KEYPAD: tl.constexpr,
-              CLAMP: tl.constexpr):
+              CLAMP: tl.constexpr, FTZ: tl.constexpr):
     """dQ of one query block over key tiles [lo, hi) (chunks at bwd_out, the accumulator at grad_acc); CLAMP:
     dS = P o (c o dP - delta), c = PBAR_CLAMP at the forward's ties."""
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_n0
         s = _scores(q, k_base + offs_n[:, None] * skt, offs_m, offs_n, T, scale, ROUND, INPUT_F32, GEMM_DT,
                     MASKED, F32_DOT, kp, KEYPAD)
-        p = tl.exp(s - lse[:, None])
+        p = _exp(s - lse[:, None], FTZ)
         if MASKED:
             p = tl.where(_valid(offs_m, offs_n, T, True, kp, KEYPAD), p, 0.0)
             v = tl.load(v_base + offs_n[:, None] * svt, mask=(offs_n < T)[:, None], other=0.0).to(GEMM_DT)
@@ -740,7 +758,8 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, KP, FIRST, TIES,
                    H, T, scale, ntw,
                    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    ROUND: tl.constexpr, INPUT_F32: tl.constexpr, ONE_BLOCK: tl.constexpr,
-                   F32_DOT: tl.constexpr, KEYPAD: tl.constexpr, CLAMP: tl.constexpr, LPT: tl.constexpr):
+                   F32_DOT: tl.constexpr, KEYPAD: tl.constexpr, CLAMP: tl.constexpr, LPT: tl.constexpr,
+                   FTZ: tl.constexpr):
     """dQ for BLOCK_M queries, looping over key tiles of BLOCK_N (= block_k where rounding is emulated); LPT:
     the launch order (_program)."""
     start_m, off_bh = _program(LPT, True)
@@ -771,9 +790,9 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, KP, FIRST, TIES,
         lo2 = tl.maximum(lo, mid)
     tb = TIES + off_bh.to(tl.int64) * T * ntw  # CLAMP: this head's tie bits
     dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, skt, svt, offs_m, offs_n0, lo1, mid, T, scale, kp, tb, ntw,
-                   BLOCK_N, ROUND, INPUT_F32, GEMM_DT, ONE_BLOCK, False, F32_DOT, KEYPAD, CLAMP)
+                   BLOCK_N, ROUND, INPUT_F32, GEMM_DT, ONE_BLOCK, False, F32_DOT, KEYPAD, CLAMP, FTZ)
     dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, skt, svt, offs_m, offs_n0, lo2, hi, T, scale, kp, tb, ntw,
-                   BLOCK_N, ROUND, INPUT_F32, GEMM_DT, ONE_BLOCK, True, F32_DOT, KEYPAD, CLAMP)
+                   BLOCK_N, ROUND, INPUT_F32, GEMM_DT, ONE_BLOCK, True, F32_DOT, KEYPAD, CLAMP, FTZ)
     dq = _grad_end(dq, ROUND, ONE_BLOCK)
     tl.store(DQ + off_b * sgb + off_h * sgh + offs_m[:, None] * sgt + offs_d[None, :] * sgd,
              _cast_out(dq, DQ), mask=row_ok[:, None])

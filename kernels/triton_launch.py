@@ -52,6 +52,39 @@ def launch_order(order: str, section_bytes: int = None):
         _order.update(saved)
 
 
+EXP_INSTRUCTIONS = ("ex2_approx", "ex2_approx_ftz")
+
+
+def exp_instruction_env() -> str:
+    """FF_TRITON_EXP (default ex2_approx), validated: a wrong value names the variable, the value and what is
+    allowed."""
+    name = os.environ.get("FF_TRITON_EXP", "ex2_approx")
+    if name not in EXP_INSTRUCTIONS:
+        raise ValueError(f"FF_TRITON_EXP={name!r} is not allowed: expected one of {', '.join(EXP_INSTRUCTIONS)}")
+    return name
+
+
+# exp's instruction in every kernel (kernels/triton_kernels.py _exp): ex2_approx, tl.exp's (with its denormal
+# fix-up), or ex2_approx_ftz (no fix-up; results below 2^-126 flushed to 0). A speed knob until the GPU's kernel bits
+# (scripts/kernel_bits.py --exp) say whether it moves a bit; FF_TRITON_EXP sets the process's, exp_instruction() a
+# scope's. A list: the launchers read _exp_ftz[0] on every launch
+_exp_ftz = [exp_instruction_env() == "ex2_approx_ftz"]
+
+
+@contextlib.contextmanager
+def exp_instruction(name: str):
+    """Every kernel launched in the scope evaluates exp with `name` (EXP_INSTRUCTIONS): the benchmarks time
+    ex2_approx_ftz against tl.exp's ex2_approx side by side, in one process."""
+    if name not in EXP_INSTRUCTIONS:
+        raise ValueError(f"exp instruction {name!r} is not allowed: expected one of {', '.join(EXP_INSTRUCTIONS)}")
+    saved = _exp_ftz[0]
+    _exp_ftz[0] = name == "ex2_approx_ftz"
+    try:
+        yield
+    finally:
+        _exp_ftz[0] = saved
+
+
 @functools.lru_cache(maxsize=256)
 def section_heads(BH: int, most: int) -> int:
     """The largest divisor of BH that is at most `most` (at least 1): a section's heads, so that every section is
@@ -446,7 +479,8 @@ def _forward(q, k, v, knobs: AttentionKnobs, rep=None, maxl=None, probe: bool = 
                       COUNTERS=counters, HAS_OFP32=has_ofp32, ONE_BLOCK=not knobs.tiling,
                       PROBE=probe, F32_DOT=knobs.fp32_gemm, KEYPAD=keypad,
                       GUARDED=knobs.softmax == "stabilized_guarded", CLAMP=clamp, SR=bool(knobs.stochastic_round),
-                      FOLD=knobs.exp_form == "exp2_folded", LPT=lpt, num_warps=warps, num_stages=stages)
+                      FOLD=knobs.exp_form == "exp2_folded", LPT=lpt, FTZ=_exp_ftz[0], num_warps=warps,
+                      num_stages=stages)
     return o, lse, (pmax if probe else None), (fired if probe else None)
 
 
@@ -492,21 +526,21 @@ def _backward(do, q, k, v, o, lse, knobs: AttentionKnobs, key_keep=None, ties=No
         *_strides(q), *_strides(k), *_strides(v), *_strides(o), *_strides(do), kp.stride(0),
         H, T, scale, ntw, HEAD_DIM=D, BLOCK_M=dbm, BLOCK_N=dbn, ROUND=mask, INPUT_F32=f32_in,
         DELTA_MODE=DELTA_IDS[knobs.delta], HAS_OFP32=has_ofp32, F32_DOT=knobs.fp32_gemm, KEYPAD=keypad,
-        CLAMP=clamp, LPT=lpt, num_warps=4)
+        CLAMP=clamp, LPT=lpt, FTZ=_exp_ftz[0], num_warps=4)
     grid, lpt = _grid(_cdiv(T, n1), B * H, k)
     _k._bwd_dkdv_kernel[grid](
         q, k, v, do, lse, delta, dk, dv, kp, first, ties,
         *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk), kp.stride(0), H, T, scale, ntw,
         HEAD_DIM=D, BLOCK_M=m1, BLOCK_N=n1, ROUND=mask, INPUT_F32=f32_in,
-        ONE_BLOCK=not knobs.tiling, F32_DOT=knobs.fp32_gemm, KEYPAD=keypad, CLAMP=clamp, LPT=lpt, num_warps=warps,
-        num_stages=stages)
+        ONE_BLOCK=not knobs.tiling, F32_DOT=knobs.fp32_gemm, KEYPAD=keypad, CLAMP=clamp, LPT=lpt, FTZ=_exp_ftz[0],
+        num_warps=warps, num_stages=stages)
     grid, lpt = _grid(_cdiv(T, m2), B * H, k)
     _k._bwd_dq_kernel[grid](
         q, k, v, do, lse, delta, dq, kp, first, ties,
         *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq), kp.stride(0), H, T, scale, ntw,
         HEAD_DIM=D, BLOCK_M=m2, BLOCK_N=n2, ROUND=mask, INPUT_F32=f32_in,
-        ONE_BLOCK=not knobs.tiling, F32_DOT=knobs.fp32_gemm, KEYPAD=keypad, CLAMP=clamp, LPT=lpt, num_warps=warps,
-        num_stages=stages)
+        ONE_BLOCK=not knobs.tiling, F32_DOT=knobs.fp32_gemm, KEYPAD=keypad, CLAMP=clamp, LPT=lpt, FTZ=_exp_ftz[0],
+        num_warps=warps, num_stages=stages)
     return dq, dk, dv
 
 

@@ -7,7 +7,9 @@
 #                the GPU tests: pytest -m gpu tests (or PATHS, e.g. tests/unit/test_ops.py; WORKERS xdist workers,
 #                default 6)
 #   bits         the kernels' outputs on fixed cases (scripts/kernel_bits.py) against this GPU model's committed
-#                record, results/bench/kernel-bits-<gpu>.json (REF=FILE another): exit 1 when a bit moved
+#                record, results/bench/kernel-bits-<gpu>.json (REF=FILE another): exit 1 when a bit moved;
+#                BITS_EXP=ex2_approx_ftz: then the cases again with exp on that instruction, compared with this
+#                run's record (kernel_bits_exp.log; said, not the exit status)
 #   patch-tests PATCH [TESTS ...]
 #                the GPU tests of a change not on this tree yet (a branch: `git diff main...BRANCH > PATCH`): this
 #                tree's TESTS first, then the same TESTS in a copy with PATCH applied (default TESTS: the kernel
@@ -195,9 +197,19 @@ print(re.sub('[^a-z0-9]+', '-', g).strip('-'))" "$LOG/kernel-bits.json") || die 
     ref=${REF:-results/bench/kernel-bits-$gpu.json}
     if [ -f "$ref" ]; then
       $PY scripts/kernel_bits.py compare "$ref" "$LOG/kernel-bits-$gpu.json" | tee "$LOG/kernel_bits_vs_ref.log"
-      exit "${PIPESTATUS[0]}"
+      rc=${PIPESTATUS[0]}
+    else
+      echo "[bits] no $ref yet: commit $LOG/kernel-bits-$gpu.json there as this GPU's reference"; rc=0
     fi
-    echo "[bits] no $ref yet: commit $LOG/kernel-bits-$gpu.json there as this GPU's reference"
+    if [ -n "${BITS_EXP:-}" ]; then  # the same cases with exp on another instruction, against this run's record
+      echo "[bits] again with --exp $BITS_EXP, against this run's record (kernel_bits_exp.log)"
+      $PY scripts/kernel_bits.py record "$LOG/kernel-bits-$gpu-$BITS_EXP.json" --device "${BITS_DEVICE:-cuda}" \
+        --exp "$BITS_EXP" --tensors /tmp/kernel-bits-exp.pt > "$LOG/kernel_bits_exp.log" 2>&1 || exit 1
+      $PY scripts/kernel_bits.py compare "$LOG/kernel-bits-$gpu.json" "$LOG/kernel-bits-$gpu-$BITS_EXP.json" \
+        --tensors /tmp/kernel-bits.pt /tmp/kernel-bits-exp.pt >> "$LOG/kernel_bits_exp.log" 2>&1
+      tail -20 "$LOG/kernel_bits_exp.log"
+    fi
+    exit "$rc"
     ;;
   patch-tests)
     patch=${1:-}; [ -n "$patch" ] && shift || die "usage: gpu.sh patch-tests PATCH [TESTS ...]"

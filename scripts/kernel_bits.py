@@ -2,6 +2,7 @@
 existing recipes compute unchanged, bit for bit?
 
     python scripts/kernel_bits.py record OUT [--device cuda|cpu] [--cases full|small] [--tensors FILE.pt]
+                                             [--exp ex2_approx|ex2_approx_ftz]
     python scripts/kernel_bits.py compare A.json B.json [--tensors A.pt B.pt]
 
 `record` runs each case's forward and backward through the Triton route (flash_attention_triton: the ops a model
@@ -15,7 +16,9 @@ is deterministic, so two trees still compare).
 which cases only one record has, and exits 1 when an output of a common case differs or a case of A is missing in B.
 A new kernel knob must leave every case here bit-identical: the paper_1gpu baseline's divergence at step 9,697
 depends on every bit of paper_bf16 at 128x128 tiles. `bash scripts/gpu.sh patch-tests` records this tree and the
-patched copy on the same GPU and compares them (kernel_bits.log).
+patched copy on the same GPU and compares them (kernel_bits.log). `--exp ex2_approx_ftz` records the kernels with
+exp on ex2.approx.ftz (kernels/triton_launch.py exp_instruction), to compare with a default record of the same GPU
+(`BITS_EXP=ex2_approx_ftz bash scripts/gpu.sh bits`); the interpreter's exp is NumPy's either way.
 """
 from __future__ import annotations
 
@@ -138,13 +141,16 @@ def _env(device: str) -> dict:
     return env
 
 
-def record(out: str, device: str, cases: str, tensors_path=None, seed: int = 0) -> dict:
+def record(out: str, device: str, cases: str, tensors_path=None, seed: int = 0, exp: str = "ex2_approx") -> dict:
     import torch
-    doc = dict(env=_env(device), cases_set=cases, seed=seed, cases={})
+
+    from flash_forensics.kernels.triton_launch import exp_instruction
+    doc = dict(env=_env(device), cases_set=cases, seed=seed, exp_instruction=exp, cases={})
     saved = {}
     for name, kw, shape, layout, *scale in CASES[cases]:
         scale = scale[0] if scale else 2.0
-        outs = _run_case(kw, shape, layout, device, seed, scale)
+        with exp_instruction(exp):
+            outs = _run_case(kw, shape, layout, device, seed, scale)
         doc["cases"][name] = dict(knobs=kw, shape=list(shape), layout=layout, input_scale=scale,
                                   outputs={n: dict(sha256=_digest(t), dtype=str(t.dtype).replace("torch.", ""),
                                                    shape=list(t.shape)) for n, t in outs.items()})
@@ -240,6 +246,8 @@ def main(argv=None) -> int:
                    help="full (default on cuda) or small (default on cpu: the interpreter is slow)")
     r.add_argument("--tensors", default=None, help="also save the outputs here (.pt), for compare --tensors")
     r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--exp", choices=("ex2_approx", "ex2_approx_ftz"), default="ex2_approx",
+                   help="exp's instruction in the kernels (default tl.exp's ex2_approx)")
     c = sub.add_parser("compare", help="compare two records; exit 1 on any difference")
     c.add_argument("a")
     c.add_argument("b")
@@ -258,7 +266,7 @@ def main(argv=None) -> int:
     if ROOT not in sys.path:
         sys.path.insert(0, ROOT)
     record(args.out, args.device, args.cases or ("full" if args.device == "cuda" else "small"), args.tensors,
-           args.seed)
+           args.seed, args.exp)
     return 0
 
 

@@ -57,6 +57,18 @@ def test_cudagraphs_vs_eager_is_keyed_apart_from_compile():
     assert s["sdpa+cudagraphs"] == dict(steps=2, bit_identical=False, first_diff_step=1, max_abs_loss_diff=0.5)
 
 
+def test_ftz_vs_tl_exp_by_hand_and_its_scope():
+    """ATTN+ftz: eager in exp_instruction("ex2_approx_ftz")'s scope; ftz_vs_tl_exp: its speed-up over ATTN and
+    whether the losses kept every bit."""
+    def row(v, tps, losses):
+        return dict(variant=v, batch=2, T=8, tokens_per_s=tps, losses=losses)
+    s = bench.summarize([row("paper_1gpu", 100.0, [3.0, 2.5]), row("paper_1gpu+ftz", 110.0, [3.0, 2.5]),
+                         row("triton_fa2", 100.0, [3.0, 2.5]), row("triton_fa2+ftz", 80.0, [3.0, 2.25])])["B2_T8"]
+    assert s["ftz_vs_tl_exp"] == {"paper_1gpu": dict(speedup=1.1, bit_identical=True),
+                                  "triton_fa2": dict(speedup=0.8, bit_identical=False)}
+    assert bench.parse_variant("paper_1gpu+ftz") == ("paper_1gpu", "ftz")
+
+
 class _Ev:  # a profiler kernel event: name and time_range (us)
     def __init__(self, name, a, b):
         self.name, self.time_range = name, type("R", (), dict(start=a, end=b))()

@@ -1,6 +1,7 @@
 """benchmarks/attention.py's inputs on a CPU: --layout bthd gives q, k, v as a GPT makes them (views of one fused
 projection, (B, T, H, D)-ordered) and a fwd+bwd whose gradient lands in that projection, equal to the contiguous
 layout's gradients, so the two layouts time the same computation."""
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -132,3 +133,39 @@ def test_summary_times_the_launch_orders_side_by_side_and_the_linear_row_runs_in
         assert triton_launch._order["lpt"] is False
     assert triton_launch._order["lpt"] is True and not hasattr(method_fn("triton_fa2", 2, torch.device("cpu")),
                                                                 "scope")
+
+
+def test_summary_times_ftz_exp_against_tl_exp_and_the_ftz_rows_run_in_its_scope():
+    """triton_fa2_ftz / triton_paper_bf16_ftz: the same knobs in exp_instruction("ex2_approx_ftz")'s scope;
+    fa2_ftz_speedup / paper_bf16_ftz_speedup > 1 where ex2.approx.ftz is faster than tl.exp."""
+    import torch
+
+    from benchmarks.attention import KNOBS, method_fn, summarize
+    from flash_forensics.kernels import triton_launch
+    assert KNOBS["triton_fa2_ftz"] == KNOBS["triton_fa2"]
+    assert KNOBS["triton_paper_bf16_ftz"] == KNOBS["triton_paper_bf16"]
+    rows = [dict(shape="s", method="sdpa_cudnn", ms=0.38, tflops=1.0, total_us=370.0),
+            dict(shape="s", method="triton_fa2", ms=0.40, tflops=1.0, total_us=400.0),
+            dict(shape="s", method="triton_fa2_ftz", ms=0.36, tflops=1.0, total_us=380.0),
+            dict(shape="s", method="triton_paper_bf16", ms=0.80, tflops=1.0),
+            dict(shape="s", method="triton_paper_bf16_ftz", ms=0.70, tflops=1.0)]
+    d = summarize(rows, ["s"])["s"]
+    assert abs(d["fa2_ftz_speedup"] - 0.40 / 0.36) < 1e-12 and abs(d["fa2_ftz_kernels_speedup"] - 400 / 380) < 1e-12
+    assert abs(d["paper_bf16_ftz_speedup"] - 0.80 / 0.70) < 1e-12 and "paper_bf16_ftz_kernels_speedup" not in d
+    for name in ("triton_fa2_ftz", "triton_paper_bf16_ftz"):
+        with method_fn(name, 2, torch.device("cpu")).scope():
+            assert triton_launch._exp_ftz[0] is True
+        assert triton_launch._exp_ftz[0] is False
+
+
+def test_exp_instruction_refuses_a_name_it_does_not_know(monkeypatch):
+    from flash_forensics.kernels import triton_launch
+    with pytest.raises(ValueError, match=r"exp instruction 'ex2' is not allowed: expected one of ex2_approx, "
+                                         r"ex2_approx_ftz"):
+        with triton_launch.exp_instruction("ex2"):
+            pass
+    monkeypatch.setenv("FF_TRITON_EXP", "ftz")
+    with pytest.raises(ValueError, match=r"FF_TRITON_EXP='ftz' is not allowed"):
+        triton_launch.exp_instruction_env()
+    monkeypatch.setenv("FF_TRITON_EXP", "ex2_approx_ftz")
+    assert triton_launch.exp_instruction_env() == "ex2_approx_ftz"

@@ -47,6 +47,21 @@ def test_the_forward_compiles_for_sm90_and_exp2_folded_drops_the_exp_fixups():
     assert fold["FMUL"] + fold["FSETP"] < exp["FMUL"] + exp["FSETP"] and fold["instructions"] < exp["instructions"]
 
 
+def test_ex2_approx_ftz_drops_tl_exps_fixups_in_every_kernel_it_reaches():
+    """exp_instruction("ex2_approx_ftz") reaches all four launches (FTZ), and in the forward and dQ kernels compiled
+    for sm_90 leaves one MUFU.EX2 per exp without tl.exp's denormal fix-up, in fewer instructions."""
+    from flash_forensics.kernels.triton_launch import exp_instruction
+    ks = _script()
+    default = ks.record_launches(ks.parse_variant("paper_bf16:counters=true"), (2, 2, 256, 64))
+    with exp_instruction("ex2_approx_ftz"):
+        ftz = ks.record_launches(ks.parse_variant("paper_bf16:counters=true"), (2, 2, 256, 64))
+    assert [c[3]["FTZ"] for c in default] == [False] * 4 and [c[3]["FTZ"] for c in ftz] == [True] * 4
+    for i in (0, 3):  # _fwd_kernel, _bwd_dq_kernel
+        a, b = (ks.compile_counts(c[i][1], c[i][2], c[i][3], 90) for c in (default, ftz))
+        assert a["MUFU.EX2"] == b["MUFU.EX2"] > 0 and a["exp_denormal_fixups"] == a["MUFU.EX2"]
+        assert b["exp_denormal_fixups"] == 0 and b["instructions"] < a["instructions"]
+
+
 def test_a_bad_variant_names_the_knob():
     parse_variant = _script().parse_variant
     with pytest.raises(SystemExit, match="'exp_fom' is not an AttentionKnobs field"):
