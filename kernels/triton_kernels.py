@@ -69,8 +69,8 @@ if not _INTERPRET:
     def _exp(x, FTZ: tl.constexpr):
         """exp(x). FTZ off: tl.exp, ex2.approx.f32 of fl(x log2(e)) with its denormal fix-up (a compare and two
         predicated multiplies per element, scripts/kernel_sass.py). FTZ on: the same product into ex2.approx.ftz.f32,
-        which differs only where exp(x) < 2^-126 (flushed to 0): a speed knob (triton_launch.exp_instruction) until
-        the GPU's kernel bits say it keeps every bit."""
+        which differs only where exp(x) < 2^-126 (flushed to 0): an opt-in speed knob (triton_launch.exp_instruction),
+        not a default, since with large logits it moves gradient bits (results/bench/gpu-h100-2026-12-06e/)."""
         if FTZ:
             return tl.math.exp2(x * 1.4426950408889634)
         else:

@@ -65,9 +65,10 @@ def exp_instruction_env() -> str:
 
 
 # exp's instruction in every kernel (kernels/triton_kernels.py _exp): ex2_approx, tl.exp's (with its denormal
-# fix-up), or ex2_approx_ftz (no fix-up; results below 2^-126 flushed to 0). A speed knob until the GPU's kernel bits
-# (scripts/kernel_bits.py --exp) say whether it moves a bit; FF_TRITON_EXP sets the process's, exp_instruction() a
-# scope's. A list: the launchers read _exp_ftz[0] on every launch
+# fix-up), or ex2_approx_ftz (no fix-up; results below 2^-126 flushed to 0): 5-7% off fa2's kernels on an H100, but
+# where logits reach exp's denormals it moves gradient bits (scripts/kernel_bits.py --exp; results/bench/
+# gpu-h100-2026-12-06e/), so it is opt-in. FF_TRITON_EXP sets the process's, exp_instruction() a scope's. A list:
+# the launchers read _exp_ftz[0] on every launch
 _exp_ftz = [exp_instruction_env() == "ex2_approx_ftz"]
 
 
