@@ -149,7 +149,7 @@ def record(out: str, device: str, cases: str, tensors_path=None, seed: int = 0, 
     saved = {}
     for name, kw, shape, layout, *scale in CASES[cases]:
         scale = scale[0] if scale else 2.0
-        with exp_instruction(exp):
+        with exp_instruction(exp):  # per case: each prints as it ends (a long GPU record shows its progress)
             outs = _run_case(kw, shape, layout, device, seed, scale)
         doc["cases"][name] = dict(knobs=kw, shape=list(shape), layout=layout, input_scale=scale,
                                   outputs={n: dict(sha256=_digest(t), dtype=str(t.dtype).replace("torch.", ""),
@@ -246,6 +246,8 @@ def main(argv=None) -> int:
                    help="full (default on cuda) or small (default on cpu: the interpreter is slow)")
     r.add_argument("--tensors", default=None, help="also save the outputs here (.pt), for compare --tensors")
     r.add_argument("--seed", type=int, default=0)
+    # kernels/triton_launch.py EXP_INSTRUCTIONS, spelled out: importing it here would import triton before
+    # --device cpu can set TRITON_INTERPRET
     r.add_argument("--exp", choices=("ex2_approx", "ex2_approx_ftz"), default="ex2_approx",
                    help="exp's instruction in the kernels (default tl.exp's ex2_approx)")
     c = sub.add_parser("compare", help="compare two records; exit 1 on any difference")
