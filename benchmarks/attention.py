@@ -10,6 +10,8 @@ Methods (causal, BF16 inputs (B, H, T, D); FLOPs = 7*B*H*T^2*D per fwd+bwd):
                                             kernels/launch_cache.py's cache replaces: its gain, side by side)
   triton_fa2_linear                         the same, launched in the old order: tile 0 first, head by head
                                             (kernels/triton_launch.py launch_order; the default: longest first)
+  triton_fa2_sec{2,4,8,16}                  the same, longest first within sections of that many MB of K and V (the
+                                            default: 32; kernels/triton_launch.py launch_order's section_bytes)
   triton_fa2_ftz, triton_paper_bf16_ftz     the same recipes with exp on ex2.approx.ftz (no denormal fix-up;
                                             kernels/triton_launch.py exp_instruction; the default: tl.exp's)
   triton_fa2_counters                       fa2 with the repeated-maxima counters and max logit (as a run logs)
@@ -46,12 +48,14 @@ import torch.nn.functional as F  # noqa: E402
 from benchmarks.shapes import SHAPES  # noqa: E402  (tune.py reads them too: one module, no import cycle)
 from flash_forensics.kernels.config import AttentionKnobs  # noqa: E402
 
+SECTION_MB = (2, 4, 8, 16)  # triton_fa2_sec<MB>: longest-first sections smaller than the default 32 MB
 SDPA = ("sdpa_flash", "sdpa_cudnn", "sdpa_efficient")
 KNOBS = {  # method -> knobs (counters on means the layer's AttnStats is passed)
     "triton_fa2": AttentionKnobs(recipe="fa2", backend="triton", counters=False),
     "triton_fa2_jit": AttentionKnobs(recipe="fa2", backend="triton", counters=False),
     "triton_fa2_linear": AttentionKnobs(recipe="fa2", backend="triton", counters=False),
     "triton_fa2_ftz": AttentionKnobs(recipe="fa2", backend="triton", counters=False),
+    **{f"triton_fa2_sec{mb}": AttentionKnobs(recipe="fa2", backend="triton", counters=False) for mb in SECTION_MB},
     "triton_fa2_counters": AttentionKnobs(recipe="fa2", backend="triton", counters=True),
     "triton_fa2_exp2": AttentionKnobs(recipe="fa2", backend="triton", counters=False, exp_form="exp2_folded"),
     "triton_fa2_exp2_counters": AttentionKnobs(recipe="fa2", backend="triton", counters=True, exp_form="exp2_folded"),
@@ -61,6 +65,7 @@ KNOBS = {  # method -> knobs (counters on means the layer's AttnStats is passed)
     "triton_fp32": AttentionKnobs(recipe="fp32", backend="triton", counters=True),
     "emulator_paper_bf16": AttentionKnobs(recipe="paper_bf16", backend="emulator", counters=True),
 }
+DEFAULT_METHODS = SDPA + tuple(m for m in KNOBS if "_sec" not in m)  # the section rows only when named
 TARGETS = {  # issue 33's speed targets: "<method>_vs_best_sdpa@<shape>": fwd+bwd against the fastest SDPA backend
     # that ran there (at least the ratio), "<method>_overhead_vs_fa2@<shape>": its time over plain fa2's (at most)
     "fa2_vs_best_sdpa@gpt2s_T1024": 1.0, "fa2_vs_best_sdpa@T4096": 1.0, "fa2_vs_best_sdpa@D128_T2048": 0.8,
@@ -121,6 +126,10 @@ def method_fn(name, H, dev):
     if name.endswith("_linear"):  # the query tiles launched in order (every bit the same: speed only)
         from flash_forensics.kernels.triton_launch import launch_order
         f.scope = lambda: launch_order("linear")
+    if "_sec" in name:  # longest first in smaller sections (every bit the same: speed only)
+        from flash_forensics.kernels.triton_launch import launch_order
+        mb = int(name.rsplit("_sec", 1)[1])
+        f.scope = lambda: launch_order("longest_first", section_bytes=mb << 20)
     if name.endswith("_ftz"):  # exp without tl.exp's denormal fix-up (bits: scripts/kernel_bits.py --exp)
         from flash_forensics.kernels.triton_launch import exp_instruction
         f.scope = lambda: exp_instruction("ex2_approx_ftz")
@@ -234,7 +243,8 @@ def main(argv=None):
     ap.add_argument("--shapes", default=",".join(SHAPES), help="comma list of: " + ", ".join(SHAPES))
     ap.add_argument("--tune-shapes", default="gpt2s_T1024,mini_T256,D128_T2048",
                     help="shapes --tune times (one per head dim and length class)")
-    ap.add_argument("--methods", default=",".join(SDPA + tuple(KNOBS)), help="comma list of methods")
+    ap.add_argument("--methods", default=",".join(DEFAULT_METHODS),
+                    help="comma list of methods (triton_fa2_sec<MB> only when named)")
     ap.add_argument("--rounds", type=int, default=3, help="round-robin rounds (a row is the median over them)")
     ap.add_argument("--rep-ms", type=int, default=300, help="do_bench repetition time per (row, round)")
     ap.add_argument("--kernels", type=int, default=0, metavar="ITERS",

@@ -18,7 +18,7 @@
 #                BITS_DEVICE=cpu runs them on Triton's interpreter); exit 0 only when both pass and every case is
 #                bit-identical; SKIP_HERE=1: the patched copy's tests only
 #   speed        attention fwd+bwd side by side (benchmarks/attention.py; TUNE=1 times launch configs first, at
-#                TUNE_SHAPES; ATTN_METHODS its methods;
+#                TUNE_SHAPES; ATTN_METHODS its methods, ATTN_SHAPES its shapes;
 #                ATTN_LAYOUT=bthd: q, k, v as views of one fused projection, as the model makes them;
 #                ATTN_KERNELS=N (default 20, 0 none): each row's kernels profiled over N calls, their GPU time
 #                without the host's), the
@@ -260,6 +260,7 @@ print(re.sub('[^a-z0-9]+', '-', g).strip('-'))" "$LOG/kernel-bits.json") || die 
     # ATTN_LAYOUT=bthd: q, k, v as the model makes them (views of the fused QKV projection; benchmarks/attention.py)
     bounded "${ATTN_TIMEOUT:-300}" "$LOG/attention.log" $PY benchmarks/attention.py ${TUNE:+--tune} \
       ${TUNE_SHAPES:+--tune-shapes "$TUNE_SHAPES"} ${ATTN_METHODS:+--methods "$ATTN_METHODS"} \
+      ${ATTN_SHAPES:+--shapes "$ATTN_SHAPES"} \
       ${ATTN_LAYOUT:+--layout "$ATTN_LAYOUT"} --kernels "${ATTN_KERNELS:-20}" --rounds 3 --out "$LOG/attention${ATTN_LAYOUT:+-$ATTN_LAYOUT}.json" || rc=1
     grep -E "^\|" "$LOG/attention.log"
     fi

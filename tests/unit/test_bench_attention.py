@@ -169,3 +169,20 @@ def test_exp_instruction_refuses_a_name_it_does_not_know(monkeypatch):
         triton_launch.exp_instruction_env()
     monkeypatch.setenv("FF_TRITON_EXP", "ex2_approx_ftz")
     assert triton_launch.exp_instruction_env() == "ex2_approx_ftz"
+
+
+def test_the_section_rows_run_longest_first_in_their_sections_and_only_when_named():
+    """triton_fa2_sec<MB>: fa2 launched longest first within sections of MB megabytes of K and V (the default 32),
+    to time smaller sections side by side; the default method list leaves them out."""
+    import torch
+
+    from benchmarks import attention
+    from flash_forensics.kernels import triton_launch
+    default = triton_launch._order["section_bytes"]
+    for mb in attention.SECTION_MB:
+        assert attention.KNOBS[f"triton_fa2_sec{mb}"] == attention.KNOBS["triton_fa2"]
+        with attention.method_fn(f"triton_fa2_sec{mb}", 2, torch.device("cpu")).scope():
+            assert triton_launch._order == {"lpt": True, "section_bytes": mb << 20}
+        assert triton_launch._order["section_bytes"] == default
+    assert "triton_fa2" in attention.DEFAULT_METHODS
+    assert not [m for m in attention.DEFAULT_METHODS if "_sec" in m]
