@@ -12,6 +12,9 @@ Methods (causal, BF16 inputs (B, H, T, D); FLOPs = 7*B*H*T^2*D per fwd+bwd):
                                             (kernels/triton_launch.py launch_order; the default: longest first)
   triton_fa2_sec{2,4,8,16}                  the same, longest first within sections of that many MB of K and V (the
                                             default: 32; kernels/triton_launch.py launch_order's section_bytes)
+  triton_fa2[_sfa]_counters_r, triton_fa2_r, triton_paper_bf16_r
+                                            those rows with fewer registers per kernel (REGISTER_ROWS; kernels/
+                                            triton_launch.py register_limit), only when named
   triton_fa2_ftz, triton_paper_bf16_ftz     the same recipes with exp on ex2.approx.ftz (no denormal fix-up;
                                             kernels/triton_launch.py exp_instruction; the default: tl.exp's)
   triton_fa2_counters                       fa2 with the repeated-maxima counters and max logit (as a run logs)
@@ -65,7 +68,17 @@ KNOBS = {  # method -> knobs (counters on means the layer's AttnStats is passed)
     "triton_fp32": AttentionKnobs(recipe="fp32", backend="triton", counters=True),
     "emulator_paper_bf16": AttentionKnobs(recipe="paper_bf16", backend="emulator", counters=True),
 }
-DEFAULT_METHODS = SDPA + tuple(m for m in KNOBS if "_sec" not in m)  # the section rows only when named
+# <base>_r: the base row with kernels/triton_launch.py register_limit's caps, chosen from sm_90 SASS compiled on a CPU
+# (scripts/kernel_sass.py regs.<kernel>=N) so that an SM holds one more program: fa2's dK/dV 157 -> 128 registers
+# (3 -> 4 programs), the counters' forward 167 -> 128 (3 -> 4), paper_bf16's forward 145 -> 128 and dK/dV 216 -> 168
+# (2 -> 3), each at a few spilled bytes
+REGISTER_ROWS = {"triton_fa2_r": ("triton_fa2", dict(dkdv=128)),
+                 "triton_fa2_counters_r": ("triton_fa2_counters", dict(fwd=128, dkdv=128)),
+                 "triton_fa2_sfa_counters_r": ("triton_fa2_sfa_counters", dict(fwd=128, dkdv=128)),
+                 "triton_paper_bf16_r": ("triton_paper_bf16", dict(fwd=128, dkdv=168))}
+KNOBS.update({row: KNOBS[base] for row, (base, _) in REGISTER_ROWS.items()})
+# the section and register rows only when named
+DEFAULT_METHODS = SDPA + tuple(m for m in KNOBS if "_sec" not in m and m not in REGISTER_ROWS)
 TARGETS = {  # issue 33's speed targets: "<method>_vs_best_sdpa@<shape>": fwd+bwd against the fastest SDPA backend
     # that ran there (at least the ratio), "<method>_overhead_vs_fa2@<shape>": its time over plain fa2's (at most)
     "fa2_vs_best_sdpa@gpt2s_T1024": 1.0, "fa2_vs_best_sdpa@T4096": 1.0, "fa2_vs_best_sdpa@D128_T2048": 0.8,
@@ -130,6 +143,10 @@ def method_fn(name, H, dev):
         from flash_forensics.kernels.triton_launch import launch_order
         mb = int(name.rsplit("_sec", 1)[1])
         f.scope = lambda: launch_order("longest_first", section_bytes=mb << 20)
+    if name in REGISTER_ROWS:  # the same kernels compiled with fewer registers (speed only)
+        from flash_forensics.kernels.triton_launch import register_limit
+        caps = REGISTER_ROWS[name][1]
+        f.scope = lambda: register_limit(**caps)
     if name.endswith("_ftz"):  # exp without tl.exp's denormal fix-up (bits: scripts/kernel_bits.py --exp)
         from flash_forensics.kernels.triton_launch import exp_instruction
         f.scope = lambda: exp_instruction("ex2_approx_ftz")
@@ -201,6 +218,11 @@ def summarize(rows, shapes) -> dict:
                 ku = [d["methods"][x].get("kernels_us") for x in (base, f"{base}_ftz")]
                 if all(ku):
                     d[f"{base[7:]}_ftz_kernels_speedup"] = ku[0] / ku[1]
+        for row, (base, caps) in REGISTER_ROWS.items():  # > 1: the register caps are faster than ptxas's choice
+            if base in ms and row in ms:
+                ku = [d["methods"][x].get("kernels_us") for x in (base, row)]
+                d.setdefault("register_caps", {})[row] = dict(base=base, caps=caps, speedup=ms[base] / ms[row],
+                                                              kernels_speedup=ku[0] / ku[1] if all(ku) else None)
         if "triton_fa2" in ms and "triton_fa2_jit" in ms:  # > 1: the launch cache is faster than Triton's launch
             d["launch_cache_speedup"] = ms["triton_fa2_jit"] / ms["triton_fa2"]
         if "triton_fa2" in ms:

@@ -88,7 +88,7 @@ def _hooked() -> bool:
 
 class CachedKernel:
     """A jit kernel's stand-in with its launch syntax, `kernel[grid](*runtime_args, num_warps=, num_stages=,
-    **constexprs)`: the runtime arguments positional, in the signature's order, the constexprs by name."""
+    [maxnreg=,] **constexprs)`: the runtime arguments positional, in the signature's order, the constexprs by name."""
 
     def __init__(self, fn, mode: str):
         self.fn, self.mode = fn, mode
@@ -110,7 +110,7 @@ class CachedKernel:
         spec, flat = got
         tail = tuple(kw[n] for n in self.const_names)
         device = current_device()
-        key = (device, kw.get("num_warps"), kw.get("num_stages"), tail, spec)
+        key = (device, kw.get("num_warps"), kw.get("num_stages"), kw.get("maxnreg"), tail, spec)
         kernel = self.cache.get(key)
         if kernel is None:  # Triton binds, compiles (or finds) and launches: its kernel for this key
             kernel = self.cache[key] = self.fn[grid](*args, **kw)

@@ -86,6 +86,40 @@ def exp_instruction(name: str):
         _exp_ftz[0] = saved
 
 
+REGISTER_KERNELS = ("fwd", "dkdv", "dq")
+# a cap on a kernel's registers per thread (Triton's maxnreg), None: ptxas's choice. With the counters on, fa2's
+# forward takes 167 registers on sm_90 (120 without), so an SM holds 3 of its programs instead of 4; capped at 128
+# it holds 4 again, at the cost of 16 spilled bytes (scripts/kernel_sass.py --maxnreg). Speed only: the cap moves
+# registers, never an operation (the kernel-bits cases say so on a GPU). Opt-in until a GPU shows the gain
+_maxnreg: dict = {}
+
+
+@contextlib.contextmanager
+def register_limit(**caps):
+    """Every launch in the scope of a kernel named in `caps` (REGISTER_KERNELS: fwd, dkdv, dq) compiled with at most
+    that many registers per thread (an int from 24 to 255): the benchmarks time a cap against ptxas's own choice
+    side by side, in one process."""
+    for name, n in caps.items():
+        if name not in REGISTER_KERNELS:
+            raise ValueError(f"register_limit kernel {name!r} is not allowed: expected one of "
+                             f"{', '.join(REGISTER_KERNELS)}")
+        if isinstance(n, bool) or not isinstance(n, int) or not 24 <= n <= 255:
+            raise ValueError(f"register_limit {name}={n!r} is not allowed: expected an int from 24 to 255")
+    saved = dict(_maxnreg)
+    _maxnreg.update(caps)
+    try:
+        yield
+    finally:
+        _maxnreg.clear()
+        _maxnreg.update(saved)
+
+
+def _regs(kernel: str) -> dict:
+    """The launch's maxnreg keyword where register_limit caps this kernel (none otherwise: Triton's default)."""
+    n = _maxnreg.get(kernel)
+    return {} if n is None else {"maxnreg": n}
+
+
 @functools.lru_cache(maxsize=256)
 def section_heads(BH: int, most: int) -> int:
     """The largest divisor of BH that is at most `most` (at least 1): a section's heads, so that every section is
@@ -481,7 +515,7 @@ def _forward(q, k, v, knobs: AttentionKnobs, rep=None, maxl=None, probe: bool = 
                       PROBE=probe, F32_DOT=knobs.fp32_gemm, KEYPAD=keypad,
                       GUARDED=knobs.softmax == "stabilized_guarded", CLAMP=clamp, SR=bool(knobs.stochastic_round),
                       FOLD=knobs.exp_form == "exp2_folded", LPT=lpt, FTZ=_exp_ftz[0], num_warps=warps,
-                      num_stages=stages)
+                      num_stages=stages, **_regs("fwd"))
     return o, lse, (pmax if probe else None), (fired if probe else None)
 
 
@@ -534,14 +568,14 @@ def _backward(do, q, k, v, o, lse, knobs: AttentionKnobs, key_keep=None, ties=No
         *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk), kp.stride(0), H, T, scale, ntw,
         HEAD_DIM=D, BLOCK_M=m1, BLOCK_N=n1, ROUND=mask, INPUT_F32=f32_in,
         ONE_BLOCK=not knobs.tiling, F32_DOT=knobs.fp32_gemm, KEYPAD=keypad, CLAMP=clamp, LPT=lpt, FTZ=_exp_ftz[0],
-        num_warps=warps, num_stages=stages)
+        num_warps=warps, num_stages=stages, **_regs("dkdv"))
     grid, lpt = _grid(_cdiv(T, m2), B * H, k)
     _k._bwd_dq_kernel[grid](
         q, k, v, do, lse, delta, dq, kp, first, ties,
         *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq), kp.stride(0), H, T, scale, ntw,
         HEAD_DIM=D, BLOCK_M=m2, BLOCK_N=n2, ROUND=mask, INPUT_F32=f32_in,
         ONE_BLOCK=not knobs.tiling, F32_DOT=knobs.fp32_gemm, KEYPAD=keypad, CLAMP=clamp, LPT=lpt, FTZ=_exp_ftz[0],
-        num_warps=warps, num_stages=stages)
+        num_warps=warps, num_stages=stages, **_regs("dq"))
     return dq, dk, dv
 
 

@@ -14,7 +14,8 @@ counts are per kernel, over the whole kernel (prologue, the masked and the unmas
 instructions a change adds or removes; only a GPU says what that costs. Triton's CPU interpreter never compiles, so
 this is also the one CPU check that a kernel edit still compiles for the GPU.
 A variant: `fa2`, `paper_bf16`, `fp32` or `paper_1gpu` (paper_bf16 at 128x128 tiles), then `:knob=value` pairs of
-AttentionKnobs (`counters=true`: the counters on, as a run's monitors have them).
+AttentionKnobs (`counters=true`: the counters on, as a run's monitors have them) and `:regs.<kernel>=N` caps
+(kernels/triton_launch.py register_limit: at most N registers per thread for fwd, dkdv or dq).
 """
 from __future__ import annotations
 
@@ -39,10 +40,24 @@ KERNEL_OF = {"fwd": "_fwd_kernel", "delta": "_bwd_delta_kernel", "dkdv": "_bwd_d
 PRESETS = {"paper_1gpu": dict(recipe="paper_bf16", block_q=128, block_k=128)}
 
 
+def register_caps(text: str) -> dict:
+    """A variant's `regs.<kernel>=N` pairs ('fa2:counters=true:regs.fwd=128'): kernels/triton_launch.py
+    register_limit's caps, under which its launches are recorded and compiled."""
+    caps = {}
+    for pair in text.split(":")[1:]:
+        key, _, value = pair.partition("=")
+        if key.startswith("regs."):
+            if not value.isdigit():
+                raise SystemExit(f"variant {text!r}: {key}={value!r} is not allowed: expected a register count")
+            caps[key[5:]] = int(value)
+    return caps
+
+
 def parse_variant(text: str):
-    """'fa2:counters=true:exp_form=exp2_folded' -> AttentionKnobs (backend triton); a bad knob or value names it."""
+    """'fa2:counters=true:exp_form=exp2_folded' -> AttentionKnobs (backend triton); a bad knob or value names it
+    (`regs.<kernel>=N` pairs are register_caps', not knobs)."""
     from flash_forensics.kernels.config import AttentionKnobs
-    name, *pairs = text.split(":")
+    name, *pairs = (p for p in text.split(":") if not p.startswith("regs."))
     kw = dict(PRESETS.get(name, dict(recipe=name)), backend="triton", counters=False)
     fields = {f.name: f for f in dataclasses.fields(AttentionKnobs)}
     for pair in pairs:
@@ -157,7 +172,7 @@ def compile_counts(fn, args, kw, arch: int) -> dict:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    launch = {k: v for k, v in kw.items() if k in ("num_warps", "num_stages")}
+    launch = {k: v for k, v in kw.items() if k in ("num_warps", "num_stages", "maxnreg")}
     consts = {k: v for k, v in kw.items() if k not in launch}
     sig, const, attrs = _signature(fn, args, consts)
     src = ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs)
@@ -265,7 +280,12 @@ def main(argv=None):
                         print(json.dumps({k: v for k, v in rows[-1].items() if k != "sass"}), flush=True)
     for text in [] if args.tune_family else args.variants.split(";"):
         knobs = parse_variant(text)
-        calls = record_launches(knobs, shape)
+        from flash_forensics.kernels import triton_launch as tl_
+        try:
+            with tl_.register_limit(**register_caps(text)):
+                calls = record_launches(knobs, shape)
+        except ValueError as e:
+            raise SystemExit(f"variant {text!r}: {e}") from None
         for kern in kernels:
             for name, fn, a, kw in calls:
                 if name == KERNEL_OF[kern]:

@@ -135,3 +135,22 @@ def test_tune_family_lists_each_distinct_launch_of_tune_py_once():
     assert {c[0] for c in fa2} == {"fwd"}  # tune.py times fa2_exact's forward only
     with pytest.raises(SystemExit, match="--tune-family='fa3' is not allowed: expected one of fa2, "):
         ks.tune_candidates("fa3", (16, 12, 1024, 64))
+
+
+def test_register_limit_reaches_the_capped_launches_and_ptxas_keeps_to_it():
+    """`regs.fwd=N` in a variant (register_limit): maxnreg on the forward's launch alone, and the forward compiled
+    for sm_90 with at most N registers, where without the cap the counters' forward takes more."""
+    ks = _script()
+    assert ks.register_caps("fa2:counters=true:regs.fwd=96:regs.dq=128") == dict(fwd=96, dq=128)
+    with pytest.raises(SystemExit, match=r"regs.fwd='x' is not allowed: expected a register count"):
+        ks.register_caps("fa2:regs.fwd=x")
+    from flash_forensics.kernels.triton_launch import register_limit
+    knobs = ks.parse_variant("fa2:counters=true:regs.fwd=96")
+    assert knobs == ks.parse_variant("fa2:counters=true")
+    free = ks.record_launches(knobs, (2, 2, 256, 64))
+    with register_limit(fwd=96):
+        capped = ks.record_launches(knobs, (2, 2, 256, 64))
+    assert [c[3].get("maxnreg") for c in free] == [None] * 4
+    assert [c[3].get("maxnreg") for c in capped] == [96, None, None, None]
+    a, b = (ks.compile_counts(c[0][1], c[0][2], c[0][3], 90) for c in (free, capped))
+    assert a["registers"] > 96 >= b["registers"] and b["maxnreg"] == 96
