@@ -9,12 +9,15 @@ Methods (causal, BF16 inputs (B, H, T, D); FLOPs = 7*B*H*T^2*D per fwd+bwd):
   triton_fa2_jit                            the same, every kernel launched through Triton's own fn[grid] (what
                                             kernels/launch_cache.py's cache replaces: its gain, side by side)
   triton_fa2_linear                         the same, launched in the old order: tile 0 first, head by head
-                                            (kernels/triton_launch.py launch_order; the default: longest first)
+                                            (kernels/triton_launch.py launch_order; the default: by_kernel)
   triton_fa2_sec{2,4,8,16}                  the same, longest first within sections of that many MB of K and V (the
                                             default: 32; kernels/triton_launch.py launch_order's section_bytes)
-  triton_fa2[_sfa]_counters_r, triton_fa2_r, triton_paper_bf16_r
-                                            those rows with fewer registers per kernel (REGISTER_ROWS; kernels/
-                                            triton_launch.py register_limit), only when named
+  triton_fa2[_sfa_counters|_counters]_ptxas, triton_paper_bf16_ptxas
+                                            those rows with no cap on any kernel's registers (the default caps the
+                                            launches kernels/triton_launch.py REGISTER_TABLE measured faster)
+  triton_fa2_lpt                            fa2 with every kernel longest first (the default, by_kernel, launches
+                                            LINEAR_LAUNCHES' linear)
+  (the _sec, _ptxas and _lpt rows run only when named)
   triton_fa2_ftz, triton_paper_bf16_ftz     the same recipes with exp on ex2.approx.ftz (no denormal fix-up;
                                             kernels/triton_launch.py exp_instruction; the default: tl.exp's)
   triton_fa2_counters                       fa2 with the repeated-maxima counters and max logit (as a run logs)
@@ -68,17 +71,15 @@ KNOBS = {  # method -> knobs (counters on means the layer's AttnStats is passed)
     "triton_fp32": AttentionKnobs(recipe="fp32", backend="triton", counters=True),
     "emulator_paper_bf16": AttentionKnobs(recipe="paper_bf16", backend="emulator", counters=True),
 }
-# <base>_r: the base row with kernels/triton_launch.py register_limit's caps, chosen from sm_90 SASS compiled on a CPU
-# (scripts/kernel_sass.py regs.<kernel>=N) so that an SM holds one more program: fa2's dK/dV 157 -> 128 registers
-# (3 -> 4 programs), the counters' forward 167 -> 128 (3 -> 4), paper_bf16's forward 145 -> 128 and dK/dV 216 -> 168
-# (2 -> 3), each at a few spilled bytes
-REGISTER_ROWS = {"triton_fa2_r": ("triton_fa2", dict(dkdv=128)),
-                 "triton_fa2_counters_r": ("triton_fa2_counters", dict(fwd=128, dkdv=128)),
-                 "triton_fa2_sfa_counters_r": ("triton_fa2_sfa_counters", dict(fwd=128, dkdv=128)),
-                 "triton_paper_bf16_r": ("triton_paper_bf16", dict(fwd=128, dkdv=168))}
-KNOBS.update({row: KNOBS[base] for row, (base, _) in REGISTER_ROWS.items()})
+# <base>_ptxas: the base row with no cap on any kernel's registers (kernels/triton_launch.py register_limit(...=None)),
+# against the default, where REGISTER_TABLE caps the launches it measured faster
+REGISTER_ROWS = {f"{base}_ptxas": base for base in
+                 ("triton_fa2", "triton_fa2_counters", "triton_fa2_sfa_counters", "triton_paper_bf16")}
+KNOBS.update({row: KNOBS[base] for row, base in REGISTER_ROWS.items()})
+KNOBS["triton_fa2_lpt"] = KNOBS["triton_fa2"]
 # the section and register rows only when named
-DEFAULT_METHODS = SDPA + tuple(m for m in KNOBS if "_sec" not in m and m not in REGISTER_ROWS)
+DEFAULT_METHODS = SDPA + tuple(m for m in KNOBS if "_sec" not in m and m not in REGISTER_ROWS
+                               and not m.endswith("_lpt"))
 TARGETS = {  # issue 33's speed targets: "<method>_vs_best_sdpa@<shape>": fwd+bwd against the fastest SDPA backend
     # that ran there (at least the ratio), "<method>_overhead_vs_fa2@<shape>": its time over plain fa2's (at most)
     "fa2_vs_best_sdpa@gpt2s_T1024": 1.0, "fa2_vs_best_sdpa@T4096": 1.0, "fa2_vs_best_sdpa@D128_T2048": 0.8,
@@ -143,10 +144,12 @@ def method_fn(name, H, dev):
         from flash_forensics.kernels.triton_launch import launch_order
         mb = int(name.rsplit("_sec", 1)[1])
         f.scope = lambda: launch_order("longest_first", section_bytes=mb << 20)
-    if name in REGISTER_ROWS:  # the same kernels compiled with fewer registers (speed only)
+    if name in REGISTER_ROWS:  # the same kernels with as many registers as ptxas chooses (speed only)
         from flash_forensics.kernels.triton_launch import register_limit
-        caps = REGISTER_ROWS[name][1]
-        f.scope = lambda: register_limit(**caps)
+        f.scope = lambda: register_limit(fwd=None, dkdv=None, dq=None)
+    if name.endswith("_lpt"):  # every kernel longest first, LINEAR_LAUNCHES' too (speed only)
+        from flash_forensics.kernels.triton_launch import launch_order
+        f.scope = lambda: launch_order("longest_first")
     if name.endswith("_ftz"):  # exp without tl.exp's denormal fix-up (bits: scripts/kernel_bits.py --exp)
         from flash_forensics.kernels.triton_launch import exp_instruction
         f.scope = lambda: exp_instruction("ex2_approx_ftz")
@@ -218,11 +221,16 @@ def summarize(rows, shapes) -> dict:
                 ku = [d["methods"][x].get("kernels_us") for x in (base, f"{base}_ftz")]
                 if all(ku):
                     d[f"{base[7:]}_ftz_kernels_speedup"] = ku[0] / ku[1]
-        for row, (base, caps) in REGISTER_ROWS.items():  # > 1: the register caps are faster than ptxas's choice
+        for row, base in REGISTER_ROWS.items():  # > 1: the default's register caps are faster than none
             if base in ms and row in ms:
-                ku = [d["methods"][x].get("kernels_us") for x in (base, row)]
-                d.setdefault("register_caps", {})[row] = dict(base=base, caps=caps, speedup=ms[base] / ms[row],
-                                                              kernels_speedup=ku[0] / ku[1] if all(ku) else None)
+                ku = [d["methods"][x].get("kernels_us") for x in (row, base)]
+                d.setdefault("register_caps_speedup", {})[base] = dict(
+                    speedup=ms[row] / ms[base], kernels_speedup=ku[0] / ku[1] if all(ku) else None)
+        if "triton_fa2" in ms and "triton_fa2_lpt" in ms:  # > 1: by_kernel (the default) beats all longest first
+            ku = [d["methods"][x].get("kernels_us") for x in ("triton_fa2_lpt", "triton_fa2")]
+            d["by_kernel_speedup"] = ms["triton_fa2_lpt"] / ms["triton_fa2"]
+            if all(ku):
+                d["by_kernel_kernels_speedup"] = ku[0] / ku[1]
         if "triton_fa2" in ms and "triton_fa2_jit" in ms:  # > 1: the launch cache is faster than Triton's launch
             d["launch_cache_speedup"] = ms["triton_fa2_jit"] / ms["triton_fa2"]
         if "triton_fa2" in ms:

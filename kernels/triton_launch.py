@@ -4,6 +4,7 @@ torch.library operators; kernels/triton_flash.py is the public face). Recipe sem
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 import os
@@ -26,24 +27,31 @@ else:  # the launches past Triton's per-call binding (kernels/launch_cache.py); 
     _k = Kernels(_jit, KERNELS, "jit" if _INTERPRET else launch_mode())
 
 
-LAUNCH_ORDERS = ("longest_first", "linear")
+LAUNCH_ORDERS = ("by_kernel", "longest_first", "linear")
 # the kernels' launch order (kernels/triton_kernels.py _program): longest first within sections of heads whose K
 # and V take at most section_bytes together (FlashAttention-3 sizes its sections to 32 MB of L2 the same way), or
-# linear: tile-major per head, as before
-_order = {"lpt": True, "section_bytes": 32 << 20}
+# linear: tile-major per head, as before. by_kernel (the default): longest first, but linear for the (kernel, head
+# dim) pairs of LINEAR_LAUNCHES
+_order = {"lpt": True, "by_kernel": True, "section_bytes": 32 << 20}
+# where linear beat longest first, on an H100 side by side: the D128 dK/dV kernel (B8 H16 T2048) took 643.3 us linear
+# against 717.0 longest first (results/bench/gpu-h100-2026-12-06f/; 655 against 721 in gpu-h100-2026-12-06e), while
+# at D64 longest first is ahead (T4096: 489.6 against 521.1 us) and so is every other D128 kernel
+LINEAR_LAUNCHES = frozenset({("dkdv", 128)})
 
 
 @contextlib.contextmanager
 def launch_order(order: str, section_bytes: int = None):
-    """The kernels launched in `order` within the scope: longest_first (the default) or linear (tile 0 first, head
-    by head, as before); section_bytes: longest_first's section size. Speed only, every bit the same: the benchmarks
-    time one against the other side by side, in one process."""
+    """The kernels launched in `order` within the scope: by_kernel (the default: longest first, linear where
+    LINEAR_LAUNCHES says), longest_first (every kernel) or linear (tile 0 first, head by head, as before);
+    section_bytes: longest first's section size. Speed only, every bit the same: the benchmarks time one against
+    the other side by side, in one process."""
     if order not in LAUNCH_ORDERS:
         raise ValueError(f"order={order!r} is not allowed: expected one of {', '.join(LAUNCH_ORDERS)}")
     if section_bytes is not None and (not isinstance(section_bytes, int) or section_bytes < 1):
         raise ValueError(f"section_bytes={section_bytes!r} is not allowed: expected a positive int")
     saved = dict(_order)
-    _order["lpt"] = order == "longest_first"
+    _order["lpt"] = order != "linear"
+    _order["by_kernel"] = order == "by_kernel"
     if section_bytes is not None:
         _order["section_bytes"] = section_bytes
     try:
@@ -87,24 +95,39 @@ def exp_instruction(name: str):
 
 
 REGISTER_KERNELS = ("fwd", "dkdv", "dq")
-# a cap on a kernel's registers per thread (Triton's maxnreg), None: ptxas's choice. With the counters on, fa2's
-# forward takes 167 registers on sm_90 (120 without), so an SM holds 3 of its programs instead of 4; capped at 128
-# it holds 4 again, at the cost of 16 spilled bytes (scripts/kernel_sass.py --maxnreg). Speed only: the cap moves
-# registers, never an operation (the kernel-bits cases say so on a GPU). Opt-in until a GPU shows the gain
+# caps on a kernel's registers per thread (Triton's maxnreg) where one more program then fits on an SM and an H100
+# measured it faster, side by side (results/bench/gpu-h100-2026-12-06f/, B16 H12 T1024 and B4 H12 T4096, D64):
+#   the counters' forward (fa2, fa2 + stabilized softmax, paper_bf16): 145-167 registers, 3 programs per SM; at 128
+#   (4 programs, 8-56 spilled bytes) 142.2 -> 128.0 us (fa2), 173.0 -> 151.8 (SFA), 167.4 -> 155.6 (paper_bf16)
+#   at T1024, 410.1 -> 382.5, 520.2 -> 460.0, 520.2 -> 485.8 at T4096;
+#   paper_bf16's dK/dV: 216 -> 168 registers (2 -> 3 programs): 306.1 -> 296.8 us, 1107.7 -> 1082.4.
+# Not capped: fa2's dK/dV (157 -> 128 was 1.6% and 5% slower), and every D128 kernel (a cap there spills hundreds
+# of bytes: dK/dV 5x slower). A cap moves registers, never an operation: the same FP instructions in the same order
+# (scripts/kernel_sass.py regs.<kernel>=N), every kernel-bits case the same on the GPU. Keyed on the launch as
+# measured: (kernel, recipe, softmax, head dim, launch config), the knobs otherwise their defaults with the counters
+# on, no probe, no key padding
+REGISTER_TABLE = {
+    ("fwd", "fa2", "safe", 64, (64, 64, 4, 3)): 128,
+    ("fwd", "fa2", "stabilized", 64, (64, 64, 4, 3)): 128,
+    ("fwd", "paper_bf16", "safe", 64, (64, 64, 4, 3)): 128,
+    ("dkdv", "paper_bf16", "safe", 64, ((64, 64), (64, 64), 4, 3)): 168,
+}
+# register_limit's caps for the scope (a kernel mapped to None: no cap, ptxas's own choice)
 _maxnreg: dict = {}
+_CAP_OF: dict = {}  # (id(knobs), kernel) -> (knobs, whether REGISTER_TABLE's measured knobs are these)
 
 
 @contextlib.contextmanager
 def register_limit(**caps):
     """Every launch in the scope of a kernel named in `caps` (REGISTER_KERNELS: fwd, dkdv, dq) compiled with at most
-    that many registers per thread (an int from 24 to 255): the benchmarks time a cap against ptxas's own choice
-    side by side, in one process."""
+    that many registers per thread (an int from 24 to 255), or, for None, with as many as ptxas chooses (no
+    REGISTER_TABLE cap): the benchmarks time a cap against ptxas's own choice side by side, in one process."""
     for name, n in caps.items():
         if name not in REGISTER_KERNELS:
             raise ValueError(f"register_limit kernel {name!r} is not allowed: expected one of "
                              f"{', '.join(REGISTER_KERNELS)}")
-        if isinstance(n, bool) or not isinstance(n, int) or not 24 <= n <= 255:
-            raise ValueError(f"register_limit {name}={n!r} is not allowed: expected an int from 24 to 255")
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 24 <= n <= 255):
+            raise ValueError(f"register_limit {name}={n!r} is not allowed: expected an int from 24 to 255, or None")
     saved = dict(_maxnreg)
     _maxnreg.update(caps)
     try:
@@ -114,9 +137,30 @@ def register_limit(**caps):
         _maxnreg.update(saved)
 
 
-def _regs(kernel: str) -> dict:
-    """The launch's maxnreg keyword where register_limit caps this kernel (none otherwise: Triton's default)."""
-    n = _maxnreg.get(kernel)
+def register_cap(kernel: str, knobs: AttentionKnobs, D: int, config, plain: bool):
+    """The launch's cap on registers per thread: register_limit's for the scope, else REGISTER_TABLE's where this
+    launch is one it measured (`plain`: the forward with its counters on and no probe, or a backward; either without
+    key padding), else None."""
+    if kernel in _maxnreg:
+        return _maxnreg[kernel]
+    n = REGISTER_TABLE.get((kernel, knobs.recipe, knobs.softmax, D, config))
+    if n is None or not plain:
+        return None
+    # whether these knobs are the measured ones: 30 fields compared (6 us) once per knobs object, not per launch.
+    # The cache holds the knobs, so their id is not reused; knobs changed in place after a launch could keep a stale
+    # cap, which moves speed only
+    hit = _CAP_OF.get((id(knobs), kernel))
+    if hit is None or hit[0] is not knobs:
+        like = AttentionKnobs(recipe=knobs.recipe, softmax=knobs.softmax, backend="triton", counters=True)
+        same = dataclasses.replace(knobs, beta=like.beta, eps=like.eps, backend="triton", counters=True) == like
+        hit = (knobs, same)  # (beta and eps are runtime arguments; the backward has no counters)
+        if len(_CAP_OF) < 4096:
+            _CAP_OF[(id(knobs), kernel)] = hit
+    return n if hit[1] else None
+
+
+def _regs(n) -> dict:
+    """The launch's maxnreg keyword for cap n (none for None: Triton's default)."""
     return {} if n is None else {"maxnreg": n}
 
 
@@ -127,14 +171,14 @@ def section_heads(BH: int, most: int) -> int:
     return max(d for d in range(1, min(BH, max(1, most)) + 1) if BH % d == 0)
 
 
-def _grid(n_tiles: int, BH: int, kv):
-    """(grid, LPT) of a kernel over n_tiles tiles of B*H heads in the scope's launch order; kv: a K or V tensor
+def _grid(n_tiles: int, BH: int, kv, kernel: str = None):
+    """(grid, LPT) of `kernel` over n_tiles tiles of B*H heads in the scope's launch order; kv: a K or V tensor
     (its length, head dim and element size give a head's K and V bytes, which bound a section's heads).
     longest_first: (heads of a section, tiles, sections), kernels/triton_kernels.py _program; linear: (tiles, heads),
-    as before."""
-    if not _order["lpt"]:
-        return (n_tiles, BH), False
+    as before; by_kernel: linear for LINEAR_LAUNCHES' (kernel, head dim) pairs."""
     T, D = kv.shape[-2], kv.shape[-1]
+    if not _order["lpt"] or (_order["by_kernel"] and (kernel, D) in LINEAR_LAUNCHES):
+        return (n_tiles, BH), False
     g = section_heads(BH, _order["section_bytes"] // (2 * T * D * kv.element_size()))
     return (g, n_tiles, BH // g), True
 
@@ -503,7 +547,8 @@ def _forward(q, k, v, knobs: AttentionKnobs, rep=None, maxl=None, probe: bool = 
     else:
         pmax = fired = lse
     bm, bn, warps, stages = _fwd_blocks(knobs, D, T)
-    grid, lpt = _grid(_cdiv(T, bm), B * H, k)
+    grid, lpt = _grid(_cdiv(T, bm), B * H, k, "fwd")
+    cap = register_cap("fwd", knobs, D, (bm, bn, warps, stages), counters and not probe and not keypad)
     sr_bq = min(knobs.block_q, T) if knobs.tiling else T  # the emulator's query tile (stochastic_round's streams)
     _k._fwd_kernel[grid](q, k, v, o, lse, rep, maxl, under, p1, ofp32, pmax, fired, kp, first, ties, key,
                       *_strides(q), *_strides(k), *_strides(v), *_strides(o), kp.stride(0),
@@ -515,7 +560,7 @@ def _forward(q, k, v, knobs: AttentionKnobs, rep=None, maxl=None, probe: bool = 
                       PROBE=probe, F32_DOT=knobs.fp32_gemm, KEYPAD=keypad,
                       GUARDED=knobs.softmax == "stabilized_guarded", CLAMP=clamp, SR=bool(knobs.stochastic_round),
                       FOLD=knobs.exp_form == "exp2_folded", LPT=lpt, FTZ=_exp_ftz[0], num_warps=warps,
-                      num_stages=stages, **_regs("fwd"))
+                      num_stages=stages, **_regs(cap))
     return o, lse, (pmax if probe else None), (fired if probe else None)
 
 
@@ -562,20 +607,21 @@ def _backward(do, q, k, v, o, lse, knobs: AttentionKnobs, key_keep=None, ties=No
         H, T, scale, ntw, HEAD_DIM=D, BLOCK_M=dbm, BLOCK_N=dbn, ROUND=mask, INPUT_F32=f32_in,
         DELTA_MODE=DELTA_IDS[knobs.delta], HAS_OFP32=has_ofp32, F32_DOT=knobs.fp32_gemm, KEYPAD=keypad,
         CLAMP=clamp, LPT=lpt, FTZ=_exp_ftz[0], num_warps=4)
-    grid, lpt = _grid(_cdiv(T, n1), B * H, k)
+    grid, lpt = _grid(_cdiv(T, n1), B * H, k, "dkdv")
+    cfg = ((m1, n1), (m2, n2), warps, stages)
     _k._bwd_dkdv_kernel[grid](
         q, k, v, do, lse, delta, dk, dv, kp, first, ties,
         *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk), kp.stride(0), H, T, scale, ntw,
         HEAD_DIM=D, BLOCK_M=m1, BLOCK_N=n1, ROUND=mask, INPUT_F32=f32_in,
         ONE_BLOCK=not knobs.tiling, F32_DOT=knobs.fp32_gemm, KEYPAD=keypad, CLAMP=clamp, LPT=lpt, FTZ=_exp_ftz[0],
-        num_warps=warps, num_stages=stages, **_regs("dkdv"))
-    grid, lpt = _grid(_cdiv(T, m2), B * H, k)
+        num_warps=warps, num_stages=stages, **_regs(register_cap("dkdv", knobs, D, cfg, not keypad)))
+    grid, lpt = _grid(_cdiv(T, m2), B * H, k, "dq")
     _k._bwd_dq_kernel[grid](
         q, k, v, do, lse, delta, dq, kp, first, ties,
         *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq), kp.stride(0), H, T, scale, ntw,
         HEAD_DIM=D, BLOCK_M=m2, BLOCK_N=n2, ROUND=mask, INPUT_F32=f32_in,
         ONE_BLOCK=not knobs.tiling, F32_DOT=knobs.fp32_gemm, KEYPAD=keypad, CLAMP=clamp, LPT=lpt, FTZ=_exp_ftz[0],
-        num_warps=warps, num_stages=stages, **_regs("dq"))
+        num_warps=warps, num_stages=stages, **_regs(register_cap("dq", knobs, D, cfg, not keypad)))
     return dq, dk, dv
 
 

@@ -15,7 +15,8 @@ instructions a change adds or removes; only a GPU says what that costs. Triton's
 this is also the one CPU check that a kernel edit still compiles for the GPU.
 A variant: `fa2`, `paper_bf16`, `fp32` or `paper_1gpu` (paper_bf16 at 128x128 tiles), then `:knob=value` pairs of
 AttentionKnobs (`counters=true`: the counters on, as a run's monitors have them) and `:regs.<kernel>=N` caps
-(kernels/triton_launch.py register_limit: at most N registers per thread for fwd, dkdv or dq).
+(kernels/triton_launch.py register_limit: at most N registers per thread for fwd, dkdv or dq; `none`: no cap,
+not even REGISTER_TABLE's default one).
 """
 from __future__ import annotations
 
@@ -41,15 +42,16 @@ PRESETS = {"paper_1gpu": dict(recipe="paper_bf16", block_q=128, block_k=128)}
 
 
 def register_caps(text: str) -> dict:
-    """A variant's `regs.<kernel>=N` pairs ('fa2:counters=true:regs.fwd=128'): kernels/triton_launch.py
+    """A variant's `regs.<kernel>=N|none` pairs ('fa2:counters=true:regs.fwd=128'): kernels/triton_launch.py
     register_limit's caps, under which its launches are recorded and compiled."""
     caps = {}
     for pair in text.split(":")[1:]:
         key, _, value = pair.partition("=")
         if key.startswith("regs."):
-            if not value.isdigit():
-                raise SystemExit(f"variant {text!r}: {key}={value!r} is not allowed: expected a register count")
-            caps[key[5:]] = int(value)
+            if not value.isdigit() and value != "none":
+                raise SystemExit(f"variant {text!r}: {key}={value!r} is not allowed: expected a register count or "
+                                 f"none")
+            caps[key[5:]] = None if value == "none" else int(value)
     return caps
 
 

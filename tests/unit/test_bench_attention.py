@@ -182,33 +182,40 @@ def test_the_section_rows_run_longest_first_in_their_sections_and_only_when_name
     for mb in attention.SECTION_MB:
         assert attention.KNOBS[f"triton_fa2_sec{mb}"] == attention.KNOBS["triton_fa2"]
         with attention.method_fn(f"triton_fa2_sec{mb}", 2, torch.device("cpu")).scope():
-            assert triton_launch._order == {"lpt": True, "section_bytes": mb << 20}
+            assert triton_launch._order == {"lpt": True, "by_kernel": False, "section_bytes": mb << 20}
         assert triton_launch._order["section_bytes"] == default
     assert "triton_fa2" in attention.DEFAULT_METHODS
     assert not [m for m in attention.DEFAULT_METHODS if "_sec" in m]
 
 
-def test_the_register_rows_run_their_base_in_register_limit_and_the_summary_compares_them():
-    """<base>_r: the base row's knobs launched in register_limit(**caps); register_caps[row] says its speed-up over
-    the base (> 1: the caps are faster); only when named."""
+def test_the_ptxas_and_lpt_rows_run_their_base_in_their_scopes_and_the_summary_compares_them():
+    """<base>_ptxas: the base row's knobs with no register cap (register_limit(...=None)); triton_fa2_lpt: fa2 with
+    every kernel longest first; register_caps_speedup / by_kernel_speedup > 1 where the default is faster; only
+    when named."""
     import torch
 
     from benchmarks import attention
     from flash_forensics.kernels import triton_launch
-    for row, (base, caps) in attention.REGISTER_ROWS.items():
+    for row, base in attention.REGISTER_ROWS.items():
         assert attention.KNOBS[row] == attention.KNOBS[base] and row not in attention.DEFAULT_METHODS
         with attention.method_fn(row, 2, torch.device("cpu")).scope():
-            assert triton_launch._maxnreg == caps and triton_launch._regs("fwd") == (
-                {"maxnreg": caps["fwd"]} if "fwd" in caps else {})
-        assert triton_launch._maxnreg == {} and triton_launch._regs("dkdv") == {}
+            assert triton_launch._maxnreg == dict(fwd=None, dkdv=None, dq=None)
+        assert triton_launch._maxnreg == {}
+    assert "triton_fa2_lpt" not in attention.DEFAULT_METHODS
+    with attention.method_fn("triton_fa2_lpt", 2, torch.device("cpu")).scope():
+        assert triton_launch._order["lpt"] is True and triton_launch._order["by_kernel"] is False
+    assert triton_launch._order["by_kernel"] is True
     rows = [dict(shape="s", method="sdpa_cudnn", ms=0.38, tflops=1.0, total_us=370.0),
-            dict(shape="s", method="triton_fa2_counters", ms=0.44, tflops=1.0, total_us=440.0),
-            dict(shape="s", method="triton_fa2_counters_r", ms=0.40, tflops=1.0, total_us=400.0),
-            dict(shape="s", method="triton_paper_bf16_r", ms=0.70, tflops=1.0)]
-    got = attention.summarize(rows, ["s"])["s"]["register_caps"]
-    assert list(got) == ["triton_fa2_counters_r"]  # paper_bf16_r has no base row here
-    assert abs(got["triton_fa2_counters_r"]["speedup"] - 0.44 / 0.40) < 1e-12
-    assert abs(got["triton_fa2_counters_r"]["kernels_speedup"] - 1.1) < 1e-12
+            dict(shape="s", method="triton_fa2", ms=0.40, tflops=1.0, total_us=380.0),
+            dict(shape="s", method="triton_fa2_lpt", ms=0.42, tflops=1.0, total_us=399.0),
+            dict(shape="s", method="triton_fa2_counters", ms=0.40, tflops=1.0, total_us=400.0),
+            dict(shape="s", method="triton_fa2_counters_ptxas", ms=0.44, tflops=1.0, total_us=440.0),
+            dict(shape="s", method="triton_paper_bf16_ptxas", ms=0.70, tflops=1.0)]
+    d = attention.summarize(rows, ["s"])["s"]
+    assert list(d["register_caps_speedup"]) == ["triton_fa2_counters"]  # paper_bf16 has no base row here
+    assert abs(d["register_caps_speedup"]["triton_fa2_counters"]["speedup"] - 0.44 / 0.40) < 1e-12
+    assert abs(d["register_caps_speedup"]["triton_fa2_counters"]["kernels_speedup"] - 1.1) < 1e-12
+    assert abs(d["by_kernel_speedup"] - 0.42 / 0.40) < 1e-12 and abs(d["by_kernel_kernels_speedup"] - 1.05) < 1e-12
 
 
 def test_register_limit_refuses_a_kernel_or_count_it_does_not_know():
@@ -218,7 +225,8 @@ def test_register_limit_refuses_a_kernel_or_count_it_does_not_know():
         with triton_launch.register_limit(delta=128):
             pass
     for bad in (16, 256, 128.0, True):
-        with pytest.raises(ValueError, match=r"register_limit fwd=.* is not allowed: expected an int from 24 to 255"):
+        with pytest.raises(ValueError, match=r"register_limit fwd=.* is not allowed: expected an int from 24 to 255, "
+                                             r"or None"):
             with triton_launch.register_limit(fwd=bad):
                 pass
     assert triton_launch._maxnreg == {}

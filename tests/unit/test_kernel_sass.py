@@ -137,20 +137,26 @@ def test_tune_family_lists_each_distinct_launch_of_tune_py_once():
         ks.tune_candidates("fa3", (16, 12, 1024, 64))
 
 
-def test_register_limit_reaches_the_capped_launches_and_ptxas_keeps_to_it():
-    """`regs.fwd=N` in a variant (register_limit): maxnreg on the forward's launch alone, and the forward compiled
-    for sm_90 with at most N registers, where without the cap the counters' forward takes more."""
+def test_register_caps_reach_the_launches_and_ptxas_keeps_to_them():
+    """The counters' forward at D64 is capped at 128 registers by default (REGISTER_TABLE), compiled for sm_90 within
+    it, with the same floating-point instructions as with no cap (`regs.fwd=none`, register_limit(fwd=None)), where
+    it takes more; `regs.fwd=N` caps it at N. The other launches keep ptxas's choice."""
     ks = _script()
-    assert ks.register_caps("fa2:counters=true:regs.fwd=96:regs.dq=128") == dict(fwd=96, dq=128)
-    with pytest.raises(SystemExit, match=r"regs.fwd='x' is not allowed: expected a register count"):
+    assert ks.register_caps("fa2:counters=true:regs.fwd=96:regs.dq=none") == dict(fwd=96, dq=None)
+    with pytest.raises(SystemExit, match=r"regs.fwd='x' is not allowed: expected a register count or none"):
         ks.register_caps("fa2:regs.fwd=x")
     from flash_forensics.kernels.triton_launch import register_limit
     knobs = ks.parse_variant("fa2:counters=true:regs.fwd=96")
     assert knobs == ks.parse_variant("fa2:counters=true")
-    free = ks.record_launches(knobs, (2, 2, 256, 64))
+    default = ks.record_launches(knobs, (2, 2, 256, 64))
+    with register_limit(fwd=None):
+        free = ks.record_launches(knobs, (2, 2, 256, 64))
     with register_limit(fwd=96):
         capped = ks.record_launches(knobs, (2, 2, 256, 64))
+    assert [c[3].get("maxnreg") for c in default] == [128, None, None, None]
     assert [c[3].get("maxnreg") for c in free] == [None] * 4
     assert [c[3].get("maxnreg") for c in capped] == [96, None, None, None]
-    a, b = (ks.compile_counts(c[0][1], c[0][2], c[0][3], 90) for c in (free, capped))
-    assert a["registers"] > 96 >= b["registers"] and b["maxnreg"] == 96
+    a, b, c = (ks.compile_counts(x[0][1], x[0][2], x[0][3], 90) for x in (free, default, capped))
+    assert a["registers"] > 128 >= b["registers"] > 96 >= c["registers"] and b["maxnreg"] == 128
+    for op in ("HGMMA", "MUFU.EX2", "FMUL", "FADD", "FFMA", "FMNMX", "FSETP"):  # the same arithmetic
+        assert a[op] == b[op], op

@@ -338,8 +338,10 @@ ORDER_CASES = [
 @interp
 @pytest.mark.parametrize("case,keep", ORDER_CASES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items())
                          if isinstance(c, dict) else str(c))
-def test_interpreter_the_launch_order_keeps_every_bit(tfi, case, keep):
+def test_interpreter_the_launch_order_keeps_every_bit(tfi, case, keep, monkeypatch):
     from flash_forensics.kernels import triton_launch
+    # by_kernel at this head dim: the dK/dV and dQ kernels linear, the rest longest first
+    monkeypatch.setattr(triton_launch, "LINEAR_LAUNCHES", frozenset({("dkdv", 16), ("dq", 16)}))
     B, H, T, D = 2, 2, 56, 16  # 4 query tiles of 16, the last one short
     q, k, v = (x.detach() for x in planted(B, H, T, D, "cpu", seed=11))
     knobs = AttentionKnobs(**{"block_q": 16, "block_k": 16, **case})
@@ -349,8 +351,10 @@ def test_interpreter_the_launch_order_keeps_every_bit(tfi, case, keep):
         key_keep[1, :9] = False
     head_bytes = 2 * T * D * k.element_size()  # a head's K and V, as the launcher counts them
     out = {}
-    # longest first in one section of all 4 heads, in two sections of 2 (3 heads' bytes: 2 divides 4), and linear
-    for order, section_bytes in (("longest_first", None), ("longest_first", 3 * head_bytes), ("linear", None)):
+    # longest first in one section of all 4 heads, in two sections of 2 (3 heads' bytes: 2 divides 4), linear, and
+    # by kernel
+    for order, section_bytes in (("longest_first", None), ("longest_first", 3 * head_bytes), ("linear", None),
+                                 ("by_kernel", None)):
         x = [t.clone().requires_grad_(True) for t in (q, k, v)]
         st = AttnStats(H)
         with triton_launch.launch_order(order, section_bytes):
@@ -367,13 +371,14 @@ def test_interpreter_the_launch_order_keeps_every_bit(tfi, case, keep):
 
 def test_a_launch_order_outside_the_list_is_refused():
     from flash_forensics.kernels import triton_launch
-    with pytest.raises(ValueError, match="order='lpt' is not allowed: expected one of longest_first, linear"):
+    with pytest.raises(ValueError, match="order='lpt' is not allowed: expected one of by_kernel, longest_first, "
+                                         "linear"):
         with triton_launch.launch_order("lpt"):
             pass
     with pytest.raises(ValueError, match="section_bytes=0 is not allowed: expected a positive int"):
         with triton_launch.launch_order("longest_first", 0):
             pass
-    assert triton_launch._order == {"lpt": True, "section_bytes": 32 << 20}  # left as it was
+    assert triton_launch._order == {"lpt": True, "by_kernel": True, "section_bytes": 32 << 20}  # left as it was
 
 
 def test_longest_first_sections_hold_the_heads_whose_k_and_v_fit():
@@ -388,7 +393,42 @@ def test_longest_first_sections_hold_the_heads_whose_k_and_v_fit():
         assert tl_._grid(16, 192, k) == ((192, 16, 1), True)
     with tl_.launch_order("linear"):
         assert tl_._grid(16, 192, k) == ((16, 192), False)
+    # by_kernel (the default): the D128 dK/dV kernel linear (LINEAR_LAUNCHES), every other launch longest first
+    k128 = torch.zeros(8, 16, 2048, 128, dtype=torch.bfloat16)  # 1 MiB a head: 32 heads a section
+    assert tl_._grid(32, 128, k128, "dkdv") == ((32, 128), False)
+    assert tl_._grid(32, 128, k128, "dq") == ((32, 32, 4), True) and tl_._grid(16, 192, k, "dkdv")[1] is True
+    with tl_.launch_order("longest_first"):
+        assert tl_._grid(32, 128, k128, "dkdv") == ((32, 32, 4), True)
     assert [tl_.section_heads(*a) for a in ((192, 128), (7, 5), (12, 12), (12, 0), (12, 100))] == [96, 1, 12, 1, 12]
+
+
+def test_register_caps_apply_to_the_launches_measured_and_a_scope_overrides_them():
+    """REGISTER_TABLE caps a launch only where it was measured: its kernel, recipe, softmax, head dim and launch
+    config, the knobs otherwise their defaults (beta and eps aside), the forward with its counters on and no probe,
+    no key padding; register_limit overrides it for a scope (None: no cap)."""
+    from flash_forensics.kernels import triton_launch as tl_
+    cfg_f, cfg_b = (64, 64, 4, 3), ((64, 64), (64, 64), 4, 3)
+    pb = AttentionKnobs(recipe="paper_bf16", backend="triton", counters=True)
+    assert tl_.register_cap("fwd", pb, 64, cfg_f, True) == 128 and tl_.register_cap("dkdv", pb, 64, cfg_b, True) == 168
+    assert tl_.register_cap("dq", pb, 64, cfg_b, True) is None
+    assert tl_.register_cap("fwd", AttentionKnobs(recipe="paper_bf16", beta=3.0, counters=True), 64, cfg_f, True) == 128
+    assert tl_.register_cap("dkdv", AttentionKnobs(recipe="paper_bf16"), 64, cfg_b, True) == 168  # no counters there
+    for other in (dict(pv_fp32=True), dict(o_fp32_heads=[0]), dict(exp_form="exp2_folded"), dict(pbar_clamp=0.99)):
+        assert tl_.register_cap("fwd", AttentionKnobs(recipe="paper_bf16", counters=True, **other), 64, cfg_f,
+                                True) is None, other
+    assert tl_.register_cap("fwd", pb, 64, cfg_f, False) is None  # a probe, key padding or no counters
+    assert tl_.register_cap("fwd", pb, 128, cfg_f, True) is None and tl_.register_cap("fwd", pb, 64, (64, 64, 4, 2),
+                                                                                       True) is None
+    fa2 = AttentionKnobs(recipe="fa2", counters=True)
+    assert tl_.register_cap("fwd", fa2, 64, cfg_f, True) == 128
+    assert tl_.register_cap("dkdv", fa2, 64, ((32, 64), (64, 32), 4, 3), True) is None
+    assert tl_.register_cap("fwd", AttentionKnobs(recipe="fa2", softmax="stabilized", counters=True), 64, cfg_f,
+                            True) == 128
+    with tl_.register_limit(fwd=None, dq=96):
+        assert tl_.register_cap("fwd", pb, 64, cfg_f, True) is None
+        assert tl_.register_cap("dq", pb, 64, cfg_b, True) == 96
+        assert tl_.register_cap("dkdv", pb, 64, cfg_b, True) == 168
+    assert tl_.register_cap("fwd", pb, 64, cfg_f, True) == 128
 
 
 def test_supports():
