@@ -215,6 +215,21 @@ def sass_instructions(sass: str) -> list:
             if re.match(r"\s*/\*[0-9a-f]{4,}\*/", ln)]
 
 
+_FP_OP = re.compile(r"^(?:@!?U?P\w+\s+)?((?:F[A-Z0-9]+|MUFU|HFMA2|HMUL2|HADD2)(?:\.[A-Z0-9.]+)?)")
+
+
+def fp_ops(instr: list) -> dict:
+    """{floating-point opcode with its modifiers: count} of a kernel's instructions. Two compilations of one PTX with
+    the same counts made the same contractions (an FFMA where a FMUL and an FADD were), so a change that moves only
+    registers (a maxnreg cap) shows here as no change at all."""
+    out: dict = {}
+    for i in instr:
+        m = _FP_OP.match(i)
+        if m:
+            out[m.group(1)] = out.get(m.group(1), 0) + 1
+    return out
+
+
 def normalized(instr: list) -> list:
     """Instructions with what moves when only the kernel's argument list changes taken out: constant-bank offsets
     (where each argument lives) and hex immediates (addresses). Opcodes, registers, predicates and float immediates
