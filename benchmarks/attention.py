@@ -156,6 +156,19 @@ def method_fn(name, H, dev):
     return f
 
 
+def launch_configs(shapes, names) -> dict:
+    """"<shape>/<method>" -> what its kernels launch (kernels/triton_launch.py launch_config), in the method's own
+    scope (its launch order, register caps)."""
+    from flash_forensics.kernels import triton_flash as tf
+    out = {}
+    for m in names:
+        if m in KNOBS and KNOBS[m].backend == "triton":
+            scope = getattr(method_fn(m, 1, torch.device("cpu")), "scope", contextlib.nullcontext)
+            with scope():
+                out.update({f"{s}/{m}": tf.launch_config(KNOBS[m], *SHAPES[s][2:][::-1]) for s in shapes})
+    return out
+
+
 def fwd_bwd(f, q, k, v, do, leaves=None):
     scope = getattr(f, "scope", contextlib.nullcontext)
     if q is None:  # bthd: the views made per call, as a model's forward makes them
@@ -295,9 +308,7 @@ def main(argv=None):
     if args.tune:
         from benchmarks.tune import tune_all
         out["tuning"] = tune_all(dev, [SHAPES[s] for s in args.tune_shapes.split(",")], print)
-    from flash_forensics.kernels import triton_flash as tf
-    out["launch_configs"] = {f"{s}/{m}": tf.launch_config(KNOBS[m], *SHAPES[s][2:][::-1])
-                             for s in shapes for m in names if m in KNOBS and KNOBS[m].backend == "triton"}
+    out["launch_configs"] = launch_configs(shapes, names)
     todo = [(r, s, m) for r in range(args.rounds) for s in shapes for m in names
             if not m.startswith("emulator") or (r == 0 and s == "gpt2s_T1024")]
     rows, fns, inputs = {}, {}, {}

@@ -30,13 +30,14 @@ else:  # the launches past Triton's per-call binding (kernels/launch_cache.py); 
 LAUNCH_ORDERS = ("by_kernel", "longest_first", "linear")
 # the kernels' launch order (kernels/triton_kernels.py _program): longest first within sections of heads whose K
 # and V take at most section_bytes together (FlashAttention-3 sizes its sections to 32 MB of L2 the same way), or
-# linear: tile-major per head, as before. by_kernel (the default): longest first, but linear for the (kernel, head
-# dim) pairs of LINEAR_LAUNCHES
+# linear: tile-major per head, as before. by_kernel (the default): longest first, but linear for the (kernel, recipe,
+# head dim) launches of LINEAR_LAUNCHES
 _order = {"lpt": True, "by_kernel": True, "section_bytes": 32 << 20}
 # where linear beat longest first, on an H100 side by side: the D128 dK/dV kernel (B8 H16 T2048) took 643.3 us linear
 # against 717.0 longest first (results/bench/gpu-h100-2026-12-06f/; 655 against 721 in gpu-h100-2026-12-06e), while
-# at D64 longest first is ahead (T4096: 489.6 against 521.1 us) and so is every other D128 kernel
-LINEAR_LAUNCHES = frozenset({("dkdv", 128)})
+# at D64 longest first is ahead (T4096: 489.6 against 521.1 us) and so is every other D128 kernel. fa2's only: the
+# other recipes' D128 dK/dV was not timed linear
+LINEAR_LAUNCHES = frozenset({("dkdv", "fa2", 128)})
 
 
 @contextlib.contextmanager
@@ -171,13 +172,13 @@ def section_heads(BH: int, most: int) -> int:
     return max(d for d in range(1, min(BH, max(1, most)) + 1) if BH % d == 0)
 
 
-def _grid(n_tiles: int, BH: int, kv, kernel: str = None):
-    """(grid, LPT) of `kernel` over n_tiles tiles of B*H heads in the scope's launch order; kv: a K or V tensor
-    (its length, head dim and element size give a head's K and V bytes, which bound a section's heads).
+def _grid(n_tiles: int, BH: int, kv, kernel: str = None, recipe: str = None):
+    """(grid, LPT) of `kernel` of `recipe` over n_tiles tiles of B*H heads in the scope's launch order; kv: a K or V
+    tensor (its length, head dim and element size give a head's K and V bytes, which bound a section's heads).
     longest_first: (heads of a section, tiles, sections), kernels/triton_kernels.py _program; linear: (tiles, heads),
-    as before; by_kernel: linear for LINEAR_LAUNCHES' (kernel, head dim) pairs."""
+    as before; by_kernel: linear for LINEAR_LAUNCHES' (kernel, recipe, head dim) launches."""
     T, D = kv.shape[-2], kv.shape[-1]
-    if not _order["lpt"] or (_order["by_kernel"] and (kernel, D) in LINEAR_LAUNCHES):
+    if not _order["lpt"] or (_order["by_kernel"] and (kernel, recipe, D) in LINEAR_LAUNCHES):
         return (n_tiles, BH), False
     g = section_heads(BH, _order["section_bytes"] // (2 * T * D * kv.element_size()))
     return (g, n_tiles, BH // g), True
@@ -407,11 +408,22 @@ def _bwd_blocks(knobs: AttentionKnobs, D: int, T: int = 1024):
 
 
 def launch_config(knobs: AttentionKnobs, D: int, T: int) -> dict:
-    """What the kernels launch for these knobs at head dim D, length T (benchmarks record it)."""
+    """What the kernels launch for these knobs at head dim D, length T (benchmarks record it), in the scope's launch
+    order and register caps (maxnreg: None where ptxas chooses; the forward's as a call without probe or key padding
+    launches it)."""
     bm, bn, fw, fs = _fwd_blocks(knobs, D, T)
     (m1, n1), (m2, n2), bw, bs = _bwd_blocks(knobs, D, T)
-    return dict(fwd=dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=fw, num_stages=fs),
-                bwd=dict(dkdv=[m1, n1], dq=[m2, n2], num_warps=bw, num_stages=bs))
+    cfg = ((m1, n1), (m2, n2), bw, bs)
+
+    def order(kernel):
+        linear = not _order["lpt"] or (_order["by_kernel"] and (kernel, knobs.recipe, D) in LINEAR_LAUNCHES)
+        return "linear" if linear else "longest_first"
+    return dict(fwd=dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=fw, num_stages=fs, order=order("fwd"),
+                         maxnreg=register_cap("fwd", knobs, D, (bm, bn, fw, fs), bool(knobs.counters))),
+                bwd=dict(dkdv=[m1, n1], dq=[m2, n2], num_warps=bw, num_stages=bs,
+                         order=dict(dkdv=order("dkdv"), dq=order("dq")),
+                         maxnreg=dict(dkdv=register_cap("dkdv", knobs, D, cfg, True),
+                                      dq=register_cap("dq", knobs, D, cfg, True))))
 
 
 def _strides(x):
@@ -547,7 +559,7 @@ def _forward(q, k, v, knobs: AttentionKnobs, rep=None, maxl=None, probe: bool = 
     else:
         pmax = fired = lse
     bm, bn, warps, stages = _fwd_blocks(knobs, D, T)
-    grid, lpt = _grid(_cdiv(T, bm), B * H, k, "fwd")
+    grid, lpt = _grid(_cdiv(T, bm), B * H, k, "fwd", knobs.recipe)
     cap = register_cap("fwd", knobs, D, (bm, bn, warps, stages), counters and not probe and not keypad)
     sr_bq = min(knobs.block_q, T) if knobs.tiling else T  # the emulator's query tile (stochastic_round's streams)
     _k._fwd_kernel[grid](q, k, v, o, lse, rep, maxl, under, p1, ofp32, pmax, fired, kp, first, ties, key,
@@ -607,7 +619,7 @@ def _backward(do, q, k, v, o, lse, knobs: AttentionKnobs, key_keep=None, ties=No
         H, T, scale, ntw, HEAD_DIM=D, BLOCK_M=dbm, BLOCK_N=dbn, ROUND=mask, INPUT_F32=f32_in,
         DELTA_MODE=DELTA_IDS[knobs.delta], HAS_OFP32=has_ofp32, F32_DOT=knobs.fp32_gemm, KEYPAD=keypad,
         CLAMP=clamp, LPT=lpt, FTZ=_exp_ftz[0], num_warps=4)
-    grid, lpt = _grid(_cdiv(T, n1), B * H, k, "dkdv")
+    grid, lpt = _grid(_cdiv(T, n1), B * H, k, "dkdv", knobs.recipe)
     cfg = ((m1, n1), (m2, n2), warps, stages)
     _k._bwd_dkdv_kernel[grid](
         q, k, v, do, lse, delta, dk, dv, kp, first, ties,
@@ -615,7 +627,7 @@ def _backward(do, q, k, v, o, lse, knobs: AttentionKnobs, key_keep=None, ties=No
         HEAD_DIM=D, BLOCK_M=m1, BLOCK_N=n1, ROUND=mask, INPUT_F32=f32_in,
         ONE_BLOCK=not knobs.tiling, F32_DOT=knobs.fp32_gemm, KEYPAD=keypad, CLAMP=clamp, LPT=lpt, FTZ=_exp_ftz[0],
         num_warps=warps, num_stages=stages, **_regs(register_cap("dkdv", knobs, D, cfg, not keypad)))
-    grid, lpt = _grid(_cdiv(T, m2), B * H, k, "dq")
+    grid, lpt = _grid(_cdiv(T, m2), B * H, k, "dq", knobs.recipe)
     _k._bwd_dq_kernel[grid](
         q, k, v, do, lse, delta, dq, kp, first, ties,
         *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq), kp.stride(0), H, T, scale, ntw,

@@ -341,7 +341,8 @@ ORDER_CASES = [
 def test_interpreter_the_launch_order_keeps_every_bit(tfi, case, keep, monkeypatch):
     from flash_forensics.kernels import triton_launch
     # by_kernel at this head dim: the dK/dV and dQ kernels linear, the rest longest first
-    monkeypatch.setattr(triton_launch, "LINEAR_LAUNCHES", frozenset({("dkdv", 16), ("dq", 16)}))
+    monkeypatch.setattr(triton_launch, "LINEAR_LAUNCHES", frozenset(
+        {(kern, r, 16) for kern in ("dkdv", "dq") for r in ("fa2", "paper_bf16", "fp32")}))
     B, H, T, D = 2, 2, 56, 16  # 4 query tiles of 16, the last one short
     q, k, v = (x.detach() for x in planted(B, H, T, D, "cpu", seed=11))
     knobs = AttentionKnobs(**{"block_q": 16, "block_k": 16, **case})
@@ -395,10 +396,11 @@ def test_longest_first_sections_hold_the_heads_whose_k_and_v_fit():
         assert tl_._grid(16, 192, k) == ((16, 192), False)
     # by_kernel (the default): the D128 dK/dV kernel linear (LINEAR_LAUNCHES), every other launch longest first
     k128 = torch.zeros(8, 16, 2048, 128, dtype=torch.bfloat16)  # 1 MiB a head: 32 heads a section
-    assert tl_._grid(32, 128, k128, "dkdv") == ((32, 128), False)
-    assert tl_._grid(32, 128, k128, "dq") == ((32, 32, 4), True) and tl_._grid(16, 192, k, "dkdv")[1] is True
+    assert tl_._grid(32, 128, k128, "dkdv", "fa2") == ((32, 128), False)
+    assert tl_._grid(32, 128, k128, "dq", "fa2") == ((32, 32, 4), True)
+    assert tl_._grid(16, 192, k, "dkdv", "fa2")[1] is True and tl_._grid(32, 128, k128, "dkdv", "paper_bf16")[1]
     with tl_.launch_order("longest_first"):
-        assert tl_._grid(32, 128, k128, "dkdv") == ((32, 32, 4), True)
+        assert tl_._grid(32, 128, k128, "dkdv", "fa2") == ((32, 32, 4), True)
     assert [tl_.section_heads(*a) for a in ((192, 128), (7, 5), (12, 12), (12, 0), (12, 100))] == [96, 1, 12, 1, 12]
 
 
