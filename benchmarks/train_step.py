@@ -24,6 +24,8 @@ GPT.forward), and a compiled variant whose first step compiles no graph (dynamo 
 `tuned_vs_default` in the summary: its speed-up over ATTN and whether the losses agree bit for bit.
 `ATTN+ftz` runs eager with every kernel's exp on ex2.approx.ftz (kernels/triton_launch.py exp_instruction);
 `ftz_vs_tl_exp` in the summary: its speed-up over ATTN and whether the losses agree bit for bit.
+`ATTN+ptxas` runs eager with no kernel's registers capped (the default caps those kernels/triton_launch.py
+REGISTER_TABLE measured faster); `register_caps_vs_none`: the caps' speed-up and whether the losses agree bit for bit.
 `ATTN+jitlaunch` runs eager with every Triton kernel launched through Triton's own fn[grid], not the launch cache
 (kernels/launch_cache.py); `launch_cache_vs_jit` in the summary: its speed-up and whether the losses agree bit for bit.
 Each row records the attention route that ran and, for SDPA, the aten op that ran (flash, cuDNN, efficient or math).
@@ -73,7 +75,10 @@ JIT_LAUNCH = "jitlaunch"
 TUNED = "tuned"
 # ATTN+ftz: eager, every kernel's exp on ex2.approx.ftz (kernels/triton_launch.py exp_instruction) instead of tl.exp's
 FTZ = "ftz"
-EAGER_MODES = (JIT_LAUNCH, TUNED, FTZ)
+# ATTN+ptxas: eager, no kernel's registers capped (kernels/triton_launch.py register_limit(...=None)), where the
+# default caps the launches REGISTER_TABLE measured faster: the caps' speed-up in training, and their bits
+PTXAS = "ptxas"
+EAGER_MODES = (JIT_LAUNCH, TUNED, FTZ, PTXAS)
 COMPILE_BACKEND = "inductor"  # torch.compile's backend (a CPU test swaps in "eager": dynamo alone, no C++ build)
 RECOMPILES_PER_VARIANT = 8  # dynamo's default recompile_limit is 8 per code object for the whole process
 # GPU kernels that compute attention: this project's four Triton kernels, torch's flash / cuDNN / efficient ones
@@ -118,10 +123,17 @@ class Variant:
         self.name, self.dev = name, dev
         self.attn, mode = parse_variant(name)
         self.compiled, self.cudagraphs = mode in MODES, mode == "cudagraphs"
-        from flash_forensics.kernels.triton_launch import exp_instruction, shape_table_scope, triton_own_launch
+        from flash_forensics.kernels.triton_launch import (
+            exp_instruction,
+            register_limit,
+            shape_table_scope,
+            triton_own_launch,
+        )
         self.launch_scope = (triton_own_launch if mode == JIT_LAUNCH else
                              (lambda: shape_table_scope(tuned_table)) if mode == TUNED else
-                             (lambda: exp_instruction("ex2_approx_ftz")) if mode == FTZ else contextlib.nullcontext)
+                             (lambda: exp_instruction("ex2_approx_ftz")) if mode == FTZ else
+                             (lambda: register_limit(fwd=None, dkdv=None, dq=None)) if mode == PTXAS else
+                             contextlib.nullcontext)
         torch.manual_seed(0)  # every variant starts from the same weights
         self.model = GPT(ModelConfig.preset(model_name, block_size=T), AttentionConfig(**ATTN[self.attn])).to(dev)
         self.fwd = (torch.compile(self.model, mode=MODES[mode], backend=COMPILE_BACKEND) if self.compiled
@@ -319,6 +331,11 @@ def summarize(rows) -> dict:
         d["ftz_vs_tl_exp"] = {v: dict(speedup=rs[f"{v}+{FTZ}"]["tokens_per_s"] / rs[v]["tokens_per_s"],
                                       bit_identical=rs[v]["losses"] == rs[f"{v}+{FTZ}"]["losses"])
                               for v in rs if f"{v}+{FTZ}" in rs}
+        # the default's register caps against none: their speed-up (> 1: the caps are faster), and whether the
+        # steps' losses kept every bit (they should: a cap moves registers, not arithmetic)
+        d["register_caps_vs_none"] = {v: dict(speedup=rs[v]["tokens_per_s"] / rs[f"{v}+{PTXAS}"]["tokens_per_s"],
+                                              bit_identical=rs[v]["losses"] == rs[f"{v}+{PTXAS}"]["losses"])
+                                      for v in rs if f"{v}+{PTXAS}" in rs}
         out[f"B{key[0]}_T{key[1]}"] = d
     return out
 

@@ -69,6 +69,19 @@ def test_ftz_vs_tl_exp_by_hand_and_its_scope():
     assert bench.parse_variant("paper_1gpu+ftz") == ("paper_1gpu", "ftz")
 
 
+def test_register_caps_vs_none_by_hand():
+    """ATTN+ptxas: eager with no register caps; register_caps_vs_none: the default's speed-up over it and whether
+    the losses kept every bit."""
+    def row(v, tps, losses):
+        return dict(variant=v, batch=2, T=8, tokens_per_s=tps, losses=losses)
+    s = bench.summarize([row("triton_paper_bf16", 110.0, [3.0, 2.5]), row("triton_paper_bf16+ptxas", 100.0, [3.0, 2.5]),
+                         row("triton_fa2", 90.0, [3.0, 2.5]), row("triton_fa2+ptxas", 100.0, [3.0, 2.25]),
+                         row("sdpa", 100.0, [3.0, 2.5])])["B2_T8"]
+    assert s["register_caps_vs_none"] == {"triton_paper_bf16": dict(speedup=1.1, bit_identical=True),
+                                          "triton_fa2": dict(speedup=0.9, bit_identical=False)}
+    assert bench.parse_variant("triton_fa2+ptxas") == ("triton_fa2", "ptxas")
+
+
 class _Ev:  # a profiler kernel event: name and time_range (us)
     def __init__(self, name, a, b):
         self.name, self.time_range = name, type("R", (), dict(start=a, end=b))()
