@@ -14,6 +14,7 @@ knobs, the launchers' bookkeeping, autograd) decides whether the GPU waits. Meth
 and where the cached path's host time goes (`launch_us`, apart from the side-by-side methods): each Triton kernel's
 launch (`kernel[grid](...)`, Triton's argument binding and enqueue) timed on its own, and the rest of the call
 (`host_us_outside_launches`: the op, knobs, allocations, autograd), so a host-bound shape says which to cut;
+and (`host_profile`, --profile CALLS) the cached path under cProfile: the Python functions its host time goes to;
 and, apart (`schema` rows, no kernel at all): two no-op mutating custom ops, one with the 18 arguments the forward op
 had before its knobs became one string, one with its 8 now: torch's dispatch cost against the schema's length.
 On the CPU the four Triton kernels are replaced by no-ops (`--device cpu`: triton's launcher is not timed; the figure
@@ -78,6 +79,26 @@ class _Timed:
         return launch
 
 
+def host_profile(fn, calls: int, sync, top: int = 25) -> list:
+    """fn() run `calls` times under cProfile (after a sync, in bursts of 10 so the launch queue never fills): its
+    `top` functions by own time, each with its calls and own / cumulative microseconds per fn() call."""
+    import cProfile
+    import pstats
+    prof = cProfile.Profile()
+    for i in range(0, calls, 10):
+        sync()
+        prof.enable()
+        for _ in range(min(10, calls - i)):
+            fn()
+        prof.disable()
+    sync()
+    st = pstats.Stats(prof).stats  # {(file, line, name): (primitive calls, calls, tottime, cumtime, callers)}
+    rows = sorted(st.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
+    return [dict(function=f"{os.path.relpath(f, ROOT) if f.startswith(ROOT) else os.path.basename(f)}:{ln}({name})",
+                 calls_per_call=nc / calls, own_us=tt / calls * 1e6, cum_us=ct / calls * 1e6)
+            for (f, ln, name), (_, nc, tt, ct, _) in rows]
+
+
 @contextlib.contextmanager
 def timed_launches(acc: dict):
     """The launcher's kernels wrapped in _Timed for the duration (acc: kernel name -> seconds, added to)."""
@@ -140,6 +161,9 @@ def main(argv=None):
     ap.add_argument("--iters", type=int, default=None, help="calls timed per (method, knobs, shape) and round "
                     "(default 300 on a CPU; 30 on CUDA: a burst well inside the launch queue, so the host never "
                     "waits for the GPU inside it)")
+    ap.add_argument("--profile", type=int, default=60, metavar="CALLS",
+                    help="then the first knobs' cached path under cProfile for CALLS calls (0: not): the Python "
+                         "functions its host time goes to, in the JSON's host_profile")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     bad = [k for k in a.knobs.split(",") if k not in KNOBS]
@@ -246,6 +270,10 @@ def main(argv=None):
             row["host_bound"] = row["host_us_cached"] > row["gpu_us"]
         out["rows"].append(row)
         print(json.dumps(row), flush=True)
+    if a.profile > 0:  # where the cached path's host time goes, function by function (cProfile's own cost included)
+        out["host_profile"] = dict(shape=cases[0]["shape"], knobs=cases[0]["knobs"], calls=a.profile,
+                                   top=host_profile(lambda: eager(cases[0]), a.profile, sync))
+        print(json.dumps({"host_profile": out["host_profile"]["top"][:8]}), flush=True)
     # torch's dispatch against the schema's length: no-op ops, the same tensors, alternating
     long, short = _schema_ops()
     c = cases[0]

@@ -71,6 +71,11 @@ def test_host_overhead_benchmark_times_both_ways_on_a_cpu(tmp_path):
         assert 0 < r["host_us_outside_launches"] < r["host_us_outside_launches"] + sum(r["launch_us"].values())
     assert all(isinstance(getattr(after, n), host_overhead._NoLaunch) for n in host_overhead.KERNELS)
     assert again["rows"][0]["knobs"] == "fa2"
+    prof = doc["host_profile"]  # the first knobs' cached path under cProfile, its functions by own time
+    assert prof["knobs"] == "fa2" and prof["calls"] == 60 and 0 < len(prof["top"]) <= 25
+    own = [r["own_us"] for r in prof["top"]]
+    assert own == sorted(own, reverse=True) and own[0] > 0 and all(r["cum_us"] >= r["own_us"] for r in prof["top"])
+    assert any("triton_launch.py" in r["function"] or "ops.py" in r["function"] for r in prof["top"])
     assert ops._knobs_cached.__wrapped__ is not ops._knobs_cached  # the cache is back after the `rebuilt` method
     with pytest.raises(SystemExit):
         host_overhead.main(["--knobs", "nope", "--out", str(tmp_path / "x.json")])
