@@ -73,11 +73,12 @@ KNOBS = {  # method -> knobs (counters on means the layer's AttnStats is passed)
 }
 # <base>_ptxas: the base row with no cap on any kernel's registers (kernels/triton_launch.py register_limit(...=None)),
 # against the default, where REGISTER_TABLE caps the launches it measured faster
+# (triton_fa2_ptxas: plain fa2 has no cap, so it is the A/A control: the same launches, the same time)
 REGISTER_ROWS = {f"{base}_ptxas": base for base in
                  ("triton_fa2", "triton_fa2_counters", "triton_fa2_sfa_counters", "triton_paper_bf16")}
 KNOBS.update({row: KNOBS[base] for row, base in REGISTER_ROWS.items()})
 KNOBS["triton_fa2_lpt"] = KNOBS["triton_fa2"]
-# the section and register rows only when named
+# the section, register and all-longest-first rows only when named
 DEFAULT_METHODS = SDPA + tuple(m for m in KNOBS if "_sec" not in m and m not in REGISTER_ROWS
                                and not m.endswith("_lpt"))
 TARGETS = {  # issue 33's speed targets: "<method>_vs_best_sdpa@<shape>": fwd+bwd against the fastest SDPA backend
@@ -287,7 +288,7 @@ def main(argv=None):
     ap.add_argument("--tune-shapes", default="gpt2s_T1024,mini_T256,D128_T2048",
                     help="shapes --tune times (one per head dim and length class)")
     ap.add_argument("--methods", default=",".join(DEFAULT_METHODS),
-                    help="comma list of methods (triton_fa2_sec<MB> only when named)")
+                    help="comma list of methods (the _sec<MB>, _ptxas and _lpt rows only when named)")
     ap.add_argument("--rounds", type=int, default=3, help="round-robin rounds (a row is the median over them)")
     ap.add_argument("--rep-ms", type=int, default=300, help="do_bench repetition time per (row, round)")
     ap.add_argument("--kernels", type=int, default=0, metavar="ITERS",

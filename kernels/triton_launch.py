@@ -103,10 +103,11 @@ REGISTER_KERNELS = ("fwd", "dkdv", "dq")
 #   at T1024, 410.1 -> 382.5, 520.2 -> 460.0, 520.2 -> 485.8 at T4096;
 #   paper_bf16's dK/dV: 216 -> 168 registers (2 -> 3 programs): 306.1 -> 296.8 us, 1107.7 -> 1082.4.
 # Not capped: fa2's dK/dV (157 -> 128 was 1.6% and 5% slower), and every D128 kernel (a cap there spills hundreds
-# of bytes: dK/dV 5x slower). A cap moves registers, never an operation: the same FP instructions in the same order
-# (scripts/kernel_sass.py regs.<kernel>=N), every kernel-bits case the same on the GPU. Keyed on the launch as
-# measured: (kernel, recipe, softmax, head dim, launch config), the knobs otherwise their defaults with the counters
-# on, no probe, no key padding
+# of bytes: dK/dV 5x slower). A cap should move registers, never an operation: compiled for sm_90 each has the same
+# floating-point instructions as no cap, counted with their modifiers (tests/unit/test_kernel_sass.py); the GPU's
+# kernel-bits cases have not run with the caps yet (results/bench/gpu-h100-2026-12-06f/README.md, the next lease).
+# Keyed on the launch as measured: (kernel, recipe, softmax, head dim, launch config), the knobs otherwise their
+# defaults with the counters on, no probe, no key padding
 REGISTER_TABLE = {
     ("fwd", "fa2", "safe", 64, (64, 64, 4, 3)): 128,
     ("fwd", "fa2", "stabilized", 64, (64, 64, 4, 3)): 128,

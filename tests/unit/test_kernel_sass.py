@@ -138,9 +138,9 @@ def test_tune_family_lists_each_distinct_launch_of_tune_py_once():
 
 
 def test_register_caps_reach_the_launches_and_ptxas_keeps_to_them():
-    """The counters' forward at D64 is capped at 128 registers by default (REGISTER_TABLE), compiled for sm_90 within
-    it, with the same floating-point instructions as with no cap (`regs.fwd=none`, register_limit(fwd=None)), where
-    it takes more; `regs.fwd=N` caps it at N. The other launches keep ptxas's choice."""
+    """The counters' forward at D64 launches with maxnreg=128 by default (REGISTER_TABLE), with none under
+    register_limit(fwd=None) (`regs.fwd=none`), and `regs.fwd=N` caps it at N, compiled for sm_90 within it. The other
+    launches keep ptxas's choice."""
     ks = _script()
     assert ks.register_caps("fa2:counters=true:regs.fwd=96:regs.dq=none") == dict(fwd=96, dq=None)
     with pytest.raises(SystemExit, match=r"regs.fwd='x' is not allowed: expected a register count or none"):
@@ -156,9 +156,8 @@ def test_register_caps_reach_the_launches_and_ptxas_keeps_to_them():
     assert [c[3].get("maxnreg") for c in default] == [128, None, None, None]
     assert [c[3].get("maxnreg") for c in free] == [None] * 4
     assert [c[3].get("maxnreg") for c in capped] == [96, None, None, None]
-    a, b, c = (ks.compile_counts(x[0][1], x[0][2], x[0][3], 90) for x in (free, default, capped))
-    assert a["registers"] > 128 >= b["registers"] > 96 >= c["registers"] and b["maxnreg"] == 128
-    assert ks.fp_ops(a["sass"]) == ks.fp_ops(b["sass"]) and ks.fp_ops(a["sass"])["MUFU.EX2"] > 0  # same arithmetic
+    c = ks.compile_counts(*capped[0][1:], 90)  # (the default cap against none: the test below, per table entry)
+    assert c["registers"] <= 96 and c["maxnreg"] == 96 and ks.fp_ops(c["sass"])["MUFU.EX2"] > 0
     assert ks.fp_ops(["FFMA.FTZ R1, R2, R3, R4", "@!P0 FMUL R1, R1, 2", "MUFU.EX2 R5, R5", "IADD3 R1, R2, R3, RZ"]) == {
         "FFMA.FTZ": 1, "FMUL": 1, "MUFU.EX2": 1}
 
