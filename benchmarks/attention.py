@@ -15,9 +15,14 @@ Methods (causal, BF16 inputs (B, H, T, D); FLOPs = 7*B*H*T^2*D per fwd+bwd):
   triton_fa2[_sfa_counters|_counters]_ptxas, triton_paper_bf16_ptxas
                                             those rows with no cap on any kernel's registers (the default caps the
                                             launches kernels/triton_launch.py REGISTER_TABLE measured faster)
+  <counters row>_count, <counters row>_acqrel
+                                            a counters row (triton_fa2_counters, triton_fa2_sfa_counters,
+                                            triton_paper_bf16) with its repeated-max test by counting (before) or its
+                                            atomics acq_rel (before) (kernels/triton_launch.py counter_form; the
+                                            default: a tile's two largest scores, relaxed atomics)
   triton_fa2_lpt                            fa2 with every kernel longest first (the default, by_kernel, launches
                                             LINEAR_LAUNCHES' linear)
-  (the _sec, _ptxas and _lpt rows run only when named)
+  (the _sec, _ptxas, _count, _acqrel and _lpt rows run only when named)
   triton_fa2_ftz, triton_paper_bf16_ftz     the same recipes with exp on ex2.approx.ftz (no denormal fix-up;
                                             kernels/triton_launch.py exp_instruction; the default: tl.exp's)
   triton_fa2_counters                       fa2 with the repeated-maxima counters and max logit (as a run logs)
@@ -78,9 +83,14 @@ REGISTER_ROWS = {f"{base}_ptxas": base for base in
                  ("triton_fa2", "triton_fa2_counters", "triton_fa2_sfa_counters", "triton_paper_bf16")}
 KNOBS.update({row: KNOBS[base] for row, base in REGISTER_ROWS.items()})
 KNOBS["triton_fa2_lpt"] = KNOBS["triton_fa2"]
-# the section, register and all-longest-first rows only when named
+# <base>_count / <base>_acqrel: a counters row with its repeated-max test by counting, or its atomics acq_rel, as
+# before kernels/triton_launch.py counter_form's defaults (every count and bit the same: speed only)
+FORM_ROWS = {f"{base}_{form}": (base, form) for base in
+             ("triton_fa2_counters", "triton_fa2_sfa_counters", "triton_paper_bf16") for form in ("count", "acqrel")}
+KNOBS.update({row: KNOBS[base] for row, (base, _) in FORM_ROWS.items()})
+# the section, register, counter-form and all-longest-first rows only when named
 DEFAULT_METHODS = SDPA + tuple(m for m in KNOBS if "_sec" not in m and m not in REGISTER_ROWS
-                               and not m.endswith("_lpt"))
+                               and m not in FORM_ROWS and not m.endswith("_lpt"))
 TARGETS = {  # issue 33's speed targets: "<method>_vs_best_sdpa@<shape>": fwd+bwd against the fastest SDPA backend
     # that ran there (at least the ratio), "<method>_overhead_vs_fa2@<shape>": its time over plain fa2's (at most)
     "fa2_vs_best_sdpa@gpt2s_T1024": 1.0, "fa2_vs_best_sdpa@T4096": 1.0, "fa2_vs_best_sdpa@D128_T2048": 0.8,
@@ -148,6 +158,10 @@ def method_fn(name, H, dev):
     if name in REGISTER_ROWS:  # the same kernels with as many registers as ptxas chooses (speed only)
         from flash_forensics.kernels.triton_launch import register_limit
         f.scope = lambda: register_limit(fwd=None, dkdv=None, dq=None)
+    if name in FORM_ROWS:  # the counters as before: by counting, or with acq_rel atomics (speed only)
+        from flash_forensics.kernels.triton_launch import counter_form
+        form = FORM_ROWS[name][1]
+        f.scope = (lambda: counter_form("count")) if form == "count" else (lambda: counter_form(atomics="acq_rel"))
     if name.endswith("_lpt"):  # every kernel longest first, LINEAR_LAUNCHES' too (speed only)
         from flash_forensics.kernels.triton_launch import launch_order
         f.scope = lambda: launch_order("longest_first")
@@ -239,6 +253,11 @@ def summarize(rows, shapes) -> dict:
             if base in ms and row in ms:
                 ku = [d["methods"][x].get("kernels_us") for x in (row, base)]
                 d.setdefault("register_caps_speedup", {})[base] = dict(
+                    speedup=ms[row] / ms[base], kernels_speedup=ku[0] / ku[1] if all(ku) else None)
+        for row, (base, form) in FORM_ROWS.items():  # > 1: the counters' default form is faster than the old one
+            if base in ms and row in ms:
+                ku = [d["methods"][x].get("kernels_us") for x in (row, base)]
+                d.setdefault("counter_form_speedup", {}).setdefault(base, {})[form] = dict(
                     speedup=ms[row] / ms[base], kernels_speedup=ku[0] / ku[1] if all(ku) else None)
         if "triton_fa2" in ms and "triton_fa2_lpt" in ms:  # > 1: by_kernel (the default) beats all longest first
             ku = [d["methods"][x].get("kernels_us") for x in ("triton_fa2_lpt", "triton_fa2")]

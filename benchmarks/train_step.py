@@ -26,6 +26,8 @@ GPT.forward), and a compiled variant whose first step compiles no graph (dynamo 
 `ftz_vs_tl_exp` in the summary: its speed-up over ATTN and whether the losses agree bit for bit.
 `ATTN+ptxas` runs eager with no kernel's registers capped (the default caps those kernels/triton_launch.py
 REGISTER_TABLE measured faster); `register_caps_vs_none`: the caps' speed-up and whether the losses agree bit for bit.
+`ATTN+oldcounters` runs eager with the counters computed as before (kernels/triton_launch.py counter_form("count",
+"acq_rel")); `counter_form_vs_old`: the default's speed-up over it and whether the losses agree bit for bit.
 `ATTN+jitlaunch` runs eager with every Triton kernel launched through Triton's own fn[grid], not the launch cache
 (kernels/launch_cache.py); `launch_cache_vs_jit` in the summary: its speed-up and whether the losses agree bit for bit.
 Each row records the attention route that ran and, for SDPA, the aten op that ran (flash, cuDNN, efficient or math).
@@ -78,7 +80,10 @@ FTZ = "ftz"
 # ATTN+ptxas: eager, no kernel's registers capped (kernels/triton_launch.py register_limit(...=None)), where the
 # default caps the launches REGISTER_TABLE measured faster: the caps' speed-up in training, and their bits
 PTXAS = "ptxas"
-EAGER_MODES = (JIT_LAUNCH, TUNED, FTZ, PTXAS)
+# ATTN+oldcounters: eager, the counters by counting with acq_rel atomics (counter_form("count", "acq_rel")), where
+# the default tests a tile's two largest scores with relaxed atomics: the new form's speed-up in training, and bits
+OLD_COUNTERS = "oldcounters"
+EAGER_MODES = (JIT_LAUNCH, TUNED, FTZ, PTXAS, OLD_COUNTERS)
 COMPILE_BACKEND = "inductor"  # torch.compile's backend (a CPU test swaps in "eager": dynamo alone, no C++ build)
 RECOMPILES_PER_VARIANT = 8  # dynamo's default recompile_limit is 8 per code object for the whole process
 # GPU kernels that compute attention: this project's four Triton kernels, torch's flash / cuDNN / efficient ones
@@ -124,6 +129,7 @@ class Variant:
         self.attn, mode = parse_variant(name)
         self.compiled, self.cudagraphs = mode in MODES, mode == "cudagraphs"
         from flash_forensics.kernels.triton_launch import (
+            counter_form,
             exp_instruction,
             register_limit,
             shape_table_scope,
@@ -133,6 +139,7 @@ class Variant:
                              (lambda: shape_table_scope(tuned_table)) if mode == TUNED else
                              (lambda: exp_instruction("ex2_approx_ftz")) if mode == FTZ else
                              (lambda: register_limit(fwd=None, dkdv=None, dq=None)) if mode == PTXAS else
+                             (lambda: counter_form("count", "acq_rel")) if mode == OLD_COUNTERS else
                              contextlib.nullcontext)
         torch.manual_seed(0)  # every variant starts from the same weights
         self.model = GPT(ModelConfig.preset(model_name, block_size=T), AttentionConfig(**ATTN[self.attn])).to(dev)
@@ -336,6 +343,12 @@ def summarize(rows) -> dict:
         d["register_caps_vs_none"] = {v: dict(speedup=rs[v]["tokens_per_s"] / rs[f"{v}+{PTXAS}"]["tokens_per_s"],
                                               bit_identical=rs[v]["losses"] == rs[f"{v}+{PTXAS}"]["losses"])
                                       for v in rs if f"{v}+{PTXAS}" in rs}
+        # the counters' default form against the old one: its speed-up (> 1: faster), and whether every loss kept
+        # its bits (it should: the same counts, and the counters never feed the forward's arithmetic)
+        d["counter_form_vs_old"] = {
+            v: dict(speedup=rs[v]["tokens_per_s"] / rs[f"{v}+{OLD_COUNTERS}"]["tokens_per_s"],
+                    bit_identical=rs[v]["losses"] == rs[f"{v}+{OLD_COUNTERS}"]["losses"])
+            for v in rs if f"{v}+{OLD_COUNTERS}" in rs}
         out[f"B{key[0]}_T{key[1]}"] = d
     return out
 

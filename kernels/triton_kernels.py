@@ -280,6 +280,13 @@ def _program(LPT: tl.constexpr, LAST_FIRST: tl.constexpr):
     return t, bh
 
 @triton.jit
+def _top2(a1, a2, b1, b2):
+    """tl.reduce's combine for a row's two largest scores (a multiset's: a tie gives top2 == top1). A NaN score is
+    never either (max ignores it; the min that feeds top2 propagates it, and the max then drops it), as s >= thr
+    never counts it."""
+    return tl.maximum(a1, b1), tl.maximum(tl.minimum(a1, b1, propagate_nan=tl.PropagateNan.ALL), tl.maximum(a2, b2))
+
+@triton.jit
 def _fwd_inner(acc, l_i, m_i, raw_max, fired, pmax, l_raw, p1, q, k_base, v_base, skt, svt, offs_m, offs_n, row_ok,
                lo, hi, T, scale, beta, eps, o_fp32, kp, bm1, tb, ntw, sr_key, sr_qt, sr_row, c_log2,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, ROUND: tl.constexpr,
@@ -287,7 +294,7 @@ def _fwd_inner(acc, l_i, m_i, raw_max, fired, pmax, l_raw, p1, q, k_base, v_base
                GEMM_DT: tl.constexpr, STABILIZED: tl.constexpr, NEED_REP: tl.constexpr, PROBE: tl.constexpr,
                HAS_OFP32: tl.constexpr, ONE_BLOCK: tl.constexpr, MASKED: tl.constexpr, F32_DOT: tl.constexpr,
                COUNTERS: tl.constexpr, KEYPAD: tl.constexpr, GUARDED: tl.constexpr, CLAMP: tl.constexpr,
-               SR: tl.constexpr, FOLD: tl.constexpr, FTZ: tl.constexpr):
+               SR: tl.constexpr, FOLD: tl.constexpr, FTZ: tl.constexpr, TOP2: tl.constexpr):
     """The forward over key tiles [lo, hi): online softmax (or, ONE_BLOCK, a fixed row max) and P̄V.
     l_raw (COUNTERS, online path): the row sum before paper_bf16's floor and the BF16 rounding of l, in FP32: what
     tells a row whose every P̄ underflowed (AttnStats.underflow_rows, as the emulator counts it).
@@ -317,22 +324,37 @@ def _fwd_inner(acc, l_i, m_i, raw_max, fired, pmax, l_raw, p1, q, k_base, v_base
             if PROBE:
                 pmax = tl.where(fired > 0, tl.maximum(pmax, tl.max(p, 1)), pmax)
         else:
-            rm = tl.max(s, 1)
+            # TOP2 on a tile where every entry is valid: the row's two largest scores in one reduction, and "more
+            # than one score reaches max - eps" is "the second largest does" (s >= thr is monotone in s; FOLD's
+            # fl(s scale) too): no per-entry compare, convert and add. Masked tiles count entries, as before
+            BY_TOP2: tl.constexpr = NEED_REP and TOP2 and not (MASKED or KEYPAD)
+            if BY_TOP2:
+                rm, r2 = tl.reduce((s, tl.full([BLOCK_M, BLOCK_N], float("-inf"), tl.float32)), 1, _top2)
+            else:
+                rm = tl.max(s, 1)
             raw_max = tl.maximum(raw_max, rm)  # FOLD: unscaled (scaled once, at the end)
             if NEED_REP:  # Algorithm 3 on this key tile (masked entries never count)
                 if FOLD:  # on the scaled scores, as exp_form=exp counts
                     thr = _mul_rn(rm, scale) - eps
-                    near = s * scale >= thr[:, None]
                 else:
                     thr = rm - eps
                     if (_SCORES & ROUND) != 0:
                         thr = _rb(thr)
-                    near = s >= thr[:, None]
-                if MASKED or KEYPAD:  # elsewhere every entry is valid: no per-entry test (the counters' cost)
-                    near = near & _valid(offs_m, cols, T, MASKED, kp, KEYPAD)
-                # an int32 count: an FP32 one (exact too) ran fa2's forward with counters 5% faster on an H100, but
-                # paper_bf16's 4% and SFA's 23% slower, across two machines (results/bench/gpu-h100-2026-12-06d)
-                fire = (tl.sum(near.to(tl.int32), 1) > 1) & row_ok
+                if BY_TOP2:
+                    if FOLD:
+                        fire = (_mul_rn(r2, scale) >= thr) & row_ok
+                    else:
+                        fire = (r2 >= thr) & row_ok
+                else:
+                    if FOLD:
+                        near = s * scale >= thr[:, None]
+                    else:
+                        near = s >= thr[:, None]
+                    if MASKED or KEYPAD:  # elsewhere every entry is valid: no per-entry test (the counters' cost)
+                        near = near & _valid(offs_m, cols, T, MASKED, kp, KEYPAD)
+                    # an int32 count: an FP32 one (exact too) ran fa2's forward with counters 5% faster on an H100,
+                    # but paper_bf16's 4% and SFA's 23% slower, across two machines (gpu-h100-2026-12-06d)
+                    fire = (tl.sum(near.to(tl.int32), 1) > 1) & row_ok
                 fired += fire.to(tl.int32)
                 sfa = fire  # rows where the stabilized shift is meant to act (sfa_p1_rows)
                 if STABILIZED:
@@ -407,12 +429,16 @@ def _fwd_kernel(Q, K, V, O, LSE, REP, MAXL, UNDER, P1, OFP32, PMAX, FIRED, KP, F
                 COUNTERS: tl.constexpr, HAS_OFP32: tl.constexpr, ONE_BLOCK: tl.constexpr,
                 PROBE: tl.constexpr, F32_DOT: tl.constexpr, KEYPAD: tl.constexpr, GUARDED: tl.constexpr,
                 CLAMP: tl.constexpr, SR: tl.constexpr, FOLD: tl.constexpr, LPT: tl.constexpr,
-                FTZ: tl.constexpr):
+                FTZ: tl.constexpr, TOP2: tl.constexpr, RELAXED: tl.constexpr):
     """P1 (H,) int64: sfa_p1_rows (COUNTERS with a stabilized softmax). TIES (B*H, T, ntw) uint8: pbar_clamp's tie
     bits (CLAMP). SRKEY () int64: stochastic_round's call key (SR; kernels/stochastic.py call_key), sr_bq the
     emulator's query tile (its stream ids and element indices). bm1: beta - 1 in FP32 (GUARDED). FOLD, c_log2:
     exp_form=exp2_folded (_fwd_inner); lse = fl(m scale) + log(l) then, as the emulator's (an FMA there).
-    LPT: the launch order (_program). FTZ: exp's instruction (_exp; every kernel has it)."""
+    LPT: the launch order (_program). FTZ: exp's instruction (_exp; every kernel has it). TOP2: the repeated-max
+    test of an unmasked tile by its two largest scores (_fwd_inner), else by counting. RELAXED: the counters'
+    atomics without memory fences (integer sums and maxima: any order gives the same counts; the host reads them
+    after the stream's later copy); else acq_rel, Triton's default (a GPU-wide fence and an L1 invalidation around
+    each)."""
     start_m, off_bh = _program(LPT, True)
     off_b = off_bh // H
     off_h = off_bh % H
@@ -495,12 +521,12 @@ def _fwd_kernel(Q, K, V, O, LSE, REP, MAXL, UNDER, P1, OFP32, PMAX, FIRED, KP, F
         acc, l_i, m_i, raw_max, fired, pmax, l_raw, p1, q, k_base, v_base, skt, svt, offs_m, offs_n, row_ok, lo1, mid,
         T, scale, beta, eps, o_fp32, kp, bm1, tb, ntw, sr_key, sr_qt, sr_row, c_log2, BLOCK_M, BLOCK_N, HEAD_DIM,
         ROUND, INPUT_F32, FLOOR, GEMM_DT, STABILIZED, NEED_REP, PROBE, HAS_OFP32, ONE_BLOCK, False, F32_DOT, COUNTERS,
-        KEYPAD, GUARDED, CLAMP, SR, FOLD, FTZ)
+        KEYPAD, GUARDED, CLAMP, SR, FOLD, FTZ, TOP2)
     acc, l_i, m_i, raw_max, fired, pmax, l_raw, p1 = _fwd_inner(
         acc, l_i, m_i, raw_max, fired, pmax, l_raw, p1, q, k_base, v_base, skt, svt, offs_m, offs_n, row_ok, lo2, hi,
         T, scale, beta, eps, o_fp32, kp, bm1, tb, ntw, sr_key, sr_qt, sr_row, c_log2, BLOCK_M, BLOCK_N, HEAD_DIM,
         ROUND, INPUT_F32, FLOOR, GEMM_DT, STABILIZED, NEED_REP, PROBE, HAS_OFP32, ONE_BLOCK, True, F32_DOT, COUNTERS,
-        KEYPAD, GUARDED, CLAMP, SR, FOLD, FTZ)
+        KEYPAD, GUARDED, CLAMP, SR, FOLD, FTZ, TOP2)
 
     if ONE_BLOCK:  # one tile: l and the P̄V product stored once
         if COUNTERS:
@@ -533,18 +559,19 @@ def _fwd_kernel(Q, K, V, O, LSE, REP, MAXL, UNDER, P1, OFP32, PMAX, FIRED, KP, F
         tl.store(PMAX + off_bh * T + offs_m, pmax, mask=row_ok)
         tl.store(FIRED + off_bh * T + offs_m, fired, mask=row_ok)
     if COUNTERS:
-        tl.atomic_add(REP + off_h, tl.sum(fired, 0).to(tl.int64))
-        tl.atomic_max(MAXL, tl.max(tl.where(row_ok, raw_max, -3.3895313892515355e38), 0))
+        SEM: tl.constexpr = "relaxed" if RELAXED else "acq_rel"
+        tl.atomic_add(REP + off_h, tl.sum(fired, 0).to(tl.int64), sem=SEM)
+        tl.atomic_max(MAXL, tl.max(tl.where(row_ok, raw_max, -3.3895313892515355e38), 0), sem=SEM)
         # rows whose every P̄ underflowed (row sum under paper_bf16's 1e-10 floor or FP32's smallest normal, or
         # NaN): Algorithm 3's shift beta * rowmax at huge logits; their O is 0 (floored) or NaN, never silent
         under = ((l_raw < (1e-10 if FLOOR else 1.1754943508222875e-38)) | (l_raw != l_raw)) & row_ok
         if KEYPAD:  # a row with no key at all is no underflow (it has no P̄ to lose)
             under = under & live
-        tl.atomic_add(UNDER + off_h, tl.sum(under.to(tl.int32), 0).to(tl.int64))
+        tl.atomic_add(UNDER + off_h, tl.sum(under.to(tl.int32), 0).to(tl.int64), sem=SEM)
         if STABILIZED or GUARDED:  # (row, tile) pairs where the shift fired and a P̄ fed to P̄V is still 1
             if ONE_BLOCK:
                 p1 = p1 & fired
-            tl.atomic_add(P1 + off_h, tl.sum(p1, 0).to(tl.int64))
+            tl.atomic_add(P1 + off_h, tl.sum(p1, 0).to(tl.int64), sem=SEM)
 
 @triton.jit
 def _bwd_delta_kernel(Q, K, V, O, DO, LSE, DELTA, OFP32, KP, FIRST, TIES,

@@ -61,6 +61,32 @@ def launch_order(order: str, section_bytes: int = None):
         _order.update(saved)
 
 
+REPEAT_TESTS = ("top2", "count")
+COUNTER_ATOMICS = ("relaxed", "acq_rel")
+# how the forward's counters run (every count and bit the same either way: speed only). test: an unmasked key tile's
+# repeated-max test by the row's two largest scores (top2, the default) or by counting the scores that reach
+# max - eps (count, as before); atomics: the end-of-program counter atomics without fences (relaxed, the default) or
+# with Triton's acq_rel (before). Compiled for sm_90 on a CPU, fa2's counters forward had 2,408 SASS instructions
+# with count and acq_rel (four MEMBAR.ALL.GPU and four CCTL.IVALL around its atomics)
+_counter_form = {"top2": True, "relaxed": True}
+
+
+@contextlib.contextmanager
+def counter_form(test: str = "top2", atomics: str = "relaxed"):
+    """The forward's counters computed with `test` (REPEAT_TESTS) and `atomics` (COUNTER_ATOMICS) within the scope:
+    the benchmarks time the old forms against the defaults side by side, in one process."""
+    if test not in REPEAT_TESTS:
+        raise ValueError(f"counter test {test!r} is not allowed: expected one of {', '.join(REPEAT_TESTS)}")
+    if atomics not in COUNTER_ATOMICS:
+        raise ValueError(f"counter atomics {atomics!r} are not allowed: expected one of {', '.join(COUNTER_ATOMICS)}")
+    saved = dict(_counter_form)
+    _counter_form.update(top2=test == "top2", relaxed=atomics == "relaxed")
+    try:
+        yield
+    finally:
+        _counter_form.update(saved)
+
+
 EXP_INSTRUCTIONS = ("ex2_approx", "ex2_approx_ftz")
 
 
@@ -419,8 +445,11 @@ def launch_config(knobs: AttentionKnobs, D: int, T: int) -> dict:
     def order(kernel):
         linear = not _order["lpt"] or (_order["by_kernel"] and (kernel, knobs.recipe, D) in LINEAR_LAUNCHES)
         return "linear" if linear else "longest_first"
+    form = dict(test="top2" if _counter_form["top2"] else "count",
+                atomics="relaxed" if _counter_form["relaxed"] else "acq_rel") if knobs.counters else None
     return dict(fwd=dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=fw, num_stages=fs, order=order("fwd"),
-                         maxnreg=register_cap("fwd", knobs, D, (bm, bn, fw, fs), bool(knobs.counters))),
+                         maxnreg=register_cap("fwd", knobs, D, (bm, bn, fw, fs), bool(knobs.counters)),
+                         counters=form),
                 bwd=dict(dkdv=[m1, n1], dq=[m2, n2], num_warps=bw, num_stages=bs,
                          order=dict(dkdv=order("dkdv"), dq=order("dq")),
                          maxnreg=dict(dkdv=register_cap("dkdv", knobs, D, cfg, True),
@@ -572,7 +601,8 @@ def _forward(q, k, v, knobs: AttentionKnobs, rep=None, maxl=None, probe: bool = 
                       COUNTERS=counters, HAS_OFP32=has_ofp32, ONE_BLOCK=not knobs.tiling,
                       PROBE=probe, F32_DOT=knobs.fp32_gemm, KEYPAD=keypad,
                       GUARDED=knobs.softmax == "stabilized_guarded", CLAMP=clamp, SR=bool(knobs.stochastic_round),
-                      FOLD=knobs.exp_form == "exp2_folded", LPT=lpt, FTZ=_exp_ftz[0], num_warps=warps,
+                      FOLD=knobs.exp_form == "exp2_folded", LPT=lpt, FTZ=_exp_ftz[0],
+                      TOP2=_counter_form["top2"], RELAXED=_counter_form["relaxed"], num_warps=warps,
                       num_stages=stages, **_regs(cap))
     return o, lse, (pmax if probe else None), (fired if probe else None)
 

@@ -82,6 +82,20 @@ def test_register_caps_vs_none_by_hand():
     assert bench.parse_variant("triton_fa2+ptxas") == ("triton_fa2", "ptxas")
 
 
+def test_counter_form_vs_old_by_hand():
+    """ATTN+oldcounters: eager with the counters as before (counting, acq_rel atomics); counter_form_vs_old: the
+    default's speed-up over it and whether the losses kept every bit."""
+    def row(v, tps, losses):
+        return dict(variant=v, batch=2, T=8, tokens_per_s=tps, losses=losses)
+    s = bench.summarize([row("triton_paper_bf16", 105.0, [3.0, 2.5]),
+                         row("triton_paper_bf16+oldcounters", 100.0, [3.0, 2.5]),
+                         row("triton_fa2", 100.0, [3.0, 2.5]), row("triton_fa2+oldcounters", 125.0, [3.0, 2.75]),
+                         row("sdpa", 100.0, [3.0, 2.5])])["B2_T8"]
+    assert s["counter_form_vs_old"] == {"triton_paper_bf16": dict(speedup=1.05, bit_identical=True),
+                                        "triton_fa2": dict(speedup=0.8, bit_identical=False)}
+    assert bench.parse_variant("triton_fa2+oldcounters") == ("triton_fa2", "oldcounters")
+
+
 class _Ev:  # a profiler kernel event: name and time_range (us)
     def __init__(self, name, a, b):
         self.name, self.time_range = name, type("R", (), dict(start=a, end=b))()

@@ -218,6 +218,33 @@ def test_the_ptxas_and_lpt_rows_run_their_base_in_their_scopes_and_the_summary_c
     assert abs(d["by_kernel_speedup"] - 0.42 / 0.40) < 1e-12 and abs(d["by_kernel_kernels_speedup"] - 1.05) < 1e-12
 
 
+def test_the_counter_form_rows_run_their_base_in_their_scopes_and_the_summary_compares_them():
+    """<counters row>_count / _acqrel: the base row's knobs, the counters by counting or with acq_rel atomics
+    (counter_form); counter_form_speedup > 1 where the default form is faster; only when named."""
+    import torch
+
+    from benchmarks import attention
+    from flash_forensics.kernels import triton_launch
+    want = {"count": {"top2": False, "relaxed": True}, "acqrel": {"top2": True, "relaxed": False}}
+    assert len(attention.FORM_ROWS) == 6
+    for row, (base, form) in attention.FORM_ROWS.items():
+        assert attention.KNOBS[row] == attention.KNOBS[base] and attention.KNOBS[row].counters
+        assert row not in attention.DEFAULT_METHODS
+        with attention.method_fn(row, 2, torch.device("cpu")).scope():
+            assert triton_launch._counter_form == want[form]
+        assert triton_launch._counter_form == {"top2": True, "relaxed": True}
+    rows = [dict(shape="s", method="sdpa_cudnn", ms=0.38, tflops=1.0, total_us=370.0),
+            dict(shape="s", method="triton_fa2_counters", ms=0.40, tflops=1.0, total_us=400.0),
+            dict(shape="s", method="triton_fa2_counters_count", ms=0.44, tflops=1.0, total_us=420.0),
+            dict(shape="s", method="triton_fa2_counters_acqrel", ms=0.42, tflops=1.0),
+            dict(shape="s", method="triton_paper_bf16_count", ms=0.70, tflops=1.0)]
+    d = attention.summarize(rows, ["s"])["s"]["counter_form_speedup"]
+    assert list(d) == ["triton_fa2_counters"]  # paper_bf16 has no base row here
+    assert abs(d["triton_fa2_counters"]["count"]["speedup"] - 1.1) < 1e-12
+    assert abs(d["triton_fa2_counters"]["count"]["kernels_speedup"] - 1.05) < 1e-12
+    assert d["triton_fa2_counters"]["acqrel"]["kernels_speedup"] is None  # not profiled
+
+
 def test_register_limit_refuses_a_kernel_or_count_it_does_not_know():
     from flash_forensics.kernels import triton_launch
     with pytest.raises(ValueError, match=r"register_limit kernel 'delta' is not allowed: expected one of fwd, dkdv, "

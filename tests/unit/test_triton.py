@@ -370,6 +370,95 @@ def test_interpreter_the_launch_order_keeps_every_bit(tfi, case, keep, monkeypat
             assert torch.equal(a, b), key
 
 
+# the counters' forms (kernels/triton_launch.py counter_form): speed only, every output and count the same
+FORM_CASES = [
+    dict(recipe="fp32", counters=True),
+    dict(recipe="fp32", counters=True, softmax="stabilized", eps=0.5),  # near ties count too
+    dict(recipe="fp32", counters=True, softmax="stabilized_guarded"),
+    dict(recipe="fp32", counters=True, exp_form="exp2_folded", eps=0.25),
+    dict(recipe="fp32", counters=True, pbar_clamp=0.99, block_q=32),
+    dict(recipe="paper_bf16", counters=True, softmax="stabilized"),
+]
+FORMS = [("top2", "relaxed"), ("count", "relaxed"), ("top2", "acq_rel"), ("count", "acq_rel")]
+
+
+def _bits(t):
+    """A tensor's bits (NaN payloads included), to compare outputs where NaN and inf occur."""
+    t = t.detach().contiguous()
+    return t.view({torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.int64: torch.int64}[t.dtype])
+
+
+def _special(q, k):
+    """Scores no test above has: a key whose scores are all NaN, a query whose scores reach +-inf (and NaN where
+    they meet), and a query whose scores are all exactly equal (every entry of its tiles a repeated maximum)."""
+    q, k = q.detach().clone(), k.detach().clone()
+    k[0, 1, 37] = float("nan")
+    q[0, 0, 40] = 0.0
+    q[0, 0, 41, 0] = 3.0e38
+    q[-1, -1, 45] = 0.0  # all-zero scores: ties everywhere
+    return q, k
+
+
+def _forms_outputs(tfi, q, k, v, knobs, forms, key_keep=None):
+    from flash_forensics.kernels import triton_launch
+    g = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(q.device, q.dtype)
+    out = {}
+    for test, atomics in forms:
+        x = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        st = AttnStats(q.shape[1], q.device)
+        with triton_launch.counter_form(test, atomics):
+            assert triton_launch.launch_config(knobs, q.shape[-1], q.shape[2])["fwd"]["counters"] == dict(
+                test=test, atomics=atomics)
+            o = tfi.flash_attention_triton(*x, knobs, st, key_keep=key_keep)
+            grads = torch.autograd.grad(o, x, g)
+        out[test, atomics] = (o, *grads, st.repeated_max_rows, st.max_logit, st.underflow_rows, st.sfa_p1_rows)
+    return out
+
+
+def _assert_forms_agree(out, specials=True):
+    ref = out["count", "acq_rel"]  # the counters as they were computed before counter_form
+    assert ref[-4].sum() > 0, "the planted repeats must be counted"
+    for key, got in out.items():
+        for i, (a, b) in enumerate(zip(got, ref)):
+            assert torch.equal(_bits(a), _bits(b)), (key, ["O", "dQ", "dK", "dV", "repeated_max_rows", "max_logit",
+                                                           "underflow_rows", "sfa_p1_rows"][i])
+    if specials:  # the NaN key reached the outputs: the comparison above covered NaN scores
+        assert torch.isnan(ref[0]).any()
+
+
+@interp
+@pytest.mark.parametrize("case", FORM_CASES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+@pytest.mark.parametrize("keep", [False, True], ids=["nokeep", "keep"])
+def test_interpreter_the_counter_forms_keep_every_bit(tfi, case, keep):
+    """The repeated-max test by a tile's two largest scores (top2) and by counting, and the counters' atomics
+    relaxed or acq_rel: O, the gradients and every counter bit for bit, with NaN, +-inf and all-equal scores in the
+    tiles, near ties (eps > 0), exp2_folded's scaled test, the stabilizers that act on the test, and key padding
+    (whose tiles keep counting)."""
+    B, H, T, D = 2, 2, 56, 16
+    q, k, v = (x.detach() for x in planted(B, H, T, D, "cpu", seed=13))
+    q, k = _special(q, k)
+    knobs = AttentionKnobs(**{"block_q": 16, "block_k": 16, **case})
+    key_keep = None
+    if keep:
+        key_keep = torch.ones(B, T, dtype=torch.bool)
+        key_keep[1, :9] = False
+    _assert_forms_agree(_forms_outputs(tfi, q, k, v, knobs, FORMS, key_keep))
+
+
+def test_a_counter_form_outside_the_lists_is_refused():
+    from flash_forensics.kernels import triton_launch
+    with pytest.raises(ValueError, match="counter test 'sum' is not allowed: expected one of top2, count"):
+        with triton_launch.counter_form("sum"):
+            pass
+    with pytest.raises(ValueError, match="counter atomics 'seq_cst' are not allowed: expected one of relaxed, "
+                                         "acq_rel"):
+        with triton_launch.counter_form("top2", "seq_cst"):
+            pass
+    assert triton_launch._counter_form == {"top2": True, "relaxed": True}  # left as it was
+    off = AttentionKnobs(recipe="fa2", counters=False)
+    assert triton_launch.launch_config(off, 64, 1024)["fwd"]["counters"] is None
+
+
 def test_a_launch_order_outside_the_list_is_refused():
     from flash_forensics.kernels import triton_launch
     with pytest.raises(ValueError, match="order='lpt' is not allowed: expected one of by_kernel, longest_first, "
@@ -588,6 +677,31 @@ def test_gpu_exp2_folded_keeps_the_counters_and_moves_only_the_last_bits(D):
     g = torch.randn_like(o_x)
     for a, b in zip(_grads(o_f, (q, k, v), g), _grads(o_x, (q, k, v), g)):
         assert _rel(a, b) <= 2e-2
+
+
+GPU_FORM_CASES = [
+    (dict(recipe="fa2", counters=True), 64), (dict(recipe="fa2", counters=True), 128),
+    (dict(recipe="fa2", counters=True, softmax="stabilized"), 64),
+    (dict(recipe="fa2", counters=True, exp_form="exp2_folded", eps=0.25), 64),
+    (dict(recipe="paper_bf16", counters=True), 64),
+    (dict(recipe="paper_bf16", counters=True, block_q=128, block_k=128), 64),  # the paper_1gpu preset's tiles
+    (dict(recipe="paper_bf16", counters=True, softmax="stabilized_guarded", pbar_clamp=0.99), 64),
+    (dict(recipe="fp32", counters=True, eps=0.5), 64),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case,D", GPU_FORM_CASES,
+                         ids=[",".join(f"{k}={v}" for k, v in c.items()) + f"-D{d}" for c, d in GPU_FORM_CASES])
+def test_gpu_the_counter_forms_keep_every_bit(case, D):
+    """On the GPU, in BF16 where the recipe is: the counters by the two largest scores (top2, relaxed atomics: the
+    default) against counting with acq_rel atomics (before): O, gradients and every counter bit for bit, with NaN,
+    +-inf and all-equal scores planted (the launch configs and register caps of the real launches)."""
+    from flash_forensics.kernels import triton_flash as tf
+    dt = torch.float32 if case["recipe"] == "fp32" else torch.bfloat16
+    q, k, v = (x.detach() for x in planted(2, 4, 384, D, "cuda", dtype=dt, seed=D + 5))
+    q, k = _special(q, k)
+    _assert_forms_agree(_forms_outputs(tf, q, k, v, replace(AttentionKnobs(backend="triton"), **case), FORMS))
 
 
 @pytest.mark.gpu
