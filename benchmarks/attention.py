@@ -15,14 +15,14 @@ Methods (causal, BF16 inputs (B, H, T, D); FLOPs = 7*B*H*T^2*D per fwd+bwd):
   triton_fa2[_sfa_counters|_counters]_ptxas, triton_paper_bf16_ptxas
                                             those rows with no cap on any kernel's registers (the default caps the
                                             launches kernels/triton_launch.py REGISTER_TABLE measured faster)
-  <counters row>_count, <counters row>_acqrel
-                                            a counters row (triton_fa2_counters, triton_fa2_sfa_counters,
-                                            triton_paper_bf16) with its repeated-max test by counting (before) or its
-                                            atomics acq_rel (before) (kernels/triton_launch.py counter_form; the
-                                            default: a tile's two largest scores, relaxed atomics)
+  triton_fa2[_sfa]_counters_count, triton_paper_bf16_top2, <counters row>_acqrel
+                                            a counters row with the other repeated-max test (the default counts for
+                                            paper_bf16, tests a tile's two largest scores for the rest), or with its
+                                            atomics acq_rel (before; the default: relaxed) (kernels/triton_launch.py
+                                            counter_form)
   triton_fa2_lpt                            fa2 with every kernel longest first (the default, by_kernel, launches
                                             LINEAR_LAUNCHES' linear)
-  (the _sec, _ptxas, _count, _acqrel and _lpt rows run only when named)
+  (the _sec, _ptxas, _count, _top2, _acqrel and _lpt rows run only when named)
   triton_fa2_ftz, triton_paper_bf16_ftz     the same recipes with exp on ex2.approx.ftz (no denormal fix-up;
                                             kernels/triton_launch.py exp_instruction; the default: tl.exp's)
   triton_fa2_counters                       fa2 with the repeated-maxima counters and max logit (as a run logs)
@@ -83,10 +83,12 @@ REGISTER_ROWS = {f"{base}_ptxas": base for base in
                  ("triton_fa2", "triton_fa2_counters", "triton_fa2_sfa_counters", "triton_paper_bf16")}
 KNOBS.update({row: KNOBS[base] for row, base in REGISTER_ROWS.items()})
 KNOBS["triton_fa2_lpt"] = KNOBS["triton_fa2"]
-# <base>_count / <base>_acqrel: a counters row with its repeated-max test by counting, or its atomics acq_rel, as
-# before kernels/triton_launch.py counter_form's defaults (every count and bit the same: speed only)
-FORM_ROWS = {f"{base}_{form}": (base, form) for base in
-             ("triton_fa2_counters", "triton_fa2_sfa_counters", "triton_paper_bf16") for form in ("count", "acqrel")}
+# <base>_count / _top2 / _acqrel: a counters row with the repeated-max test its recipe does not use by default
+# (kernels/triton_launch.py COUNT_RECIPES: paper_bf16 counts, the rest test a tile's two largest scores), or its
+# atomics acq_rel, as before counter_form's default (every count and bit the same: speed only)
+FORM_ROWS = {f"{base}_{form}": (base, form) for base, other in
+             (("triton_fa2_counters", "count"), ("triton_fa2_sfa_counters", "count"), ("triton_paper_bf16", "top2"))
+             for form in (other, "acqrel")}
 KNOBS.update({row: KNOBS[base] for row, (base, _) in FORM_ROWS.items()})
 # the section, register, counter-form and all-longest-first rows only when named
 DEFAULT_METHODS = SDPA + tuple(m for m in KNOBS if "_sec" not in m and m not in REGISTER_ROWS
@@ -161,7 +163,7 @@ def method_fn(name, H, dev):
     if name in FORM_ROWS:  # the counters as before: by counting, or with acq_rel atomics (speed only)
         from flash_forensics.kernels.triton_launch import counter_form
         form = FORM_ROWS[name][1]
-        f.scope = (lambda: counter_form("count")) if form == "count" else (lambda: counter_form(atomics="acq_rel"))
+        f.scope = (lambda: counter_form(atomics="acq_rel")) if form == "acqrel" else (lambda: counter_form(form))
     if name.endswith("_lpt"):  # every kernel longest first, LINEAR_LAUNCHES' too (speed only)
         from flash_forensics.kernels.triton_launch import launch_order
         f.scope = lambda: launch_order("longest_first")

@@ -81,7 +81,8 @@ FTZ = "ftz"
 # default caps the launches REGISTER_TABLE measured faster: the caps' speed-up in training, and their bits
 PTXAS = "ptxas"
 # ATTN+oldcounters: eager, the counters by counting with acq_rel atomics (counter_form("count", "acq_rel")), where
-# the default tests a tile's two largest scores with relaxed atomics: the new form's speed-up in training, and bits
+# the default picks the test by recipe (a tile's two largest scores; paper_bf16 counts) with relaxed atomics: the
+# default's speed-up in training, and bits
 OLD_COUNTERS = "oldcounters"
 EAGER_MODES = (JIT_LAUNCH, TUNED, FTZ, PTXAS, OLD_COUNTERS)
 COMPILE_BACKEND = "inductor"  # torch.compile's backend (a CPU test swaps in "eager": dynamo alone, no C++ build)

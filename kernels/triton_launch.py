@@ -61,30 +61,41 @@ def launch_order(order: str, section_bytes: int = None):
         _order.update(saved)
 
 
-REPEAT_TESTS = ("top2", "count")
+REPEAT_TESTS = ("by_recipe", "top2", "count")
 COUNTER_ATOMICS = ("relaxed", "acq_rel")
 # how the forward's counters run (every count and bit the same either way: speed only). test: an unmasked key tile's
-# repeated-max test by the row's two largest scores (top2, the default) or by counting the scores that reach
-# max - eps (count, as before); atomics: the end-of-program counter atomics without fences (relaxed, the default) or
-# with Triton's acq_rel (before). Compiled for sm_90 on a CPU, fa2's counters forward had 2,408 SASS instructions
-# with count and acq_rel (four MEMBAR.ALL.GPU and four CCTL.IVALL around its atomics)
-_counter_form = {"top2": True, "relaxed": True}
+# repeated-max test by the row's two largest scores (top2) or by counting the scores that reach max - eps (count, as
+# before); by_recipe (the default): count for COUNT_RECIPES, top2 for the rest. atomics: the end-of-program counter
+# atomics without fences (relaxed, the default) or with Triton's acq_rel (before: a MEMBAR.ALL.GPU and a CCTL.IVALL
+# around each of the four in sm_90 SASS). On an H100 side by side (results/bench/gpu-h100-2026-12-06g/, kernel time,
+# two processes): top2 took fa2's counters 1.0-1.2% faster at B16 T1024 and 3.5-5.3% at B4 T4096, SFA's 0.8-1.4% at
+# T1024, but paper_bf16's 2.2% slower at T1024 and 3-4% at T4096; relaxed atomics 1.5% (fa2, T1024) and 2.7% (D128)
+COUNT_RECIPES = frozenset({"paper_bf16"})
+_counter_form = {"test": "by_recipe", "relaxed": True}
 
 
 @contextlib.contextmanager
-def counter_form(test: str = "top2", atomics: str = "relaxed"):
+def counter_form(test: str = "by_recipe", atomics: str = "relaxed"):
     """The forward's counters computed with `test` (REPEAT_TESTS) and `atomics` (COUNTER_ATOMICS) within the scope:
-    the benchmarks time the old forms against the defaults side by side, in one process."""
+    the benchmarks time one form against another side by side, in one process."""
     if test not in REPEAT_TESTS:
         raise ValueError(f"counter test {test!r} is not allowed: expected one of {', '.join(REPEAT_TESTS)}")
     if atomics not in COUNTER_ATOMICS:
         raise ValueError(f"counter atomics {atomics!r} are not allowed: expected one of {', '.join(COUNTER_ATOMICS)}")
     saved = dict(_counter_form)
-    _counter_form.update(top2=test == "top2", relaxed=atomics == "relaxed")
+    _counter_form.update(test=test, relaxed=atomics == "relaxed")
     try:
         yield
     finally:
         _counter_form.update(saved)
+
+
+def repeat_test(recipe: str) -> str:
+    """The repeated-max test a launch of `recipe` uses in the scope: top2 or count."""
+    test = _counter_form["test"]
+    if test == "by_recipe":
+        return "count" if recipe in COUNT_RECIPES else "top2"
+    return test
 
 
 EXP_INSTRUCTIONS = ("ex2_approx", "ex2_approx_ftz")
@@ -127,11 +138,12 @@ REGISTER_KERNELS = ("fwd", "dkdv", "dq")
 #   the counters' forward (fa2, fa2 + stabilized softmax, paper_bf16): 145-167 registers, 3 programs per SM; at 128
 #   (4 programs, 8-56 spilled bytes) 142.2 -> 128.0 us (fa2), 173.0 -> 151.8 (SFA), 167.4 -> 155.6 (paper_bf16)
 #   at T1024, 410.1 -> 382.5, 520.2 -> 460.0, 520.2 -> 485.8 at T4096;
-#   paper_bf16's dK/dV: 216 -> 168 registers (2 -> 3 programs): 306.1 -> 296.8 us, 1107.7 -> 1082.4.
+#   paper_bf16's dK/dV: 216 -> 168 registers (2 -> 3 programs): 306.1 -> 296.8 us, 1107.7 -> 1082.4;
+#   with the counters' top2 test (gpu-h100-2026-12-06g) fa2's capped forward still led: 116.6 against 125.9 us.
 # Not capped: fa2's dK/dV (157 -> 128 was 1.6% and 5% slower), and every D128 kernel (a cap there spills hundreds
 # of bytes: dK/dV 5x slower). A cap should move registers, never an operation: compiled for sm_90 each has the same
-# floating-point instructions as no cap, counted with their modifiers (tests/unit/test_kernel_sass.py); the GPU's
-# kernel-bits cases have not run with the caps yet (results/bench/gpu-h100-2026-12-06f/README.md, the next lease).
+# floating-point instructions as no cap, counted with their modifiers (tests/unit/test_kernel_sass.py), and on an H100
+# the kernel-bits cases with the caps were bit for bit the record without them (results/bench/gpu-h100-2026-12-06g/).
 # Keyed on the launch as measured: (kernel, recipe, softmax, head dim, launch config), the knobs otherwise their
 # defaults with the counters on, no probe, no key padding
 REGISTER_TABLE = {
@@ -445,7 +457,7 @@ def launch_config(knobs: AttentionKnobs, D: int, T: int) -> dict:
     def order(kernel):
         linear = not _order["lpt"] or (_order["by_kernel"] and (kernel, knobs.recipe, D) in LINEAR_LAUNCHES)
         return "linear" if linear else "longest_first"
-    form = dict(test="top2" if _counter_form["top2"] else "count",
+    form = dict(test=repeat_test(knobs.recipe),
                 atomics="relaxed" if _counter_form["relaxed"] else "acq_rel") if knobs.counters else None
     return dict(fwd=dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=fw, num_stages=fs, order=order("fwd"),
                          maxnreg=register_cap("fwd", knobs, D, (bm, bn, fw, fs), bool(knobs.counters)),
@@ -602,7 +614,7 @@ def _forward(q, k, v, knobs: AttentionKnobs, rep=None, maxl=None, probe: bool = 
                       PROBE=probe, F32_DOT=knobs.fp32_gemm, KEYPAD=keypad,
                       GUARDED=knobs.softmax == "stabilized_guarded", CLAMP=clamp, SR=bool(knobs.stochastic_round),
                       FOLD=knobs.exp_form == "exp2_folded", LPT=lpt, FTZ=_exp_ftz[0],
-                      TOP2=_counter_form["top2"], RELAXED=_counter_form["relaxed"], num_warps=warps,
+                      TOP2=repeat_test(knobs.recipe) == "top2", RELAXED=_counter_form["relaxed"], num_warps=warps,
                       num_stages=stages, **_regs(cap))
     return o, lse, (pmax if probe else None), (fired if probe else None)
 

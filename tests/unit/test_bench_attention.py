@@ -219,25 +219,33 @@ def test_the_ptxas_and_lpt_rows_run_their_base_in_their_scopes_and_the_summary_c
 
 
 def test_the_counter_form_rows_run_their_base_in_their_scopes_and_the_summary_compares_them():
-    """<counters row>_count / _acqrel: the base row's knobs, the counters by counting or with acq_rel atomics
-    (counter_form); counter_form_speedup > 1 where the default form is faster; only when named."""
+    """<counters row>_count / _top2 / _acqrel: the base row's knobs, the counters by the test its recipe does not
+    use by default or with acq_rel atomics (counter_form); counter_form_speedup > 1 where the default form is faster;
+    only when named."""
     import torch
 
     from benchmarks import attention
     from flash_forensics.kernels import triton_launch
-    want = {"count": {"top2": False, "relaxed": True}, "acqrel": {"top2": True, "relaxed": False}}
+    want = {"count": {"test": "count", "relaxed": True}, "top2": {"test": "top2", "relaxed": True},
+            "acqrel": {"test": "by_recipe", "relaxed": False}}
     assert len(attention.FORM_ROWS) == 6
     for row, (base, form) in attention.FORM_ROWS.items():
         assert attention.KNOBS[row] == attention.KNOBS[base] and attention.KNOBS[row].counters
         assert row not in attention.DEFAULT_METHODS
         with attention.method_fn(row, 2, torch.device("cpu")).scope():
             assert triton_launch._counter_form == want[form]
-        assert triton_launch._counter_form == {"top2": True, "relaxed": True}
+            # the row's test is the one its recipe does not use by default
+            other = triton_launch.repeat_test(attention.KNOBS[row].recipe)
+        assert (other != triton_launch.repeat_test(attention.KNOBS[row].recipe)) == (form != "acqrel")
+        assert triton_launch._counter_form == {"test": "by_recipe", "relaxed": True}
+    assert sorted(attention.FORM_ROWS) == sorted(["triton_fa2_counters_count", "triton_fa2_counters_acqrel",
+                                                  "triton_fa2_sfa_counters_count", "triton_fa2_sfa_counters_acqrel",
+                                                  "triton_paper_bf16_top2", "triton_paper_bf16_acqrel"])
     rows = [dict(shape="s", method="sdpa_cudnn", ms=0.38, tflops=1.0, total_us=370.0),
             dict(shape="s", method="triton_fa2_counters", ms=0.40, tflops=1.0, total_us=400.0),
             dict(shape="s", method="triton_fa2_counters_count", ms=0.44, tflops=1.0, total_us=420.0),
             dict(shape="s", method="triton_fa2_counters_acqrel", ms=0.42, tflops=1.0),
-            dict(shape="s", method="triton_paper_bf16_count", ms=0.70, tflops=1.0)]
+            dict(shape="s", method="triton_paper_bf16_top2", ms=0.70, tflops=1.0)]
     d = attention.summarize(rows, ["s"])["s"]["counter_form_speedup"]
     assert list(d) == ["triton_fa2_counters"]  # paper_bf16 has no base row here
     assert abs(d["triton_fa2_counters"]["count"]["speedup"] - 1.1) < 1e-12

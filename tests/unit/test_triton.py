@@ -447,14 +447,22 @@ def test_interpreter_the_counter_forms_keep_every_bit(tfi, case, keep):
 
 def test_a_counter_form_outside_the_lists_is_refused():
     from flash_forensics.kernels import triton_launch
-    with pytest.raises(ValueError, match="counter test 'sum' is not allowed: expected one of top2, count"):
+    with pytest.raises(ValueError, match="counter test 'sum' is not allowed: expected one of by_recipe, top2, count"):
         with triton_launch.counter_form("sum"):
             pass
     with pytest.raises(ValueError, match="counter atomics 'seq_cst' are not allowed: expected one of relaxed, "
                                          "acq_rel"):
         with triton_launch.counter_form("top2", "seq_cst"):
             pass
-    assert triton_launch._counter_form == {"top2": True, "relaxed": True}  # left as it was
+    assert triton_launch._counter_form == {"test": "by_recipe", "relaxed": True}  # left as it was
+    # by recipe (the default): paper_bf16 counts (top2 was slower there on an H100), every other recipe tests top2
+    for recipe, test in (("paper_bf16", "count"), ("fa2", "top2"), ("fp32", "top2")):
+        assert triton_launch.launch_config(AttentionKnobs(recipe=recipe), 64, 1024)["fwd"]["counters"] == dict(
+            test=test, atomics="relaxed")
+    with triton_launch.counter_form("top2", "acq_rel"):
+        assert triton_launch.repeat_test("paper_bf16") == "top2"
+        assert triton_launch.launch_config(AttentionKnobs(recipe="fa2"), 64, 1024)["fwd"]["counters"] == dict(
+            test="top2", atomics="acq_rel")
     off = AttentionKnobs(recipe="fa2", counters=False)
     assert triton_launch.launch_config(off, 64, 1024)["fwd"]["counters"] is None
 
