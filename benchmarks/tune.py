@@ -143,16 +143,33 @@ def tune_shape(tf, fam, knobs, B, H, T, D, dev, log):
     return res
 
 
-def tune_all(dev, shapes, log=print, families=None) -> dict:
-    from flash_forensics.kernels import triton_launch as tf
-    out = dict(results=[])
+def plan(shapes, families=None):
+    """([(family, knobs, shape)] to time, [{family, shape, why}] skipped): every requested family at every shape, or
+    why not (a family no --families named is not listed)."""
+    todo, skipped = [], []
     for B, H, T, D in shapes:
         for fam, knobs in FAMILIES.items():
-            if (fam == "fp32" and T > FP32_MAX_T) or (families and fam not in families) or D not in FWD.get(
-                    fam, FWD["bf16"]):
+            if families and fam not in families:
                 continue
-            log(f"tuning {fam} at B={B} H={H} T={T} D={D}")
-            out["results"].append(tune_shape(tf, fam, knobs, B, H, T, D, dev, log))
+            why = (f"the fp32 recipe is tuned up to T={FP32_MAX_T} only" if fam == "fp32" and T > FP32_MAX_T else
+                   f"no launch candidates at head dim {D} (candidates at D in "
+                   f"{sorted(FWD.get(fam, FWD['bf16']))})" if D not in FWD.get(fam, FWD["bf16"]) else None)
+            if why:
+                skipped.append(dict(family=fam, shape=[B, H, T, D], why=why))
+            else:
+                todo.append((fam, knobs, (B, H, T, D)))
+    return todo, skipped
+
+
+def tune_all(dev, shapes, log=print, families=None) -> dict:
+    from flash_forensics.kernels import triton_launch as tf
+    todo, skipped = plan(shapes, families)
+    out = dict(results=[], skipped=skipped)
+    for s in skipped:
+        log(f"not tuning {s['family']} at {s['shape']}: {s['why']}")
+    for fam, knobs, (B, H, T, D) in todo:
+        log(f"tuning {fam} at B={B} H={H} T={T} D={D}")
+        out["results"].append(tune_shape(tf, fam, knobs, B, H, T, D, dev, log))
     out["shape_table"] = {"/".join(map(str, k)): list(v) for k, v in tf.SHAPE_TABLE.items()}
     return out
 
@@ -174,10 +191,14 @@ def main(argv=None):
         bad = [x for x in getattr(args, name).split(",") if x not in known]
         if bad:
             ap.error(f"--{name}: {bad[0]!r} is not allowed: expected names from {', '.join(known)}")
+    shapes, families = [SHAPES[s] for s in args.shapes.split(",")], args.families.split(",")
+    todo, skipped = plan(shapes, families)
+    if not todo:  # before any GPU work: a run that would time nothing says so and fails (it wrote an empty table)
+        sys.exit("benchmarks/tune.py: nothing to time for --shapes " + args.shapes + " --families " + args.families
+                 + ": " + "; ".join(f"{s['family']} at {s['shape']}: {s['why']}" for s in skipped))
     if not torch.cuda.is_available():
         sys.exit("benchmarks/tune.py needs a CUDA GPU")
-    res = tune_all(torch.device("cuda"), [SHAPES[s] for s in args.shapes.split(",")],
-                   families=args.families.split(","))
+    res = tune_all(torch.device("cuda"), shapes, families=families)
     from benchmarks.envinfo import environment
     res.update(environment(sys.argv[1:] if argv is None else argv, __file__))
     path = args.out or os.path.join(ROOT, "results", "bench", "tune.json")

@@ -88,6 +88,25 @@ def test_tune_refuses_an_unknown_family_or_shape_by_name(capsys):
         assert f"{flag}: {value!r} is not allowed: expected names from" in err
 
 
+def test_tune_that_would_time_nothing_says_why_and_fails_before_the_gpu():
+    """--shapes D128_T2048 with tune's default family (paper_1gpu, D64 candidates only) timed nothing and wrote an
+    empty table with exit 0 on an H100 (results/bench/gpu-h100-2026-12-06g/tune-D128-none.json): now the plan names
+    each skipped (family, shape) and why, and a run with nothing to time exits non-zero before asking for a GPU."""
+    from benchmarks import tune
+    from benchmarks.shapes import SHAPES
+    todo, skipped = tune.plan([SHAPES["D128_T2048"]], ["paper_1gpu"])
+    assert todo == [] and [s["family"] for s in skipped] == ["paper_1gpu"]
+    assert "no launch candidates at head dim 128" in skipped[0]["why"]
+    with pytest.raises(SystemExit) as e:
+        tune.main(["--shapes", "D128_T2048", "--families", "paper_1gpu"])
+    assert "nothing to time" in str(e.value) and "paper_1gpu at [8, 16, 2048, 128]" in str(e.value)
+    todo, skipped = tune.plan([SHAPES["D128_T2048"], SHAPES["T4096"]], ["fa2", "fp32", "paper_1gpu"])
+    assert [(f, s[2], s[3]) for f, _, s in todo] == [("fa2", 2048, 128), ("fp32", 2048, 128), ("fa2", 4096, 64),
+                                                     ("paper_1gpu", 4096, 64)]
+    assert {(s["family"], s["shape"][2]) for s in skipped} == {("paper_1gpu", 2048), ("fp32", 4096)}
+    assert "up to T=2048" in next(s["why"] for s in skipped if s["family"] == "fp32")
+
+
 def test_tune_never_chooses_a_faster_candidate_that_changes_a_fixed_tile_family_s_bits(monkeypatch):
     """benchmarks/tune.py tune_shape with a stand-in launcher on the CPU: the forward candidate (32, ...) is the
     fastest but moves O's bits, so paper_1gpu keeps the next fastest of the bit-identical ones; fa2 (free tiles)
