@@ -306,6 +306,18 @@ def run_shape(names, batch, T, args, dev, errors):
         guarded(v, lambda v=v: v.profiled(data[0]))
 
 
+def _against(rs, mode: str, mode_first: bool) -> dict:
+    """{variant: speed-up and bit_identical} for every variant whose `variant+mode` row ran: the speed-up is mode's
+    over the default's (mode_first) or the default's over mode's."""
+    out = {}
+    for v in rs:
+        m = rs.get(f"{v}+{mode}")
+        if m is not None:
+            a, b = (m, rs[v]) if mode_first else (rs[v], m)
+            out[v] = dict(speedup=a["tokens_per_s"] / b["tokens_per_s"], bit_identical=rs[v]["losses"] == m["losses"])
+    return out
+
+
 def summarize(rows) -> dict:
     """Per shape: tokens/s and the ratio to sdpa+compile; compiled vs its eager twin, loss by loss."""
     out = {}
@@ -327,29 +339,15 @@ def summarize(rows) -> dict:
                 d["compiled_vs_eager"][name] = dict(
                     steps=n, bit_identical=not diff, first_diff_step=diff[0] if diff else None,
                     max_abs_loss_diff=max((abs(a[i] - b[i]) for i in range(n)), default=None))
-        # the launch cache against Triton's own launch: the same kernels, so the same losses, bit for bit
-        d["launch_cache_vs_jit"] = {v: dict(speedup=rs[v]["tokens_per_s"] / rs[f"{v}+{JIT_LAUNCH}"]["tokens_per_s"],
-                                            bit_identical=rs[v]["losses"] == rs[f"{v}+{JIT_LAUNCH}"]["losses"])
-                                    for v in rs if f"{v}+{JIT_LAUNCH}" in rs}
-        # a tuned launch table against the default one: its speed-up, and whether it kept the losses bit for bit
-        d["tuned_vs_default"] = {v: dict(speedup=rs[f"{v}+{TUNED}"]["tokens_per_s"] / rs[v]["tokens_per_s"],
-                                         bit_identical=rs[v]["losses"] == rs[f"{v}+{TUNED}"]["losses"])
-                                 for v in rs if f"{v}+{TUNED}" in rs}
-        # exp on ex2.approx.ftz against tl.exp's: its speed-up, and whether the steps' losses kept every bit
-        d["ftz_vs_tl_exp"] = {v: dict(speedup=rs[f"{v}+{FTZ}"]["tokens_per_s"] / rs[v]["tokens_per_s"],
-                                      bit_identical=rs[v]["losses"] == rs[f"{v}+{FTZ}"]["losses"])
-                              for v in rs if f"{v}+{FTZ}" in rs}
-        # the default's register caps against none: their speed-up (> 1: the caps are faster), and whether the
-        # steps' losses kept every bit (they should: a cap moves registers, not arithmetic)
-        d["register_caps_vs_none"] = {v: dict(speedup=rs[v]["tokens_per_s"] / rs[f"{v}+{PTXAS}"]["tokens_per_s"],
-                                              bit_identical=rs[v]["losses"] == rs[f"{v}+{PTXAS}"]["losses"])
-                                      for v in rs if f"{v}+{PTXAS}" in rs}
-        # the counters' default form against the old one: its speed-up (> 1: faster), and whether every loss kept
-        # its bits (it should: the same counts, and the counters never feed the forward's arithmetic)
-        d["counter_form_vs_old"] = {
-            v: dict(speedup=rs[v]["tokens_per_s"] / rs[f"{v}+{OLD_COUNTERS}"]["tokens_per_s"],
-                    bit_identical=rs[v]["losses"] == rs[f"{v}+{OLD_COUNTERS}"]["losses"])
-            for v in rs if f"{v}+{OLD_COUNTERS}" in rs}
+        # each eager mode against the default, side by side: the speed-up of the one named first (> 1: faster) and
+        # whether the steps' losses kept every bit. The launch cache against Triton's own launch (the same kernels);
+        # a tuned table against the default one; ftz exp against tl.exp's; the default's register caps against none
+        # (a cap moves registers, not arithmetic); the counters' default form against the old one (same counts)
+        d["launch_cache_vs_jit"] = _against(rs, JIT_LAUNCH, mode_first=False)
+        d["tuned_vs_default"] = _against(rs, TUNED, mode_first=True)
+        d["ftz_vs_tl_exp"] = _against(rs, FTZ, mode_first=True)
+        d["register_caps_vs_none"] = _against(rs, PTXAS, mode_first=False)
+        d["counter_form_vs_old"] = _against(rs, OLD_COUNTERS, mode_first=False)
         out[f"B{key[0]}_T{key[1]}"] = d
     return out
 

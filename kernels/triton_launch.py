@@ -213,13 +213,18 @@ def section_heads(BH: int, most: int) -> int:
     return max(d for d in range(1, min(BH, max(1, most)) + 1) if BH % d == 0)
 
 
+def _linear(kernel: str, recipe: str, D: int) -> bool:
+    """Whether the scope launches this kernel linearly: launch_order("linear"), or by_kernel's LINEAR_LAUNCHES."""
+    return not _order["lpt"] or (_order["by_kernel"] and (kernel, recipe, D) in LINEAR_LAUNCHES)
+
+
 def _grid(n_tiles: int, BH: int, kv, kernel: str = None, recipe: str = None):
     """(grid, LPT) of `kernel` of `recipe` over n_tiles tiles of B*H heads in the scope's launch order; kv: a K or V
     tensor (its length, head dim and element size give a head's K and V bytes, which bound a section's heads).
     longest_first: (heads of a section, tiles, sections), kernels/triton_kernels.py _program; linear: (tiles, heads),
     as before; by_kernel: linear for LINEAR_LAUNCHES' (kernel, recipe, head dim) launches."""
     T, D = kv.shape[-2], kv.shape[-1]
-    if not _order["lpt"] or (_order["by_kernel"] and (kernel, recipe, D) in LINEAR_LAUNCHES):
+    if _linear(kernel, recipe, D):
         return (n_tiles, BH), False
     g = section_heads(BH, _order["section_bytes"] // (2 * T * D * kv.element_size()))
     return (g, n_tiles, BH // g), True
@@ -457,8 +462,7 @@ def launch_config(knobs: AttentionKnobs, D: int, T: int) -> dict:
     cfg = ((m1, n1), (m2, n2), bw, bs)
 
     def order(kernel):
-        linear = not _order["lpt"] or (_order["by_kernel"] and (kernel, knobs.recipe, D) in LINEAR_LAUNCHES)
-        return "linear" if linear else "longest_first"
+        return "linear" if _linear(kernel, knobs.recipe, D) else "longest_first"
     form = dict(test=repeat_test(knobs.recipe),
                 atomics="relaxed" if _counter_form["relaxed"] else "acq_rel") if knobs.counters else None
     return dict(fwd=dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=fw, num_stages=fs, order=order("fwd"),
