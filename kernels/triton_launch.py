@@ -67,11 +67,11 @@ COUNTER_ATOMICS = ("relaxed", "acq_rel")
 # repeated-max test by the row's two largest scores (top2) or by counting the scores that reach max - eps (count, as
 # before); by_recipe (the default): count for COUNT_RECIPES, top2 for the rest. atomics: the end-of-program counter
 # atomics without fences (relaxed, the default) or with Triton's acq_rel (before: a MEMBAR.ALL.GPU and a CCTL.IVALL
-# around each of the four in sm_90 SASS). On an H100 side by side (results/bench/gpu-h100-2026-12-06g/, the forward's
-# kernel time, two processes): top2 took fa2's from 120.7-121.1 to 116.3-116.6 us at B16 T1024 and from 382.6-391.2
-# to 354.7-354.8 at B4 T4096, SFA's from 141.2-142.1 to 137.8-138.0 at T1024, but paper_bf16's from 150.8-150.9 to
-# 166.2 at T1024 and from 482.5-489.3 to 562.7-562.9 at T4096; relaxed atomics took fa2's from 122.6-122.7 to
-# 116.3-116.6 at T1024 and from 477.5 to 444.3 at D128 (B8 H16 T2048)
+# around each of the four in sm_90 SASS). On an H100 side by side in one process (results/bench/gpu-h100-2026-12-06g/
+# attention.json, the forward's kernel time): top2 took fa2's from 120.7 to 116.6 us at B16 T1024 and from 391.2 to
+# 354.8 at B4 T4096, SFA's from 142.1 to 137.8 at T1024, but paper_bf16's from 150.9 to 166.2 at T1024 and from 482.5
+# to 562.7 at T4096; relaxed atomics took fa2's from 122.6 to 116.6 at T1024 and from 477.5 to 444.3 at D128
+# (B8 H16 T2048). A second process (b-attention.json, no D128) ranked every pair it timed the same way
 COUNT_RECIPES = frozenset({"paper_bf16"})
 _counter_form = {"test": "by_recipe", "relaxed": True}
 
