@@ -30,6 +30,9 @@ REGISTER_TABLE measured faster); `register_caps_vs_none`: the caps' speed-up and
 "acq_rel")); `counter_form_vs_old`: the default's speed-up over it and whether the losses agree bit for bit.
 `ATTN+jitlaunch` runs eager with every Triton kernel launched through Triton's own fn[grid], not the launch cache
 (kernels/launch_cache.py); `launch_cache_vs_jit` in the summary: its speed-up and whether the losses agree bit for bit.
+`paper_1gpu_fp32` and `paper_1gpu_fp32_ieee` are the preset's FP32 reference fork (recipe fp32, its 128x128 tiles) with
+3xTF32 GEMMs, as the paper table runs it, and with IEEE FP32 ones; `fp32_reference_vs_baseline`: their tokens/s as a
+fraction of paper_1gpu's.
 Each row records the attention route that ran and, for SDPA, the aten op that ran (flash, cuDNN, efficient or math).
 `profile`, from one profiled step after the timed ones: on CUDA the GPU kernels' time, how much of the step's GPU span
 they keep the GPU busy (busy_fraction well under 1: the GPU waits on the host), attention's kernels' share, and the
@@ -64,6 +67,11 @@ ATTN = {
     # experiment=paper_1gpu's attention (backend auto is Triton on CUDA; 128x128 tiles)
     "paper_1gpu": dict(impl="flash", backend="triton", recipe="paper_bf16", block_q=128, block_k=128),
     "emulator_paper_bf16": dict(impl="flash", backend="emulator", recipe="paper_bf16"),  # the CPU smoke's flash
+    # the preset's FP32 reference (intervention=fp32) as the paper-table's forks run it (FORK_OVERRIDES:
+    # attention.fp32_gemm=tf32x3), and with IEEE FP32 GEMMs (the knob's default): what its speed costs the table
+    "paper_1gpu_fp32": dict(impl="flash", backend="triton", recipe="fp32", fp32_gemm="tf32x3", block_q=128,
+                            block_k=128),
+    "paper_1gpu_fp32_ieee": dict(impl="flash", backend="triton", recipe="fp32", block_q=128, block_k=128),
 }
 VARIANTS = ["sdpa+compile", "sdpa", "triton_fa2", "triton_fa2+compile", "triton_paper_bf16",
             "triton_paper_bf16+compile", "paper_1gpu", "paper_1gpu+compile", "triton_fa2_sfa+compile",
@@ -84,6 +92,7 @@ PTXAS = "ptxas"
 # the default picks the test by recipe (a tile's two largest scores; paper_bf16 counts) with relaxed atomics: the
 # default's speed-up in training, and bits
 OLD_COUNTERS = "oldcounters"
+BASELINE, FP32_REFERENCES = "paper_1gpu", ("paper_1gpu_fp32", "paper_1gpu_fp32_ieee")
 EAGER_MODES = (JIT_LAUNCH, TUNED, FTZ, PTXAS, OLD_COUNTERS)
 COMPILE_BACKEND = "inductor"  # torch.compile's backend (a CPU test swaps in "eager": dynamo alone, no C++ build)
 RECOMPILES_PER_VARIANT = 8  # dynamo's default recompile_limit is 8 per code object for the whole process
@@ -348,6 +357,10 @@ def summarize(rows) -> dict:
         d["ftz_vs_tl_exp"] = _against(rs, FTZ, mode_first=True)
         d["register_caps_vs_none"] = _against(rs, PTXAS, mode_first=False)
         d["counter_form_vs_old"] = _against(rs, OLD_COUNTERS, mode_first=False)
+        # the preset's FP32 reference forks against its BF16 baseline (both eager, 128x128 tiles): their speed,
+        # as a fraction of the baseline's tokens/s (the paper table's forks train at this pace)
+        d["fp32_reference_vs_baseline"] = {v: rs[v]["tokens_per_s"] / rs[BASELINE]["tokens_per_s"]
+                                           for v in FP32_REFERENCES if v in rs and BASELINE in rs}
         out[f"B{key[0]}_T{key[1]}"] = d
     return out
 

@@ -12,6 +12,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks import train_step as bench  # noqa: E402
+from flash_forensics.kernels.config import AttentionConfig  # noqa: E402
 
 
 def test_cpu_smoke_round_robin_same_batches_and_the_sdpa_op(tmp_path):
@@ -94,6 +95,21 @@ def test_counter_form_vs_old_by_hand():
     assert s["counter_form_vs_old"] == {"triton_paper_bf16": dict(speedup=1.05, bit_identical=True),
                                         "triton_fa2": dict(speedup=0.8, bit_identical=False)}
     assert bench.parse_variant("triton_fa2+oldcounters") == ("triton_fa2", "oldcounters")
+
+
+def test_fp32_reference_vs_baseline_by_hand():
+    """fp32_reference_vs_baseline: the preset's FP32 reference forks' tokens/s as a fraction of its BF16 baseline's,
+    only where both ran; each variant builds the fork's attention (recipe fp32, 128x128 tiles, its GEMM mode)."""
+    def row(v, tps):
+        return dict(variant=v, batch=2, T=8, tokens_per_s=tps, losses=[3.0])
+    s = bench.summarize([row("paper_1gpu", 200.0), row("paper_1gpu_fp32", 124.0), row("paper_1gpu_fp32_ieee", 20.0),
+                         row("triton_fa2", 300.0)])["B2_T8"]
+    assert s["fp32_reference_vs_baseline"] == {"paper_1gpu_fp32": 0.62, "paper_1gpu_fp32_ieee": 0.1}
+    assert bench.summarize([row("paper_1gpu_fp32", 124.0)])["B2_T8"]["fp32_reference_vs_baseline"] == {}
+    for v, gemm in (("paper_1gpu_fp32", "tf32x3"), ("paper_1gpu_fp32_ieee", "ieee")):
+        cfg = AttentionConfig(**bench.ATTN[v])
+        assert (cfg.recipe, cfg.fp32_gemm, cfg.block_q, cfg.block_k) == ("fp32", gemm, 128, 128)
+        assert bench.parse_variant(v) == (v, None)
 
 
 class _Ev:  # a profiler kernel event: name and time_range (us)
