@@ -283,7 +283,9 @@ def _program(LPT: tl.constexpr, LAST_FIRST: tl.constexpr):
 def _top2(a1, a2, b1, b2):
     """tl.reduce's combine for a row's two largest scores (a multiset's: a tie gives top2 == top1). A NaN score is
     never either (max ignores it; the min that feeds top2 propagates it, and the max then drops it), as s >= thr
-    never counts it."""
+    never counts it. The leaves' second value is NaN: max(x, NaN) = x folds away (with -inf it cost an FMNMX per
+    score), and a second largest that does not exist (one non-NaN score) stays NaN, never >= thr, where -inf would
+    pass thr = -inf and count a lone -inf score as repeated."""
     return tl.maximum(a1, b1), tl.maximum(tl.minimum(a1, b1, propagate_nan=tl.PropagateNan.ALL), tl.maximum(a2, b2))
 
 @triton.jit
@@ -329,7 +331,7 @@ def _fwd_inner(acc, l_i, m_i, raw_max, fired, pmax, l_raw, p1, q, k_base, v_base
             # fl(s scale) too): no per-entry compare, convert and add. Masked tiles count entries, as before
             BY_TOP2: tl.constexpr = NEED_REP and TOP2 and not (MASKED or KEYPAD)
             if BY_TOP2:
-                rm, r2 = tl.reduce((s, tl.full([BLOCK_M, BLOCK_N], float("-inf"), tl.float32)), 1, _top2)
+                rm, r2 = tl.reduce((s, tl.full([BLOCK_M, BLOCK_N], float("nan"), tl.float32)), 1, _top2)
             else:
                 rm = tl.max(s, 1)
             raw_max = tl.maximum(raw_max, rm)  # FOLD: unscaled (scaled once, at the end)

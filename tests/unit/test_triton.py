@@ -390,12 +390,22 @@ def _bits(t):
 
 def _special(q, k):
     """Scores no test above has: a key whose scores are all NaN, a query whose scores reach +-inf (and NaN where
-    they meet), and a query whose scores are all exactly equal (every entry of its tiles a repeated maximum)."""
+    they meet), a query whose scores are all exactly equal (every entry of its tiles a repeated maximum), and a key
+    tile with one -inf score, the rest NaN."""
     q, k = q.detach().clone(), k.detach().clone()
     k[0, 1, 37] = float("nan")
     q[0, 0, 40] = 0.0
     q[0, 0, 41, 0] = 3.0e38
     q[-1, -1, 45] = 0.0  # all-zero scores: ties everywhere
+    # batch 1, head 0: keys [0, n - 1) NaN and key n - 1 scoring -inf against the last query, so each key tile of
+    # [0, n) that holds key n - 1 (tiles of 16 to 128 keys) gives that row one score reaching max - eps = -inf and
+    # the rest NaN: no repeated max (top2's second largest must not exist there, rather than be -inf)
+    n = 32 if q.shape[2] < 256 else 128
+    k[1, 0, : n - 1] = float("nan")
+    k[1, 0, n - 1] = 0.0
+    k[1, 0, n - 1, 0] = -10.0
+    q[1, 0, -1] = 0.0
+    q[1, 0, -1, 0] = 3.0e38
     return q, k
 
 
