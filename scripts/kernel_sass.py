@@ -16,7 +16,8 @@ this is also the one CPU check that a kernel edit still compiles for the GPU.
 A variant: `fa2`, `paper_bf16`, `fp32` or `paper_1gpu` (paper_bf16 at 128x128 tiles), then `:knob=value` pairs of
 AttentionKnobs (`counters=true`: the counters on, as a run's monitors have them) and `:regs.<kernel>=N` caps
 (kernels/triton_launch.py register_limit: at most N registers per thread for fwd, dkdv or dq; `none`: no cap,
-not even REGISTER_TABLE's default one).
+not even REGISTER_TABLE's default one), and `:form=top2|count` / `:atomics=relaxed|acq_rel`, the counters' form
+(kernels/triton_launch.py counter_form; default: the test by recipe, relaxed atomics).
 """
 from __future__ import annotations
 
@@ -55,11 +56,22 @@ def register_caps(text: str) -> dict:
     return caps
 
 
+def counter_form_of(text: str) -> dict:
+    """A variant's `form=TEST` and `atomics=SEM` pairs ('paper_bf16:counters=true:form=top2'): kernels/triton_launch.py
+    counter_form's arguments, under which its launches are recorded (the default: by recipe, relaxed)."""
+    out = {}
+    for pair in text.split(":")[1:]:
+        key, _, value = pair.partition("=")
+        if key in ("form", "atomics"):
+            out["test" if key == "form" else "atomics"] = value
+    return out
+
+
 def parse_variant(text: str):
     """'fa2:counters=true:exp_form=exp2_folded' -> AttentionKnobs (backend triton); a bad knob or value names it
     (`regs.<kernel>=N` pairs are register_caps', not knobs)."""
     from flash_forensics.kernels.config import AttentionKnobs
-    name, *pairs = (p for p in text.split(":") if not p.startswith("regs."))
+    name, *pairs = (p for p in text.split(":") if not p.startswith(("regs.", "form=", "atomics=")))
     kw = dict(PRESETS.get(name, dict(recipe=name)), backend="triton", counters=False)
     fields = {f.name: f for f in dataclasses.fields(AttentionKnobs)}
     for pair in pairs:
@@ -108,6 +120,18 @@ def record_launches(knobs, shape):
     finally:
         tl_._k = saved
     return rec.calls
+
+
+def record_variant(text: str, shape):
+    """record_launches of a --variants entry: its knobs, under its register caps and counter form; a bad value
+    names the variant."""
+    from flash_forensics.kernels import triton_launch as tl_
+    knobs = parse_variant(text)
+    try:
+        with tl_.register_limit(**register_caps(text)), tl_.counter_form(**counter_form_of(text)):
+            return record_launches(knobs, shape)
+    except ValueError as e:
+        raise SystemExit(f"variant {text!r}: {e}") from None
 
 
 def tune_candidates(family: str, shape):
@@ -296,13 +320,7 @@ def main(argv=None):
                                          **compile_counts(fn, a, kw, args.arch)))
                         print(json.dumps({k: v for k, v in rows[-1].items() if k != "sass"}), flush=True)
     for text in [] if args.tune_family else args.variants.split(";"):
-        knobs = parse_variant(text)
-        from flash_forensics.kernels import triton_launch as tl_
-        try:
-            with tl_.register_limit(**register_caps(text)):
-                calls = record_launches(knobs, shape)
-        except ValueError as e:
-            raise SystemExit(f"variant {text!r}: {e}") from None
+        calls = record_variant(text, shape)
         for kern in kernels:
             for name, fn, a, kw in calls:
                 if name == KERNEL_OF[kern]:

@@ -162,6 +162,24 @@ def test_register_caps_reach_the_launches_and_ptxas_keeps_to_them():
         "FFMA.FTZ": 1, "FMUL": 1, "MUFU.EX2": 1}
 
 
+def test_the_counter_form_pairs_reach_the_forwards_launch_and_leave_the_knobs():
+    """`form=TEST` / `atomics=SEM` record the launches in counter_form(TEST, SEM)'s scope: the forward's TOP2 and
+    RELAXED constexprs follow them (default: by recipe, relaxed), and the knobs are the variant's without them."""
+    ks = _script()
+    assert ks.counter_form_of("paper_bf16:counters=true:form=top2:atomics=acq_rel") == dict(test="top2",
+                                                                                           atomics="acq_rel")
+    assert ks.counter_form_of("fa2:counters=true:regs.fwd=96") == {}
+    assert ks.parse_variant("paper_bf16:counters=true:form=top2") == ks.parse_variant("paper_bf16:counters=true")
+    def fwd_flags(text):
+        kw = [c[3] for c in ks.record_variant(text, (2, 2, 256, 64)) if c[0] == "_fwd_kernel"][0]
+        return kw["TOP2"], kw["RELAXED"]
+    assert fwd_flags("paper_bf16:counters=true") == (False, True)  # paper_bf16 counts by default
+    assert fwd_flags("paper_bf16:counters=true:form=top2:atomics=acq_rel") == (True, False)
+    assert fwd_flags("fa2:counters=true:form=count") == (False, True)
+    with pytest.raises(SystemExit, match="variant 'fa2:counters=true:form=sum': counter test 'sum' is not allowed"):
+        fwd_flags("fa2:counters=true:form=sum")
+
+
 @pytest.mark.parametrize("entry", ["fwd/fa2/safe", "fwd/fa2/stabilized", "fwd/paper_bf16/safe",
                                    "dkdv/paper_bf16/safe"])
 def test_every_register_cap_keeps_the_kernels_floating_point_instructions(entry):
