@@ -380,6 +380,8 @@ FORM_CASES = [
     dict(recipe="paper_bf16", counters=True, softmax="stabilized"),
 ]
 FORMS = [("top2", "relaxed"), ("count", "relaxed"), ("top2", "acq_rel"), ("count", "acq_rel")]
+# the interpreter runs atomics one program at a time, so their memory order cannot differ there: each test, once
+INTERP_FORMS = [("top2", "relaxed"), ("count", "acq_rel")]
 
 
 def _bits(t):
@@ -452,7 +454,7 @@ def test_interpreter_the_counter_forms_keep_every_bit(tfi, case, keep):
     if keep:
         key_keep = torch.ones(B, T, dtype=torch.bool)
         key_keep[1, :9] = False
-    _assert_forms_agree(_forms_outputs(tfi, q, k, v, knobs, FORMS, key_keep))
+    _assert_forms_agree(_forms_outputs(tfi, q, k, v, knobs, INTERP_FORMS, key_keep))
 
 
 def test_a_counter_form_outside_the_lists_is_refused():
