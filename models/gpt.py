@@ -188,13 +188,23 @@ class CausalSelfAttention(nn.Module):
         y = attend(q, k, v, self.knobs, self._stats_on(x.device), self.probe, layer=self.layer)
         if self.probe_capture is not None:
             self.probe_capture(x, q, k, v, y)
-        # Back to the stream's dtype (exact for BF16 -> FP32): without autocast c_proj needs it, with autocast c_proj
-        # recasts it to BF16, so the numbers are those of a BF16 O either way (FP32 O heads stay FP32 for the backward).
+        # Back to the stream's dtype (exact for BF16 -> FP32) where c_proj needs it (_c_proj_input): the numbers are
+        # those of a BF16 O either way (FP32 O heads stay FP32 for the backward).
         if self.gate is not None:  # gate logits from the projection's GEMM (BF16 under autocast); sigmoid and product
             g = torch.sigmoid(self.gate(x).float()).transpose(1, 2).unsqueeze(-1)  # in FP32: (B, H, T, 1)
             y = (y.float() * g).to(x.dtype)  # x: the FP32 stream (c_proj's autocast rounds it once to BF16)
-        y = y.transpose(1, 2).contiguous().view(B, T, C).to(x.dtype)
+        y = _c_proj_input(y.transpose(1, 2).contiguous().view(B, T, C), x)
         return self.resid_dropout(self.c_proj(y))
+
+
+def _c_proj_input(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """O (B, T, C) as c_proj takes it: in the stream's dtype (x's), except where autocast would cast it straight back
+    to O's own dtype (a BF16 O under BF16 autocast, FP32 stream): there O goes in as it is, the same operand without
+    the two copies (BF16 -> FP32 -> BF16) forward and backward, whose round trips are exact (bit for bit the same)."""
+    dev = x.device.type
+    if y.dtype != x.dtype and torch.is_autocast_enabled(dev) and y.dtype == torch.get_autocast_dtype(dev):
+        return y
+    return y.to(x.dtype)
 
 
 class MLP(nn.Module):

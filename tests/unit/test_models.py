@@ -355,3 +355,40 @@ def test_cuda_routes_stats_and_norms_stay_on_device():
     assert norms.is_cuda and norms.shape == (4, 4)
     w = torch.stack([b.attn.c_attn.weight[:128].view(4, 32, 128) for b in model.transformer.h]).float()
     torch.testing.assert_close(norms, torch.linalg.svdvals(w)[..., 0], rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32_stream", "bf16_autocast"])
+@pytest.mark.parametrize("att", [dict(impl="flash", recipe="paper_bf16"), dict(impl="sdpa"),
+                                 dict(impl="flash", recipe="fp32"), dict(impl="standard", recipe="fa2")],
+                         ids=["flash", "sdpa", "fp32", "standard"])
+def test_c_proj_takes_a_bf16_o_as_it_is_and_every_bit_stays(monkeypatch, autocast, att):
+    """Under BF16 autocast a BF16 O enters c_proj without the copy to the FP32 stream that autocast would undo (two
+    copies a layer, forward and backward): two training steps' losses and every gradient are bit for bit those of
+    the model that makes the round trip (an FP32 O, and runs without autocast, still go to the stream's dtype)."""
+    import flash_forensics.models.gpt as gpt
+
+    def run():
+        torch.manual_seed(0)
+        model = GPT(_tiny(), AttentionConfig(block_q=16, block_k=16, **att))
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        out = []
+        for step in range(2):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                _, loss = model(_tokens(seed=step), _tokens(seed=step + 7))
+            loss.backward()
+            out.append((loss.detach().clone(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+            opt.step()
+            opt.zero_grad()
+        return out
+
+    seen = []
+    real = gpt._c_proj_input
+    monkeypatch.setattr(gpt, "_c_proj_input", lambda y, x: seen.append(real(y, x).dtype) or real(y, x))
+    new = run()
+    monkeypatch.setattr(gpt, "_c_proj_input", lambda y, x: y.to(x.dtype))  # before: always the stream's dtype
+    old = run()
+    skipped = autocast and att.get("recipe") != "fp32"
+    assert set(seen) == {torch.bfloat16 if skipped else torch.float32}
+    for (la, ga), (lb, gb) in zip(new, old):
+        assert torch.equal(la, lb)
+        assert all(torch.equal(ga[n], gb[n]) for n in ga), [n for n in ga if not torch.equal(ga[n], gb[n])]
