@@ -30,6 +30,8 @@ REGISTER_TABLE measured faster); `register_caps_vs_none`: the caps' speed-up and
 "acq_rel")); `counter_form_vs_old`: the default's speed-up over it and whether the losses agree bit for bit.
 `ATTN+jitlaunch` runs eager with every Triton kernel launched through Triton's own fn[grid], not the launch cache
 (kernels/launch_cache.py); `launch_cache_vs_jit` in the summary: its speed-up and whether the losses agree bit for bit.
+`ATTN+streamcast` runs eager with O cast to the FP32 stream before c_proj, as models/gpt.py did before _c_proj_input;
+`c_proj_input_vs_stream_cast`: the default's speed-up over it and whether the losses agree bit for bit.
 `paper_1gpu_fp32` and `paper_1gpu_fp32_ieee` are the preset's FP32 reference fork (recipe fp32, its 128x128 tiles) with
 3xTF32 GEMMs, as the paper table runs it, and with IEEE FP32 ones; `fp32_reference_vs_baseline`: their tokens/s as a
 fraction of paper_1gpu's.
@@ -92,8 +94,11 @@ PTXAS = "ptxas"
 # the default picks the test by recipe (a tile's two largest scores; paper_bf16 counts) with relaxed atomics: the
 # default's speed-up in training, and bits
 OLD_COUNTERS = "oldcounters"
+# ATTN+streamcast: eager, O cast to the FP32 stream before c_proj as before (models/gpt.py _c_proj_input), where
+# the default hands autocast's c_proj a BF16 O as it is: the two copies' cost per layer, and bits
+STREAM_CAST = "streamcast"
 BASELINE, FP32_REFERENCES = "paper_1gpu", ("paper_1gpu_fp32", "paper_1gpu_fp32_ieee")
-EAGER_MODES = (JIT_LAUNCH, TUNED, FTZ, PTXAS, OLD_COUNTERS)
+EAGER_MODES = (JIT_LAUNCH, TUNED, FTZ, PTXAS, OLD_COUNTERS, STREAM_CAST)
 COMPILE_BACKEND = "inductor"  # torch.compile's backend (a CPU test swaps in "eager": dynamo alone, no C++ build)
 RECOMPILES_PER_VARIANT = 8  # dynamo's default recompile_limit is 8 per code object for the whole process
 # GPU kernels that compute attention: this project's four Triton kernels, torch's flash / cuDNN / efficient ones
@@ -150,6 +155,7 @@ class Variant:
                              (lambda: exp_instruction("ex2_approx_ftz")) if mode == FTZ else
                              (lambda: register_limit(fwd=None, dkdv=None, dq=None)) if mode == PTXAS else
                              (lambda: counter_form("count", "acq_rel")) if mode == OLD_COUNTERS else
+                             stream_cast if mode == STREAM_CAST else
                              contextlib.nullcontext)
         torch.manual_seed(0)  # every variant starts from the same weights
         self.model = GPT(ModelConfig.preset(model_name, block_size=T), AttentionConfig(**ATTN[self.attn])).to(dev)
@@ -219,6 +225,18 @@ class Variant:
                     steps_timed=len(timed), warmup_steps=warmup, warmup_s=round(self.warmup_s, 2),
                     losses=[float(v) for v in torch.stack(self.losses).cpu()] if self.losses else [],
                     routes=self.model.attention_routes()[:1], compile_mode=MODES.get(self.name.partition("+")[2]))
+
+
+@contextlib.contextmanager
+def stream_cast():
+    """models/gpt.py as before _c_proj_input: O always cast to the stream's dtype before c_proj."""
+    from flash_forensics.models import gpt
+    saved = gpt._c_proj_input
+    gpt._c_proj_input = lambda y, x: y.to(x.dtype)
+    try:
+        yield
+    finally:
+        gpt._c_proj_input = saved
 
 
 def parse_variant(name: str):
@@ -357,6 +375,7 @@ def summarize(rows) -> dict:
         d["ftz_vs_tl_exp"] = _against(rs, FTZ, mode_first=True)
         d["register_caps_vs_none"] = _against(rs, PTXAS, mode_first=False)
         d["counter_form_vs_old"] = _against(rs, OLD_COUNTERS, mode_first=False)
+        d["c_proj_input_vs_stream_cast"] = _against(rs, STREAM_CAST, mode_first=False)
         # the preset's FP32 reference forks against its BF16 baseline (both eager, 128x128 tiles): their speed,
         # as a fraction of the baseline's tokens/s (the paper table's forks train at this pace)
         d["fp32_reference_vs_baseline"] = {v: rs[v]["tokens_per_s"] / rs[BASELINE]["tokens_per_s"]

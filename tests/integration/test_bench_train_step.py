@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
@@ -95,6 +96,23 @@ def test_counter_form_vs_old_by_hand():
     assert s["counter_form_vs_old"] == {"triton_paper_bf16": dict(speedup=1.05, bit_identical=True),
                                         "triton_fa2": dict(speedup=0.8, bit_identical=False)}
     assert bench.parse_variant("triton_fa2+oldcounters") == ("triton_fa2", "oldcounters")
+
+
+def test_stream_cast_is_the_old_c_proj_input_and_keeps_the_bits(tmp_path):
+    """ATTN+streamcast: eager with O cast to the FP32 stream before c_proj (as before _c_proj_input); on a CPU under
+    BF16 autocast its losses equal the default's bit for bit (c_proj_input_vs_stream_cast), and the scope restores
+    models/gpt.py's function."""
+    from flash_forensics.models import gpt
+    default = gpt._c_proj_input
+    y, x = torch.ones(2, 3, dtype=torch.bfloat16), torch.ones(2, 3)
+    with bench.stream_cast(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert gpt._c_proj_input(y, x).dtype == torch.float32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert gpt._c_proj_input is default and gpt._c_proj_input(y, x).dtype == torch.bfloat16
+    doc = bench.main(["--device", "cpu", "--model", "tiny", "--shapes", "2x32", "--steps", "2", "--rounds", "1",
+                      "--warmup", "1", "--variants", "sdpa,sdpa+streamcast", "--out", str(tmp_path / "ts.json")])
+    got = doc["summary"]["B2_T32"]["c_proj_input_vs_stream_cast"]
+    assert list(got) == ["sdpa"] and got["sdpa"]["bit_identical"] is True
 
 
 def test_fp32_reference_vs_baseline_by_hand():
