@@ -391,7 +391,8 @@ def _fwd_inner(acc, l_i, m_i, raw_max, fired, pmax, l_raw, p1, q, k_base, v_base
                 l_i = _rb(l_i)
             if PROBE:
                 pmax = tl.where(fire, tl.maximum(pmax, tl.max(p, 1)), pmax)
-            acc = _rs(acc * alpha[:, None], o_fp32, sr_key, sr_tile | 1, sr_row, ACC_ON, SR, HAS_OFP32, HEAD_DIM)
+            acc = _rs(acc * alpha[:, None], o_fp32, sr_key, sr_tile | 1, sr_row, ACC_ON, SR, HAS_OFP32,
+                      HEAD_DIM).to(acc.dtype)
             m_i = m_new
         if CLAMP:  # P̄ = 1 at a repeated max fed to P̄V as PBAR_CLAMP (l above: the unclamped P̄)
             tie = fire[:, None] & (p == 1.0)
@@ -419,7 +420,7 @@ def _fwd_inner(acc, l_i, m_i, raw_max, fired, pmax, l_raw, p1, q, k_base, v_base
             acc += pv
         else:  # O_acc = r(r(O_acc * alpha) + r(P̄V))
             acc = _rs(acc + _rs(pv, o_fp32, sr_key, sr_tile, sr_row, PV_ON, SR, HAS_OFP32, HEAD_DIM), o_fp32, sr_key,
-                      sr_tile | 2, sr_row, ACC_ON, SR, HAS_OFP32, HEAD_DIM)
+                      sr_tile | 2, sr_row, ACC_ON, SR, HAS_OFP32, HEAD_DIM).to(acc.dtype)
     return acc, l_i, m_i, raw_max, fired, pmax, l_raw, p1
 
 @triton.jit
@@ -464,7 +465,11 @@ def _fwd_kernel(Q, K, V, O, LSE, REP, MAXL, UNDER, P1, OFP32, PMAX, FIRED, KP, F
 
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - 3.3895313892515355e38
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    # O_acc stored in BF16 after every tile (acc, every head): kept in BF16, the same values in half the registers
+    # (the interpreter's cast truncates: FP32 there)
+    ACC_DT: tl.constexpr = tl.bfloat16 if (_ACC & ROUND) != 0 and not HAS_OFP32 and not ONE_BLOCK and \
+        not INTERP_DOT else tl.float32
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=ACC_DT)
     raw_max = tl.zeros([BLOCK_M], dtype=tl.float32) - 3.3895313892515355e38
     fired = tl.zeros([BLOCK_M], dtype=tl.int32)
     pmax = tl.zeros([BLOCK_M], dtype=tl.float32)  # PROBE: largest P̄ in a tile where the SFA condition fired
@@ -641,16 +646,18 @@ def _bwd_delta_kernel(Q, K, V, O, DO, LSE, DELTA, OFP32, KP, FIRST, TIES,
 
 @triton.jit
 def _grad_add(g, c, ROUND: tl.constexpr, ONE_BLOCK: tl.constexpr):
-    """g + c with the chunk c stored at bwd_out and the sum at grad_acc (ONE_BLOCK: once, after the loop)."""
+    """g + c with the chunk c stored at bwd_out and the sum at grad_acc (ONE_BLOCK: once, after the loop). A BF16 g
+    (ACC_DT: where grad_acc stores every sum in BF16, its values are BF16's anyway, so the accumulator takes half the
+    registers for the same bits): the sum in FP32, then stored."""
     if ONE_BLOCK:
         return g + c
     else:
         if (_BWD_OUT & ROUND) != 0:
             c = _rb(c)
-        g = g + c
+        s = g.to(tl.float32) + c
         if (_GRAD_ACC & ROUND) != 0:
-            g = _rb(g)
-        return g
+            s = _rb(s)
+        return s.to(g.dtype)
 
 @triton.jit
 def _grad_end(g, ROUND: tl.constexpr, ONE_BLOCK: tl.constexpr):
@@ -715,6 +722,9 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, KP, FIRST, TIES,
     off_b = off_bh // H
     off_h = off_bh % H
     GEMM_DT: tl.constexpr = tl.float32 if INPUT_F32 else tl.bfloat16
+    # grad_acc in BF16 after every chunk: the accumulators in BF16 (_grad_add; the interpreter's cast truncates)
+    ACC_DT: tl.constexpr = tl.bfloat16 if (_GRAD_ACC & ROUND) != 0 and not ONE_BLOCK and not INTERP_DOT else \
+        tl.float32
     offs_n = start_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m0 = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -723,8 +733,8 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, KP, FIRST, TIES,
                 mask=col_ok[:, None], other=0.0).to(GEMM_DT)
     v = tl.load(V + off_b * svb + off_h * svh + offs_n[:, None] * svt + offs_d[None, :] * svd,
                 mask=col_ok[:, None], other=0.0).to(GEMM_DT)
-    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=ACC_DT)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=ACC_DT)
     q_base = Q + off_b * sqb + off_h * sqh + offs_d[None, :] * sqd
     do_base = DO + off_b * sdb + off_h * sdh + offs_d[None, :] * sdd
     lo = (start_n * BLOCK_N) // BLOCK_M * BLOCK_M  # first query tile touching this key block
@@ -795,6 +805,9 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, KP, FIRST, TIES,
     off_b = off_bh // H
     off_h = off_bh % H
     GEMM_DT: tl.constexpr = tl.float32 if INPUT_F32 else tl.bfloat16
+    # grad_acc in BF16 after every chunk: the accumulators in BF16 (_grad_add; the interpreter's cast truncates)
+    ACC_DT: tl.constexpr = tl.bfloat16 if (_GRAD_ACC & ROUND) != 0 and not ONE_BLOCK and not INTERP_DOT else \
+        tl.float32
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -807,7 +820,7 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, KP, FIRST, TIES,
     delta = tl.load(DELTA + off_bh * T + offs_m, mask=row_ok, other=0.0)
     k_base = K + off_b * skb + off_h * skh + offs_d[None, :] * skd
     v_base = V + off_b * svb + off_h * svh + offs_d[None, :] * svd
-    dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=ACC_DT)
     hi = tl.minimum((start_m + 1) * BLOCK_M, T)
     mid = (start_m * BLOCK_M) // BLOCK_N * BLOCK_N  # key tiles before mid lie wholly below the diagonal
     kp = KP + off_b * skpb
