@@ -32,6 +32,8 @@ REGISTER_TABLE measured faster); `register_caps_vs_none`: the caps' speed-up and
 (kernels/launch_cache.py); `launch_cache_vs_jit` in the summary: its speed-up and whether the losses agree bit for bit.
 `ATTN+streamcast` runs eager with O cast to the FP32 stream before c_proj, as models/gpt.py did before _c_proj_input;
 `c_proj_input_vs_stream_cast`: the default's speed-up over it and whether the losses agree bit for bit.
+`ATTN+acc32` runs eager with the kernels' accumulators in FP32 (kernels/triton_launch.py accumulator_form);
+`bf16_accumulators_vs_fp32`: the default's speed-up over it and whether the losses agree bit for bit.
 `paper_1gpu_fp32` and `paper_1gpu_fp32_ieee` are the preset's FP32 reference fork (recipe fp32, its 128x128 tiles) with
 3xTF32 GEMMs, as the paper table runs it, and with IEEE FP32 ones; `fp32_reference_vs_baseline`: their tokens/s as a
 fraction of paper_1gpu's.
@@ -97,8 +99,11 @@ OLD_COUNTERS = "oldcounters"
 # ATTN+streamcast: eager, O cast to the FP32 stream before c_proj as before (models/gpt.py _c_proj_input), where
 # the default hands autocast's c_proj a BF16 O as it is: the two copies' cost per layer, and bits
 STREAM_CAST = "streamcast"
+# ATTN+acc32: eager, the kernels' accumulators in FP32 (kernels/triton_launch.py accumulator_form("fp32")), where the
+# default keeps those paper_bf16 stores in BF16 after every tile in BF16: their speed-up in training, and bits
+ACC32 = "acc32"
 BASELINE, FP32_REFERENCES = "paper_1gpu", ("paper_1gpu_fp32", "paper_1gpu_fp32_ieee")
-EAGER_MODES = (JIT_LAUNCH, TUNED, FTZ, PTXAS, OLD_COUNTERS, STREAM_CAST)
+EAGER_MODES = (JIT_LAUNCH, TUNED, FTZ, PTXAS, OLD_COUNTERS, STREAM_CAST, ACC32)
 COMPILE_BACKEND = "inductor"  # torch.compile's backend (a CPU test swaps in "eager": dynamo alone, no C++ build)
 RECOMPILES_PER_VARIANT = 8  # dynamo's default recompile_limit is 8 per code object for the whole process
 # GPU kernels that compute attention: this project's four Triton kernels, torch's flash / cuDNN / efficient ones
@@ -144,6 +149,7 @@ class Variant:
         self.attn, mode = parse_variant(name)
         self.compiled, self.cudagraphs = mode in MODES, mode == "cudagraphs"
         from flash_forensics.kernels.triton_launch import (
+            accumulator_form,
             counter_form,
             exp_instruction,
             register_limit,
@@ -156,6 +162,7 @@ class Variant:
                              (lambda: register_limit(fwd=None, dkdv=None, dq=None)) if mode == PTXAS else
                              (lambda: counter_form("count", "acq_rel")) if mode == OLD_COUNTERS else
                              stream_cast if mode == STREAM_CAST else
+                             (lambda: accumulator_form("fp32")) if mode == ACC32 else
                              contextlib.nullcontext)
         torch.manual_seed(0)  # every variant starts from the same weights
         self.model = GPT(ModelConfig.preset(model_name, block_size=T), AttentionConfig(**ATTN[self.attn])).to(dev)
@@ -376,6 +383,7 @@ def summarize(rows) -> dict:
         d["register_caps_vs_none"] = _against(rs, PTXAS, mode_first=False)
         d["counter_form_vs_old"] = _against(rs, OLD_COUNTERS, mode_first=False)
         d["c_proj_input_vs_stream_cast"] = _against(rs, STREAM_CAST, mode_first=False)
+        d["bf16_accumulators_vs_fp32"] = _against(rs, ACC32, mode_first=False)
         # the preset's FP32 reference forks against its BF16 baseline (both eager, 128x128 tiles): their speed,
         # as a fraction of the baseline's tokens/s (the paper table's forks train at this pace)
         d["fp32_reference_vs_baseline"] = {v: rs[v]["tokens_per_s"] / rs[BASELINE]["tokens_per_s"]

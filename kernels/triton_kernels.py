@@ -432,7 +432,7 @@ def _fwd_kernel(Q, K, V, O, LSE, REP, MAXL, UNDER, P1, OFP32, PMAX, FIRED, KP, F
                 COUNTERS: tl.constexpr, HAS_OFP32: tl.constexpr, ONE_BLOCK: tl.constexpr,
                 PROBE: tl.constexpr, F32_DOT: tl.constexpr, KEYPAD: tl.constexpr, GUARDED: tl.constexpr,
                 CLAMP: tl.constexpr, SR: tl.constexpr, FOLD: tl.constexpr, LPT: tl.constexpr,
-                FTZ: tl.constexpr, TOP2: tl.constexpr, RELAXED: tl.constexpr):
+                FTZ: tl.constexpr, TOP2: tl.constexpr, RELAXED: tl.constexpr, ACC16: tl.constexpr):
     """P1 (H,) int64: sfa_p1_rows (COUNTERS with a stabilized softmax). TIES (B*H, T, ntw) uint8: pbar_clamp's tie
     bits (CLAMP). SRKEY () int64: stochastic_round's call key (SR; kernels/stochastic.py call_key), sr_bq the
     emulator's query tile (its stream ids and element indices). bm1: beta - 1 in FP32 (GUARDED). FOLD, c_log2:
@@ -441,7 +441,8 @@ def _fwd_kernel(Q, K, V, O, LSE, REP, MAXL, UNDER, P1, OFP32, PMAX, FIRED, KP, F
     test of an unmasked tile by its two largest scores (_fwd_inner), else by counting. RELAXED: the counters'
     atomics without memory fences (integer sums and maxima: any order gives the same counts; the host reads them
     after the stream's later copy); else acq_rel, Triton's default (a GPU-wide fence and an L1 invalidation around
-    each)."""
+    each). ACC16 (every kernel with an accumulator): O_acc / dK, dV, dQ kept in BF16 where the recipe stores them so
+    after every tile (triton_launch.accumulator_form)."""
     start_m, off_bh = _program(LPT, True)
     off_b = off_bh // H
     off_h = off_bh % H
@@ -467,7 +468,7 @@ def _fwd_kernel(Q, K, V, O, LSE, REP, MAXL, UNDER, P1, OFP32, PMAX, FIRED, KP, F
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     # O_acc stored in BF16 after every tile (acc, every head): kept in BF16, the same values in half the registers
     # (the interpreter's cast truncates: FP32 there)
-    ACC_DT: tl.constexpr = tl.bfloat16 if (_ACC & ROUND) != 0 and not HAS_OFP32 and not ONE_BLOCK and \
+    ACC_DT: tl.constexpr = tl.bfloat16 if ACC16 and (_ACC & ROUND) != 0 and not HAS_OFP32 and not ONE_BLOCK and \
         not INTERP_DOT else tl.float32
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=ACC_DT)
     raw_max = tl.zeros([BLOCK_M], dtype=tl.float32) - 3.3895313892515355e38
@@ -715,7 +716,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, KP, FIRST, TIES,
                      HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      ROUND: tl.constexpr, INPUT_F32: tl.constexpr, ONE_BLOCK: tl.constexpr,
                      F32_DOT: tl.constexpr, KEYPAD: tl.constexpr, CLAMP: tl.constexpr, LPT: tl.constexpr,
-                     FTZ: tl.constexpr):
+                     FTZ: tl.constexpr, ACC16: tl.constexpr):
     """dK, dV for BLOCK_N keys, looping over query tiles of BLOCK_M (= block_q where rounding is emulated). LPT: the
     launch order (_program; key block 0, which sees every query tile, is the longest)."""
     start_n, off_bh = _program(LPT, False)
@@ -723,8 +724,8 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, KP, FIRST, TIES,
     off_h = off_bh % H
     GEMM_DT: tl.constexpr = tl.float32 if INPUT_F32 else tl.bfloat16
     # grad_acc in BF16 after every chunk: the accumulators in BF16 (_grad_add; the interpreter's cast truncates)
-    ACC_DT: tl.constexpr = tl.bfloat16 if (_GRAD_ACC & ROUND) != 0 and not ONE_BLOCK and not INTERP_DOT else \
-        tl.float32
+    ACC_DT: tl.constexpr = tl.bfloat16 if ACC16 and (_GRAD_ACC & ROUND) != 0 and not ONE_BLOCK and \
+        not INTERP_DOT else tl.float32
     offs_n = start_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m0 = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -798,7 +799,7 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, KP, FIRST, TIES,
                    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    ROUND: tl.constexpr, INPUT_F32: tl.constexpr, ONE_BLOCK: tl.constexpr,
                    F32_DOT: tl.constexpr, KEYPAD: tl.constexpr, CLAMP: tl.constexpr, LPT: tl.constexpr,
-                   FTZ: tl.constexpr):
+                   FTZ: tl.constexpr, ACC16: tl.constexpr):
     """dQ for BLOCK_M queries, looping over key tiles of BLOCK_N (= block_k where rounding is emulated); LPT:
     the launch order (_program)."""
     start_m, off_bh = _program(LPT, True)
@@ -806,8 +807,8 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, KP, FIRST, TIES,
     off_h = off_bh % H
     GEMM_DT: tl.constexpr = tl.float32 if INPUT_F32 else tl.bfloat16
     # grad_acc in BF16 after every chunk: the accumulators in BF16 (_grad_add; the interpreter's cast truncates)
-    ACC_DT: tl.constexpr = tl.bfloat16 if (_GRAD_ACC & ROUND) != 0 and not ONE_BLOCK and not INTERP_DOT else \
-        tl.float32
+    ACC_DT: tl.constexpr = tl.bfloat16 if ACC16 and (_GRAD_ACC & ROUND) != 0 and not ONE_BLOCK and \
+        not INTERP_DOT else tl.float32
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)

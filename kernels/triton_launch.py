@@ -92,6 +92,27 @@ def counter_form(test: str = "by_recipe", atomics: str = "relaxed"):
         _counter_form.update(saved)
 
 
+ACCUMULATOR_FORMS = ("bf16", "fp32")
+# Where a recipe stores O_acc, or dK / dV / dQ's running sums, in BF16 after every tile (paper_bf16's acc and
+# grad_acc points), the kernels keep those accumulators as BF16 (bf16, the default): the same values in half the
+# registers (compiled for sm_90, paper_bf16's dK/dV kernel went from 88 spilled bytes to none). fp32: as before.
+# Speed only: every bit the same (the GPU tests compare the two forms)
+_acc16 = [True]
+
+
+@contextlib.contextmanager
+def accumulator_form(form: str = "bf16"):
+    """The kernels' accumulators within the scope: ACCUMULATOR_FORMS (bf16: BF16 where the recipe stores them so)."""
+    if form not in ACCUMULATOR_FORMS:
+        raise ValueError(f"accumulator form {form!r} is not allowed: expected one of {', '.join(ACCUMULATOR_FORMS)}")
+    saved = _acc16[0]
+    _acc16[0] = form == "bf16"
+    try:
+        yield
+    finally:
+        _acc16[0] = saved
+
+
 def repeat_test(recipe: str) -> str:
     """The repeated-max test a launch of `recipe` uses in the scope: top2 or count."""
     test = _counter_form["test"]
@@ -465,10 +486,11 @@ def launch_config(knobs: AttentionKnobs, D: int, T: int) -> dict:
         return "linear" if _linear(kernel, knobs.recipe, D) else "longest_first"
     form = dict(test=repeat_test(knobs.recipe),
                 atomics="relaxed" if _counter_form["relaxed"] else "acq_rel") if knobs.counters else None
+    acc = ACCUMULATOR_FORMS[0] if _acc16[0] else ACCUMULATOR_FORMS[1]
     return dict(fwd=dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=fw, num_stages=fs, order=order("fwd"),
                          maxnreg=register_cap("fwd", knobs, D, (bm, bn, fw, fs), bool(knobs.counters)),
-                         counters=form),
-                bwd=dict(dkdv=[m1, n1], dq=[m2, n2], num_warps=bw, num_stages=bs,
+                         counters=form, accumulators=acc),
+                bwd=dict(dkdv=[m1, n1], dq=[m2, n2], num_warps=bw, num_stages=bs, accumulators=acc,
                          order=dict(dkdv=order("dkdv"), dq=order("dq")),
                          maxnreg=dict(dkdv=register_cap("dkdv", knobs, D, cfg, True),
                                       dq=register_cap("dq", knobs, D, cfg, True))))
@@ -620,7 +642,8 @@ def _forward(q, k, v, knobs: AttentionKnobs, rep=None, maxl=None, probe: bool = 
                       PROBE=probe, F32_DOT=knobs.fp32_gemm, KEYPAD=keypad,
                       GUARDED=knobs.softmax == "stabilized_guarded", CLAMP=clamp, SR=bool(knobs.stochastic_round),
                       FOLD=knobs.exp_form == "exp2_folded", LPT=lpt, FTZ=_exp_ftz[0],
-                      TOP2=repeat_test(knobs.recipe) == "top2", RELAXED=_counter_form["relaxed"], num_warps=warps,
+                      TOP2=repeat_test(knobs.recipe) == "top2", RELAXED=_counter_form["relaxed"], ACC16=_acc16[0],
+                      num_warps=warps,
                       num_stages=stages, **_regs(cap))
     return o, lse, (pmax if probe else None), (fired if probe else None)
 
@@ -675,14 +698,14 @@ def _backward(do, q, k, v, o, lse, knobs: AttentionKnobs, key_keep=None, ties=No
         *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk), kp.stride(0), H, T, scale, ntw,
         HEAD_DIM=D, BLOCK_M=m1, BLOCK_N=n1, ROUND=mask, INPUT_F32=f32_in,
         ONE_BLOCK=not knobs.tiling, F32_DOT=knobs.fp32_gemm, KEYPAD=keypad, CLAMP=clamp, LPT=lpt, FTZ=_exp_ftz[0],
-        num_warps=warps, num_stages=stages, **_regs(register_cap("dkdv", knobs, D, cfg, not keypad)))
+        ACC16=_acc16[0], num_warps=warps, num_stages=stages, **_regs(register_cap("dkdv", knobs, D, cfg, not keypad)))
     grid, lpt = _grid(_cdiv(T, m2), B * H, k, "dq", knobs.recipe)
     _k._bwd_dq_kernel[grid](
         q, k, v, do, lse, delta, dq, kp, first, ties,
         *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq), kp.stride(0), H, T, scale, ntw,
         HEAD_DIM=D, BLOCK_M=m2, BLOCK_N=n2, ROUND=mask, INPUT_F32=f32_in,
         ONE_BLOCK=not knobs.tiling, F32_DOT=knobs.fp32_gemm, KEYPAD=keypad, CLAMP=clamp, LPT=lpt, FTZ=_exp_ftz[0],
-        num_warps=warps, num_stages=stages, **_regs(register_cap("dq", knobs, D, cfg, not keypad)))
+        ACC16=_acc16[0], num_warps=warps, num_stages=stages, **_regs(register_cap("dq", knobs, D, cfg, not keypad)))
     return dq, dk, dv
 
 

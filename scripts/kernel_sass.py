@@ -17,7 +17,8 @@ A variant: `fa2`, `paper_bf16`, `fp32` or `paper_1gpu` (paper_bf16 at 128x128 ti
 AttentionKnobs (`counters=true`: the counters on, as a run's monitors have them) and `:regs.<kernel>=N` caps
 (kernels/triton_launch.py register_limit: at most N registers per thread for fwd, dkdv or dq; `none`: no cap,
 not even REGISTER_TABLE's default one), and `:form=top2|count` / `:atomics=relaxed|acq_rel`, the counters' form
-(kernels/triton_launch.py counter_form; default: the test by recipe, relaxed atomics).
+(kernels/triton_launch.py counter_form; default: the test by recipe, relaxed atomics), and `:acc=fp32`, the
+accumulators in FP32 (accumulator_form; default bf16 where the recipe stores them in BF16).
 """
 from __future__ import annotations
 
@@ -67,11 +68,17 @@ def counter_form_of(text: str) -> dict:
     return out
 
 
+def accumulators_of(text: str) -> str:
+    """A variant's `acc=bf16|fp32` (kernels/triton_launch.py accumulator_form; default bf16)."""
+    pairs = dict(p.partition("=")[::2] for p in text.split(":")[1:])
+    return pairs.get("acc", "bf16")
+
+
 def parse_variant(text: str):
     """'fa2:counters=true:exp_form=exp2_folded' -> AttentionKnobs (backend triton); a bad knob or value names it
     (`regs.<kernel>=N` pairs are register_caps', not knobs)."""
     from flash_forensics.kernels.config import AttentionKnobs
-    name, *pairs = (p for p in text.split(":") if not p.startswith(("regs.", "form=", "atomics=")))
+    name, *pairs = (p for p in text.split(":") if not p.startswith(("regs.", "form=", "atomics=", "acc=")))
     kw = dict(PRESETS.get(name, dict(recipe=name)), backend="triton", counters=False)
     fields = {f.name: f for f in dataclasses.fields(AttentionKnobs)}
     for pair in pairs:
@@ -128,7 +135,8 @@ def record_variant(text: str, shape):
     from flash_forensics.kernels import triton_launch as tl_
     knobs = parse_variant(text)
     try:
-        with tl_.register_limit(**register_caps(text)), tl_.counter_form(**counter_form_of(text)):
+        with tl_.register_limit(**register_caps(text)), tl_.counter_form(**counter_form_of(text)), \
+                tl_.accumulator_form(accumulators_of(text)):
             return record_launches(knobs, shape)
     except ValueError as e:
         raise SystemExit(f"variant {text!r}: {e}") from None

@@ -115,6 +115,14 @@ def test_stream_cast_is_the_old_c_proj_input_and_keeps_the_bits(tmp_path):
     assert list(got) == ["sdpa"] and got["sdpa"]["bit_identical"] is True
 
 
+def test_bf16_accumulators_vs_fp32_by_hand():
+    def row(v, tps, losses):
+        return dict(variant=v, batch=2, T=8, tokens_per_s=tps, losses=losses)
+    s = bench.summarize([row("paper_1gpu", 110.0, [3.0, 2.5]), row("paper_1gpu+acc32", 100.0, [3.0, 2.5])])["B2_T8"]
+    assert s["bf16_accumulators_vs_fp32"] == {"paper_1gpu": dict(speedup=1.1, bit_identical=True)}
+    assert bench.parse_variant("paper_1gpu+acc32") == ("paper_1gpu", "acc32")
+
+
 def test_fp32_reference_vs_baseline_by_hand():
     """fp32_reference_vs_baseline: the preset's FP32 reference forks' tokens/s as a fraction of its BF16 baseline's,
     only where both ran; each variant builds the fork's attention (recipe fp32, 128x128 tiles, its GEMM mode)."""

@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -479,6 +480,36 @@ def test_a_counter_form_outside_the_lists_is_refused():
     assert triton_launch.launch_config(off, 64, 1024)["fwd"]["counters"] is None
 
 
+def test_the_accumulator_form_reaches_every_accumulating_launch_and_a_bad_one_is_refused():
+    """accumulator_form: bf16 (the default) or fp32, recorded by launch_config and passed to the forward, dK/dV and
+    dQ kernels as ACC16 (the kernels pick BF16 only where the recipe stores the accumulator so); anything else is
+    refused, leaving the form as it was."""
+    from flash_forensics.kernels import triton_launch
+    with pytest.raises(ValueError, match="accumulator form 'fp16' is not allowed: expected one of bf16, fp32"):
+        with triton_launch.accumulator_form("fp16"):
+            pass
+    assert triton_launch._acc16 == [True]
+    ks = _kernel_sass()
+    for text, acc16 in (("paper_bf16:counters=true", True), ("paper_bf16:counters=true:acc=fp32", False)):
+        launched = {c[0]: c[3].get("ACC16") for c in ks.record_variant(text, (2, 2, 256, 64))}
+        assert launched == {"_fwd_kernel": acc16, "_bwd_delta_kernel": None, "_bwd_dkdv_kernel": acc16,
+                            "_bwd_dq_kernel": acc16}, text
+    knobs = AttentionKnobs(recipe="paper_bf16")
+    cfg = triton_launch.launch_config(knobs, 64, 1024)
+    assert (cfg["fwd"]["accumulators"], cfg["bwd"]["accumulators"]) == ("bf16", "bf16")
+    with triton_launch.accumulator_form("fp32"):
+        assert triton_launch.launch_config(knobs, 64, 1024)["bwd"]["accumulators"] == "fp32"
+
+
+def _kernel_sass():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("kernel_sass", Path(__file__).resolve().parents[2] / "scripts" /
+                                                  "kernel_sass.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def test_a_launch_order_outside_the_list_is_refused():
     from flash_forensics.kernels import triton_launch
     with pytest.raises(ValueError, match="order='lpt' is not allowed: expected one of by_kernel, longest_first, "
@@ -722,6 +753,41 @@ def test_gpu_the_counter_forms_keep_every_bit(case, D):
     q, k, v = (x.detach() for x in planted(2, 4, 384, D, "cuda", dtype=dt, seed=D + 5))
     q, k = _special(q, k)
     _assert_forms_agree(_forms_outputs(tf, q, k, v, replace(AttentionKnobs(backend="triton"), **case), FORMS))
+
+
+GPU_ACC_CASES = [  # the recipes whose accumulators are stored in BF16 after every tile, and where only some are
+    dict(recipe="paper_bf16", counters=True),
+    dict(recipe="paper_bf16", counters=True, block_q=128, block_k=128),  # the paper_1gpu preset's tiles
+    dict(recipe="paper_bf16", counters=True, softmax="stabilized", stochastic_round=True, sr_seed=3),
+    dict(recipe="paper_bf16", counters=True, keep_fp32=["bwd_out"]),  # grad_acc BF16 over FP32 chunks
+    dict(recipe="paper_bf16", counters=True, keep_fp32=["acc", "grad_acc"]),  # no BF16 accumulator: FP32 both ways
+    dict(recipe="paper_bf16", counters=True, o_fp32_heads=[1]),  # FP32-O heads: O_acc stays FP32
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_ACC_CASES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+def test_gpu_the_accumulator_forms_keep_every_bit(case):
+    """On the GPU, in BF16: the accumulators in BF16 where the recipe stores them so (the default) against FP32 (as
+    before): O, gradients and every counter bit for bit (NaN payloads too), with the planted NaN, +-inf and ties."""
+    from flash_forensics.kernels import triton_flash as tf
+    from flash_forensics.kernels import triton_launch
+    q, k, v = (x.detach() for x in planted(2, 4, 384, 64, "cuda", dtype=torch.bfloat16, seed=9))
+    q, k = _special(q, k)
+    knobs = replace(AttentionKnobs(backend="triton"), **case)
+    g = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(q.device, q.dtype)
+    out = {}
+    for form in ("bf16", "fp32"):
+        x = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        st = AttnStats(q.shape[1], q.device)
+        with triton_launch.accumulator_form(form):
+            o = tf.flash_attention_triton(*x, knobs, st)
+            out[form] = (o, *torch.autograd.grad(o, x, g), st.repeated_max_rows, st.max_logit, st.underflow_rows,
+                         st.sfa_p1_rows)
+    assert out["fp32"][4].sum() > 0
+    for i, (a, b) in enumerate(zip(out["bf16"], out["fp32"])):
+        assert torch.equal(_bits(a), _bits(b)), ["O", "dQ", "dK", "dV", "repeated_max_rows", "max_logit",
+                                                 "underflow_rows", "sfa_p1_rows"][i]
 
 
 @pytest.mark.gpu
