@@ -103,16 +103,21 @@ _acc16 = [True]
 
 
 @contextlib.contextmanager
+def _switch(flag: list, on: bool):
+    """flag[0] = on within the scope (a one-element list the launchers read on every launch), restored after."""
+    saved = flag[0]
+    flag[0] = on
+    try:
+        yield
+    finally:
+        flag[0] = saved
+
+
 def accumulator_form(form: str = "bf16"):
     """The kernels' accumulators within the scope: ACCUMULATOR_FORMS (bf16: BF16 where the recipe stores them so)."""
     if form not in ACCUMULATOR_FORMS:
         raise ValueError(f"accumulator form {form!r} is not allowed: expected one of {', '.join(ACCUMULATOR_FORMS)}")
-    saved = _acc16[0]
-    _acc16[0] = form == "bf16"
-    try:
-        yield
-    finally:
-        _acc16[0] = saved
+    return _switch(_acc16, form == "bf16")
 
 
 def repeat_test(recipe: str) -> str:
@@ -143,18 +148,12 @@ def exp_instruction_env() -> str:
 _exp_ftz = [exp_instruction_env() == "ex2_approx_ftz"]
 
 
-@contextlib.contextmanager
 def exp_instruction(name: str):
     """Every kernel launched in the scope evaluates exp with `name` (EXP_INSTRUCTIONS): the benchmarks time
     ex2_approx_ftz against tl.exp's ex2_approx side by side, in one process."""
     if name not in EXP_INSTRUCTIONS:
         raise ValueError(f"exp instruction {name!r} is not allowed: expected one of {', '.join(EXP_INSTRUCTIONS)}")
-    saved = _exp_ftz[0]
-    _exp_ftz[0] = name == "ex2_approx_ftz"
-    try:
-        yield
-    finally:
-        _exp_ftz[0] = saved
+    return _switch(_exp_ftz, name == "ex2_approx_ftz")
 
 
 REGISTER_KERNELS = ("fwd", "dkdv", "dq")
