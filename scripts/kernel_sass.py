@@ -130,8 +130,8 @@ def record_launches(knobs, shape):
 
 
 def record_variant(text: str, shape):
-    """record_launches of a --variants entry: its knobs, under its register caps and counter form; a bad value
-    names the variant."""
+    """record_launches of a --variants entry: its knobs, under its register caps, counter form and accumulator
+    form; a bad value names the variant."""
     from flash_forensics.kernels import triton_launch as tl_
     knobs = parse_variant(text)
     try:
