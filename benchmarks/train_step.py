@@ -34,6 +34,9 @@ REGISTER_TABLE measured faster); `register_caps_vs_none`: the caps' speed-up and
 `c_proj_input_vs_stream_cast`: the default's speed-up over it and whether the losses agree bit for bit.
 `ATTN+acc32` runs eager with the kernels' accumulators in FP32 (kernels/triton_launch.py accumulator_form);
 `bf16_accumulators_vs_fp32`: the default's speed-up over it and whether the losses agree bit for bit.
+`ATTN+regs.KERNEL=N` runs eager with KERNEL's registers (fwd, dkdv or dq) capped at N per thread (or `none`: ptxas's
+choice; kernels/triton_launch.py register_limit), the rest as the default launches them; `register_cap_vs_default`:
+each cap's speed-up over ATTN and whether the losses agree bit for bit (a cap moves registers, not arithmetic).
 `paper_1gpu_fp32` and `paper_1gpu_fp32_ieee` are the preset's FP32 reference fork (recipe fp32, its 128x128 tiles) with
 3xTF32 GEMMs, as the paper table runs it, and with IEEE FP32 ones; `fp32_reference_vs_baseline`: their tokens/s as a
 fraction of paper_1gpu's.
@@ -104,6 +107,9 @@ STREAM_CAST = "streamcast"
 ACC32 = "acc32"
 BASELINE, FP32_REFERENCES = "paper_1gpu", ("paper_1gpu_fp32", "paper_1gpu_fp32_ieee")
 EAGER_MODES = (JIT_LAUNCH, TUNED, FTZ, PTXAS, OLD_COUNTERS, STREAM_CAST, ACC32)
+# ATTN+regs.KERNEL=N: eager, one kernel's register cap (register_limit(KERNEL=N), N or none) against the default's
+# launches: a cap that fits one more program on an SM, timed in training before REGISTER_TABLE takes it
+REGS_MODE = re.compile(r"regs\.(?P<kernel>[a-z0-9_]+)=(?P<n>\d+|none)")
 COMPILE_BACKEND = "inductor"  # torch.compile's backend (a CPU test swaps in "eager": dynamo alone, no C++ build)
 RECOMPILES_PER_VARIANT = 8  # dynamo's default recompile_limit is 8 per code object for the whole process
 # GPU kernels that compute attention: this project's four Triton kernels, torch's flash / cuDNN / efficient ones
@@ -163,6 +169,7 @@ class Variant:
                              (lambda: counter_form("count", "acq_rel")) if mode == OLD_COUNTERS else
                              stream_cast if mode == STREAM_CAST else
                              (lambda: accumulator_form("fp32")) if mode == ACC32 else
+                             register_limit_scope(mode) if is_regs_mode(mode) else
                              contextlib.nullcontext)
         torch.manual_seed(0)  # every variant starts from the same weights
         self.model = GPT(ModelConfig.preset(model_name, block_size=T), AttentionConfig(**ATTN[self.attn])).to(dev)
@@ -246,12 +253,40 @@ def stream_cast():
         gpt._c_proj_input = saved
 
 
+def is_regs_mode(mode) -> bool:
+    return mode is not None and REGS_MODE.fullmatch(mode) is not None
+
+
+def register_caps(mode: str) -> dict:
+    """register_limit's keyword of a `regs.KERNEL=N` mode, checked as register_limit checks it (ValueError naming
+    --variants and what is allowed)."""
+    from flash_forensics.kernels.triton_launch import REGISTER_KERNELS, register_limit
+    m = REGS_MODE.fullmatch(mode)
+    caps = {m["kernel"]: None if m["n"] == "none" else int(m["n"])}
+    try:
+        with register_limit(**caps):
+            pass
+    except ValueError as e:
+        raise ValueError(f"--variants: mode {mode!r} is not allowed: {e} (regs.KERNEL=N, KERNEL one of "
+                         f"{', '.join(REGISTER_KERNELS)})") from None
+    return caps
+
+
+def register_limit_scope(mode: str):
+    """The launch scope of a `regs.KERNEL=N` variant: a context factory, entered around each of its steps."""
+    from flash_forensics.kernels.triton_launch import register_limit
+    caps = register_caps(mode)
+    return lambda: register_limit(**caps)
+
+
 def parse_variant(name: str):
     """(ATTN, MODE or None) of ATTN[+MODE]; ValueError naming --variants otherwise."""
     attn, plus, mode = name.partition("+")
-    if attn not in ATTN or (plus and mode not in (*MODES, *EAGER_MODES)):
+    if attn not in ATTN or (plus and mode not in (*MODES, *EAGER_MODES) and not is_regs_mode(mode)):
         raise ValueError(f"--variants: {name!r} is not allowed: expected ATTN or ATTN+MODE, ATTN one of "
-                         f"{', '.join(ATTN)}, MODE one of {', '.join((*MODES, *EAGER_MODES))}")
+                         f"{', '.join(ATTN)}, MODE one of {', '.join((*MODES, *EAGER_MODES))} or regs.KERNEL=N")
+    if is_regs_mode(mode):
+        register_caps(mode)
     return attn, (mode if plus else None)
 
 
@@ -384,6 +419,8 @@ def summarize(rows) -> dict:
         d["counter_form_vs_old"] = _against(rs, OLD_COUNTERS, mode_first=False)
         d["c_proj_input_vs_stream_cast"] = _against(rs, STREAM_CAST, mode_first=False)
         d["bf16_accumulators_vs_fp32"] = _against(rs, ACC32, mode_first=False)
+        d["register_cap_vs_default"] = {m: _against(rs, m, mode_first=True)
+                                        for m in sorted({v.partition("+")[2] for v in rs} - {""}) if is_regs_mode(m)}
         # the preset's FP32 reference forks against its BF16 baseline (both eager, 128x128 tiles): their speed,
         # as a fraction of the baseline's tokens/s (the paper table's forks train at this pace)
         d["fp32_reference_vs_baseline"] = {v: rs[v]["tokens_per_s"] / rs[BASELINE]["tokens_per_s"]

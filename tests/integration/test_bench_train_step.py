@@ -123,6 +123,30 @@ def test_bf16_accumulators_vs_fp32_by_hand():
     assert bench.parse_variant("paper_1gpu+acc32") == ("paper_1gpu", "acc32")
 
 
+def test_a_register_cap_mode_by_hand_its_scope_and_a_bad_one():
+    """ATTN+regs.KERNEL=N: eager with that kernel's registers capped (register_limit); register_cap_vs_default: each
+    cap's speed-up over ATTN and whether the losses kept every bit. A cap register_limit refuses is refused here,
+    naming --variants and the mode, before anything is built."""
+    def row(v, tps, losses):
+        return dict(variant=v, batch=2, T=8, tokens_per_s=tps, losses=losses)
+    s = bench.summarize([row("paper_1gpu", 100.0, [3.0, 2.5]), row("paper_1gpu+regs.fwd=168", 104.0, [3.0, 2.5]),
+                         row("paper_1gpu+regs.dq=none", 95.0, [3.0, 2.25]), row("paper_1gpu+acc32", 90.0, [3.0, 2.5])])
+    got = s["B2_T8"]["register_cap_vs_default"]
+    assert got == {"regs.dq=none": {"paper_1gpu": dict(speedup=0.95, bit_identical=False)},
+                   "regs.fwd=168": {"paper_1gpu": dict(speedup=1.04, bit_identical=True)}}
+    assert bench.parse_variant("paper_1gpu+regs.fwd=168") == ("paper_1gpu", "regs.fwd=168")
+    assert bench.register_caps("regs.dkdv=none") == {"dkdv": None}
+    from flash_forensics.kernels import triton_launch as tl_
+    with bench.register_limit_scope("regs.fwd=168")():
+        assert tl_._maxnreg == {"fwd": 168}
+    assert tl_._maxnreg == {}
+    for bad, says in (("paper_1gpu+regs.fwd=999", "fwd=999"), ("paper_1gpu+regs.bwd=128", "'bwd'"),
+                      ("paper_1gpu+regs.fwd=12", "fwd=12"), ("paper_1gpu+regs.fwd", "regs.KERNEL=N")):
+        with pytest.raises(ValueError, match="--variants") as e:
+            bench.parse_variant(bad)
+        assert says in str(e.value), str(e.value)
+
+
 def test_fp32_reference_vs_baseline_by_hand():
     """fp32_reference_vs_baseline: the preset's FP32 reference forks' tokens/s as a fraction of its BF16 baseline's,
     only where both ran; each variant builds the fork's attention (recipe fp32, 128x128 tiles, its GEMM mode)."""
