@@ -163,17 +163,22 @@ REGISTER_KERNELS = ("fwd", "dkdv", "dq")
 #   (4 programs, 8-56 spilled bytes) 142.2 -> 128.0 us (fa2), 173.0 -> 151.8 (SFA), 167.4 -> 155.6 (paper_bf16)
 #   at T1024, 410.1 -> 382.5, 520.2 -> 460.0, 520.2 -> 485.8 at T4096;
 #   paper_bf16's dK/dV: 216 -> 168 registers (2 -> 3 programs): 306.1 -> 296.8 us, 1107.7 -> 1082.4;
-#   with the counters' top2 test (gpu-h100-2026-12-06g) fa2's capped forward still led: 116.6 against 125.9 us.
+#   with the counters' top2 test (gpu-h100-2026-12-06g) fa2's capped forward still led: 116.6 against 125.9 us;
+#   experiment=paper_1gpu's forward (128x128 tiles, launched (64, 128, 4, 2)): 214 registers, 2 programs per SM; at
+#   168 (3 programs, 80 spilled bytes) 214.5 -> 174.4 and 214.8 -> 173.8 us a call in two GPT-2S training runs
+#   (gpu-h100-2026-12-06i, B16 T1024, every loss bit for bit).
 # Not capped: fa2's dK/dV (157 -> 128 was 1.6% and 5% slower), and every D128 kernel (a cap there spills hundreds
 # of bytes: dK/dV 5x slower). A cap should move registers, never an operation: compiled for sm_90 each has the same
 # floating-point instructions as no cap, counted with their modifiers (tests/unit/test_kernel_sass.py), and on an H100
 # the kernel-bits cases with the caps were bit for bit the record without them (results/bench/gpu-h100-2026-12-06g/).
 # Keyed on the launch as measured: (kernel, recipe, softmax, head dim, launch config), the knobs otherwise their
-# defaults with the counters on, no probe, no key padding
+# defaults with the counters on, no probe, no key padding (the tiles block_q / block_k aside: the launch config holds
+# the ones a launch sees)
 REGISTER_TABLE = {
     ("fwd", "fa2", "safe", 64, (64, 64, 4, 3)): 128,
     ("fwd", "fa2", "stabilized", 64, (64, 64, 4, 3)): 128,
     ("fwd", "paper_bf16", "safe", 64, (64, 64, 4, 3)): 128,
+    ("fwd", "paper_bf16", "safe", 64, (64, 128, 4, 2)): 168,  # experiment=paper_1gpu's
     ("dkdv", "paper_bf16", "safe", 64, ((64, 64), (64, 64), 4, 3)): 168,
 }
 # register_limit's caps for the scope (a kernel mapped to None: no cap, ptxas's own choice)
@@ -216,8 +221,10 @@ def register_cap(kernel: str, knobs: AttentionKnobs, D: int, config, plain: bool
     hit = _CAP_OF.get((id(knobs), kernel))
     if hit is None or hit[0] is not knobs:
         like = AttentionKnobs(recipe=knobs.recipe, softmax=knobs.softmax, backend="triton", counters=True)
-        same = dataclasses.replace(knobs, beta=like.beta, eps=like.eps, backend="triton", counters=True) == like
-        hit = (knobs, same)  # (beta and eps are runtime arguments; the backward has no counters)
+        same = dataclasses.replace(knobs, beta=like.beta, eps=like.eps, backend="triton", counters=True,
+                                   block_q=like.block_q, block_k=like.block_k) == like
+        # (beta and eps are runtime arguments; the backward has no counters; the config holds the tiles)
+        hit = (knobs, same)
         if len(_CAP_OF) < 4096:
             _CAP_OF[(id(knobs), kernel)] = hit
     return n if hit[1] else None

@@ -8,6 +8,7 @@ are checked by the `gpu` tests on CUDA.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import subprocess
@@ -561,6 +562,14 @@ def test_register_caps_apply_to_the_launches_measured_and_a_scope_overrides_them
     assert tl_.register_cap("fwd", pb, 64, cfg_f, False) is None  # a probe, key padding or no counters
     assert tl_.register_cap("fwd", pb, 128, cfg_f, True) is None and tl_.register_cap("fwd", pb, 64, (64, 64, 4, 2),
                                                                                        True) is None
+    # experiment=paper_1gpu's forward: its 128x128 tiles are in the launch config; the same knobs at another config
+    # (or none of the preset's) are not capped at 168
+    p1 = AttentionKnobs(recipe="paper_bf16", backend="triton", counters=True, block_q=128, block_k=128)
+    cfg_p1 = tl_._fwd_blocks(p1, 64, 1024)
+    assert cfg_p1 == (64, 128, 4, 2) and tl_.register_cap("fwd", p1, 64, cfg_p1, True) == 168
+    assert tl_.register_cap("fwd", p1, 64, (64, 128, 4, 3), True) is None
+    assert tl_.register_cap("fwd", dataclasses.replace(p1, pv_fp32=True), 64, cfg_p1, True) is None
+    assert tl_.register_cap("fwd", p1, 64, cfg_p1, False) is None
     fa2 = AttentionKnobs(recipe="fa2", counters=True)
     assert tl_.register_cap("fwd", fa2, 64, cfg_f, True) == 128
     assert tl_.register_cap("dkdv", fa2, 64, ((32, 64), (64, 32), 4, 3), True) is None
