@@ -310,8 +310,10 @@ def targets(summary) -> dict:
             res[key] = dict(target=want, measured=got, met=None if got is None else got >= want, bound="min",
                             against=s.get("best_sdpa"))
             kern = s.get("methods", {}).get(method, {}).get("kernels_vs_best_sdpa")
-        if kern is not None:  # --kernels: the same on the kernels' GPU time (met is judged on the timed figure)
+        if kern is not None:  # --kernels: the same on the kernels' GPU time, judged apart: where the host sets the
+            # timed figure (T <= 1024 on a slow host) the two disagree, and a note must say which one was met
             res[key]["measured_kernels"] = kern
+            res[key]["met_kernels"] = kern <= want if res[key]["bound"] == "max" else kern >= want
     return res
 
 
