@@ -779,7 +779,11 @@ print({k: r.get(k) for k in ('steps_done', 'wall_s', 'observed', 'divergence_ste
     # (the wheels installed into a folder and xz-packed: ~15 MB where the wheels are ~28 MB, with mlflow's web UI,
     # never used there, left out): the tree a lease carries is capped at 64 MiB. Needs a python3.12 here (PY312).
     py312=${PY312:-python3.12}
+    if [ -z "${PY312:-}" ] && ! python3.12 -c '' 2>/dev/null; then  # pyenv's shim, 3.12 not active: its own binary
+      for p in "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.12*/bin/python3.12; do [ -x "$p" ] && py312=$p; done
+    fi
     $py312 -c 'import sys; assert sys.version_info[:2] == (3, 12)' || die "no Python 3.12 here (set PY312)"
+    echo "wheels: $py312"
     bash "${WHEELS_SH:-../shared/gpu/wheels.sh}" "$@" || die "wheels.sh failed"
     tmp=$(mktemp -d)
     $py312 -m pip install -q --no-index --no-deps --no-compile --target "$tmp/site" .whl/*.whl || die "install failed"
