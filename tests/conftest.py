@@ -31,6 +31,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+if os.environ.get("TRITON_INTERPRET") == "1":  # the child pytests of the interpreter checks (tests/unit)
+    from tests.helpers.triton_interp import skip_nested_lang_patches
+    skip_nested_lang_patches()  # a fifth of their time: see its module
+
 SLURM_GROUP = "slurm"
 # files that submit to the local cluster (not all of their tests carry the mark)
 SLURM_FILES = ("integration/test_slurm.py",)
