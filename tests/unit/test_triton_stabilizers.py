@@ -43,6 +43,7 @@ from flash_forensics.kernels.knobs import PBAR_CLAMP  # noqa: E402
 from flash_forensics.kernels.recipes import for_knobs  # noqa: E402
 from flash_forensics.kernels.stats import AttnStats  # noqa: E402
 from flash_forensics.kernels.stochastic import call_key, stochastic_round, uniform16  # noqa: E402
+from tests.helpers.saved import saved_lse  # noqa: E402
 from tests.unit.test_emulator import tie_qkv  # noqa: E402
 from tests.unit.test_triton import BUDGET_EMU, planted  # noqa: E402
 
@@ -137,23 +138,13 @@ def _both(knobs: AttentionKnobs, q, k, v, do, counters: bool):
         if backend == "triton":
             assert tf.supports(kn, q)
             o = tf.flash_attention_triton(*x, kn, st)
-            lse = _saved_lse(o)
+            lse = saved_lse(o)
         else:
             o = emulator.flash_attention(*x, kn, st)
             lse = emulator.reference_attention(q, k, v, kn)[1]
         dq, dk, dv = torch.autograd.grad(o, x, do.to(o.dtype))
         out.append(dict(o=o.detach(), lse=lse, dq=dq, dk=dk, dv=dv, stats=st))
     return out
-
-
-def _saved_lse(o: torch.Tensor) -> torch.Tensor:
-    """The lse that the forward which returned o saved for its backward (kernels/ops.py FlashAttention: q, k, v, O,
-    lse, ...), read off the autograd graph: the same forward's lse, without launching it again (a third of a
-    case's forwards on the interpreter)."""
-    node = o.grad_fn
-    while type(node).__name__ != "FlashAttentionBackward":  # past O's cast to the returned dtype
-        node = node.next_functions[0][0]
-    return node.saved_tensors[4]
 
 
 def _check_counters(st_t, st_e, counters: bool, exact: bool):
@@ -363,7 +354,7 @@ def _check_leaves_alone(device, recipe, B, H, T, D, seed):
     def run(kn):
         x = [t.clone().requires_grad_(True) for t in (q, k, v)]
         o = tf.flash_attention_triton(*x, kn)
-        return o.detach(), _saved_lse(o), torch.autograd.grad(o, x, do.to(o.dtype))[0]
+        return o.detach(), saved_lse(o), torch.autograd.grad(o, x, do.to(o.dtype))[0]
 
     o0, lse0, dq0 = run(base)
     for knob in (dict(pbar_clamp=True), dict(stochastic_round=True, sr_seed=4)):
