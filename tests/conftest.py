@@ -51,8 +51,12 @@ def _group(item) -> str:
 # The groups that take longest (CI, 2 cores: seconds of one worker), handed out first: xdist gives each worker the
 # next group in collection order, so a long group collected last would run alone at the end while the other worker
 # idles. Measured with `--durations`; a group not listed keeps its place after these.
+# The unit files with a child interpreter pytest (~70-110 s each) are listed too: unlisted, they were collected last
+# (unit/ after integration/) and one of them could run alone at the end.
 HEAVY_FIRST = ("isolation_script", "integration/test_faults.py", SLURM_GROUP, "integration/test_paper_1gpu.py",
-               "integration/test_multirun.py", "integration/test_dashboard.py", "integration/test_record.py",
+               "integration/test_multirun.py", "unit/test_triton.py", "integration/test_gpu_sh_patch_tests.py",
+               "unit/test_triton_stabilizers.py", "integration/test_first_steps.py", "unit/test_ops.py",
+               "integration/test_dashboard.py", "integration/test_record.py",
                "integration/test_train_loop.py", "integration/test_ddp.py", "integration/test_isolation_pipeline.py",
                "integration/test_resume.py", "integration/test_fork.py")
 
