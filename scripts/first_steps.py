@@ -15,6 +15,13 @@ Seed 1 diverged at step 2,288 on an H200 and had not by 7,610 on an H100; the tw
     python scripts/first_steps.py known [--gpu NAME] [--ref FILE]
         what FILE records of each seed on this GPU model (nvidia-smi's name, or NAME): the step it diverged at, or
         how far it went without; `gpu.sh paper-table start` prints it before its plan starts.
+    python scripts/first_steps.py ckpt-start --seeds "1337 1" [--gpu NAME] [--lead 1000] [--every 250] [--ref FILE]
+        the step a one-lease plan keeps its baselines' checkpoints from on this GPU model: LEAD steps before the
+        earliest divergence FILE records here for these seeds, down to a multiple of EVERY (the preset's ckpt_every);
+        0 (every checkpoint) when a seed's divergence here is unknown. The number alone on stdout, why on stderr:
+        `gpu.sh paper-table` and `baseline-time` take it where CKPT_START is not given (8,500 for seed 1337 on an
+        H200, which diverges at 9,697 there; 7,000 on an H100, where it diverges at 8,064: a fixed 8,500 left no
+        checkpoint to fork from).
     python scripts/first_steps.py record EXPORT.json.gz --gpu NAME --commit SHA --source PATH [--run-prefix baseline]
                                          [--steps 10] [--ref FILE]
         adds a record (a run's first losses, from a compact export: scripts/mlflow_export.py) to FILE.
@@ -184,6 +191,45 @@ def known(gpu: str, ref: Path) -> List[str]:
     return out
 
 
+def ckpt_start(gpu: str, seeds: Sequence[int], ref: Path, lead: int = 1000, every: int = 250):
+    """(step, reasons): where a one-lease plan on this GPU model starts keeping checkpoints for these seeds. The
+    plan forks from the newest checkpoint MARGIN (150) steps before a baseline's divergence; the checkpoints before
+    cost lease time and are never forked from. So: `lead` steps before the earliest divergence recorded here (the
+    lowest, where one seed's records disagree), down to a multiple of `every`; 0 when any seed's is unknown here."""
+    recs = [r for r in _load_ref(ref)["records"] if r.get("gpu") == gpu]
+    steps, reasons = [], []
+    for seed in seeds:
+        div = sorted({r["divergence"] for r in recs if r["seed"] == seed and r.get("divergence") is not None})
+        if not div:
+            reasons.append(f"seed {seed}: no divergence recorded on {gpu}: every checkpoint (0)")
+            steps.append(0)
+            continue
+        step = max(0, (div[0] - lead) // every * every)
+        reasons.append(f"seed {seed} diverged at step {div[0]:,} on {gpu}: checkpoints from {step:,} "
+                       f"({lead} steps before, a multiple of {every})")
+        steps.append(step)
+    return min(steps), reasons
+
+
+def cmd_ckpt_start(a) -> int:
+    try:
+        seeds = [int(s) for s in a.seeds.split()]
+    except ValueError:
+        seeds = []
+    if not seeds:
+        raise SystemExit(f"first_steps: --seeds {a.seeds!r} is not allowed: expected seeds as integers, "
+                         f"space-separated (e.g. \"1337 1\")")
+    for name in ("lead", "every"):
+        if getattr(a, name) < (1 if name == "every" else 0):
+            raise SystemExit(f"first_steps: --{name} {getattr(a, name)} is not allowed: expected an integer >= "
+                             f"{1 if name == 'every' else 0}")
+    step, reasons = ckpt_start(a.gpu or _gpu(), seeds, a.ref, a.lead, a.every)
+    for line in reasons:
+        print(f"first_steps: {line}", file=sys.stderr)
+    print(step)
+    return 0
+
+
 def cmd_known(a) -> int:
     gpu = a.gpu or _gpu()
     print(f"first_steps: the records of {gpu} ({a.ref.name}):")
@@ -224,8 +270,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     n = sub.add_parser("known", help="what the records say of each seed on this GPU model (or --gpu NAME)")
     n.add_argument("--gpu", default=None)
     n.add_argument("--ref", type=Path, default=REF)
+    cs = sub.add_parser("ckpt-start", help="the step a one-lease plan keeps checkpoints from, on this GPU model")
+    cs.add_argument("--seeds", default="1337", help='space-separated, e.g. "1337 1" (the earliest divergence wins)')
+    cs.add_argument("--gpu", default=None)
+    cs.add_argument("--lead", type=int, default=1000, help="steps before the divergence (default 1000)")
+    cs.add_argument("--every", type=int, default=250, help="the checkpoint interval (the preset's ckpt_every)")
+    cs.add_argument("--ref", type=Path, default=REF)
     a = ap.parse_args(argv)
-    if a.cmd in ("record", "check", "known") and overrides:
+    if a.cmd in ("record", "check", "known", "ckpt-start") and overrides:
         ap.error(f"{a.cmd} takes no overrides")
     if a.cmd == "record":
         return cmd_record(a)
@@ -233,6 +285,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return cmd_check(a)
     if a.cmd == "known":
         return cmd_known(a)
+    if a.cmd == "ckpt-start":
+        return cmd_ckpt_start(a)
     if a.steps < 1:
         ap.error(f"--steps {a.steps}: expected an integer >= 1")
     return cmd_run(a, overrides)

@@ -45,7 +45,8 @@
 #                range since 5.13), else from .whl_hf/ (wheels), so the lease need not carry them
 #   baseline-time
 #                the paper_1gpu baseline alone to step STEP (9697) and no further, SEED (1337), as the one-lease plan
-#                runs it (checkpoints from CKPT_START 8500): its result.json's wall_s is the time to that step
+#                runs it (checkpoints from CKPT_START, default this GPU model's as paper-table's): its result.json's
+#                wall_s is the time to that step
 #   ddp          2 GPUs (DDP) vs 1 GPU with gradient accumulation (benchmarks/ddp.py; needs 2 GPUs)
 #   mini-repro   the miniature over 3 seeds, baseline vs FP32 reference (sweeps/mini_repro_seeds)
 #   capture-mini the miniature's baseline (seed 1337) with a capture at step CAPTURE_STEP (850) of layer 2, heads 0
@@ -156,6 +157,14 @@ PATCH_TESTS="tests/unit/test_launch_cache.py tests/unit/test_triton_stabilizers.
   tests/unit/test_rounding_points.py tests/unit/test_sdpa_dropin.py tests/integration/test_hf_fast_path.py
   tests/integration/test_compile_faithful.py"
 
+ckpt_start() {  # $1: the seeds. CKPT_START as given (an integer >= 0), else this GPU model's from the records
+  if [ -n "${CKPT_START:-}" ]; then
+    [[ $CKPT_START =~ ^[0-9]+$ ]] || { echo "CKPT_START=$CKPT_START is not allowed: expected an integer >= 0"; return 1; }
+    echo "$CKPT_START"
+  else  # 1,000 steps before the earliest divergence recorded here (scripts/first_steps.py ckpt-start), else 0
+    $PY scripts/first_steps.py ckpt-start --seeds "$1"
+  fi
+}
 gpu_tests() {  # $1: log file, then the test paths (default: tests)
   local log=$1; shift
   [ $# -gt 0 ] || set -- tests
@@ -378,9 +387,11 @@ print(re.sub('[^a-z0-9]+', '-', g).strip('-'))" "$LOG/kernel-bits.json") || die 
     R=$(realpath -m "${BT_R:-/tmp/baseline-time}"); step=${STEP:-9697}
     case "$R/" in /|"$ROOT"/*|"$HOME"/) die "BT_R=$R: give a scratch folder outside the tree (it is emptied first)";; esac
     setup; logdir baseline-time
+    ckpt=$(ckpt_start "${SEED:-1337}") || die "train.ckpt_start: ${ckpt:-scripts/first_steps.py ckpt-start failed}"
+    echo "[baseline-time] train.ckpt_start=$ckpt${CKPT_START:+ (CKPT_START)}"
     rm -rf "$R"; mkdir -p "$R"
     timeout "${BT_TIMEOUT:-1200}" $PY run.py experiment=paper_1gpu train.seed="${SEED:-1337}" data.seed="${SEED:-1337}" \
-      train.max_steps=$((step + 1)) train.ckpt_start="${CKPT_START:-8500}" train.early_stop=false results_dir="$R" \
+      train.max_steps=$((step + 1)) train.ckpt_start="$ckpt" train.early_stop=false results_dir="$R" \
       "$@" > "$LOG/run.log" 2>&1; rc=$?
     res=$(find "$R" -name result.json | head -1)
     [ -n "$res" ] && cp "$res" "$LOG/result.json" && $PY -c "import json, sys; r = json.load(open(sys.argv[1])); \
@@ -493,9 +504,11 @@ print({k: r.get(k) for k in ('steps_done', 'wall_s', 'observed', 'divergence_ste
     #                                     call, and a machine lost between calls (idle > 30 s) loses nothing collected
     # Env: SEED (1337), BENCH (1), TESTS (1), and the plan's: STOP_AFTER (20), PICK (before-divergence), MARGIN (150),
     # PAST_DIVERGENCE (310), FORK_MEMORY (26 GiB; "" no check), PER_GPU_FIRST (6), FORK_OVERRIDES (attention.fp32_gemm=tf32x3),
-    # MAX_STEPS (20000), CKPT_START (8500: seed 1337 diverges at step 9,697; the 34 checkpoints before 8,500 cost
-    # ~2 min of a 30-minute lease and are never forked from; 0 for a seed whose divergence is not known; seed 1
-    # diverges at 2,288), OVERRIDES (more Hydra overrides for every run, space-separated), RACE (0; 1 with several
+    # MAX_STEPS (20000), CKPT_START (default: 1,000 steps before the earliest divergence recorded for the seeds on this
+    # GPU model, down to a multiple of 250, `scripts/first_steps.py ckpt-start`: 8,500 for seed 1337 on an H200,
+    # which diverges at 9,697 there, 7,000 on an H100, where it diverges at 8,064; 0, every checkpoint, for a seed
+    # whose divergence here is not known. The checkpoints before it cost lease time and are never forked from),
+    # OVERRIDES (more Hydra overrides for every run, space-separated), RACE (0; 1 with several
     # seeds, SEED="2 1337": every seed gets the first's plan and the first whose baseline diverges keeps the GPU, the
     # others stop: for a GPU on which no seed's divergence step is known), OVERRIDES_<seed> (Hydra overrides of that
     # seed's runs only, after OVERRIDES, e.g. OVERRIDES_1337="train.ckpt_start=8500"; passed on as they are, in the
@@ -535,6 +548,8 @@ print({k: r.get(k) for k in ('steps_done', 'wall_s', 'observed', 'divergence_ste
       setup; env_txt | tee "$L/env.txt"
       $PY scripts/first_steps.py known | tee "$L/known.txt"  # which seed diverges where on this GPU model, if known
       echo "[paper-table] seeds: ${SEED:-1337}"
+      ckpt=$(ckpt_start "${SEED:-1337}") || die "train.ckpt_start: ${ckpt:-scripts/first_steps.py ckpt-start failed}"
+      echo "[paper-table] train.ckpt_start=$ckpt${CKPT_START:+ (CKPT_START)}"
       t0=$(date +%s)
       if [ "${BENCH:-1}" = 1 ]; then  # a quiet GPU: nothing else runs yet
         timeout 240 $PY benchmarks/fp32_reference.py --rounds 3 --train-steps 6 --out "$L/fp32-reference-h200.json" \
@@ -548,7 +563,7 @@ print({k: r.get(k) for k in ('steps_done', 'wall_s', 'observed', 'divergence_ste
         KEEP_CHECKPOINTS="${KEEP_CHECKPOINTS:-3}" FORK_MEMORY="${FORK_MEMORY-26}" PER_GPU_FIRST="${PER_GPU_FIRST:-6}" \
         FORK_OVERRIDES="${FORK_OVERRIDES-attention.fp32_gemm=tf32x3}" CONTROL_SWEEPS="${CONTROL_SWEEPS:-paper_isolation}" \
         ISOLATION_SWEEPS="${ISOLATION_SWEEPS-paper_1gpu_numerics paper_1gpu_mechanism beta_sweep}" PROGRESS_EVERY=60 \
-        bash scripts/paper_1gpu.sh "train.max_steps=${MAX_STEPS:-20000}" "train.ckpt_start=${CKPT_START:-8500}" ${OVERRIDES:-} \
+        bash scripts/paper_1gpu.sh "train.max_steps=${MAX_STEPS:-20000}" "train.ckpt_start=$ckpt" ${OVERRIDES:-} \
         > "$L/paper.log" 2>&1 < /dev/null &
       echo $! > "$R/plan.pid"; date +%s > "$R/plan.t0"
       echo "[paper-table] plan started (pid $(cat "$R/plan.pid")) at $(( $(date +%s) - t0 )) s"

@@ -109,3 +109,47 @@ def test_known_says_per_seed_where_it_diverged_on_this_gpu_model(tmp_path, capsy
     assert fs.known("G3", ref)[0].startswith("no paper_1gpu run is recorded on G3")
     assert fs.main(["known", "--gpu", "G2", "--ref", str(ref)]) == 0
     assert "seed 1337: diverged at step 8,064" in capsys.readouterr().out
+
+
+def test_ckpt_start_is_a_lead_before_the_earliest_divergence_recorded_on_this_gpu_model(tmp_path, capsys):
+    ref = tmp_path / "ref.json"
+    ref.write_text(json.dumps({"records": [
+        {"gpu": "G2", "commit": "a", "seed": 1337, "divergence": 8064, "losses": [3.0]},
+        {"gpu": "G2", "commit": "b", "seed": 1337, "divergence": 8190, "losses": [3.0]},  # the earlier one wins
+        {"gpu": "G2", "commit": "a", "seed": 1, "divergence": None, "note": "not diverged by 7,610", "losses": [2.0]},
+        {"gpu": "G2", "commit": "a", "seed": 2, "divergence": 700, "losses": [2.0]},
+        {"gpu": "G1", "commit": "c", "seed": 1337, "divergence": 9697, "losses": [3.0]}]}))
+    assert fs.ckpt_start("G1", [1337], ref)[0] == 8500  # the H200's: 9,697 - 1,000, down to a multiple of 250
+    step, why = fs.ckpt_start("G2", [1337], ref)
+    assert step == 7000 and "seed 1337 diverged at step 8,064 on G2" in why[0], why  # a fixed 8,500 had no fork
+    assert fs.ckpt_start("G2", [1337], ref, lead=0, every=500)[0] == 8000
+    assert fs.ckpt_start("G2", [2], ref)[0] == 0  # diverged within the lead: from step 0
+    step, why = fs.ckpt_start("G2", [1337, 1], ref)  # seed 1's divergence here is unknown: every checkpoint
+    assert step == 0 and "seed 1: no divergence recorded on G2" in why[1], why
+    assert fs.ckpt_start("G3", [1337], ref)[0] == 0
+    assert fs.main(["ckpt-start", "--gpu", "G2", "--seeds", "1337", "--ref", str(ref)]) == 0
+    out = capsys.readouterr()
+    assert out.out == "7000\n" and "checkpoints from 7,000" in out.err  # the number alone on stdout
+    for bad, msg in ((["--seeds", "1337 x"], "--seeds '1337 x' is not allowed"),
+                     (["--every", "0"], "--every 0 is not allowed")):
+        with pytest.raises(SystemExit, match=msg):
+            fs.main(["ckpt-start", "--ref", str(ref), *bad])
+
+
+def test_gpu_sh_baseline_time_keeps_checkpoints_from_this_gpu_models_step(tmp_path):
+    """gpu.sh baseline-time (and paper-table, through the same function) on a GPU model whose records know seed
+    1337's divergence: train.ckpt_start 1,000 steps before it; a bad CKPT_START is refused before anything runs."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "nvidia-smi").write_text("#!/bin/sh\necho 'NVIDIA H100 80GB HBM3'\n")  # the GPU model the run sees
+    (fake / "nvidia-smi").chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in ("CKPT_START", "SEED", "STEP")}
+    env.update(PATH=f"{fake}:{env['PATH']}", BT_R=str(tmp_path / "r"), OUT=str(tmp_path / "out"))
+    gpu_sh = ["bash", str(ROOT / "scripts" / "gpu.sh"), "baseline-time"]
+    p = subprocess.run(gpu_sh, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    # the records: seed 1337 diverged at 8,064 on an H100 (the run itself then stops here: no CUDA on this machine)
+    assert "[baseline-time] train.ckpt_start=7000\n" in p.stdout, p.stdout[-2000:] + p.stderr[-2000:]
+    p = subprocess.run(gpu_sh, cwd=ROOT, env={**env, "CKPT_START": "8,500"}, capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 1 and "CKPT_START=8,500 is not allowed: expected an integer >= 0" in p.stderr, p.stderr
+    assert "[baseline-time]" not in p.stdout  # refused before the run
