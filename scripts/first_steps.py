@@ -219,10 +219,9 @@ def cmd_ckpt_start(a) -> int:
     if not seeds:
         raise SystemExit(f"first_steps: --seeds {a.seeds!r} is not allowed: expected seeds as integers, "
                          f"space-separated (e.g. \"1337 1\")")
-    for name in ("lead", "every"):
-        if getattr(a, name) < (1 if name == "every" else 0):
-            raise SystemExit(f"first_steps: --{name} {getattr(a, name)} is not allowed: expected an integer >= "
-                             f"{1 if name == 'every' else 0}")
+    for name, least in (("lead", 0), ("every", 1)):
+        if getattr(a, name) < least:
+            raise SystemExit(f"first_steps: --{name} {getattr(a, name)} is not allowed: expected an integer >= {least}")
     step, reasons = ckpt_start(a.gpu or _gpu(), seeds, a.ref, a.lead, a.every)
     for line in reasons:
         print(f"first_steps: {line}", file=sys.stderr)
