@@ -333,6 +333,14 @@ def _write(out, path):
     os.replace(tmp, path)  # a reader, or a kill mid-write, sees the previous file or this one
 
 
+def where(e: BaseException, frames: int = 4) -> str:
+    """The innermost frames of e's traceback, one line each (file:line in function): an error with an empty message
+    (an assert in torch) still says where it came from."""
+    import traceback
+    tb = traceback.extract_tb(e.__traceback__)[-frames:]
+    return " <- ".join(f"{f.filename.split('site-packages/')[-1]}:{f.lineno} in {f.name}" for f in reversed(tb))
+
+
 def run_shape(names, batch, T, args, dev, errors):
     g = torch.Generator(device="cpu").manual_seed(0)
     data = [torch.randint(0, 50257, (batch, T + 1), generator=g).to(dev) for _ in range(args.warmup + args.steps)]
@@ -348,8 +356,9 @@ def run_shape(names, batch, T, args, dev, errors):
         try:
             return fn()
         except Exception as e:
-            errors.append(dict(variant=v.name, batch=batch, T=T, error=f"{type(e).__name__}: {e}"[:600]))
-            log(f"[{batch}x{T}] {v.name}: {errors[-1]['error']}")
+            errors.append(dict(variant=v.name, batch=batch, T=T, error=f"{type(e).__name__}: {e}"[:600],
+                               where=where(e)))
+            log(f"[{batch}x{T}] {v.name}: {errors[-1]['error']}\n  raised at: {errors[-1]['where']}")
             live.remove(v)
 
     for v in list(live):

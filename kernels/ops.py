@@ -202,5 +202,16 @@ def flash_attention(q, k, v, knobs: AttentionKnobs, stats=None, key_keep=None):
     return o
 
 
+def prepare_device(knobs: AttentionKnobs, n_head: int, dev) -> None:
+    """What the launchers keep per device for `knobs` on n_head heads, made now (kernels/triton_launch.py
+    prepare_device's constants, and the FP32-O head flags under the key the ops' own knobs give them)."""
+    dev = torch.device(dev)
+    tf.prepare_device(dev)
+    recipe, tiling, bq, bk, softmax, beta, eps, _dl, pv, heads, rounding, gemm, clamp, sr, seed, ef = parse_spec(
+        op_spec(knobs, n_head))
+    tf._ofp32_flags(_knobs(recipe, tiling, bq, bk, softmax, beta, eps, "dO_O", pv, heads, rounding, gemm, clamp, sr,
+                           seed, ef), n_head, dev)
+
+
 __all__ = ["flash_fwd", "flash_bwd", "FlashAttention", "flash_attention", "op_args", "op_rounding", "op_stabilizers",
-           "op_spec", "parse_spec"]
+           "op_spec", "parse_spec", "prepare_device"]

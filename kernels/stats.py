@@ -44,6 +44,10 @@ class AttnStats:
     def device(self) -> torch.device:
         return self.repeated_max_rows.device
 
+    def tensors(self) -> Tuple[torch.Tensor, ...]:
+        """Every counter, then max_logit: the device tensors the kernels add into."""
+        return tuple(getattr(self, n) for n in COUNTERS) + (self.max_logit,)
+
     def reset(self) -> None:
         for name in COUNTERS:
             getattr(self, name).zero_()
@@ -51,7 +55,7 @@ class AttnStats:
 
     def snapshot(self) -> Tuple[torch.Tensor, ...]:
         """Device copies of every counter (e.g. around an evaluation that must not count)."""
-        return tuple(getattr(self, n).clone() for n in COUNTERS) + (self.max_logit.clone(),)
+        return tuple(t.clone() for t in self.tensors())
 
     def restore(self, snap: Tuple[torch.Tensor, ...]) -> None:
         for name, t in zip(COUNTERS + ("max_logit",), snap):

@@ -112,5 +112,12 @@ def flash_attention_triton(q, k, v, knobs: AttentionKnobs, stats=None, key_keep=
     return _ops.flash_attention(q, k, v, knobs, stats, key_keep)
 
 
-__all__ = ["supports", "flash_attention_triton", "fired_pbar_max", "round_mask", "mask_points", "saved_o_dtype",
-           "RECIPE_IDS", "DELTA_IDS"]
+def prepare_device(knobs: AttentionKnobs, n_head: int, device) -> None:
+    """The launchers' per-device tensors for a layer of `knobs` made on `device` now, outside any CUDA graph
+    (models/attention.py prepare_device); nothing where triton is missing or these knobs are not Triton's."""
+    if triton is not None and not unsupported(knobs, "triton"):
+        _ops.prepare_device(knobs, n_head, device)
+
+
+__all__ = ["supports", "flash_attention_triton", "prepare_device", "fired_pbar_max", "round_mask", "mask_points",
+           "saved_o_dtype", "RECIPE_IDS", "DELTA_IDS"]

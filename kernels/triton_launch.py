@@ -516,12 +516,27 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _cached(key, make):
-    """Small per-device constants (head masks, dummy pointers), made once: no host-to-device copy per call."""
-    t = _DEVICE_CACHE.get(key)
+# the launchers' dummy pointers (an argument a launch does not read still needs a tensor): (shape, dtype) by name
+CONSTANTS = {"kp": ((1,), torch.uint8), "first": ((1,), torch.int32), "rep": ((1,), torch.int64),
+             "maxl": ((1,), torch.float32), "scratch": ((1,), torch.int64), "ties": ((1,), torch.uint8),
+             "srkey": ((), torch.int64)}
+
+
+def _const(name: str, dev) -> torch.Tensor:
+    """CONSTANTS[name] on `dev`, made once per device: no allocation per call."""
+    t = _DEVICE_CACHE.get((name, dev))
     if t is None:
-        t = _DEVICE_CACHE[key] = make()
+        shape, dtype = CONSTANTS[name]
+        t = _DEVICE_CACHE[(name, dev)] = torch.zeros(shape, device=dev, dtype=dtype)
     return t
+
+
+def prepare_device(dev) -> None:
+    """Every CONSTANTS tensor made on `dev` now (models/attention.py new_stats calls it where a model's counters are
+    made), outside any CUDA graph: made by a compiled step's first run under mode="reduce-overhead", they would live
+    in that graph's memory pool."""
+    for name in CONSTANTS:
+        _const(name, torch.device(dev))
 
 
 def _rows_per_head(T: int, knobs: AttentionKnobs) -> int:
@@ -547,8 +562,7 @@ def key_padding(key_keep, B: int, T: int, dev):
     KP (B, T) uint8, FIRST (B,) int32 the first kept key of each batch element (T where none is kept: every row
     has no key). Device ops only (no sync). None: dummies and KEYPAD=False (the kernels without key masks)."""
     if key_keep is None:
-        return _cached(("kp", dev), lambda: torch.zeros(1, device=dev, dtype=torch.uint8)), \
-            _cached(("first", dev), lambda: torch.zeros(1, device=dev, dtype=torch.int32)), False
+        return _const("kp", dev), _const("first", dev), False
     if not isinstance(key_keep, torch.Tensor) or key_keep.dtype not in (torch.bool, torch.int8, torch.uint8):
         raise ValueError(f"key_keep={getattr(key_keep, 'dtype', type(key_keep).__name__)} is not allowed: expected a "
                          "bool, int8 or uint8 tensor (B, T) or None")
@@ -616,21 +630,17 @@ def _forward(q, k, v, knobs: AttentionKnobs, rep=None, maxl=None, probe: bool = 
     lse = torch.empty((B, H, T), device=dev, dtype=torch.float32)
     counters = rep is not None
     if not counters:  # unused pointers still need a tensor
-        rep = _cached(("rep", dev), lambda: torch.zeros(1, device=dev, dtype=torch.int64))
-        maxl = _cached(("maxl", dev), lambda: torch.zeros(1, device=dev, dtype=torch.float32))
+        rep, maxl = _const("rep", dev), _const("maxl", dev)
     if under is None:  # counters off: never written; on without one: a scratch the kernel adds into
-        under = torch.zeros(H, device=dev, dtype=torch.int64) if counters else _cached(("under", dev), lambda: (
-            torch.zeros(1, device=dev, dtype=torch.int64)))
+        under = torch.zeros(H, device=dev, dtype=torch.int64) if counters else _const("scratch", dev)
     if p1 is None:
-        p1 = torch.zeros(H, device=dev, dtype=torch.int64) if counters else _cached(("under", dev), lambda: (
-            torch.zeros(1, device=dev, dtype=torch.int64)))
+        p1 = torch.zeros(H, device=dev, dtype=torch.int64) if counters else _const("scratch", dev)
     clamp = bool(knobs.pbar_clamp)
     if clamp and ties is None:
         ties = tie_buffer(knobs, q)
     if not clamp:
-        ties = _cached(("ties", dev), lambda: torch.zeros(1, device=dev, dtype=torch.uint8))
-    key = sr_key(knobs, q, k, v) if knobs.stochastic_round else _cached(("srkey", dev), lambda: torch.zeros(
-        (), device=dev, dtype=torch.int64))
+        ties = _const("ties", dev)
+    key = sr_key(knobs, q, k, v) if knobs.stochastic_round else _const("srkey", dev)
     if probe:
         pmax = torch.zeros((B, H, T), device=dev, dtype=torch.float32)
         fired = torch.zeros((B, H, T), device=dev, dtype=torch.int32)
@@ -680,7 +690,7 @@ def _backward(do, q, k, v, o, lse, knobs: AttentionKnobs, key_keep=None, ties=No
         raise ValueError(f"ties={None if ties is None else tuple(ties.shape)} is not allowed: expected the forward's "
                          f"tie bits of shape {(B, H, T, tie_words(T))} (pbar_clamp)")
     if not clamp:
-        ties = _cached(("ties", q.device), lambda: torch.zeros(1, device=q.device, dtype=torch.uint8))
+        ties = _const("ties", q.device)
     ntw = tie_words(T)
     recipe = RECIPE_IDS[knobs.recipe]
     mask, f32_in = round_mask(knobs), knobs.recipe == "fp32"

@@ -59,8 +59,23 @@ def _triton_module():
 
 
 def new_stats(n_head: int, device) -> AttnStats:
-    """An AttnStats for one layer: repeated_max_rows / rows_seen (H,) int64, max_logit () float32, on `device`."""
-    return AttnStats(n_head, device)
+    """An AttnStats for one layer: repeated_max_rows / rows_seen (H,) int64, max_logit () float32, on `device`.
+    On CUDA each counter is marked a static address (torch._dynamo.mark_static_address): a compiled step under CUDA
+    graphs then adds into the counters themselves, where it would otherwise skip graphs for mutating an input."""
+    stats = AttnStats(n_head, device)
+    if stats.device.type == "cuda":
+        for t in stats.tensors():
+            torch._dynamo.mark_static_address(t)
+    return stats
+
+
+def prepare_device(knobs: AttentionKnobs, n_head: int, device) -> None:
+    """What a flash layer's Triton launches keep per device (dummy pointers, FP32-O head flags), made now: a model
+    moved to CUDA calls it, so that they are made outside any CUDA graph. Nothing on other devices or routes."""
+    device = torch.device(device)
+    mod = _triton_module()
+    if device.type == "cuda" and knobs.impl == "flash" and mod is not None and hasattr(mod, "prepare_device"):
+        mod.prepare_device(knobs, n_head, device)
 
 
 def compute_dtype(knobs: AttentionKnobs) -> torch.dtype:
@@ -232,4 +247,4 @@ def sdpa_attention(q, k, v, knobs: AttentionKnobs, stats=None, probe: bool = Fal
 
 
 __all__ = ["attend", "resolve_backend", "route_name", "standard_attention", "sdpa_attention", "compute_dtype",
-           "new_stats"]
+           "new_stats", "prepare_device"]

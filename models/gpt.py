@@ -18,7 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from flash_forensics.kernels.config import AttentionConfig, AttentionKnobs
-from flash_forensics.models.attention import attend, new_stats, resolve_backend, route_name
+from flash_forensics.models.attention import attend, new_stats, prepare_device, resolve_backend, route_name
 
 FAMILIES = ("gpt", "llama")  # model.family: this file's GPT-2, or a transformers Llama (models/hf.py)
 
@@ -175,6 +175,16 @@ class CausalSelfAttention(nn.Module):
         if self.stats.max_logit.device != device:  # model moved since the stats were made: start fresh there
             self.stats = new_stats(self.n_head, device)
         return self.stats
+
+    def _apply(self, fn, recurse=True):
+        # .to() / .cuda(): the counters (and the kernels' device constants) follow the weights now, not at the first
+        # forward: made inside a compiled forward they would be its outputs, which a CUDA graph's next replay
+        # overwrites (torch.compile mode="reduce-overhead")
+        out = super()._apply(fn, recurse)
+        device = self.c_attn.weight.device
+        self._stats_on(device)
+        prepare_device(self.knobs, self.n_head, device)
+        return out
 
     def forward(self, x):
         B, T, C = x.shape

@@ -287,11 +287,11 @@ print(re.sub('[^a-z0-9]+', '-', g).strip('-'))" "$LOG/kernel-bits.json") || die 
       || rc=1
     fi
     if [[ $parts == *" cudagraphs "* ]]; then
-    # torch.compile(mode="reduce-overhead") against the default compile: does taking the host off the critical
-    # path close the gap to SDPA + compile, and does paper_1gpu stay bit for bit with its eager twin
+    # torch.compile(mode="reduce-overhead") against the default compile, SDPA's and the Triton recipes' alike: what
+    # taking the host off the critical path gives each (CUDAGRAPH_VARIANTS: the variants)
     bounded "${TRAIN_TIMEOUT:-420}" "$LOG/train_T1024_cudagraphs.log" $PY benchmarks/train_step.py --shapes 16x1024 \
       --steps 24 --rounds 4 --out "$LOG/train_T1024_cudagraphs.json" \
-      --variants sdpa+compile,sdpa+cudagraphs,triton_fa2+compile,triton_fa2+cudagraphs,paper_1gpu+cudagraphs,paper_1gpu \
+      --variants "${CUDAGRAPH_VARIANTS:-sdpa+compile,sdpa+cudagraphs,triton_fa2+compile,triton_fa2+cudagraphs,triton_paper_bf16+compile,triton_paper_bf16+cudagraphs}" \
       || rc=1
     fi
     if [[ $parts == *" train256 "* ]]; then

@@ -360,6 +360,49 @@ def test_gpu_compiled_gpt_trains_like_eager(recipe):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["fa2", "paper_bf16", "sdpa"])
+def test_gpu_cuda_graphs_train_as_compiled_bit_for_bit(impl):
+    """torch.compile(mode="reduce-overhead") (CUDA graphs replaying the step's launches) against the default mode:
+    6 steps with the same losses and counters bit for bit (the same inductor kernels, replayed), and no graph
+    skipped: the counters are static addresses the graphs add into (models/attention.py new_stats)."""
+    from torch._dynamo.utils import counters
+
+    from flash_forensics.models.gpt import GPT, ModelConfig
+    cfg = ModelConfig(n_layer=2, n_head=4, n_embd=256, block_size=256)
+    att = (AttentionConfig(impl="sdpa") if impl == "sdpa" else
+           AttentionConfig(impl="flash", backend="triton", recipe=impl))
+    x = torch.randint(0, 50257, (4, 257), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    idx, tgt = x[:, :-1].contiguous(), x[:, 1:].contiguous()
+    runs = []
+    for mode in (None, "reduce-overhead"):
+        torch._dynamo.reset()
+        counters.clear()
+        torch.manual_seed(0)
+        model = GPT(cfg, att).cuda()
+        fwd = torch.compile(model, mode=mode)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+        losses = []
+        for i in range(6):
+            if mode:
+                torch.compiler.cudagraph_mark_step_begin()
+            model.probe = impl == "sdpa" and i % 3 == 2  # sdpa's max-logit pass on some steps: a second graph
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                _, loss = fwd(idx, tgt)
+            loss.backward()
+            losses.append(loss.detach().clone())  # (a graph's output: the next replay overwrites it)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        stats = torch.cat([t.double().reshape(-1) for s in model.attention_stats() for t in s.tensors()])
+        seen = sum(s.rows_seen.sum().item() for s in model.attention_stats())
+        runs.append((torch.stack(losses), stats, dict(counters["inductor"]), seen))
+    (l0, s0, _, _), (l1, s1, c1, seen) = runs
+    assert c1.get("cudagraph_skips", 0) == 0, c1
+    assert torch.equal(l0, l1), (l0, l1)
+    assert torch.equal(s0, s1), (s0, s1)
+    assert impl == "sdpa" or seen > 0  # the counters ran under the graphs
+
+
+@pytest.mark.gpu
 def test_gpu_launch_configs_keep_paper_bf16_bits():
     """Speed-only launch choices (tables, tuning) never change paper_bf16's result: its tiles are the knobs'."""
     from flash_forensics.kernels import triton_flash as tf
