@@ -40,7 +40,7 @@ EXPECTS = ("stable", "diverges")
 PRECISIONS = ("bf16", "fp32")
 DEVICES = ("auto", "cpu", "cuda")
 OPTIMIZERS = ("adamw", "muon")
-COMPILES = ("auto", "true", "false")
+COMPILES = ("auto", "true", "false", "cudagraphs")
 
 
 @dataclass
@@ -82,7 +82,9 @@ class TrainConfig:
     record_batches: bool = True  # record the batch order (replay file, logged to MLflow)
     auto_resume: bool = True  # resume from <job dir>/checkpoints/last.pt when it exists (requeued jobs)
     keep_checkpoints: int = 3  # step_<k>.pt files kept (newest, plus the last one before a divergence); 0 = all
-    compile: str = "auto"  # torch.compile the model: auto (CUDA without emulator layers) | true | false
+    # torch.compile the model: auto (CUDA without emulator layers) | true | false | cudagraphs (CUDA only: compiled
+    # with mode="reduce-overhead", each step's launches replayed from CUDA graphs, taking the host off the GPU's path)
+    compile: str = "auto"
     keep_last: bool = True  # false: a finished run drops last.pt (a copy of its final step_<k>.pt): half the disk
     # the most the steps left may take, judged once past the warm-up from the measured tokens/s (the speed is
     # not known before); null: no limit. 720 h = 30 days: max_steps=10^7 on a CPU (~1 year) stops there

@@ -311,6 +311,9 @@ def check_train(t) -> None:
         raise _bad("train.device", t.device, "one of " + ", ".join(DEVICES))
     if str(t.compile).lower() not in COMPILES:  # Hydra reads `train.compile=true` as a bool: "True" here
         raise _bad("train.compile", t.compile, "one of " + ", ".join(COMPILES))
+    if str(t.compile).lower() == "cudagraphs" and t.device == "cpu":
+        raise _bad("train.compile", t.compile, "auto, true or false with train.device=cpu (CUDA graphs need a CUDA "
+                                               "device)")
     if t.device == "cuda":
         import torch
         if not torch.cuda.is_available():

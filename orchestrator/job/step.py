@@ -46,11 +46,16 @@ class TrainStep:
         self.clip = tc.grad_clip if tc.grad_clip > 0 else math.inf
         self.autocast = autocast(device, tc.precision)
         self.nan = torch.tensor(float("nan"), device=device)
+        # train.compile=cudagraphs: each optimizer step is a new iteration of the graphs (the previous step's
+        # outputs, read by now, may be overwritten); the micro-batches of one step keep theirs (gradients accumulate)
+        self.graphs = str(tc.compile).lower() == "cudagraphs" and device.type == "cuda"
 
     def __call__(self, step: int, batches: Iterable) -> Tuple[torch.Tensor, torch.Tensor, float]:
         cfg, tc = self.cfg, self.cfg.train
         lr_f = lr_factor(step, tc.warmup_steps, self.decay, self.min_ratio)
         set_lr(self.optimizer, lr_f)
+        if self.graphs:
+            torch.compiler.cudagraph_mark_step_begin()
         loss_sum = torch.zeros((), device=self.device)
         for i, (x, y) in enumerate(batches):
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)

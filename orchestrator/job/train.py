@@ -67,21 +67,38 @@ def _job_slot() -> int:
 
 
 def compile_enabled(setting, device: torch.device, routes=()) -> bool:
-    """train.compile: true | false, or auto: on CUDA when no layer runs the emulator (inductor on a 2-core CPU costs
-    more than it saves, and the emulator's Python tile loops unroll into a graph that takes minutes to compile)."""
+    """train.compile: true | false | cudagraphs, or auto: on CUDA when no layer runs the emulator (inductor on a
+    2-core CPU costs more than it saves, and the emulator's Python tile loops unroll into a graph that takes minutes
+    to compile)."""
     setting = str(setting).lower()
     if setting == "auto":
         return device.type == "cuda" and not any("/emulator/" in r for r in routes)
-    return setting == "true"
+    return setting in ("true", "cudagraphs")
 
 
-def compile_model(model):
-    """torch.compile with casts rounded as eager rounds them: inductor otherwise keeps a fused chain's BF16
-    intermediates in FP32, which would change what the emulator and the standard attention compute."""
+def compile_mode(setting, device: torch.device, world: int = 1):
+    """torch.compile's mode for train.compile: "reduce-overhead" (CUDA graphs) for cudagraphs, else None (the
+    default). cudagraphs on a device that is not CUDA, or across DDP ranks (not measured under graphs), is refused
+    naming the key."""
+    if str(setting).lower() != "cudagraphs":
+        return None
+    if device.type != "cuda":
+        raise ValueError(f"train.compile='cudagraphs' is not allowed on device {device}: CUDA graphs need a CUDA "
+                         "device (use true, false or auto)")
+    if world > 1:
+        raise ValueError(f"train.compile='cudagraphs' is not allowed with {world} DDP ranks: CUDA graphs run one "
+                         "process per job here (use true)")
+    return "reduce-overhead"
+
+
+def compile_model(model, mode=None):
+    """torch.compile (`mode`: compile_mode's) with casts rounded as eager rounds them: inductor otherwise keeps a
+    fused chain's BF16 intermediates in FP32, which would change what the emulator and the standard attention
+    compute."""
     import torch._inductor.config as inductor_config
     if hasattr(inductor_config, "emulate_precision_casts"):
         inductor_config.emulate_precision_casts = True
-    return torch.compile(model)
+    return torch.compile(model, mode=mode)
 
 
 @torch.no_grad()
@@ -174,8 +191,10 @@ class Job:
         # the compiled module shares its parameters with `model` (checkpoints, eval and monitors use `model`); the
         # Triton attention is an opaque torch.library op there (kernels/ops.py): same kernels, same bits
         compiled = compile_enabled(self.cfg.train.compile, device, self.result["attention_routes"])
-        train_model = compile_model(model) if compiled else model
+        mode = compile_mode(self.cfg.train.compile, device, self.dist.world_size)
+        train_model = compile_model(model, mode) if compiled else model
         self.result["compiled"] = compiled  # in the record: compiling moves a BF16 run's divergence step
+        self.result["compile_mode"] = mode
         if self.dist.world_size > 1:
             from torch.nn.parallel import DistributedDataParallel as DDP
             train_model = DDP(train_model, device_ids=[device.index] if device.type == "cuda" else None)
@@ -449,5 +468,5 @@ def train(cfg, attention, job_dir: Path, overrides: List[str]) -> Dict[str, Any]
     return Job(cfg, attention, job_dir, overrides).run()
 
 
-__all__ = ["Job", "train", "evaluate", "seed_everything", "compile_enabled", "compile_model", "CKPT_DIR",
+__all__ = ["Job", "train", "evaluate", "seed_everything", "compile_enabled", "compile_mode", "compile_model", "CKPT_DIR",
            "ORDER_FILE", "SPOOL_FILE"]

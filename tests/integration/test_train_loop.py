@@ -1,6 +1,9 @@
 """Training-loop parts on the CPU: sdpa layers log the max logit (an extra QK^T pass on the monitors'
 flush steps only), and a bad train.compile launches nothing."""
+import json
 from pathlib import Path
+
+import pytest
 
 from tests.helpers import jobs as _jobs
 
@@ -48,3 +51,37 @@ def test_ckpt_start_skips_the_early_checkpoints_and_the_estimate_waits_for_the_w
     assert len(eta) == 1 and "the 4 steps left" in eta[0], eta  # said at step 6 = 3 log intervals of 2
     bad = run_cli(tmp_path, "experiment=smoke", "train.ckpt_start=-1")
     assert bad.returncode != 0 and "train.ckpt_start=-1 is not allowed" in bad.stdout + bad.stderr
+
+
+def test_train_compile_cudagraphs_on_cpu_launches_nothing(tmp_path):
+    p = run_cli(tmp_path, "experiment=smoke", "train.compile=cudagraphs")  # smoke: train.device=cpu
+    assert p.returncode != 0
+    out = p.stdout + p.stderr
+    assert "train.compile='cudagraphs' is not allowed" in out and "train.device=cpu" in out
+    assert not list((tmp_path / "results").rglob("result.json"))
+
+
+@pytest.mark.gpu
+def test_train_compile_cudagraphs_trains_as_compiled_bit_for_bit(tmp_path):
+    """A Triton-route job (2 micro-batches a step, counters on) with train.compile=cudagraphs against
+    train.compile=true: every logged loss and repeated-maxima count the same, bit for bit (the same inductor and
+    Triton kernels, replayed from CUDA graphs), and the record says which mode ran."""
+    from mlflow.tracking import MlflowClient
+    got = {}
+    for mode in ("true", "cudagraphs"):
+        d = tmp_path / mode
+        d.mkdir()
+        p = run_cli(d, "experiment=smoke", "train.device=cuda", "train.precision=bf16", "attention.backend=triton",
+                    "attention.recipe=fa2", "train.max_steps=12", "train.eval_every=0", "train.ckpt_every=0",
+                    "monitor.log_every=4", f"train.compile={mode}", "tracking.writer=thread")
+        assert p.returncode == 0, p.stderr[-3000:]
+        (res,) = (d / "results").rglob("result.json")
+        record = json.loads(res.read_text())
+        assert record["compiled"] is True and record["compile_mode"] == (None if mode == "true" else "reduce-overhead")
+        c = MlflowClient(tracking_uri=f"sqlite:///{d}/mlflow.db")
+        (run,) = [r for e in c.search_experiments() for r in c.search_runs([e.experiment_id])]
+        got[mode] = {name: [(m.step, m.value) for m in sorted(c.get_metric_history(run.info.run_id, name),
+                                                               key=lambda m: m.step)]
+                     for name in ("train/loss", "rmax_rows/L0.H0", "rmax_rows/L1.H1", "max_logit/L0")}
+    assert len(got["true"]["train/loss"]) == 12 and got["true"]["rmax_rows/L0.H0"], got["true"]
+    assert got["cudagraphs"] == got["true"]

@@ -126,12 +126,28 @@ def test_train_compile_is_validated():
     from flash_forensics.orchestrator.job.train import compile_enabled
     for ok in ("auto", "true", "false", "True", True, False):
         check_train(TrainConfig(compile=ok))
-    with pytest.raises(ValueError, match=r"train\.compile='sometimes'.*auto, true, false"):
+    with pytest.raises(ValueError, match=r"train\.compile='sometimes'.*auto, true, false, cudagraphs"):
         check_train(TrainConfig(compile="sometimes"))
+    check_train(TrainConfig(compile="cudagraphs"))  # device auto: a GPU may run it (told at the job's start)
+    with pytest.raises(ValueError, match=r"train\.compile='cudagraphs'.*train\.device=cpu"):
+        check_train(TrainConfig(compile="cudagraphs", device="cpu"))
     assert compile_enabled("auto", torch.device("cuda")) and not compile_enabled("auto", torch.device("cpu"))
     assert compile_enabled("True", torch.device("cpu")) and not compile_enabled(False, torch.device("cuda"))
     assert not compile_enabled("auto", torch.device("cuda"), ["flash/triton/fa2", "flash/emulator/paper_bf16"])
     assert compile_enabled("auto", torch.device("cuda"), ["flash/triton/fa2", "sdpa/bf16/no-counters"])
+    assert compile_enabled("cudagraphs", torch.device("cuda"))
+
+
+def test_train_compile_cudagraphs_mode_and_refusals():
+    from flash_forensics.orchestrator.job.train import compile_mode
+    cuda = torch.device("cuda", 0)
+    assert compile_mode("cudagraphs", cuda) == "reduce-overhead"
+    for setting in ("auto", "true", "True", True, False):
+        assert compile_mode(setting, cuda) is None and compile_mode(setting, torch.device("cpu"), 4) is None
+    with pytest.raises(ValueError, match=r"train\.compile='cudagraphs' is not allowed on device cpu"):
+        compile_mode("cudagraphs", torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"train\.compile='cudagraphs' is not allowed with 2 DDP ranks"):
+        compile_mode("cudagraphs", cuda, world=2)
 
 
 # ----------------------------------------------------------------------------------- CPU: interpreter (FP32 logic)
