@@ -30,7 +30,9 @@ def run_in(base, tmp_path, name, *overrides):
 
 def run_cli(tmp_path, *args, timeout=600):
     """`python run.py ARGS` in tmp_path, its MLflow store and results inside tmp_path."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HYDRA_FULL_ERROR": "0"}
+    # the caller's PYTHONPATH kept after the tree (the GPU machine's packages live there: /tmp/site, scripts/gpu.sh)
+    path = os.pathsep.join([str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+    env = {**os.environ, "PYTHONPATH": path, "HYDRA_FULL_ERROR": "0"}
     cmd = [sys.executable, str(ROOT / "run.py"), *args,
            f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", f"results_dir={tmp_path}/results"]
     return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
