@@ -468,5 +468,5 @@ def train(cfg, attention, job_dir: Path, overrides: List[str]) -> Dict[str, Any]
     return Job(cfg, attention, job_dir, overrides).run()
 
 
-__all__ = ["Job", "train", "evaluate", "seed_everything", "compile_enabled", "compile_mode", "compile_model", "CKPT_DIR",
-           "ORDER_FILE", "SPOOL_FILE"]
+__all__ = ["Job", "train", "evaluate", "seed_everything", "compile_enabled", "compile_mode", "compile_model",
+           "CKPT_DIR", "ORDER_FILE", "SPOOL_FILE"]
