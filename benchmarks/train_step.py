@@ -338,7 +338,9 @@ def where(e: BaseException, frames: int = 4) -> str:
     (an assert in torch) still says where it came from."""
     import traceback
     tb = traceback.extract_tb(e.__traceback__)[-frames:]
-    return " <- ".join(f"{f.filename.split('site-packages/')[-1]}:{f.lineno} in {f.name}" for f in reversed(tb))
+    def name(path):  # torch's files by their package path, the tree's by their path in it
+        return path.split("site-packages/")[-1] if "site-packages/" in path else path.removeprefix(ROOT + os.sep)
+    return " <- ".join(f"{name(f.filename)}:{f.lineno} in {f.name}" for f in reversed(tb))
 
 
 def run_shape(names, batch, T, args, dev, errors):

@@ -221,6 +221,20 @@ def test_a_compiled_variant_that_ran_eager_is_an_error_not_a_row(tmp_path, monke
     (err,) = doc["errors"]
     assert err["variant"] == "emulator_paper_bf16+compile"
     assert "compiled no graph" in err["error"] and "recompile limit 1" in err["error"]
+    assert err["where"].startswith("benchmarks/train_step.py:") and " in step" in err["where"], err["where"]
+
+
+def test_where_names_the_innermost_frames_of_an_empty_assert():
+    def inner():
+        assert False  # noqa: B011  (an empty AssertionError, as torch's cudagraph trees raised on 2026-12-06)
+
+    try:
+        inner()
+    except AssertionError as e:
+        got = bench.where(e)
+    first, second = got.split(" <- ")[:2]
+    assert first.startswith("tests/integration/test_bench_train_step.py:") and first.endswith(" in inner"), got
+    assert second.endswith(" in test_where_names_the_innermost_frames_of_an_empty_assert"), got
 
 
 def test_the_recompile_limit_grows_with_the_compiled_variants(tmp_path, dynamo_eager):
