@@ -532,9 +532,9 @@ def _const(name: str, dev) -> torch.Tensor:
 
 
 def prepare_device(dev) -> None:
-    """Every CONSTANTS tensor made on `dev` now (models/attention.py new_stats calls it where a model's counters are
-    made), outside any CUDA graph: made by a compiled step's first run under mode="reduce-overhead", they would live
-    in that graph's memory pool."""
+    """Every CONSTANTS tensor made on `dev` now (a GPT layer moved to `dev` calls it: models/attention.py
+    prepare_device), outside any CUDA graph: made by a compiled step's first run under mode="reduce-overhead", they
+    would live in that graph's memory pool."""
     for name in CONSTANTS:
         _const(name, torch.device(dev))
 
