@@ -50,6 +50,29 @@ def _tokens(B=2, T=32, vocab=V_SMALL, seed=0):
     return torch.randint(0, vocab, (B, T), generator=g)
 
 
+def test_counters_follow_the_model_to_its_device_before_any_forward(monkeypatch):
+    """.to(device) makes each layer's counters there at once (CausalSelfAttention._apply): made inside the first
+    compiled forward they were its outputs, which a CUDA graph's next replay overwrote. A dtype change keeps them,
+    and the Triton launchers' device constants are asked for on CUDA only (models/attention.py prepare_device)."""
+    asked = []
+    monkeypatch.setattr(routing, "prepare_device", lambda knobs, n, dev: asked.append((knobs.impl, n, str(dev))))
+    import flash_forensics.models.gpt as gpt_mod
+    monkeypatch.setattr(gpt_mod, "prepare_device", routing.prepare_device)
+    model = GPT(_tiny(), AttentionConfig(overrides=[LayerOverride(layers=[3], impl="sdpa")]))
+    before = model.attention_stats()
+    model.to(torch.float64)  # same device: the same counters
+    assert all(a is b for a, b in zip(model.attention_stats(), before, strict=True))
+    model.to("meta")  # no forward: the counters are there already
+    stats = [b.attn.stats for b in model.transformer.h]
+    assert all(s.device.type == "meta" and s.repeated_max_rows.shape == (4,) for s in stats)
+    assert [a for a in asked if a[2] == "meta"] == [(impl, 4, "meta") for impl in ("flash",) * 3 + ("sdpa",)]
+    monkeypatch.undo()
+    from flash_forensics.kernels import triton_launch
+    made = set(triton_launch._DEVICE_CACHE)
+    routing.prepare_device(model.transformer.h[0].attn.knobs, 4, "cpu")  # the real one: nothing off CUDA
+    assert set(triton_launch._DEVICE_CACHE) == made
+
+
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32_stream", "bf16_autocast"])
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("case", list(KNOB_CASES))
