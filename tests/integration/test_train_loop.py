@@ -85,3 +85,31 @@ def test_train_compile_cudagraphs_trains_as_compiled_bit_for_bit(tmp_path):
                      for name in ("train/loss", "rmax_rows/L0.H0", "rmax_rows/L1.H1", "max_logit/L0")}
     assert len(got["true"]["train/loss"]) == 12 and got["true"]["rmax_rows/L0.H0"], got["true"]
     assert got["cudagraphs"] == got["true"]
+
+
+def test_cudagraph_iterations_begin_once_per_optimizer_step_not_per_micro_batch(tmp_path, monkeypatch):
+    """train.compile=cudagraphs: TrainStep marks a new CUDA-graph iteration at the start of each optimizer step only.
+    Marked per micro-batch, the next micro-batch's replay could overwrite the gradients the previous one left.
+    (On the CPU the mark is forced on and counted; the GPU test above runs it for real.)"""
+    import torch
+
+    from flash_forensics.models.gpt import GPT, ModelConfig
+    from flash_forensics.orchestrator.job.optim import build_optimizer
+    from flash_forensics.orchestrator.job.step import TrainStep
+    from tests.helpers.jobs import compose_cfg
+    cfg, _ = compose_cfg(["experiment=smoke"], tmp_path, "train.compile=false")  # smoke: 2 micro-batches a step
+    model = GPT(ModelConfig.preset("tiny", block_size=16, vocab_size=64))
+    opt = build_optimizer(model, cfg.optimizer, torch.device("cpu"))
+    step = TrainStep(cfg, model, model, opt, torch.device("cpu"), 1)
+    assert step.graphs is False and step.accum_local == 2
+    marks = []
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(len(seen)))
+    seen = []
+    real = model.forward
+    monkeypatch.setattr(model, "forward", lambda *a, **k: (seen.append(1), real(*a, **k))[1])
+    step.graphs = True
+    x = torch.randint(0, 64, (2, 17))
+    batches = [(x[:, :-1].contiguous(), x[:, 1:].contiguous())] * 2
+    for k in range(3):
+        step(k, batches)
+    assert marks == [0, 2, 4], marks  # before micro-batch 0 of each step, never between a step's two
