@@ -137,6 +137,16 @@ def raise_recompile_limit(n_compiled: int) -> int:
     return dc.recompile_limit
 
 
+# the SDPA backend a CUDA kernel's name belongs to: what ran where a CUDA graph's replay hides the aten op
+SDPA_KERNELS = (("cudnn", "cudnn_generated_fort_native_sdpa"), ("flash", "pytorch_flash::flash_"),
+                ("efficient", "fmha_cutlass"))
+
+
+def sdpa_backends_of(kernel_names) -> list:
+    """The SDPA backends (SDPA_OPS' names) whose kernels are among `kernel_names`."""
+    return sorted({backend for backend, part in SDPA_KERNELS for n in kernel_names if part in n})
+
+
 def _sync(dev):
     if dev.type == "cuda":
         torch.cuda.synchronize()
@@ -225,7 +235,9 @@ class Variant:
         names = {e.key for e in prof.key_averages()}
         self.ops = sorted({op for op in SDPA_OPS for n in names if n.startswith(f"aten::_scaled_dot_product_{op}")})
         if self.dev.type == "cuda":
-            self.profile = kernel_breakdown(e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+            kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+            self.ops = self.ops or sdpa_backends_of({e.key for e in kernels})  # a graph replay shows no aten op
+            self.profile = kernel_breakdown(kernels)
         else:
             self.profile = top_cpu_ops(prof.key_averages())
 

@@ -244,3 +244,14 @@ def test_the_recompile_limit_grows_with_the_compiled_variants(tmp_path, dynamo_e
     assert [r["variant"] for r in doc["rows"]] == ["sdpa+compile", "emulator_paper_bf16+compile"]
     assert dynamo_eager.recompile_limit == 2 * bench.RECOMPILES_PER_VARIANT
     assert all(r["compiled"] for r in doc["rows"])
+
+
+def test_sdpa_backend_from_the_kernels_that_ran_as_an_h100_recorded_them():
+    """Under CUDA graphs the profiler sees the replayed kernels, not the aten SDPA op: the backend is read from the
+    kernels' names. Names from a real H100 run (results/bench/gpu-h100-2026-12-07/attention.json)."""
+    doc = json.loads((ROOT / "results/bench/gpu-h100-2026-12-07/attention.json").read_text())
+    want = {"sdpa_cudnn": ["cudnn"], "sdpa_flash": ["flash"], "sdpa_efficient": ["efficient"], "triton_fa2": [],
+            "triton_paper_bf16": []}
+    got = {r["method"]: bench.sdpa_backends_of({k["name"] for k in r["kernels"]})
+           for r in doc["rows"] if r["shape"] == "gpt2s_T1024" and r["method"] in want}
+    assert got == want
