@@ -261,6 +261,7 @@ class RunRecord:
     mlflow_run_id: Optional[str] = None
     attention_routes: Optional[List[str]] = None
     compiled: Optional[bool] = None  # train.compile as resolved (torch.compile around the model)
+    compile_mode: Optional[str] = None  # torch.compile's mode: None (its default) | reduce-overhead (cudagraphs)
     resumed_from: Optional[str] = None
     checkpoint: Optional[str] = None
     forked_from: Optional[str] = None  # a fork: the checkpoint it started from, its step, the source's run

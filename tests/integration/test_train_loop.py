@@ -45,6 +45,8 @@ def test_ckpt_start_skips_the_early_checkpoints_and_the_estimate_waits_for_the_w
                 "train.ckpt_start=6", "train.keep_checkpoints=0", "monitor.log_every=2", "tracking.writer=thread")
     assert p.returncode == 0, p.stderr[-3000:]
     (job,) = {r.parent for r in (tmp_path / "results").rglob("result.json")}
+    record = json.loads((job / "result.json").read_text())
+    assert record["compiled"] is False and record["compile_mode"] is None  # smoke on a CPU: eager
     steps = sorted(int(f.stem.split("_")[1]) for f in (job / "checkpoints").glob("step_*.pt"))
     assert steps == [6, 8, 10], steps
     eta = [ln for ln in (job / "run.log").read_text().splitlines() if "steps left take" in ln]
