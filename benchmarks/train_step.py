@@ -113,7 +113,11 @@ REGS_MODE = re.compile(r"regs\.(?P<kernel>[a-z0-9_]+)=(?P<n>\d+|none)")
 COMPILE_BACKEND = "inductor"  # torch.compile's backend (a CPU test swaps in "eager": dynamo alone, no C++ build)
 RECOMPILES_PER_VARIANT = 8  # dynamo's default recompile_limit is 8 per code object for the whole process
 # GPU kernels that compute attention: this project's four Triton kernels, torch's flash / cuDNN / efficient ones
-ATTN_KERNELS = re.compile(r"(?i)(flash|fmha|sdpa|attention|_fwd_kernel|_bwd_(delta|dkdv|dq)_kernel)")
+# cuDNN's backward also runs compute_dot_do_o (delta) and convert_dq_to_16bits, which name no attention: before
+# 2026-12-07 the pattern missed them (about 64 us a layer at B16 T1024 on an H100), so rows' attention_ms until then
+# undercount SDPA's cuDNN attention
+ATTN_KERNELS = re.compile(
+    r"(?i)(flash|fmha|sdpa|attention|dot_do_o|convert_dq|_fwd_kernel|_bwd_(delta|dkdv|dq)_kernel)")
 
 
 def log(msg: str) -> None:

@@ -255,3 +255,16 @@ def test_sdpa_backend_from_the_kernels_that_ran_as_an_h100_recorded_them():
     got = {r["method"]: bench.sdpa_backends_of({k["name"] for k in r["kernels"]})
            for r in doc["rows"] if r["shape"] == "gpt2s_T1024" and r["method"] in want}
     assert got == want
+
+
+def test_attention_kernels_are_every_kernel_an_attention_call_ran_on_an_h100():
+    """ATTN_KERNELS (a training row's attention_ms) names every kernel that one attention fwd+bwd ran on an H100,
+    cuDNN's delta and dQ conversion included (missed before 2026-12-07), and none of the copies and memsets."""
+    doc = json.loads((ROOT / "results/bench/gpu-h100-2026-12-07/attention.json").read_text())
+    rows = [r for r in doc["rows"] if r["shape"] == "gpt2s_T1024" and r["method"] in (
+        "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "triton_fa2", "triton_fa2_counters", "triton_paper_bf16")]
+    assert len(rows) == 6
+    for r in rows:
+        for k in r["kernels"]:
+            helper = k["name"].startswith("Memset") or "at::native::" in k["name"]
+            assert bool(bench.ATTN_KERNELS.search(k["name"])) is not helper, (r["method"], k["name"][:90])
