@@ -82,9 +82,14 @@ def parse_spec(spec: str) -> tuple:
             f[15])
 
 
-def _fwd_body(q, k, v, rep, maxl, under, p1, key_keep, spec):
+def _fwd_knobs(spec: str) -> AttentionKnobs:
+    """The knobs the forward launches with for `spec` (cached objects: the launchers' per-knobs caches key on them)."""
     recipe, tiling, bq, bk, softmax, beta, eps, _dl, pv, heads, rounding, gemm, clamp, sr, seed, ef = parse_spec(spec)
-    knobs = _knobs(recipe, tiling, bq, bk, softmax, beta, eps, "dO_O", pv, heads, rounding, gemm, clamp, sr, seed, ef)
+    return _knobs(recipe, tiling, bq, bk, softmax, beta, eps, "dO_O", pv, heads, rounding, gemm, clamp, sr, seed, ef)
+
+
+def _fwd_body(q, k, v, rep, maxl, under, p1, key_keep, spec):
+    knobs = _fwd_knobs(spec)
     ties = tf.tie_buffer(knobs, q)
     o, lse, _, _ = tf._forward(q, k, v, knobs, rep, maxl, under=under, key_keep=key_keep, p1=p1, ties=ties)
     return o, lse, ties
@@ -207,10 +212,7 @@ def prepare_device(knobs: AttentionKnobs, n_head: int, dev) -> None:
     prepare_device's constants, and the FP32-O head flags under the key the ops' own knobs give them)."""
     dev = torch.device(dev)
     tf.prepare_device(dev)
-    recipe, tiling, bq, bk, softmax, beta, eps, _dl, pv, heads, rounding, gemm, clamp, sr, seed, ef = parse_spec(
-        op_spec(knobs, n_head))
-    tf._ofp32_flags(_knobs(recipe, tiling, bq, bk, softmax, beta, eps, "dO_O", pv, heads, rounding, gemm, clamp, sr,
-                           seed, ef), n_head, dev)
+    tf._ofp32_flags(_fwd_knobs(op_spec(knobs, n_head)), n_head, dev)
 
 
 __all__ = ["flash_fwd", "flash_bwd", "FlashAttention", "flash_attention", "op_args", "op_rounding", "op_stabilizers",

@@ -74,7 +74,7 @@ def prepare_device(knobs: AttentionKnobs, n_head: int, device) -> None:
     moved to CUDA calls it, so that they are made outside any CUDA graph. Nothing on other devices or routes."""
     device = torch.device(device)
     mod = _triton_module()
-    if device.type == "cuda" and knobs.impl == "flash" and mod is not None and hasattr(mod, "prepare_device"):
+    if device.type == "cuda" and knobs.impl == "flash" and mod is not None:
         mod.prepare_device(knobs, n_head, device)
 
 
