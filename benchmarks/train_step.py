@@ -42,10 +42,10 @@ each cap's speed-up over ATTN and whether the losses agree bit for bit (a cap mo
 fraction of paper_1gpu's.
 Each row records the attention route that ran and, for SDPA, the aten op that ran (flash, cuDNN, efficient or math).
 `profile`, from one profiled step after the timed ones: on CUDA the GPU kernels' time, how much of the step's GPU span
-they keep the GPU busy (busy_fraction well under 1: the GPU waits on the host), attention's kernels' share, and the
-top kernels; on a CPU the top ops by self time. Every variant's per-step losses are kept: `compiled_vs_eager` in the
-summary says whether a compiled variant's losses equal its eager twin's bit for bit, the first step where they differ
-and the largest difference.
+they keep the GPU busy (busy_fraction well under 1: the GPU waits on the host), attention's kernels' share, and every
+kernel by time (`top`); on a CPU the top ops by self time. Every variant's per-step losses are kept:
+`compiled_vs_eager` in the summary says whether a compiled variant's losses equal its eager twin's bit for bit, the
+first step where they differ and the largest difference.
 """
 from __future__ import annotations
 
@@ -57,6 +57,7 @@ import re
 import statistics
 import sys
 import time
+from typing import Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -241,7 +242,7 @@ class Variant:
         if self.dev.type == "cuda":
             kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
             self.ops = self.ops or sdpa_backends_of({e.key for e in kernels})  # a graph replay shows no aten op
-            self.profile = kernel_breakdown(kernels)
+            self.profile = kernel_breakdown(kernels, top=None)  # every kernel: two variants' lists diff
         else:
             self.profile = top_cpu_ops(prof.key_averages())
 
@@ -306,9 +307,10 @@ def parse_variant(name: str):
     return attn, (mode if plus else None)
 
 
-def kernel_breakdown(kernels, top: int = 10) -> dict:
+def kernel_breakdown(kernels, top: Optional[int] = 10) -> dict:
     """GPU kernels of one step (profiler events: name, time_range in us): their total time, the union of their
-    intervals (busy) against the span from the first start to the last end, attention's share, the top kernels."""
+    intervals (busy) against the span from the first start to the last end, attention's share, the `top` kernels by
+    time (None: every kernel, so that two variants' lists can be compared kernel by kernel)."""
     ivs, per = [], {}
     for e in kernels:
         a, b = float(e.time_range.start), float(e.time_range.end)

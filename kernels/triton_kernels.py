@@ -296,7 +296,7 @@ def _fwd_inner(acc, l_i, m_i, raw_max, fired, pmax, l_raw, p1, q, k_base, v_base
                GEMM_DT: tl.constexpr, STABILIZED: tl.constexpr, NEED_REP: tl.constexpr, PROBE: tl.constexpr,
                HAS_OFP32: tl.constexpr, ONE_BLOCK: tl.constexpr, MASKED: tl.constexpr, F32_DOT: tl.constexpr,
                COUNTERS: tl.constexpr, KEYPAD: tl.constexpr, GUARDED: tl.constexpr, CLAMP: tl.constexpr,
-               SR: tl.constexpr, FOLD: tl.constexpr, FTZ: tl.constexpr, TOP2: tl.constexpr):
+               SR: tl.constexpr, FOLD: tl.constexpr, FTZ: tl.constexpr, TOP2: tl.constexpr, RAWMAX: tl.constexpr):
     """The forward over key tiles [lo, hi): online softmax (or, ONE_BLOCK, a fixed row max) and P̄V.
     l_raw (COUNTERS, online path): the row sum before paper_bf16's floor and the BF16 rounding of l, in FP32: what
     tells a row whose every P̄ underflowed (AttnStats.underflow_rows, as the emulator counts it).
@@ -310,12 +310,21 @@ def _fwd_inner(acc, l_i, m_i, raw_max, fired, pmax, l_raw, p1, q, k_base, v_base
     is monotone): the same counts and max logit as exp_form=exp."""
     PV_ON: tl.constexpr = (_PV_OUT & ROUND) != 0
     ACC_ON: tl.constexpr = (_ACC & ROUND) != 0
+    # RAW (an unmasked tile of the online path, scores not stored in BF16, exp_form=exp): the tile's row max taken on
+    # the unscaled scores S and scaled once, fl(max S scale) = max fl(S scale) (rounding is monotone and scale > 0;
+    # the second largest likewise), and P̄'s argument S scale - m as before: no multiply per score for the max.
+    # Compiled for sm_90 that argument was already one FFMA (fl(S scale - m), ptxas contracting the multiply into the
+    # subtract) beside a separate FMUL for the max; RAW drops that FMUL and leaves the FFMA, so every bit stays
+    # (RAWMAX off: the max of the scaled scores, as before; a repeated-max test by counting needs every scaled
+    # score anyway, so RAW leaves it alone)
+    RAW: tl.constexpr = RAWMAX and not (FOLD or MASKED or KEYPAD or ONE_BLOCK) and (_SCORES & ROUND) == 0 and \
+        (TOP2 or not NEED_REP)
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
         # stochastic_round's stream ids of this (query tile, key tile): ((qt << 16 | kt) << 2) | point
         sr_tile = (sr_qt << 18) | (tl.cast(start_n // BLOCK_N, tl.uint32) << 2)
-        s = _scores(q, k_base + cols[:, None] * skt, offs_m, cols, T, 1.0 if FOLD else scale, ROUND, INPUT_F32,
-                    GEMM_DT, MASKED, F32_DOT, kp, KEYPAD)
+        s = _scores(q, k_base + cols[:, None] * skt, offs_m, cols, T, 1.0 if (FOLD or RAW) else scale, ROUND,
+                    INPUT_F32, GEMM_DT, MASKED, F32_DOT, kp, KEYPAD)
         if ONE_BLOCK:
             d_s = s - m_i[:, None]
             if (_SHIFT & ROUND) != 0:
@@ -332,8 +341,12 @@ def _fwd_inner(acc, l_i, m_i, raw_max, fired, pmax, l_raw, p1, q, k_base, v_base
             BY_TOP2: tl.constexpr = NEED_REP and TOP2 and not (MASKED or KEYPAD)
             if BY_TOP2:
                 rm, r2 = tl.reduce((s, tl.full([BLOCK_M, BLOCK_N], float("nan"), tl.float32)), 1, _top2)
+                if RAW:
+                    r2 = _mul_rn(r2, scale)
             else:
                 rm = tl.max(s, 1)
+            if RAW:
+                rm = _mul_rn(rm, scale)
             raw_max = tl.maximum(raw_max, rm)  # FOLD: unscaled (scaled once, at the end)
             if NEED_REP:  # Algorithm 3 on this key tile (masked entries never count)
                 if FOLD:  # on the scaled scores, as exp_form=exp counts
@@ -348,7 +361,7 @@ def _fwd_inner(acc, l_i, m_i, raw_max, fired, pmax, l_raw, p1, q, k_base, v_base
                     else:
                         fire = (r2 >= thr) & row_ok
                 else:
-                    if FOLD:
+                    if FOLD or RAW:
                         near = s * scale >= thr[:, None]
                     else:
                         near = s >= thr[:, None]
@@ -371,7 +384,10 @@ def _fwd_inner(acc, l_i, m_i, raw_max, fired, pmax, l_raw, p1, q, k_base, v_base
             if (_STATS & ROUND) != 0:  # m stored in BF16 (a no-op when the scores are BF16 already)
                 m_new = _rb(m_new)
             d_m = m_i - m_new
-            d_s = s - m_new[:, None]
+            if RAW:
+                d_s = s * scale - m_new[:, None]  # one FFMA, as before RAW (see RAW above)
+            else:
+                d_s = s - m_new[:, None]
             if (_SHIFT & ROUND) != 0:  # the arguments of exp stored in BF16, exp and row sum in FP32
                 d_m = _rb(d_m)
                 d_s = _rb(d_s)
@@ -432,7 +448,8 @@ def _fwd_kernel(Q, K, V, O, LSE, REP, MAXL, UNDER, P1, OFP32, PMAX, FIRED, KP, F
                 COUNTERS: tl.constexpr, HAS_OFP32: tl.constexpr, ONE_BLOCK: tl.constexpr,
                 PROBE: tl.constexpr, F32_DOT: tl.constexpr, KEYPAD: tl.constexpr, GUARDED: tl.constexpr,
                 CLAMP: tl.constexpr, SR: tl.constexpr, FOLD: tl.constexpr, LPT: tl.constexpr,
-                FTZ: tl.constexpr, TOP2: tl.constexpr, RELAXED: tl.constexpr, ACC16: tl.constexpr):
+                FTZ: tl.constexpr, TOP2: tl.constexpr, RELAXED: tl.constexpr, ACC16: tl.constexpr,
+                RAWMAX: tl.constexpr):
     """P1 (H,) int64: sfa_p1_rows (COUNTERS with a stabilized softmax). TIES (B*H, T, ntw) uint8: pbar_clamp's tie
     bits (CLAMP). SRKEY () int64: stochastic_round's call key (SR; kernels/stochastic.py call_key), sr_bq the
     emulator's query tile (its stream ids and element indices). bm1: beta - 1 in FP32 (GUARDED). FOLD, c_log2:
@@ -442,7 +459,8 @@ def _fwd_kernel(Q, K, V, O, LSE, REP, MAXL, UNDER, P1, OFP32, PMAX, FIRED, KP, F
     atomics without memory fences (integer sums and maxima: any order gives the same counts; the host reads them
     after the stream's later copy); else acq_rel, Triton's default (a GPU-wide fence and an L1 invalidation around
     each). ACC16 (every kernel with an accumulator): O_acc / dK, dV, dQ kept in BF16 where the recipe stores them so
-    after every tile (triton_launch.accumulator_form)."""
+    after every tile (triton_launch.accumulator_form). RAWMAX: an unmasked tile's row max on the unscaled scores
+    (_fwd_inner's RAW; triton_launch.score_max_form)."""
     start_m, off_bh = _program(LPT, True)
     off_b = off_bh // H
     off_h = off_bh % H
@@ -529,12 +547,12 @@ def _fwd_kernel(Q, K, V, O, LSE, REP, MAXL, UNDER, P1, OFP32, PMAX, FIRED, KP, F
         acc, l_i, m_i, raw_max, fired, pmax, l_raw, p1, q, k_base, v_base, skt, svt, offs_m, offs_n, row_ok, lo1, mid,
         T, scale, beta, eps, o_fp32, kp, bm1, tb, ntw, sr_key, sr_qt, sr_row, c_log2, BLOCK_M, BLOCK_N, HEAD_DIM,
         ROUND, INPUT_F32, FLOOR, GEMM_DT, STABILIZED, NEED_REP, PROBE, HAS_OFP32, ONE_BLOCK, False, F32_DOT, COUNTERS,
-        KEYPAD, GUARDED, CLAMP, SR, FOLD, FTZ, TOP2)
+        KEYPAD, GUARDED, CLAMP, SR, FOLD, FTZ, TOP2, RAWMAX)
     acc, l_i, m_i, raw_max, fired, pmax, l_raw, p1 = _fwd_inner(
         acc, l_i, m_i, raw_max, fired, pmax, l_raw, p1, q, k_base, v_base, skt, svt, offs_m, offs_n, row_ok, lo2, hi,
         T, scale, beta, eps, o_fp32, kp, bm1, tb, ntw, sr_key, sr_qt, sr_row, c_log2, BLOCK_M, BLOCK_N, HEAD_DIM,
         ROUND, INPUT_F32, FLOOR, GEMM_DT, STABILIZED, NEED_REP, PROBE, HAS_OFP32, ONE_BLOCK, True, F32_DOT, COUNTERS,
-        KEYPAD, GUARDED, CLAMP, SR, FOLD, FTZ, TOP2)
+        KEYPAD, GUARDED, CLAMP, SR, FOLD, FTZ, TOP2, RAWMAX)
 
     if ONE_BLOCK:  # one tile: l and the P̄V product stored once
         if COUNTERS:

@@ -459,6 +459,61 @@ def test_interpreter_the_counter_forms_keep_every_bit(tfi, case, keep):
     _assert_forms_agree(_forms_outputs(tfi, q, k, v, knobs, INTERP_FORMS, key_keep))
 
 
+SCORE_MAX_CASES = [  # where RAW acts (fa2 / fp32: unscaled max, top2 test) and where it must not (count, rounded)
+    dict(recipe="fa2", counters=False), dict(recipe="fa2", counters=True), dict(recipe="fa2", softmax="stabilized"),
+    dict(recipe="fa2", softmax="stabilized_guarded", pbar_clamp=True, counters=True),
+    dict(recipe="fa2", counters=True, eps=0.25), dict(recipe="fp32", counters=True, eps=0.5),
+    dict(recipe="paper_bf16", counters=True),
+]
+
+
+def _score_max_outputs(tfi, q, k, v, knobs):
+    """{form: (O, dQ, dK, dV, the four counters)} of one fwd+bwd per score_max_form."""
+    from flash_forensics.kernels import triton_launch
+    g = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(q.device, q.dtype)
+    out = {}
+    for form in triton_launch.SCORE_MAX_FORMS:
+        x = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        st = AttnStats(q.shape[1], q.device)
+        with triton_launch.score_max_form(form):
+            assert triton_launch.launch_config(knobs, q.shape[-1], q.shape[2])["fwd"]["score_max"] == form
+            o = tfi.flash_attention_triton(*x, knobs, st)
+            out[form] = (o, *torch.autograd.grad(o, x, g), st.repeated_max_rows, st.max_logit, st.underflow_rows,
+                         st.sfa_p1_rows)
+    return out
+
+
+def _assert_score_max_forms_agree(out, counters):
+    if counters:
+        assert out["scaled"][4].sum() > 0, "the planted repeats must be counted"
+    for i, (a, b) in enumerate(zip(out["raw"], out["scaled"])):
+        assert torch.equal(_bits(a), _bits(b)), ["O", "dQ", "dK", "dV", "repeated_max_rows", "max_logit",
+                                                 "underflow_rows", "sfa_p1_rows"][i]
+    assert torch.isnan(out["scaled"][0]).any()  # the NaN key reached O: NaN scores were compared too
+
+
+@interp
+@pytest.mark.parametrize("case", SCORE_MAX_CASES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+def test_interpreter_the_score_max_forms_keep_every_bit(tfi, case):
+    """An unmasked tile's row max on the unscaled scores, scaled once (raw, the default), against the max of the
+    scaled scores (scaled, before): O, the gradients and every counter bit for bit, with NaN, +-inf and all-equal
+    scores planted, at a head dim whose scale is not a power of two (D 32: 1/sqrt(32))."""
+    B, H, T, D = 2, 2, 56, 32
+    q, k, v = (x.detach() for x in planted(B, H, T, D, "cpu", seed=17))
+    q, k = _special(q, k)
+    knobs = AttentionKnobs(**{"block_q": 16, "block_k": 16, **case})
+    _assert_score_max_forms_agree(_score_max_outputs(tfi, q, k, v, knobs), knobs.counters)
+
+
+def test_a_score_max_form_outside_the_list_is_refused():
+    from flash_forensics.kernels import triton_launch
+    with pytest.raises(ValueError, match="score max form 'max' is not allowed: expected one of raw, scaled"):
+        with triton_launch.score_max_form("max"):
+            pass
+    assert triton_launch._raw_max == [True]  # left as it was
+    assert triton_launch.launch_config(AttentionKnobs(recipe="fa2"), 64, 1024)["fwd"]["score_max"] == "raw"
+
+
 def test_a_counter_form_outside_the_lists_is_refused():
     from flash_forensics.kernels import triton_launch
     with pytest.raises(ValueError, match="counter test 'sum' is not allowed: expected one of by_recipe, top2, count"):
@@ -762,6 +817,27 @@ def test_gpu_the_counter_forms_keep_every_bit(case, D):
     q, k, v = (x.detach() for x in planted(2, 4, 384, D, "cuda", dtype=dt, seed=D + 5))
     q, k = _special(q, k)
     _assert_forms_agree(_forms_outputs(tf, q, k, v, replace(AttentionKnobs(backend="triton"), **case), FORMS))
+
+
+GPU_SCORE_MAX_CASES = [(c, 64) for c in SCORE_MAX_CASES] + [
+    (dict(recipe="fa2", counters=True), 128), (dict(recipe="fa2", counters=False), 128),  # 1/sqrt(128): no power of 2
+    (dict(recipe="fa2", counters=True, stochastic_round=True, sr_seed=5), 64), (dict(recipe="fa2", o_fp32=True), 64)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case,D", GPU_SCORE_MAX_CASES,
+                         ids=[",".join(f"{k}={v}" for k, v in c.items()) + f"-D{d}" for c, d in GPU_SCORE_MAX_CASES])
+def test_gpu_the_score_max_forms_keep_every_bit(case, D):
+    """On the GPU, in BF16 where the recipe is: the forward's row max on the unscaled scores (raw, the default)
+    against the max of the scaled scores (before): O, gradients and every counter bit for bit, with NaN, +-inf and
+    all-equal scores planted. This is where ptxas's contraction of S scale - m into one FFMA must hold in both forms
+    (the interpreter never contracts), at D 128 too, whose scale is no power of two."""
+    from flash_forensics.kernels import triton_flash as tf
+    dt = torch.float32 if case["recipe"] == "fp32" else torch.bfloat16
+    q, k, v = (x.detach() for x in planted(2, 4, 384, D, "cuda", dtype=dt, seed=D + 7))
+    q, k = _special(q, k)
+    knobs = replace(AttentionKnobs(backend="triton"), **case)
+    _assert_score_max_forms_agree(_score_max_outputs(tf, q, k, v, knobs), knobs.counters)
 
 
 GPU_ACC_CASES = [  # the recipes whose accumulators are stored in BF16 after every tile, and where only some are
