@@ -18,7 +18,8 @@ AttentionKnobs (`counters=true`: the counters on, as a run's monitors have them)
 (kernels/triton_launch.py register_limit: at most N registers per thread for fwd, dkdv or dq; `none`: no cap,
 not even REGISTER_TABLE's default one), and `:form=top2|count` / `:atomics=relaxed|acq_rel`, the counters' form
 (kernels/triton_launch.py counter_form; default: the test by recipe, relaxed atomics), and `:acc=fp32`, the
-accumulators in FP32 (accumulator_form; default bf16 where the recipe stores them in BF16).
+accumulators in FP32 (accumulator_form; default bf16 where the recipe stores them in BF16), and `:max=scaled`, the
+forward's row max on the scaled scores (score_max_form; default raw: an unmasked tile's on the unscaled ones).
 """
 from __future__ import annotations
 
@@ -74,11 +75,17 @@ def accumulators_of(text: str) -> str:
     return pairs.get("acc", "bf16")
 
 
+def score_max_of(text: str) -> str:
+    """A variant's `max=raw|scaled` (kernels/triton_launch.py score_max_form; default raw)."""
+    pairs = dict(p.partition("=")[::2] for p in text.split(":")[1:])
+    return pairs.get("max", "raw")
+
+
 def parse_variant(text: str):
     """'fa2:counters=true:exp_form=exp2_folded' -> AttentionKnobs (backend triton); a bad knob or value names it
     (`regs.<kernel>=N` pairs are register_caps', not knobs)."""
     from flash_forensics.kernels.config import AttentionKnobs
-    name, *pairs = (p for p in text.split(":") if not p.startswith(("regs.", "form=", "atomics=", "acc=")))
+    name, *pairs = (p for p in text.split(":") if not p.startswith(("regs.", "form=", "atomics=", "acc=", "max=")))
     kw = dict(PRESETS.get(name, dict(recipe=name)), backend="triton", counters=False)
     fields = {f.name: f for f in dataclasses.fields(AttentionKnobs)}
     for pair in pairs:
@@ -136,7 +143,7 @@ def record_variant(text: str, shape):
     knobs = parse_variant(text)
     try:
         with tl_.register_limit(**register_caps(text)), tl_.counter_form(**counter_form_of(text)), \
-                tl_.accumulator_form(accumulators_of(text)):
+                tl_.accumulator_form(accumulators_of(text)), tl_.score_max_form(score_max_of(text)):
             return record_launches(knobs, shape)
     except ValueError as e:
         raise SystemExit(f"variant {text!r}: {e}") from None

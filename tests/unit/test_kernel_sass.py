@@ -182,6 +182,28 @@ def test_the_counter_form_pairs_reach_the_forwards_launch_and_leave_the_knobs():
         fwd_flags("fa2:counters=true:form=sum")
 
 
+@pytest.mark.parametrize("variant,D", [("fa2", 64), ("fa2:counters=true", 64), ("fa2", 128)])
+def test_the_raw_score_max_drops_a_multiply_per_score_and_keeps_the_ffma(variant, D):
+    """`max=scaled` records the forward in score_max_form("scaled")'s scope (RAWMAX off). Compiled for sm_90, the
+    default (raw) takes an unmasked tile's max on the unscaled scores: one FMUL per score of that loop fewer (BLOCK_M
+    x BLOCK_N / threads, less the two per-row multiplies that scale the max), and the same number of FFMAs: P̄'s
+    argument S scale - m stays one FFMA in both forms, which is what keeps every bit (the GPU test compares them)."""
+    ks = _script()
+    assert ks.score_max_of("fa2:max=scaled") == "scaled" and ks.score_max_of("fa2") == "raw"
+    assert ks.parse_variant("fa2:max=scaled") == ks.parse_variant("fa2")
+    got = {}
+    for form in ("raw", "scaled"):
+        text = variant if form == "raw" else f"{variant}:max=scaled"
+        name, fn, args, kw = [c for c in ks.record_variant(text, (2, 2, 256, D)) if c[0] == "_fwd_kernel"][0]
+        assert kw["RAWMAX"] is (form == "raw")
+        got[form] = ks.compile_counts(fn, args, kw, 90)
+    per_thread = kw["BLOCK_M"] * kw["BLOCK_N"] // (32 * kw["num_warps"])
+    raw, scaled = got["raw"], got["scaled"]
+    assert raw["FFMA"] == scaled["FFMA"] > 0
+    assert per_thread - 4 <= scaled["FMUL"] - raw["FMUL"] <= per_thread
+    assert raw["instructions"] < scaled["instructions"]
+
+
 # each REGISTER_TABLE entry's kernel and the variant whose launch it caps (paper_1gpu: the preset's 128x128 tiles)
 CAPPED = {("fwd", "paper_bf16", "safe", 64, (64, 128, 4, 2)): ("fwd", "paper_1gpu:counters=true")}
 
