@@ -124,8 +124,9 @@ SCORE_MAX_FORMS = ("raw", "scaled")
 # how the forward takes an unmasked key tile's row max (kernels/triton_kernels.py _fwd_inner's RAW; every bit the
 # same either way: speed only): raw (the default), on the unscaled scores, scaled once per row, which drops a
 # multiply per score where the scores are not stored in BF16 and the repeated-max test is not a count (fa2 and fp32,
-# with or without the counters' top2 test); scaled, on the scaled scores, as before. Compiled for sm_90 (Triton 3.6,
-# scripts/kernel_sass.py, B16 H12 T1024 D64) raw took fa2's forward from 1,920 to 1,824 instructions
+# with or without the counters' top2 test); scaled, on the scaled scores, as before. Compiled for sm_90 by Triton 3.9
+# on a CPU (scripts/kernel_sass.py, B16 H12 T1024 D64; results/bench/kernel-sass-sm90-triton3.9-score-max.json) raw
+# took fa2's forward from 1,920 to 1,824 instructions and the counters' from 2,360 to 2,320; not yet timed on a GPU
 _raw_max = [True]
 
 
