@@ -25,11 +25,11 @@ Methods (causal, BF16 inputs (B, H, T, D); FLOPs = 7*B*H*T^2*D per fwd+bwd):
                                             tile; kernels/triton_launch.py accumulator_form)
   triton_fa2_lpt                            fa2 with every kernel longest first (the default, by_kernel, launches
                                             LINEAR_LAUNCHES' linear)
-  triton_fa2[_counters|_sfa_counters]_scaledmax
-                                            those rows with the forward's row max taken on the scaled scores (before;
-                                            the default takes an unmasked tile's on the unscaled scores, scaled once:
+  triton_fa2[_counters|_sfa_counters]_rawmax
+                                            those rows with an unmasked tile's row max taken on the unscaled scores,
+                                            scaled once (the default: the max of the scaled scores;
                                             kernels/triton_launch.py score_max_form)
-  (the _sec, _ptxas, _count, _top2, _acqrel, _acc32, _scaledmax and _lpt rows run only when named)
+  (the _sec, _ptxas, _count, _top2, _acqrel, _acc32, _rawmax and _lpt rows run only when named)
   triton_fa2_ftz, triton_paper_bf16_ftz     the same recipes with exp on ex2.approx.ftz (no denormal fix-up;
                                             kernels/triton_launch.py exp_instruction; the default: tl.exp's)
   triton_fa2_counters                       fa2 with the repeated-maxima counters and max logit (as a run logs)
@@ -101,9 +101,9 @@ KNOBS.update({row: KNOBS[base] for row, (base, _) in FORM_ROWS.items()})
 # in BF16 after every tile in BF16 (every bit the same: speed only)
 ACC_ROWS = {"triton_paper_bf16_acc32": "triton_paper_bf16"}
 KNOBS.update({row: KNOBS[base] for row, base in ACC_ROWS.items()})
-# <base>_scaledmax: the forward's row max taken on the scaled scores, as before score_max_form's default takes an
-# unmasked tile's on the unscaled ones (every bit the same: speed only)
-MAX_ROWS = {f"{base}_scaledmax": base for base in ("triton_fa2", "triton_fa2_counters", "triton_fa2_sfa_counters")}
+# <base>_rawmax: an unmasked tile's row max taken on the unscaled scores and scaled once (score_max_form("raw")),
+# beside the default, the max of the scaled scores (every bit the same: speed only)
+MAX_ROWS = {f"{base}_rawmax": base for base in ("triton_fa2", "triton_fa2_counters", "triton_fa2_sfa_counters")}
 KNOBS.update({row: KNOBS[base] for row, base in MAX_ROWS.items()})
 # the section, register, counter-form, score-max and all-longest-first rows only when named
 DEFAULT_METHODS = SDPA + tuple(m for m in KNOBS if "_sec" not in m and m not in REGISTER_ROWS
@@ -183,9 +183,9 @@ def method_fn(name, H, dev):
     if name in ACC_ROWS:  # the accumulators in FP32, as before (speed only)
         from flash_forensics.kernels.triton_launch import accumulator_form
         f.scope = lambda: accumulator_form("fp32")
-    if name in MAX_ROWS:  # the row max of the scaled scores, as before (speed only)
+    if name in MAX_ROWS:  # the row max of the unscaled scores, scaled once (speed only)
         from flash_forensics.kernels.triton_launch import score_max_form
-        f.scope = lambda: score_max_form("scaled")
+        f.scope = lambda: score_max_form("raw")
     if name.endswith("_lpt"):  # every kernel longest first, LINEAR_LAUNCHES' too (speed only)
         from flash_forensics.kernels.triton_launch import launch_order
         f.scope = lambda: launch_order("longest_first")
@@ -288,11 +288,11 @@ def summarize(rows, shapes) -> dict:
                 ku = [d["methods"][x].get("kernels_us") for x in (row, base)]
                 d.setdefault("accumulator_form_speedup", {})[base] = dict(
                     speedup=ms[row] / ms[base], kernels_speedup=ku[0] / ku[1] if all(ku) else None)
-        for row, base in MAX_ROWS.items():  # > 1: the row max on unscaled scores (the default) is faster
+        for row, base in MAX_ROWS.items():  # > 1: the row max on unscaled scores (score_max_form raw) is faster
             if base in ms and row in ms:
-                ku = [d["methods"][x].get("kernels_us") for x in (row, base)]
+                ku = [d["methods"][x].get("kernels_us") for x in (base, row)]
                 d.setdefault("score_max_speedup", {})[base] = dict(
-                    speedup=ms[row] / ms[base], kernels_speedup=ku[0] / ku[1] if all(ku) else None)
+                    speedup=ms[base] / ms[row], kernels_speedup=ku[0] / ku[1] if all(ku) else None)
         if "triton_fa2" in ms and "triton_fa2_lpt" in ms:  # > 1: by_kernel (the default) beats all longest first
             ku = [d["methods"][x].get("kernels_us") for x in ("triton_fa2_lpt", "triton_fa2")]
             d["by_kernel_speedup"] = ms["triton_fa2_lpt"] / ms["triton_fa2"]

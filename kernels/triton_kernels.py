@@ -313,10 +313,10 @@ def _fwd_inner(acc, l_i, m_i, raw_max, fired, pmax, l_raw, p1, q, k_base, v_base
     # RAW (an unmasked tile of the online path, scores not stored in BF16, exp_form=exp): the tile's row max taken on
     # the unscaled scores S and scaled once, fl(max S scale) = max fl(S scale) (rounding is monotone and scale > 0;
     # the second largest likewise), and P̄'s argument S scale - m as before: no multiply per score for the max.
-    # Compiled for sm_90 that argument was already one FFMA (fl(S scale - m), ptxas contracting the multiply into the
-    # subtract) beside a separate FMUL for the max; RAW drops that FMUL and leaves the FFMA, so every bit stays
-    # (RAWMAX off: the max of the scaled scores, as before; a repeated-max test by counting needs every scaled
-    # score anyway, so RAW leaves it alone)
+    # Compiled for sm_90 that argument is one FFMA either way (fl(S scale - m): LLVM contracts the multiply into the
+    # subtract) beside, without RAW, a separate FMUL for the max; RAW drops that FMUL and leaves the FFMA, so every
+    # bit should stay (the GPU test compares the two). RAWMAX off (the default): the max of the scaled scores. A
+    # repeated-max test by counting needs every scaled score anyway, so RAW leaves it alone
     RAW: tl.constexpr = RAWMAX and not (FOLD or MASKED or KEYPAD or ONE_BLOCK) and (_SCORES & ROUND) == 0 and \
         (TOP2 or not NEED_REP)
     for start_n in range(lo, hi, BLOCK_N):

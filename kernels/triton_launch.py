@@ -120,18 +120,21 @@ def accumulator_form(form: str = "bf16"):
     return _switch(_acc16, form == "bf16")
 
 
-SCORE_MAX_FORMS = ("raw", "scaled")
+SCORE_MAX_FORMS = ("scaled", "raw")
 # how the forward takes an unmasked key tile's row max (kernels/triton_kernels.py _fwd_inner's RAW; every bit the
-# same either way: speed only): raw (the default), on the unscaled scores, scaled once per row, which drops a
-# multiply per score where the scores are not stored in BF16 and the repeated-max test is not a count (fa2 and fp32,
-# with or without the counters' top2 test); scaled, on the scaled scores, as before. Compiled for sm_90 by Triton 3.9
-# on a CPU (scripts/kernel_sass.py, B16 H12 T1024 D64; results/bench/kernel-sass-sm90-triton3.9-score-max.json) raw
-# took fa2's forward from 1,920 to 1,824 instructions and the counters' from 2,360 to 2,320; not yet timed on a GPU
-_raw_max = [True]
+# same either way: speed only): scaled (the default, as always), the max of the scaled scores; raw, the max of the
+# unscaled scores, scaled once per row, which drops a multiply per score where the scores are not stored in BF16 and
+# the repeated-max test is not a count (fa2 and fp32, with or without the counters' top2 test). Compiled for sm_90 on
+# a CPU (scripts/kernel_sass.py, B16 H12 T1024 D64) raw took fa2's forward from 1,920 to 1,824 instructions and the
+# counters' from 2,360 to 2,320 (Triton 3.9, results/bench/kernel-sass-sm90-triton3.9-score-max.json; 1,888 -> 1,792
+# and 2,392 -> 2,320 with Triton 3.6, the GPU image's), with as many FFMAs. Opt-in until a GPU has timed it and
+# compared its bits: it also moves registers (fa2's 120 -> 128 with Triton 3.6) and spills (the counters' 8 -> 24 B)
+_raw_max = [False]
 
 
 def score_max_form(form: str = "raw"):
-    """The forward's row max within the scope: SCORE_MAX_FORMS (raw: on the unscaled scores of an unmasked tile)."""
+    """The forward's row max within the scope: SCORE_MAX_FORMS (raw: on the unscaled scores of an unmasked tile;
+    scaled: the default's)."""
     if form not in SCORE_MAX_FORMS:
         raise ValueError(f"score max form {form!r} is not allowed: expected one of {', '.join(SCORE_MAX_FORMS)}")
     return _switch(_raw_max, form == "raw")
@@ -514,8 +517,7 @@ def launch_config(knobs: AttentionKnobs, D: int, T: int) -> dict:
     acc = ACCUMULATOR_FORMS[0] if _acc16[0] else ACCUMULATOR_FORMS[1]
     return dict(fwd=dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=fw, num_stages=fs, order=order("fwd"),
                          maxnreg=register_cap("fwd", knobs, D, (bm, bn, fw, fs), bool(knobs.counters)),
-                         counters=form, accumulators=acc, score_max=SCORE_MAX_FORMS[0] if _raw_max[0] else
-                         SCORE_MAX_FORMS[1]),
+                         counters=form, accumulators=acc, score_max="raw" if _raw_max[0] else "scaled"),
                 bwd=dict(dkdv=[m1, n1], dq=[m2, n2], num_warps=bw, num_stages=bs, accumulators=acc,
                          order=dict(dkdv=order("dkdv"), dq=order("dq")),
                          maxnreg=dict(dkdv=register_cap("dkdv", knobs, D, cfg, True),

@@ -18,8 +18,9 @@ AttentionKnobs (`counters=true`: the counters on, as a run's monitors have them)
 (kernels/triton_launch.py register_limit: at most N registers per thread for fwd, dkdv or dq; `none`: no cap,
 not even REGISTER_TABLE's default one), and `:form=top2|count` / `:atomics=relaxed|acq_rel`, the counters' form
 (kernels/triton_launch.py counter_form; default: the test by recipe, relaxed atomics), and `:acc=fp32`, the
-accumulators in FP32 (accumulator_form; default bf16 where the recipe stores them in BF16), and `:max=scaled`, the
-forward's row max on the scaled scores (score_max_form; default raw: an unmasked tile's on the unscaled ones).
+accumulators in FP32 (accumulator_form; default bf16 where the recipe stores them in BF16), and `:max=raw`, an
+unmasked tile's row max on the unscaled scores, scaled once (score_max_form; default scaled: the max of the scaled
+scores).
 """
 from __future__ import annotations
 
@@ -76,9 +77,9 @@ def accumulators_of(text: str) -> str:
 
 
 def score_max_of(text: str) -> str:
-    """A variant's `max=raw|scaled` (kernels/triton_launch.py score_max_form; default raw)."""
+    """A variant's `max=raw|scaled` (kernels/triton_launch.py score_max_form; default scaled)."""
     pairs = dict(p.partition("=")[::2] for p in text.split(":")[1:])
-    return pairs.get("max", "raw")
+    return pairs.get("max", "scaled")
 
 
 def parse_variant(text: str):

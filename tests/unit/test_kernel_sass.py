@@ -184,16 +184,16 @@ def test_the_counter_form_pairs_reach_the_forwards_launch_and_leave_the_knobs():
 
 @pytest.mark.parametrize("variant,D", [("fa2", 64), ("fa2:counters=true", 64), ("fa2", 128)])
 def test_the_raw_score_max_drops_a_multiply_per_score_and_keeps_the_ffma(variant, D):
-    """`max=scaled` records the forward in score_max_form("scaled")'s scope (RAWMAX off). Compiled for sm_90, the
-    default (raw) takes an unmasked tile's max on the unscaled scores: one FMUL per score of that loop fewer (BLOCK_M
+    """`max=raw` records the forward in score_max_form("raw")'s scope (RAWMAX on; the default: off). Compiled for
+    sm_90, raw takes an unmasked tile's max on the unscaled scores: one FMUL per score of that loop fewer (BLOCK_M
     x BLOCK_N / threads, less the two per-row multiplies that scale the max), and the same number of FFMAs: P̄'s
     argument S scale - m stays one FFMA in both forms, which is what keeps every bit (the GPU test compares them)."""
     ks = _script()
-    assert ks.score_max_of("fa2:max=scaled") == "scaled" and ks.score_max_of("fa2") == "raw"
-    assert ks.parse_variant("fa2:max=scaled") == ks.parse_variant("fa2")
+    assert ks.score_max_of("fa2:max=raw") == "raw" and ks.score_max_of("fa2") == "scaled"
+    assert ks.parse_variant("fa2:max=raw") == ks.parse_variant("fa2")
     got = {}
     for form in ("raw", "scaled"):
-        text = variant if form == "raw" else f"{variant}:max=scaled"
+        text = variant if form == "scaled" else f"{variant}:max=raw"
         name, fn, args, kw = [c for c in ks.record_variant(text, (2, 2, 256, D)) if c[0] == "_fwd_kernel"][0]
         assert kw["RAWMAX"] is (form == "raw")
         got[form] = ks.compile_counts(fn, args, kw, 90)

@@ -495,8 +495,8 @@ def _assert_score_max_forms_agree(out, counters):
 @interp
 @pytest.mark.parametrize("case", SCORE_MAX_CASES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
 def test_interpreter_the_score_max_forms_keep_every_bit(tfi, case):
-    """An unmasked tile's row max on the unscaled scores, scaled once (raw, the default), against the max of the
-    scaled scores (scaled, before): O, the gradients and every counter bit for bit, with NaN, +-inf and all-equal
+    """An unmasked tile's row max on the unscaled scores, scaled once (raw), against the max of the scaled scores
+    (scaled, the default): O, the gradients and every counter bit for bit, with NaN, +-inf and all-equal
     scores planted, at a head dim whose scale is not a power of two (D 32: 1/sqrt(32))."""
     B, H, T, D = 2, 2, 56, 32
     q, k, v = (x.detach() for x in planted(B, H, T, D, "cpu", seed=17))
@@ -507,11 +507,11 @@ def test_interpreter_the_score_max_forms_keep_every_bit(tfi, case):
 
 def test_a_score_max_form_outside_the_list_is_refused():
     from flash_forensics.kernels import triton_launch
-    with pytest.raises(ValueError, match="score max form 'max' is not allowed: expected one of raw, scaled"):
+    with pytest.raises(ValueError, match="score max form 'max' is not allowed: expected one of scaled, raw"):
         with triton_launch.score_max_form("max"):
             pass
-    assert triton_launch._raw_max == [True]  # left as it was
-    assert triton_launch.launch_config(AttentionKnobs(recipe="fa2"), 64, 1024)["fwd"]["score_max"] == "raw"
+    assert triton_launch._raw_max == [False]  # left as it was
+    assert triton_launch.launch_config(AttentionKnobs(recipe="fa2"), 64, 1024)["fwd"]["score_max"] == "scaled"
 
 
 def test_a_counter_form_outside_the_lists_is_refused():
@@ -828,8 +828,8 @@ GPU_SCORE_MAX_CASES = [(c, 64) for c in SCORE_MAX_CASES] + [
 @pytest.mark.parametrize("case,D", GPU_SCORE_MAX_CASES,
                          ids=[",".join(f"{k}={v}" for k, v in c.items()) + f"-D{d}" for c, d in GPU_SCORE_MAX_CASES])
 def test_gpu_the_score_max_forms_keep_every_bit(case, D):
-    """On the GPU, in BF16 where the recipe is: the forward's row max on the unscaled scores (raw, the default)
-    against the max of the scaled scores (before): O, gradients and every counter bit for bit, with NaN, +-inf and
+    """On the GPU, in BF16 where the recipe is: the forward's row max on the unscaled scores (raw) against the max
+    of the scaled scores (scaled, the default): O, gradients and every counter bit for bit, with NaN, +-inf and
     all-equal scores planted. This is where ptxas's contraction of S scale - m into one FFMA must hold in both forms
     (the interpreter never contracts), at D 128 too, whose scale is no power of two."""
     from flash_forensics.kernels import triton_flash as tf
