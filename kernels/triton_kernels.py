@@ -361,7 +361,7 @@ def _fwd_inner(acc, l_i, m_i, raw_max, fired, pmax, l_raw, p1, q, k_base, v_base
                     else:
                         fire = (r2 >= thr) & row_ok
                 else:
-                    if FOLD or RAW:
+                    if FOLD:
                         near = s * scale >= thr[:, None]
                     else:
                         near = s >= thr[:, None]

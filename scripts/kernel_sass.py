@@ -70,16 +70,19 @@ def counter_form_of(text: str) -> dict:
     return out
 
 
+def _pair(text: str, key: str, default: str) -> str:
+    """The value of a variant's `key=value` pair ('fa2:acc=fp32', key acc), else `default`."""
+    return dict(p.partition("=")[::2] for p in text.split(":")[1:]).get(key, default)
+
+
 def accumulators_of(text: str) -> str:
     """A variant's `acc=bf16|fp32` (kernels/triton_launch.py accumulator_form; default bf16)."""
-    pairs = dict(p.partition("=")[::2] for p in text.split(":")[1:])
-    return pairs.get("acc", "bf16")
+    return _pair(text, "acc", "bf16")
 
 
 def score_max_of(text: str) -> str:
     """A variant's `max=raw|scaled` (kernels/triton_launch.py score_max_form; default scaled)."""
-    pairs = dict(p.partition("=")[::2] for p in text.split(":")[1:])
-    return pairs.get("max", "scaled")
+    return _pair(text, "max", "scaled")
 
 
 def parse_variant(text: str):
