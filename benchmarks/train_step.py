@@ -11,7 +11,11 @@ same order, for every variant. All variants are built first; `--warmup` steps ea
 clock or thermal drift falls on all of them alike. A step's time is the host clock between synchronisations; the row
 is the median over all timed steps; `host_ms` the median time to enqueue one (from its start to the end of the
 optimizer and monitors' calls, before the synchronisation: the monitors' flush steps sync inside it). host_ms close to
-step_ms means the GPU waits on the host.
+step_ms means the GPU waits on the host. A sync per step makes the GPU wait, at every step's start, for the host to
+enqueue its first kernels, and a variant with more host work waits longer; the training loop syncs only at the
+monitors' flushes. So each round also runs `--stream-steps` steps of every variant back to back, synchronised only at
+both ends (and at the flushes, as in training): `stream_step_ms` is the median of those windows' time per step,
+`stream_tokens_per_s` its tokens/s, and the summary's `stream_vs_sdpa_compile` the ratio as training sees it.
 
 Compiled variants: `+compile` is torch.compile of the model. sdpa+compile keeps inductor's defaults (the number to
 beat, as nanoGPT compiles); the flash variants compile as the project's training does (orchestrator/job/train.py:
@@ -197,13 +201,17 @@ class Variant:
                                      fused=dev.type == "cuda")
         self.monitors = Monitors(self.model, MonitorConfig())
         self.i, self.losses, self.times, self.warmup_s, self.host = 0, [], [], 0.0, []
+        self.stream = []  # ms per step of each streamed window (steps back to back, one sync at each end)
         self.last_host = 0.0
 
-    def step(self, x):
+    def step(self, x, sync: bool = True):
+        """One training step; its time between synchronisations (sync=False: none, as the training loop runs a
+        step, the caller times a stream of them; the host's share is still kept in last_host)."""
         model = self.model
         if self.attn == "sdpa":  # as orchestrator/job/train.py: sdpa pays its max-logit pass on the flush steps
             model.probe = (self.i + 1) % self.monitors.cfg.log_every == 0
-        _sync(self.dev)
+        if sync:
+            _sync(self.dev)
         graphs = dynamo_graphs() if self.compiled and self.i == 0 else None  # its first step compiles
         t0 = time.perf_counter()
         if self.cudagraphs:  # a new iteration: the previous step's graph outputs may be overwritten
@@ -219,7 +227,8 @@ class Variant:
         self.opt.zero_grad(set_to_none=True)
         self.monitors.step_end(self.i, loss.detach(), gn, 3e-4, x.shape[0] * (x.shape[1] - 1))
         self.last_host = time.perf_counter() - t0  # the step enqueued: the host's share (no sync on most steps)
-        _sync(self.dev)
+        if sync:
+            _sync(self.dev)
         dt = time.perf_counter() - t0
         if graphs is not None and dynamo_graphs() == graphs:  # never a row that says compiled and ran eager
             import torch._dynamo.config as dc
@@ -249,10 +258,13 @@ class Variant:
     def row(self, batch, T, warmup):
         timed = self.times
         med = statistics.median(timed) if timed else None
+        smed = statistics.median(self.stream) / 1e3 if self.stream else None
         return dict(variant=self.name, attention=ATTN[self.attn], compiled=self.compiled,
                     emulate_precision_casts=self.emulate if self.compiled else None, batch=batch, T=T,
                     step_ms=med * 1e3 if med else None, tokens_per_s=batch * T / med if med else None,
                     host_ms=statistics.median(self.host) * 1e3 if self.host else None,
+                    stream_step_ms=smed * 1e3 if smed else None,
+                    stream_tokens_per_s=batch * T / smed if smed else None, stream_windows=len(self.stream),
                     steps_timed=len(timed), warmup_steps=warmup, warmup_s=round(self.warmup_s, 2),
                     losses=[float(v) for v in torch.stack(self.losses).cpu()] if self.losses else [],
                     routes=self.model.attention_routes()[:1], compile_mode=MODES.get(self.name.partition("+")[2]))
@@ -363,7 +375,9 @@ def where(e: BaseException, frames: int = 4) -> str:
 
 def run_shape(names, batch, T, args, dev, errors):
     g = torch.Generator(device="cpu").manual_seed(0)
-    data = [torch.randint(0, 50257, (batch, T + 1), generator=g).to(dev) for _ in range(args.warmup + args.steps)]
+    per = max(1, args.steps // args.rounds)
+    n_data = args.warmup + args.steps + args.stream_steps * args.rounds
+    data = [torch.randint(0, 50257, (batch, T + 1), generator=g).to(dev) for _ in range(n_data)]
     live = []
     for name in names:
         try:
@@ -389,15 +403,22 @@ def run_shape(names, batch, T, args, dev, errors):
         if v in live:
             log(f"[{batch}x{T}] {v.name}: warmup {v.warmup_s:.1f} s, route {v.model.attention_routes()[:1]}")
     yield -1, live, []  # warmed up (compiled): the JSON says so before the first timed round
-    per = max(1, args.steps // args.rounds)
     for r in range(args.rounds):
         order = live[r % len(live):] + live[:r % len(live)] if live else []
         for v in order:
             def timed(v=v):
                 for _ in range(per):
-                    if v.i < len(data):
+                    if len(v.times) < args.steps:
                         v.times.append(v.step(data[v.i]))
                         v.host.append(v.last_host)
+                n = min(args.stream_steps, len(data) - v.i)
+                if n > 0:  # as the training loop runs: no sync between steps but the monitors' flushes
+                    _sync(v.dev)
+                    t0 = time.perf_counter()
+                    for _ in range(n):
+                        v.step(data[v.i], sync=False)
+                    _sync(v.dev)
+                    v.stream.append((time.perf_counter() - t0) * 1e3 / n)
             guarded(v, timed)
         yield r, live, [v.name for v in order]
     for v in list(live):
@@ -426,6 +447,11 @@ def summarize(rows) -> dict:
         d = dict(tokens_per_s={v: r["tokens_per_s"] for v, r in rs.items()})
         if base:
             d["vs_sdpa_compile"] = {v: r["tokens_per_s"] / base["tokens_per_s"] for v, r in rs.items()}
+        streamed = {v: r["stream_tokens_per_s"] for v, r in rs.items() if r.get("stream_tokens_per_s")}
+        if streamed:  # the steps back to back, as the training loop runs them
+            d["stream_tokens_per_s"] = streamed
+            if "sdpa+compile" in streamed:
+                d["stream_vs_sdpa_compile"] = {v: t / streamed["sdpa+compile"] for v, t in streamed.items()}
         d["compiled_vs_eager"] = {}
         for v in rs:  # keyed ATTN for +compile (the training's mode), ATTN+cudagraphs for the other
             for mode, name in (("compile", v), ("cudagraphs", v + "+cudagraphs")):
@@ -465,6 +491,10 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=24, help="timed steps per variant, over all rounds")
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--stream-steps", type=int, default=6,
+                    help="per round and variant, after its timed steps: this many steps back to back, synced only at "
+                         "both ends and at the monitors' flushes, as the training loop runs (stream_tokens_per_s); 0: "
+                         "none")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--model", default="gpt2_s", help="models/gpt.py preset (tiny for a CPU smoke run)")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke run, not a speed")
@@ -473,9 +503,10 @@ def main(argv=None):
                     "during their steps (the others keep the default launch)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    for k in ("steps", "rounds", "warmup"):
-        if getattr(args, k) < (0 if k == "warmup" else 1):
-            ap.error(f"--{k}={getattr(args, k)} is not allowed: expected an integer >= {0 if k == 'warmup' else 1}")
+    for k in ("steps", "rounds", "warmup", "stream_steps"):
+        low = 1 if k in ("steps", "rounds") else 0
+        if getattr(args, k) < low:
+            ap.error(f"--{k.replace('_', '-')}={getattr(args, k)} is not allowed: expected an integer >= {low}")
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("benchmarks/train_step.py needs a CUDA GPU (--device cpu: a smoke run)")
     dev = torch.device(args.device)

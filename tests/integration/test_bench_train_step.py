@@ -24,8 +24,11 @@ def test_cpu_smoke_round_robin_same_batches_and_the_sdpa_op(tmp_path):
     assert doc["partial"] is False and doc["errors"] == []
     assert doc["order_by_round"] == {"2x32": [["sdpa", "emulator_paper_bf16"], ["emulator_paper_bf16", "sdpa"]]}
     rows = {r["variant"]: r for r in doc["rows"]}
-    assert [(v, r["steps_timed"], len(r["losses"])) for v, r in rows.items()] == [
-        ("sdpa", 4, 5), ("emulator_paper_bf16", 4, 5)]  # fmt: skip
+    # 1 warmup + 4 synced steps + 2 rounds of 6 streamed (the --stream-steps default): every step's loss is kept
+    assert [(v, r["steps_timed"], r["stream_windows"], len(r["losses"])) for v, r in rows.items()] == [
+        ("sdpa", 4, 2, 17), ("emulator_paper_bf16", 4, 2, 17)]  # fmt: skip
+    for r in rows.values():
+        assert r["stream_step_ms"] > 0 and r["stream_tokens_per_s"] == pytest.approx(2 * 32 / r["stream_step_ms"] * 1e3)
     assert rows["sdpa"]["sdpa_ops"] == ["flash"] and rows["emulator_paper_bf16"]["sdpa_ops"] == []
     for r in rows.values():  # the profiled step on a CPU: its top ops by self time, largest first
         top = r["profile"]["top"]
@@ -37,6 +40,28 @@ def test_cpu_smoke_round_robin_same_batches_and_the_sdpa_op(tmp_path):
     assert rows["sdpa"]["losses"][0] == pytest.approx(rows["emulator_paper_bf16"]["losses"][0], abs=2e-2)
     assert rows["sdpa"]["losses"][0] != rows["sdpa"]["losses"][4]  # it trains: a later batch, a different loss
     assert set(doc["summary"]["B2_T32"]["tokens_per_s"]) == {"sdpa", "emulator_paper_bf16"}
+    assert set(doc["summary"]["B2_T32"]["stream_tokens_per_s"]) == {"sdpa", "emulator_paper_bf16"}
+
+
+def test_stream_steps_off_keeps_the_synced_steps_alone_and_a_bad_count_is_refused(tmp_path, capsys):
+    doc = bench.main(["--device", "cpu", "--model", "tiny", "--shapes", "2x32", "--steps", "2", "--rounds", "2",
+                      "--warmup", "1", "--stream-steps", "0", "--variants", "sdpa", "--out", str(tmp_path / "a.json")])
+    (row,) = doc["rows"]
+    assert (row["steps_timed"], row["stream_windows"], len(row["losses"])) == (2, 0, 3)
+    assert row["stream_step_ms"] is None and "stream_tokens_per_s" not in doc["summary"]["B2_T32"]
+    with pytest.raises(SystemExit):
+        bench.main(["--device", "cpu", "--stream-steps", "-1", "--out", str(tmp_path / "b.json")])
+    assert "--stream-steps=-1 is not allowed: expected an integer >= 0" in capsys.readouterr().err
+
+
+def test_stream_vs_sdpa_compile_by_hand():
+    def row(v, tps, stream):
+        return dict(variant=v, batch=2, T=8, tokens_per_s=tps, stream_tokens_per_s=stream, losses=[1.0])
+    s = bench.summarize([row("sdpa+compile", 100.0, 120.0), row("triton_fa2+compile", 90.0, 118.8),
+                         row("sdpa", 50.0, None)])["B2_T8"]
+    assert s["stream_tokens_per_s"] == {"sdpa+compile": 120.0, "triton_fa2+compile": 118.8}
+    assert s["stream_vs_sdpa_compile"] == {"sdpa+compile": 1.0, "triton_fa2+compile": pytest.approx(0.99)}
+    assert s["vs_sdpa_compile"]["triton_fa2+compile"] == pytest.approx(0.9)
 
 
 def test_compiled_vs_eager_by_hand():
