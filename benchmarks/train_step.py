@@ -19,7 +19,10 @@ both ends (and at the flushes, as in training): `stream_step_ms` is the median o
 
 Compiled variants: `+compile` is torch.compile of the model. sdpa+compile keeps inductor's defaults (the number to
 beat, as nanoGPT compiles); the flash variants compile as the project's training does (orchestrator/job/train.py:
-compile_model: `emulate_precision_casts`, so a fused chain rounds to BF16 where eager does). `+cudagraphs` (opt-in,
+compile_model: `emulate_precision_casts`, so a fused chain rounds to BF16 where eager does). `+compilecasts` and
+`+compilenocasts` compile with that setting forced on or off, so that a compiled variant's gap to sdpa+compile splits
+into its attention's share and the setting's (`casts_cost` in the summary: tokens/s without it over with it, per
+attention). `+cudagraphs` (opt-in,
 not in the default list) is torch.compile(mode="reduce-overhead"): CUDA graphs replay the step's launches, taking the
 host off the critical path; each step is marked (cudagraph_mark_step_begin) and its loss copied out of the graph's
 memory, which the next replay overwrites. Dynamo's recompile limit grows with the compiled variants (they share
@@ -89,7 +92,11 @@ VARIANTS = ["sdpa+compile", "sdpa", "triton_fa2", "triton_fa2+compile", "triton_
             "triton_paper_bf16+compile", "paper_1gpu", "paper_1gpu+compile", "triton_fa2_sfa+compile",
             "triton_fa2_exp2+compile"]
 SDPA_OPS = ("flash", "cudnn", "efficient", "math")  # aten::_scaled_dot_product_<op>_attention[_for_cpu]
-MODES = {"compile": None, "cudagraphs": "reduce-overhead"}  # ATTN+MODE: torch.compile's mode
+MODES = {"compile": None, "cudagraphs": "reduce-overhead", "compilecasts": None, "compilenocasts": None}
+# ATTN+MODE: torch.compile's mode. +compile: inductor's emulate_precision_casts as each way trains (off for sdpa, as
+# nanoGPT compiles; on for the flash variants, as orchestrator/job/train.py compile_model sets it); +compilecasts and
+# +compilenocasts force it on or off, so that a compiled step's difference splits into the attention's and the setting's
+CASTS = {"compilecasts": True, "compilenocasts": False}
 # ATTN+jitlaunch: eager, every Triton kernel launched through Triton's own fn[grid] instead of the launch cache
 # (kernels/launch_cache.py): the cache's effect on a training step, side by side
 JIT_LAUNCH = "jitlaunch"
@@ -195,7 +202,7 @@ class Variant:
         self.fwd = (torch.compile(self.model, mode=MODES[mode], backend=COMPILE_BACKEND) if self.compiled
                     else self.model)
         # inductor reads the setting when it compiles (the first call): patched around every call, per variant
-        self.emulate = self.compiled and self.attn != "sdpa"
+        self.emulate = self.compiled and CASTS.get(mode, self.attn != "sdpa")
         self.config_scope = lambda: inductor_config.patch(emulate_precision_casts=self.emulate)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.0,
                                      fused=dev.type == "cuda")
@@ -467,6 +474,14 @@ def summarize(rows) -> dict:
         # whether the steps' losses kept every bit. The launch cache against Triton's own launch (the same kernels);
         # a tuned table against the default one; ftz exp against tl.exp's; the default's register caps against none
         # (a cap moves registers, not arithmetic); the counters' default form against the old one (same counts)
+        # inductor's emulate_precision_casts: per attention, a default-mode compiled row without it over one with it
+        # (tokens/s; > 1: the setting costs that much), e.g. sdpa+compile over sdpa+compilecasts
+        d["casts_cost"] = {}
+        for a in sorted({v.partition("+")[0] for v in rs}):
+            by = {r.get("emulate_precision_casts"): r for v, r in rs.items() if v.partition("+")[0] == a
+                  and r.get("compiled") and MODES.get(v.partition("+")[2], "?") is None}
+            if True in by and False in by:
+                d["casts_cost"][a] = by[False]["tokens_per_s"] / by[True]["tokens_per_s"]
         d["launch_cache_vs_jit"] = _against(rs, JIT_LAUNCH, mode_first=False)
         d["tuned_vs_default"] = _against(rs, TUNED, mode_first=True)
         d["ftz_vs_tl_exp"] = _against(rs, FTZ, mode_first=True)

@@ -293,3 +293,24 @@ def test_attention_kernels_are_every_kernel_an_attention_call_ran_on_an_h100():
         for k in r["kernels"]:
             helper = k["name"].startswith("Memset") or "at::native::" in k["name"]
             assert bool(bench.ATTN_KERNELS.search(k["name"])) is not helper, (r["method"], k["name"][:90])
+
+
+def test_the_casts_modes_force_the_setting_and_its_cost_is_summarized():
+    assert bench.parse_variant("sdpa+compilecasts") == ("sdpa", "compilecasts")
+    assert bench.parse_variant("triton_fa2+compilenocasts") == ("triton_fa2", "compilenocasts")
+
+    def row(v, tps, casts):
+        return dict(variant=v, batch=2, T=8, tokens_per_s=tps, compiled="+" in v, emulate_precision_casts=casts,
+                    losses=[1.0])
+    s = bench.summarize([row("sdpa+compile", 100.0, False), row("sdpa+compilecasts", 80.0, True),
+                         row("triton_fa2+compile", 90.0, True), row("triton_fa2+compilenocasts", 99.0, False),
+                         row("triton_paper_bf16+compile", 70.0, True), row("sdpa", 50.0, None)])["B2_T8"]
+    assert s["casts_cost"] == {"sdpa": pytest.approx(1.25), "triton_fa2": pytest.approx(1.1)}
+
+
+@pytest.mark.parametrize("name,emulate", [("sdpa+compile", False), ("sdpa+compilecasts", True),
+                                          ("emulator_paper_bf16+compile", True),
+                                          ("emulator_paper_bf16+compilenocasts", False), ("sdpa", False)])
+def test_a_variant_compiles_with_the_casts_its_mode_says(name, emulate):
+    v = bench.Variant(name, "tiny", 16, torch.device("cpu"))
+    assert v.emulate is emulate and v.compiled is ("+" in name)
