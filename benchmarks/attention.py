@@ -42,10 +42,13 @@ Methods (causal, BF16 inputs (B, H, T, D); FLOPs = 7*B*H*T^2*D per fwd+bwd):
 Every round times every (shape, method) once with triton.testing.do_bench (median, CUDA events, L2 flushed, grads
 reset); a row's figure is the median over rounds. --kernels N then profiles each row N calls (torch.profiler): its
 kernels' GPU time one by one, without the host's (benchmarks/kernel_time.py kernel_split), and
-kernels_vs_best_sdpa, the ratio of those totals. Ratios are against sdpa_flash and against the fastest SDPA
-backend that ran at that shape. --tune first times speed-only launch configs per recipe and shape
-(kernels/triton_launch.py: launch_config) and keeps the fastest for the rest of the process; what it chose is in
-the JSON.
+kernels_vs_best_sdpa, the ratio of those totals. --graph R then times each row's fwd+bwd captured once in a CUDA
+graph, its replay under do_bench as the rounds time the call (L2 flushed, median), R rounds round-robin: the GPU's
+time with the host out of it and under the same cold L2 as the timed figure (the profiler's totals run warm), as
+graph_ms and graph_vs_best_sdpa (a row whose capture fails says so in graph_error). Ratios are against sdpa_flash
+and against the fastest SDPA backend that ran at that shape. --tune first times speed-only launch configs per
+recipe and shape (kernels/triton_launch.py: launch_config) and keeps the fastest for the rest of the process; what it
+chose is in the JSON.
 """
 from __future__ import annotations
 
@@ -225,6 +228,59 @@ def fwd_bwd(f, q, k, v, do, leaves=None):
     return run
 
 
+def capture(run, leaves):
+    """fwd+bwd `run` captured in a CUDA graph (warmed up on a side stream first, as torch.cuda.graphs asks). The
+    leaves' .grad is None before the warm-up and before the capture, so that the backward hands its gradients over
+    (no accumulating add, which would time 3 extra passes over the inputs) and after it, so that no later eager call
+    adds into the graph's memory."""
+    def fresh():
+        for t in leaves:
+            t.grad = None
+    fresh()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run()
+    torch.cuda.current_stream().wait_stream(side)
+    fresh()
+    g = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(g):
+            run()
+    finally:
+        fresh()
+        torch.cuda.synchronize()
+    return g
+
+
+def graph_rounds(shapes, names, rows, fns, args, dev, log=print):
+    """--graph: every (shape, method) row's fwd+bwd as a CUDA graph's replay (capture), timed by do_bench as the
+    rounds time the call, `args.graph` rounds round-robin; one shape's inputs and graphs alive at a time."""
+    import triton.testing
+    for s in shapes:
+        B, H, T, D = SHAPES[s]
+        q, k, v, do, leaves = make_inputs(B, H, T, D, dev, layout=args.layout)
+        graphs = {}
+        for m in names:
+            row = rows.get((s, m))
+            if row is None or "error" in row or m.startswith("emulator"):
+                continue
+            try:
+                graphs[m] = capture(fwd_bwd(fns[(s, m)], q, k, v, do, leaves), leaves)
+            except Exception as e:  # e.g. a host sync inside the call: no graph, said
+                row["graph_error"] = f"{type(e).__name__}: {e}"[:300]
+                torch.cuda.synchronize()
+        for r in range(args.graph):
+            for m, g in graphs.items():
+                row = rows[(s, m)]
+                row.setdefault("graph_rounds_ms", []).append(triton.testing.do_bench(
+                    g.replay, warmup=25, rep=args.rep_ms, return_mode="median"))
+                row["graph_ms"] = statistics.median(row["graph_rounds_ms"])
+                log(f"graph {r} {s:12s} {m:24s} {row['graph_rounds_ms'][-1]:9.3f} ms")
+        del graphs
+        torch.cuda.empty_cache()
+
+
 def _write(out, path):
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as fh:
@@ -256,6 +312,12 @@ def summarize(rows, shapes) -> dict:
                 if r.get("total_us") and by[(s, best)].get("total_us"):  # --kernels: the GPU's time alone
                     d["methods"][m].update(kernels_us=r["total_us"],
                                            kernels_vs_best_sdpa=by[(s, best)]["total_us"] / r["total_us"])
+                if r.get("graph_ms"):  # --graph: the GPU's time alone, L2 flushed as the timed figure
+                    d["methods"][m]["graph_ms"] = r["graph_ms"]
+                graphed = {x: by[(s, x)].get("graph_ms") for x in SDPA if (s, x) in by and by[(s, x)].get("graph_ms")}
+                if r.get("graph_ms") and graphed:  # against the SDPA backend fastest in its graphs
+                    gbest = min(graphed, key=graphed.get)
+                    d["methods"][m].update(graph_vs_best_sdpa=graphed[gbest] / r["graph_ms"], graph_best_sdpa=gbest)
         ms = {m: v["ms"] for m, v in d["methods"].items()}
         if "triton_fa2" in ms and "triton_fa2_exp2" in ms:  # > 1: exp_form=exp2_folded is faster than exp
             d["fa2_exp2_speedup"] = ms["triton_fa2"] / ms["triton_fa2_exp2"]
@@ -307,6 +369,9 @@ def summarize(rows, shapes) -> dict:
                     ku = {x: d["methods"][x].get("kernels_us") for x in (m, "triton_fa2")}
                     if all(ku.values()):  # the same on the kernels' GPU time alone
                         d[f"{m}_kernels_overhead_vs_fa2"] = ku[m] / ku["triton_fa2"] - 1
+                    gm = {x: d["methods"][x].get("graph_ms") for x in (m, "triton_fa2")}
+                    if all(gm.values()):  # and on the graphs' replay
+                        d[f"{m}_graph_overhead_vs_fa2"] = gm[m] / gm["triton_fa2"] - 1
         out[s] = d
     return out
 
@@ -332,6 +397,13 @@ def targets(summary) -> dict:
             res[key] = dict(target=want, measured=got, met=_meets(got, want, "min"), bound="min",
                             against=s.get("best_sdpa"))
             kern = s.get("methods", {}).get(method, {}).get("kernels_vs_best_sdpa")
+        if "_overhead_vs_fa2" in metric:
+            graph = s.get(f"triton_{metric.replace('_overhead', '_graph_overhead')}")
+        else:
+            graph = s.get("methods", {}).get("triton_" + metric.split("_vs_")[0], {}).get("graph_vs_best_sdpa")
+        if graph is not None:  # --graph: the same on the GPU's time alone under a cold L2, judged apart
+            res[key]["measured_graph"] = graph
+            res[key]["met_graph"] = _meets(graph, want, res[key]["bound"])
         if kern is not None:  # --kernels: the same on the kernels' GPU time, judged apart: where the host sets the
             # timed figure (T <= 1024 on a slow host) the two disagree, and a note must say which one was met
             res[key]["measured_kernels"] = kern
@@ -354,6 +426,9 @@ def main(argv=None):
     ap.add_argument("--kernels", type=int, default=0, metavar="ITERS",
                     help="after the rounds, each (shape, method) ITERS times under torch.profiler: its GPU time kernel "
                          "by kernel (the host's time left out), and the ratios of those totals in the summary")
+    ap.add_argument("--graph", type=int, default=0, metavar="ROUNDS",
+                    help="after the rounds, each (shape, method) captured in a CUDA graph and its replay timed ROUNDS "
+                         "rounds round-robin (L2 flushed): the GPU's time without the host's, graph_vs_best_sdpa")
     ap.add_argument("--layout", choices=("bhtd", "bthd"), default="bhtd",
                     help="inputs: contiguous (B, H, T, D) tensors (bhtd, the default), or views of one fused QKV "
                          "projection as a GPT makes them (bthd: fwd+bwd then includes the gradients' copy back)")
@@ -406,6 +481,11 @@ def main(argv=None):
                 print(f"kernels {s:12s} {m:24s} {row['total_us']:9.1f} us: " + ", ".join(
                     f"{r['name'][:40]} {r['us']:.1f}" for r in row["kernels"][:4]), flush=True)
                 _write(out, path)
+    if args.graph:
+        inputs.clear()
+        graph_rounds(shapes, names, rows, fns, args, dev)
+        out["rows"] = list(rows.values())
+        _write(out, path)
     out["summary"] = summarize(out["rows"], shapes)
     out["targets"] = targets(out["summary"])
     _write(out, path)

@@ -267,8 +267,10 @@ print(re.sub('[^a-z0-9]+', '-', g).strip('-'))" "$LOG/kernel-bits.json") || die 
     setup; logdir speed; rc=0; parts=" ${SPEED_PARTS:-attention host train1024 train256} "
     if [[ $parts == *" attention "* ]]; then
     # ATTN_LAYOUT=bthd: q, k, v as the model makes them (views of the fused QKV projection; benchmarks/attention.py)
-    bounded "${ATTN_TIMEOUT:-300}" "$LOG/attention.log" $PY benchmarks/attention.py ${TUNE:+--tune} \
+    # ATTN_GRAPH (default 3; 0: off): rounds of each row's CUDA-graph replay, the GPU's time without the host's
+    bounded "${ATTN_TIMEOUT:-360}" "$LOG/attention.log" $PY benchmarks/attention.py ${TUNE:+--tune} \
       ${TUNE_SHAPES:+--tune-shapes "$TUNE_SHAPES"} ${ATTN_METHODS:+--methods "$ATTN_METHODS"} \
+      --graph "${ATTN_GRAPH:-3}" \
       ${ATTN_SHAPES:+--shapes "$ATTN_SHAPES"} \
       ${ATTN_LAYOUT:+--layout "$ATTN_LAYOUT"} --kernels "${ATTN_KERNELS:-20}" --rounds 3 --out "$LOG/attention${ATTN_LAYOUT:+-$ATTN_LAYOUT}.json" || rc=1
     grep -E "^\|" "$LOG/attention.log"

@@ -272,3 +272,52 @@ def test_register_limit_refuses_a_kernel_or_count_it_does_not_know():
             with triton_launch.register_limit(fwd=bad):
                 pass
     assert triton_launch._maxnreg == {}
+
+
+def test_graph_figures_judge_against_the_sdpa_backend_fastest_in_its_graphs():
+    """--graph: graph_vs_best_sdpa against the SDPA backend whose graph replays fastest (it may not be the one
+    fastest in the timed figure), the overheads on the graphs' times, and each target's measured_graph / met_graph
+    apart from `met`; rows without a graph get none."""
+    from benchmarks.attention import summarize, targets
+    s = "gpt2s_T1024"
+    rows = [dict(shape=s, method="sdpa_flash", ms=0.59, tflops=1.0, graph_ms=0.40),
+            dict(shape=s, method="sdpa_cudnn", ms=0.38, tflops=1.0, graph_ms=0.42),
+            dict(shape=s, method="triton_fa2", ms=0.46, tflops=1.0, graph_ms=0.39),
+            dict(shape=s, method="triton_fa2_counters", ms=0.47, tflops=1.0, graph_ms=0.400),
+            dict(shape=s, method="triton_fa2_sfa_counters", ms=0.50, tflops=1.0)]
+    d = summarize(rows, [s])[s]
+    fa2 = d["methods"]["triton_fa2"]
+    assert d["best_sdpa"] == "sdpa_cudnn" and fa2["graph_best_sdpa"] == "sdpa_flash"
+    assert fa2["graph_ms"] == 0.39 and abs(fa2["graph_vs_best_sdpa"] - 0.40 / 0.39) < 1e-12
+    assert abs(d["triton_fa2_counters_graph_overhead_vs_fa2"] - (0.400 / 0.39 - 1)) < 1e-12
+    assert "graph_vs_best_sdpa" not in d["methods"]["triton_fa2_sfa_counters"]
+    assert "triton_fa2_sfa_counters_graph_overhead_vs_fa2" not in d
+    t = targets(summarize(rows, [s]))
+    assert t[f"fa2_vs_best_sdpa@{s}"]["met"] is False and t[f"fa2_vs_best_sdpa@{s}"]["met_graph"] is True
+    cnt = t[f"fa2_counters_overhead_vs_fa2@{s}"]
+    assert abs(cnt["measured_graph"] - (0.400 / 0.39 - 1)) < 1e-12 and cnt["met_graph"] is True
+    assert "measured_graph" not in t[f"fa2_sfa_counters_overhead_vs_fa2@{s}"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: the graphs are captured and replayed")
+def test_gpu_graph_rounds_time_every_row_and_leave_no_gradient_behind():
+    from types import SimpleNamespace as NS
+
+    from benchmarks import attention as att
+    dev = torch.device("cuda")
+    names, shape = ["sdpa_cudnn", "triton_fa2_counters"], "mini_T256"
+    rows = {(shape, m): dict(shape=shape, method=m, ms=1.0) for m in names}
+    fns = {(shape, m): att.method_fn(m, att.SHAPES[shape][1], dev) for m in names}
+    lines = []
+    att.graph_rounds([shape], names, rows, fns, NS(graph=2, rep_ms=20, layout="bhtd"), dev, log=lines.append)
+    for m in names:
+        row = rows[(shape, m)]
+        assert "graph_error" not in row, row.get("graph_error")
+        assert len(row["graph_rounds_ms"]) == 2 and 0 < row["graph_ms"] < 50
+    assert len(lines) == 4
+    q, k, v, do, leaves = att.make_inputs(2, 2, 128, 64, dev)
+    g = att.capture(att.fwd_bwd(fns[(shape, "triton_fa2_counters")], q, k, v, do, leaves), leaves)
+    assert all(t.grad is None for t in leaves)
+    g.replay()
+    torch.cuda.synchronize()
