@@ -483,7 +483,11 @@ def main(argv=None):
                 _write(out, path)
     if args.graph:
         inputs.clear()
-        graph_rounds(shapes, names, rows, fns, args, dev)
+        try:
+            graph_rounds(shapes, names, rows, fns, args, dev)
+        except Exception as e:  # the rounds' figures stand: the summary is still written, and says why
+            out["graph_error"] = f"{type(e).__name__}: {e}"[:300]
+            print(f"--graph stopped: {out['graph_error']}", flush=True)
         out["rows"] = list(rows.values())
         _write(out, path)
     out["summary"] = summarize(out["rows"], shapes)
