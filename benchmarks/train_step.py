@@ -64,6 +64,7 @@ import re
 import statistics
 import sys
 import time
+import types
 from typing import Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -199,7 +200,10 @@ class Variant:
                              contextlib.nullcontext)
         torch.manual_seed(0)  # every variant starts from the same weights
         self.model = GPT(ModelConfig.preset(model_name, block_size=T), AttentionConfig(**ATTN[self.attn])).to(dev)
-        self.fwd = (torch.compile(self.model, mode=MODES[mode], backend=COMPILE_BACKEND) if self.compiled
+        # a casts mode differs from its +compile twin only in inductor's config, which dynamo does not guard on: it
+        # would replay the twin's graph (GPT.forward's cache, parameters as inputs). A code object of its own compiles
+        target = fresh_entry(self.model, name) if mode in CASTS else self.model
+        self.fwd = (torch.compile(target, mode=MODES[mode], backend=COMPILE_BACKEND) if self.compiled
                     else self.model)
         # inductor reads the setting when it compiles (the first call): patched around every call, per variant
         self.emulate = self.compiled and CASTS.get(mode, self.attn != "sdpa")
@@ -275,6 +279,15 @@ class Variant:
                     steps_timed=len(timed), warmup_steps=warmup, warmup_s=round(self.warmup_s, 2),
                     losses=[float(v) for v in torch.stack(self.losses).cpu()] if self.losses else [],
                     routes=self.model.attention_routes()[:1], compile_mode=MODES.get(self.name.partition("+")[2]))
+
+
+def fresh_entry(model, tag: str):
+    """A function calling `model` with a code object of its own (named after `tag`): torch.compile of it keeps its
+    own dynamo cache, where compiling the module would share GPT.forward's with every variant of the same config."""
+    def entry(*args, **kwargs):
+        return model(*args, **kwargs)
+    code = entry.__code__.replace(co_name="entry_" + re.sub(r"\W", "_", tag))
+    return types.FunctionType(code, entry.__globals__, code.co_name, entry.__defaults__, entry.__closure__)
 
 
 @contextlib.contextmanager

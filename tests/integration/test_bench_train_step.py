@@ -314,3 +314,20 @@ def test_the_casts_modes_force_the_setting_and_its_cost_is_summarized():
 def test_a_variant_compiles_with_the_casts_its_mode_says(name, emulate):
     v = bench.Variant(name, "tiny", 16, torch.device("cpu"))
     assert v.emulate is emulate and v.compiled is ("+" in name)
+
+
+def test_a_casts_mode_compiles_its_own_graph_beside_its_twin(tmp_path, dynamo_eager):
+    """sdpa+compilecasts differs from sdpa+compile only in inductor's config, which dynamo does not guard on: compiled
+    as the module, it replayed its twin's graph (the 2026-12-07 H100 run refused it: no graph in its first step).
+    Its own code object (fresh_entry) compiles its own."""
+    doc = bench.main(["--device", "cpu", "--model", "tiny", "--shapes", "2x16", "--steps", "2", "--rounds", "1",
+                      "--warmup", "1", "--stream-steps", "0", "--out", str(tmp_path / "ts.json"), "--variants",
+                      "sdpa+compile,sdpa+compilecasts,emulator_paper_bf16+compile,emulator_paper_bf16+compilenocasts"])
+    assert doc["errors"] == []
+    rows = {r["variant"]: r for r in doc["rows"]}
+    assert [rows[v]["emulate_precision_casts"] for v in rows] == [False, True, True, False]
+    assert rows["sdpa+compile"]["losses"] == rows["sdpa+compilecasts"]["losses"]  # dynamo alone: the same step
+    assert set(doc["summary"]["B2_T16"]["casts_cost"]) == {"sdpa", "emulator_paper_bf16"}
+    f = bench.fresh_entry(lambda a, b: a - b, "x+y")
+    assert f.__code__.co_name == "entry_x_y" and f(5, 3) == 2
+    assert f.__code__ is not bench.fresh_entry(lambda a, b: a, "x+y").__code__
