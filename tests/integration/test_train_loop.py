@@ -76,9 +76,10 @@ def test_train_compile_cudagraphs_trains_as_compiled_bit_for_bit(tmp_path):
         p = run_cli(d, "experiment=smoke", "train.device=cuda", "train.precision=bf16", "attention.backend=triton",
                     "attention.recipe=fa2", "train.max_steps=12", "train.eval_every=0", "train.ckpt_every=0",
                     "monitor.log_every=4", f"train.compile={mode}", "tracking.writer=thread")
-        # both streams: on a GPU (2026-12-07) a run exited 1 with only tqdm's bars on stderr
-        assert p.returncode == 0, (f"train.compile={mode}: exit {p.returncode}\nstdout: {p.stdout[-3000:]}\n"
-                                   f"stderr: {p.stderr[-3000:]}")
+        # both streams and the job's error.txt: on a GPU (2026-12-07) a run exited 1 with only tqdm's bars on stderr
+        errors = "".join(f.read_text()[-3000:] for f in (d / "results").rglob("error.txt"))
+        assert p.returncode == 0, (f"train.compile={mode}: exit {p.returncode}\nerror.txt: {errors}\n"
+                                   f"stdout: {p.stdout[-3000:]}\nstderr: {p.stderr[-3000:]}")
         (res,) = (d / "results").rglob("result.json")
         record = json.loads(res.read_text())
         assert record["compiled"] is True and record["compile_mode"] == (None if mode == "true" else "reduce-overhead")
