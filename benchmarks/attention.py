@@ -229,28 +229,19 @@ def fwd_bwd(f, q, k, v, do, leaves=None):
 
 
 def capture(run, leaves):
-    """fwd+bwd `run` captured in a CUDA graph (warmed up on a side stream first, as torch.cuda.graphs asks). The
-    leaves' .grad is None before the warm-up and before the capture, so that the backward hands its gradients over
-    (no accumulating add, which would time 3 extra passes over the inputs) and after it, so that no later eager call
-    adds into the graph's memory."""
+    """fwd+bwd `run` captured in a CUDA graph (benchmarks/kernel_time.py capture). The leaves' .grad is None before
+    the warm-up and before the capture, so that the backward hands its gradients over (no accumulating add, which
+    would time 3 extra passes over the inputs) and after it, so that no later eager call adds into the graph's
+    memory."""
+    from benchmarks.kernel_time import capture as graph_of
+
     def fresh():
         for t in leaves:
             t.grad = None
-    fresh()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        run()
-    torch.cuda.current_stream().wait_stream(side)
-    fresh()
-    g = torch.cuda.CUDAGraph()
     try:
-        with torch.cuda.graph(g):
-            run()
+        return graph_of(run, fresh)
     finally:
-        fresh()
         torch.cuda.synchronize()
-    return g
 
 
 def graph_rounds(shapes, names, rows, fns, args, dev, log=print):
@@ -303,6 +294,8 @@ def summarize(rows, shapes) -> dict:
         if not ran:
             continue
         best = min(ran, key=ran.get)
+        graphed = {m: by[(s, m)]["graph_ms"] for m in SDPA if by.get((s, m), {}).get("graph_ms")}
+        gbest = min(graphed, key=graphed.get) if graphed else None
         d = dict(best_sdpa=best, methods={})
         for (shape, m), r in by.items():
             if shape == s:
@@ -314,10 +307,9 @@ def summarize(rows, shapes) -> dict:
                                            kernels_vs_best_sdpa=by[(s, best)]["total_us"] / r["total_us"])
                 if r.get("graph_ms"):  # --graph: the GPU's time alone, L2 flushed as the timed figure
                     d["methods"][m]["graph_ms"] = r["graph_ms"]
-                graphed = {x: by[(s, x)].get("graph_ms") for x in SDPA if (s, x) in by and by[(s, x)].get("graph_ms")}
-                if r.get("graph_ms") and graphed:  # against the SDPA backend fastest in its graphs
-                    gbest = min(graphed, key=graphed.get)
-                    d["methods"][m].update(graph_vs_best_sdpa=graphed[gbest] / r["graph_ms"], graph_best_sdpa=gbest)
+                    if gbest:  # against the SDPA backend fastest in its graphs
+                        d["methods"][m].update(graph_vs_best_sdpa=graphed[gbest] / r["graph_ms"],
+                                               graph_best_sdpa=gbest)
         ms = {m: v["ms"] for m, v in d["methods"].items()}
         if "triton_fa2" in ms and "triton_fa2_exp2" in ms:  # > 1: exp_form=exp2_folded is faster than exp
             d["fa2_exp2_speedup"] = ms["triton_fa2"] / ms["triton_fa2_exp2"]

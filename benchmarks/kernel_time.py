@@ -8,6 +8,25 @@ from __future__ import annotations
 import torch
 
 
+def capture(fn, before=lambda: None):
+    """fn captured in a CUDA graph, warmed up off the default stream first (as torch.cuda.graphs asks); `before`
+    runs before the warm-up, before the capture and after it (benchmarks/attention.py resets its leaves' .grad)."""
+    before()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    before()
+    g = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(g):
+            fn()
+    finally:
+        before()
+    return g
+
+
 def kernel_ms(fn, rep_ms: int = 60, graph: bool = True):
     """(median ms, "cuda_graph" | "eager"): fn's time on the GPU, from a CUDA graph of it where one can be captured."""
     import triton.testing
@@ -15,14 +34,7 @@ def kernel_ms(fn, rep_ms: int = 60, graph: bool = True):
     torch.cuda.synchronize()
     if graph:
         try:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # warm-up off the default stream, as torch.cuda.graphs asks
-                fn()
-            torch.cuda.current_stream().wait_stream(side)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                fn()
+            g = capture(fn)
             return triton.testing.do_bench(g.replay, warmup=20, rep=rep_ms, return_mode="median"), "cuda_graph"
         except Exception:  # (e.g. a host sync inside fn): timed as it is
             torch.cuda.synchronize()

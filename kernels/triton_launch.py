@@ -127,8 +127,9 @@ SCORE_MAX_FORMS = ("scaled", "raw")
 # the repeated-max test is not a count (fa2 and fp32, with or without the counters' top2 test). Compiled for sm_90 on
 # a CPU (scripts/kernel_sass.py, B16 H12 T1024 D64) raw took fa2's forward from 1,920 to 1,824 instructions and the
 # counters' from 2,360 to 2,320 (Triton 3.9, results/bench/kernel-sass-sm90-triton3.9-score-max.json; 1,888 -> 1,792
-# and 2,392 -> 2,320 with Triton 3.6, the GPU image's), with as many FFMAs. Opt-in until a GPU has timed it and
-# compared its bits: it also moves registers (fa2's 120 -> 128 with Triton 3.6) and spills (the counters' 8 -> 24 B)
+# and 2,392 -> 2,320 with Triton 3.6, the GPU image's), with as many FFMAs, but it also moves registers (fa2's
+# 120 -> 128 with Triton 3.6) and spills (the counters' 8 -> 24 B). On an H100 its bits held (11 of 11 GPU cases)
+# and it gained no time (results/bench/gpu-h100-2026-12-07b: fa2's kernels within 0.2%, 1.8% slower at D128): opt-in
 _raw_max = [False]
 
 

@@ -16,13 +16,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 from typing import Dict, List, Tuple
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from benchmarks.train_step import ATTN_KERNELS  # noqa: E402  (the attention kernels, as the step's profile counts them)
+
 FAMILIES: List[Tuple[str, re.Pattern]] = [  # first match wins
-    ("attention", re.compile(r"(?i)flash|fmha|sdpa|attention|_fwd_kernel$|_bwd_(delta|dkdv|dq)_kernel$|"
-                             r"compute_dot_do_o|convert_dq")),
+    ("attention", ATTN_KERNELS),
     ("gemm", re.compile(r"(?i)nvjet|gemm|sm90_xmma|cutlass|cublas|wgmma")),
     ("optimizer", re.compile(r"(?i)optimizer|adam|multi_tensor_apply")),
     ("inductor", re.compile(r"^triton_(poi|per|red|tem)_")),
