@@ -17,9 +17,10 @@ monitors' flushes. So each round also runs `--stream-steps` steps of every varia
 both ends (and at the flushes, as in training): `stream_step_ms` is the median of those windows' time per step,
 `stream_tokens_per_s` its tokens/s, and the summary's `stream_vs_sdpa_compile` the ratio as training sees it.
 
-Compiled variants: `+compile` is torch.compile of the model. sdpa+compile keeps inductor's defaults (the number to
-beat, as nanoGPT compiles); the flash variants compile as the project's training does (orchestrator/job/train.py:
-compile_model: `emulate_precision_casts`, so a fused chain rounds to BF16 where eager does). `+compilecasts` and
+Compiled variants: `+compile` is torch.compile of the model as the project's training compiles it
+(orchestrator/job/train.py compile_casts, train.compile_casts=auto: inductor's `emulate_precision_casts` on only where
+attention is torch code the compiler traces, the emulator's; off for SDPA and the Triton kernels, as nanoGPT
+compiles; sdpa+compile is the number to beat). `+compilecasts` and
 `+compilenocasts` compile with that setting forced on or off, so that a compiled variant's gap to sdpa+compile splits
 into its attention's share and the setting's (`casts_cost` in the summary: tokens/s without it over with it, per
 attention). `+cudagraphs` (opt-in,
@@ -94,9 +95,9 @@ VARIANTS = ["sdpa+compile", "sdpa", "triton_fa2", "triton_fa2+compile", "triton_
             "triton_fa2_exp2+compile"]
 SDPA_OPS = ("flash", "cudnn", "efficient", "math")  # aten::_scaled_dot_product_<op>_attention[_for_cpu]
 MODES = {"compile": None, "cudagraphs": "reduce-overhead", "compilecasts": None, "compilenocasts": None}
-# ATTN+MODE: torch.compile's mode. +compile: inductor's emulate_precision_casts as each way trains (off for sdpa, as
-# nanoGPT compiles; on for the flash variants, as orchestrator/job/train.py compile_model sets it); +compilecasts and
-# +compilenocasts force it on or off, so that a compiled step's difference splits into the attention's and the setting's
+# ATTN+MODE: torch.compile's mode. +compile: inductor's emulate_precision_casts as training sets it
+# (orchestrator/job/train.py compile_casts, auto); +compilecasts and +compilenocasts force it on or off, so that a
+# compiled step's difference splits into the attention's and the setting's
 CASTS = {"compilecasts": True, "compilenocasts": False}
 # ATTN+jitlaunch: eager, every Triton kernel launched through Triton's own fn[grid] instead of the launch cache
 # (kernels/launch_cache.py): the cache's effect on a training step, side by side
@@ -177,6 +178,7 @@ class Variant:
 
         from flash_forensics.kernels.config import AttentionConfig
         from flash_forensics.models.gpt import GPT, ModelConfig
+        from flash_forensics.orchestrator.job.train import compile_casts
         from flash_forensics.orchestrator.monitor.monitors import MonitorConfig, Monitors
         self.name, self.dev = name, dev
         self.attn, mode = parse_variant(name)
@@ -206,7 +208,7 @@ class Variant:
         self.fwd = (torch.compile(target, mode=MODES[mode], backend=COMPILE_BACKEND) if self.compiled
                     else self.model)
         # inductor reads the setting when it compiles (the first call): patched around every call, per variant
-        self.emulate = self.compiled and CASTS.get(mode, self.attn != "sdpa")
+        self.emulate = self.compiled and CASTS.get(mode, compile_casts("auto", self.model.attention_routes()))
         self.config_scope = lambda: inductor_config.patch(emulate_precision_casts=self.emulate)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.0,
                                      fused=dev.type == "cuda")

@@ -262,6 +262,7 @@ class RunRecord:
     attention_routes: Optional[List[str]] = None
     compiled: Optional[bool] = None  # train.compile as resolved (torch.compile around the model)
     compile_mode: Optional[str] = None  # torch.compile's mode: None (its default) | reduce-overhead (cudagraphs)
+    compile_casts: Optional[bool] = None  # compiled: inductor's emulate_precision_casts as train.compile_casts set it
     resumed_from: Optional[str] = None
     checkpoint: Optional[str] = None
     forked_from: Optional[str] = None  # a fork: the checkpoint it started from, its step, the source's run

@@ -41,6 +41,7 @@ PRECISIONS = ("bf16", "fp32")
 DEVICES = ("auto", "cpu", "cuda")
 OPTIMIZERS = ("adamw", "muon")
 COMPILES = ("auto", "true", "false", "cudagraphs")
+COMPILE_CASTS = ("auto", "true", "false")
 
 
 @dataclass
@@ -85,6 +86,10 @@ class TrainConfig:
     # torch.compile the model: auto (CUDA without emulator layers) | true | false | cudagraphs (CUDA only: compiled
     # with mode="reduce-overhead", each step's launches replayed from CUDA graphs, taking the host off the GPU's path)
     compile: str = "auto"
+    # a compiled model's BF16 casts outside and inside attention rounded where eager rounds them (inductor's
+    # emulate_precision_casts): auto (on where a layer's attention is torch code the compiler traces: the emulator,
+    # impl=standard; off where it is one opaque kernel, Triton or SDPA, as nanoGPT compiles) | true | false
+    compile_casts: str = "auto"
     keep_last: bool = True  # false: a finished run drops last.pt (a copy of its final step_<k>.pt): half the disk
     # the most the steps left may take, judged once past the warm-up from the measured tokens/s (the speed is
     # not known before); null: no limit. 720 h = 30 days: max_steps=10^7 on a CPU (~1 year) stops there

@@ -22,7 +22,15 @@ from flash_forensics.kernels.config import AttentionConfig, AttentionKnobs, Laye
 from flash_forensics.kernels.recipes import for_knobs
 from flash_forensics.models.hf import check_attention, check_job
 from flash_forensics.orchestrator.config.budget import check_budget
-from flash_forensics.orchestrator.config.schema import COMPILES, DEVICES, EXPECTS, OPTIMIZERS, PRECISIONS, Config
+from flash_forensics.orchestrator.config.schema import (
+    COMPILE_CASTS,
+    COMPILES,
+    DEVICES,
+    EXPECTS,
+    OPTIMIZERS,
+    PRECISIONS,
+    Config,
+)
 from flash_forensics.orchestrator.data.config import DataError
 from flash_forensics.orchestrator.data.corpora import check_text, open_corpus
 from flash_forensics.orchestrator.data.prepare import dataset_dir
@@ -311,6 +319,8 @@ def check_train(t) -> None:
         raise _bad("train.device", t.device, "one of " + ", ".join(DEVICES))
     if str(t.compile).lower() not in COMPILES:  # Hydra reads `train.compile=true` as a bool: "True" here
         raise _bad("train.compile", t.compile, "one of " + ", ".join(COMPILES))
+    if str(t.compile_casts).lower() not in COMPILE_CASTS:  # as train.compile: Hydra's bool reads "True"
+        raise _bad("train.compile_casts", t.compile_casts, "one of " + ", ".join(COMPILE_CASTS))
     if str(t.compile).lower() == "cudagraphs" and t.device == "cpu":
         raise _bad("train.compile", t.compile, "auto, true or false with train.device=cpu (CUDA graphs need a CUDA "
                                                "device)")

@@ -91,13 +91,24 @@ def compile_mode(setting, device: torch.device, world: int = 1):
     return "reduce-overhead"
 
 
-def compile_model(model, mode=None):
-    """torch.compile (`mode`: compile_mode's) with casts rounded as eager rounds them: inductor otherwise keeps a
-    fused chain's BF16 intermediates in FP32, which would change what the emulator and the standard attention
-    compute."""
+def compile_casts(setting, routes=()) -> bool:
+    """train.compile_casts: true | false, or auto: on where a layer's attention is torch code the compiler traces (the
+    emulator, impl=standard), whose BF16 rounding points inductor would otherwise keep in FP32; off where every layer
+    is one opaque kernel (Triton, SDPA), as nanoGPT compiles. Off, a GPT-2S step's LayerNorm backward fusion ran
+    0.33 ms faster (one H100, results/bench/gpu-h100-2026-12-07c); compiled and eager differ in the last bits
+    either way."""
+    setting = str(setting).lower()
+    if setting == "auto":
+        return any("/emulator" in r or "standard/" in r for r in routes)  # "llama:standard/fa2" too
+    return setting == "true"
+
+
+def compile_model(model, mode=None, casts: bool = True):
+    """torch.compile (`mode`: compile_mode's) with inductor's emulate_precision_casts set to `casts` (compile_casts'):
+    set either way, so a job never inherits an earlier job's setting in the same process."""
     import torch._inductor.config as inductor_config
     if hasattr(inductor_config, "emulate_precision_casts"):
-        inductor_config.emulate_precision_casts = True
+        inductor_config.emulate_precision_casts = casts
     return torch.compile(model, mode=mode)
 
 
@@ -192,9 +203,11 @@ class Job:
         # Triton attention is an opaque torch.library op there (kernels/ops.py): same kernels, same bits
         compiled = compile_enabled(self.cfg.train.compile, device, self.result["attention_routes"])
         mode = compile_mode(self.cfg.train.compile, device, self.dist.world_size)
-        train_model = compile_model(model, mode) if compiled else model
+        casts = compile_casts(self.cfg.train.compile_casts, self.result["attention_routes"]) if compiled else None
+        train_model = compile_model(model, mode, casts) if compiled else model
         self.result["compiled"] = compiled  # in the record: compiling moves a BF16 run's divergence step
         self.result["compile_mode"] = mode
+        self.result["compile_casts"] = casts
         if self.dist.world_size > 1:
             from torch.nn.parallel import DistributedDataParallel as DDP
             train_model = DDP(train_model, device_ids=[device.index] if device.type == "cuda" else None)
@@ -468,5 +481,5 @@ def train(cfg, attention, job_dir: Path, overrides: List[str]) -> Dict[str, Any]
     return Job(cfg, attention, job_dir, overrides).run()
 
 
-__all__ = ["Job", "train", "evaluate", "seed_everything", "compile_enabled", "compile_mode", "compile_model",
-           "CKPT_DIR", "ORDER_FILE", "SPOOL_FILE"]
+__all__ = ["Job", "train", "evaluate", "seed_everything", "compile_enabled", "compile_mode", "compile_casts",
+           "compile_model", "CKPT_DIR", "ORDER_FILE", "SPOOL_FILE"]

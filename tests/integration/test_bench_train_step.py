@@ -310,7 +310,8 @@ def test_the_casts_modes_force_the_setting_and_its_cost_is_summarized():
 
 @pytest.mark.parametrize("name,emulate", [("sdpa+compile", False), ("sdpa+compilecasts", True),
                                           ("emulator_paper_bf16+compile", True),
-                                          ("emulator_paper_bf16+compilenocasts", False), ("sdpa", False)])
+                                          ("emulator_paper_bf16+compilenocasts", False), ("sdpa", False),
+                                          ("emulator_paper_bf16", False)])
 def test_a_variant_compiles_with_the_casts_its_mode_says(name, emulate):
     v = bench.Variant(name, "tiny", 16, torch.device("cpu"))
     assert v.emulate is emulate and v.compiled is ("+" in name)

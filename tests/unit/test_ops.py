@@ -138,6 +138,36 @@ def test_train_compile_is_validated():
     assert compile_enabled("cudagraphs", torch.device("cuda"))
 
 
+def test_train_compile_casts_follow_what_the_compiler_traces():
+    """auto: emulate_precision_casts on where a layer's attention is torch code inductor fuses (the emulator,
+    impl=standard, a transformers family's too), off where every layer is one opaque kernel (Triton, SDPA); a bad
+    value names the key; compile_model sets the setting either way (a job never inherits the last job's)."""
+    import torch._inductor.config as inductor_config
+
+    from flash_forensics.models.attention import route_name
+    from flash_forensics.orchestrator.config.schema import TrainConfig
+    from flash_forensics.orchestrator.config.validate import check_train
+    from flash_forensics.orchestrator.job.train import compile_casts, compile_model
+    emulator = route_name(AttentionKnobs(), "emulator")
+    standard = route_name(AttentionKnobs(impl="standard"), "standard")
+    triton, sdpa = route_name(AttentionKnobs(recipe="fa2"), "triton"), route_name(AttentionKnobs(impl="sdpa"), "sdpa")
+    assert [compile_casts("auto", r) for r in ([triton], [sdpa], [triton, sdpa], [triton, emulator], [standard],
+                                              ["llama:" + standard], [])] == [False, False, False, True, True, True,
+                                                                              False]
+    assert compile_casts("true", [triton]) and compile_casts(True, [sdpa]) and not compile_casts("False", [emulator])
+    for ok in ("auto", "true", "false", True, False):
+        check_train(TrainConfig(compile_casts=ok))
+    with pytest.raises(ValueError, match=r"train\.compile_casts='eager'.*auto, true, false"):
+        check_train(TrainConfig(compile_casts="eager"))
+    before = inductor_config.emulate_precision_casts
+    try:
+        for casts in (True, False):
+            compile_model(torch.nn.Linear(2, 2), None, casts)  # lazy: nothing compiles until a call
+            assert inductor_config.emulate_precision_casts is casts
+    finally:
+        inductor_config.emulate_precision_casts = before
+
+
 def test_train_compile_cudagraphs_mode_and_refusals():
     from flash_forensics.orchestrator.job.train import compile_mode
     cuda = torch.device("cuda", 0)
