@@ -23,7 +23,8 @@
 #                ATTN_KERNELS=N (default 20, 0 none): each row's kernels profiled over N calls, their GPU time
 #                without the host's), the
 #                host's time per call against the GPU's (benchmarks/host_overhead.py) and the GPT-2S training step
-#                (benchmarks/train_step.py; TRAIN_VARIANTS: its variants at T1024, "+jitlaunch" ones time Triton's own
+#                (benchmarks/train_step.py; TRAIN_VARIANTS: its variants at T1024, TRAIN_ROUNDS its rounds (4),
+#                TRAIN_STREAM its --stream-steps; "+jitlaunch" ones time Triton's own
 #                launch beside the launch cache); SPEED_PARTS="host train1024" runs only those; SPEED_PARTS=cudagraphs:
 #                the training step under torch.compile(mode="reduce-overhead") beside the default compile
 #   tune         launch configs timed on CUDA graphs (benchmarks/tune.py; TUNE_SHAPES, TUNE_FAMILIES, default the
@@ -283,8 +284,10 @@ print(re.sub('[^a-z0-9]+', '-', g).strip('-'))" "$LOG/kernel-bits.json") || die 
     fi
     if [[ $parts == *" train1024 "* ]]; then
     # every variant built first, then round-robin (benchmarks/train_step.py); 4 compiles take most of the time
+    # TRAIN_ROUNDS (default 4), TRAIN_STREAM (--stream-steps; the script's default 6): more of both, less noise
     bounded "${TRAIN_TIMEOUT:-420}" "$LOG/train_T1024.log" $PY benchmarks/train_step.py --shapes 16x1024 --steps 24 \
-      --rounds 4 --out "$LOG/train_T1024.json" ${TUNED_TABLE:+--tuned-table "$TUNED_TABLE"} \
+      --rounds "${TRAIN_ROUNDS:-4}" ${TRAIN_STREAM:+--stream-steps "$TRAIN_STREAM"} \
+      --out "$LOG/train_T1024.json" ${TUNED_TABLE:+--tuned-table "$TUNED_TABLE"} \
       --variants "${TRAIN_VARIANTS:-sdpa+compile,triton_fa2+compile,triton_fa2_exp2+compile,triton_paper_bf16+compile,paper_1gpu+compile,sdpa,triton_fa2,triton_fa2+jitlaunch,triton_paper_bf16,paper_1gpu,paper_1gpu+jitlaunch}" \
       || rc=1
     fi
