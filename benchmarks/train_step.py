@@ -23,7 +23,9 @@ attention is torch code the compiler traces, the emulator's; off for SDPA and th
 compiles; sdpa+compile is the number to beat). `+compilecasts` and
 `+compilenocasts` compile with that setting forced on or off, so that a compiled variant's gap to sdpa+compile splits
 into its attention's share and the setting's (`casts_cost` in the summary: tokens/s without it over with it, per
-attention). `+cudagraphs` (opt-in,
+attention). Every compiled variant runs under torch's deterministic algorithms, as a compiled job does
+(train.deterministic); `+compilenondet` without them (`determinism_cost`: its tokens/s over +compile's).
+`+cudagraphs` (opt-in,
 not in the default list) is torch.compile(mode="reduce-overhead"): CUDA graphs replay the step's launches, taking the
 host off the critical path; each step is marked (cudagraph_mark_step_begin) and its loss copied out of the graph's
 memory, which the next replay overwrites. Dynamo's recompile limit grows with the compiled variants (they share
@@ -94,11 +96,15 @@ VARIANTS = ["sdpa+compile", "sdpa", "triton_fa2", "triton_fa2+compile", "triton_
             "triton_paper_bf16+compile", "paper_1gpu", "paper_1gpu+compile", "triton_fa2_sfa+compile",
             "triton_fa2_exp2+compile"]
 SDPA_OPS = ("flash", "cudnn", "efficient", "math")  # aten::_scaled_dot_product_<op>_attention[_for_cpu]
-MODES = {"compile": None, "cudagraphs": "reduce-overhead", "compilecasts": None, "compilenocasts": None}
+MODES = {"compile": None, "cudagraphs": "reduce-overhead", "compilecasts": None, "compilenocasts": None,
+         "compilenondet": None}
 # ATTN+MODE: torch.compile's mode. +compile: inductor's emulate_precision_casts as training sets it
 # (orchestrator/job/train.py compile_casts, auto); +compilecasts and +compilenocasts force it on or off, so that a
 # compiled step's difference splits into the attention's and the setting's
 CASTS = {"compilecasts": True, "compilenocasts": False}
+# +compilenondet: compiled without torch's deterministic algorithms, which every other compiled variant runs under as
+# training does (train.deterministic; orchestrator/job/determinism.py): their cost, `determinism_cost` in the summary
+NONDET = "compilenondet"
 # ATTN+jitlaunch: eager, every Triton kernel launched through Triton's own fn[grid] instead of the launch cache
 # (kernels/launch_cache.py): the cache's effect on a training step, side by side
 JIT_LAUNCH = "jitlaunch"
@@ -178,6 +184,7 @@ class Variant:
 
         from flash_forensics.kernels.config import AttentionConfig
         from flash_forensics.models.gpt import GPT, ModelConfig
+        from flash_forensics.orchestrator.job.determinism import deterministic_algorithms
         from flash_forensics.orchestrator.job.train import compile_casts
         from flash_forensics.orchestrator.monitor.monitors import MonitorConfig, Monitors
         self.name, self.dev = name, dev
@@ -204,12 +211,15 @@ class Variant:
         self.model = GPT(ModelConfig.preset(model_name, block_size=T), AttentionConfig(**ATTN[self.attn])).to(dev)
         # a casts mode differs from its +compile twin only in inductor's config, which dynamo does not guard on: it
         # would replay the twin's graph (GPT.forward's cache, parameters as inputs). A code object of its own compiles
-        target = fresh_entry(self.model, name) if mode in CASTS else self.model
+        target = fresh_entry(self.model, name) if mode in CASTS or mode == NONDET else self.model
         self.fwd = (torch.compile(target, mode=MODES[mode], backend=COMPILE_BACKEND) if self.compiled
                     else self.model)
         # inductor reads the setting when it compiles (the first call): patched around every call, per variant
         self.emulate = self.compiled and CASTS.get(mode, compile_casts("auto", self.model.attention_routes()))
         self.config_scope = lambda: inductor_config.patch(emulate_precision_casts=self.emulate)
+        # the whole step under it, as a compiled job's (an index_put_ fallback reads the setting when it runs)
+        self.deterministic = self.compiled and mode != NONDET
+        self.det_scope = lambda: deterministic_algorithms(self.deterministic)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.0,
                                      fused=dev.type == "cuda")
         self.monitors = Monitors(self.model, MonitorConfig())
@@ -220,6 +230,10 @@ class Variant:
     def step(self, x, sync: bool = True):
         """One training step; its time between synchronisations (sync=False: none, as the training loop runs a
         step, the caller times a stream of them; the host's share is still kept in last_host)."""
+        with self.det_scope():
+            return self._step(x, sync)
+
+    def _step(self, x, sync):
         model = self.model
         if self.attn == "sdpa":  # as orchestrator/job/train.py: sdpa pays its max-logit pass on the flush steps
             model.probe = (self.i + 1) % self.monitors.cfg.log_every == 0
@@ -273,7 +287,8 @@ class Variant:
         med = statistics.median(timed) if timed else None
         smed = statistics.median(self.stream) / 1e3 if self.stream else None
         return dict(variant=self.name, attention=ATTN[self.attn], compiled=self.compiled,
-                    emulate_precision_casts=self.emulate if self.compiled else None, batch=batch, T=T,
+                    emulate_precision_casts=self.emulate if self.compiled else None,
+                    deterministic=self.deterministic if self.compiled else None, batch=batch, T=T,
                     step_ms=med * 1e3 if med else None, tokens_per_s=batch * T / med if med else None,
                     host_ms=statistics.median(self.host) * 1e3 if self.host else None,
                     stream_step_ms=smed * 1e3 if smed else None,
@@ -497,6 +512,10 @@ def summarize(rows) -> dict:
                   and r.get("compiled") and MODES.get(v.partition("+")[2], "?") is None}
             if True in by and False in by:
                 d["casts_cost"][a] = by[False]["tokens_per_s"] / by[True]["tokens_per_s"]
+        # torch's deterministic algorithms: per attention, +compilenondet over +compile (tokens/s; > 1: they cost)
+        d["determinism_cost"] = {a: rs[f"{a}+{NONDET}"]["tokens_per_s"] / rs[f"{a}+compile"]["tokens_per_s"]
+                                 for a in sorted({v.partition("+")[0] for v in rs})
+                                 if f"{a}+{NONDET}" in rs and f"{a}+compile" in rs}
         d["launch_cache_vs_jit"] = _against(rs, JIT_LAUNCH, mode_first=False)
         d["tuned_vs_default"] = _against(rs, TUNED, mode_first=True)
         d["ftz_vs_tl_exp"] = _against(rs, FTZ, mode_first=True)

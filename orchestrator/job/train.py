@@ -17,6 +17,7 @@ calls lives in its own module of job/, monitor/ and tracking/.
 """
 from __future__ import annotations
 
+import contextlib
 import random
 import time
 from pathlib import Path
@@ -35,6 +36,7 @@ from flash_forensics.orchestrator.interventions import build_hooks
 from flash_forensics.orchestrator.job import checkpoint, run_end
 from flash_forensics.orchestrator.job import checkpoint_policy as snapshot
 from flash_forensics.orchestrator.job.ckpt_writer import CheckpointWriter
+from flash_forensics.orchestrator.job.determinism import deterministic_algorithms
 from flash_forensics.orchestrator.job.distributed import init_distributed
 from flash_forensics.orchestrator.job.folder import read_job_start, write_job_start
 from flash_forensics.orchestrator.job.optim import build_optimizer
@@ -208,6 +210,11 @@ class Job:
         self.result["compiled"] = compiled  # in the record: compiling moves a BF16 run's divergence step
         self.result["compile_mode"] = mode
         self.result["compile_casts"] = casts
+        # inductor's scatter-adds are atomic: a compiled run reproduces its bits only with deterministic algorithms
+        # (orchestrator/job/determinism.py), set before the first compiled call lowers the graph, until the job ends
+        self.result["deterministic"] = bool(self.cfg.train.deterministic) if compiled else None
+        if compiled and self.cfg.train.deterministic:
+            self._scopes.enter_context(deterministic_algorithms())
         if self.dist.world_size > 1:
             from torch.nn.parallel import DistributedDataParallel as DDP
             train_model = DDP(train_model, device_ids=[device.index] if device.type == "cuda" else None)
@@ -314,11 +321,12 @@ class Job:
     # ------------------------------------------------------------------------------------------------ run
     def run(self) -> Dict[str, Any]:
         self._t_start = t_start = time.perf_counter()
-        try:
-            return self._run()
-        finally:
-            if self.result.get("wall_s") is None:  # set by run_end.log_record when the run got that far
-                self.result["wall_s"] = round(time.perf_counter() - t_start, 3)
+        with contextlib.ExitStack() as self._scopes:  # process-wide settings the job makes, undone when it ends
+            try:
+                return self._run()
+            finally:
+                if self.result.get("wall_s") is None:  # set by run_end.log_record when the run got that far
+                    self.result["wall_s"] = round(time.perf_counter() - t_start, 3)
 
     def _run(self) -> Dict[str, Any]:
         model, optimizer, step_fn, stream, val, start, device = self._setup()

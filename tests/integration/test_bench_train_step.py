@@ -308,13 +308,25 @@ def test_the_casts_modes_force_the_setting_and_its_cost_is_summarized():
     assert s["casts_cost"] == {"sdpa": pytest.approx(1.25), "triton_fa2": pytest.approx(1.1)}
 
 
-@pytest.mark.parametrize("name,emulate", [("sdpa+compile", False), ("sdpa+compilecasts", True),
-                                          ("emulator_paper_bf16+compile", True),
-                                          ("emulator_paper_bf16+compilenocasts", False), ("sdpa", False),
-                                          ("emulator_paper_bf16", False)])
-def test_a_variant_compiles_with_the_casts_its_mode_says(name, emulate):
+@pytest.mark.parametrize("name,emulate,det", [("sdpa+compile", False, True), ("sdpa+compilecasts", True, True),
+                                              ("emulator_paper_bf16+compile", True, True),
+                                              ("emulator_paper_bf16+compilenocasts", False, True),
+                                              ("sdpa+compilenondet", False, False), ("sdpa", False, False),
+                                              ("emulator_paper_bf16", False, False)])
+def test_a_variant_compiles_with_the_casts_and_determinism_its_mode_says(name, emulate, det):
     v = bench.Variant(name, "tiny", 16, torch.device("cpu"))
-    assert v.emulate is emulate and v.compiled is ("+" in name)
+    assert v.emulate is emulate and v.compiled is ("+" in name) and v.deterministic is det
+    with v.det_scope():
+        assert torch.are_deterministic_algorithms_enabled() is det
+    assert not torch.are_deterministic_algorithms_enabled()
+
+
+def test_the_determinism_cost_is_summarized_per_attention():
+    def row(v, tps):
+        return dict(variant=v, batch=2, T=8, tokens_per_s=tps, compiled="+" in v, losses=[1.0])
+    s = bench.summarize([row("sdpa+compile", 100.0), row("sdpa+compilenondet", 104.0),
+                         row("triton_fa2+compile", 90.0), row("triton_paper_bf16+compilenondet", 70.0)])["B2_T8"]
+    assert s["determinism_cost"] == {"sdpa": pytest.approx(1.04)}
 
 
 def test_a_casts_mode_compiles_its_own_graph_beside_its_twin(tmp_path, dynamo_eager):

@@ -142,3 +142,30 @@ def test_cudagraph_iterations_begin_once_per_optimizer_step_not_per_micro_batch(
     for k in range(3):
         step(k, batches)
     assert marks == [0, 2, 4], marks  # before micro-batch 0 of each step, never between a step's two
+
+
+def test_a_compiled_job_steps_with_deterministic_algorithms_and_undoes_them(tmp_path, monkeypatch):
+    """train.deterministic (default true): a compiled job's steps run under torch's deterministic algorithms (inductor's
+    scatter-adds are atomic otherwise: compiled runs did not reproduce on an H100), the record says so, and the
+    setting is undone when the job ends; an eager job and train.deterministic=false leave it off."""
+    import torch
+
+    from flash_forensics.orchestrator.job.step import TrainStep
+    seen = []
+    call = TrainStep.__call__
+
+    def spy(self, step, batches):
+        seen.append(torch.are_deterministic_algorithms_enabled())
+        return call(self, step, batches)
+    monkeypatch.setattr(TrainStep, "__call__", spy)
+    base = ["experiment=smoke", "attention.impl=sdpa", "train.max_steps=2", "train.warmup_steps=0",
+            "train.eval_every=0", "train.ckpt_every=0"]
+    got = {}
+    for name, extra in (("compiled", ["train.compile=true"]), ("eager", []),
+                        ("nondet", ["train.compile=true", "train.deterministic=false"])):
+        seen.clear()
+        result = _jobs.run_in(base, tmp_path / name, name, *extra)
+        got[name] = (result["compiled"], result["deterministic"], list(seen))
+        assert not torch.are_deterministic_algorithms_enabled()
+    assert got == {"compiled": (True, True, [True, True]), "eager": (False, None, [False, False]),
+                   "nondet": (True, False, [False, False])}

@@ -449,6 +449,43 @@ def test_gpu_cuda_graphs_train_as_compiled_bit_for_bit(impl):
 
 
 @pytest.mark.gpu
+def test_gpu_compiled_training_on_repeated_tokens_reproduces_its_bits():
+    """Text repeats its tokens: inductor's embedding backward then adds atomically, and on an H100 (2026-12-07) two
+    default-mode compiled runs of the same 6 steps differed in their losses. Under the job's deterministic scope
+    (train.deterministic) two runs, and a third on CUDA graphs, give the same losses and counters bit for bit."""
+    from flash_forensics.models.gpt import GPT, ModelConfig
+    from flash_forensics.orchestrator.job.determinism import deterministic_algorithms
+    cfg = ModelConfig(n_layer=2, n_head=4, n_embd=256, block_size=256)
+    g = torch.Generator("cuda").manual_seed(0)
+    data = [torch.randint(0, 25, (4, 257), device="cuda", generator=g) * 7 for _ in range(12)]  # 25 distinct ids
+    runs = []
+    for mode in (None, None, "reduce-overhead"):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = GPT(cfg, AttentionConfig(impl="flash", backend="triton", recipe="fa2")).cuda()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+        losses = []
+        with deterministic_algorithms():
+            fwd = torch.compile(model, mode=mode)
+            for step in range(6):
+                if mode:
+                    torch.compiler.cudagraph_mark_step_begin()
+                for x in data[2 * step:2 * step + 2]:  # two micro-batches a step, as train.grad_accum=2
+                    with torch.autocast("cuda", dtype=torch.bfloat16):
+                        _, loss = fwd(x[:, :-1].contiguous(), x[:, 1:].contiguous())
+                    (loss / 2).backward()
+                    losses.append(loss.detach().clone())
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        stats = torch.cat([t.double().reshape(-1) for s in model.attention_stats() for t in s.tensors()])
+        runs.append((torch.stack(losses), stats))
+    (l0, s0), (l1, s1), (l2, s2) = runs
+    assert torch.equal(l0, l1) and torch.equal(s0, s1), (l0 - l1)
+    assert torch.equal(l0, l2) and torch.equal(s0, s2), (l0 - l2)
+
+
+@pytest.mark.gpu
 def test_gpu_launch_configs_keep_paper_bf16_bits():
     """Speed-only launch choices (tables, tuning) never change paper_bf16's result: its tiles are the knobs'."""
     from flash_forensics.kernels import triton_flash as tf

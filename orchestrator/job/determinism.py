@@ -1,0 +1,39 @@
+"""Compiled steps that reproduce bit for bit: torch's deterministic algorithms around a compiled job.
+
+Inductor lowers the embedding's backward (a scatter-add over the batch's token ids) to atomic adds, whose order
+varies from run to run wherever a token repeats: on an H100 (2026-12-07, results/bench/gpu-h100-2026-12-07c) two
+default-mode compiled runs of a 25-token text gave different losses from the first steps, and with
+torch.use_deterministic_algorithms the same bits, CUDA graphs or not. Eager training sorts instead and is left as it
+is (its recorded first steps and divergence steps are its bits).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+
+# cuBLAS reproduces its results under deterministic algorithms only with a fixed workspace; 8 x 4 MiB is torch's
+# default size on sm_90, so the choice of GEMM algorithm stays what it was
+CUBLAS_WORKSPACE = ":4096:8"
+
+
+@contextlib.contextmanager
+def deterministic_algorithms(on: bool = True):
+    """torch.use_deterministic_algorithms(on) inside the block (warn_only: an op without a deterministic form warns,
+    naming itself, instead of failing the job), without the NaN fill of new tensors that mode adds (every tensor the
+    step allocates is written before it is read; the fill would cost memory bandwidth each step). Restored after."""
+    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+              torch.utils.deterministic.fill_uninitialized_memory)
+    if on:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)  # read when cuBLAS starts: before a GEMM
+    torch.use_deterministic_algorithms(on, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = not on and before[2]
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+        torch.utils.deterministic.fill_uninitialized_memory = before[2]
+
+
+__all__ = ["deterministic_algorithms", "CUBLAS_WORKSPACE"]
