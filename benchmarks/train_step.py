@@ -23,8 +23,8 @@ attention is torch code the compiler traces, the emulator's; off for SDPA and th
 compiles; sdpa+compile is the number to beat). `+compilecasts` and
 `+compilenocasts` compile with that setting forced on or off, so that a compiled variant's gap to sdpa+compile splits
 into its attention's share and the setting's (`casts_cost` in the summary: tokens/s without it over with it, per
-attention). Every compiled variant runs under torch's deterministic algorithms, as a compiled job does
-(train.deterministic); `+compilenondet` without them (`determinism_cost`: its tokens/s over +compile's).
+attention). The flash variants compile under torch's deterministic algorithms, as a compiled job does
+(train.deterministic), sdpa+compile without; `+compiledet` / `+compilenondet` force them (`determinism_cost`).
 `+cudagraphs` (opt-in,
 not in the default list) is torch.compile(mode="reduce-overhead"): CUDA graphs replay the step's launches, taking the
 host off the critical path; each step is marked (cudagraph_mark_step_begin) and its loss copied out of the graph's
@@ -97,14 +97,15 @@ VARIANTS = ["sdpa+compile", "sdpa", "triton_fa2", "triton_fa2+compile", "triton_
             "triton_fa2_exp2+compile"]
 SDPA_OPS = ("flash", "cudnn", "efficient", "math")  # aten::_scaled_dot_product_<op>_attention[_for_cpu]
 MODES = {"compile": None, "cudagraphs": "reduce-overhead", "compilecasts": None, "compilenocasts": None,
-         "compilenondet": None}
+         "compiledet": None, "compilenondet": None}
 # ATTN+MODE: torch.compile's mode. +compile: inductor's emulate_precision_casts as training sets it
 # (orchestrator/job/train.py compile_casts, auto); +compilecasts and +compilenocasts force it on or off, so that a
 # compiled step's difference splits into the attention's and the setting's
 CASTS = {"compilecasts": True, "compilenocasts": False}
-# +compilenondet: compiled without torch's deterministic algorithms, which every other compiled variant runs under as
-# training does (train.deterministic; orchestrator/job/determinism.py): their cost, `determinism_cost` in the summary
-NONDET = "compilenondet"
+# torch's deterministic algorithms (orchestrator/job/determinism.py): the flash variants compile under them as a
+# compiled job does (train.deterministic), sdpa+compile without, as nanoGPT compiles (the number to beat);
+# +compiledet / +compilenondet force them on or off (`determinism_cost` in the summary)
+DET = {"compiledet": True, "compilenondet": False}
 # ATTN+jitlaunch: eager, every Triton kernel launched through Triton's own fn[grid] instead of the launch cache
 # (kernels/launch_cache.py): the cache's effect on a training step, side by side
 JIT_LAUNCH = "jitlaunch"
@@ -211,14 +212,14 @@ class Variant:
         self.model = GPT(ModelConfig.preset(model_name, block_size=T), AttentionConfig(**ATTN[self.attn])).to(dev)
         # a casts mode differs from its +compile twin only in inductor's config, which dynamo does not guard on: it
         # would replay the twin's graph (GPT.forward's cache, parameters as inputs). A code object of its own compiles
-        target = fresh_entry(self.model, name) if mode in CASTS or mode == NONDET else self.model
+        target = fresh_entry(self.model, name) if mode in CASTS or mode in DET else self.model
         self.fwd = (torch.compile(target, mode=MODES[mode], backend=COMPILE_BACKEND) if self.compiled
                     else self.model)
         # inductor reads the setting when it compiles (the first call): patched around every call, per variant
         self.emulate = self.compiled and CASTS.get(mode, compile_casts("auto", self.model.attention_routes()))
         self.config_scope = lambda: inductor_config.patch(emulate_precision_casts=self.emulate)
         # the whole step under it, as a compiled job's (an index_put_ fallback reads the setting when it runs)
-        self.deterministic = self.compiled and mode != NONDET
+        self.deterministic = self.compiled and DET.get(mode, self.attn != "sdpa")
         self.det_scope = lambda: deterministic_algorithms(self.deterministic)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.0,
                                      fused=dev.type == "cuda")
@@ -343,6 +344,18 @@ def register_limit_scope(mode: str):
     from flash_forensics.kernels.triton_launch import register_limit
     caps = register_caps(mode)
     return lambda: register_limit(**caps)
+
+
+def _setting_cost(rs: dict, key: str) -> dict:
+    """Per attention, tokens/s of its default-mode compiled row with the row's `key` False over the one with it True
+    (> 1: the setting costs that much), e.g. sdpa+compile over sdpa+compilecasts for emulate_precision_casts."""
+    out = {}
+    for a in sorted({v.partition("+")[0] for v in rs}):
+        by = {r.get(key): r for v, r in rs.items() if v.partition("+")[0] == a
+              and r.get("compiled") and MODES.get(v.partition("+")[2], "?") is None}
+        if True in by and False in by:
+            out[a] = by[False]["tokens_per_s"] / by[True]["tokens_per_s"]
+    return out
 
 
 def parse_variant(name: str):
@@ -506,16 +519,9 @@ def summarize(rows) -> dict:
         # (a cap moves registers, not arithmetic); the counters' default form against the old one (same counts)
         # inductor's emulate_precision_casts: per attention, a default-mode compiled row without it over one with it
         # (tokens/s; > 1: the setting costs that much), e.g. sdpa+compile over sdpa+compilecasts
-        d["casts_cost"] = {}
-        for a in sorted({v.partition("+")[0] for v in rs}):
-            by = {r.get("emulate_precision_casts"): r for v, r in rs.items() if v.partition("+")[0] == a
-                  and r.get("compiled") and MODES.get(v.partition("+")[2], "?") is None}
-            if True in by and False in by:
-                d["casts_cost"][a] = by[False]["tokens_per_s"] / by[True]["tokens_per_s"]
-        # torch's deterministic algorithms: per attention, +compilenondet over +compile (tokens/s; > 1: they cost)
-        d["determinism_cost"] = {a: rs[f"{a}+{NONDET}"]["tokens_per_s"] / rs[f"{a}+compile"]["tokens_per_s"]
-                                 for a in sorted({v.partition("+")[0] for v in rs})
-                                 if f"{a}+{NONDET}" in rs and f"{a}+compile" in rs}
+        d["casts_cost"] = _setting_cost(rs, "emulate_precision_casts")
+        # torch's deterministic algorithms: the same, a default-mode compiled row without them over one with them
+        d["determinism_cost"] = _setting_cost(rs, "deterministic")
         d["launch_cache_vs_jit"] = _against(rs, JIT_LAUNCH, mode_first=False)
         d["tuned_vs_default"] = _against(rs, TUNED, mode_first=True)
         d["ftz_vs_tl_exp"] = _against(rs, FTZ, mode_first=True)
