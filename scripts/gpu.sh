@@ -41,6 +41,9 @@
 #                measured Triton pbar_clamp, sfa_guarded, stoch_round first; ARGS go to the script); a cut-short run
 #                keeps what it measured (partial: true in stabilizers-gpt2s.json)
 #   e2e          a smoke sweep through run.py on CUDA (baseline, fp32, sfa, pv_fp32)
+#   compile-repro
+#                compiled training's bits run to run (scripts/compile_repro.py): default compile twice and CUDA graphs
+#                once on repeated-token text, without and with torch's deterministic algorithms (train.deterministic)
 #   own-model    the transformers backend on CUDA: its GPU tests and a Llama's training step, emulator vs Triton vs
 #                transformers' SDPA (benchmarks/hf_llama.py); the image's transformers (5.17.0 in 2026-11: in the declared
 #                range since 5.13), else from .whl_hf/ (wheels), so the lease need not carry them
@@ -357,6 +360,14 @@ print(re.sub('[^a-z0-9]+', '-', g).strip('-'))" "$LOG/kernel-bits.json") || die 
     timeout 240 $PY run.py -m experiment=smoke train.device=cuda intervention=baseline,fp32,sfa,pv_fp32 \
       results_dir="$LOG/results" > "$LOG/e2e.log" 2>&1; rc=$?
     tail -20 "$LOG/e2e.log"; exit $rc
+    ;;
+  compile-repro)
+    # whether compiled training reproduces its bits, with and without torch's deterministic algorithms
+    # (scripts/compile_repro.py: default compile twice and CUDA graphs once on repeated-token text)
+    setup; logdir compile-repro
+    timeout "${REPRO_TIMEOUT:-300}" $PY scripts/compile_repro.py --json "$LOG/compile_repro.json" \
+      > "$LOG/compile_repro.log" 2>&1; rc=$?
+    grep -v Warning "$LOG/compile_repro.log" | tail -6; exit $rc
     ;;
   own-model)
     setup; logdir own-model; rc=0
