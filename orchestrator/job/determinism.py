@@ -10,30 +10,43 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
+from typing import List, Optional
 
 import torch
 
 # cuBLAS reproduces its results under deterministic algorithms only with a fixed workspace; 8 x 4 MiB is torch's
 # default size on sm_90, so the choice of GEMM algorithm stays what it was
 CUBLAS_WORKSPACE = ":4096:8"
+NONDETERMINISTIC = " does not have a deterministic implementation"  # torch's warning, after the op's name
 
 
 @contextlib.contextmanager
-def deterministic_algorithms(on: bool = True):
+def deterministic_algorithms(on: bool = True, seen: Optional[List[str]] = None):
     """torch.use_deterministic_algorithms(on) inside the block (warn_only: an op without a deterministic form warns,
-    naming itself, instead of failing the job), without the NaN fill of new tensors that mode adds (every tensor the
-    step allocates is written before it is read; the fill would cost memory bandwidth each step). Restored after."""
+    naming itself, instead of failing the job; `seen` collects those names, once each, so that the job's record says
+    the run may not reproduce), without the NaN fill of new tensors that mode adds (every tensor the step allocates
+    is written before it is read; the fill would cost memory bandwidth each step). Restored after."""
     before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
               torch.utils.deterministic.fill_uninitialized_memory)
+    show = warnings.showwarning
     if on:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)  # read when cuBLAS starts: before a GEMM
+        if seen is not None:
+            def record(message, *args, **kwargs):
+                op, hit, _ = str(message).partition(NONDETERMINISTIC)
+                if hit and op.strip() not in seen:
+                    seen.append(op.strip())
+                show(message, *args, **kwargs)
+            warnings.showwarning = record
     torch.use_deterministic_algorithms(on, warn_only=True)
     torch.utils.deterministic.fill_uninitialized_memory = not on and before[2]
     try:
         yield
     finally:
+        warnings.showwarning = show
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
         torch.utils.deterministic.fill_uninitialized_memory = before[2]
 
 
-__all__ = ["deterministic_algorithms", "CUBLAS_WORKSPACE"]
+__all__ = ["deterministic_algorithms", "CUBLAS_WORKSPACE", "NONDETERMINISTIC"]

@@ -44,6 +44,13 @@ def finish(job, stream, done: int, status: str = "FINISHED") -> None:
             r["warnings"] = [*r.get("warnings", []), warning]
             job.tracker.set_tags({"warning": warning})
             print(f"[job] warning: {warning}")
+        ops = getattr(job, "nondeterministic_ops", None)
+        if ops:  # train.deterministic could not hold everywhere: said, as the numerics are
+            said = (f"train.deterministic: {len(ops)} op(s) ran without a deterministic implementation, so this "
+                    f"run may not reproduce its bits: {', '.join(ops)}")
+            r["warnings"] = [*r.get("warnings", []), said]
+            job.tracker.set_tags({"nondeterministic_ops": ", ".join(ops)[:500]})
+            print(f"[job] warning: {said}")
         log_record(job, done)
         hook_metrics = job.hooks.final_metrics() if getattr(job, "hooks", None) else {}
         if hook_metrics:  # e.g. how often QK-clip fired: counted, never silent

@@ -171,6 +171,7 @@ class Job:
         self._done = 0  # steps done so far (the crash path records them)
         self.saved_step: Optional[int] = None  # the newest checkpoint on disk (run_end.interrupted says it)
         self.ckpt_writer = CheckpointWriter()  # train.ckpt_async: periodic checkpoints written behind the loop
+        self.nondeterministic_ops: List[str] = []  # train.deterministic: ops that ran without a deterministic form
 
     # ---------------------------------------------------------------------------------------------- setup
     def _init_dist(self):
@@ -213,8 +214,8 @@ class Job:
         # inductor's scatter-adds are atomic: a compiled run reproduces its bits only with deterministic algorithms
         # (orchestrator/job/determinism.py), set before the first compiled call lowers the graph, until the job ends
         self.result["deterministic"] = bool(self.cfg.train.deterministic) if compiled else None
-        if compiled and self.cfg.train.deterministic:
-            self._scopes.enter_context(deterministic_algorithms())
+        if compiled and self.cfg.train.deterministic:  # ops that still ran without a deterministic form: in the record
+            self._scopes.enter_context(deterministic_algorithms(seen=self.nondeterministic_ops))
         if self.dist.world_size > 1:
             from torch.nn.parallel import DistributedDataParallel as DDP
             train_model = DDP(train_model, device_ids=[device.index] if device.type == "cuda" else None)

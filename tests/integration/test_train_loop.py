@@ -149,6 +149,7 @@ def test_a_compiled_job_steps_with_deterministic_algorithms_and_undoes_them(tmp_
     scatter-adds are atomic otherwise: compiled runs did not reproduce on an H100), the record says so, and the
     setting is undone when the job ends; an eager job and train.deterministic=false leave it off."""
     import torch
+    from torch._prims_common import alert_not_deterministic
 
     from flash_forensics.orchestrator.job.step import TrainStep
     seen = []
@@ -156,6 +157,8 @@ def test_a_compiled_job_steps_with_deterministic_algorithms_and_undoes_them(tmp_
 
     def spy(self, step, batches):
         seen.append(torch.are_deterministic_algorithms_enabled())
+        if seen[-1]:  # as an op without a deterministic form says so: the record names it
+            alert_not_deterministic("spy_op")
         return call(self, step, batches)
     monkeypatch.setattr(TrainStep, "__call__", spy)
     base = ["experiment=smoke", "attention.impl=sdpa", "train.max_steps=2", "train.warmup_steps=0",
@@ -166,6 +169,8 @@ def test_a_compiled_job_steps_with_deterministic_algorithms_and_undoes_them(tmp_
         seen.clear()
         result = _jobs.run_in(base, tmp_path / name, name, *extra)
         got[name] = (result["compiled"], result["deterministic"], list(seen))
+        assert any("1 op(s) ran without a deterministic implementation" in w and w.endswith(": spy_op")
+                   for w in result["warnings"]) is (name == "compiled"), result["warnings"]
         assert not torch.are_deterministic_algorithms_enabled()
     assert got == {"compiled": (True, True, [True, True]), "eager": (False, None, [False, False]),
                    "nondet": (True, False, [False, False])}

@@ -47,3 +47,19 @@ def test_the_scope_sets_and_restores_the_process_settings(monkeypatch):
     except RuntimeError:
         pass
     assert torch.are_deterministic_algorithms_enabled() == before[0]
+
+
+def test_an_op_without_a_deterministic_form_is_named_once_and_the_warning_still_shows():
+    import warnings
+
+    from torch._prims_common import alert_not_deterministic  # the message torch's C++ ops give too
+    seen = []
+    with warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("always")
+        with deterministic_algorithms(seen=seen):
+            for _ in range(2):
+                alert_not_deterministic("scatter_add_cuda_kernel")
+            alert_not_deterministic("index_add_cuda_")
+        alert_not_deterministic("after_the_scope")  # deterministic algorithms are off again: no warning
+    assert seen == ["scatter_add_cuda_kernel", "index_add_cuda_"]
+    assert sum("does not have a deterministic implementation" in str(w.message) for w in shown) == 3
