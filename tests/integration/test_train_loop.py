@@ -172,5 +172,9 @@ def test_a_compiled_job_steps_with_deterministic_algorithms_and_undoes_them(tmp_
         assert any("1 op(s) ran without a deterministic implementation" in w and w.endswith(": spy_op")
                    for w in result["warnings"]) is (name == "compiled"), result["warnings"]
         assert not torch.are_deterministic_algorithms_enabled()
+        said = [ln for ln in (tmp_path / name / name / "run.log").read_text().splitlines() if "torch.compile (" in ln]
+        assert said == ([] if name == "eager" else [
+            "[job] torch.compile (mode default): eager-style casts off (train.compile_casts=auto), deterministic "
+            f"algorithms {'on' if name == 'compiled' else 'off'} (train.deterministic)"]), said
     assert got == {"compiled": (True, True, [True, True]), "eager": (False, None, [False, False]),
                    "nondet": (True, False, [False, False])}
