@@ -30,21 +30,24 @@ def deterministic_algorithms(on: bool = True, seen: Optional[List[str]] = None):
     before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
               torch.utils.deterministic.fill_uninitialized_memory)
     show = warnings.showwarning
-    if on:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)  # read when cuBLAS starts: before a GEMM
-        if seen is not None:
-            def record(message, *args, **kwargs):
-                op, hit, _ = str(message).partition(NONDETERMINISTIC)
-                if hit and op.strip() not in seen:
-                    seen.append(op.strip())
-                show(message, *args, **kwargs)
-            warnings.showwarning = record
+    set_env = on and "CUBLAS_WORKSPACE_CONFIG" not in os.environ
+    if set_env:  # read when cuBLAS starts (before a GEMM); unset again after, so that no later child inherits it
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = CUBLAS_WORKSPACE
+    if on and seen is not None:
+        def record(message, *args, **kwargs):
+            op, hit, _ = str(message).partition(NONDETERMINISTIC)
+            if hit and op.strip() not in seen:
+                seen.append(op.strip())
+            show(message, *args, **kwargs)
+        warnings.showwarning = record
     torch.use_deterministic_algorithms(on, warn_only=True)
     torch.utils.deterministic.fill_uninitialized_memory = not on and before[2]
     try:
         yield
     finally:
         warnings.showwarning = show
+        if set_env:
+            os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
         torch.utils.deterministic.fill_uninitialized_memory = before[2]
 

@@ -36,11 +36,13 @@ def test_the_scope_sets_and_restores_the_process_settings(monkeypatch):
         assert torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled()
         assert torch.utils.deterministic.fill_uninitialized_memory is False  # no NaN fill of every new tensor
         assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == CUBLAS_WORKSPACE
+    assert "CUBLAS_WORKSPACE_CONFIG" not in os.environ  # set by the scope, unset after: no child process inherits it
     assert (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
             torch.utils.deterministic.fill_uninitialized_memory) == before
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")  # the user's own choice is kept
     with deterministic_algorithms():
         assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
     try:
         with deterministic_algorithms():
             raise RuntimeError("a failing job")
