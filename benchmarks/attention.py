@@ -258,9 +258,8 @@ def graph_rounds(shapes, names, rows, fns, args, dev, log=print):
                 continue
             try:
                 graphs[m] = capture(fwd_bwd(fns[(s, m)], q, k, v, do, leaves), leaves)
-            except Exception as e:  # e.g. a host sync inside the call: no graph, said
+            except Exception as e:  # e.g. a host sync inside the call: no graph, said (capture synchronized)
                 row["graph_error"] = f"{type(e).__name__}: {e}"[:300]
-                torch.cuda.synchronize()
         for r in range(args.graph):
             for m, g in graphs.items():
                 row = rows[(s, m)]
