@@ -25,6 +25,10 @@ compiles; sdpa+compile is the number to beat). `+compilecasts` and
 into its attention's share and the setting's (`casts_cost` in the summary: tokens/s without it over with it, per
 attention). The flash variants compile under torch's deterministic algorithms, as a compiled job does
 (train.deterministic), sdpa+compile without; `+compiledet` / `+compilenondet` force them (`determinism_cost`).
+Every variant's token embedding has aten's sorted backward, as the model trains (models/embedding.py), but the
+compiled sdpa ones: nn.Embedding's, which inductor lowers to an atomic scatter-add, as nanoGPT compiles (inside
+torch's deterministic algorithms, sdpa+compiledet, to aten's index_put_); `sdpa+compilesorted` is the reference with
+the sorted one (`sorted_embedding_cost`). A cost pairs two rows of one attention whose other settings are the same.
 `+cudagraphs` (opt-in,
 not in the default list) is torch.compile(mode="reduce-overhead"): CUDA graphs replay the step's launches, taking the
 host off the critical path; each step is marked (cudagraph_mark_step_begin) and its loss copied out of the graph's
@@ -53,7 +57,9 @@ fraction of paper_1gpu's.
 Each row records the attention route that ran and, for SDPA, the aten op that ran (flash, cuDNN, efficient or math).
 `profile`, from one profiled step after the timed ones: on CUDA the GPU kernels' time, how much of the step's GPU span
 they keep the GPU busy (busy_fraction well under 1: the GPU waits on the host), attention's kernels' share, and every
-kernel by time (`top`); on a CPU the top ops by self time. Every variant's per-step losses are kept:
+kernel by time (`top`); on a CPU the top ops by self time. `host_syncs` (CUDA), from one more step that is no monitors'
+flush: where it synchronised the host with the GPU (torch.cuda.set_sync_debug_mode; [] = nowhere, as the training loop
+means its hot path). Every variant's per-step losses are kept:
 `compiled_vs_eager` in the summary says whether a compiled variant's losses equal its eager twin's bit for bit, the
 first step where they differ and the largest difference.
 """
@@ -97,7 +103,7 @@ VARIANTS = ["sdpa+compile", "sdpa", "triton_fa2", "triton_fa2+compile", "triton_
             "triton_fa2_exp2+compile"]
 SDPA_OPS = ("flash", "cudnn", "efficient", "math")  # aten::_scaled_dot_product_<op>_attention[_for_cpu]
 MODES = {"compile": None, "cudagraphs": "reduce-overhead", "compilecasts": None, "compilenocasts": None,
-         "compiledet": None, "compilenondet": None}
+         "compiledet": None, "compilenondet": None, "compilesorted": None}
 # ATTN+MODE: torch.compile's mode. +compile: inductor's emulate_precision_casts as training sets it
 # (orchestrator/job/train.py compile_casts, auto); +compilecasts and +compilenocasts force it on or off, so that a
 # compiled step's difference splits into the attention's and the setting's
@@ -106,6 +112,10 @@ CASTS = {"compilecasts": True, "compilenocasts": False}
 # compiled job does (train.deterministic), sdpa+compile without, as nanoGPT compiles (the number to beat);
 # +compiledet / +compilenondet force them on or off (`determinism_cost` in the summary)
 DET = {"compiledet": True, "compilenondet": False}
+# the token embedding's backward (models/gpt.py sorted_embedding_grad): aten's sorted kernel in every variant but
+# the compiled sdpa ones, which keep nn.Embedding's (inductor's scatter-add), as nanoGPT compiles;
+# sdpa+compilesorted is the reference with the sorted one (`sorted_embedding_cost` in the summary)
+SORTED = "compilesorted"
 # ATTN+jitlaunch: eager, every Triton kernel launched through Triton's own fn[grid] instead of the launch cache
 # (kernels/launch_cache.py): the cache's effect on a training step, side by side
 JIT_LAUNCH = "jitlaunch"
@@ -212,7 +222,8 @@ class Variant:
         self.model = GPT(ModelConfig.preset(model_name, block_size=T), AttentionConfig(**ATTN[self.attn])).to(dev)
         # a casts mode differs from its +compile twin only in inductor's config, which dynamo does not guard on: it
         # would replay the twin's graph (GPT.forward's cache, parameters as inputs). A code object of its own compiles
-        target = fresh_entry(self.model, name) if mode in CASTS or mode in DET else self.model
+        self.model.sorted_embedding_grad = not (self.attn == "sdpa" and mode in MODES and mode != SORTED)
+        target = fresh_entry(self.model, name) if mode in CASTS or mode in DET or mode == SORTED else self.model
         self.fwd = (torch.compile(target, mode=MODES[mode], backend=COMPILE_BACKEND) if self.compiled
                     else self.model)
         # inductor reads the setting when it compiles (the first call): patched around every call, per variant
@@ -284,13 +295,35 @@ class Variant:
         else:
             self.profile = top_cpu_ops(prof.key_averages())
 
+    def host_syncs(self, x):
+        """Where one step that is no monitors' flush (nor W_Q probe) synchronises the host with the GPU (none is
+        expected: the training loop's hot path never syncs): torch.cuda.set_sync_debug_mode("warn") around it, each
+        warning's source line kept (CUDA only; steps before it bring the count to such a step, their losses dropped)."""
+        import warnings
+        cfg = self.monitors.cfg
+        while (self.i + 1) % cfg.log_every == 0 or self.i % cfg.wq_every == 0:
+            self.step(x)
+            self.losses.pop()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                self.step(x, sync=False)  # (the bench's own synchronize would count)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        _sync(self.dev)
+        self.losses.pop()
+        self.syncs = [f"{os.path.relpath(w.filename, ROOT) if w.filename.startswith(ROOT) else w.filename}:{w.lineno}"
+                      for w in caught if "synchroniz" in str(w.message)]
+
     def row(self, batch, T, warmup):
         timed = self.times
         med = statistics.median(timed) if timed else None
         smed = statistics.median(self.stream) / 1e3 if self.stream else None
         return dict(variant=self.name, attention=ATTN[self.attn], compiled=self.compiled,
                     emulate_precision_casts=self.emulate if self.compiled else None,
-                    deterministic=self.deterministic if self.compiled else None, batch=batch, T=T,
+                    deterministic=self.deterministic if self.compiled else None,
+                    sorted_embedding_grad=self.model.sorted_embedding_grad, batch=batch, T=T,
                     step_ms=med * 1e3 if med else None, tokens_per_s=batch * T / med if med else None,
                     host_ms=statistics.median(self.host) * 1e3 if self.host else None,
                     stream_step_ms=smed * 1e3 if smed else None,
@@ -347,15 +380,21 @@ def register_limit_scope(mode: str):
     return lambda: register_limit(**caps)
 
 
+SETTINGS = ("emulate_precision_casts", "deterministic", "sorted_embedding_grad")  # rows' compile settings
+
+
 def _setting_cost(rs: dict, key: str) -> dict:
     """Per attention, tokens/s of its default-mode compiled row with the row's `key` False over the one with it True
-    (> 1: the setting costs that much), e.g. sdpa+compile over sdpa+compilecasts for emulate_precision_casts."""
+    and every other setting (SETTINGS) the same (> 1: the setting costs that much), e.g. sdpa+compile over
+    sdpa+compilecasts for emulate_precision_casts."""
     out = {}
     for a in sorted({v.partition("+")[0] for v in rs}):
-        by = {r.get(key): r for v, r in rs.items() if v.partition("+")[0] == a
-              and r.get("compiled") and MODES.get(v.partition("+")[2], "?") is None}
-        if True in by and False in by:
-            out[a] = by[False]["tokens_per_s"] / by[True]["tokens_per_s"]
+        rows = [r for v, r in rs.items() if v.partition("+")[0] == a and r.get("compiled")
+                and MODES.get(v.partition("+")[2], "?") is None]
+        for on in (r for r in rows if r.get(key) is True):
+            for off in (r for r in rows if r.get(key) is False):
+                if all(on.get(k) == off.get(k) for k in SETTINGS if k != key):
+                    out[a] = off["tokens_per_s"] / on["tokens_per_s"]
     return out
 
 
@@ -474,6 +513,8 @@ def run_shape(names, batch, T, args, dev, errors):
         yield r, live, [v.name for v in order]
     for v in list(live):
         guarded(v, lambda v=v: v.profiled(data[0]))
+        if v in live and dev.type == "cuda":
+            guarded(v, lambda v=v: v.host_syncs(data[0]))
 
 
 def _against(rs, mode: str, mode_first: bool) -> dict:
@@ -523,6 +564,8 @@ def summarize(rows) -> dict:
         d["casts_cost"] = _setting_cost(rs, "emulate_precision_casts")
         # torch's deterministic algorithms: the same, a default-mode compiled row without them over one with them
         d["determinism_cost"] = _setting_cost(rs, "deterministic")
+        # the token embedding's sorted backward (models/embedding.py) against inductor's scatter-add
+        d["sorted_embedding_cost"] = _setting_cost(rs, "sorted_embedding_grad")
         d["launch_cache_vs_jit"] = _against(rs, JIT_LAUNCH, mode_first=False)
         d["tuned_vs_default"] = _against(rs, TUNED, mode_first=True)
         d["ftz_vs_tl_exp"] = _against(rs, FTZ, mode_first=True)
@@ -622,7 +665,7 @@ def main(argv=None):
             log(f"[{batch}x{T}] round {r + 1}/{args.rounds}: " + ", ".join(
                 f"{v.name} {statistics.median(v.times) * 1e3:.1f} ms" for v in live if v.times))
         rows = [dict(v.row(batch, T, args.warmup), sdpa_ops=getattr(v, "ops", None),
-                     profile=getattr(v, "profile", None)) for v in live]
+                     host_syncs=getattr(v, "syncs", None), profile=getattr(v, "profile", None)) for v in live]
         done += rows
         out["rows"] = done
         _write(out, path)

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from flash_forensics.kernels.config import AttentionConfig, AttentionKnobs
 from flash_forensics.models.attention import attend, new_stats, prepare_device, resolve_backend, route_name
+from flash_forensics.models.embedding import token_embedding
 
 FAMILIES = ("gpt", "llama")  # model.family: this file's GPT-2, or a transformers Llama (models/hf.py)
 
@@ -258,6 +259,10 @@ class GPT(nn.Module):
         ))
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # tied embeddings
+        # the token embedding's backward: aten's sorted kernel, compiled or not (models/embedding.py), so compiled
+        # training reproduces its bits; False: nn.Embedding's own, which inductor lowers to a scatter-add, atomic on a
+        # GPU (benchmarks/train_step.py's sdpa+compile, the number to beat, compiles as nanoGPT does)
+        self.sorted_embedding_grad = True
         self.apply(self._init_weights)
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):  # residual projections, GPT-2 paper's scaling
@@ -279,7 +284,10 @@ class GPT(nn.Module):
         if T > self.config.block_size:
             raise ValueError(f"sequence length {T} exceeds model.block_size={self.config.block_size}")
         pos = torch.arange(T, dtype=torch.long, device=idx.device)
-        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+        wte = self.transformer.wte
+        tok = token_embedding(idx, wte.weight) if self.sorted_embedding_grad else wte(idx)
+        # (the positions are distinct: wpe's scatter never adds twice to one row)
+        x = self.transformer.drop(tok + self.transformer.wpe(pos))
         for block in self.transformer.h:
             x = block(x)
         logits = self.lm_head(self.transformer.ln_f(x))

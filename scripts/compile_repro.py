@@ -1,11 +1,13 @@
-"""Does a compiled GPT training step reproduce its bits? (CUDA; ~1 min on an H100)
+"""Does a compiled GPT training step reproduce its bits? (CUDA; ~1.5 min on an H100)
 
     python scripts/compile_repro.py [--json OUT]
 
 A 2-layer GPT (Triton fa2 attention, counters on) trains 6 steps of 2 micro-batches on text made of 25 token ids,
 as real text repeats its tokens, three ways per setting: torch.compile's default mode twice and mode="reduce-overhead"
-(CUDA graphs) once; first without torch's deterministic algorithms, then inside orchestrator/job/determinism.py's
-scope, as a compiled job runs (train.deterministic). Prints whether the losses and the counters are bit-identical.
+(CUDA graphs) once. The settings: the token embedding's backward left to inductor (nn.Embedding's, lowered to an
+atomic scatter-add), then aten's sorted one as the model trains (models/embedding.py), then that inside
+orchestrator/job/determinism.py's scope, as a compiled job runs by default (train.deterministic). Prints whether the
+losses and the counters are bit-identical.
 """
 from __future__ import annotations
 
@@ -20,8 +22,14 @@ if ROOT not in sys.path:
 
 import torch  # noqa: E402
 
+SETTINGS = {  # name: (GPT.sorted_embedding_grad, inside the deterministic scope)
+    "inductor's embedding backward": (False, False),
+    "sorted embedding backward": (True, False),
+    "sorted embedding backward, deterministic scope": (True, True),
+}
 
-def train(mode, deterministic: bool, data):
+
+def train(mode, sorted_grad: bool, deterministic: bool, data):
     from flash_forensics.kernels.config import AttentionConfig
     from flash_forensics.models.gpt import GPT, ModelConfig
     from flash_forensics.orchestrator.job.determinism import deterministic_algorithms
@@ -30,6 +38,7 @@ def train(mode, deterministic: bool, data):
     torch.manual_seed(0)
     model = GPT(ModelConfig(n_layer=2, n_head=4, n_embd=256, block_size=256),
                 AttentionConfig(impl="flash", backend="triton", recipe="fa2")).cuda()
+    model.sorted_embedding_grad = sorted_grad
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     losses = []
     with deterministic_algorithms(deterministic):
@@ -60,10 +69,10 @@ def main(argv=None) -> dict:
     g = torch.Generator("cuda").manual_seed(0)
     data = [torch.randint(0, 25, (4, 257), device="cuda", generator=g) * 7 for _ in range(12)]
     out = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, results={})
-    for det in (False, True):
-        a, b, c = (train(m, det, data) for m in (None, None, "reduce-overhead"))
+    for setting, (sorted_grad, det) in SETTINGS.items():
+        a, b, c = (train(m, sorted_grad, det, data) for m in (None, None, "reduce-overhead"))
         for name, other in (("default vs default", b), ("default vs CUDA graphs", c)):
-            key = f"{'deterministic' if det else 'not deterministic'}: {name}"
+            key = f"{setting}: {name}"
             same = dict(losses=a[0] == other[0], counters=bool(torch.equal(a[1], other[1])),
                         last_losses=[a[0][-1], other[0][-1]])
             out["results"][key] = same

@@ -43,7 +43,8 @@
 #   e2e          a smoke sweep through run.py on CUDA (baseline, fp32, sfa, pv_fp32)
 #   compile-repro
 #                compiled training's bits run to run (scripts/compile_repro.py): default compile twice and CUDA graphs
-#                once on repeated-token text, without and with torch's deterministic algorithms (train.deterministic)
+#                once on repeated-token text: the embedding's backward inductor's, then aten's sorted one (the model's),
+#                then that inside torch's deterministic algorithms (train.deterministic)
 #   own-model    the transformers backend on CUDA: its GPU tests and a Llama's training step, emulator vs Triton vs
 #                transformers' SDPA (benchmarks/hf_llama.py); the image's transformers (5.17.0 in 2026-11: in the declared
 #                range since 5.13), else from .whl_hf/ (wheels), so the lease need not carry them
@@ -362,8 +363,8 @@ print(re.sub('[^a-z0-9]+', '-', g).strip('-'))" "$LOG/kernel-bits.json") || die 
     tail -20 "$LOG/e2e.log"; exit $rc
     ;;
   compile-repro)
-    # whether compiled training reproduces its bits, with and without torch's deterministic algorithms
-    # (scripts/compile_repro.py: default compile twice and CUDA graphs once on repeated-token text)
+    # whether compiled training reproduces its bits: inductor's embedding backward, the sorted one, and that with
+    # torch's deterministic algorithms (scripts/compile_repro.py: default compile twice, CUDA graphs once)
     setup; logdir compile-repro
     timeout "${REPRO_TIMEOUT:-300}" $PY scripts/compile_repro.py --json "$LOG/compile_repro.json" \
       > "$LOG/compile_repro.log" 2>&1; rc=$?

@@ -331,6 +331,28 @@ def test_the_determinism_cost_is_summarized_per_attention():
     assert s["determinism_cost"] == {"sdpa": pytest.approx(100 / 98), "triton_fa2": pytest.approx(1.02)}
 
 
+@pytest.mark.parametrize("name,sorted_grad", [("sdpa+compile", False), ("sdpa+compilesorted", True),
+                                              ("sdpa+compiledet", False), ("sdpa", True),
+                                              ("emulator_paper_bf16+compilenondet", True),
+                                              ("emulator_paper_bf16+compile", True), ("emulator_paper_bf16", True)])
+def test_only_the_reference_keeps_inductors_embedding_backward(name, sorted_grad):
+    v = bench.Variant(name, "tiny", 16, torch.device("cpu"))
+    assert v.model.sorted_embedding_grad is sorted_grad
+    assert v.row(2, 16, 0)["sorted_embedding_grad"] is sorted_grad
+
+
+def test_a_setting_costs_pair_rows_that_differ_in_that_setting_only():
+    def row(v, tps, det, sort):
+        return dict(variant=v, batch=2, T=8, tokens_per_s=tps, compiled=True, deterministic=det,
+                    sorted_embedding_grad=sort, emulate_precision_casts=False, losses=[1.0])
+    s = bench.summarize([row("sdpa+compile", 100.0, False, False), row("sdpa+compilesorted", 99.0, False, True),
+                         row("triton_fa2+compilenondet", 90.0, False, True),
+                         row("triton_fa2+compile", 80.0, True, True), row("triton_fa2+compiledet", 70.0, True, False)])
+    s = s["B2_T8"]
+    assert s["sorted_embedding_cost"] == {"sdpa": pytest.approx(100 / 99), "triton_fa2": pytest.approx(70 / 80)}
+    assert s["determinism_cost"] == {"triton_fa2": pytest.approx(90 / 80)}  # not 90 / 70: its embedding differs
+
+
 def test_a_casts_mode_compiles_its_own_graph_beside_its_twin(tmp_path, dynamo_eager):
     """sdpa+compilecasts differs from sdpa+compile only in inductor's config, which dynamo does not guard on: compiled
     as the module, it replayed its twin's graph (the 2026-12-07 H100 run refused it: no graph in its first step).

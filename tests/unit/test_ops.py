@@ -448,41 +448,77 @@ def test_gpu_cuda_graphs_train_as_compiled_bit_for_bit(impl):
     assert impl == "sdpa" or seen > 0  # the counters ran under the graphs
 
 
-@pytest.mark.gpu
-def test_gpu_compiled_training_on_repeated_tokens_reproduces_its_bits():
-    """Text repeats its tokens: inductor's embedding backward then adds atomically, and on an H100 (2026-12-07) two
-    default-mode compiled runs of the same 6 steps differed in their losses. Under the job's deterministic scope
-    (train.deterministic) two runs, and a third on CUDA graphs, give the same losses and counters bit for bit."""
+def _compiled_gpt(mode=None):
     from flash_forensics.models.gpt import GPT, ModelConfig
-    from flash_forensics.orchestrator.job.determinism import deterministic_algorithms
-    cfg = ModelConfig(n_layer=2, n_head=4, n_embd=256, block_size=256)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(n_layer=2, n_head=4, n_embd=256, block_size=256),
+                AttentionConfig(impl="flash", backend="triton", recipe="fa2")).cuda()
+    return model, torch.compile(model, mode=mode), torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+
+
+def _repeated_tokens():
     g = torch.Generator("cuda").manual_seed(0)
-    data = [torch.randint(0, 25, (4, 257), device="cuda", generator=g) * 7 for _ in range(12)]  # 25 distinct ids
+    return [torch.randint(0, 25, (4, 257), device="cuda", generator=g) * 7 for _ in range(12)]  # 25 distinct ids
+
+
+def _train_step(fwd, model, opt, micro, losses=None, graphs=False):
+    if graphs:
+        torch.compiler.cudagraph_mark_step_begin()
+    for x in micro:  # micro-batches, as train.grad_accum
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            _, loss = fwd(x[:, :-1].contiguous(), x[:, 1:].contiguous())
+        (loss / len(micro)).backward()
+        if losses is not None:
+            losses.append(loss.detach().clone())
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("deterministic", [False, True], ids=["plain", "deterministic_scope"])
+def test_gpu_compiled_training_on_repeated_tokens_reproduces_its_bits(deterministic):
+    """Text repeats its tokens. Inductor's own embedding backward adds them atomically: on an H100 (2026-12-07) two
+    default-mode compiled runs of the same 6 steps differed in their losses. The GPT's embedding backward is aten's
+    sorted kernel (models/embedding.py), so two runs, and a third on CUDA graphs, give the same losses and counters
+    bit for bit, with or without the job's deterministic scope (train.deterministic)."""
+    from flash_forensics.orchestrator.job.determinism import deterministic_algorithms
+    data = _repeated_tokens()
     runs = []
     for mode in (None, None, "reduce-overhead"):
-        torch._dynamo.reset()
-        torch.manual_seed(0)
-        model = GPT(cfg, AttentionConfig(impl="flash", backend="triton", recipe="fa2")).cuda()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+        model, fwd, opt = _compiled_gpt(mode)
         losses = []
-        with deterministic_algorithms():
-            fwd = torch.compile(model, mode=mode)
+        with deterministic_algorithms(deterministic):
             for step in range(6):
-                if mode:
-                    torch.compiler.cudagraph_mark_step_begin()
-                for x in data[2 * step:2 * step + 2]:  # two micro-batches a step, as train.grad_accum=2
-                    with torch.autocast("cuda", dtype=torch.bfloat16):
-                        _, loss = fwd(x[:, :-1].contiguous(), x[:, 1:].contiguous())
-                    (loss / 2).backward()
-                    losses.append(loss.detach().clone())
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-                opt.step()
-                opt.zero_grad(set_to_none=True)
+                _train_step(fwd, model, opt, data[2 * step:2 * step + 2], losses, graphs=mode is not None)
         stats = torch.cat([t.double().reshape(-1) for s in model.attention_stats() for t in s.tensors()])
         runs.append((torch.stack(losses), stats))
     (l0, s0), (l1, s1), (l2, s2) = runs
     assert torch.equal(l0, l1) and torch.equal(s0, s1), (l0 - l1)
     assert torch.equal(l0, l2) and torch.equal(s0, s2), (l0 - l2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("deterministic", [False, True], ids=["plain", "deterministic_scope"])
+def test_gpu_a_compiled_training_step_never_waits_for_the_gpu(deterministic):
+    """Hot paths never sync the host: a compiled step (two micro-batches of repeated tokens, clip, fused AdamW)
+    under torch's sync debug mode "error", once compiled and warm. Inside the deterministic scope inductor's embedding
+    backward, had it one, would call aten's index_put_ (on an H100, 2026-12-07: 8-12 ms more host time a GPT-2S step
+    in that scope)."""
+    from flash_forensics.orchestrator.job.determinism import deterministic_algorithms
+    data = _repeated_tokens()
+    model, fwd, opt = _compiled_gpt()
+    with deterministic_algorithms(deterministic):
+        for step in range(2):
+            _train_step(fwd, model, opt, data[2 * step:2 * step + 2])
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            _train_step(fwd, model, opt, data[4:6])
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
 
 
 @pytest.mark.gpu

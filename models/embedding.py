@@ -1,0 +1,54 @@
+"""The token embedding with aten's own backward, compiled or not: sorted, deterministic, no host sync.
+
+Inductor decomposes an embedding's backward into a scatter-add over the batch's token ids. On a GPU it lowers that to
+atomic adds, whose order varies from run to run wherever a token repeats (it always does in text): two compiled runs
+of the same job differed from their first steps (an H100, 2026-12-07, results/bench/gpu-h100-2026-12-07c). Under
+torch's deterministic algorithms it calls aten's index_put_ instead, which cost a compiled GPT-2S step 8-12 ms of host
+time (gpu-h100-2026-12-07d). Here the backward is `flash_forensics::embedding_grad`, a custom op inductor does not
+look into, which calls aten.embedding_dense_backward: the kernel eager training runs (it sorts the ids and sums each
+id's rows in a fixed order), so a compiled step's embedding gradient has the bits of the eager step's.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+LIB = "flash_forensics"
+
+
+@torch.library.custom_op(f"{LIB}::embedding_grad", mutates_args=())
+def embedding_grad(grad: torch.Tensor, idx: torch.Tensor, num_weights: int) -> torch.Tensor:
+    """d(embedding)/d(weight): aten's dense embedding backward (no padding index, no frequency scaling)."""
+    return torch.ops.aten.embedding_dense_backward(grad, idx, num_weights, -1, False)
+
+
+@embedding_grad.register_fake
+def _(grad, idx, num_weights):
+    return grad.new_empty((num_weights, grad.shape[-1]))
+
+
+class _TokenEmbedding(torch.autograd.Function):
+    """F.embedding forward (inductor may fuse the gather); the backward through embedding_grad."""
+
+    @staticmethod
+    def forward(idx, weight):
+        return F.embedding(idx, weight)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        idx, weight = inputs
+        ctx.save_for_backward(idx)
+        ctx.num_weights = weight.shape[0]
+
+    @staticmethod
+    def backward(ctx, grad):
+        (idx,) = ctx.saved_tensors
+        return None, embedding_grad(grad.contiguous(), idx, ctx.num_weights)
+
+
+def token_embedding(idx: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """weight[idx], whose gradient is aten's sorted embedding backward (module docstring)."""
+    return _TokenEmbedding.apply(idx, weight)
+
+
+__all__ = ["embedding_grad", "token_embedding"]

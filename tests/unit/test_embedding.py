@@ -1,0 +1,73 @@
+"""models/embedding.py: the token embedding whose backward is aten's sorted kernel, eager and compiled."""
+import torch
+
+from flash_forensics.models.embedding import token_embedding
+
+
+def _case(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    emb = torch.nn.Embedding(50, 8)
+    idx = torch.randint(0, 5, (4, 16), generator=g)  # every id repeats
+    grad = torch.randn(4, 16, 8, generator=g)
+    return emb, idx, grad
+
+
+def _grad(fn, emb, idx, grad):
+    emb.weight.grad = None
+    (fn(idx) * grad).sum().backward()
+    return emb.weight.grad.clone()
+
+
+def test_eager_gradient_has_nn_embeddings_bits():
+    emb, idx, grad = _case()
+    ref = _grad(emb, emb, idx, grad)
+    mine = _grad(lambda i: token_embedding(i, emb.weight), emb, idx, grad)
+    assert torch.equal(ref, mine)
+    assert torch.equal(token_embedding(idx, emb.weight), emb(idx))
+
+
+def test_compiled_backward_calls_aten_without_atomics_and_keeps_the_eager_bits():
+    """Inductor's own lowering of an embedding backward adds atomically where threads share a row
+    (tests/unit/test_determinism.py); through embedding_grad it calls aten's kernel instead, as eager does."""
+    from torch._inductor.utils import run_and_get_code
+    emb, idx, grad = _case(1)
+    ref = _grad(emb, emb, idx, grad)  # eager nn.Embedding
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # one thread a test process (tests/conftest.py): CPU code has no atomics there
+    try:
+        torch._dynamo.reset()
+        fn = torch.compile(lambda i: token_embedding(i, emb.weight))
+        emb.weight.grad = None
+        code = "\n".join(run_and_get_code(lambda i: (fn(i) * grad).sum().backward(), idx)[1])
+    finally:
+        torch.set_num_threads(threads)
+    assert "atomic_add" not in code and "embedding_grad" in code
+    assert torch.equal(emb.weight.grad, ref)
+
+
+def test_gpt_keeps_its_eager_bits_and_calls_embedding_grad_once_a_backward(monkeypatch):
+    """The GPT's token embedding goes through embedding_grad (once per backward), and every gradient, the tied
+    wte / lm_head weight's included, has the bits of the same GPT on nn.Embedding's own backward."""
+    import torch.nn.functional as F
+
+    from flash_forensics.models import embedding, gpt
+    torch.manual_seed(0)
+    model = gpt.GPT(gpt.ModelConfig(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=32))
+    idx = torch.randint(0, 4, (2, 8))
+    calls, real = [], embedding.embedding_grad
+
+    def spy(grad, i, n):
+        calls.append(n)
+        return real(grad, i, n)
+    monkeypatch.setattr(embedding, "embedding_grad", spy)
+
+    def grads():
+        model.zero_grad(set_to_none=True)
+        model(idx, idx)[1].backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters()}
+    mine = grads()
+    assert calls == [32]
+    monkeypatch.setattr(gpt, "token_embedding", lambda i, w: F.embedding(i, w))
+    ref = grads()
+    assert calls == [32]  # the reference ran nn.functional's own backward
+    assert mine.keys() == ref.keys() and all(torch.equal(mine[n], ref[n]) for n in ref)
