@@ -23,8 +23,8 @@ attention is torch code the compiler traces, the emulator's; off for SDPA and th
 compiles; sdpa+compile is the number to beat). `+compilecasts` and
 `+compilenocasts` compile with that setting forced on or off, so that a compiled variant's gap to sdpa+compile splits
 into its attention's share and the setting's (`casts_cost` in the summary: tokens/s without it over with it, per
-attention). The flash variants compile under torch's deterministic algorithms, as a compiled job does
-(train.deterministic), sdpa+compile without; `+compiledet` / `+compilenondet` force them (`determinism_cost`).
+attention). Every `+compile` runs without torch's deterministic algorithms, as a compiled job does by default
+(train.deterministic=false); `+compiledet` / `+compilenondet` force them on or off (`determinism_cost`).
 Every variant's token embedding has aten's sorted backward, as the model trains (models/embedding.py), but the
 compiled sdpa ones: nn.Embedding's, which inductor lowers to an atomic scatter-add, as nanoGPT compiles (inside
 torch's deterministic algorithms, sdpa+compiledet, to aten's index_put_); `sdpa+compilesorted` is the reference with
@@ -108,9 +108,8 @@ MODES = {"compile": None, "cudagraphs": "reduce-overhead", "compilecasts": None,
 # (orchestrator/job/train.py compile_casts, auto); +compilecasts and +compilenocasts force it on or off, so that a
 # compiled step's difference splits into the attention's and the setting's
 CASTS = {"compilecasts": True, "compilenocasts": False}
-# torch's deterministic algorithms (orchestrator/job/determinism.py): the flash variants compile under them as a
-# compiled job does (train.deterministic), sdpa+compile without, as nanoGPT compiles (the number to beat);
-# +compiledet / +compilenondet force them on or off (`determinism_cost` in the summary)
+# torch's deterministic algorithms (orchestrator/job/determinism.py): +compile follows a compiled job's default
+# (train.deterministic), +compiledet / +compilenondet force them on or off (`determinism_cost` in the summary)
 DET = {"compiledet": True, "compilenondet": False}
 # the token embedding's backward (models/gpt.py sorted_embedding_grad): aten's sorted kernel in every variant but
 # the compiled sdpa ones, which keep nn.Embedding's (inductor's scatter-add), as nanoGPT compiles;
@@ -195,6 +194,7 @@ class Variant:
 
         from flash_forensics.kernels.config import AttentionConfig
         from flash_forensics.models.gpt import GPT, ModelConfig
+        from flash_forensics.orchestrator.config.schema import TrainConfig
         from flash_forensics.orchestrator.job.determinism import deterministic_algorithms
         from flash_forensics.orchestrator.job.train import compile_casts
         from flash_forensics.orchestrator.monitor.monitors import MonitorConfig, Monitors
@@ -230,7 +230,7 @@ class Variant:
         self.emulate = self.compiled and CASTS.get(mode, compile_casts("auto", self.model.attention_routes()))
         self.config_scope = lambda: inductor_config.patch(emulate_precision_casts=self.emulate)
         # the whole step under it, as a compiled job's (an index_put_ fallback reads the setting when it runs)
-        self.deterministic = self.compiled and DET.get(mode, self.attn != "sdpa")
+        self.deterministic = self.compiled and DET.get(mode, TrainConfig.deterministic)
         # (off: the process's setting is off already, between steps and jobs; no toggling on the timed host path)
         self.det_scope = deterministic_algorithms if self.deterministic else contextlib.nullcontext
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.0,

@@ -26,6 +26,7 @@ from flash_forensics.hf_backend import NAME, LayerState, layer_states
 from flash_forensics.kernels.config import AttentionConfig
 from flash_forensics.kernels.stats import AttnStats
 from flash_forensics.models.attention import route_name
+from flash_forensics.models.embedding import token_embedding
 from flash_forensics.models.gpt import GPT, ModelConfig, z_loss_term
 from flash_forensics.sdpa import check_emulated
 
@@ -101,7 +102,10 @@ class HFModel(nn.Module):
         B, T = idx.shape
         if T > self.config.block_size:
             raise ValueError(f"sequence length {T} exceeds model.block_size={self.config.block_size}")
-        logits = self.hf(input_ids=idx).logits
+        # the token embedding's backward aten's sorted kernel, as GPT's (models/embedding.py): compiled runs
+        # reproduce; the same bits as transformers' nn.Embedding in eager
+        embeds = token_embedding(idx, self.hf.get_input_embeddings().weight)
+        logits = self.hf(inputs_embeds=embeds).logits
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)

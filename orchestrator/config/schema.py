@@ -90,9 +90,11 @@ class TrainConfig:
     # emulate_precision_casts): auto (on where a layer's attention is torch code the compiler traces: the emulator,
     # impl=standard; off where it is one opaque kernel, Triton or SDPA, as nanoGPT compiles) | true | false
     compile_casts: str = "auto"
-    # a compiled job runs torch's deterministic algorithms, so that it reproduces its bits (inductor's scatter-adds,
-    # the embedding's backward, are atomic otherwise: orchestrator/job/determinism.py); eager jobs are left as they are
-    deterministic: bool = True
+    # true: a compiled job runs under torch's deterministic algorithms (orchestrator/job/determinism.py): an op without
+    # a deterministic form is named in the record. Compiled runs reproduce without it (the embedding's backward, once
+    # inductor's atomic scatter-add, is aten's sorted kernel: models/embedding.py); it costs host time per step (on an
+    # H100, 2026-12-07: 6.6 ms a GPT-2S step, hidden while the host runs ahead). Eager jobs are left as they are
+    deterministic: bool = False
     keep_last: bool = True  # false: a finished run drops last.pt (a copy of its final step_<k>.pt): half the disk
     # the most the steps left may take, judged once past the warm-up from the measured tokens/s (the speed is
     # not known before); null: no limit. 720 h = 30 days: max_steps=10^7 on a CPU (~1 year) stops there

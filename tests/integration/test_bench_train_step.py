@@ -310,8 +310,9 @@ def test_the_casts_modes_force_the_setting_and_its_cost_is_summarized():
 
 @pytest.mark.parametrize("name,emulate,det", [("sdpa+compile", False, False), ("sdpa+compilecasts", True, False),
                                               ("sdpa+compiledet", False, True),
-                                              ("emulator_paper_bf16+compile", True, True),
-                                              ("emulator_paper_bf16+compilenocasts", False, True),
+                                              ("emulator_paper_bf16+compile", True, False),
+                                              ("emulator_paper_bf16+compilenocasts", False, False),
+                                              ("emulator_paper_bf16+compiledet", True, True),
                                               ("emulator_paper_bf16+compilenondet", True, False),
                                               ("sdpa", False, False), ("emulator_paper_bf16", False, False)])
 def test_a_variant_compiles_with_the_casts_and_determinism_its_mode_says(name, emulate, det):

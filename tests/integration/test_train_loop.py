@@ -145,9 +145,9 @@ def test_cudagraph_iterations_begin_once_per_optimizer_step_not_per_micro_batch(
 
 
 def test_a_compiled_job_steps_with_deterministic_algorithms_and_undoes_them(tmp_path, monkeypatch):
-    """train.deterministic (default true): a compiled job's steps run under torch's deterministic algorithms (inductor's
-    scatter-adds are atomic otherwise: compiled runs did not reproduce on an H100), the record says so, and the
-    setting is undone when the job ends; an eager job and train.deterministic=false leave it off."""
+    """train.deterministic=true: a compiled job's steps run under torch's deterministic algorithms, an op without a
+    deterministic form is named in the record, and the setting is undone when the job ends; an eager job and the
+    default (false: compiled runs reproduce without it, models/embedding.py) leave it off."""
     import torch
     from torch._prims_common import alert_not_deterministic
 
@@ -164,8 +164,8 @@ def test_a_compiled_job_steps_with_deterministic_algorithms_and_undoes_them(tmp_
     base = ["experiment=smoke", "attention.impl=sdpa", "train.max_steps=2", "train.warmup_steps=0",
             "train.eval_every=0", "train.ckpt_every=0"]
     got = {}
-    for name, extra in (("compiled", ["train.compile=true"]), ("eager", []),
-                        ("nondet", ["train.compile=true", "train.deterministic=false"])):
+    for name, extra in (("compiled", ["train.compile=true", "train.deterministic=true"]), ("eager", []),
+                        ("nondet", ["train.compile=true"])):
         seen.clear()
         result = _jobs.run_in(base, tmp_path / name, name, *extra)
         got[name] = (result["compiled"], result["deterministic"], list(seen))
@@ -175,6 +175,7 @@ def test_a_compiled_job_steps_with_deterministic_algorithms_and_undoes_them(tmp_
         said = [ln for ln in (tmp_path / name / name / "run.log").read_text().splitlines() if "torch.compile (" in ln]
         assert said == ([] if name == "eager" else [
             "[job] torch.compile (mode default): eager-style casts off (train.compile_casts=auto), deterministic "
-            f"algorithms {'on' if name == 'compiled' else 'off'} (train.deterministic)"]), said
+            f"algorithms {'on' if name == 'compiled' else 'off'} (train.deterministic), embedding backward sorted"]
+        ), said
     assert got == {"compiled": (True, True, [True, True]), "eager": (False, None, [False, False]),
                    "nondet": (True, False, [False, False])}

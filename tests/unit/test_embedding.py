@@ -1,4 +1,5 @@
 """models/embedding.py: the token embedding whose backward is aten's sorted kernel, eager and compiled."""
+import pytest
 import torch
 
 from flash_forensics.models.embedding import token_embedding
@@ -71,3 +72,30 @@ def test_gpt_keeps_its_eager_bits_and_calls_embedding_grad_once_a_backward(monke
     ref = grads()
     assert calls == [32]  # the reference ran nn.functional's own backward
     assert mine.keys() == ref.keys() and all(torch.equal(mine[n], ref[n]) for n in ref)
+
+
+def test_the_transformers_family_embeds_through_it_with_transformers_own_bits(monkeypatch):
+    """HFModel hands transformers the embedded tokens (inputs_embeds): the logits and every gradient are those of
+    the model embedding its input_ids itself, and the embedding's backward is embedding_grad's."""
+    pytest.importorskip("transformers")
+    import torch.nn.functional as F
+
+    from flash_forensics.kernels.config import AttentionConfig
+    from flash_forensics.models import embedding
+    from flash_forensics.models.gpt import ModelConfig
+    from flash_forensics.models.hf import HFModel
+    torch.manual_seed(0)
+    m = HFModel(ModelConfig(family="llama", n_layer=1, n_head=2, n_embd=32, block_size=16, vocab_size=64),
+                AttentionConfig(impl="flash", backend="emulator", recipe="paper_bf16"))
+    idx = torch.randint(0, 8, (2, 16))
+    calls, real = [], embedding.embedding_grad
+    monkeypatch.setattr(embedding, "embedding_grad", lambda g, i, n: calls.append(n) or real(g, i, n))
+    logits, loss = m(idx, idx)
+    loss.backward()
+    mine = {n: p.grad.clone() for n, p in m.named_parameters()}
+    assert calls == [64]
+    m.zero_grad(set_to_none=True)
+    ref_logits = m.hf(input_ids=idx).logits
+    F.cross_entropy(ref_logits.float().view(-1, 64), idx.view(-1)).backward()
+    assert torch.equal(logits, ref_logits)
+    assert all(torch.equal(mine[n], p.grad) for n, p in m.named_parameters())
