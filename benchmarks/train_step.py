@@ -230,7 +230,7 @@ class Variant:
         self.emulate = self.compiled and CASTS.get(mode, compile_casts("auto", self.model.attention_routes()))
         self.config_scope = lambda: inductor_config.patch(emulate_precision_casts=self.emulate)
         # the whole step under it, as a compiled job's (an index_put_ fallback reads the setting when it runs)
-        self.deterministic = self.compiled and DET.get(mode, TrainConfig.deterministic)
+        self.deterministic = self.compiled and DET.get(mode, str(TrainConfig.deterministic) == "true")
         # (off: the process's setting is off already, between steps and jobs; no toggling on the timed host path)
         self.det_scope = deterministic_algorithms if self.deterministic else contextlib.nullcontext
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.0,

@@ -91,6 +91,8 @@ class HFModel(nn.Module):
         check_attention(att, cfg)
         self.config, self.attention_config = cfg, att
         self.hf = AutoModelForCausalLM.from_config(hf_config(cfg), attn_implementation=NAME)
+        # the token embedding's backward aten's sorted kernel, compiled too (models/gpt.py has the same switch)
+        self.sorted_embedding_grad = True
         H = cfg.n_head
         for i, mod in enumerate(attention_layers(self.hf)):  # knobs checked above (check_attention)
             mod.ff_state = LayerState(att.for_layer(i), AttnStats(H, "cpu"))  # moved with the model on first use
@@ -102,10 +104,10 @@ class HFModel(nn.Module):
         B, T = idx.shape
         if T > self.config.block_size:
             raise ValueError(f"sequence length {T} exceeds model.block_size={self.config.block_size}")
-        # the token embedding's backward aten's sorted kernel, as GPT's (models/embedding.py): compiled runs
-        # reproduce; the same bits as transformers' nn.Embedding in eager
-        embeds = token_embedding(idx, self.hf.get_input_embeddings().weight)
-        logits = self.hf(inputs_embeds=embeds).logits
+        if self.sorted_embedding_grad:  # as GPT's (models/embedding.py); eager, the bits of transformers' own
+            logits = self.hf(inputs_embeds=token_embedding(idx, self.hf.get_input_embeddings().weight)).logits
+        else:
+            logits = self.hf(input_ids=idx).logits
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)

@@ -263,7 +263,7 @@ class RunRecord:
     compiled: Optional[bool] = None  # train.compile as resolved (torch.compile around the model)
     compile_mode: Optional[str] = None  # torch.compile's mode: None (its default) | reduce-overhead (cudagraphs)
     compile_casts: Optional[bool] = None  # compiled: inductor's emulate_precision_casts as train.compile_casts set it
-    deterministic: Optional[bool] = None  # compiled: torch's deterministic algorithms on (train.deterministic)
+    deterministic: Optional[str] = None  # compiled: train.deterministic (auto | true | false)
     resumed_from: Optional[str] = None
     checkpoint: Optional[str] = None
     forked_from: Optional[str] = None  # a fork: the checkpoint it started from, its step, the source's run

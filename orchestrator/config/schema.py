@@ -42,6 +42,7 @@ DEVICES = ("auto", "cpu", "cuda")
 OPTIMIZERS = ("adamw", "muon")
 COMPILES = ("auto", "true", "false", "cudagraphs")
 COMPILE_CASTS = ("auto", "true", "false")
+DETERMINISTIC = ("auto", "true", "false")
 
 
 @dataclass
@@ -90,11 +91,12 @@ class TrainConfig:
     # emulate_precision_casts): auto (on where a layer's attention is torch code the compiler traces: the emulator,
     # impl=standard; off where it is one opaque kernel, Triton or SDPA, as nanoGPT compiles) | true | false
     compile_casts: str = "auto"
-    # true: a compiled job runs under torch's deterministic algorithms (orchestrator/job/determinism.py): an op without
-    # a deterministic form is named in the record. Compiled runs reproduce without it (the embedding's backward, once
-    # inductor's atomic scatter-add, is aten's sorted kernel: models/embedding.py); it costs host time per step (on an
-    # H100, 2026-12-07: 6.6 ms a GPT-2S step, hidden while the host runs ahead). Eager jobs are left as they are
-    deterministic: bool = False
+    # what makes a compiled job reproduce its bits (eager jobs are left as they are): auto: the token embedding's
+    # backward is aten's sorted kernel (models/embedding.py), where inductor's is an atomic scatter-add whose order
+    # varies wherever a token repeats | true: that, and torch's deterministic algorithms (orchestrator/job/
+    # determinism.py), which name an op without a deterministic form in the record (6.6 ms of host time a GPT-2S
+    # step on an H100) | false: inductor's own embedding backward (0.17 ms a GPT-2S step faster; two runs may differ)
+    deterministic: str = "auto"
     keep_last: bool = True  # false: a finished run drops last.pt (a copy of its final step_<k>.pt): half the disk
     # the most the steps left may take, judged once past the warm-up from the measured tokens/s (the speed is
     # not known before); null: no limit. 720 h = 30 days: max_steps=10^7 on a CPU (~1 year) stops there

@@ -25,6 +25,7 @@ from flash_forensics.orchestrator.config.budget import check_budget
 from flash_forensics.orchestrator.config.schema import (
     COMPILE_CASTS,
     COMPILES,
+    DETERMINISTIC,
     DEVICES,
     EXPECTS,
     OPTIMIZERS,
@@ -321,6 +322,8 @@ def check_train(t) -> None:
         raise _bad("train.compile", t.compile, "one of " + ", ".join(COMPILES))
     if str(t.compile_casts).lower() not in COMPILE_CASTS:  # as train.compile: Hydra's bool reads "True"
         raise _bad("train.compile_casts", t.compile_casts, "one of " + ", ".join(COMPILE_CASTS))
+    if str(t.deterministic).lower() not in DETERMINISTIC:  # as train.compile: Hydra's bool reads "True"
+        raise _bad("train.deterministic", t.deterministic, "one of " + ", ".join(DETERMINISTIC))
     if str(t.compile).lower() == "cudagraphs" and t.device == "cpu":
         raise _bad("train.compile", t.compile, "auto, true or false with train.device=cpu (CUDA graphs need a CUDA "
                                                "device)")

@@ -211,16 +211,18 @@ class Job:
         self.result["compiled"] = compiled  # in the record: compiling moves a BF16 run's divergence step
         self.result["compile_mode"] = mode
         self.result["compile_casts"] = casts
-        # train.deterministic: torch's deterministic algorithms (orchestrator/job/determinism.py), set before the first
-        # compiled call lowers the graph, until the job ends (the run reproduces without them: models/embedding.py)
-        self.result["deterministic"] = bool(self.cfg.train.deterministic) if compiled else None
-        if compiled and self.cfg.train.deterministic:  # ops that still ran without a deterministic form: in the record
+        # train.deterministic (compiled jobs): the embedding's sorted backward unless false, and with true torch's
+        # deterministic algorithms, set before the first compiled call lowers the graph, until the job ends
+        det = str(self.cfg.train.deterministic).lower()
+        self.result["deterministic"] = det if compiled else None
+        model.sorted_embedding_grad = compiled and det != "false"  # eager: either gives the same bits
+        if compiled and det == "true":  # ops that still ran without a deterministic form: in the record
             self._scopes.enter_context(deterministic_algorithms(seen=self.nondeterministic_ops))
         if compiled and self.is_main:  # what decides a compiled run's bits, said once
             print(f"[job] torch.compile (mode {mode or 'default'}): eager-style casts {'on' if casts else 'off'} "
-                  f"(train.compile_casts={self.cfg.train.compile_casts}), deterministic algorithms "
-                  f"{'on' if self.cfg.train.deterministic else 'off'} (train.deterministic), embedding backward "
-                  "sorted")
+                  f"(train.compile_casts={self.cfg.train.compile_casts}); embedding backward "
+                  f"{'inductor' if det == 'false' else 'sorted'}, deterministic algorithms "
+                  f"{'on' if det == 'true' else 'off'} (train.deterministic={det})")
         if self.dist.world_size > 1:
             from torch.nn.parallel import DistributedDataParallel as DDP
             train_model = DDP(train_model, device_ids=[device.index] if device.type == "cuda" else None)

@@ -144,10 +144,10 @@ def test_cudagraph_iterations_begin_once_per_optimizer_step_not_per_micro_batch(
     assert marks == [0, 2, 4], marks  # before micro-batch 0 of each step, never between a step's two
 
 
-def test_a_compiled_job_steps_with_deterministic_algorithms_and_undoes_them(tmp_path, monkeypatch):
-    """train.deterministic=true: a compiled job's steps run under torch's deterministic algorithms, an op without a
-    deterministic form is named in the record, and the setting is undone when the job ends; an eager job and the
-    default (false: compiled runs reproduce without it, models/embedding.py) leave it off."""
+def test_a_compiled_job_reproduces_as_train_deterministic_says_and_undoes_it(tmp_path, monkeypatch):
+    """train.deterministic, compiled jobs: auto (default) takes the embedding's backward from aten's sorted kernel,
+    true adds torch's deterministic algorithms (an op without a deterministic form is named in the record; undone
+    when the job ends), false leaves inductor its own; an eager job keeps nn.Embedding's and the process's setting."""
     import torch
     from torch._prims_common import alert_not_deterministic
 
@@ -156,26 +156,27 @@ def test_a_compiled_job_steps_with_deterministic_algorithms_and_undoes_them(tmp_
     call = TrainStep.__call__
 
     def spy(self, step, batches):
-        seen.append(torch.are_deterministic_algorithms_enabled())
-        if seen[-1]:  # as an op without a deterministic form says so: the record names it
+        seen.append((torch.are_deterministic_algorithms_enabled(), self.model.sorted_embedding_grad))
+        if seen[-1][0]:  # as an op without a deterministic form says so: the record names it
             alert_not_deterministic("spy_op")
         return call(self, step, batches)
     monkeypatch.setattr(TrainStep, "__call__", spy)
     base = ["experiment=smoke", "attention.impl=sdpa", "train.max_steps=2", "train.warmup_steps=0",
             "train.eval_every=0", "train.ckpt_every=0"]
     got = {}
-    for name, extra in (("compiled", ["train.compile=true", "train.deterministic=true"]), ("eager", []),
-                        ("nondet", ["train.compile=true"])):
+    for name, extra in (("true", ["train.compile=true", "train.deterministic=true"]), ("eager", []),
+                        ("auto", ["train.compile=true"]),
+                        ("false", ["train.compile=true", "train.deterministic=false"])):
         seen.clear()
         result = _jobs.run_in(base, tmp_path / name, name, *extra)
         got[name] = (result["compiled"], result["deterministic"], list(seen))
         assert any("1 op(s) ran without a deterministic implementation" in w and w.endswith(": spy_op")
-                   for w in result["warnings"]) is (name == "compiled"), result["warnings"]
+                   for w in result["warnings"]) is (name == "true"), result["warnings"]
         assert not torch.are_deterministic_algorithms_enabled()
         said = [ln for ln in (tmp_path / name / name / "run.log").read_text().splitlines() if "torch.compile (" in ln]
         assert said == ([] if name == "eager" else [
-            "[job] torch.compile (mode default): eager-style casts off (train.compile_casts=auto), deterministic "
-            f"algorithms {'on' if name == 'compiled' else 'off'} (train.deterministic), embedding backward sorted"]
-        ), said
-    assert got == {"compiled": (True, True, [True, True]), "eager": (False, None, [False, False]),
-                   "nondet": (True, False, [False, False])}
+            "[job] torch.compile (mode default): eager-style casts off (train.compile_casts=auto); embedding backward "
+            f"{'inductor' if name == 'false' else 'sorted'}, deterministic algorithms "
+            f"{'on' if name == 'true' else 'off'} (train.deterministic={name})"]), said
+    assert got == {"true": (True, "true", [(True, True)] * 2), "eager": (False, None, [(False, False)] * 2),
+                   "auto": (True, "auto", [(False, True)] * 2), "false": (True, "false", [(False, False)] * 2)}

@@ -99,3 +99,12 @@ def test_the_transformers_family_embeds_through_it_with_transformers_own_bits(mo
     F.cross_entropy(ref_logits.float().view(-1, 64), idx.view(-1)).backward()
     assert torch.equal(logits, ref_logits)
     assert all(torch.equal(mine[n], p.grad) for n, p in m.named_parameters())
+
+
+def test_train_deterministic_takes_three_values_and_names_the_key_otherwise():
+    from flash_forensics.orchestrator.config.schema import TrainConfig
+    from flash_forensics.orchestrator.config.validate import check_train
+    for ok in ("auto", "true", "false", True, False, "True"):
+        check_train(TrainConfig(deterministic=ok))
+    with pytest.raises(ValueError, match=r"train\.deterministic='always'.*auto, true, false"):
+        check_train(TrainConfig(deterministic="always"))
