@@ -25,10 +25,11 @@ compiles; sdpa+compile is the number to beat). `+compilecasts` and
 into its attention's share and the setting's (`casts_cost` in the summary: tokens/s without it over with it, per
 attention). Every `+compile` runs without torch's deterministic algorithms, as a compiled job does by default
 (train.deterministic=false); `+compiledet` / `+compilenondet` force them on or off (`determinism_cost`).
-Every variant's token embedding has aten's sorted backward, as the model trains (models/embedding.py), but the
+Every variant's token embedding has the sorted backward, as a compiled job trains (models/embedding.py), but the
 compiled sdpa ones: nn.Embedding's, which inductor lowers to an atomic scatter-add, as nanoGPT compiles (inside
 torch's deterministic algorithms, sdpa+compiledet, to aten's index_put_); `sdpa+compilesorted` is the reference with
-the sorted one (`sorted_embedding_cost`). A cost pairs two rows of one attention whose other settings are the same.
+the sorted one and `ATTN+compilescatter` a flash variant with inductor's (train.deterministic=false)
+(`sorted_embedding_cost`). A cost pairs two rows of one attention whose other settings are the same.
 `+cudagraphs` (opt-in,
 not in the default list) is torch.compile(mode="reduce-overhead"): CUDA graphs replay the step's launches, taking the
 host off the critical path; each step is marked (cudagraph_mark_step_begin) and its loss copied out of the graph's
@@ -103,7 +104,7 @@ VARIANTS = ["sdpa+compile", "sdpa", "triton_fa2", "triton_fa2+compile", "triton_
             "triton_fa2_exp2+compile"]
 SDPA_OPS = ("flash", "cudnn", "efficient", "math")  # aten::_scaled_dot_product_<op>_attention[_for_cpu]
 MODES = {"compile": None, "cudagraphs": "reduce-overhead", "compilecasts": None, "compilenocasts": None,
-         "compiledet": None, "compilenondet": None, "compilesorted": None}
+         "compiledet": None, "compilenondet": None, "compilesorted": None, "compilescatter": None}
 # ATTN+MODE: torch.compile's mode. +compile: inductor's emulate_precision_casts as training sets it
 # (orchestrator/job/train.py compile_casts, auto); +compilecasts and +compilenocasts force it on or off, so that a
 # compiled step's difference splits into the attention's and the setting's
@@ -111,10 +112,11 @@ CASTS = {"compilecasts": True, "compilenocasts": False}
 # torch's deterministic algorithms (orchestrator/job/determinism.py): +compile follows a compiled job's default
 # (train.deterministic), +compiledet / +compilenondet force them on or off (`determinism_cost` in the summary)
 DET = {"compiledet": True, "compilenondet": False}
-# the token embedding's backward (models/gpt.py sorted_embedding_grad): aten's sorted kernel in every variant but
-# the compiled sdpa ones, which keep nn.Embedding's (inductor's scatter-add), as nanoGPT compiles;
-# sdpa+compilesorted is the reference with the sorted one (`sorted_embedding_cost` in the summary)
-SORTED = "compilesorted"
+# the token embedding's backward (models/gpt.py sorted_embedding_grad): the sorted one (models/embedding.py) in
+# every variant but the compiled sdpa ones, which keep nn.Embedding's (inductor's scatter-add), as nanoGPT compiles;
+# sdpa+compilesorted is the reference with the sorted one, ATTN+compilescatter a flash variant with inductor's
+# (train.deterministic=false) (`sorted_embedding_cost` in the summary)
+SORTED, SCATTER = "compilesorted", "compilescatter"
 # ATTN+jitlaunch: eager, every Triton kernel launched through Triton's own fn[grid] instead of the launch cache
 # (kernels/launch_cache.py): the cache's effect on a training step, side by side
 JIT_LAUNCH = "jitlaunch"
@@ -222,8 +224,10 @@ class Variant:
         self.model = GPT(ModelConfig.preset(model_name, block_size=T), AttentionConfig(**ATTN[self.attn])).to(dev)
         # a casts mode differs from its +compile twin only in inductor's config, which dynamo does not guard on: it
         # would replay the twin's graph (GPT.forward's cache, parameters as inputs). A code object of its own compiles
-        self.model.sorted_embedding_grad = not (self.attn == "sdpa" and mode in MODES and mode != SORTED)
-        target = fresh_entry(self.model, name) if mode in CASTS or mode in DET or mode == SORTED else self.model
+        self.model.sorted_embedding_grad = not (mode == SCATTER or self.attn == "sdpa" and mode in MODES
+                                                and mode != SORTED)
+        fresh = mode in CASTS or mode in DET or mode in (SORTED, SCATTER)
+        target = fresh_entry(self.model, name) if fresh else self.model
         self.fwd = (torch.compile(target, mode=MODES[mode], backend=COMPILE_BACKEND) if self.compiled
                     else self.model)
         # inductor reads the setting when it compiles (the first call): patched around every call, per variant

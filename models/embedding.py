@@ -1,24 +1,42 @@
-"""The token embedding with aten's own backward, compiled or not: sorted, deterministic, no host sync.
+"""The token embedding with a deterministic backward, compiled or not: sorted, no atomics, no host sync.
 
 Inductor decomposes an embedding's backward into a scatter-add over the batch's token ids. On a GPU it lowers that to
 atomic adds, whose order varies from run to run wherever a token repeats (it always does in text): two compiled runs
 of the same job differed from their first steps (an H100, 2026-12-07, results/bench/gpu-h100-2026-12-07c). Under
-torch's deterministic algorithms it calls aten's index_put_ instead, which cost a compiled GPT-2S step 8-12 ms of host
-time (gpu-h100-2026-12-07d). Here the backward is `flash_forensics::embedding_grad`, a custom op inductor does not
-look into, which calls aten.embedding_dense_backward: the kernel eager training runs (it sorts the ids and sums each
-id's rows in a fixed order), so a compiled step's embedding gradient has the bits of the eager step's.
+torch's deterministic algorithms it calls aten's index_put_ instead, at a cost in host time. Here the backward is
+`flash_forensics::embedding_grad`, a custom op inductor does not look into. On CUDA it runs
+kernels/triton_embedding.py (a stable sort, then each id's rows summed in a fixed order); elsewhere aten's
+embedding_dense_backward, the kernel eager training runs (it sorts too), so there a compiled step's embedding
+gradient has the eager step's bits. aten's CUDA kernel (`triton=False`) spent 0.33 ms a GPT-2S step on an H100,
+inductor's atomic one 0.16 (gpu-h100-2026-12-07d).
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
 
 LIB = "flash_forensics"
+TRITON = {"on": True}  # False: aten's CUDA kernel instead of the Triton one (benchmarks time the two)
+
+
+@functools.lru_cache(maxsize=1)
+def _triton_grad():
+    try:
+        from flash_forensics.kernels.triton_embedding import embedding_grad as grad_fn
+    except ImportError:  # no triton: aten's kernel, deterministic too
+        return None
+    return grad_fn
 
 
 @torch.library.custom_op(f"{LIB}::embedding_grad", mutates_args=())
 def embedding_grad(grad: torch.Tensor, idx: torch.Tensor, num_weights: int) -> torch.Tensor:
-    """d(embedding)/d(weight): aten's dense embedding backward (no padding index, no frequency scaling)."""
+    """d(embedding)/d(weight) (no padding index, no frequency scaling): kernels/triton_embedding.py on CUDA, else
+    aten's dense embedding backward."""
+    fn = _triton_grad() if grad.is_cuda and TRITON["on"] else None
+    if fn is not None:
+        return fn(grad, idx, num_weights)
     return torch.ops.aten.embedding_dense_backward(grad, idx, num_weights, -1, False)
 
 

@@ -41,6 +41,9 @@
 #                measured Triton pbar_clamp, sfa_guarded, stoch_round first; ARGS go to the script); a cut-short run
 #                keeps what it measured (partial: true in stabilizers-gpt2s.json)
 #   e2e          a smoke sweep through run.py on CUDA (baseline, fp32, sfa, pv_fp32)
+#   embedding-grad
+#                the token embedding's backward timed three ways at GPT-2S's shape (benchmarks/embedding_grad.py:
+#                inductor's atomic one, aten's sorted one, kernels/triton_embedding.py), then its GPU test
 #   compile-repro
 #                compiled training's bits run to run (scripts/compile_repro.py): default compile twice and CUDA graphs
 #                once on repeated-token text: the embedding's backward inductor's, then aten's sorted one (the model's),
@@ -361,6 +364,16 @@ print(re.sub('[^a-z0-9]+', '-', g).strip('-'))" "$LOG/kernel-bits.json") || die 
     timeout 240 $PY run.py -m experiment=smoke train.device=cuda intervention=baseline,fp32,sfa,pv_fp32 \
       results_dir="$LOG/results" > "$LOG/e2e.log" 2>&1; rc=$?
     tail -20 "$LOG/e2e.log"; exit $rc
+    ;;
+  embedding-grad)
+    # the token embedding's backward at GPT-2S's shape: inductor's atomic one, aten's sorted one and the Triton kernel
+    # (benchmarks/embedding_grad.py), then its GPU test
+    setup; logdir embedding-grad
+    timeout "${EG_TIMEOUT:-240}" $PY benchmarks/embedding_grad.py --out "$LOG/embedding_grad.json" \
+      > "$LOG/embedding_grad.log" 2>&1; rc=$?
+    grep -v Warning "$LOG/embedding_grad.log" | tail -8
+    $PY -m pytest -q -m gpu tests/unit/test_embedding.py > "$LOG/pytest_embedding.log" 2>&1 || rc=1
+    tail -2 "$LOG/pytest_embedding.log"; exit $rc
     ;;
   compile-repro)
     # whether compiled training reproduces its bits: inductor's embedding backward, the sorted one, and that with

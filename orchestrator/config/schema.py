@@ -92,10 +92,10 @@ class TrainConfig:
     # impl=standard; off where it is one opaque kernel, Triton or SDPA, as nanoGPT compiles) | true | false
     compile_casts: str = "auto"
     # what makes a compiled job reproduce its bits (eager jobs are left as they are): auto: the token embedding's
-    # backward is aten's sorted kernel (models/embedding.py), where inductor's is an atomic scatter-add whose order
+    # backward sorted, in a fixed order (models/embedding.py), where inductor's is an atomic scatter-add whose order
     # varies wherever a token repeats | true: that, and torch's deterministic algorithms (orchestrator/job/
     # determinism.py), which name an op without a deterministic form in the record (6.6 ms of host time a GPT-2S
-    # step on an H100) | false: inductor's own embedding backward (0.17 ms a GPT-2S step faster; two runs may differ)
+    # step on an H100) | false: inductor's own embedding backward (two runs may differ)
     deterministic: str = "auto"
     keep_last: bool = True  # false: a finished run drops last.pt (a copy of its final step_<k>.pt): half the disk
     # the most the steps left may take, judged once past the warm-up from the measured tokens/s (the speed is

@@ -335,6 +335,7 @@ def test_the_determinism_cost_is_summarized_per_attention():
 @pytest.mark.parametrize("name,sorted_grad", [("sdpa+compile", False), ("sdpa+compilesorted", True),
                                               ("sdpa+compiledet", False), ("sdpa", True),
                                               ("emulator_paper_bf16+compilenondet", True),
+                                              ("emulator_paper_bf16+compilescatter", False),
                                               ("emulator_paper_bf16+compile", True), ("emulator_paper_bf16", True)])
 def test_only_the_reference_keeps_inductors_embedding_backward(name, sorted_grad):
     v = bench.Variant(name, "tiny", 16, torch.device("cpu"))

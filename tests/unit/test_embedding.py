@@ -1,4 +1,8 @@
 """models/embedding.py: the token embedding whose backward is aten's sorted kernel, eager and compiled."""
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -108,3 +112,68 @@ def test_train_deterministic_takes_three_values_and_names_the_key_otherwise():
         check_train(TrainConfig(deterministic=ok))
     with pytest.raises(ValueError, match=r"train\.deterministic='always'.*auto, true, false"):
         check_train(TrainConfig(deterministic="always"))
+
+
+INTERP = os.environ.get("TRITON_INTERPRET") == "1"
+interp = pytest.mark.skipif(not INTERP, reason="runs in a child process with TRITON_INTERPRET=1 (see "
+                            "test_the_triton_kernel_in_the_interpreter)")
+
+
+def test_the_triton_kernel_in_the_interpreter():
+    """kernels/triton_embedding.py on Triton's CPU interpreter (FP32 logic), in a child process."""
+    if INTERP:
+        pytest.skip("already inside the interpreter run")
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "interpreter_case",
+                          os.path.abspath(__file__)], env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
+    assert " passed" in res.stdout and "skipped" not in res.stdout.split("passed")[-1], res.stdout[-500:]
+
+
+@interp
+@pytest.mark.parametrize("N,C,V,ids", [(16, 8, 50, 5), (300, 300, 40, 3), (100, 768, 1000, 1000), (97, 70, 10, 1),
+                                       (0, 16, 4, 4)])
+def test_interpreter_case_sums_each_ids_rows_in_a_fixed_order(N, C, V, ids):
+    """Against an FP64 sum: within FP32 rounding; a second call gives the same bits; an id seen once gets its row
+    exactly; rows no id touches are zero. (97, 70, 10, 1): one id's run across four tiles of RB rows, C not a
+    multiple of BLOCK_C."""
+    from flash_forensics.kernels import triton_embedding as te
+    g = torch.Generator().manual_seed(N + C)
+    idx = torch.randint(0, ids, (N,), generator=g)
+    grad = torch.randn(N, C, generator=g)
+    out = te.embedding_grad(grad, idx, V)
+    ref = torch.zeros(V, C, dtype=torch.float64).index_add_(0, idx, grad.double())
+    assert out.shape == (V, C) and out.dtype == grad.dtype
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(out, te.embedding_grad(grad, idx, V))
+    counts = torch.bincount(idx, minlength=V)
+    for r in torch.nonzero(counts == 1).flatten().tolist():
+        assert torch.equal(out[r], grad[(idx == r).nonzero()[0, 0]])
+    assert not out[counts == 0].any()
+
+
+@pytest.mark.gpu
+def test_gpu_triton_embedding_grad_is_atens_sum_in_a_fixed_order_without_a_sync():
+    """At GPT-2S's shape with text-like ids (Zipf: the most frequent id over a thousand times in 16K): the Triton
+    kernel gives aten's sums within FP32 rounding, the same bits twice, and never syncs the host; the op routes CUDA
+    tensors to it."""
+    from flash_forensics.kernels import triton_embedding as te
+    from flash_forensics.models import embedding
+    V, C, N = 50304, 768, 16384
+    g = torch.Generator().manual_seed(0)
+    idx = torch.multinomial(1.0 / torch.arange(1, V + 1, dtype=torch.float64), N, replacement=True,
+                            generator=g).cuda()
+    grad = torch.randn(N, C, generator=g).cuda()
+    te.embedding_grad(grad, idx, V)  # compiled outside the sync check
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        a = te.embedding_grad(grad, idx, V)
+        b = embedding.embedding_grad(grad, idx, V)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert torch.equal(a, b)
+    ref = torch.ops.aten.embedding_dense_backward(grad, idx, V, -1, False)
+    torch.testing.assert_close(a, ref, rtol=1e-5, atol=1e-4)
+    assert int(torch.bincount(idx).max()) > 1000
