@@ -6,7 +6,8 @@
   step (a zero fill and atomic adds: the bits vary run to run where an id repeats);
 - aten: aten.embedding_dense_backward, eager (sorted, deterministic: what a compiled job ran with
   models/embedding.py before the Triton kernel);
-- triton: kernels/triton_embedding.py (a stable sort, then each id's rows summed in a fixed order).
+- triton: kernels/triton_embedding.py (a stable sort, then each id's rows summed in a fixed order); triton_rb..:
+  other launches of it (LAUNCHES), and int32 sort keys.
 Two id distributions of N = --tokens ids over GPT-2's padded vocab (50304): uniform (few repeats) and Zipf (s = 1,
 as text: the most frequent id about 1 in 11). Each method's time by triton.testing.do_bench (L2 flushed), in rounds,
 the order rotated each round; the median per method. Also recorded: whether two calls of a method gave the same
@@ -36,12 +37,20 @@ def ids(kind: str, n: int, g: torch.Generator) -> torch.Tensor:
     return torch.multinomial(w, n, replacement=True, generator=g)
 
 
+# the Triton kernel's launches timed beside its default: (rows summed a step, columns a program, warps, int32 keys)
+LAUNCHES = [(32, 256, 4, True), (16, 1024, 8, True), (32, 512, 4, True), (64, 256, 8, True), (8, 1024, 4, True)]
+
+
 def methods():
     from flash_forensics.kernels.triton_embedding import embedding_grad
     aten = torch.ops.aten.embedding_dense_backward
     compiled = torch.compile(lambda g, i: aten(g, i, V, -1, False))
-    return {"inductor": compiled, "aten": lambda g, i: aten(g, i, V, -1, False),
-            "triton": lambda g, i: embedding_grad(g, i, V)}
+    out = {"inductor": compiled, "aten": lambda g, i: aten(g, i, V, -1, False),
+           "triton": lambda g, i: embedding_grad(g, i, V)}
+    for rb, bc, w, k32 in LAUNCHES:
+        out[f"triton_rb{rb}_c{bc}_w{w}{'_k32' if k32 else ''}"] = (
+            lambda g, i, rb=rb, bc=bc, w=w, k32=k32: embedding_grad(g, i, V, rb, bc, w, k32))
+    return out
 
 
 def main(argv=None) -> dict:

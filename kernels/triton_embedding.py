@@ -42,18 +42,23 @@ def _embedding_grad_kernel(G, PERM, SORTED, OUT, N, C, sg, so, RB: tl.constexpr,
         tl.store(OUT + rid.to(tl.int64) * so + cols, acc.to(OUT.dtype.element_ty), mask=cok)
 
 
-def embedding_grad(grad: torch.Tensor, idx: torch.Tensor, num_weights: int) -> torch.Tensor:
-    """(num_weights, C) in grad's dtype: each id's rows of grad (..., C) summed in FP32, in a fixed order."""
+def embedding_grad(grad: torch.Tensor, idx: torch.Tensor, num_weights: int, rb: int = RB,
+                   block_c: int = BLOCK_C, num_warps: int = 4, key32: bool = False) -> torch.Tensor:
+    """(num_weights, C) in grad's dtype: each id's rows of grad (..., C) summed in FP32, in a fixed order.
+    rb, block_c, num_warps: the launch (benchmarks/embedding_grad.py times others); key32: the ids sorted as int32
+    (fewer radix passes; ids below 2**31), the same order."""
     C = grad.shape[-1]
     g = grad.reshape(-1, C)
     if g.stride(-1) != 1:
         g = g.contiguous()
-    sorted_ids, perm = torch.sort(idx.reshape(-1), stable=True)
+    keys = idx.reshape(-1)
+    sorted_ids, perm = torch.sort(keys.to(torch.int32) if key32 else keys, stable=True)
     out = torch.zeros((num_weights, C), dtype=grad.dtype, device=grad.device)
     N = sorted_ids.numel()
     if N:
-        _embedding_grad_kernel[(N, triton.cdiv(C, BLOCK_C))](g, perm, sorted_ids, out, N, C, g.stride(0),
-                                                             out.stride(0), RB=RB, BLOCK_C=BLOCK_C)
+        _embedding_grad_kernel[(N, triton.cdiv(C, block_c))](g, perm, sorted_ids, out, N, C, g.stride(0),
+                                                             out.stride(0), RB=rb, BLOCK_C=block_c,
+                                                             num_warps=num_warps)
     return out
 
 
