@@ -317,8 +317,7 @@ class Variant:
                 torch.cuda.set_sync_debug_mode(0)
         _sync(self.dev)
         self.losses.pop()
-        self.syncs = [f"{os.path.relpath(w.filename, ROOT) if w.filename.startswith(ROOT) else w.filename}:{w.lineno}"
-                      for w in caught if "synchroniz" in str(w.message)]
+        self.syncs = sync_sites(caught)
 
     def row(self, batch, T, warmup):
         timed = self.times
@@ -335,6 +334,16 @@ class Variant:
                     steps_timed=len(timed), warmup_steps=warmup, warmup_s=round(self.warmup_s, 2),
                     losses=[float(v) for v in torch.stack(self.losses).cpu()] if self.losses else [],
                     routes=self.model.attention_routes()[:1], compile_mode=MODES.get(self.name.partition("+")[2]))
+
+
+SYNC_WARNING = "called a synchronizing CUDA operation"  # torch's words for a sync under set_sync_debug_mode
+
+
+def sync_sites(caught) -> list:
+    """file:line of each warning that says a sync happened (not set_sync_debug_mode's own notice that the mode is a
+    prototype, which the first switch-on shows: 2026-12-07 it was read as one sync of sdpa+compile)."""
+    return [f"{os.path.relpath(w.filename, ROOT) if w.filename.startswith(ROOT) else w.filename}:{w.lineno}"
+            for w in caught if SYNC_WARNING in str(w.message)]
 
 
 def fresh_entry(model, tag: str):

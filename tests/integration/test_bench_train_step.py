@@ -2,6 +2,7 @@
 speed`): every variant built from the same weights and fed the same batches, timed round-robin with the order
 rotated, the SDPA op that ran recorded, the JSON rewritten each round; the compiled-vs-eager comparison by hand."""
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -370,3 +371,14 @@ def test_a_casts_mode_compiles_its_own_graph_beside_its_twin(tmp_path, dynamo_ea
     f = bench.fresh_entry(lambda a, b: a - b, "x+y")
     assert f.__code__.co_name == "entry_x_y" and f(5, 3) == 2
     assert f.__code__ is not bench.fresh_entry(lambda a, b: a, "x+y").__code__
+
+
+def test_host_syncs_are_the_sync_warnings_and_not_the_modes_notice():
+    import warnings
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        warnings.warn("Synchronization debug mode is a prototype feature and does not yet detect all synchronizing "
+                      "operations", stacklevel=1)
+        warnings.warn(bench.SYNC_WARNING, stacklevel=1)
+    assert len(caught) == 2
+    assert bench.sync_sites(caught) == [f"{os.path.relpath(caught[1].filename, bench.ROOT)}:{caught[1].lineno}"]
