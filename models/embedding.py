@@ -66,7 +66,7 @@ class _TokenEmbedding(torch.autograd.Function):
 
 
 def token_embedding(idx: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """weight[idx], whose gradient is aten's sorted embedding backward (module docstring)."""
+    """weight[idx], whose gradient is sorted and summed in a fixed order (embedding_grad; module docstring)."""
     return _TokenEmbedding.apply(idx, weight)
 
 

@@ -259,9 +259,9 @@ class GPT(nn.Module):
         ))
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # tied embeddings
-        # the token embedding's backward: aten's sorted kernel, compiled or not (models/embedding.py), so compiled
+        # the token embedding's backward sorted, in a fixed order, compiled or not (models/embedding.py), so compiled
         # training reproduces its bits; False: nn.Embedding's own, which inductor lowers to a scatter-add, atomic on a
-        # GPU (benchmarks/train_step.py's sdpa+compile, the number to beat, compiles as nanoGPT does)
+        # GPU. A job sets it per train.deterministic (eager jobs: False, nn.Embedding's bits as recorded)
         self.sorted_embedding_grad = True
         self.apply(self._init_weights)
         for name, p in self.named_parameters():

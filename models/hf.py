@@ -91,7 +91,7 @@ class HFModel(nn.Module):
         check_attention(att, cfg)
         self.config, self.attention_config = cfg, att
         self.hf = AutoModelForCausalLM.from_config(hf_config(cfg), attn_implementation=NAME)
-        # the token embedding's backward aten's sorted kernel, compiled too (models/gpt.py has the same switch)
+        # the token embedding's backward sorted, in a fixed order (models/embedding.py; models/gpt.py's switch)
         self.sorted_embedding_grad = True
         H = cfg.n_head
         for i, mod in enumerate(attention_layers(self.hf)):  # knobs checked above (check_attention)
@@ -104,7 +104,7 @@ class HFModel(nn.Module):
         B, T = idx.shape
         if T > self.config.block_size:
             raise ValueError(f"sequence length {T} exceeds model.block_size={self.config.block_size}")
-        if self.sorted_embedding_grad:  # as GPT's (models/embedding.py); eager, the bits of transformers' own
+        if self.sorted_embedding_grad:  # as GPT's (models/embedding.py); on a CPU the bits of transformers' own
             logits = self.hf(inputs_embeds=token_embedding(idx, self.hf.get_input_embeddings().weight)).logits
         else:
             logits = self.hf(input_ids=idx).logits
