@@ -63,7 +63,7 @@ def main(argv=None) -> dict:
         sys.exit("embedding_grad: needs a CUDA GPU")
     import triton.testing
 
-    from benchmarks.envinfo import environment
+    from benchmarks.envinfo import environment, write_json
     out = dict(environment(sys.argv[1:] if argv is None else argv, __file__), tokens=args.tokens, vocab=V, width=C,
                rows=[])
     fns = methods()
@@ -86,10 +86,7 @@ def main(argv=None) -> dict:
             print(json.dumps({k: v for k, v in row.items() if k != "rounds_ms"}), flush=True)
     path = args.out or os.path.join(ROOT, "results", "bench",
                                     f"embedding-grad-{out['gpu'].split()[-1].lower()}.json")
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(out, f, indent=1)
-    print(f"wrote {path}")
+    write_json(out, path)
     return out
 
 

@@ -18,3 +18,12 @@ def environment(argv, script: str) -> dict:
                 gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version(), python=platform.python_version(),
                 time=time.strftime("%Y-%m-%dT%H:%M:%S"))
+
+
+def write_json(out: dict, path: str, indent: int = 1) -> None:
+    """The benchmark's JSON at path (its folder made), and a line saying where."""
+    import json
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(out, f, indent=indent)
+    print(f"wrote {path}")

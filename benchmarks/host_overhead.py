@@ -44,6 +44,8 @@ if ROOT not in sys.path:
 
 import torch  # noqa: E402
 
+from benchmarks.envinfo import write_json  # noqa: E402
+
 KNOBS = {  # name -> AttentionKnobs fields (counters: the layer's AttnStats is given)
     "fa2": dict(recipe="fa2", counters=False),
     "fa2_counters": dict(recipe="fa2", counters=True),
@@ -292,10 +294,7 @@ def main(argv=None):
             got[n].append((time.perf_counter() - t0) / a.iters * 1e6)
     out["schema"] = {n: statistics.median(v) for n, v in got.items()}
     print(json.dumps({"schema": out["schema"]}), flush=True)
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(out, f, indent=2)
-    print(f"wrote {path}")
+    write_json(out, path, indent=2)
     return out
 
 

@@ -13,31 +13,24 @@ in a compiled fa2 training step the sorted path cost 0.8% of tokens/s.
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 
+try:  # Triton is optional: without it aten's kernel, deterministic too
+    from flash_forensics.kernels.triton_embedding import embedding_grad as _triton_grad
+except ImportError:  # pragma: no cover - exercised only where triton is missing
+    _triton_grad = None
+
 LIB = "flash_forensics"
 TRITON = {"on": True}  # False: aten's CUDA kernel instead of the Triton one (benchmarks time the two)
-
-
-@functools.lru_cache(maxsize=1)
-def _triton_grad():
-    try:
-        from flash_forensics.kernels.triton_embedding import embedding_grad as grad_fn
-    except ImportError:  # no triton: aten's kernel, deterministic too
-        return None
-    return grad_fn
 
 
 @torch.library.custom_op(f"{LIB}::embedding_grad", mutates_args=())
 def embedding_grad(grad: torch.Tensor, idx: torch.Tensor, num_weights: int) -> torch.Tensor:
     """d(embedding)/d(weight) (no padding index, no frequency scaling): kernels/triton_embedding.py on CUDA, else
     aten's dense embedding backward."""
-    fn = _triton_grad() if grad.is_cuda and TRITON["on"] else None
-    if fn is not None:
-        return fn(grad, idx, num_weights)
+    if _triton_grad is not None and grad.is_cuda and TRITON["on"]:
+        return _triton_grad(grad, idx, num_weights)
     return torch.ops.aten.embedding_dense_backward(grad, idx, num_weights, -1, False)
 
 
