@@ -5,7 +5,7 @@
 A 2-layer GPT (Triton fa2 attention, counters on) trains 6 steps of 2 micro-batches on text made of 25 token ids,
 as real text repeats its tokens, three ways per setting: torch.compile's default mode twice and mode="reduce-overhead"
 (CUDA graphs) once. The settings: the token embedding's backward left to inductor (nn.Embedding's, lowered to an
-atomic scatter-add), then aten's sorted one as the model trains (models/embedding.py; a compiled job's default),
+atomic scatter-add), then the sorted one the model trains with (models/embedding.py; a compiled job's default),
 then that inside orchestrator/job/determinism.py's scope (train.deterministic=true). Prints whether the losses and
 the counters are bit-identical.
 """

@@ -46,7 +46,7 @@
 #                inductor's atomic one, aten's sorted one, kernels/triton_embedding.py), then its GPU test
 #   compile-repro
 #                compiled training's bits run to run (scripts/compile_repro.py): default compile twice and CUDA graphs
-#                once on repeated-token text: the embedding's backward inductor's, then aten's sorted one (the model's),
+#                once on repeated-token text: the embedding's backward inductor's, then the sorted one (the model's),
 #                then that inside torch's deterministic algorithms (train.deterministic)
 #   own-model    the transformers backend on CUDA: its GPU tests and a Llama's training step, emulator vs Triton vs
 #                transformers' SDPA (benchmarks/hf_llama.py); the image's transformers (5.17.0 in 2026-11: in the declared
