@@ -6,8 +6,8 @@
   step (a zero fill and atomic adds: the bits vary run to run where an id repeats);
 - aten: aten.embedding_dense_backward, eager (sorted, deterministic: what a compiled job ran with
   models/embedding.py before the Triton kernel);
-- triton: kernels/triton_embedding.py (a stable sort, then each id's rows summed in a fixed order); triton_rb..:
-  other launches of it (LAUNCHES), and int32 sort keys.
+- triton: kernels/triton_embedding.py (a stable sort, then each id's rows summed in a fixed order); triton_FORM_rb..:
+  other launches of it (LAUNCHES), int32 sort keys, and its opt-in tile form.
 Two id distributions of N = --tokens ids over GPT-2's padded vocab (50304): uniform (few repeats) and Zipf (s = 1,
 as text: the most frequent id about 1 in 11). Each method's time by triton.testing.do_bench (L2 flushed), in rounds,
 the order rotated each round; the median per method. Also recorded: whether two calls of a method gave the same
@@ -37,8 +37,11 @@ def ids(kind: str, n: int, g: torch.Generator) -> torch.Tensor:
     return torch.multinomial(w, n, replacement=True, generator=g)
 
 
-# the Triton kernel's launches timed beside its default: (rows summed a step, columns a program, warps, int32 keys)
-LAUNCHES = [(32, 256, 4, True), (16, 1024, 8, True), (32, 512, 4, True), (64, 256, 8, True), (8, 1024, 4, True)]
+# the Triton kernel's launches timed beside its default: (rows a step or a tile, columns a program, warps, int32 keys,
+# form: "runs", one program per sorted position, the default; "tiles", one per tile of positions, opt-in)
+LAUNCHES = [(32, 256, 4, True, "runs"), (16, 1024, 8, True, "runs"), (32, 512, 4, True, "runs"),
+            (64, 256, 8, True, "runs"), (8, 1024, 4, True, "runs"), (32, 256, 4, True, "tiles"),
+            (64, 128, 4, True, "tiles"), (16, 256, 4, True, "tiles"), (32, 128, 4, False, "tiles")]
 
 
 def methods():
@@ -47,9 +50,9 @@ def methods():
     compiled = torch.compile(lambda g, i: aten(g, i, V, -1, False))
     out = {"inductor": compiled, "aten": lambda g, i: aten(g, i, V, -1, False),
            "triton": lambda g, i: embedding_grad(g, i, V)}
-    for rb, bc, w, k32 in LAUNCHES:
-        out[f"triton_rb{rb}_c{bc}_w{w}{'_k32' if k32 else ''}"] = (
-            lambda g, i, rb=rb, bc=bc, w=w, k32=k32: embedding_grad(g, i, V, rb, bc, w, k32))
+    for rb, bc, w, k32, form in LAUNCHES:
+        out[f"triton_{form}_rb{rb}_c{bc}_w{w}{'_k32' if k32 else ''}"] = (
+            lambda g, i, rb=rb, bc=bc, w=w, k32=k32, form=form: embedding_grad(g, i, V, rb, bc, w, k32, form))
     return out
 
 

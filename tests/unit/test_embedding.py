@@ -131,30 +131,50 @@ def test_the_triton_kernel_in_the_interpreter():
     assert " passed" in res.stdout and "skipped" not in res.stdout.split("passed")[-1], res.stdout[-500:]
 
 
+FORMS = [dict(), dict(form="tiles"), dict(form="tiles", rb=4, block_c=16, key32=True)]
+
+
 @interp
-@pytest.mark.parametrize("N,C,V,ids", [(16, 8, 50, 5), (300, 300, 40, 3), (100, 768, 1000, 1000), (97, 70, 10, 1),
-                                       (0, 16, 4, 4)])
-def test_interpreter_case_sums_each_ids_rows_in_a_fixed_order(N, C, V, ids):
+@pytest.mark.parametrize("form", FORMS, ids=["runs", "tiles", "tiles_rb4"])
+@pytest.mark.parametrize("N,C,V,ids", [(16, 8, 50, 5), (120, 40, 40, 3), (60, 300, 1000, 1000), (97, 70, 10, 1),
+                                       (0, 16, 4, 4), (33, 5, 7, 2)])
+def test_interpreter_case_sums_each_ids_rows_in_a_fixed_order(N, C, V, ids, form):
     """Against an FP64 sum: within FP32 rounding; a second call gives the same bits; an id seen once gets its row
-    exactly; rows no id touches are zero. (97, 70, 10, 1): one id's run across four tiles of RB rows, C not a
-    multiple of BLOCK_C."""
+    exactly; rows no id touches are zero. (97, 70, 10, 1): one id's run across four tiles of RB rows (tiles_rb4: 25),
+    C not a multiple of BLOCK_C; (33, 5, 7, 2): a run ending where a tile ends, the last tile one row."""
     from flash_forensics.kernels import triton_embedding as te
     g = torch.Generator().manual_seed(N + C)
     idx = torch.randint(0, ids, (N,), generator=g)
     grad = torch.randn(N, C, generator=g)
-    out = te.embedding_grad(grad, idx, V)
+    out = te.embedding_grad(grad, idx, V, **form)
     ref = torch.zeros(V, C, dtype=torch.float64).index_add_(0, idx, grad.double())
     assert out.shape == (V, C) and out.dtype == grad.dtype
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
-    assert torch.equal(out, te.embedding_grad(grad, idx, V))
+    assert torch.equal(out, te.embedding_grad(grad, idx, V, **form))
     counts = torch.bincount(idx, minlength=V)
     for r in torch.nonzero(counts == 1).flatten().tolist():
         assert torch.equal(out[r], grad[(idx == r).nonzero()[0, 0]])
     assert not out[counts == 0].any()
 
 
+@interp
+@pytest.mark.parametrize("form", FORMS, ids=["runs", "tiles", "tiles_rb4"])
+def test_interpreter_case_a_nan_stays_in_its_own_ids_row(form):
+    """A diverging run's NaN gradient row reaches only its token's row, as aten's kernel keeps it: the tile form
+    sums each id's rows alone (a segmented scan), never multiplying other ids' rows by zero."""
+    from flash_forensics.kernels import triton_embedding as te
+    idx = torch.tensor([3, 1, 3, 2, 1, 3, 2, 2, 0, 1] * 3)
+    grad = torch.randn(idx.numel(), 6, generator=torch.Generator().manual_seed(0))
+    grad[4, 2] = float("nan")  # token 1's
+    out = te.embedding_grad(grad, idx, 5, **form)
+    ref = torch.ops.aten.embedding_dense_backward(grad, idx, 5, -1, False)
+    assert torch.isnan(out).nonzero().tolist() == [[1, 2]] == torch.isnan(ref).nonzero().tolist()
+    torch.testing.assert_close(out[[0, 2, 3, 4]], ref[[0, 2, 3, 4]])
+
+
 @pytest.mark.gpu
-def test_gpu_triton_embedding_grad_is_atens_sum_in_a_fixed_order_without_a_sync():
+@pytest.mark.parametrize("form", ["runs", "tiles"])
+def test_gpu_triton_embedding_grad_is_atens_sum_in_a_fixed_order_without_a_sync(form):
     """At GPT-2S's shape with text-like ids (Zipf: the most frequent id over a thousand times in 16K): the Triton
     kernel gives aten's sums within FP32 rounding, the same bits twice, and never syncs the host; the op routes CUDA
     tensors to it."""
@@ -165,15 +185,23 @@ def test_gpu_triton_embedding_grad_is_atens_sum_in_a_fixed_order_without_a_sync(
     idx = torch.multinomial(1.0 / torch.arange(1, V + 1, dtype=torch.float64), N, replacement=True,
                             generator=g).cuda()
     grad = torch.randn(N, C, generator=g).cuda()
-    te.embedding_grad(grad, idx, V)  # compiled outside the sync check
+    te.embedding_grad(grad, idx, V, form=form)  # compiled outside the sync check
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        a = te.embedding_grad(grad, idx, V)
-        b = embedding.embedding_grad(grad, idx, V)
+        a = te.embedding_grad(grad, idx, V, form=form)
+        b = te.embedding_grad(grad, idx, V, form=form)
+        op = embedding.embedding_grad(grad, idx, V)  # the op's route: the default form
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert torch.equal(a, b)
+    assert torch.equal(op, a) or form != "runs"
     ref = torch.ops.aten.embedding_dense_backward(grad, idx, V, -1, False)
     torch.testing.assert_close(a, ref, rtol=1e-5, atol=1e-4)
     assert int(torch.bincount(idx).max()) > 1000
+
+
+def test_an_unknown_form_is_refused_by_name():
+    te = pytest.importorskip("flash_forensics.kernels.triton_embedding")
+    with pytest.raises(ValueError, match=r"form='rows' is not allowed: expected one of runs, tiles"):
+        te.embedding_grad(torch.zeros(2, 3), torch.zeros(2, dtype=torch.long), 4, form="rows")
