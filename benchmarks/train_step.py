@@ -24,9 +24,10 @@ compiles; sdpa+compile is the number to beat). `+compilecasts` and
 `+compilenocasts` compile with that setting forced on or off, so that a compiled variant's gap to sdpa+compile splits
 into its attention's share and the setting's (`casts_cost` in the summary: tokens/s without it over with it, per
 attention). Every `+compile` runs without torch's deterministic algorithms, as a compiled job does by default
-(train.deterministic=false); `+compiledet` / `+compilenondet` force them on or off (`determinism_cost`).
-Every variant's token embedding has the sorted backward, as a compiled job trains (models/embedding.py), but the
-compiled sdpa ones: nn.Embedding's, which inductor lowers to an atomic scatter-add, as nanoGPT compiles (inside
+(train.deterministic=auto); `+compiledet` / `+compilenondet` force them on or off (`determinism_cost`).
+Every compiled variant's token embedding has the sorted backward, as a compiled job trains (models/embedding.py;
+eager variants keep nn.Embedding's, as eager jobs do), but the compiled sdpa ones: nn.Embedding's, which inductor
+lowers to an atomic scatter-add, as nanoGPT compiles (inside
 torch's deterministic algorithms, sdpa+compiledet, to aten's index_put_); `sdpa+compilesorted` is the reference with
 the sorted one and `ATTN+compilescatter` a flash variant with inductor's (train.deterministic=false)
 (`sorted_embedding_cost`). A cost pairs two rows of one attention whose other settings are the same.
@@ -113,7 +114,7 @@ CASTS = {"compilecasts": True, "compilenocasts": False}
 # (train.deterministic), +compiledet / +compilenondet force them on or off (`determinism_cost` in the summary)
 DET = {"compiledet": True, "compilenondet": False}
 # the token embedding's backward (models/gpt.py sorted_embedding_grad): the sorted one (models/embedding.py) in
-# every variant but the compiled sdpa ones, which keep nn.Embedding's (inductor's scatter-add), as nanoGPT compiles;
+# every compiled variant but the sdpa ones, which keep nn.Embedding's (inductor's scatter-add), as nanoGPT compiles;
 # sdpa+compilesorted is the reference with the sorted one, ATTN+compilescatter a flash variant with inductor's
 # (train.deterministic=false) (`sorted_embedding_cost` in the summary)
 SORTED, SCATTER = "compilesorted", "compilescatter"
@@ -224,8 +225,9 @@ class Variant:
         self.model = GPT(ModelConfig.preset(model_name, block_size=T), AttentionConfig(**ATTN[self.attn])).to(dev)
         # a casts mode differs from its +compile twin only in inductor's config, which dynamo does not guard on: it
         # would replay the twin's graph (GPT.forward's cache, parameters as inputs). A code object of its own compiles
-        self.model.sorted_embedding_grad = not (mode == SCATTER or self.attn == "sdpa" and mode in MODES
-                                                and mode != SORTED)
+        # as a job sets it (orchestrator/job/train.py): eager keeps nn.Embedding's
+        self.model.sorted_embedding_grad = self.compiled and not (mode == SCATTER or self.attn == "sdpa"
+                                                                  and mode != SORTED)
         fresh = mode in CASTS or mode in DET or mode in (SORTED, SCATTER)
         target = fresh_entry(self.model, name) if fresh else self.model
         self.fwd = (torch.compile(target, mode=MODES[mode], backend=COMPILE_BACKEND) if self.compiled
