@@ -134,14 +134,18 @@ def test_the_triton_kernel_in_the_interpreter():
 FORMS = [dict(), dict(form="tiles"), dict(form="tiles", rb=4, block_c=16, key32=True)]
 
 
+CASES = [(16, 8, 50, 5), (120, 40, 40, 3), (60, 300, 1000, 1000), (97, 70, 10, 1), (0, 16, 4, 4), (33, 5, 7, 2)]
+
+
 @interp
-@pytest.mark.parametrize("form", FORMS, ids=["runs", "tiles", "tiles_rb4"])
-@pytest.mark.parametrize("N,C,V,ids", [(16, 8, 50, 5), (120, 40, 40, 3), (60, 300, 1000, 1000), (97, 70, 10, 1),
-                                       (0, 16, 4, 4), (33, 5, 7, 2)])
+@pytest.mark.parametrize("N,C,V,ids,form", [c + (FORMS[0],) for c in CASES]  # every case on the default form
+                         + [c + (FORMS[1],) for c in ((16, 8, 50, 5), (97, 8, 10, 1), (0, 16, 4, 4))]
+                         + [c + (FORMS[2],) for c in ((120, 40, 40, 3), (97, 20, 10, 1), (33, 5, 7, 2))])
 def test_interpreter_case_sums_each_ids_rows_in_a_fixed_order(N, C, V, ids, form):
     """Against an FP64 sum: within FP32 rounding; a second call gives the same bits; an id seen once gets its row
-    exactly; rows no id touches are zero. (97, 70, 10, 1): one id's run across four tiles of RB rows (tiles_rb4: 25),
-    C not a multiple of BLOCK_C; (33, 5, 7, 2): a run ending where a tile ends, the last tile one row."""
+    exactly; rows no id touches are zero. (97, C, 10, 1): one id's run across four tiles of RB rows (25 of 4 rows),
+    C not a multiple of BLOCK_C; (33, 5, 7, 2): a run ending where a tile ends, the last tile one row. The tile form
+    on fewer cases: the interpreter runs its scan slowly."""
     from flash_forensics.kernels import triton_embedding as te
     g = torch.Generator().manual_seed(N + C)
     idx = torch.randint(0, ids, (N,), generator=g)
