@@ -8,7 +8,7 @@ torch's deterministic algorithms it calls aten's index_put_ instead, at a cost i
 kernels/triton_embedding.py (a stable sort, then each id's rows summed in a fixed order); elsewhere aten's
 embedding_dense_backward, the kernel eager training runs (it sorts too), so there a compiled step's embedding
 gradient has the eager step's bits. At GPT-2S's shape on an H100 (results/bench/gpu-h100-2026-12-07d, lease c) the
-Triton kernel took 0.28-0.29 ms alone, aten's 0.30-0.39 (TRITON["on"] = False), inductor's atomic one 0.10-0.11;
+Triton kernel took 0.28-0.29 ms alone, aten's 0.30-0.39, inductor's atomic one 0.10-0.11;
 in a compiled fa2 training step the sorted path cost 0.8% of tokens/s.
 """
 from __future__ import annotations
@@ -22,14 +22,13 @@ except ImportError:  # pragma: no cover - exercised only where triton is missing
     _triton_grad = None
 
 LIB = "flash_forensics"
-TRITON = {"on": True}  # False: aten's CUDA kernel instead of the Triton one (benchmarks time the two)
 
 
 @torch.library.custom_op(f"{LIB}::embedding_grad", mutates_args=())
 def embedding_grad(grad: torch.Tensor, idx: torch.Tensor, num_weights: int) -> torch.Tensor:
     """d(embedding)/d(weight) (no padding index, no frequency scaling): kernels/triton_embedding.py on CUDA, else
     aten's dense embedding backward."""
-    if _triton_grad is not None and grad.is_cuda and TRITON["on"]:
+    if _triton_grad is not None and grad.is_cuda:
         return _triton_grad(grad, idx, num_weights)
     return torch.ops.aten.embedding_dense_backward(grad, idx, num_weights, -1, False)
 

@@ -3,8 +3,8 @@
 Inductor lowers nn.Embedding's backward (a scatter-add over the batch's token ids) to atomic adds, whose order varies
 from run to run wherever a token repeats: on an H100 (2026-12-07, results/bench/gpu-h100-2026-12-07c) two
 default-mode compiled runs of a 25-token text gave different losses from the first steps, and with
-torch.use_deterministic_algorithms the same bits, CUDA graphs or not. The models now take that backward from aten's
-sorted kernel (models/embedding.py), and compiled runs reproduce without this scope (gpu-h100-2026-12-07d), which
+torch.use_deterministic_algorithms the same bits, CUDA graphs or not. The models now sort that backward and sum it in
+a fixed order (models/embedding.py), and compiled runs reproduce without this scope (gpu-h100-2026-12-07d), which
 then cost 6.6 ms of host time a GPT-2S step. What it still gives: an op without a deterministic form warns and is
 named in the job's record. Eager training is left as it is (its recorded first steps and divergence steps are its
 bits).
