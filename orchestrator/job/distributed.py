@@ -54,6 +54,7 @@ class DistInfo:
     backend: Optional[str] = None  # None when no process group was created (world_size 1)
     source: str = "single"  # single | torchrun | slurm | submitit_local
     cpu_group: object = None  # a gloo group for small host-side agreements (preemption flag) without device syncs
+    owns_group: bool = False  # init_distributed created the process group, so the job's end destroys it
 
     @property
     def is_main(self) -> bool:
@@ -151,13 +152,14 @@ def init_distributed(cfg: Optional[DistConfig] = None, device: str = "auto", slo
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
-    if not dist.is_initialized():
+    owns = not dist.is_initialized()  # a caller's own group is left to the caller
+    if owns:
         dist.init_process_group(backend=backend, init_method="env://", rank=env["rank"],
                                 world_size=env["world_size"], timeout=timedelta(seconds=int(cfg.timeout_s)),
                                 **({"device_id": dev} if dev.type == "cuda" else {}))
     cpu_group = dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
     return DistInfo(rank=env["rank"], local_rank=env["local_rank"], world_size=env["world_size"], device=dev,
-                    backend=backend, source=env["source"], cpu_group=cpu_group)
+                    backend=backend, source=env["source"], cpu_group=cpu_group, owns_group=owns)
 
 
 def is_main(info: Optional[DistInfo] = None) -> bool:
@@ -201,7 +203,14 @@ def any_rank(flag: bool, info: DistInfo) -> bool:
 
 
 def cleanup(info: Optional[DistInfo] = None) -> None:
+    """Destroy the process group (the one `info` owns; with no info, whatever group is up).
+
+    A gloo process left to the interpreter's exit can abort there ("terminate called without an active exception",
+    SIGABRT): its worker threads outlive the interpreter's teardown. A finished rank then fails its torchrun.
+    """
     import torch.distributed as dist
 
+    if info is not None and not info.owns_group:
+        return
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()

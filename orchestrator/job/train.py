@@ -37,7 +37,7 @@ from flash_forensics.orchestrator.job import checkpoint, run_end
 from flash_forensics.orchestrator.job import checkpoint_policy as snapshot
 from flash_forensics.orchestrator.job.ckpt_writer import CheckpointWriter
 from flash_forensics.orchestrator.job.determinism import deterministic_algorithms
-from flash_forensics.orchestrator.job.distributed import init_distributed
+from flash_forensics.orchestrator.job.distributed import cleanup, init_distributed
 from flash_forensics.orchestrator.job.folder import read_job_start, write_job_start
 from flash_forensics.orchestrator.job.optim import build_optimizer
 from flash_forensics.orchestrator.job.preemption import PreemptionGuard
@@ -335,6 +335,8 @@ class Job:
             finally:
                 if self.result.get("wall_s") is None:  # set by run_end.log_record when the run got that far
                     self.result["wall_s"] = round(time.perf_counter() - t_start, 3)
+                if self.dist is not None:
+                    cleanup(self.dist)  # every rank, every ending: see cleanup
 
     def _run(self) -> Dict[str, Any]:
         model, optimizer, step_fn, stream, val, start, device = self._setup()

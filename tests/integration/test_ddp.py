@@ -107,6 +107,60 @@ def test_ranks_agree_on_the_preemption_step():
     assert got == {0: 6, 1: 6}  # signal at step 5 on rank 1, next agreement at step 6, on both ranks
 
 
+def _job_worker(rank, world, port, port2, tmp, q):
+    """A 2-step job in this rank's process; then what is left of the process group, and a caller's own group."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    sys.path.insert(0, str(ROOT))
+    import torch.distributed as dist
+
+    from flash_forensics.orchestrator.job.distributed import DistConfig, cleanup, init_distributed
+    from tests.helpers.jobs import run_in
+
+    try:
+        result = run_in(["experiment=smoke", "intervention=fp32"], Path(tmp), "job", "train.max_steps=2",
+                        "train.warmup_steps=0", "train.eval_every=0", "train.ckpt_every=0", "monitor.log_every=1")
+        after_job = dist.is_initialized()
+        # the caller's own group, on a store of its own (the job's may not be gone on the other rank yet)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port2}", rank=rank, world_size=world)
+        info = init_distributed(DistConfig(timeout_s=60), device="cpu")
+        cleanup(info)
+        kept = dist.is_initialized()
+        dist.destroy_process_group()
+        q.put((rank, (result.get("error"), after_job, info.owns_group, kept)))
+    except BaseException as e:  # the test reports it rather than waiting for the queue's timeout
+        q.put((rank, repr(e)))
+
+
+def test_a_ranks_job_destroys_the_process_group_it_made_and_only_that(tmp_path):
+    """Left to the interpreter's exit, a gloo group aborted a finished rank (SIGABRT) and failed its torchrun."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_job_worker, args=(r, 2, *ports, str(tmp_path), q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        got = dict(q.get(timeout=240) for _ in procs)
+        for p in procs:
+            p.join(timeout=60)
+    finally:  # a rank stuck in a collective must not keep pytest from exiting
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+    # the job's own group gone on both ranks; a group the caller made survives init_distributed + cleanup
+    assert got == {0: (None, False, False, True), 1: (None, False, False, True)}, got
+    assert [p.exitcode for p in procs] == [0, 0]
+
+
 def _loss_curve(db: Path, run_id: str):
     con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
     try:
