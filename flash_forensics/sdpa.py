@@ -99,7 +99,6 @@ def check_emulated(cfg: AttentionKnobs, key: str = "flash_forensics") -> Attenti
     return cfg
 
 
-@torch.compiler.assume_constant_result
 def _inductor_rounds_as_eager() -> bool:
     """Run by dynamo while it traces a call (its result is baked into the graph), so the refusal is raised then.
 
@@ -121,16 +120,22 @@ def _inductor_rounds_as_eager() -> bool:
     return True
 
 
-# Inside a compiled graph the emulator runs eagerly (a graph break per call, its autograd node eager too): inductor
-# would otherwise generate its FP32 steps (exp, row sums, rescales) with its own reduction order and contractions,
-# which the fp32 recipe shows in the last bits and paper_bf16's roundings hide only by chance.
-_eager_emulator = torch.compiler.disable(flash_attention)
+# torch.compiler's decorators are applied where dynamo traces (below), not at import: they import dynamo, about a
+# second at the start of every command (a refused config took 5.3-6.0 s with them, 4.0-4.3 s without; a job that
+# trains imports dynamo anyway, through torch.optim).
 
 
 def check_compiled() -> None:
     """Refuse, while dynamo traces an emulator call, an inductor that would not round as eager does."""
     if torch.compiler.is_compiling():
-        _inductor_rounds_as_eager()
+        torch.compiler.assume_constant_result(_inductor_rounds_as_eager)()
+
+
+def _emulator_in_graph(*args):
+    """Inside a compiled graph the emulator runs eagerly (a graph break per call, its autograd node eager too):
+    inductor would otherwise generate its FP32 steps (exp, row sums, rescales) with its own reduction order and
+    contractions, which the fp32 recipe shows in the last bits and paper_bf16's roundings hide only by chance."""
+    return torch.compiler.disable(flash_attention)(*args)
 
 
 def recomputing() -> bool:
@@ -240,7 +245,7 @@ def attend(q, k, v, cfg: AttentionKnobs, attn_mask=None, dropout_p: float = 0.0,
         o = triton_flash.flash_attention_triton(q, k, v, cfg, stats, key_keep=key_keep if padded else None)
     else:
         check_compiled()  # the Triton route is opaque to inductor (torch.library ops): faithful as it is
-        o = (_eager_emulator if torch.compiler.is_compiling() else flash_attention)(q, k, v, cfg, stats, masking)
+        o = (_emulator_in_graph if torch.compiler.is_compiling() else flash_attention)(q, k, v, cfg, stats, masking)
     if dead is not None:  # rows with no key: 0, as SDPA (the emulator averages V there; its gradient is 0 already)
         o = torch.where(dead, torch.zeros((), dtype=o.dtype, device=o.device), o)
     o = o.to(q.dtype)

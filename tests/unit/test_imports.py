@@ -1,5 +1,9 @@
 """Imports point one way: no cycle among the project's modules (imports inside functions counted), and no project
-module imported inside a function (those imports only hid cycles). Read from the source with ast."""
+module imported inside a function (those imports only hid cycles). Read from the source with ast. And no command pays
+for dynamo's import before it compiles."""
+import subprocess
+import sys
+
 from tests.helpers import import_graph
 
 
@@ -32,3 +36,12 @@ def test_the_graph_sees_cycles_and_function_imports(tmp_path, monkeypatch):
     g = import_graph.build()
     assert g.cycles() == [["flash_forensics.kernels.a", "flash_forensics.kernels.b"]]
     assert g.function_imports == [("flash_forensics.kernels.b", 2, "flash_forensics.kernels.a")]
+
+
+def test_a_command_that_never_compiles_does_not_import_dynamo():
+    """torch.compiler's decorators import dynamo (about a second): applied at import, every command paid it."""
+    code = ("import sys, flash_forensics, flash_forensics.orchestrator.launch.task, flash_forensics.cli; "
+            "print(sorted(m for m in sys.modules if m.startswith('torch._dynamo'))[:3])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]", out.stdout
