@@ -213,4 +213,8 @@ def cleanup(info: Optional[DistInfo] = None) -> None:
     if info is not None and not info.owns_group:
         return
     if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+        try:
+            dist.destroy_process_group()
+        except Exception as e:  # never in place of the job's own error (a peer that died, a broken store)
+            print(f"[dist] rank {info.rank if info else '?'}: the process group could not be destroyed: {e}",
+                  flush=True)

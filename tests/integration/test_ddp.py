@@ -68,6 +68,21 @@ def test_global_batch_is_split_over_ranks():
         D.DistConfig(backend="mpi").validate()
 
 
+def test_a_group_that_cannot_be_destroyed_is_said_not_raised(monkeypatch, capsys):
+    """cleanup runs in the job's finally: an error there must not stand in for the job's own."""
+    import torch.distributed as dist
+
+    def broken():
+        raise RuntimeError("connection reset by peer")
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "destroy_process_group", broken)
+    D.cleanup(D.DistInfo(rank=1, world_size=2, owns_group=True))
+    assert "rank 1: the process group could not be destroyed: connection reset by peer" in capsys.readouterr().out
+    D.cleanup(D.DistInfo(rank=1, world_size=2, owns_group=False))  # not ours: not touched, nothing said
+    assert capsys.readouterr().out == ""
+
+
 def _agree_worker(rank, world, port, q):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
