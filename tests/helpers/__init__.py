@@ -1,1 +1,1 @@
-"""Test helpers: composing and running jobs, the import graph, screenshots."""
+"""Test helpers: composing and running jobs, child processes, the import graph, screenshots."""

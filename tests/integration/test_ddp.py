@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from flash_forensics.orchestrator.job import distributed as D
+from tests.helpers.procs import gather
 
 ROOT = Path(__file__).resolve().parents[2]
 DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_NTASKS", "SLURM_PROCID",
@@ -161,16 +162,7 @@ def test_a_ranks_job_destroys_the_process_group_it_made_and_only_that(tmp_path):
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = [ctx.Process(target=_job_worker, args=(r, 2, *ports, str(tmp_path), q)) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        got = dict(q.get(timeout=240) for _ in procs)
-        for p in procs:
-            p.join(timeout=60)
-    finally:  # a rank stuck in a collective must not keep pytest from exiting
-        for p in procs:
-            if p.is_alive():
-                p.kill()
+    got = dict(gather(procs, q, 240))
     # the job's own group gone on both ranks; a group the caller made survives init_distributed + cleanup
     assert got == {0: (None, False, False, True), 1: (None, False, False, True)}, got
     assert [p.exitcode for p in procs] == [0, 0]

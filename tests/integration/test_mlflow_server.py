@@ -1,11 +1,11 @@
 """The shared tracking server (scripts/mlflow_server.sh): many jobs logging at once lose and duplicate nothing."""
-import multiprocessing as mp
 import socket
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
+
+from tests.helpers.procs import forkserver, gather, write_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "mlflow_server.sh"
@@ -33,20 +33,6 @@ def server(tmp_path_factory):
         subprocess.run(["bash", str(SCRIPT), "stop", "--port", str(port), "--root", str(root)], timeout=60)
 
 
-def _writer(uri, idx, barrier, out):
-    from flash_forensics.orchestrator.tracking.tracker import Tracker, TrackingConfig
-
-    tr = Tracker(TrackingConfig(uri=uri, flush_interval_s=0.2), run_name=f"writer-{idx}", experiment="concurrency",
-                 discover_parent=False)
-    barrier.wait()  # every writer logs at the same time
-    for step in range(N_STEPS):
-        tr.log_metrics({k: float(idx * 100000 + step) for k in KEYS}, step=step)
-        if step % 10 == 0:
-            time.sleep(0.002)
-    tr.close()
-    out.put((idx, tr.run_id, tr.points_logged))
-
-
 def test_status_and_artifacts_on_the_shared_root(server):
     res = subprocess.run(["bash", str(SCRIPT), "status", "--port", str(server["port"]), "--root",
                           str(server["root"])], capture_output=True, text=True, timeout=30)
@@ -65,17 +51,12 @@ def test_status_and_artifacts_on_the_shared_root(server):
 
 
 def test_eight_concurrent_writers_lose_and_duplicate_nothing(server):
-    # forkserver: the writers fork from a fresh single-threaded server, not from this pytest worker, whose threads
-    # (earlier tests' MLflow and metrics threads) a fork copies mid-lock: one writer of 8 hung in a full suite
-    ctx = mp.get_context("forkserver")
+    ctx = forkserver()
     barrier, out = ctx.Barrier(N_PROCS), ctx.Queue()
-    procs = [ctx.Process(target=_writer, args=(server["uri"], i, barrier, out)) for i in range(N_PROCS)]
-    for p in procs:
-        p.start()
-    results = [out.get(timeout=180) for _ in procs]
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
+    procs = [ctx.Process(target=write_metrics, args=(server["uri"], i, barrier, out, N_STEPS, KEYS))
+             for i in range(N_PROCS)]
+    results = gather(procs, out, 180)
+    assert [p.exitcode for p in procs] == [0] * N_PROCS
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=server["uri"])

@@ -3,7 +3,6 @@
 an MLflow store alone (report --from-mlflow), the many-runs loss plot and legend labels, and meta given as text."""
 import json
 import math
-import multiprocessing as mp
 import os
 from pathlib import Path
 
@@ -16,6 +15,7 @@ from flash_forensics.orchestrator.job.fork import ForkError, pick, sweep_file_jo
 from flash_forensics.orchestrator.report import plots
 from flash_forensics.orchestrator.report import sweep as report
 from flash_forensics.orchestrator.verdict import DivergenceDetector, VerdictConfig
+from tests.helpers.procs import forkserver, gather, open_store
 
 ROOT = Path(__file__).resolve().parents[2]
 SWEEPS = ROOT / "sweeps"
@@ -159,37 +159,16 @@ def test_sweep_file_jobs_several_files_and_cli(tmp_path, capsys):
 
 
 # ------------------------------------------------------------------------------ tracking: the store's lock
-def _open_store(uri, barrier, i, results):
-    try:
-        from flash_forensics.orchestrator.tracking.tracker import get_or_create_experiment, make_client, retry
-        barrier.wait(timeout=120)  # imports done: everyone opens the fresh store at the same moment
-        client = make_client(uri)
-        exp = get_or_create_experiment(client, "race", uri)
-        # later writes retried while another writer holds sqlite's lock, as the Tracker does: this test is about
-        # creating the store, not about write contention
-        run = retry(client.create_run, exp, run_name=f"w{i}")
-        retry(client.log_metric, run.info.run_id, "train/loss", 1.0 + i, step=0)
-        retry(client.set_terminated, run.info.run_id)
-        results.put((i, "ok", run.info.run_id))
-    except BaseException as e:  # noqa: BLE001  reported to the test, which names it
-        results.put((i, "error", f"{type(e).__name__}: {e}"[:2000]))
-
-
 def test_fresh_sqlite_store_opened_by_four_processes(tmp_path):
     db = tmp_path / "store" / "new.db"
     uri = f"sqlite:///{db}"
     assert not db.exists()
-    # forked, not spawned: four processes all the same (each opens the store, and takes the flock on <db>.lock, on
-    # its own), without four fresh interpreters re-importing this module, torch and MLflow (~20 CPU-seconds); with
-    # the lock removed they still collide on MLflow's table creation and this test fails
-    ctx = mp.get_context("fork")
+    # four processes all the same (each opens the store, and takes the flock on <db>.lock, on its own); with the lock
+    # removed they still collide on MLflow's table creation and this test fails
+    ctx = forkserver()
     barrier, results = ctx.Barrier(4), ctx.Queue()
-    procs = [ctx.Process(target=_open_store, args=(uri, barrier, i, results)) for i in range(4)]
-    for p in procs:
-        p.start()
-    got = [results.get(timeout=240) for _ in procs]
-    for p in procs:
-        p.join(timeout=60)
+    procs = [ctx.Process(target=open_store, args=(uri, barrier, i, results)) for i in range(4)]
+    got = gather(procs, results, 240)
     assert all(s == "ok" for _, s, _ in got), [g for g in got if g[1] != "ok"]
     assert [p.exitcode for p in procs] == [0] * 4
     assert not Path(str(db) + ".lock").exists()  # its holder removes the lock file: none is left behind
