@@ -2,6 +2,7 @@
 every benchmark, so that none imports another for it)."""
 from __future__ import annotations
 
+import json
 import os
 import platform
 import time
@@ -22,7 +23,6 @@ def environment(argv, script: str) -> dict:
 
 def write_json(out: dict, path: str, indent: int = 1) -> None:
     """The benchmark's JSON at path (its folder made), and a line saying where."""
-    import json
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         json.dump(out, f, indent=indent)

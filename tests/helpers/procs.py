@@ -1,5 +1,6 @@
-"""Child processes that a test starts and collects, and that never outlive it."""
+"""Child processes that a test starts and collects, and that never outlive it; a free port for what they serve."""
 import multiprocessing as mp
+import socket
 import time
 from typing import List
 
@@ -8,6 +9,13 @@ from typing import List
 # interpreters' worth of CPU on a 2-core machine). Only the test that starts this worker's forkserver applies it;
 # every test names the same modules.
 FORKSERVER_PRELOAD = ["mlflow.tracking", "flash_forensics.orchestrator.tracking.tracker", "tests.helpers.procs"]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (the OS picks it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def forkserver():

@@ -18,17 +18,11 @@ import pytest
 
 from flash_forensics.orchestrator.report import verdict_view
 from tests.helpers import screenshots
+from tests.helpers.procs import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "mlflow_server.sh"
 SHOTS = ROOT / "results" / "dashboard_ci"
-
-
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _api(uri, endpoint, body=None, **query):
@@ -42,7 +36,7 @@ def _api(uri, endpoint, body=None, **query):
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory):
     root = tmp_path_factory.mktemp("dash")
-    port = _free_port()
+    port = free_port()
     srv = ["bash", str(SCRIPT), "start", "--port", str(port), "--root", str(root / "server")]
     res = subprocess.run(srv, capture_output=True, text=True, timeout=180)
     assert res.returncode == 0, res.stdout + res.stderr

@@ -6,7 +6,6 @@ opens the model-training UI, not GenAI; run.log is one click from the run page."
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import time
 import urllib.request
@@ -18,15 +17,10 @@ from flash_forensics.orchestrator.report import links, verdict_view
 from flash_forensics.orchestrator.report import rows as R
 from flash_forensics.orchestrator.tracking.store import get_or_create_experiment, make_client
 from tests.helpers import screenshots
+from tests.helpers.procs import free_port
 
 N_JOBS = 12
 LOG_LINE = "[job] step 10/10: train loss 4.1000, the log of job"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +52,7 @@ def store(tmp_path_factory):
                      "overrides": [f"intervention={iv}"], "setup": {"train.seed": "1"}})
     R.compare(rows)
     key = verdict_view.publish(c, rows, {**{r["mlflow_run_id"]: exp for r in rows}, parent: exp}, parent)
-    port = _free_port()
+    port = free_port()
     os.environ[links.UI_URL_ENV] = f"http://127.0.0.1:{port}"
     try:
         printed = links.link_lines(uri, exp, parent, share_key=key)

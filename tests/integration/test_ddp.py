@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from flash_forensics.orchestrator.job import distributed as D
-from tests.helpers.procs import gather
+from tests.helpers.procs import free_port, gather
 
 ROOT = Path(__file__).resolve().parents[2]
 DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_NTASKS", "SLURM_PROCID",
@@ -105,13 +105,9 @@ def _agree_worker(rank, world, port, q):
 
 
 def test_ranks_agree_on_the_preemption_step():
-    import socket
-
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = [ctx.Process(target=_agree_worker, args=(r, 2, port, q)) for r in range(2)]
@@ -150,15 +146,9 @@ def _job_worker(rank, world, port, port2, tmp, q):
 
 def test_a_ranks_job_destroys_the_process_group_it_made_and_only_that(tmp_path):
     """Left to the interpreter's exit, a gloo group aborted a finished rank (SIGABRT) and failed its torchrun."""
-    import socket
-
     import torch.multiprocessing as mp
 
-    ports = []
-    for _ in range(2):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            ports.append(s.getsockname()[1])
+    ports = [free_port(), free_port()]
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = [ctx.Process(target=_job_worker, args=(r, 2, *ports, str(tmp_path), q)) for r in range(2)]

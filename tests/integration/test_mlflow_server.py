@@ -1,23 +1,16 @@
 """The shared tracking server (scripts/mlflow_server.sh): many jobs logging at once lose and duplicate nothing."""
-import socket
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from tests.helpers.procs import forkserver, gather, write_metrics
+from tests.helpers.procs import forkserver, free_port, gather, write_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "mlflow_server.sh"
 N_PROCS = 8
 N_STEPS = 150
 KEYS = ("train/loss", "train/grad_norm", "wq_sigma/L0.H0")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

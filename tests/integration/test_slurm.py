@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from flash_forensics.orchestrator.launch.cluster import ClusterError, check_slurm, check_tasks, slurm_up
+from tests.helpers.procs import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 40
@@ -234,11 +235,7 @@ def test_sweep_refused_when_controller_down(tmp_path):
 
 @needs_slurm
 def test_sweep_refused_when_tracking_server_unreachable(tmp_path):
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     before = _n_jobs()
     res = _run_py(["-m", "hydra/launcher=slurm", "experiment=smoke", "intervention=baseline,fp32",
                    f"results_dir={tmp_path}", f"tracking.uri=http://127.0.0.1:{port}"])

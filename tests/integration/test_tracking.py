@@ -1,6 +1,5 @@
 """Tracker (async batched MLflow logging, resume, errors), check_tracking, flatten_config and Monitors."""
 import http.server
-import socket
 import subprocess
 import sys
 import threading
@@ -21,6 +20,7 @@ from flash_forensics.orchestrator.tracking.tracker import (
     flatten_config,
     write_parent_file,
 )
+from tests.helpers.procs import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -155,17 +155,11 @@ def test_concurrent_processes_share_one_sqlite_store(uri):
     probe.close()
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_unreachable_server_fails_fast_with_advice():
     t0 = time.perf_counter()
     with pytest.raises(TrackingUnreachable, match=r"tracking\.uri='http://127\.0\.0\.1:\d+'.*unreachable"
                                                   r".*scripts/mlflow_server\.sh"):
-        check_tracking(f"http://127.0.0.1:{_free_port()}", timeout_s=1.0)
+        check_tracking(f"http://127.0.0.1:{free_port()}", timeout_s=1.0)
     assert time.perf_counter() - t0 < 5
 
 
