@@ -34,7 +34,7 @@ from flash_forensics.kernels.config import AttentionKnobs  # noqa: E402
 
 FWD = {  # (BLOCK_M, free BLOCK_N, num_warps, num_stages)
     "bf16": {64: [(64, 64, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 4),
-                  (64, 128, 4, 3), (128, 64, 8, 4), (64, 64, 4, 4)],
+                  (64, 128, 4, 3), (128, 64, 8, 4), (64, 64, 4, 4), (64, 64, 4, 2)],
              128: [(64, 64, 8, 3), (64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 2)]},
     "fp32": {64: [(32, 32, 4, 2), (16, 32, 4, 2), (64, 32, 4, 2), (32, 64, 4, 2), (64, 64, 8, 2)],
              128: [(32, 32, 4, 1), (16, 32, 4, 2), (32, 32, 8, 2), (16, 16, 4, 2)]},
@@ -42,7 +42,11 @@ FWD = {  # (BLOCK_M, free BLOCK_N, num_warps, num_stages)
 BWD = {  # (dkdv BLOCK_M, dkdv BLOCK_N, dq BLOCK_M, dq BLOCK_N, num_warps, num_stages)
     "bf16": {64: [(64, 64, 64, 64, 4, 3), (32, 128, 128, 32, 4, 3), (32, 128, 128, 32, 4, 5),
                   (64, 128, 128, 64, 8, 3), (64, 64, 64, 64, 4, 4), (32, 64, 64, 32, 4, 3), (64, 128, 128, 64, 4, 3),
-                  (32, 64, 64, 32, 4, 4), (64, 128, 128, 64, 8, 4)],
+                  (32, 64, 64, 32, 4, 4), (64, 128, 128, 64, 8, 4),
+                  # 2 stages: compiled for sm_90 (Triton 3.9), paper_bf16's dQ kernel takes 48 KB of shared memory
+                  # instead of 64, so 4 of its programs fit on an SM instead of 3 (its registers allow 4); its dK/dV
+                  # kernel then needs its 168-register cap (--regs dkdv=168) to stay at 3
+                  (64, 64, 64, 64, 4, 2), (32, 64, 64, 32, 4, 2)],
              128: [(32, 128, 128, 32, 8, 2), (64, 64, 64, 64, 4, 2), (64, 128, 128, 64, 8, 2), (32, 64, 64, 32, 4, 2),
                    (64, 64, 64, 64, 8, 3)]},
     "fp32": {64: [(32, 32, 32, 32, 4, 2), (16, 32, 32, 16, 4, 2), (32, 64, 64, 32, 4, 2), (16, 16, 16, 16, 2, 2),
@@ -161,15 +165,34 @@ def plan(shapes, families=None):
     return todo, skipped
 
 
-def tune_all(dev, shapes, log=print, families=None) -> dict:
+def parse_regs(text: str) -> dict:
+    """`--regs fwd=128,dkdv=168` -> kernels/triton_launch.py register_limit's caps (an empty text: none); a bad pair
+    names itself and what is allowed."""
+    from flash_forensics.kernels.triton_launch import REGISTER_KERNELS
+    caps = {}
+    for pair in filter(None, (p.strip() for p in text.split(","))):
+        name, _, n = pair.partition("=")
+        if name not in REGISTER_KERNELS or not n.isdigit() or not 24 <= int(n) <= 255:
+            raise ValueError(f"--regs {pair!r} is not allowed: expected KERNEL=N pairs, KERNEL one of "
+                             f"{', '.join(REGISTER_KERNELS)}, N from 24 to 255")
+        caps[name] = int(n)
+    return caps
+
+
+def tune_all(dev, shapes, log=print, families=None, regs=None) -> dict:
+    """Every family at every shape (plan), each candidate launched under the register caps `regs` (register_limit;
+    None or {}: each launch's default cap, REGISTER_TABLE's where it measured that launch, else none). A cap the
+    default launch already has gives another config of the same family the same cap, so a candidate that holds
+    fewer pipeline stages is timed at the occupancy the cap gives, not ptxas's."""
     from flash_forensics.kernels import triton_launch as tf
     todo, skipped = plan(shapes, families)
-    out = dict(results=[], skipped=skipped)
+    out = dict(results=[], skipped=skipped, regs=dict(regs or {}))
     for s in skipped:
         log(f"not tuning {s['family']} at {s['shape']}: {s['why']}")
     for fam, knobs, (B, H, T, D) in todo:
-        log(f"tuning {fam} at B={B} H={H} T={T} D={D}")
-        out["results"].append(tune_shape(tf, fam, knobs, B, H, T, D, dev, log))
+        log(f"tuning {fam} at B={B} H={H} T={T} D={D}" + (f" under register caps {regs}" if regs else ""))
+        with tf.register_limit(**(regs or {})):
+            out["results"].append(tune_shape(tf, fam, knobs, B, H, T, D, dev, log))
     out["shape_table"] = {"/".join(map(str, k)): list(v) for k, v in tf.SHAPE_TABLE.items()}
     return out
 
@@ -186,7 +209,13 @@ def main(argv=None):
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--families", default=",".join(FAMILIES), help="comma list of: " + ", ".join(FAMILIES))
     ap.add_argument("--out", default=None)
+    ap.add_argument("--regs", default="", help="register caps for every launch timed, e.g. fwd=128,dkdv=168 "
+                    "(kernels/triton_launch.py register_limit; default: each launch's own)")
     args = ap.parse_args(argv)
+    try:
+        regs = parse_regs(args.regs)
+    except ValueError as e:
+        ap.error(str(e))
     for name, known in (("shapes", SHAPES), ("families", FAMILIES)):
         bad = [x for x in getattr(args, name).split(",") if x not in known]
         if bad:
@@ -198,7 +227,7 @@ def main(argv=None):
                  + ": " + "; ".join(f"{s['family']} at {s['shape']}: {s['why']}" for s in skipped))
     if not torch.cuda.is_available():
         sys.exit("benchmarks/tune.py needs a CUDA GPU")
-    res = tune_all(torch.device("cuda"), shapes, families=families)
+    res = tune_all(torch.device("cuda"), shapes, families=families, regs=regs)
     from benchmarks.envinfo import environment
     res.update(environment(sys.argv[1:] if argv is None else argv, __file__))
     path = args.out or os.path.join(ROOT, "results", "bench", "tune.json")

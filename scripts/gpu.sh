@@ -28,7 +28,8 @@
 #                launch beside the launch cache); SPEED_PARTS="host train1024" runs only those; SPEED_PARTS=cudagraphs:
 #                the training step under torch.compile(mode="reduce-overhead") beside the default compile
 #   tune         launch configs timed on CUDA graphs (benchmarks/tune.py; TUNE_SHAPES, TUNE_FAMILIES, default the
-#                paper_1gpu preset's tiles at T1024); its JSON also lands in TUNE_TABLE (/tmp/ff-tune.json) for later
+#                paper_1gpu preset's tiles at T1024; TUNE_REGS, e.g. fwd=128,dkdv=168: register caps for every launch
+#                timed); its JSON also lands in TUNE_TABLE (/tmp/ff-tune.json) for later
 #                items: FF_LAUNCH_TABLE=<it> bits / first-steps (bit for bit with it?), TUNED_TABLE=<it> speed
 #                (train1024's ATTN+tuned variants)
 #   bench        the other benchmarks: emulator vs SDPA, monitor overhead, probe cost, stabilizer throughput
@@ -320,7 +321,7 @@ print(re.sub('[^a-z0-9]+', '-', g).strip('-'))" "$LOG/kernel-bits.json") || die 
     # queue item reads it: FF_LAUNCH_TABLE=/tmp/ff-tune.json bits | first-steps, TUNED_TABLE=... speed
     setup; logdir tune
     bounded "${TUNE_TIMEOUT:-300}" "$LOG/tune.log" $PY benchmarks/tune.py --shapes "${TUNE_SHAPES:-gpt2s_T1024}" \
-      --families "${TUNE_FAMILIES:-paper_1gpu}" --out "$LOG/tune.json"; rc=$?
+      --families "${TUNE_FAMILIES:-paper_1gpu}" ${TUNE_REGS:+--regs "$TUNE_REGS"} --out "$LOG/tune.json"; rc=$?
     grep -E "best" "$LOG/tune.log"
     [ -f "$LOG/tune.json" ] && cp "$LOG/tune.json" "${TUNE_TABLE:-/tmp/ff-tune.json}"
     exit $rc

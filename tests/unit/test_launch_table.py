@@ -155,3 +155,30 @@ def test_tune_never_chooses_a_faster_candidate_that_changes_a_fixed_tile_family_
     monkeypatch.setattr(tune, "BWD", {**tune.BWD, "bf16": {8: [(128, 64, 64, 128, 4, 3)]}})
     res = tune.tune_shape(fake, "fa2", tune.FAMILIES["fa2"], 1, 2, 16, 8, torch.device("cpu"), lambda msg: None)
     assert not res["keep_bits"] and res["fwd_best"] == (32, 128, 4, 3)
+
+
+def test_tune_times_its_candidates_under_the_register_caps_given_and_refuses_a_bad_one(monkeypatch, capsys):
+    """--regs fwd=128,dkdv=168: every launch tune_shape makes runs under those caps (register_limit), so a candidate
+    with fewer pipeline stages is timed at the cap its default twin has; the scope ends with the family. A bad pair
+    is refused by name before any GPU work."""
+    from benchmarks import tune
+    from flash_forensics.kernels import triton_launch as tl_
+    seen = []
+
+    def shape(tf, fam, knobs, B, H, T, D, dev, log):
+        seen.append((fam, tf.register_cap("dkdv", knobs, D, ((64, 64), (64, 64), 4, 2), True),
+                     tf.register_cap("fwd", knobs, D, (64, 64, 4, 2), True),
+                     tf.register_cap("dq", knobs, D, None, True)))
+        return dict(family=fam)
+    monkeypatch.setattr(tune, "tune_shape", shape)
+    out = tune.tune_all("cpu", [(2, 2, 1024, 64)], log=lambda m: None, families=["paper_bf16"],
+                        regs=tune.parse_regs("fwd=128,dkdv=168"))
+    assert seen == [("paper_bf16", 168, 128, None)] and out["regs"] == {"fwd": 128, "dkdv": 168}
+    knobs = tune.FAMILIES["paper_bf16"]
+    assert tl_.register_cap("dkdv", knobs, 64, ((64, 64), (64, 64), 4, 2), True) is None  # the scope ended
+    tune.tune_all("cpu", [(2, 2, 1024, 64)], log=lambda m: None, families=["paper_bf16"])
+    assert seen[-1] == ("paper_bf16", None, None, None)  # no --regs: each launch's own (none measured at 2 stages)
+    for bad in ("dkdv=300", "wgrad=128", "fwd"):
+        with pytest.raises(SystemExit):
+            tune.main(["--regs", bad])
+        assert f"--regs {bad!r} is not allowed" in capsys.readouterr().err
