@@ -201,6 +201,9 @@ REGISTER_TABLE = {
     ("fwd", "paper_bf16", "safe", 64, (64, 64, 4, 3)): 128,
     ("fwd", "paper_bf16", "safe", 64, (64, 128, 4, 2)): 168,  # experiment=paper_1gpu's
     ("dkdv", "paper_bf16", "safe", 64, ((64, 64), (64, 64), 4, 3)): 168,
+    # its 2-stage launch (SHAPE_TABLE's paper_bf16_64x64 backward at T > 256): 172 registers, 2 programs per SM, at
+    # 168 3 (8 spilled bytes, as the 3-stage launch under its cap); timed only with the cap (tune.py --regs)
+    ("dkdv", "paper_bf16", "safe", 64, ((64, 64), (64, 64), 4, 2)): 168,
 }
 # register_limit's caps for the scope (a kernel mapped to None: no cap, ptxas's own choice)
 _maxnreg: dict = {}
@@ -394,6 +397,15 @@ SHAPE_TABLE: dict = {  # ("fwd" | "bwd", family, D, length class) -> config tupl
     # stayed bit for bit, and a GPT-2S step ran 2.9-3.3% more tokens/s with the same losses.
     ("fwd", "paper_bf16_128x128", 64, "long"): (64, 128, 4, 2),
     ("bwd", "paper_bf16_128x128", 64, "long"): (128, 64, 64, 128, 4, 2),
+    # paper_bf16 at its default 64x64 tiles: the backward with 2 stages too. Its dQ kernel then takes 48 KB of shared
+    # memory instead of 64, so 4 programs fit on an SM instead of 3; its dK/dV kernel keeps 3 under REGISTER_TABLE's
+    # 168. On an H100 (2026-12-07, results/bench/gpu-h100-2026-12-07e/tune-paper_bf16-*.json, benchmarks/tune.py
+    # --regs fwd=128,dkdv=168, CUDA graphs, two runs) delta + dK/dV + dQ took 387.7 and 384.2 us at B16 H12 T1024
+    # against 390.8 and 391.6 with 3 stages, 1233.1 against 1269.5 at B4 T4096; the outputs bit for bit the 3-stage
+    # launch's, and the 17 kernel-bits cases with it bit for bit the H100 record (kernel_bits_vs_ref-stages2.log).
+    # T <= 256 ("short") was not timed: 3 stages there
+    ("bwd", "paper_bf16_64x64", 64, "long"): (64, 64, 64, 64, 4, 2),
+    ("bwd", "paper_bf16_64x64", 64, "xlong"): (64, 64, 64, 64, 4, 2),
 }
 
 

@@ -2,6 +2,7 @@
 JSON (FF_LAUNCH_TABLE, --tuned-table), scoped to a benchmark variant, and never moving a block size a recipe fixes."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -50,10 +51,19 @@ def test_a_generic_family_entry_still_applies_where_no_tile_entry_exists():
 
 def test_the_preset_launch_is_the_measured_one_and_other_tiles_keep_theirs():
     """SHAPE_TABLE's paper_bf16_128x128 entries (2 stages, measured on an H100 to keep the bits) apply to
-    experiment=paper_1gpu's attention at T1024 and to no other tile size."""
+    experiment=paper_1gpu's attention at T1024 and to no other tile size; paper_bf16's default 64x64 tiles have their
+    own backward entries (2 stages, measured at T1024 and T4096), and keep BWD_TABLE's launch where none was measured
+    (T <= 256)."""
     assert tl_.launch_config(PRESET, 64, 1024)["bwd"]["num_stages"] == 2
     assert tl_.launch_config(PRESET, 64, 1024)["fwd"]["num_stages"] == 2
-    assert tl_.launch_config(SMALL, 64, 1024)["bwd"]["num_stages"] == tl_.BWD_TABLE["paper_bf16"][64][5]
+    default = tl_.BWD_TABLE["paper_bf16"][64]
+    assert default[5] == 3
+    for T, stages in ((256, 3), (1024, 2), (4096, 2)):
+        bwd = tl_.launch_config(SMALL, 64, T)["bwd"]
+        assert (bwd["dkdv"], bwd["dq"], bwd["num_warps"], bwd["num_stages"]) == ([64, 64], [64, 64], 4, stages), T
+        assert bwd["maxnreg"]["dkdv"] == 168  # REGISTER_TABLE's cap, measured for both launches
+    for other in (dataclasses.replace(SMALL, block_q=32, block_k=32), dataclasses.replace(SMALL, tiling=False)):
+        assert tl_.launch_config(other, 64, 1024)["bwd"]["num_stages"] == default[5]  # other tiles: not measured
 
 
 def test_a_bad_launch_table_names_the_file_and_what_it_expected(tmp_path):
@@ -175,9 +185,9 @@ def test_tune_times_its_candidates_under_the_register_caps_given_and_refuses_a_b
                         regs=tune.parse_regs("fwd=128,dkdv=168"))
     assert seen == [("paper_bf16", 168, 128, None)] and out["regs"] == {"fwd": 128, "dkdv": 168}
     knobs = tune.FAMILIES["paper_bf16"]
-    assert tl_.register_cap("dkdv", knobs, 64, ((64, 64), (64, 64), 4, 2), True) is None  # the scope ended
+    assert tl_.register_cap("fwd", knobs, 64, (64, 64, 4, 2), True) is None  # the scope ended
     tune.tune_all("cpu", [(2, 2, 1024, 64)], log=lambda m: None, families=["paper_bf16"])
-    assert seen[-1] == ("paper_bf16", None, None, None)  # no --regs: each launch's own (none measured at 2 stages)
+    assert seen[-1] == ("paper_bf16", 168, None, None)  # no --regs: each launch's own (REGISTER_TABLE's where measured)
     for bad in ("dkdv=300", "wgrad=128", "fwd"):
         with pytest.raises(SystemExit):
             tune.main(["--regs", bad])

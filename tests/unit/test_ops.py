@@ -532,9 +532,10 @@ def test_gpu_launch_configs_keep_paper_bf16_bits():
     for fwd, bwd in [(None, None), ((128, 128, 8, 3), (32, 128, 128, 32, 4, 4))]:
         saved = dict(tf.SHAPE_TABLE)
         try:
-            if fwd:
-                tf.SHAPE_TABLE[("fwd", "paper_bf16", 64, tf.length_class(512))] = fwd
-                tf.SHAPE_TABLE[("bwd", "paper_bf16", 64, tf.length_class(512))] = bwd
+            if fwd:  # keyed by the tile family, which SHAPE_TABLE's own paper_bf16_64x64 entries use
+                fam = f"paper_bf16_{knobs.block_q}x{knobs.block_k}"
+                tf.SHAPE_TABLE[("fwd", fam, 64, tf.length_class(512))] = fwd
+                tf.SHAPE_TABLE[("bwd", fam, 64, tf.length_class(512))] = bwd
             o = tf.flash_attention_triton(q, k, v, knobs)
             results.append((tf.launch_config(knobs, 64, 512), o, *torch.autograd.grad(o, (q, k, v), g)))
         finally:
@@ -543,4 +544,5 @@ def test_gpu_launch_configs_keep_paper_bf16_bits():
     (c1, *r1), (c2, *r2) = results
     assert c1 != c2
     assert c2["fwd"]["BLOCK_N"] == 64 and c2["bwd"]["dkdv"][0] == 64 and c2["bwd"]["dq"][1] == 64
+    assert (c2["fwd"]["num_warps"], c2["bwd"]["num_stages"]) == (8, 4)  # both overrides launched
     assert all(torch.equal(a, b) for a, b in zip(r1, r2))
