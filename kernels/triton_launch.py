@@ -201,8 +201,9 @@ REGISTER_TABLE = {
     ("fwd", "paper_bf16", "safe", 64, (64, 64, 4, 3)): 128,
     ("fwd", "paper_bf16", "safe", 64, (64, 128, 4, 2)): 168,  # experiment=paper_1gpu's
     ("dkdv", "paper_bf16", "safe", 64, ((64, 64), (64, 64), 4, 3)): 168,
-    # its 2-stage launch (SHAPE_TABLE's paper_bf16_64x64 backward at T > 256): 172 registers, 2 programs per SM, at
-    # 168 3 (8 spilled bytes, as the 3-stage launch under its cap); timed only with the cap (tune.py --regs)
+    # its 2-stage launch (SHAPE_TABLE's paper_bf16_64x64 backward at T > 256): compiled for sm_90 (Triton 3.9), 172
+    # registers and 2 programs per SM, at 168 3 (8 spilled bytes, as the 3-stage launch under its cap); timed only
+    # with the cap (tune.py --regs)
     ("dkdv", "paper_bf16", "safe", 64, ((64, 64), (64, 64), 4, 2)): 168,
 }
 # register_limit's caps for the scope (a kernel mapped to None: no cap, ptxas's own choice)
