@@ -123,10 +123,11 @@ def tune_shape(tf, fam, knobs, B, H, T, D, dev, log):
                 log(f"  {fam:10s} {kind_key} T={T} D={D} {c}: failed {type(e).__name__}")
                 continue
             res[kind_key].append(dict(config=list(c), launch=str(eff), ms=ms, timing=timing, same_bits=same))
+            refused = keep_bits and not same  # faster or not, it would change the recipe's numbers
             # each timing as it lands: a run stopped by its time limit still says what it measured
-            log(f"  {fam:10s} {kind_key} T={T} D={D} {c}: {ms:.4f} ms ({timing}), same bits as the default: {same}")
-            if keep_bits and not same:  # faster or not, it would change the recipe's numbers
-                log(f"  {fam:10s} {kind_key} T={T} D={D} {c}: {ms:.3f} ms, bits differ from the default: not chosen")
+            log(f"  {fam:10s} {kind_key} T={T} D={D} {c}: {ms:.4f} ms ({timing}), same bits as the default: {same}"
+                + (": not chosen" if refused else ""))
+            if refused:
                 continue
             if best_ms is None or ms < best_ms:
                 best, best_ms = c, ms
