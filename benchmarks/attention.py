@@ -29,7 +29,11 @@ Methods (causal, BF16 inputs (B, H, T, D); FLOPs = 7*B*H*T^2*D per fwd+bwd):
                                             those rows with an unmasked tile's row max taken on the unscaled scores,
                                             scaled once (the default: the max of the scaled scores;
                                             kernels/triton_launch.py score_max_form)
-  (the _sec, _ptxas, _count, _top2, _acqrel, _acc32, _rawmax and _lpt rows run only when named)
+  triton_fa2_deltakernel, triton_paper_bf16_deltakernel
+                                            those recipes with delta = rowsum(dO*O) in its own kernel, as before
+                                            (the default computes it in the dQ kernel; kernels/triton_launch.py
+                                            delta_form)
+  (the _sec, _ptxas, _count, _top2, _acqrel, _acc32, _rawmax, _deltakernel and _lpt rows run only when named)
   triton_fa2_ftz, triton_paper_bf16_ftz     the same recipes with exp on ex2.approx.ftz (no denormal fix-up;
                                             kernels/triton_launch.py exp_instruction; the default: tl.exp's)
   triton_fa2_counters                       fa2 with the repeated-maxima counters and max logit (as a run logs)
@@ -108,10 +112,14 @@ KNOBS.update({row: KNOBS[base] for row, base in ACC_ROWS.items()})
 # beside the default, the max of the scaled scores (every bit the same: speed only)
 MAX_ROWS = {f"{base}_rawmax": base for base in ("triton_fa2", "triton_fa2_counters", "triton_fa2_sfa_counters")}
 KNOBS.update({row: KNOBS[base] for row, base in MAX_ROWS.items()})
-# the section, register, counter-form, score-max and all-longest-first rows only when named
+# <base>_deltakernel: delta in its own kernel before the dK/dV and dQ kernels, as before delta_form's default
+# computes it in the dQ kernel (every bit the same: speed only)
+DELTA_ROWS = {f"{base}_deltakernel": base for base in ("triton_fa2", "triton_paper_bf16")}
+KNOBS.update({row: KNOBS[base] for row, base in DELTA_ROWS.items()})
+# the section, register, counter-form, score-max, delta-kernel and all-longest-first rows only when named
 DEFAULT_METHODS = SDPA + tuple(m for m in KNOBS if "_sec" not in m and m not in REGISTER_ROWS
                                and m not in FORM_ROWS and m not in ACC_ROWS and m not in MAX_ROWS
-                               and not m.endswith("_lpt"))
+                               and m not in DELTA_ROWS and not m.endswith("_lpt"))
 TARGETS = {  # issue 33's speed targets: "<method>_vs_best_sdpa@<shape>": fwd+bwd against the fastest SDPA backend
     # that ran there (at least the ratio), "<method>_overhead_vs_fa2@<shape>": its time over plain fa2's (at most)
     "fa2_vs_best_sdpa@gpt2s_T1024": 1.0, "fa2_vs_best_sdpa@T4096": 1.0, "fa2_vs_best_sdpa@D128_T2048": 0.8,
@@ -189,6 +197,9 @@ def method_fn(name, H, dev):
     if name in MAX_ROWS:  # the row max of the unscaled scores, scaled once (speed only)
         from flash_forensics.kernels.triton_launch import score_max_form
         f.scope = lambda: score_max_form("raw")
+    if name in DELTA_ROWS:  # delta in its own kernel, as before (speed only)
+        from flash_forensics.kernels.triton_launch import delta_form
+        f.scope = lambda: delta_form("kernel")
     if name.endswith("_lpt"):  # every kernel longest first, LINEAR_LAUNCHES' too (speed only)
         from flash_forensics.kernels.triton_launch import launch_order
         f.scope = lambda: launch_order("longest_first")
@@ -346,6 +357,13 @@ def summarize(rows, shapes) -> dict:
                 ku = [d["methods"][x].get("kernels_us") for x in (base, row)]
                 d.setdefault("score_max_speedup", {})[base] = dict(
                     speedup=ms[base] / ms[row], kernels_speedup=ku[0] / ku[1] if all(ku) else None)
+        for row, base in DELTA_ROWS.items():  # > 1: delta in the dQ kernel (the default) is faster than its own
+            if base in ms and row in ms:
+                ku = [d["methods"][x].get("kernels_us") for x in (row, base)]
+                gm = [d["methods"][x].get("graph_ms") for x in (row, base)]
+                d.setdefault("delta_form_speedup", {})[base] = dict(
+                    speedup=ms[row] / ms[base], kernels_speedup=ku[0] / ku[1] if all(ku) else None,
+                    graph_speedup=gm[0] / gm[1] if all(gm) else None)
         if "triton_fa2" in ms and "triton_fa2_lpt" in ms:  # > 1: by_kernel (the default) beats all longest first
             ku = [d["methods"][x].get("kernels_us") for x in ("triton_fa2_lpt", "triton_fa2")]
             d["by_kernel_speedup"] = ms["triton_fa2_lpt"] / ms["triton_fa2"]

@@ -600,6 +600,17 @@ def _fwd_kernel(Q, K, V, O, LSE, REP, MAXL, UNDER, P1, OFP32, PMAX, FIRED, KP, F
             tl.atomic_add(P1 + off_h, tl.sum(p1, 0).to(tl.int64), sem=SEM)
 
 @triton.jit
+def _delta_rows(do_base, o_base, ofp32_ptr, offs_m, offs_d, row_ok, sdt, sdd, sot, sod, GEMM_DT: tl.constexpr,
+                ROUND: tl.constexpr, HAS_OFP32: tl.constexpr):
+    """delta = rowsum(r(dO*O)) of rows offs_m (delta=dO_O): the delta kernel's, and the dQ kernel's own where the
+    launcher fuses it there (FUSE_DELTA; same tile, same warps, so the same layout and summation order)."""
+    do = tl.load(do_base + offs_m[:, None] * sdt + offs_d[None, :] * sdd, mask=row_ok[:, None], other=0.0).to(GEMM_DT)
+    o = tl.load(o_base + offs_m[:, None] * sot + offs_d[None, :] * sod, mask=row_ok[:, None], other=0.0)
+    # the product stored at delta_prod (FP32 for heads whose stored O is FP32)
+    prod = _r(do.to(tl.float32) * o.to(tl.float32), tl.load(ofp32_ptr) != 0, (_DELTA_PROD & ROUND) != 0, HAS_OFP32)
+    return tl.sum(prod, 1)
+
+@triton.jit
 def _bwd_delta_kernel(Q, K, V, O, DO, LSE, DELTA, OFP32, KP, FIRST, TIES,
                       sqb, sqh, sqt, sqd, skb, skh, skt, skd, svb, svh, svt, svd,
                       sob, soh, sot, sod, sdb, sdh, sdt, sdd, skpb,
@@ -617,15 +628,12 @@ def _bwd_delta_kernel(Q, K, V, O, DO, LSE, DELTA, OFP32, KP, FIRST, TIES,
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_m < T
-    do = tl.load(DO + off_b * sdb + off_h * sdh + offs_m[:, None] * sdt + offs_d[None, :] * sdd,
-                 mask=row_ok[:, None], other=0.0).to(GEMM_DT)
     if DELTA_MODE == 0:
-        o = tl.load(O + off_b * sob + off_h * soh + offs_m[:, None] * sot + offs_d[None, :] * sod,
-                    mask=row_ok[:, None], other=0.0).to(tl.float32)
-        # the product stored at delta_prod (FP32 for heads whose stored O is FP32)
-        prod = _r(do.to(tl.float32) * o, tl.load(OFP32 + off_h) != 0, (_DELTA_PROD & ROUND) != 0, HAS_OFP32)
-        delta = tl.sum(prod, 1)
+        delta = _delta_rows(DO + off_b * sdb + off_h * sdh, O + off_b * sob + off_h * soh, OFP32 + off_h, offs_m,
+                            offs_d, row_ok, sdt, sdd, sot, sod, GEMM_DT, ROUND, HAS_OFP32)
     else:
+        do = tl.load(DO + off_b * sdb + off_h * sdh + offs_m[:, None] * sdt + offs_d[None, :] * sdd,
+                     mask=row_ok[:, None], other=0.0).to(GEMM_DT)
         offs_n = tl.arange(0, BLOCK_N)
         q = tl.load(Q + off_b * sqb + off_h * sqh + offs_m[:, None] * sqt + offs_d[None, :] * sqd,
                     mask=row_ok[:, None], other=0.0).to(GEMM_DT)
@@ -810,16 +818,18 @@ def _dq_inner(dq, q, do, lse, delta, k_base, v_base, skt, svt, offs_m, offs_n0, 
     return dq
 
 @triton.jit
-def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, KP, FIRST, TIES,
+def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, KP, FIRST, TIES, O, OFP32,
                    sqb, sqh, sqt, sqd, skb, skh, skt, skd, svb, svh, svt, svd, sdb, sdh, sdt, sdd,
-                   sgb, sgh, sgt, sgd, skpb,
+                   sgb, sgh, sgt, sgd, sob, soh, sot, sod, skpb,
                    H, T, scale, ntw,
                    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    ROUND: tl.constexpr, INPUT_F32: tl.constexpr, ONE_BLOCK: tl.constexpr,
                    F32_DOT: tl.constexpr, KEYPAD: tl.constexpr, CLAMP: tl.constexpr, LPT: tl.constexpr,
-                   FTZ: tl.constexpr, ACC16: tl.constexpr):
+                   FTZ: tl.constexpr, ACC16: tl.constexpr, FUSE_DELTA: tl.constexpr, HAS_OFP32: tl.constexpr):
     """dQ for BLOCK_M queries, looping over key tiles of BLOCK_N (= block_k where rounding is emulated); LPT:
-    the launch order (_program)."""
+    the launch order (_program). FUSE_DELTA (delta=dO_O; triton_launch.delta_form): this program computes its rows'
+    delta itself, as the delta kernel would (_delta_rows), and stores it for the dK/dV kernel launched after it: one
+    launch and one pass over dO fewer. Else it reads DELTA."""
     start_m, off_bh = _program(LPT, True)
     off_b = off_bh // H
     off_h = off_bh % H
@@ -836,7 +846,12 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, KP, FIRST, TIES,
     do = tl.load(DO + off_b * sdb + off_h * sdh + offs_m[:, None] * sdt + offs_d[None, :] * sdd,
                  mask=row_ok[:, None], other=0.0).to(GEMM_DT)
     lse = tl.load(LSE + off_bh * T + offs_m, mask=row_ok, other=0.0)
-    delta = tl.load(DELTA + off_bh * T + offs_m, mask=row_ok, other=0.0)
+    if FUSE_DELTA:
+        delta = _delta_rows(DO + off_b * sdb + off_h * sdh, O + off_b * sob + off_h * soh, OFP32 + off_h, offs_m,
+                            offs_d, row_ok, sdt, sdd, sot, sod, GEMM_DT, ROUND, HAS_OFP32)
+        tl.store(DELTA + off_bh * T + offs_m, delta, mask=row_ok)
+    else:
+        delta = tl.load(DELTA + off_bh * T + offs_m, mask=row_ok, other=0.0)
     k_base = K + off_b * skb + off_h * skh + offs_d[None, :] * skd
     v_base = V + off_b * svb + off_h * svh + offs_d[None, :] * svd
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=ACC_DT)

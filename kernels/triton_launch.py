@@ -141,6 +141,23 @@ def score_max_form(form: str = "raw"):
     return _switch(_raw_max, form == "raw")
 
 
+DELTA_FORMS = ("fused", "kernel")
+# where the backward computes delta = rowsum(r(dO*O)) (delta=dO_O): fused (the default), in the dQ kernel, which then
+# launches before the dK/dV kernel and stores delta for it, or kernel: its own launch first, as before (one launch
+# and one pass over dO and O more; 20.8 us of fa2's 382 at B16 H12 T1024 D64, 50 us at D128 T2048 on an H100,
+# results/bench/gpu-h100-2026-12-07e/attention.json). Fused only where the dQ kernel's query tile and warps are the
+# delta kernel's, so that its rows are summed in the same layout and order (_delta_rows; the GPU tests compare the
+# two forms bit for bit); delta=dP_P / recompute_fp32 keep the delta kernel
+_delta_fused = [True]
+
+
+def delta_form(form: str = "fused"):
+    """Where the backward computes delta within the scope: DELTA_FORMS (fused: in the dQ kernel where it can)."""
+    if form not in DELTA_FORMS:
+        raise ValueError(f"delta form {form!r} is not allowed: expected one of {', '.join(DELTA_FORMS)}")
+    return _switch(_delta_fused, form == "fused")
+
+
 def repeat_test(recipe: str) -> str:
     """The repeated-max test a launch of `recipe` uses in the scope: top2 or count."""
     test = _counter_form["test"]
@@ -516,6 +533,22 @@ def _bwd_blocks(knobs: AttentionKnobs, D: int, T: int = 1024):
     return (m1, n1), (m2, n2), warps, stages
 
 
+def _delta_blocks(knobs: AttentionKnobs):
+    """(BLOCK_M, BLOCK_N) of the delta kernel (4 warps)."""
+    if _interpret():
+        return 16, 16
+    return (32, 32) if knobs.recipe == "fp32" and knobs.fp32_gemm == "ieee" else (64, 64)
+
+
+def fuses_delta(knobs: AttentionKnobs, D: int, T: int) -> bool:
+    """Whether the dQ kernel computes delta in the scope's delta_form: delta=dO_O, and its query tile and warps are
+    the delta kernel's (the same rows summed in the same layout)."""
+    if not _delta_fused[0] or knobs.delta != "dO_O":
+        return False
+    (_, (m2, _), warps, _) = _bwd_blocks(knobs, D, T)
+    return m2 == _delta_blocks(knobs)[0] and warps == 4
+
+
 def launch_config(knobs: AttentionKnobs, D: int, T: int) -> dict:
     """What the kernels launch for these knobs at head dim D, length T (benchmarks record it), in the scope's launch
     order and register caps (maxnreg: None where ptxas chooses; the forward's as a call without probe or key padding
@@ -533,6 +566,7 @@ def launch_config(knobs: AttentionKnobs, D: int, T: int) -> dict:
                          maxnreg=register_cap("fwd", knobs, D, (bm, bn, fw, fs), bool(knobs.counters)),
                          counters=form, accumulators=acc, score_max="raw" if _raw_max[0] else "scaled"),
                 bwd=dict(dkdv=[m1, n1], dq=[m2, n2], num_warps=bw, num_stages=bs, accumulators=acc,
+                         delta="fused" if fuses_delta(knobs, D, T) else "kernel",
                          order=dict(dkdv=order("dkdv"), dq=order("dq")),
                          maxnreg=dict(dkdv=register_cap("dkdv", knobs, D, cfg, True),
                                       dq=register_cap("dq", knobs, D, cfg, True))))
@@ -726,7 +760,6 @@ def _backward(do, q, k, v, o, lse, knobs: AttentionKnobs, key_keep=None, ties=No
     if not clamp:
         ties = _const("ties", q.device)
     ntw = tie_words(T)
-    recipe = RECIPE_IDS[knobs.recipe]
     mask, f32_in = round_mask(knobs), knobs.recipe == "fp32"
     scale = 1.0 / math.sqrt(D)
     ofp32, has_ofp32 = _ofp32_flags(knobs, H, q.device)
@@ -735,29 +768,33 @@ def _backward(do, q, k, v, o, lse, knobs: AttentionKnobs, key_keep=None, ties=No
     dq = empty_like_order(q, (B, H, T, D), q.dtype)  # gradients in the inputs' dtypes and memory orders
     dk = empty_like_order(k, (B, H, T, D), k.dtype)
     dv = empty_like_order(k, (B, H, T, D), v.dtype)  # k's order: the dK/dV kernel writes both with dK's strides
-    dbm, dbn = (16, 16) if _interpret() else (32, 32) if recipe == 0 and knobs.fp32_gemm == "ieee" else (64, 64)
-    grid, lpt = _grid(_cdiv(T, dbm), B * H, k)
-    _k._bwd_delta_kernel[grid](
-        q, k, v, o, do, lse, delta, ofp32, kp, first, ties,
-        *_strides(q), *_strides(k), *_strides(v), *_strides(o), *_strides(do), kp.stride(0),
-        H, T, scale, ntw, HEAD_DIM=D, BLOCK_M=dbm, BLOCK_N=dbn, ROUND=mask, INPUT_F32=f32_in,
-        DELTA_MODE=DELTA_IDS[knobs.delta], HAS_OFP32=has_ofp32, F32_DOT=knobs.fp32_gemm, KEYPAD=keypad,
-        CLAMP=clamp, LPT=lpt, FTZ=_exp_ftz[0], num_warps=4)
-    grid, lpt = _grid(_cdiv(T, n1), B * H, k, "dkdv", knobs.recipe)
+    dbm, dbn = _delta_blocks(knobs)
+    fused = fuses_delta(knobs, D, T)
+    if not fused:
+        grid, lpt = _grid(_cdiv(T, dbm), B * H, k)
+        _k._bwd_delta_kernel[grid](
+            q, k, v, o, do, lse, delta, ofp32, kp, first, ties,
+            *_strides(q), *_strides(k), *_strides(v), *_strides(o), *_strides(do), kp.stride(0),
+            H, T, scale, ntw, HEAD_DIM=D, BLOCK_M=dbm, BLOCK_N=dbn, ROUND=mask, INPUT_F32=f32_in,
+            DELTA_MODE=DELTA_IDS[knobs.delta], HAS_OFP32=has_ofp32, F32_DOT=knobs.fp32_gemm, KEYPAD=keypad,
+            CLAMP=clamp, LPT=lpt, FTZ=_exp_ftz[0], num_warps=4)
     cfg = ((m1, n1), (m2, n2), warps, stages)
+    # dQ first: fused, it stores the delta the dK/dV kernel reads (the stream orders the two)
+    grid, lpt = _grid(_cdiv(T, m2), B * H, k, "dq", knobs.recipe)
+    _k._bwd_dq_kernel[grid](
+        q, k, v, do, lse, delta, dq, kp, first, ties, o, ofp32,
+        *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq), *_strides(o), kp.stride(0),
+        H, T, scale, ntw, HEAD_DIM=D, BLOCK_M=m2, BLOCK_N=n2, ROUND=mask, INPUT_F32=f32_in,
+        ONE_BLOCK=not knobs.tiling, F32_DOT=knobs.fp32_gemm, KEYPAD=keypad, CLAMP=clamp, LPT=lpt, FTZ=_exp_ftz[0],
+        ACC16=_acc16[0], FUSE_DELTA=fused, HAS_OFP32=has_ofp32, num_warps=warps, num_stages=stages,
+        **_regs(register_cap("dq", knobs, D, cfg, not keypad)))
+    grid, lpt = _grid(_cdiv(T, n1), B * H, k, "dkdv", knobs.recipe)
     _k._bwd_dkdv_kernel[grid](
         q, k, v, do, lse, delta, dk, dv, kp, first, ties,
         *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk), kp.stride(0), H, T, scale, ntw,
         HEAD_DIM=D, BLOCK_M=m1, BLOCK_N=n1, ROUND=mask, INPUT_F32=f32_in,
         ONE_BLOCK=not knobs.tiling, F32_DOT=knobs.fp32_gemm, KEYPAD=keypad, CLAMP=clamp, LPT=lpt, FTZ=_exp_ftz[0],
         ACC16=_acc16[0], num_warps=warps, num_stages=stages, **_regs(register_cap("dkdv", knobs, D, cfg, not keypad)))
-    grid, lpt = _grid(_cdiv(T, m2), B * H, k, "dq", knobs.recipe)
-    _k._bwd_dq_kernel[grid](
-        q, k, v, do, lse, delta, dq, kp, first, ties,
-        *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq), kp.stride(0), H, T, scale, ntw,
-        HEAD_DIM=D, BLOCK_M=m2, BLOCK_N=n2, ROUND=mask, INPUT_F32=f32_in,
-        ONE_BLOCK=not knobs.tiling, F32_DOT=knobs.fp32_gemm, KEYPAD=keypad, CLAMP=clamp, LPT=lpt, FTZ=_exp_ftz[0],
-        ACC16=_acc16[0], num_warps=warps, num_stages=stages, **_regs(register_cap("dq", knobs, D, cfg, not keypad)))
     return dq, dk, dv
 
 

@@ -20,7 +20,7 @@ not even REGISTER_TABLE's default one), and `:form=top2|count` / `:atomics=relax
 (kernels/triton_launch.py counter_form; default: the test by recipe, relaxed atomics), and `:acc=fp32`, the
 accumulators in FP32 (accumulator_form; default bf16 where the recipe stores them in BF16), and `:max=raw`, an
 unmasked tile's row max on the unscaled scores, scaled once (score_max_form; default scaled: the max of the scaled
-scores).
+scores), and `:delta_form=kernel`, delta in its own kernel (delta_form; default fused into the dQ kernel where it can).
 """
 from __future__ import annotations
 
@@ -85,11 +85,17 @@ def score_max_of(text: str) -> str:
     return _pair(text, "max", "scaled")
 
 
+def delta_of(text: str) -> str:
+    """A variant's `delta_form=fused|kernel` (kernels/triton_launch.py delta_form; default fused)."""
+    return _pair(text, "delta_form", "fused")
+
+
 def parse_variant(text: str):
     """'fa2:counters=true:exp_form=exp2_folded' -> AttentionKnobs (backend triton); a bad knob or value names it
     (`regs.<kernel>=N` pairs are register_caps', not knobs)."""
     from flash_forensics.kernels.config import AttentionKnobs
-    name, *pairs = (p for p in text.split(":") if not p.startswith(("regs.", "form=", "atomics=", "acc=", "max=")))
+    name, *pairs = (p for p in text.split(":")
+                    if not p.startswith(("regs.", "form=", "atomics=", "acc=", "max=", "delta_form=")))
     kw = dict(PRESETS.get(name, dict(recipe=name)), backend="triton", counters=False)
     fields = {f.name: f for f in dataclasses.fields(AttentionKnobs)}
     for pair in pairs:
@@ -147,7 +153,8 @@ def record_variant(text: str, shape):
     knobs = parse_variant(text)
     try:
         with tl_.register_limit(**register_caps(text)), tl_.counter_form(**counter_form_of(text)), \
-                tl_.accumulator_form(accumulators_of(text)), tl_.score_max_form(score_max_of(text)):
+                tl_.accumulator_form(accumulators_of(text)), tl_.score_max_form(score_max_of(text)), \
+                tl_.delta_form(delta_of(text)):
             return record_launches(knobs, shape)
     except ValueError as e:
         raise SystemExit(f"variant {text!r}: {e}") from None

@@ -321,3 +321,27 @@ def test_gpu_graph_rounds_time_every_row_and_leave_no_gradient_behind():
     assert all(t.grad is None for t in leaves)
     g.replay()
     torch.cuda.synchronize()
+
+
+def test_the_delta_kernel_rows_run_their_base_in_their_scope_and_the_summary_compares_them():
+    """<base>_deltakernel: the base row's knobs with delta in its own kernel (delta_form("kernel")); only when named;
+    delta_form_speedup > 1 where the default (delta in the dQ kernel) is faster, by the timed, profiled and graph
+    figures each where the rows have them."""
+    from benchmarks import attention
+    from flash_forensics.kernels import triton_launch
+    assert sorted(attention.DELTA_ROWS) == ["triton_fa2_deltakernel", "triton_paper_bf16_deltakernel"]
+    for row, base in attention.DELTA_ROWS.items():
+        assert attention.KNOBS[row] == attention.KNOBS[base] and row not in attention.DEFAULT_METHODS
+        with attention.method_fn(row, 2, torch.device("cpu")).scope():
+            assert triton_launch._delta_fused == [False]
+            assert triton_launch.launch_config(attention.KNOBS[row], 64, 1024)["bwd"]["delta"] == "kernel"
+        assert triton_launch._delta_fused == [True]
+    rows = [dict(shape="s", method="sdpa_cudnn", ms=0.38, tflops=1.0, total_us=370.0, graph_ms=0.37),
+            dict(shape="s", method="triton_fa2", ms=0.40, tflops=1.0, total_us=380.0, graph_ms=0.39),
+            dict(shape="s", method="triton_fa2_deltakernel", ms=0.42, tflops=1.0, total_us=399.0, graph_ms=0.41),
+            dict(shape="s", method="triton_paper_bf16_deltakernel", ms=0.70, tflops=1.0)]
+    d = attention.summarize(rows, ["s"])["s"]["delta_form_speedup"]
+    assert list(d) == ["triton_fa2"]  # paper_bf16 has no base row here
+    assert abs(d["triton_fa2"]["speedup"] - 1.05) < 1e-12
+    assert abs(d["triton_fa2"]["kernels_speedup"] - 1.05) < 1e-12
+    assert abs(d["triton_fa2"]["graph_speedup"] - 0.41 / 0.39) < 1e-12

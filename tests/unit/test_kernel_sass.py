@@ -39,7 +39,7 @@ def test_the_forward_compiles_for_sm90_and_exp2_folded_drops_the_exp_fixups():
     got = {}
     for text in ("fa2", "fa2:exp_form=exp2_folded"):
         calls = record_launches(parse_variant(text), (2, 2, 256, 64))
-        assert [c[0] for c in calls] == ["_fwd_kernel", "_bwd_delta_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel"]
+        assert [c[0] for c in calls] == ["_fwd_kernel", "_bwd_dq_kernel", "_bwd_dkdv_kernel"]  # delta fused in dQ
         name, fn, args, kw = calls[0]
         assert kw["FOLD"] is (text != "fa2") and kw["BLOCK_N"] == 64
         got[text] = compile_counts(fn, args, kw, 90)
@@ -50,15 +50,15 @@ def test_the_forward_compiles_for_sm90_and_exp2_folded_drops_the_exp_fixups():
 
 
 def test_ex2_approx_ftz_drops_tl_exps_fixups_in_every_kernel_it_reaches():
-    """exp_instruction("ex2_approx_ftz") reaches all four launches (FTZ), and in the forward and dQ kernels compiled
+    """exp_instruction("ex2_approx_ftz") reaches every launch (FTZ), and in the forward and dQ kernels compiled
     for sm_90 leaves one MUFU.EX2 per exp without tl.exp's denormal fix-up, in fewer instructions."""
     from flash_forensics.kernels.triton_launch import exp_instruction
     ks = _script()
     default = ks.record_launches(ks.parse_variant("paper_bf16:counters=true"), (2, 2, 256, 64))
     with exp_instruction("ex2_approx_ftz"):
         ftz = ks.record_launches(ks.parse_variant("paper_bf16:counters=true"), (2, 2, 256, 64))
-    assert [c[3]["FTZ"] for c in default] == [False] * 4 and [c[3]["FTZ"] for c in ftz] == [True] * 4
-    for i in (0, 3):  # _fwd_kernel, _bwd_dq_kernel
+    assert [c[3]["FTZ"] for c in default] == [False] * 3 and [c[3]["FTZ"] for c in ftz] == [True] * 3
+    for i in (0, 1):  # _fwd_kernel, _bwd_dq_kernel
         a, b = (ks.compile_counts(c[i][1], c[i][2], c[i][3], 90) for c in (default, ftz))
         assert a["MUFU.EX2"] == b["MUFU.EX2"] > 0 and a["exp_denormal_fixups"] == a["MUFU.EX2"]
         assert b["exp_denormal_fixups"] == 0 and b["instructions"] < a["instructions"]
@@ -100,8 +100,8 @@ def test_the_launch_order_reaches_every_kernel_and_leaves_their_arithmetic():
     default = ks.record_launches(knobs, shape)
     with triton_launch.launch_order("linear"):
         linear = ks.record_launches(knobs, shape)
-    assert all(c[3]["LPT"] is True for c in default) and len(default) == 4
-    assert all(c[3]["LPT"] is False for c in linear) and len(linear) == 4
+    assert all(c[3]["LPT"] is True for c in default) and len(default) == 3
+    assert all(c[3]["LPT"] is False for c in linear) and len(linear) == 3
     a, b = (ks.compile_counts(*calls[0][1:], 90) for calls in (default, linear))
     assert ks.normalized(a["sass"]) != ks.normalized(b["sass"])
     for op in ("HGMMA", "MUFU.EX2", "FMUL", "FFMA", "FMNMX", "FSETP", "SHFL"):
@@ -155,9 +155,9 @@ def test_register_caps_reach_the_launches_and_ptxas_keeps_to_them():
         free = ks.record_launches(knobs, (2, 2, 256, 64))
     with register_limit(fwd=96):
         capped = ks.record_launches(knobs, (2, 2, 256, 64))
-    assert [c[3].get("maxnreg") for c in default] == [128, None, None, None]
-    assert [c[3].get("maxnreg") for c in free] == [None] * 4
-    assert [c[3].get("maxnreg") for c in capped] == [96, None, None, None]
+    assert [c[3].get("maxnreg") for c in default] == [128, None, None]
+    assert [c[3].get("maxnreg") for c in free] == [None] * 3
+    assert [c[3].get("maxnreg") for c in capped] == [96, None, None]
     c = ks.compile_counts(*capped[0][1:], 90)  # (the default cap against none: the test below, per table entry)
     assert c["registers"] <= 96 and c["maxnreg"] == 96 and ks.fp_ops(c["sass"])["MUFU.EX2"] > 0
     assert ks.fp_ops(["FFMA.FTZ R1, R2, R3, R4", "@!P0 FMUL R1, R1, 2", "MUFU.EX2 R5, R5", "IADD3 R1, R2, R3, RZ"]) == {
@@ -222,13 +222,50 @@ def test_every_register_cap_keeps_the_kernels_floating_point_instructions(key):
     kernel, recipe, softmax = key[:3]
     kernel, variant = CAPPED.get(key, (kernel, f"{recipe}:counters=true:softmax={softmax}"))
     knobs = ks.parse_variant(variant)
-    i = {"fwd": 0, "dkdv": 2}[kernel]
+    name = ks.KERNEL_OF[kernel]
     shape = SHAPE_OF.get(key, (16, 12, 1024, 64))
-    default = ks.record_launches(knobs, shape)[i]
+    default = [c for c in ks.record_launches(knobs, shape) if c[0] == name][0]
     with tl_.register_limit(**{kernel: None}):
-        free = ks.record_launches(knobs, shape)[i]
+        free = [c for c in ks.record_launches(knobs, shape) if c[0] == name][0]
     assert default[3]["maxnreg"] == cap and "maxnreg" not in free[3]
     assert default[3]["num_stages"] == key[4][-1]  # the launch compiled is the one the entry names
     a, b = ks.compile_counts(*free[1:], 90), ks.compile_counts(*default[1:], 90)
     assert b["registers"] <= cap < a["registers"]
     assert ks.fp_ops(a["sass"]) == ks.fp_ops(b["sass"])
+
+
+def _arithmetic(ops: dict) -> dict:
+    """fp_ops without each kernel's own program-index prologue (a reciprocal and a conversion for its integer
+    division, a constant moved by HFMA2.MMA), BF16 multiplies counted as such on either pipe (ptxas issues a packed
+    RN product as HMUL2.BF16 or as HFMA2.MMA.BF16 with a -0 addend, to balance its pipes: the same rounded product)."""
+    out: dict = {}
+    for op, n in ops.items():
+        if op in ("MUFU.RCP", "HFMA2.MMA") or op.startswith("F2I."):
+            continue
+        op = "bf16 multiply" if op in ("HMUL2.BF16", "HFMA2.MMA.BF16") else op
+        out[op] = out.get(op, 0) + n
+    return out
+
+
+@pytest.mark.parametrize("variant", ["fa2", "paper_bf16:counters=true", "paper_1gpu:counters=true"])
+def test_the_fused_delta_adds_the_delta_kernels_arithmetic_to_dq_and_keeps_its_occupancy(variant):
+    """delta_form fused (the default): no delta launch, the dQ kernel launched before dK/dV with FUSE_DELTA; compiled
+    for sm_90 at GPT-2S's shape, its floating-point instructions (opcodes with modifiers, counted) are exactly the
+    unfused dQ kernel's plus the delta kernel's (the same products and sums, contracted alike), and as many of its
+    programs fit on an SM (the same registers' and shared memory's limit)."""
+    ks = _script()
+    assert ks.delta_of("fa2:delta_form=kernel") == "kernel" and ks.delta_of("fa2") == "fused"
+    assert ks.parse_variant(f"{variant}:delta_form=kernel") == ks.parse_variant(variant)
+    shape = (16, 12, 1024, 64)
+    fused = {c[0]: c for c in ks.record_variant(variant, shape)}
+    apart = {c[0]: c for c in ks.record_variant(f"{variant}:delta_form=kernel", shape)}
+    assert list(fused) == ["_fwd_kernel", "_bwd_dq_kernel", "_bwd_dkdv_kernel"]
+    assert list(apart) == ["_fwd_kernel", "_bwd_delta_kernel", "_bwd_dq_kernel", "_bwd_dkdv_kernel"]
+    assert fused["_bwd_dq_kernel"][3]["FUSE_DELTA"] is True and apart["_bwd_dq_kernel"][3]["FUSE_DELTA"] is False
+    got = {k: ks.compile_counts(*c[1:], 90) for k, c in (("fused", fused["_bwd_dq_kernel"]),
+                                                          ("dq", apart["_bwd_dq_kernel"]),
+                                                          ("delta", apart["_bwd_delta_kernel"]))}
+    ops = {k: _arithmetic(ks.fp_ops(v["sass"])) for k, v in got.items()}
+    want = {op: ops["dq"].get(op, 0) + ops["delta"].get(op, 0) for op in set(ops["dq"]) | set(ops["delta"])}
+    assert ops["fused"] == want and ops["delta"]  # (the delta kernel has arithmetic to add)
+    assert got["fused"]["ctas_per_sm"]["ctas"] == got["dq"]["ctas_per_sm"]["ctas"]

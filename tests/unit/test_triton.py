@@ -548,8 +548,9 @@ def test_the_accumulator_form_reaches_every_accumulating_launch_and_a_bad_one_is
     ks = _kernel_sass()
     for text, acc16 in (("paper_bf16:counters=true", True), ("paper_bf16:counters=true:acc=fp32", False)):
         launched = {c[0]: c[3].get("ACC16") for c in ks.record_variant(text, (2, 2, 256, 64))}
-        assert launched == {"_fwd_kernel": acc16, "_bwd_delta_kernel": None, "_bwd_dkdv_kernel": acc16,
-                            "_bwd_dq_kernel": acc16}, text
+        assert launched == {"_fwd_kernel": acc16, "_bwd_dkdv_kernel": acc16, "_bwd_dq_kernel": acc16}, text
+    launched = {c[0]: c[3].get("ACC16") for c in ks.record_variant("paper_bf16:delta_form=kernel", (2, 2, 256, 64))}
+    assert launched["_bwd_delta_kernel"] is None and launched["_bwd_dq_kernel"] is True  # (no accumulator there)
     knobs = AttentionKnobs(recipe="paper_bf16")
     cfg = triton_launch.launch_config(knobs, 64, 1024)
     assert (cfg["fwd"]["accumulators"], cfg["bwd"]["accumulators"]) == ("bf16", "bf16")
@@ -564,6 +565,88 @@ def _kernel_sass():
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+DELTA_CASES = [  # delta=dO_O everywhere: the recipes, untiled, FP32-O heads (delta_prod kept FP32 there), padding
+    dict(recipe="fp32", counters=True), dict(recipe="fp32", tiling=False), dict(recipe="fa2", counters=True),
+    dict(recipe="paper_bf16", counters=True), dict(recipe="paper_bf16", counters=True, o_fp32_heads=[1]),
+    dict(recipe="paper_bf16", softmax="stabilized_guarded", pbar_clamp=0.99, counters=True),
+]
+
+
+def _delta_outputs(tfi, q, k, v, knobs, key_keep=None):
+    """{form: (O, dQ, dK, dV)} of one fwd+bwd per delta_form, with the kernels each launched (by name, in order)."""
+    from flash_forensics.kernels import triton_launch
+    g = torch.randn(q.shape, generator=torch.Generator().manual_seed(2)).to(q.device, q.dtype)
+    out, launched = {}, {}
+    real = triton_launch._k
+
+    class _Spy:  # the launcher's kernels, each launch's name recorded
+        def __getattr__(self, name):
+            launched[form].append(name)
+            return getattr(real, name)
+    for form in triton_launch.DELTA_FORMS:
+        x = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        launched[form] = []
+        with triton_launch.delta_form(form):
+            assert triton_launch.launch_config(knobs, q.shape[-1], q.shape[2])["bwd"]["delta"] == form
+            o = tfi.flash_attention_triton(*x, knobs, AttnStats(q.shape[1], q.device), key_keep=key_keep)
+            triton_launch._k = _Spy()
+            try:
+                out[form] = (o, *torch.autograd.grad(o, x, g))
+            finally:
+                triton_launch._k = real
+    return out, launched
+
+
+def _assert_delta_forms_agree(out, launched):
+    assert launched == {"fused": ["_bwd_dq_kernel", "_bwd_dkdv_kernel"],
+                        "kernel": ["_bwd_delta_kernel", "_bwd_dq_kernel", "_bwd_dkdv_kernel"]}
+    for i, (a, b) in enumerate(zip(out["fused"], out["kernel"])):
+        assert torch.equal(_bits(a), _bits(b)), ["O", "dQ", "dK", "dV"][i]
+    assert torch.isfinite(out["kernel"][1]).any()
+
+
+@interp
+@pytest.mark.parametrize("case", DELTA_CASES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+@pytest.mark.parametrize("keep", [False, True], ids=["nokeep", "keep"])
+def test_interpreter_the_delta_forms_keep_every_bit(tfi, case, keep):
+    """delta computed in the dQ kernel (fused, the default: no delta launch, dQ before dK/dV) against its own kernel
+    (as before): O and every gradient bit for bit, with the planted NaN, +-inf and ties, rows past the last full
+    tile (T 56) and key padding (rows with no key)."""
+    B, H, T, D = 2, 2, 56, 16
+    q, k, v = (x.detach() for x in planted(B, H, T, D, "cpu", seed=19))
+    q, k = _special(q, k)
+    knobs = AttentionKnobs(**{"block_q": 16, "block_k": 16, **case})
+    key_keep = None
+    if keep:
+        key_keep = torch.ones(B, T, dtype=torch.bool)
+        key_keep[1, :9] = False
+    _assert_delta_forms_agree(*_delta_outputs(tfi, q, k, v, knobs, key_keep))
+
+
+def test_the_delta_form_is_fused_only_where_the_dq_kernel_sums_as_the_delta_kernel_and_a_bad_one_is_refused():
+    """fused where delta=dO_O and the dQ kernel's query tile and warps are the delta kernel's (64 rows, 4 warps: the
+    BF16 recipes at D64 and D128, the preset's 128x128 tiles); the delta kernel for delta=dP_P / recompute_fp32, for
+    the fp32 recipe at D128 (8 warps) and under delta_form("kernel"); anything else refused, the form left as it
+    was."""
+    from flash_forensics.kernels import triton_launch
+    with pytest.raises(ValueError, match="delta form 'dq' is not allowed: expected one of fused, kernel"):
+        with triton_launch.delta_form("dq"):
+            pass
+    assert triton_launch._delta_fused == [True]
+    for kw, D, want in ((dict(recipe="fa2"), 64, "fused"), (dict(recipe="fa2"), 128, "fused"),
+                        (dict(recipe="paper_bf16"), 64, "fused"),
+                        (dict(recipe="paper_bf16", block_q=128, block_k=128), 64, "fused"),
+                        (dict(recipe="fp32"), 64, "fused"), (dict(recipe="fp32"), 128, "kernel"),
+                        (dict(recipe="paper_bf16", delta="dP_P"), 64, "kernel"),
+                        (dict(recipe="fa2", delta="recompute_fp32"), 64, "kernel")):
+        knobs = AttentionKnobs(**kw)
+        assert triton_launch.launch_config(knobs, D, 1024)["bwd"]["delta"] == want, (kw, D)
+        (_, (m2, _), warps, _) = triton_launch._bwd_blocks(knobs, D, 1024)
+        assert (m2 == triton_launch._delta_blocks(knobs)[0] and warps == 4) is (want == "fused" or "delta" in kw)
+    with triton_launch.delta_form("kernel"):
+        assert triton_launch.launch_config(AttentionKnobs(recipe="fa2"), 64, 1024)["bwd"]["delta"] == "kernel"
 
 
 def test_a_launch_order_outside_the_list_is_refused():
@@ -873,6 +956,30 @@ def test_gpu_the_accumulator_forms_keep_every_bit(case):
     for i, (a, b) in enumerate(zip(out["bf16"], out["fp32"])):
         assert torch.equal(_bits(a), _bits(b)), ["O", "dQ", "dK", "dV", "repeated_max_rows", "max_logit",
                                                  "underflow_rows", "sfa_p1_rows"][i]
+
+
+GPU_DELTA_CASES = [(c, 64) for c in DELTA_CASES] + [
+    (dict(recipe="fa2"), 128), (dict(recipe="fa2", counters=True, exp_form="exp2_folded"), 64),
+    (dict(recipe="paper_bf16", counters=True, block_q=128, block_k=128), 64),  # the paper_1gpu preset's tiles
+    (dict(recipe="paper_bf16", counters=True, keep_fp32=["delta_prod"]), 64)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case,D", GPU_DELTA_CASES,
+                         ids=[",".join(f"{k}={v}" for k, v in c.items()) + f"-D{d}" for c, d in GPU_DELTA_CASES])
+@pytest.mark.parametrize("layout", ["bhtd", "bthd"])
+def test_gpu_the_delta_forms_keep_every_bit(case, D, layout):
+    """On the GPU, in BF16 where the recipe is: delta in the dQ kernel (fused, the default) against the delta
+    kernel (as before): O and every gradient bit for bit, the planted NaN, +-inf and ties included, at T 384 (a last
+    tile of 64 rows), in the (B, H, T, D) layout and in a GPT's (B, T, H, D) one (other strides for dO and O)."""
+    from flash_forensics.kernels import triton_flash as tf
+    dt = torch.float32 if case["recipe"] == "fp32" else torch.bfloat16
+    q, k, v = (x.detach() for x in planted(2, 4, 384, D, "cuda", dtype=dt, seed=D + 11))
+    q, k = _special(q, k)
+    if layout == "bthd":
+        q, k, v = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v))
+    knobs = replace(AttentionKnobs(backend="triton"), **case)
+    _assert_delta_forms_agree(*_delta_outputs(tf, q, k, v, knobs))
 
 
 @pytest.mark.gpu
