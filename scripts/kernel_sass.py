@@ -248,6 +248,29 @@ def compile_counts(fn, args, kw, arch: int) -> dict:
                 **launch)
 
 
+def reduce_layouts(fn, args, kw, arch: int = 90) -> list:
+    """[(shape, layout)] of the kernel's row reductions (tt.reduce) on FP32 tiles, as Triton laid them out for
+    sm_<arch> (its TTGIR): a reduction's order of summation is its layout's (each thread's elements in turn, then
+    the lanes' butterfly), so two reductions of the same values in the same layout give the same bits."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    launch = {k: v for k, v in kw.items() if k in ("num_warps", "num_stages", "maxnreg")}
+    consts = {k: v for k, v in kw.items() if k not in launch}
+    sig, const, attrs = _signature(fn, args, consts)
+    ck = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs),
+                        target=GPUTarget("cuda", arch, 32), options=dict(launch, enable_fp_fusion=True))
+    ir = ck.asm["ttgir"]
+    defs = dict(re.findall(r"^(#\w+) = (#ttg\.\w+<.*>)$", ir, re.M))
+    out = []
+    for m in re.finditer(r'"tt\.reduce"\(([^)]*)\)', ir):
+        tail = ir[m.end():m.end() + 4000]
+        t = re.search(r"\}\) : \(tensor<(\d+x\d+)xf32, (#\w+)>", tail)
+        if t:
+            out.append((t.group(1), defs.get(t.group(2), t.group(2))))
+    return out
+
+
 def ctas_per_sm(registers: int, shared: int, num_warps: int) -> dict:
     """How many of these programs an sm_90 SM (H100 / H200) holds at once, by each of its limits: 64K registers
     (allocated per warp in units of 256), 228 KB of shared memory (1 KB more reserved per program), 64 warps, 32

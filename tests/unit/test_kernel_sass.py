@@ -247,16 +247,18 @@ def _arithmetic(ops: dict) -> dict:
     return out
 
 
-@pytest.mark.parametrize("variant", ["fa2", "paper_bf16:counters=true", "paper_1gpu:counters=true"])
-def test_the_fused_delta_adds_the_delta_kernels_arithmetic_to_dq_and_keeps_its_occupancy(variant):
+@pytest.mark.parametrize("variant,D", [("fa2", 64), ("paper_bf16:counters=true", 64), ("paper_1gpu:counters=true", 64),
+                                       ("fa2", 128)])
+def test_the_fused_delta_adds_the_delta_kernels_arithmetic_to_dq_and_keeps_its_occupancy(variant, D):
     """delta_form fused (the default): no delta launch, the dQ kernel launched before dK/dV with FUSE_DELTA; compiled
-    for sm_90 at GPT-2S's shape, its floating-point instructions (opcodes with modifiers, counted) are exactly the
-    unfused dQ kernel's plus the delta kernel's (the same products and sums, contracted alike), and as many of its
-    programs fit on an SM (the same registers' and shared memory's limit)."""
+    for sm_90 at GPT-2S's shape (D64; D128 at T2048), its floating-point instructions (opcodes with modifiers,
+    counted) are exactly the unfused dQ kernel's plus the delta kernel's (the same products and sums, contracted
+    alike), its row sum of dO*O is laid out as the delta kernel's (the same order of summation: the same bits), and
+    as many of its programs fit on an SM (the same registers' and shared memory's limit)."""
     ks = _script()
     assert ks.delta_of("fa2:delta_form=kernel") == "kernel" and ks.delta_of("fa2") == "fused"
     assert ks.parse_variant(f"{variant}:delta_form=kernel") == ks.parse_variant(variant)
-    shape = (16, 12, 1024, 64)
+    shape = (16, 12, 1024, 64) if D == 64 else (8, 16, 2048, 128)
     fused = {c[0]: c for c in ks.record_variant(variant, shape)}
     apart = {c[0]: c for c in ks.record_variant(f"{variant}:delta_form=kernel", shape)}
     assert list(fused) == ["_fwd_kernel", "_bwd_dq_kernel", "_bwd_dkdv_kernel"]
@@ -269,3 +271,6 @@ def test_the_fused_delta_adds_the_delta_kernels_arithmetic_to_dq_and_keeps_its_o
     want = {op: ops["dq"].get(op, 0) + ops["delta"].get(op, 0) for op in set(ops["dq"]) | set(ops["delta"])}
     assert ops["fused"] == want and ops["delta"]  # (the delta kernel has arithmetic to add)
     assert got["fused"]["ctas_per_sm"]["ctas"] == got["dq"]["ctas_per_sm"]["ctas"]
+    layouts = ks.reduce_layouts(*fused["_bwd_dq_kernel"][1:])
+    assert layouts == ks.reduce_layouts(*apart["_bwd_delta_kernel"][1:]) and len(layouts) == 1
+    assert ks.reduce_layouts(*apart["_bwd_dq_kernel"][1:]) == []  # (the unfused dQ kernel sums no FP32 row)
