@@ -440,6 +440,19 @@ def _assert_forms_agree(out, specials=True):
         assert torch.isnan(ref[0]).any()
 
 
+def _interp_case(case, keep, seed):
+    """(q, k, v, knobs, key_keep) of an interpreter comparison: B2 H2 T56 D16 with repeated keys and _special's
+    scores, 16x16 tiles under `case`'s knobs; keep: batch element 1's first 9 keys masked (rows with no key)."""
+    B, H, T, D = 2, 2, 56, 16
+    q, k, v = (x.detach() for x in planted(B, H, T, D, "cpu", seed=seed))
+    q, k = _special(q, k)
+    key_keep = None
+    if keep:
+        key_keep = torch.ones(B, T, dtype=torch.bool)
+        key_keep[1, :9] = False
+    return q, k, v, AttentionKnobs(**{"block_q": 16, "block_k": 16, **case}), key_keep
+
+
 @interp
 @pytest.mark.parametrize("case", FORM_CASES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
 @pytest.mark.parametrize("keep", [False, True], ids=["nokeep", "keep"])
@@ -448,14 +461,7 @@ def test_interpreter_the_counter_forms_keep_every_bit(tfi, case, keep):
     relaxed or acq_rel: O, the gradients and every counter bit for bit, with NaN, +-inf and all-equal scores in the
     tiles, near ties (eps > 0), exp2_folded's scaled test, the stabilizers that act on the test, and key padding
     (whose tiles keep counting)."""
-    B, H, T, D = 2, 2, 56, 16
-    q, k, v = (x.detach() for x in planted(B, H, T, D, "cpu", seed=13))
-    q, k = _special(q, k)
-    knobs = AttentionKnobs(**{"block_q": 16, "block_k": 16, **case})
-    key_keep = None
-    if keep:
-        key_keep = torch.ones(B, T, dtype=torch.bool)
-        key_keep[1, :9] = False
+    q, k, v, knobs, key_keep = _interp_case(case, keep, seed=13)
     _assert_forms_agree(_forms_outputs(tfi, q, k, v, knobs, INTERP_FORMS, key_keep))
 
 
@@ -614,14 +620,7 @@ def test_interpreter_the_delta_forms_keep_every_bit(tfi, case, keep):
     """delta computed in the dQ kernel (fused, the default: no delta launch, dQ before dK/dV) against its own kernel
     (as before): O and every gradient bit for bit, with the planted NaN, +-inf and ties, rows past the last full
     tile (T 56) and key padding (rows with no key)."""
-    B, H, T, D = 2, 2, 56, 16
-    q, k, v = (x.detach() for x in planted(B, H, T, D, "cpu", seed=19))
-    q, k = _special(q, k)
-    knobs = AttentionKnobs(**{"block_q": 16, "block_k": 16, **case})
-    key_keep = None
-    if keep:
-        key_keep = torch.ones(B, T, dtype=torch.bool)
-        key_keep[1, :9] = False
+    q, k, v, knobs, key_keep = _interp_case(case, keep, seed=19)
     _assert_delta_forms_agree(*_delta_outputs(tfi, q, k, v, knobs, key_keep))
 
 
