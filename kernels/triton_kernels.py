@@ -828,8 +828,9 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, KP, FIRST, TIES, O, OFP32,
                    FTZ: tl.constexpr, ACC16: tl.constexpr, FUSE_DELTA: tl.constexpr, HAS_OFP32: tl.constexpr):
     """dQ for BLOCK_M queries, looping over key tiles of BLOCK_N (= block_k where rounding is emulated); LPT:
     the launch order (_program). FUSE_DELTA (delta=dO_O; triton_launch.delta_form): this program computes its rows'
-    delta itself, as the delta kernel would (_delta_rows), and stores it for the dK/dV kernel launched after it: one
-    launch and one pass over dO fewer. Else it reads DELTA."""
+    delta itself, as the delta kernel would (_delta_rows, which loads its dO tile again), and stores
+    it for the dK/dV kernel launched after it: the delta kernel's launch and pass over dO and O go. Else it reads
+    DELTA."""
     start_m, off_bh = _program(LPT, True)
     off_b = off_bh // H
     off_h = off_bh % H

@@ -143,14 +143,14 @@ def score_max_form(form: str = "raw"):
 
 DELTA_FORMS = ("fused", "kernel")
 # where the backward computes delta = rowsum(r(dO*O)) (delta=dO_O): fused (the default), in the dQ kernel, which then
-# launches before the dK/dV kernel and stores delta for it, or kernel: its own launch first, as before (one launch
-# and one pass over dO and O more). Fused only where the dQ kernel's query tile and warps are the delta kernel's, so
-# that its rows are summed in the same layout and order (_delta_rows; compiled for sm_90 the two reductions have
-# one layout, tests/unit/test_kernel_sass.py); delta=dP_P / recompute_fp32 keep the delta kernel. On an H100 side by
-# side (results/bench/gpu-h100-2026-12-07f/attention.json, kernel time) the delta kernel's 20.6 us went and the dQ
-# kernel took 6.4 more: fa2's fwd+bwd 388.0 -> 376.5 us at B16 H12 T1024 D64, 1129.2 -> 1112.9 at B4 T4096,
-# 1528.1 -> 1507.7 at D128 T2048; paper_bf16's 540.0 -> 524.9 at T1024; every bit the same (its GPU test, 20 cases,
-# and the 17 kernel-bits cases against the record made before it)
+# launches before the dK/dV kernel and stores delta for it (reading O beside the dO it reads anyway), or kernel: its
+# own launch first, as before (one launch more, with its own pass over dO and O). Fused only where the dQ kernel's
+# query tile and warps are the delta kernel's, so that its rows are summed in the same layout and order
+# (_delta_rows; compiled for sm_90 the two reductions have one layout, tests/unit/test_kernel_sass.py); delta=dP_P /
+# recompute_fp32 keep the delta kernel. On an H100 side by side (results/bench/gpu-h100-2026-12-07f/attention.json,
+# kernel time) the delta kernel's 20.6 us went and the dQ kernel took 6.4 more: fa2's fwd+bwd 388.0 -> 376.5 us at
+# B16 H12 T1024 D64, 1129.2 -> 1112.9 at B4 T4096, 1528.1 -> 1507.7 at D128 T2048; paper_bf16's 540.0 -> 524.9 at
+# T1024; every bit the same (its GPU test, 20 cases, and the 17 kernel-bits cases against the record made before it)
 _delta_fused = [True]
 
 
