@@ -546,10 +546,13 @@ def _delta_blocks(knobs: AttentionKnobs):
 def fuses_delta(knobs: AttentionKnobs, D: int, T: int) -> bool:
     """Whether the dQ kernel computes delta in the scope's delta_form: delta=dO_O, and its query tile and warps are
     the delta kernel's (the same rows summed in the same layout)."""
-    if not _delta_fused[0] or knobs.delta != "dO_O":
-        return False
     (_, (m2, _), warps, _) = _bwd_blocks(knobs, D, T)
-    return m2 == _delta_blocks(knobs)[0] and warps == 4
+    return _fuses(knobs, m2, warps, _delta_blocks(knobs)[0])
+
+
+def _fuses(knobs: AttentionKnobs, m2: int, warps: int, dbm: int) -> bool:
+    """fuses_delta for a launch whose dQ tile (m2), warps and delta tile (dbm) are known (the backward's own)."""
+    return _delta_fused[0] and knobs.delta == "dO_O" and m2 == dbm and warps == 4
 
 
 def launch_config(knobs: AttentionKnobs, D: int, T: int) -> dict:
@@ -772,7 +775,7 @@ def _backward(do, q, k, v, o, lse, knobs: AttentionKnobs, key_keep=None, ties=No
     dk = empty_like_order(k, (B, H, T, D), k.dtype)
     dv = empty_like_order(k, (B, H, T, D), v.dtype)  # k's order: the dK/dV kernel writes both with dK's strides
     dbm, dbn = _delta_blocks(knobs)
-    fused = fuses_delta(knobs, D, T)
+    fused = _fuses(knobs, m2, warps, dbm)  # (the blocks above: not looked up again per call)
     if not fused:
         grid, lpt = _grid(_cdiv(T, dbm), B * H, k)
         _k._bwd_delta_kernel[grid](
