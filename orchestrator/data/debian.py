@@ -6,8 +6,10 @@ experiment=paper_1gpu).
 - linux-doc-6.12: the kernel's reStructuredText documentation (Documentation/**/*.rst.gz, without translations/);
 - python3.11-doc: the Python 3.11 documentation sources (html/_sources/**/*.txt).
 
-Each .deb is fetched once with `apt-get download <pkg>=<pinned version>` into <cache>/corpora/debian/, checked against
-its pinned sha256 and read by streaming `dpkg-deb --fsys-tarfile` into Python's tarfile: nothing is installed or
+Each .deb is fetched once with `apt-get download <pkg>=<pinned version>` into <cache>/corpora/debian/ (where apt's
+lists no longer carry the pinned version, from its pinned path in the pool of each archive this machine's apt sources
+name: a version dropped from the lists can still lie there), checked against its pinned sha256 and read by streaming
+`dpkg-deb --fsys-tarfile` into Python's tarfile: nothing is installed or
 unpacked to disk. Fetching happens only while documents are read (prepare), never when a config is validated, so a
 machine that has the prepared folder needs neither apt nor the packages.
 """
@@ -22,6 +24,8 @@ import shutil
 import subprocess
 import tarfile
 import tempfile
+import urllib.error
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, Iterator, Optional, Tuple
@@ -37,19 +41,25 @@ class DebPackage:
     sha256: str  # of the .deb, as the archive's Packages index lists it
     licence: str  # what the package's usr/share/doc/<pkg>/copyright says
     reader: str  # key of READERS: how its members become documents
+    pool: str = ""  # its path under an archive's root (the Packages index's Filename): the fallback when apt's lists
+    # lack the version (not part of the corpus fingerprint: where a file comes from, not what it holds)
 
 
 PACKAGES: Tuple[DebPackage, ...] = (
     DebPackage("dict-gcide", "0.48.5+nmu2", "7b0af5cfde3cbdef5e9d6e78f92ec335ced7c2790f37a40f49bebc6f7347ac0f",
                "GPL-2+ (usr/share/doc/dict-gcide/copyright: GCIDE under the GNU GPL version 2 or any later version; "
-               "derived from Webster's Revised Unabridged Dictionary (1913) and WordNet)", "gcide"),
+               "derived from Webster's Revised Unabridged Dictionary (1913) and WordNet)", "gcide",
+               "pool/main/d/dict-gcide/dict-gcide_0.48.5+nmu2_all.deb"),
     DebPackage("linux-doc-6.12", "6.12.117-1~deb12u1",
                "6a73937ac1a8ab586b9399b6a67df3cc24e66e637824a97ca97b5f94b47ae40e",
                "GPL-2 (usr/share/doc/linux-doc-6.12/copyright: 'Files: * ... License: GPL-2', Linus Torvalds and "
-               "many others)", "linux_doc"),
+               "many others)", "linux_doc",
+               # a security update: gone from bookworm-security's lists once 6.12.118 came, still in its pool
+               "pool/updates/main/l/linux-6.12/linux-doc-6.12_6.12.117-1~deb12u1_all.deb"),
     DebPackage("python3.11-doc", "3.11.2-6+deb12u8", "50eb63e7f636c4281e9ce1b8f10386f1def42159eddce34fc1f41c46261df71b",
                "PSF License Agreement for Python (usr/share/doc/python3.11-doc/copyright: the Python License, "
-               "history and PSF licence text)", "python_doc"),
+               "history and PSF licence text)", "python_doc",
+               "pool/main/p/python3.11/python3.11-doc_3.11.2-6+deb12u8_all.deb"),
 )
 FORMAT_VERSION = 1  # bump when the reading (member selection, entry split, decoding) changes
 
@@ -69,9 +79,17 @@ def _apt_get_download(pkg: DebPackage, dest: Path) -> Path:
         err = (proc.stderr or proc.stdout).strip()
         if re.search(r"not found|Unable to locate|Can't select|has no installation candidate", err):
             # what apt knows is its package lists: stale (or emptied, as in container images) they miss a version
-            # the archive serves, and `apt-get update` is the fix far more often than a new pin
+            # the archive serves, and `apt-get update` is the fix far more often than a new pin. A version dropped
+            # from current lists often still lies in the archive's pool: that path is tried first
+            tried = []
+            got = _pool_download(pkg, dest, tried)
+            if got is not None:
+                return got
+            pool = (f"; nor does the archives' pool serve {pkg.pool} ({'; '.join(tried)})" if tried else
+                    f"; no archive in this machine's apt sources ({APT_ETC}) to fetch {pkg.pool} from" if pkg.pool
+                    else "")
             raise DataError(f"{pkg.name}={pkg.version} (pinned in orchestrator/data/debian.py) is not in this "
-                            f"machine's apt package lists ({err.splitlines()[-1]}; {_lists_age()}): run "
+                            f"machine's apt package lists ({err.splitlines()[-1]}; {_lists_age()}){pool}: run "
                             f"`apt-get update` (as root) and prepare again; only if it is still missing then has the "
                             f"archive dropped it (see `apt-cache policy {pkg.name}`), and a new pin (version + "
                             f"sha256) prepares a new corpus folder")
@@ -84,6 +102,44 @@ def _apt_get_download(pkg: DebPackage, dest: Path) -> Path:
 
 
 APT_LISTS = Path("/var/lib/apt/lists")
+APT_ETC = Path("/etc/apt")  # sources.list and sources.list.d/: the archives this machine's apt fetches from
+
+
+def archive_uris() -> list:
+    """The archive roots (URIs of `deb` entries) in this machine's apt sources, in their order, each once: one-line
+    sources.list / *.list entries and deb822 *.sources stanzas (Types: deb ... URIs: ...)."""
+    uris = []
+    files = [APT_ETC / "sources.list", *sorted((APT_ETC / "sources.list.d").glob("*.list"))]
+    for f in files:
+        if f.is_file():
+            for line in f.read_text(errors="replace").splitlines():
+                words = re.sub(r"\[[^]]*\]", " ", line.split("#", 1)[0]).split()  # options in [...] dropped
+                if len(words) >= 2 and words[0] == "deb":
+                    uris.append(words[1])
+    for f in sorted((APT_ETC / "sources.list.d").glob("*.sources")):
+        for stanza in re.split(r"\n\s*\n", f.read_text(errors="replace")):
+            fields = dict(m.groups() for m in re.finditer(r"(?m)^([A-Za-z-]+):[ \t]*(.*)$", stanza))
+            if "deb" in fields.get("Types", "").split() and fields.get("Enabled", "yes").lower() != "no":
+                uris.extend(fields.get("URIs", "").split())
+    return list(dict.fromkeys(u.rstrip("/") for u in uris))
+
+
+def _pool_download(pkg: DebPackage, dest: Path, tried: list) -> Optional[Path]:
+    """pkg's .deb from <archive>/<pkg.pool> under the first of archive_uris() that serves it, into dest (its sha256
+    is checked by the caller); None when none does (each failure said in `tried`)."""
+    if not pkg.pool:
+        return None
+    for uri in archive_uris():
+        url = f"{uri}/{pkg.pool}"
+        out = dest / Path(pkg.pool).name
+        try:
+            with urllib.request.urlopen(url, timeout=120) as r, open(out, "wb") as f:
+                shutil.copyfileobj(r, f, 1 << 20)
+            return out
+        except (urllib.error.URLError, OSError, ValueError) as e:
+            out.unlink(missing_ok=True)
+            tried.append(f"{url}: {getattr(e, 'reason', None) or e}")
+    return None
 
 
 def _lists_age() -> str:

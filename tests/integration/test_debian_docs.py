@@ -1,8 +1,10 @@
 """data=debian_docs through its real path: a tiny .deb built here by `dpkg-deb --build` (the three packages' layouts),
 fetched by an injected downloader, hash-checked, streamed through `dpkg-deb --fsys-tarfile` and prepared."""
+import dataclasses
 import gzip
 import json
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -201,3 +203,57 @@ def test_pins_are_the_packages_the_brief_names():
     assert set(names) == {"dict-gcide", "linux-doc-6.12", "python3.11-doc"}
     assert all(len(p.sha256) == 64 and int(p.sha256, 16) >= 0 and p.version for p in debian.PACKAGES)
     assert set(p.reader for p in debian.PACKAGES) == set(debian.READERS)
+
+
+def _apt_etc(tmp_path, monkeypatch, list_text="", sources_text=None):
+    etc = tmp_path / "etc-apt"
+    (etc / "sources.list.d").mkdir(parents=True)
+    (etc / "sources.list").write_text(list_text)
+    if sources_text is not None:
+        (etc / "sources.list.d" / "debian.sources").write_text(sources_text)
+    monkeypatch.setattr(debian, "APT_ETC", etc)
+    return etc
+
+
+def test_archive_uris_read_both_source_formats(tmp_path, monkeypatch):
+    _apt_etc(tmp_path, monkeypatch,
+             "# a comment\ndeb [arch=amd64 signed-by=/k.gpg] http://a.example/debian bookworm main\n"
+             "deb-src http://src.example/debian bookworm main\ndeb http://a.example/debian/ bookworm-updates main\n",
+             "Types: deb\nURIs: http://b.example/debian\nSuites: bookworm\n\n"
+             "Types: deb deb-src\nURIs: http://c.example/sec http://d.example/sec\nSuites: bookworm-security\n\n"
+             "Types: deb\nURIs: http://off.example/x\nEnabled: no\n")
+    assert debian.archive_uris() == ["http://a.example/debian", "http://b.example/debian", "http://c.example/sec",
+                                     "http://d.example/sec"]
+
+
+def test_a_version_gone_from_the_lists_is_fetched_from_the_archives_pool(pinned, tiny_deb, tmp_path, monkeypatch):
+    """apt-get says the pinned version is not found (a security update superseded in the lists); the pinned pool path
+    under the second archive of the machine's apt sources still serves it: fetched from there, its sha256 checked."""
+    b = _fake_bin(tmp_path, "apt-get", "echo \"E: Version '1.0' for 'linux-doc-6.12' was not found\" >&2; exit 100\n")
+    monkeypatch.setattr(debian, "DOWNLOADER", debian._apt_get_download)
+    monkeypatch.setenv("PATH", f"{b}:{os.environ['PATH']}")
+    pool = "pool/updates/main/l/linux-6.12/linux-doc-6.12_1.0_all.deb"
+    sec = tmp_path / "archive-security"
+    (sec / pool).parent.mkdir(parents=True)
+    shutil.copy(tiny_deb, sec / pool)
+    _apt_etc(tmp_path, monkeypatch, f"deb file://{tmp_path / 'archive-main'} bookworm main\n",
+             f"Types: deb\nURIs: file://{sec}\nSuites: bookworm-security\n")
+    pkg = dataclasses.replace(debian.PACKAGES[1], pool=pool)
+    got = debian.deb_path(pkg)
+    assert got == debian.debs_dir() / "linux-doc-6.12_1.0.deb" and sha256_file(got) == pkg.sha256
+    # a pool file that is not the pinned one is refused, as apt's would be
+    (sec / pool).write_bytes(b"not the pinned deb")
+    got.unlink()
+    with pytest.raises(DataError, match="has sha256 .* but orchestrator/data/debian.py pins"):
+        debian.deb_path(pkg)
+    # served nowhere: the error names the pool path and every archive tried, then the advice as before
+    (sec / pool).unlink()
+    with pytest.raises(DataError, match=r"not in this machine's apt package lists .*nor does the archives' pool serve "
+                                        rf"{re.escape(pool)} \(file://.*archive-main/pool.*; file://.*archive-secu"
+                                        r"rity/pool.*\): run `apt-get update`"):
+        debian.deb_path(pkg)
+
+
+def test_every_pin_names_its_pool_path():
+    for p in debian.PACKAGES:
+        assert p.pool.startswith("pool/") and p.pool.endswith(f"/{p.name}_{p.version}_all.deb"), p
