@@ -296,7 +296,8 @@ def _fwd_inner(acc, l_i, m_i, raw_max, fired, pmax, l_raw, p1, q, k_base, v_base
                GEMM_DT: tl.constexpr, STABILIZED: tl.constexpr, NEED_REP: tl.constexpr, PROBE: tl.constexpr,
                HAS_OFP32: tl.constexpr, ONE_BLOCK: tl.constexpr, MASKED: tl.constexpr, F32_DOT: tl.constexpr,
                COUNTERS: tl.constexpr, KEYPAD: tl.constexpr, GUARDED: tl.constexpr, CLAMP: tl.constexpr,
-               SR: tl.constexpr, FOLD: tl.constexpr, FTZ: tl.constexpr, TOP2: tl.constexpr, RAWMAX: tl.constexpr):
+               SR: tl.constexpr, FOLD: tl.constexpr, FTZ: tl.constexpr, TOP2: tl.constexpr, RAWMAX: tl.constexpr,
+               P1MAX: tl.constexpr):
     """The forward over key tiles [lo, hi): online softmax (or, ONE_BLOCK, a fixed row max) and P̄V.
     l_raw (COUNTERS, online path): the row sum before paper_bf16's floor and the BF16 rounding of l, in FP32: what
     tells a row whose every P̄ underflowed (AttnStats.underflow_rows, as the emulator counts it).
@@ -421,13 +422,22 @@ def _fwd_inner(acc, l_i, m_i, raw_max, fired, pmax, l_raw, p1, q, k_base, v_base
         if HAS_OFP32 and (_PBAR & ROUND) != 0:  # heads with FP32 O skip P̄'s rounding: FP32 GEMM
             p_in = tl.where(o_fp32, p, _rb(p))
             pv = _dot_pt(p_in, v, False, INPUT_F32, F32_DOT)
+            p_top = tl.max(p_in, 1)  # the largest P̄ the GEMM reads (COUNTERS with a stabilized softmax)
         else:
-            p_in = p  # what the GEMM reads (counted only where it is used)
-            if (_PBAR & ROUND) != 0:
-                p_in = _rb(p)
             pv = _dot_pt(p, v, (_PBAR & ROUND) != 0, INPUT_F32, F32_DOT)
+            # the largest P̄ the GEMM reads, as it reads it. P1MAX (triton_launch.p1_form): r(max P̄) = max r(P̄)
+            # (round to nearest is monotone), one rounding a row; else every P̄ rounded again, a conversion a score
+            # (the GEMM's own conversion is not shared)
+            if P1MAX:
+                p_top = tl.max(p, 1)
+                if (_PBAR & ROUND) != 0:
+                    p_top = _rb(p_top)
+            elif (_PBAR & ROUND) != 0:
+                p_top = tl.max(_rb(p), 1)
+            else:
+                p_top = tl.max(p, 1)
         if COUNTERS and (STABILIZED or GUARDED):  # a P̄ fed to P̄V still 1 where the shift fired
-            hit = tl.max(p_in, 1) >= 1.0
+            hit = p_top >= 1.0
             if ONE_BLOCK:
                 p1 = p1 | hit.to(tl.int32)
             else:
@@ -449,7 +459,7 @@ def _fwd_kernel(Q, K, V, O, LSE, REP, MAXL, UNDER, P1, OFP32, PMAX, FIRED, KP, F
                 PROBE: tl.constexpr, F32_DOT: tl.constexpr, KEYPAD: tl.constexpr, GUARDED: tl.constexpr,
                 CLAMP: tl.constexpr, SR: tl.constexpr, FOLD: tl.constexpr, LPT: tl.constexpr,
                 FTZ: tl.constexpr, TOP2: tl.constexpr, RELAXED: tl.constexpr, ACC16: tl.constexpr,
-                RAWMAX: tl.constexpr):
+                RAWMAX: tl.constexpr, P1MAX: tl.constexpr):
     """P1 (H,) int64: sfa_p1_rows (COUNTERS with a stabilized softmax). TIES (B*H, T, ntw) uint8: pbar_clamp's tie
     bits (CLAMP). SRKEY () int64: stochastic_round's call key (SR; kernels/stochastic.py call_key), sr_bq the
     emulator's query tile (its stream ids and element indices). bm1: beta - 1 in FP32 (GUARDED). FOLD, c_log2:
@@ -460,7 +470,8 @@ def _fwd_kernel(Q, K, V, O, LSE, REP, MAXL, UNDER, P1, OFP32, PMAX, FIRED, KP, F
     after the stream's later copy); else acq_rel, Triton's default (a GPU-wide fence and an L1 invalidation around
     each). ACC16 (every kernel with an accumulator): O_acc / dK, dV, dQ kept in BF16 where the recipe stores them so
     after every tile (triton_launch.accumulator_form). RAWMAX: an unmasked tile's row max on the unscaled scores
-    (_fwd_inner's RAW; triton_launch.score_max_form)."""
+    (_fwd_inner's RAW; triton_launch.score_max_form). P1MAX: sfa_p1_rows' test on the rounded row max
+    (triton_launch.p1_form)."""
     start_m, off_bh = _program(LPT, True)
     off_b = off_bh // H
     off_h = off_bh % H
@@ -547,12 +558,12 @@ def _fwd_kernel(Q, K, V, O, LSE, REP, MAXL, UNDER, P1, OFP32, PMAX, FIRED, KP, F
         acc, l_i, m_i, raw_max, fired, pmax, l_raw, p1, q, k_base, v_base, skt, svt, offs_m, offs_n, row_ok, lo1, mid,
         T, scale, beta, eps, o_fp32, kp, bm1, tb, ntw, sr_key, sr_qt, sr_row, c_log2, BLOCK_M, BLOCK_N, HEAD_DIM,
         ROUND, INPUT_F32, FLOOR, GEMM_DT, STABILIZED, NEED_REP, PROBE, HAS_OFP32, ONE_BLOCK, False, F32_DOT, COUNTERS,
-        KEYPAD, GUARDED, CLAMP, SR, FOLD, FTZ, TOP2, RAWMAX)
+        KEYPAD, GUARDED, CLAMP, SR, FOLD, FTZ, TOP2, RAWMAX, P1MAX)
     acc, l_i, m_i, raw_max, fired, pmax, l_raw, p1 = _fwd_inner(
         acc, l_i, m_i, raw_max, fired, pmax, l_raw, p1, q, k_base, v_base, skt, svt, offs_m, offs_n, row_ok, lo2, hi,
         T, scale, beta, eps, o_fp32, kp, bm1, tb, ntw, sr_key, sr_qt, sr_row, c_log2, BLOCK_M, BLOCK_N, HEAD_DIM,
         ROUND, INPUT_F32, FLOOR, GEMM_DT, STABILIZED, NEED_REP, PROBE, HAS_OFP32, ONE_BLOCK, True, F32_DOT, COUNTERS,
-        KEYPAD, GUARDED, CLAMP, SR, FOLD, FTZ, TOP2, RAWMAX)
+        KEYPAD, GUARDED, CLAMP, SR, FOLD, FTZ, TOP2, RAWMAX, P1MAX)
 
     if ONE_BLOCK:  # one tile: l and the P̄V product stored once
         if COUNTERS:

@@ -141,6 +141,25 @@ def score_max_form(form: str = "raw"):
     return _switch(_raw_max, form == "raw")
 
 
+P1_FORMS = ("max", "scores")
+# how the forward with counters and a stabilized softmax tests for a P̄ still 1 where the shift fired (sfa_p1_rows,
+# _fwd_inner): max (the default), the row's largest P̄ rounded as P̄V reads it, r(max P̄) = max r(P̄) since round to
+# nearest is monotone: one rounding a row; scores, every P̄ rounded again and their max taken (before 2026-12-07: a
+# conversion a score beside the GEMM's own). Every count the same either way (the interpreter's tests compare both
+# with the emulator; fa2 stabilized at beta 1.0001 tells them apart if the rounding is dropped). Compiled for sm_90
+# on a CPU (scripts/kernel_sass.py, Triton 3.9, B16 H12 T1024 D64) max took fa2's stabilized forward with counters
+# from 2,576 to 2,504 instructions, F2FP 80 -> 48, and its 32 B of spilled registers to none. Not timed yet
+_p1_max = [True]
+
+
+def p1_form(form: str = "max"):
+    """The stabilized forward's test for a P̄ still 1 within the scope: P1_FORMS (max: the rounded row max, the
+    default; scores: every P̄ rounded, as before)."""
+    if form not in P1_FORMS:
+        raise ValueError(f"p1 form {form!r} is not allowed: expected one of {', '.join(P1_FORMS)}")
+    return _switch(_p1_max, form == "max")
+
+
 DELTA_FORMS = ("fused", "kernel")
 # where the backward computes delta = rowsum(r(dO*O)) (delta=dO_O): fused (the default), in the dQ kernel, which then
 # launches before the dK/dV kernel and stores delta for it (reading O beside the dO it reads anyway), or kernel: its
@@ -570,7 +589,9 @@ def launch_config(knobs: AttentionKnobs, D: int, T: int) -> dict:
     acc = ACCUMULATOR_FORMS[0] if _acc16[0] else ACCUMULATOR_FORMS[1]
     return dict(fwd=dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=fw, num_stages=fs, order=order("fwd"),
                          maxnreg=register_cap("fwd", knobs, D, (bm, bn, fw, fs), bool(knobs.counters)),
-                         counters=form, accumulators=acc, score_max="raw" if _raw_max[0] else "scaled"),
+                         counters=form, accumulators=acc, score_max="raw" if _raw_max[0] else "scaled",
+                         p1=("max" if _p1_max[0] else "scores") if knobs.counters and
+                         knobs.softmax in ("stabilized", "stabilized_guarded") else None),
                 bwd=dict(dkdv=[m1, n1], dq=[m2, n2], num_warps=bw, num_stages=bs, accumulators=acc,
                          delta="fused" if fuses_delta(knobs, D, T) else "kernel",
                          order=dict(dkdv=order("dkdv"), dq=order("dq")),
@@ -735,7 +756,7 @@ def _forward(q, k, v, knobs: AttentionKnobs, rep=None, maxl=None, probe: bool = 
                       GUARDED=knobs.softmax == "stabilized_guarded", CLAMP=clamp, SR=bool(knobs.stochastic_round),
                       FOLD=knobs.exp_form == "exp2_folded", LPT=lpt, FTZ=_exp_ftz[0],
                       TOP2=repeat_test(knobs.recipe) == "top2", RELAXED=_counter_form["relaxed"], ACC16=_acc16[0],
-                      RAWMAX=_raw_max[0], num_warps=warps,
+                      RAWMAX=_raw_max[0], P1MAX=_p1_max[0], num_warps=warps,
                       num_stages=stages, **_regs(cap))
     return o, lse, (pmax if probe else None), (fired if probe else None)
 

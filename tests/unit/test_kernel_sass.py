@@ -247,6 +247,26 @@ def _arithmetic(ops: dict) -> dict:
     return out
 
 
+def test_the_p1_test_on_the_rounded_row_max_drops_a_conversion_per_two_scores():
+    """`p1=scores` records the stabilized forward with counters in p1_form("scores")'s scope (P1MAX off; the default:
+    on). Compiled for sm_90, the default rounds each row's largest P̄ once, where the old form rounded every P̄ again
+    beside the GEMM's own conversion: at least one packed conversion (F2FP, two scores) per two scores of a key
+    loop fewer, and fewer instructions in all."""
+    ks = _script()
+    variant = "fa2:softmax=stabilized:counters=true"
+    assert ks.p1_of(f"{variant}:p1=scores") == "scores" and ks.p1_of(variant) == "max"
+    assert ks.parse_variant(f"{variant}:p1=scores") == ks.parse_variant(variant)
+    got = {}
+    for form in ("max", "scores"):
+        text = variant if form == "max" else f"{variant}:p1=scores"
+        name, fn, args, kw = [c for c in ks.record_variant(text, (2, 2, 256, 64)) if c[0] == "_fwd_kernel"][0]
+        assert kw["P1MAX"] is (form == "max")
+        got[form] = ks.compile_counts(fn, args, kw, 90)
+    per_thread = kw["BLOCK_M"] * kw["BLOCK_N"] // (32 * kw["num_warps"])
+    assert got["scores"]["F2FP"] - got["max"]["F2FP"] >= per_thread // 2, (got["scores"]["F2FP"], got["max"]["F2FP"])
+    assert got["max"]["instructions"] < got["scores"]["instructions"]
+
+
 @pytest.mark.parametrize("variant,D", [("fa2", 64), ("paper_bf16:counters=true", 64), ("paper_1gpu:counters=true", 64),
                                        ("fa2", 128)])
 def test_the_fused_delta_adds_the_delta_kernels_arithmetic_to_dq_and_keeps_its_occupancy(variant, D):

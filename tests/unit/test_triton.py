@@ -573,6 +573,70 @@ def _kernel_sass():
     return mod
 
 
+P1_CASES = [  # the stabilized softmaxes with counters: FP32 scores (the shift acts, P̄ rounds back to 1 at beta
+    # 1.0001), BF16 scores, the guarded shift with the clamp, FP32-O heads (their P̄ unrounded), untiled
+    dict(recipe="fa2", softmax="stabilized", beta=1.0001, counters=True),
+    dict(recipe="fa2", softmax="stabilized", counters=True),
+    dict(recipe="paper_bf16", softmax="stabilized", beta=1.0001, counters=True),
+    dict(recipe="fa2", softmax="stabilized_guarded", pbar_clamp=True, beta=1.0001, counters=True),
+    dict(recipe="paper_bf16", softmax="stabilized", beta=1.0001, counters=True, o_fp32_heads=[1]),
+    dict(recipe="fa2", softmax="stabilized", beta=1.0001, counters=True, tiling=False),
+]
+
+
+def _p1_outputs(tfi, q, k, v, knobs, key_keep=None):
+    """{form: (O, dQ, dK, dV, the four counters)} of one fwd+bwd per p1_form."""
+    from flash_forensics.kernels import triton_launch
+    g = torch.randn(q.shape, generator=torch.Generator().manual_seed(3)).to(q.device, q.dtype)
+    out = {}
+    for form in triton_launch.P1_FORMS:
+        x = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        st = AttnStats(q.shape[1], q.device)
+        with triton_launch.p1_form(form):
+            assert triton_launch.launch_config(knobs, q.shape[-1], q.shape[2])["fwd"]["p1"] == form
+            o = tfi.flash_attention_triton(*x, knobs, st, key_keep=key_keep)
+            out[form] = (o, *torch.autograd.grad(o, x, g), st.repeated_max_rows, st.max_logit, st.underflow_rows,
+                         st.sfa_p1_rows)
+    return out
+
+
+def _assert_p1_forms_agree(out, knobs):
+    for i, (a, b) in enumerate(zip(out["max"], out["scores"])):
+        assert torch.equal(_bits(a), _bits(b)), ["O", "dQ", "dK", "dV", "repeated_max_rows", "max_logit",
+                                                 "underflow_rows", "sfa_p1_rows"][i]
+    if knobs.beta == 1.0001 and knobs.recipe == "fa2" and knobs.softmax == "stabilized":  # the case that tells a
+        # dropped rounding apart (the guarded shift with the clamp leaves no P̄ of 1)
+        assert out["scores"][7].sum() > 0, "P̄ must round back to 1 where the shift fired"
+
+
+# every case without key padding, the first with it too (the interpreter's minutes count in CI)
+INTERP_P1_CASES = [(c, False) for c in P1_CASES] + [(P1_CASES[0], True)]
+
+
+@interp
+@pytest.mark.parametrize("case,keep", INTERP_P1_CASES,
+                         ids=[",".join(f"{k}={v}" for k, v in c.items()) + ("-keep" if kp else "")
+                              for c, kp in INTERP_P1_CASES])
+def test_interpreter_the_p1_forms_keep_every_bit(tfi, case, keep):
+    """sfa_p1_rows' test on the row's largest P̄ rounded once (max, the default) against every P̄ rounded again
+    (scores, as before): O, the gradients and every counter bit for bit, with the planted NaN, +-inf and ties and key
+    padding."""
+    q, k, v, knobs, key_keep = _interp_case(case, keep, seed=23)
+    _assert_p1_forms_agree(_p1_outputs(tfi, q, k, v, knobs, key_keep), knobs)
+
+
+def test_a_p1_form_outside_the_list_is_refused_and_the_config_says_the_form():
+    from flash_forensics.kernels import triton_launch
+    with pytest.raises(ValueError, match="p1 form 'rows' is not allowed: expected one of max, scores"):
+        with triton_launch.p1_form("rows"):
+            pass
+    assert triton_launch._p1_max == [True]  # left as it was
+    cfg = triton_launch.launch_config
+    assert cfg(AttentionKnobs(recipe="fa2", softmax="stabilized", counters=True), 64, 1024)["fwd"]["p1"] == "max"
+    assert cfg(AttentionKnobs(recipe="fa2", softmax="stabilized", counters=False), 64, 1024)["fwd"]["p1"] is None
+    assert cfg(AttentionKnobs(recipe="fa2", counters=True), 64, 1024)["fwd"]["p1"] is None  # no P̄ test to make
+
+
 DELTA_CASES = [  # delta=dO_O everywhere: the recipes, untiled, FP32-O heads (delta_prod kept FP32 there), padding
     dict(recipe="fp32", counters=True), dict(recipe="fp32", tiling=False), dict(recipe="fa2", counters=True),
     dict(recipe="paper_bf16", counters=True), dict(recipe="paper_bf16", counters=True, o_fp32_heads=[1]),
@@ -979,6 +1043,24 @@ def test_gpu_the_delta_forms_keep_every_bit(case, D, layout):
         q, k, v = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v))
     knobs = replace(AttentionKnobs(backend="triton"), **case)
     _assert_delta_forms_agree(*_delta_outputs(tf, q, k, v, knobs))
+
+
+GPU_P1_CASES = [(c, 64) for c in P1_CASES] + [
+    (dict(recipe="fa2", softmax="stabilized", beta=1.0001, counters=True), 128),
+    (dict(recipe="paper_bf16", softmax="stabilized", counters=True, block_q=128, block_k=128), 64)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case,D", GPU_P1_CASES,
+                         ids=[",".join(f"{k}={v}" for k, v in c.items()) + f"-D{d}" for c, d in GPU_P1_CASES])
+def test_gpu_the_p1_forms_keep_every_bit(case, D):
+    """On the GPU, in BF16: sfa_p1_rows' test on the rounded row max (max, the default) against every P̄ rounded
+    (scores, as before): O, gradients and every counter bit for bit, with the planted NaN, +-inf and ties."""
+    from flash_forensics.kernels import triton_flash as tf
+    q, k, v = (x.detach() for x in planted(2, 4, 384, D, "cuda", dtype=torch.bfloat16, seed=D + 13))
+    q, k = _special(q, k)
+    knobs = replace(AttentionKnobs(backend="triton"), **case)
+    _assert_p1_forms_agree(_p1_outputs(tf, q, k, v, knobs), knobs)
 
 
 @pytest.mark.gpu

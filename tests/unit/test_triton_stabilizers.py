@@ -409,6 +409,8 @@ STAB_CASES = [
     ("fp32", dict(softmax="stabilized_guarded", beta=1.05, block_q=32, block_k=16), 1),
     ("fp32", dict(softmax="stabilized_guarded", delta="dP_P"), 100),  # huge logits: where exact Algorithm 3 underflows
     ("paper_bf16", dict(softmax="stabilized", beta=1.0001), 1),  # exact Algorithm 3: P̄ rounds back to 1 (sfa_p1_rows)
+    # FP32 scores: the shift acts, P̄ < 1 in FP32 but 1 once rounded for P̄V: the kernel's test of the rounded max
+    ("fa2", dict(softmax="stabilized", beta=1.0001), 1),
     ("fp32", dict(round_bf16=["pv_out", "acc"], stochastic_round=True, sr_seed=3), 1),
     ("fp32", dict(round_bf16=["pv_out", "acc"], stochastic_round=True, sr_seed=3, tiling=False), 1),
     ("fp32", dict(round_bf16=["pv_out"], stochastic_round=True), 1),
