@@ -33,7 +33,11 @@ Methods (causal, BF16 inputs (B, H, T, D); FLOPs = 7*B*H*T^2*D per fwd+bwd):
                                             those recipes with delta = rowsum(dO*O) in its own kernel, as before
                                             (the default computes it in the dQ kernel; kernels/triton_launch.py
                                             delta_form)
-  (the _sec, _ptxas, _count, _top2, _acqrel, _acc32, _rawmax, _deltakernel and _lpt rows run only when named)
+  triton_fa2_sfa_counters_p1scores          that row with sfa_p1_rows' test on every P̄ rounded again, as before
+                                            (the default rounds the row's largest P̄ once; kernels/triton_launch.py
+                                            p1_form)
+  (the _sec, _ptxas, _count, _top2, _acqrel, _acc32, _rawmax, _deltakernel, _p1scores and _lpt rows run only when
+  named)
   triton_fa2_ftz, triton_paper_bf16_ftz     the same recipes with exp on ex2.approx.ftz (no denormal fix-up;
                                             kernels/triton_launch.py exp_instruction; the default: tl.exp's)
   triton_fa2_counters                       fa2 with the repeated-maxima counters and max logit (as a run logs)
@@ -116,10 +120,14 @@ KNOBS.update({row: KNOBS[base] for row, base in MAX_ROWS.items()})
 # computes it in the dQ kernel (every bit the same: speed only)
 DELTA_ROWS = {f"{base}_deltakernel": base for base in ("triton_fa2", "triton_paper_bf16")}
 KNOBS.update({row: KNOBS[base] for row, base in DELTA_ROWS.items()})
-# the section, register, counter-form, score-max, delta-kernel and all-longest-first rows only when named
+# <base>_p1scores: the stabilized forward's sfa_p1_rows test on every P̄ rounded again, as before p1_form's default
+# rounds the row's largest P̄ once (every count and bit the same: speed only)
+P1_ROWS = {"triton_fa2_sfa_counters_p1scores": "triton_fa2_sfa_counters"}
+KNOBS.update({row: KNOBS[base] for row, base in P1_ROWS.items()})
+# the section, register, counter-form, score-max, delta-kernel, p1 and all-longest-first rows only when named
 DEFAULT_METHODS = SDPA + tuple(m for m in KNOBS if "_sec" not in m and m not in REGISTER_ROWS
                                and m not in FORM_ROWS and m not in ACC_ROWS and m not in MAX_ROWS
-                               and m not in DELTA_ROWS and not m.endswith("_lpt"))
+                               and m not in DELTA_ROWS and m not in P1_ROWS and not m.endswith("_lpt"))
 TARGETS = {  # issue 33's speed targets: "<method>_vs_best_sdpa@<shape>": fwd+bwd against the fastest SDPA backend
     # that ran there (at least the ratio), "<method>_overhead_vs_fa2@<shape>": its time over plain fa2's (at most)
     "fa2_vs_best_sdpa@gpt2s_T1024": 1.0, "fa2_vs_best_sdpa@T4096": 1.0, "fa2_vs_best_sdpa@D128_T2048": 0.8,
@@ -200,6 +208,9 @@ def method_fn(name, H, dev):
     if name in DELTA_ROWS:  # delta in its own kernel, as before (speed only)
         from flash_forensics.kernels.triton_launch import delta_form
         f.scope = lambda: delta_form("kernel")
+    if name in P1_ROWS:  # sfa_p1_rows' test on every P̄ rounded again, as before (speed only)
+        from flash_forensics.kernels.triton_launch import p1_form
+        f.scope = lambda: p1_form("scores")
     if name.endswith("_lpt"):  # every kernel longest first, LINEAR_LAUNCHES' too (speed only)
         from flash_forensics.kernels.triton_launch import launch_order
         f.scope = lambda: launch_order("longest_first")
@@ -362,6 +373,13 @@ def summarize(rows, shapes) -> dict:
                 ku = [d["methods"][x].get("kernels_us") for x in (row, base)]
                 gm = [d["methods"][x].get("graph_ms") for x in (row, base)]
                 d.setdefault("delta_form_speedup", {})[base] = dict(
+                    speedup=ms[row] / ms[base], kernels_speedup=ku[0] / ku[1] if all(ku) else None,
+                    graph_speedup=gm[0] / gm[1] if all(gm) else None)
+        for row, base in P1_ROWS.items():  # > 1: the rounded row max (the default) is faster than every P̄ rounded
+            if base in ms and row in ms:
+                ku = [d["methods"][x].get("kernels_us") for x in (row, base)]
+                gm = [d["methods"][x].get("graph_ms") for x in (row, base)]
+                d.setdefault("p1_form_speedup", {})[base] = dict(
                     speedup=ms[row] / ms[base], kernels_speedup=ku[0] / ku[1] if all(ku) else None,
                     graph_speedup=gm[0] / gm[1] if all(gm) else None)
         if "triton_fa2" in ms and "triton_fa2_lpt" in ms:  # > 1: by_kernel (the default) beats all longest first

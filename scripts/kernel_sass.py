@@ -20,7 +20,8 @@ not even REGISTER_TABLE's default one), and `:form=top2|count` / `:atomics=relax
 (kernels/triton_launch.py counter_form; default: the test by recipe, relaxed atomics), and `:acc=fp32`, the
 accumulators in FP32 (accumulator_form; default bf16 where the recipe stores them in BF16), and `:max=raw`, an
 unmasked tile's row max on the unscaled scores, scaled once (score_max_form; default scaled: the max of the scaled
-scores), and `:delta_form=kernel`, delta in its own kernel (delta_form; default fused into the dQ kernel where it can).
+scores), and `:delta_form=kernel`, delta in its own kernel (delta_form; default fused into the dQ kernel where it can),
+and `:p1=scores`, sfa_p1_rows' test on every P̄ rounded again (p1_form; default max: the row's largest, rounded once).
 """
 from __future__ import annotations
 
@@ -85,6 +86,11 @@ def score_max_of(text: str) -> str:
     return _pair(text, "max", "scaled")
 
 
+def p1_of(text: str) -> str:
+    """A variant's `p1=max|scores` (kernels/triton_launch.py p1_form; default max)."""
+    return _pair(text, "p1", "max")
+
+
 def delta_of(text: str) -> str:
     """A variant's `delta_form=fused|kernel` (kernels/triton_launch.py delta_form; default fused)."""
     return _pair(text, "delta_form", "fused")
@@ -95,7 +101,7 @@ def parse_variant(text: str):
     (`regs.<kernel>=N` pairs are register_caps', not knobs)."""
     from flash_forensics.kernels.config import AttentionKnobs
     name, *pairs = (p for p in text.split(":")
-                    if not p.startswith(("regs.", "form=", "atomics=", "acc=", "max=", "delta_form=")))
+                    if not p.startswith(("regs.", "form=", "atomics=", "acc=", "max=", "delta_form=", "p1=")))
     kw = dict(PRESETS.get(name, dict(recipe=name)), backend="triton", counters=False)
     fields = {f.name: f for f in dataclasses.fields(AttentionKnobs)}
     for pair in pairs:
@@ -154,7 +160,7 @@ def record_variant(text: str, shape):
     try:
         with tl_.register_limit(**register_caps(text)), tl_.counter_form(**counter_form_of(text)), \
                 tl_.accumulator_form(accumulators_of(text)), tl_.score_max_form(score_max_of(text)), \
-                tl_.delta_form(delta_of(text)):
+                tl_.delta_form(delta_of(text)), tl_.p1_form(p1_of(text)):
             return record_launches(knobs, shape)
     except ValueError as e:
         raise SystemExit(f"variant {text!r}: {e}") from None

@@ -323,6 +323,27 @@ def test_gpu_graph_rounds_time_every_row_and_leave_no_gradient_behind():
     torch.cuda.synchronize()
 
 
+def test_the_p1_rows_run_their_base_in_their_scope_and_the_summary_compares_them():
+    """<base>_p1scores: the base row's knobs with sfa_p1_rows' test on every P̄ rounded (p1_form("scores")); only
+    when named; p1_form_speedup > 1 where the default (the rounded row max) is faster."""
+    from benchmarks import attention
+    from flash_forensics.kernels import triton_launch
+    assert attention.P1_ROWS == {"triton_fa2_sfa_counters_p1scores": "triton_fa2_sfa_counters"}
+    for row, base in attention.P1_ROWS.items():
+        assert attention.KNOBS[row] == attention.KNOBS[base] and row not in attention.DEFAULT_METHODS
+        with attention.method_fn(row, 2, torch.device("cpu")).scope():
+            assert triton_launch._p1_max == [False]
+            assert triton_launch.launch_config(attention.KNOBS[row], 64, 1024)["fwd"]["p1"] == "scores"
+        assert triton_launch._p1_max == [True]
+    rows = [dict(shape="s", method="sdpa_cudnn", ms=0.38, tflops=1.0, total_us=370.0, graph_ms=0.37),
+            dict(shape="s", method="triton_fa2_sfa_counters", ms=0.40, tflops=1.0, total_us=400.0, graph_ms=0.40),
+            dict(shape="s", method="triton_fa2_sfa_counters_p1scores", ms=0.44, tflops=1.0, total_us=420.0,
+                 graph_ms=0.42)]
+    d = attention.summarize(rows, ["s"])["s"]["p1_form_speedup"]["triton_fa2_sfa_counters"]
+    assert abs(d["speedup"] - 1.1) < 1e-12 and abs(d["kernels_speedup"] - 1.05) < 1e-12
+    assert abs(d["graph_speedup"] - 1.05) < 1e-12
+
+
 def test_the_delta_kernel_rows_run_their_base_in_their_scope_and_the_summary_compares_them():
     """<base>_deltakernel: the base row's knobs with delta in its own kernel (delta_form("kernel")); only when named;
     delta_form_speedup > 1 where the default (delta in the dQ kernel) is faster, by the timed, profiled and graph
