@@ -145,8 +145,9 @@ P1_FORMS = ("max", "scores")
 # how the forward with counters and a stabilized softmax tests for a P̄ still 1 where the shift fired (sfa_p1_rows,
 # _fwd_inner): max (the default), the row's largest P̄ rounded as P̄V reads it, r(max P̄) = max r(P̄) since round to
 # nearest is monotone: one rounding a row; scores, every P̄ rounded again and their max taken (before 2026-12-07: a
-# conversion a score beside the GEMM's own). Every count the same either way (the interpreter's tests compare both
-# with the emulator; fa2 stabilized at beta 1.0001 tells them apart if the rounding is dropped). Compiled for sm_90
+# conversion a score beside the GEMM's own). Every count and bit the same either way (the interpreter's tests compare
+# the two forms, and the default with the emulator; fa2 stabilized at beta 1.0001 fails both if the rounding is
+# dropped; on the GPU, test_gpu_the_p1_forms_keep_every_bit). Compiled for sm_90
 # on a CPU (scripts/kernel_sass.py, Triton 3.9, B16 H12 T1024 D64) max took fa2's stabilized forward with counters
 # from 2,576 to 2,504 instructions, F2FP 80 -> 48, and its 32 B of spilled registers to none. Not timed yet
 _p1_max = [True]

@@ -9,9 +9,9 @@ experiment=paper_1gpu).
 Each .deb is fetched once with `apt-get download <pkg>=<pinned version>` into <cache>/corpora/debian/ (where apt's
 lists no longer carry the pinned version, from its pinned path in the pool of each archive this machine's apt sources
 name: a version dropped from the lists can still lie there), checked against its pinned sha256 and read by streaming
-`dpkg-deb --fsys-tarfile` into Python's tarfile: nothing is installed or
-unpacked to disk. Fetching happens only while documents are read (prepare), never when a config is validated, so a
-machine that has the prepared folder needs neither apt nor the packages.
+`dpkg-deb --fsys-tarfile` into Python's tarfile: nothing is installed or unpacked to disk. Fetching happens only
+while documents are read (prepare), never when a config is validated, so a machine that has the prepared folder
+needs neither apt nor the packages.
 """
 from __future__ import annotations
 
@@ -80,7 +80,7 @@ def _apt_get_download(pkg: DebPackage, dest: Path) -> Path:
         if re.search(r"not found|Unable to locate|Can't select|has no installation candidate", err):
             # what apt knows is its package lists: stale (or emptied, as in container images) they miss a version
             # the archive serves, and `apt-get update` is the fix far more often than a new pin. A version dropped
-            # from current lists often still lies in the archive's pool: that path is tried first
+            # from current lists often still lies in the archive's pool: that path is tried before giving up
             tried = []
             got = _pool_download(pkg, dest, tried)
             if got is not None:
