@@ -306,6 +306,15 @@ def environment(argv, script=None) -> dict:
     return env(argv, script or (sys.argv[0] if sys.argv and sys.argv[0].endswith(".py") else __file__))
 
 
+def _old_over_new(methods: dict, ms: dict, old: str, new: str) -> dict:
+    """The old form's time over the default's by the timed, profiled and graph figures, each where both rows have
+    it (> 1: the default is faster)."""
+    ku = [methods[x].get("kernels_us") for x in (old, new)]
+    gm = [methods[x].get("graph_ms") for x in (old, new)]
+    return dict(speedup=ms[old] / ms[new], kernels_speedup=ku[0] / ku[1] if all(ku) else None,
+                graph_speedup=gm[0] / gm[1] if all(gm) else None)
+
+
 def summarize(rows, shapes) -> dict:
     """Per shape: each method's TFLOP/s and its ratio to sdpa_flash and to the fastest SDPA backend that ran."""
     by = {(r["shape"], r["method"]): r for r in rows if r.get("ms")}
@@ -368,20 +377,12 @@ def summarize(rows, shapes) -> dict:
                 ku = [d["methods"][x].get("kernels_us") for x in (base, row)]
                 d.setdefault("score_max_speedup", {})[base] = dict(
                     speedup=ms[base] / ms[row], kernels_speedup=ku[0] / ku[1] if all(ku) else None)
-        for row, base in DELTA_ROWS.items():  # > 1: delta in the dQ kernel (the default) is faster than its own
-            if base in ms and row in ms:
-                ku = [d["methods"][x].get("kernels_us") for x in (row, base)]
-                gm = [d["methods"][x].get("graph_ms") for x in (row, base)]
-                d.setdefault("delta_form_speedup", {})[base] = dict(
-                    speedup=ms[row] / ms[base], kernels_speedup=ku[0] / ku[1] if all(ku) else None,
-                    graph_speedup=gm[0] / gm[1] if all(gm) else None)
-        for row, base in P1_ROWS.items():  # > 1: the rounded row max (the default) is faster than every P̄ rounded
-            if base in ms and row in ms:
-                ku = [d["methods"][x].get("kernels_us") for x in (row, base)]
-                gm = [d["methods"][x].get("graph_ms") for x in (row, base)]
-                d.setdefault("p1_form_speedup", {})[base] = dict(
-                    speedup=ms[row] / ms[base], kernels_speedup=ku[0] / ku[1] if all(ku) else None,
-                    graph_speedup=gm[0] / gm[1] if all(gm) else None)
+        # > 1: the default is faster than the old form: delta in the dQ kernel than in its own; sfa_p1_rows' test on
+        # the rounded row max than on every P̄ rounded
+        for key, old_rows in (("delta_form_speedup", DELTA_ROWS), ("p1_form_speedup", P1_ROWS)):
+            for row, base in old_rows.items():
+                if base in ms and row in ms:
+                    d.setdefault(key, {})[base] = _old_over_new(d["methods"], ms, row, base)
         if "triton_fa2" in ms and "triton_fa2_lpt" in ms:  # > 1: by_kernel (the default) beats all longest first
             ku = [d["methods"][x].get("kernels_us") for x in ("triton_fa2_lpt", "triton_fa2")]
             d["by_kernel_speedup"] = ms["triton_fa2_lpt"] / ms["triton_fa2"]

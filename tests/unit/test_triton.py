@@ -473,20 +473,28 @@ SCORE_MAX_CASES = [  # where RAW acts (fa2 / fp32: unscaled max, top2 test) and 
 ]
 
 
-def _score_max_outputs(tfi, q, k, v, knobs):
-    """{form: (O, dQ, dK, dV, the four counters)} of one fwd+bwd per score_max_form."""
+def _outputs_per_form(tfi, q, k, v, knobs, scope, forms, config_key, seed, key_keep=None):
+    """{form: (O, dQ, dK, dV, the four counters)} of one fwd+bwd per form, each in scope(form), whose launch_config
+    says the form at fwd[config_key]."""
     from flash_forensics.kernels import triton_launch
-    g = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(q.device, q.dtype)
+    g = torch.randn(q.shape, generator=torch.Generator().manual_seed(seed)).to(q.device, q.dtype)
     out = {}
-    for form in triton_launch.SCORE_MAX_FORMS:
+    for form in forms:
         x = [t.clone().requires_grad_(True) for t in (q, k, v)]
         st = AttnStats(q.shape[1], q.device)
-        with triton_launch.score_max_form(form):
-            assert triton_launch.launch_config(knobs, q.shape[-1], q.shape[2])["fwd"]["score_max"] == form
-            o = tfi.flash_attention_triton(*x, knobs, st)
+        with scope(form):
+            assert triton_launch.launch_config(knobs, q.shape[-1], q.shape[2])["fwd"][config_key] == form
+            o = tfi.flash_attention_triton(*x, knobs, st, key_keep=key_keep)
             out[form] = (o, *torch.autograd.grad(o, x, g), st.repeated_max_rows, st.max_logit, st.underflow_rows,
                          st.sfa_p1_rows)
     return out
+
+
+def _score_max_outputs(tfi, q, k, v, knobs):
+    """{form: outputs} of one fwd+bwd per score_max_form."""
+    from flash_forensics.kernels import triton_launch
+    return _outputs_per_form(tfi, q, k, v, knobs, triton_launch.score_max_form, triton_launch.SCORE_MAX_FORMS,
+                             "score_max", seed=1)
 
 
 def _assert_score_max_forms_agree(out, counters):
@@ -585,19 +593,10 @@ P1_CASES = [  # the stabilized softmaxes with counters: FP32 scores (the shift a
 
 
 def _p1_outputs(tfi, q, k, v, knobs, key_keep=None):
-    """{form: (O, dQ, dK, dV, the four counters)} of one fwd+bwd per p1_form."""
+    """{form: outputs} of one fwd+bwd per p1_form."""
     from flash_forensics.kernels import triton_launch
-    g = torch.randn(q.shape, generator=torch.Generator().manual_seed(3)).to(q.device, q.dtype)
-    out = {}
-    for form in triton_launch.P1_FORMS:
-        x = [t.clone().requires_grad_(True) for t in (q, k, v)]
-        st = AttnStats(q.shape[1], q.device)
-        with triton_launch.p1_form(form):
-            assert triton_launch.launch_config(knobs, q.shape[-1], q.shape[2])["fwd"]["p1"] == form
-            o = tfi.flash_attention_triton(*x, knobs, st, key_keep=key_keep)
-            out[form] = (o, *torch.autograd.grad(o, x, g), st.repeated_max_rows, st.max_logit, st.underflow_rows,
-                         st.sfa_p1_rows)
-    return out
+    return _outputs_per_form(tfi, q, k, v, knobs, triton_launch.p1_form, triton_launch.P1_FORMS, "p1", seed=3,
+                             key_keep=key_keep)
 
 
 def _assert_p1_forms_agree(out, knobs):
