@@ -323,18 +323,29 @@ def test_gpu_graph_rounds_time_every_row_and_leave_no_gradient_behind():
     torch.cuda.synchronize()
 
 
-def test_the_p1_rows_run_their_base_in_their_scope_and_the_summary_compares_them():
-    """<base>_p1scores: the base row's knobs with sfa_p1_rows' test on every P̄ rounded (p1_form("scores")); only
-    when named; p1_form_speedup > 1 where the default (the rounded row max) is faster."""
+OLD_FORM_ROWS = [  # (the rows, the launcher's switch of the default, where launch_config says the form, the old)
+    ("DELTA_ROWS", "_delta_fused", ("bwd", "delta"), "kernel"), ("P1_ROWS", "_p1_max", ("fwd", "p1"), "scores")]
+
+
+@pytest.mark.parametrize("rows,switch,where,old", OLD_FORM_ROWS, ids=[r[0] for r in OLD_FORM_ROWS])
+def test_the_old_form_rows_run_their_base_in_their_scope(rows, switch, where, old):
+    """<base>_deltakernel, <base>_p1scores: the base row's knobs, launched in the old form's scope (delta_form
+    ("kernel"), p1_form("scores")), the default back after it; only when named."""
     from benchmarks import attention
     from flash_forensics.kernels import triton_launch
-    assert attention.P1_ROWS == {"triton_fa2_sfa_counters_p1scores": "triton_fa2_sfa_counters"}
-    for row, base in attention.P1_ROWS.items():
+    for row, base in getattr(attention, rows).items():
         assert attention.KNOBS[row] == attention.KNOBS[base] and row not in attention.DEFAULT_METHODS
         with attention.method_fn(row, 2, torch.device("cpu")).scope():
-            assert triton_launch._p1_max == [False]
-            assert triton_launch.launch_config(attention.KNOBS[row], 64, 1024)["fwd"]["p1"] == "scores"
-        assert triton_launch._p1_max == [True]
+            assert getattr(triton_launch, switch) == [False]
+            assert triton_launch.launch_config(attention.KNOBS[row], 64, 1024)[where[0]][where[1]] == old
+        assert getattr(triton_launch, switch) == [True]
+
+
+def test_the_p1_rows_are_summarized_against_their_base():
+    """p1_form_speedup > 1 where the default (sfa_p1_rows' test on the rounded row max) is faster than every P̄
+    rounded (<base>_p1scores), by the timed, profiled and graph figures."""
+    from benchmarks import attention
+    assert attention.P1_ROWS == {"triton_fa2_sfa_counters_p1scores": "triton_fa2_sfa_counters"}
     rows = [dict(shape="s", method="sdpa_cudnn", ms=0.38, tflops=1.0, total_us=370.0, graph_ms=0.37),
             dict(shape="s", method="triton_fa2_sfa_counters", ms=0.40, tflops=1.0, total_us=400.0, graph_ms=0.40),
             dict(shape="s", method="triton_fa2_sfa_counters_p1scores", ms=0.44, tflops=1.0, total_us=420.0,
@@ -344,19 +355,11 @@ def test_the_p1_rows_run_their_base_in_their_scope_and_the_summary_compares_them
     assert abs(d["graph_speedup"] - 1.05) < 1e-12
 
 
-def test_the_delta_kernel_rows_run_their_base_in_their_scope_and_the_summary_compares_them():
-    """<base>_deltakernel: the base row's knobs with delta in its own kernel (delta_form("kernel")); only when named;
-    delta_form_speedup > 1 where the default (delta in the dQ kernel) is faster, by the timed, profiled and graph
-    figures each where the rows have them."""
+def test_the_delta_kernel_rows_are_summarized_against_their_base():
+    """delta_form_speedup > 1 where the default (delta in the dQ kernel) is faster than <base>_deltakernel (delta in
+    its own kernel), by the timed, profiled and graph figures each where the rows have them."""
     from benchmarks import attention
-    from flash_forensics.kernels import triton_launch
     assert sorted(attention.DELTA_ROWS) == ["triton_fa2_deltakernel", "triton_paper_bf16_deltakernel"]
-    for row, base in attention.DELTA_ROWS.items():
-        assert attention.KNOBS[row] == attention.KNOBS[base] and row not in attention.DEFAULT_METHODS
-        with attention.method_fn(row, 2, torch.device("cpu")).scope():
-            assert triton_launch._delta_fused == [False]
-            assert triton_launch.launch_config(attention.KNOBS[row], 64, 1024)["bwd"]["delta"] == "kernel"
-        assert triton_launch._delta_fused == [True]
     rows = [dict(shape="s", method="sdpa_cudnn", ms=0.38, tflops=1.0, total_us=370.0, graph_ms=0.37),
             dict(shape="s", method="triton_fa2", ms=0.40, tflops=1.0, total_us=380.0, graph_ms=0.39),
             dict(shape="s", method="triton_fa2_deltakernel", ms=0.42, tflops=1.0, total_us=399.0, graph_ms=0.41),
