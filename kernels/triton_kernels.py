@@ -428,14 +428,12 @@ def _fwd_inner(acc, l_i, m_i, raw_max, fired, pmax, l_raw, p1, q, k_base, v_base
             # the largest P̄ the GEMM reads, as it reads it. P1MAX (triton_launch.p1_form): r(max P̄) = max r(P̄)
             # (round to nearest is monotone), one rounding a row; else every P̄ rounded again, a conversion a score
             # (the GEMM's own conversion is not shared)
-            if P1MAX:
+            if P1MAX or (_PBAR & ROUND) == 0:
                 p_top = tl.max(p, 1)
                 if (_PBAR & ROUND) != 0:
                     p_top = _rb(p_top)
-            elif (_PBAR & ROUND) != 0:
-                p_top = tl.max(_rb(p), 1)
             else:
-                p_top = tl.max(p, 1)
+                p_top = tl.max(_rb(p), 1)
         if COUNTERS and (STABILIZED or GUARDED):  # a P̄ fed to P̄V still 1 where the shift fired
             hit = p_top >= 1.0
             if ONE_BLOCK:
