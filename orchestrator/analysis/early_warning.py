@@ -49,7 +49,7 @@ from flash_forensics.orchestrator.monitor.signals import ABOVE, SIGNALS
 from flash_forensics.orchestrator.report import fork_health
 from flash_forensics.orchestrator.report import readback as store
 from flash_forensics.orchestrator.report.fork_health import JUMP_NATS
-from flash_forensics.orchestrator.report.plots import _save, palette, plt
+from flash_forensics.orchestrator.report.plots import _save, palette, pyplot
 from flash_forensics.orchestrator.report.rows import rows_from_dirs
 from flash_forensics.orchestrator.verdict import DivergenceDetector, VerdictConfig
 
@@ -515,7 +515,7 @@ def plot(rows: Sequence[Row], chosen: Optional[Row], path: Path) -> Optional[Pat
     sigs = [s for s in SIGNALS if any(r.signal == s and r.mean_lead is not None for r in rows)]
     if not sigs:
         return None
-    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    fig, ax = pyplot().subplots(figsize=(7.5, 4.5))
     for sig, color in zip(sigs, palette(len(sigs))):
         pts = sorted((r.false_alarms, r.mean_lead, r.misses) for r in rows
                      if r.signal == sig and r.mean_lead is not None)

@@ -20,11 +20,6 @@ import textwrap
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
-import matplotlib
-
-matplotlib.use("Agg")  # headless: jobs and callbacks run without a display
-import matplotlib.pyplot as plt  # noqa: E402
-
 from flash_forensics.orchestrator import record
 
 History = Dict[str, List[Tuple[int, float]]]
@@ -37,9 +32,18 @@ _KELLY = ["#222222", "#F3C300", "#875692", "#F38400", "#A1CAF1", "#BE0032", "#C2
 _STYLES = ["-", "--", "-.", ":"]
 
 
+def pyplot():
+    """matplotlib.pyplot, imported by the first plot: every run.py job imports this module (through the sweep
+    report) and most draw nothing, so they are spared its import (0.4 s a process on a CPU)."""
+    import matplotlib
+    matplotlib.use("Agg")  # headless: jobs and callbacks run without a display
+    import matplotlib.pyplot as plt
+    return plt
+
+
 def palette(n: int) -> List:
     """n distinct colours: tab10 first, then Kelly's colours (21 in all, then they repeat)."""
-    base = list(plt.get_cmap("tab10").colors) + _KELLY
+    base = list(pyplot().get_cmap("tab10").colors) + _KELLY
     return [base[i % len(base)] for i in range(n)]
 
 
@@ -64,7 +68,7 @@ def _save(fig, path: Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110, bbox_inches="tight")  # tight: a legend outside the axes is kept whole
-    plt.close(fig)
+    pyplot().close(fig)
     return path
 
 
@@ -132,7 +136,7 @@ def loss_curves(runs: Sequence[Tuple[str, History]], path: Path,
     if not runs:
         return None
     many = len(runs) > MANY
-    fig, ax = plt.subplots(figsize=(9.5 if many else 7.0, 5.0))
+    fig, ax = pyplot().subplots(figsize=(9.5 if many else 7.0, 5.0))
     colors = palette(len(runs))
     seen: List[float] = []
     x_end = max(s for _, h in runs for s, _ in _finite(h["train/loss"]))
@@ -211,7 +215,7 @@ def _panels(n: int, sharey: bool = True):
     cols = min(n, 4)
     rows = math.ceil(n / cols)
     size = (7.0, 4.4) if n == 1 else (4.2 * cols, 3.1 * rows)
-    fig, axes = plt.subplots(rows, cols, figsize=size, squeeze=False, sharey=sharey, layout="constrained")
+    fig, axes = pyplot().subplots(rows, cols, figsize=size, squeeze=False, sharey=sharey, layout="constrained")
     for ax in axes.flat[n:]:
         ax.set_visible(False)
     return fig, list(axes.flat[:n])
@@ -347,7 +351,7 @@ def probes(runs: Sequence[Tuple[str, History]], path: Path, note: str = "") -> O
         return None
     layers = sorted({layer for _, h in rows for kind, _, _ in _PROBE_PANELS for layer in per_layer(h, kind)})
     colors = palette(len(layers))
-    fig, axes = plt.subplots(len(rows), 4, figsize=(17, 3.3 * len(rows)), squeeze=False, layout="constrained")
+    fig, axes = pyplot().subplots(len(rows), 4, figsize=(17, 3.3 * len(rows)), squeeze=False, layout="constrained")
     for r, (label, h) in enumerate(rows):
         for c, (kind, title, ylabel) in enumerate(_PROBE_PANELS):
             ax = axes[r][c]
@@ -385,7 +389,7 @@ def delays(items: Sequence[Tuple[str, str, Optional[int], Optional[int], Optiona
     items = [it for it in items if it[4] is not None and it[1] in ("diverged", "stable")]
     if not any(it[1] == "diverged" for it in items):
         return None
-    fig, ax = plt.subplots(figsize=(8.0, 0.42 * len(items) + 1.6))
+    fig, ax = pyplot().subplots(figsize=(8.0, 0.42 * len(items) + 1.6))
     labels = []
     widest = max(abs((last if last is not None else bd) - bd) if obs != "diverged" or d is None else abs(d - bd)
                  for _, obs, d, last, bd in items) or 1
@@ -426,7 +430,7 @@ def localization(loc, history: History, path: Path) -> Path:
     layer, target_heads, _ = loc.target()
     stands_out = loc.layer is not None
     wq = _per_head(history or {}, "wq_sigma/")
-    fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.6))
+    fig, (a, b) = pyplot().subplots(1, 2, figsize=(13, 4.6))
     heads = sorted(h for (l_, h) in wq if l_ == layer)
     colors = palette(max(len(heads), 1))
     for i, h in enumerate(heads):
