@@ -33,8 +33,9 @@ _STYLES = ["-", "--", "-.", ":"]
 
 
 def pyplot():
-    """matplotlib.pyplot, imported by the first plot: every run.py job imports this module (through the sweep
-    report) and most draw nothing, so they are spared its import (0.4 s a process on a CPU)."""
+    """matplotlib.pyplot, imported by the first plot: every run.py process imports this module (through the sweep
+    report), and those that draw nothing (a sweep's jobs on SLURM, DDP's other ranks, a refused config, --help) are
+    spared its import (0.3-0.4 s a process on a CPU)."""
     import matplotlib
     matplotlib.use("Agg")  # headless: jobs and callbacks run without a display
     import matplotlib.pyplot as plt

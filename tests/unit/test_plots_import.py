@@ -1,5 +1,5 @@
-"""orchestrator/report/plots.py imports pyplot at its first plot: every run.py job imports the module (through the
-sweep report) and most draw nothing."""
+"""orchestrator/report/plots.py imports pyplot at its first plot: every run.py process imports the module (through
+the sweep report), and many draw nothing (a sweep's jobs on SLURM, DDP's other ranks, a refused config)."""
 import subprocess
 import sys
 from pathlib import Path
