@@ -7,7 +7,7 @@ from pathlib import Path
 
 from flash_forensics.orchestrator.analysis.localize.algorithm import History
 from flash_forensics.orchestrator.analysis.localize.stats import Localization
-from flash_forensics.orchestrator.report.plots import _save, localization
+from flash_forensics.orchestrator.report.plots import _save, localization, pyplot
 
 # outcome -> colour: green fixes it, dark red reproduces, red hastens (as in the delay chart), orange delays, grey
 # says nothing; no two outcomes share one (reproduces and hastens did: two identical swatches in the legend)
@@ -25,8 +25,9 @@ def rounding(result, path: Path) -> Path:
     coloured by its outcome and labelled with the divergence step or 'stable'; the verdict underneath."""
     import textwrap
 
-    import matplotlib.pyplot as plt
     from matplotlib.patches import Patch, Rectangle
+
+    plt = pyplot()  # headless (Agg), as every report plot
 
     rows = result.rows()
     sides = [(p.lift, p.bf16_only) for p in result.points]
