@@ -133,16 +133,27 @@ def _key_ok(kp, offs_n, T):
     return tl.load(kp + offs_n, mask=offs_n < T, other=0) != 0
 
 @triton.jit
+def _qk(q, k_ptrs, offs_n, T, INPUT_F32: tl.constexpr, GEMM_DT: tl.constexpr, MASKED: tl.constexpr,
+        F32_DOT: tl.constexpr):
+    """QK^T of one key tile, as the GEMM gives it (FP32); MASKED: keys past T read as 0."""
+    if MASKED:
+        k = tl.load(k_ptrs, mask=(offs_n < T)[:, None], other=0.0).to(GEMM_DT)
+    else:  # a tile wholly below the diagonal: every key exists and is visible
+        k = tl.load(k_ptrs).to(GEMM_DT)
+    return _dot_in(q, tl.trans(k), INPUT_F32, F32_DOT)
+
+@triton.jit
 def _scores(q, k_ptrs, offs_m, offs_n, T, scale, ROUND: tl.constexpr, INPUT_F32: tl.constexpr,
             GEMM_DT: tl.constexpr, MASKED: tl.constexpr, F32_DOT: tl.constexpr, kp,
             KEYPAD: tl.constexpr):
     """S for one tile, scaled; MASKED: causal and past-T entries set to the most negative BF16; KEYPAD: also the
     keys KP masks."""
-    if MASKED:
-        k = tl.load(k_ptrs, mask=(offs_n < T)[:, None], other=0.0).to(GEMM_DT)
-    else:  # a tile wholly below the diagonal: every key exists and is visible
-        k = tl.load(k_ptrs).to(GEMM_DT)
-    s = _dot_in(q, tl.trans(k), INPUT_F32, F32_DOT)
+    return _scored(_qk(q, k_ptrs, offs_n, T, INPUT_F32, GEMM_DT, MASKED, F32_DOT), offs_m, offs_n, T, scale, ROUND,
+                   MASKED, kp, KEYPAD)
+
+@triton.jit
+def _scored(s, offs_m, offs_n, T, scale, ROUND: tl.constexpr, MASKED: tl.constexpr, kp, KEYPAD: tl.constexpr):
+    """_scores from the tile's QK^T (_qk): scaled (and rounded where the recipe stores S), then masked."""
     if (_SCORES & ROUND) != 0:  # QK^T stored in BF16, then scaled in BF16
         s = _rb(_rb(s) * scale)
     else:
@@ -289,15 +300,15 @@ def _top2(a1, a2, b1, b2):
     return tl.maximum(a1, b1), tl.maximum(tl.minimum(a1, b1, propagate_nan=tl.PropagateNan.ALL), tl.maximum(a2, b2))
 
 @triton.jit
-def _fwd_inner(acc, l_i, m_i, raw_max, fired, pmax, l_raw, p1, q, k_base, v_base, skt, svt, offs_m, offs_n, row_ok,
-               lo, hi, T, scale, beta, eps, o_fp32, kp, bm1, tb, ntw, sr_key, sr_qt, sr_row, c_log2,
+def _fwd_inner(acc, l_i, m_i, raw_max, fired, pmax, l_raw, p1, s_ahead, q, k_base, v_base, skt, svt, offs_m, offs_n,
+               row_ok, lo, hi, T, scale, beta, eps, o_fp32, kp, bm1, tb, ntw, sr_key, sr_qt, sr_row, c_log2,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, ROUND: tl.constexpr,
                INPUT_F32: tl.constexpr, FLOOR: tl.constexpr,
                GEMM_DT: tl.constexpr, STABILIZED: tl.constexpr, NEED_REP: tl.constexpr, PROBE: tl.constexpr,
                HAS_OFP32: tl.constexpr, ONE_BLOCK: tl.constexpr, MASKED: tl.constexpr, F32_DOT: tl.constexpr,
                COUNTERS: tl.constexpr, KEYPAD: tl.constexpr, GUARDED: tl.constexpr, CLAMP: tl.constexpr,
                SR: tl.constexpr, FOLD: tl.constexpr, FTZ: tl.constexpr, TOP2: tl.constexpr, RAWMAX: tl.constexpr,
-               P1MAX: tl.constexpr):
+               P1MAX: tl.constexpr, AHEAD: tl.constexpr):
     """The forward over key tiles [lo, hi): online softmax (or, ONE_BLOCK, a fixed row max) and P̄V.
     l_raw (COUNTERS, online path): the row sum before paper_bf16's floor and the BF16 rounding of l, in FP32: what
     tells a row whose every P̄ underflowed (AttnStats.underflow_rows, as the emulator counts it).
@@ -324,8 +335,15 @@ def _fwd_inner(acc, l_i, m_i, raw_max, fired, pmax, l_raw, p1, q, k_base, v_base
         cols = start_n + offs_n
         # stochastic_round's stream ids of this (query tile, key tile): ((qt << 16 | kt) << 2) | point
         sr_tile = (sr_qt << 18) | (tl.cast(start_n // BLOCK_N, tl.uint32) << 2)
-        s = _scores(q, k_base + cols[:, None] * skt, offs_m, cols, T, 1.0 if (FOLD or RAW) else scale, ROUND,
-                    INPUT_F32, GEMM_DT, MASKED, F32_DOT, kp, KEYPAD)
+        if AHEAD:  # this tile's QK^T came a tile ahead (the diagonal tile's from the unmasked loop's last one)
+            s_qk = s_ahead
+            if not MASKED:  # the next tile's, issued before this tile's softmax: the GEMM runs beside it
+                nxt = tl.minimum(cols + BLOCK_N, T - 1)
+                s_ahead = _qk(q, k_base + nxt[:, None] * skt, nxt, T, INPUT_F32, GEMM_DT, False, F32_DOT)
+            s = _scored(s_qk, offs_m, cols, T, 1.0 if (FOLD or RAW) else scale, ROUND, MASKED, kp, KEYPAD)
+        else:
+            s = _scores(q, k_base + cols[:, None] * skt, offs_m, cols, T, 1.0 if (FOLD or RAW) else scale, ROUND,
+                        INPUT_F32, GEMM_DT, MASKED, F32_DOT, kp, KEYPAD)
         if ONE_BLOCK:
             d_s = s - m_i[:, None]
             if (_SHIFT & ROUND) != 0:
@@ -445,7 +463,7 @@ def _fwd_inner(acc, l_i, m_i, raw_max, fired, pmax, l_raw, p1, q, k_base, v_base
         else:  # O_acc = r(r(O_acc * alpha) + r(P̄V))
             acc = _rs(acc + _rs(pv, o_fp32, sr_key, sr_tile, sr_row, PV_ON, SR, HAS_OFP32, HEAD_DIM), o_fp32, sr_key,
                       sr_tile | 2, sr_row, ACC_ON, SR, HAS_OFP32, HEAD_DIM).to(acc.dtype)
-    return acc, l_i, m_i, raw_max, fired, pmax, l_raw, p1
+    return acc, l_i, m_i, raw_max, fired, pmax, l_raw, p1, s_ahead
 
 @triton.jit
 def _fwd_kernel(Q, K, V, O, LSE, REP, MAXL, UNDER, P1, OFP32, PMAX, FIRED, KP, FIRST, TIES, SRKEY,
@@ -457,7 +475,7 @@ def _fwd_kernel(Q, K, V, O, LSE, REP, MAXL, UNDER, P1, OFP32, PMAX, FIRED, KP, F
                 PROBE: tl.constexpr, F32_DOT: tl.constexpr, KEYPAD: tl.constexpr, GUARDED: tl.constexpr,
                 CLAMP: tl.constexpr, SR: tl.constexpr, FOLD: tl.constexpr, LPT: tl.constexpr,
                 FTZ: tl.constexpr, TOP2: tl.constexpr, RELAXED: tl.constexpr, ACC16: tl.constexpr,
-                RAWMAX: tl.constexpr, P1MAX: tl.constexpr):
+                RAWMAX: tl.constexpr, P1MAX: tl.constexpr, AHEAD: tl.constexpr):
     """P1 (H,) int64: sfa_p1_rows (COUNTERS with a stabilized softmax). TIES (B*H, T, ntw) uint8: pbar_clamp's tie
     bits (CLAMP). SRKEY () int64: stochastic_round's call key (SR; kernels/stochastic.py call_key), sr_bq the
     emulator's query tile (its stream ids and element indices). bm1: beta - 1 in FP32 (GUARDED). FOLD, c_log2:
@@ -552,16 +570,23 @@ def _fwd_kernel(Q, K, V, O, LSE, REP, MAXL, UNDER, P1, OFP32, PMAX, FIRED, KP, F
     if KEYPAD:
         lo1 = tl.minimum(lo, mid)
         lo2 = tl.maximum(lo, mid)
-    acc, l_i, m_i, raw_max, fired, pmax, l_raw, p1 = _fwd_inner(
-        acc, l_i, m_i, raw_max, fired, pmax, l_raw, p1, q, k_base, v_base, skt, svt, offs_m, offs_n, row_ok, lo1, mid,
-        T, scale, beta, eps, o_fp32, kp, bm1, tb, ntw, sr_key, sr_qt, sr_row, c_log2, BLOCK_M, BLOCK_N, HEAD_DIM,
-        ROUND, INPUT_F32, FLOOR, GEMM_DT, STABILIZED, NEED_REP, PROBE, HAS_OFP32, ONE_BLOCK, False, F32_DOT, COUNTERS,
-        KEYPAD, GUARDED, CLAMP, SR, FOLD, FTZ, TOP2, RAWMAX, P1MAX)
-    acc, l_i, m_i, raw_max, fired, pmax, l_raw, p1 = _fwd_inner(
-        acc, l_i, m_i, raw_max, fired, pmax, l_raw, p1, q, k_base, v_base, skt, svt, offs_m, offs_n, row_ok, lo2, hi,
-        T, scale, beta, eps, o_fp32, kp, bm1, tb, ntw, sr_key, sr_qt, sr_row, c_log2, BLOCK_M, BLOCK_N, HEAD_DIM,
-        ROUND, INPUT_F32, FLOOR, GEMM_DT, STABILIZED, NEED_REP, PROBE, HAS_OFP32, ONE_BLOCK, True, F32_DOT, COUNTERS,
-        KEYPAD, GUARDED, CLAMP, SR, FOLD, FTZ, TOP2, RAWMAX, P1MAX)
+    # AHEAD (triton_launch.score_gemm_form): each key tile's QK^T issued one tile ahead, the first here. With square
+    # tiles the masked range is the one diagonal tile, whose QK^T the unmasked loop's last iteration issues
+    AHEAD_ON: tl.constexpr = AHEAD and not ONE_BLOCK and BLOCK_M == BLOCK_N
+    s_ahead = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if AHEAD_ON:
+        first_n = tl.minimum(lo1 + offs_n, T - 1)
+        s_ahead = _qk(q, k_base + first_n[:, None] * skt, first_n, T, INPUT_F32, GEMM_DT, False, F32_DOT)
+    acc, l_i, m_i, raw_max, fired, pmax, l_raw, p1, s_ahead = _fwd_inner(
+        acc, l_i, m_i, raw_max, fired, pmax, l_raw, p1, s_ahead, q, k_base, v_base, skt, svt, offs_m, offs_n, row_ok,
+        lo1, mid, T, scale, beta, eps, o_fp32, kp, bm1, tb, ntw, sr_key, sr_qt, sr_row, c_log2, BLOCK_M, BLOCK_N,
+        HEAD_DIM, ROUND, INPUT_F32, FLOOR, GEMM_DT, STABILIZED, NEED_REP, PROBE, HAS_OFP32, ONE_BLOCK, False, F32_DOT,
+        COUNTERS, KEYPAD, GUARDED, CLAMP, SR, FOLD, FTZ, TOP2, RAWMAX, P1MAX, AHEAD_ON)
+    acc, l_i, m_i, raw_max, fired, pmax, l_raw, p1, s_ahead = _fwd_inner(
+        acc, l_i, m_i, raw_max, fired, pmax, l_raw, p1, s_ahead, q, k_base, v_base, skt, svt, offs_m, offs_n, row_ok,
+        lo2, hi, T, scale, beta, eps, o_fp32, kp, bm1, tb, ntw, sr_key, sr_qt, sr_row, c_log2, BLOCK_M, BLOCK_N,
+        HEAD_DIM, ROUND, INPUT_F32, FLOOR, GEMM_DT, STABILIZED, NEED_REP, PROBE, HAS_OFP32, ONE_BLOCK, True, F32_DOT,
+        COUNTERS, KEYPAD, GUARDED, CLAMP, SR, FOLD, FTZ, TOP2, RAWMAX, P1MAX, AHEAD_ON)
 
     if ONE_BLOCK:  # one tile: l and the P̄V product stored once
         if COUNTERS:

@@ -161,6 +161,33 @@ def p1_form(form: str = "max"):
     return _switch(_p1_max, form == "max")
 
 
+SCORE_GEMM_FORMS = ("inline", "ahead")
+# where the forward issues a key tile's QK^T GEMM (kernels/triton_kernels.py _fwd_inner's AHEAD): inline (the default,
+# as always), at the top of the tile's own iteration, so the tensor cores wait while the softmax runs; ahead, one
+# tile early: the next tile's QK^T is issued before this tile's softmax, so the GEMM runs beside it (FlashAttention-3's
+# intra-warpgroup overlap), at the cost of a second S tile's registers. The same GEMMs on the same operands, the same
+# softmax after them: every bit the same either way. Square tiles only (the masked range is then the one diagonal
+# tile, whose QK^T the unmasked loop's last iteration issues); other tiles launch inline. The next tile's keys are
+# read without a mask, rows past T clamped to the last key (their scores are masked after, as before), so the loop's
+# loads stay unpredicated. Compiled for sm_90 with Triton 3.6 (scripts/
+# kernel_sass.py, results/bench/kernel-sass-sm90-triton3.6-score-gemm.json) fa2's forward runs 26 of a tile's exps
+# under the GEMM at 142 registers (3 programs an SM, 4 inline); not yet timed on a GPU: opt-in
+_qk_ahead = [False]
+
+
+def score_gemm_form(form: str = "ahead"):
+    """Where the forward issues each key tile's QK^T within the scope: SCORE_GEMM_FORMS (inline: the default)."""
+    if form not in SCORE_GEMM_FORMS:
+        raise ValueError(f"score gemm form {form!r} is not allowed: expected one of {', '.join(SCORE_GEMM_FORMS)}")
+    return _switch(_qk_ahead, form == "ahead")
+
+
+def score_gemm_ahead(knobs: AttentionKnobs, block_m: int, block_n: int) -> bool:
+    """Whether a forward launched in the scope with these tiles issues its QK^T GEMMs ahead (the kernel's AHEAD_ON:
+    the form, the online path and square tiles)."""
+    return _qk_ahead[0] and bool(knobs.tiling) and block_m == block_n
+
+
 DELTA_FORMS = ("fused", "kernel")
 # where the backward computes delta = rowsum(r(dO*O)) (delta=dO_O): fused (the default), in the dQ kernel, which then
 # launches before the dK/dV kernel and stores delta for it (reading O beside the dO it reads anyway), or kernel: its
@@ -592,7 +619,8 @@ def launch_config(knobs: AttentionKnobs, D: int, T: int) -> dict:
                          maxnreg=register_cap("fwd", knobs, D, (bm, bn, fw, fs), bool(knobs.counters)),
                          counters=form, accumulators=acc, score_max="raw" if _raw_max[0] else "scaled",
                          p1=("max" if _p1_max[0] else "scores") if knobs.counters and
-                         knobs.softmax in ("stabilized", "stabilized_guarded") else None),
+                         knobs.softmax in ("stabilized", "stabilized_guarded") else None,
+                         score_gemm="ahead" if score_gemm_ahead(knobs, bm, bn) else "inline"),
                 bwd=dict(dkdv=[m1, n1], dq=[m2, n2], num_warps=bw, num_stages=bs, accumulators=acc,
                          delta="fused" if fuses_delta(knobs, D, T) else "kernel",
                          order=dict(dkdv=order("dkdv"), dq=order("dq")),
@@ -757,7 +785,7 @@ def _forward(q, k, v, knobs: AttentionKnobs, rep=None, maxl=None, probe: bool = 
                       GUARDED=knobs.softmax == "stabilized_guarded", CLAMP=clamp, SR=bool(knobs.stochastic_round),
                       FOLD=knobs.exp_form == "exp2_folded", LPT=lpt, FTZ=_exp_ftz[0],
                       TOP2=repeat_test(knobs.recipe) == "top2", RELAXED=_counter_form["relaxed"], ACC16=_acc16[0],
-                      RAWMAX=_raw_max[0], P1MAX=_p1_max[0], num_warps=warps,
+                      RAWMAX=_raw_max[0], P1MAX=_p1_max[0], AHEAD=_qk_ahead[0], num_warps=warps,
                       num_stages=stages, **_regs(cap))
     return o, lse, (pmax if probe else None), (fired if probe else None)
 

@@ -654,6 +654,73 @@ def test_a_p1_form_outside_the_list_is_refused_and_the_config_says_the_form():
     assert cfg(AttentionKnobs(recipe="fa2", counters=True), 64, 1024)["fwd"]["p1"] is None  # no P̄ test to make
 
 
+SCORE_GEMM_CASES = [  # the forward's score paths: FP32 scores and the counters' top2 test, BF16-stored scores with
+    # counting, the guarded shift with the clamp's tie bits, FP32 GEMMs with exp2_folded, stochastic rounding's
+    # per-tile streams, and the counters off
+    dict(recipe="fa2", counters=True),
+    dict(recipe="paper_bf16", counters=True),
+    dict(recipe="fa2", softmax="stabilized_guarded", pbar_clamp=True, beta=1.0001, counters=True),
+    dict(recipe="fp32", exp_form="exp2_folded", counters=True),
+    dict(recipe="paper_bf16", stochastic_round=True, sr_seed=5, counters=True),
+    dict(recipe="fa2", counters=False),
+]
+
+
+def _score_gemm_outputs(tfi, q, k, v, knobs, key_keep=None):
+    """{form: outputs} of one fwd+bwd per score_gemm_form."""
+    from flash_forensics.kernels import triton_launch
+    return _outputs_per_form(tfi, q, k, v, knobs, triton_launch.score_gemm_form, triton_launch.SCORE_GEMM_FORMS,
+                             "score_gemm", seed=5, key_keep=key_keep)
+
+
+def _assert_score_gemm_forms_agree(out, knobs):
+    for i, (a, b) in enumerate(zip(out["ahead"], out["inline"])):
+        assert torch.equal(_bits(a), _bits(b)), ["O", "dQ", "dK", "dV", "repeated_max_rows", "max_logit",
+                                                 "underflow_rows", "sfa_p1_rows"][i]
+    if knobs.counters and knobs.softmax == "safe":
+        assert out["inline"][4].sum() > 0, "the planted repeats must be counted"
+    assert torch.isnan(out["inline"][0]).any()  # the NaN key reached O
+
+
+# T56 in 16x16 tiles: query tiles with no, one and two unmasked key tiles before the diagonal, and a last tile whose
+# rows past T the ahead form reads from the last key (masked after). Every case without key padding, the BF16 scores'
+# with it (its skipped tiles move the first QK^T); the counters-off case is the GPU's (the interpreter's minutes count)
+INTERP_SCORE_GEMM_CASES = [(c, False) for c in SCORE_GEMM_CASES[:5]] + [(SCORE_GEMM_CASES[1], True)]
+
+
+@interp
+@pytest.mark.parametrize("case,keep", INTERP_SCORE_GEMM_CASES,
+                         ids=[",".join(f"{k}={v}" for k, v in c.items()) + ("-keep" if kp else "")
+                              for c, kp in INTERP_SCORE_GEMM_CASES])
+def test_interpreter_the_score_gemm_forms_keep_every_bit(tfi, case, keep):
+    """Each key tile's QK^T issued a tile ahead (ahead) against at the top of its own iteration (inline, the
+    default): O, the gradients and every counter bit for bit, with the planted NaN, +-inf and ties, and key padding
+    that skips a whole key tile."""
+    q, k, v, knobs, key_keep = _interp_case(case, keep, seed=29)
+    if keep:  # batch element 1's first 20 keys: its first key tile skipped, so the first QK^T is the second tile's
+        key_keep[1, :20] = False
+    _assert_score_gemm_forms_agree(_score_gemm_outputs(tfi, q, k, v, knobs, key_keep), knobs)
+
+
+def test_a_score_gemm_form_outside_the_list_is_refused_and_the_config_says_where_it_applies():
+    from flash_forensics.kernels import triton_launch
+    with pytest.raises(ValueError, match="score gemm form 'early' is not allowed: expected one of inline, ahead"):
+        with triton_launch.score_gemm_form("early"):
+            pass
+    assert triton_launch._qk_ahead == [False]  # left as it was
+    cfg = triton_launch.launch_config
+    fa2 = AttentionKnobs(recipe="fa2", counters=True)
+    assert cfg(fa2, 64, 1024)["fwd"]["score_gemm"] == "inline"  # the default
+    with triton_launch.score_gemm_form("ahead"):
+        assert cfg(fa2, 64, 1024)["fwd"]["score_gemm"] == "ahead"
+        # square tiles only, and the online path: the preset's 128x128 launches 64x128; untiled, one block
+        preset = AttentionKnobs(recipe="paper_bf16", block_q=128, block_k=128, counters=True)
+        assert cfg(preset, 64, 1024)["fwd"]["BLOCK_M"] != cfg(preset, 64, 1024)["fwd"]["BLOCK_N"]
+        assert cfg(preset, 64, 1024)["fwd"]["score_gemm"] == "inline"
+        assert cfg(AttentionKnobs(recipe="fa2", tiling=False), 64, 1024)["fwd"]["score_gemm"] == "inline"
+    assert triton_launch._qk_ahead == [False]
+
+
 DELTA_CASES = [  # delta=dO_O everywhere: the recipes, untiled, FP32-O heads (delta_prod kept FP32 there), padding
     dict(recipe="fp32", counters=True), dict(recipe="fp32", tiling=False), dict(recipe="fa2", counters=True),
     dict(recipe="paper_bf16", counters=True), dict(recipe="paper_bf16", counters=True, o_fp32_heads=[1]),
@@ -1084,6 +1151,24 @@ def test_gpu_the_p1_forms_keep_every_bit(case, D):
     q, k = _special(q, k)
     knobs = replace(AttentionKnobs(backend="triton"), **case)
     _assert_p1_forms_agree(_p1_outputs(tf, q, k, v, knobs), knobs)
+
+
+GPU_SCORE_GEMM_CASES = [(c, D) for c in SCORE_GEMM_CASES for D in (64, 128)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case,D", GPU_SCORE_GEMM_CASES,
+                         ids=[",".join(f"{k}={v}" for k, v in c.items()) + f"-D{d}" for c, d in GPU_SCORE_GEMM_CASES])
+def test_gpu_the_score_gemm_forms_keep_every_bit(case, D):
+    """On the GPU, in BF16 (FP32 for fp32), at T 400 (a last query tile past T): each key tile's QK^T issued a tile
+    ahead against inline (the default): O, gradients and every counter bit for bit, with the planted NaN, +-inf and
+    ties."""
+    from flash_forensics.kernels import triton_flash as tf
+    dt = torch.float32 if case["recipe"] == "fp32" else torch.bfloat16
+    q, k, v = (x.detach() for x in planted(2, 4, 400, D, "cuda", dtype=dt, seed=D + 29))
+    q, k = _special(q, k)
+    knobs = replace(AttentionKnobs(backend="triton"), **case)
+    _assert_score_gemm_forms_agree(_score_gemm_outputs(tf, q, k, v, knobs), knobs)
 
 
 @pytest.mark.gpu
