@@ -21,11 +21,18 @@ not even REGISTER_TABLE's default one), and `:form=top2|count` / `:atomics=relax
 accumulators in FP32 (accumulator_form; default bf16 where the recipe stores them in BF16), and `:max=raw`, an
 unmasked tile's row max on the unscaled scores, scaled once (score_max_form; default scaled: the max of the scaled
 scores), and `:delta_form=kernel`, delta in its own kernel (delta_form; default fused into the dQ kernel where it can),
-and `:p1=scores`, sfa_p1_rows' test on every P̄ rounded again (p1_form; default max: the row's largest, rounded once).
+and `:p1=scores`, sfa_p1_rows' test on every P̄ rounded again (p1_form; default max: the row's largest, rounded once),
+and `:gemm=ahead`, the forward's QK^T of each key tile issued one tile ahead (score_gemm_form; default inline), and
+`:fwd_launch=BM,BN,W,S`, the forward launched with those tiles, warps and stages at --shape's length (a SHAPE_TABLE
+entry for the scope, as benchmarks/tune.py would time it).
+`wgmma_groups` counts the kernel's HGMMA commit groups: where it equals HGMMA, ptxas serialized every wgmma (its
+C7511/C7512 "wgmma.mma_async instructions are serialized"), each waited for before the next instruction, so no GEMM
+overlaps anything (`wgmma_serialized`).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -96,12 +103,40 @@ def delta_of(text: str) -> str:
     return _pair(text, "delta_form", "fused")
 
 
+def gemm_of(text: str) -> str:
+    """A variant's `gemm=inline|ahead` (kernels/triton_launch.py score_gemm_form; default inline)."""
+    return _pair(text, "gemm", "inline")
+
+
+def fwd_launch_table(text: str, knobs, shape) -> dict:
+    """A variant's `fwd_launch=BM,BN,W,S` as the SHAPE_TABLE entry that launches the forward so at `shape` ({} without
+    one); a malformed value names the variant."""
+    value = _pair(text, "fwd_launch", "")
+    if not value:
+        return {}
+    from flash_forensics.kernels import triton_launch as tl_
+    parts = value.split(",")
+    if len(parts) != 4 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise SystemExit(f"variant {text!r}: fwd_launch={value!r} is not allowed: expected BLOCK_M,BLOCK_N,"
+                         f"num_warps,num_stages (four positive ints, e.g. 64,64,4,2)")
+    fam = tl_.table_family(tl_.fwd_family(knobs), knobs)
+    return {f"fwd/{fam}/{shape[3]}/{tl_.length_class(shape[2])}": tuple(int(p) for p in parts)}
+
+
+def _gemm_scope(tl_, form: str):
+    """score_gemm_form(form); inline also where the kernels predate it (--against an older checkout)."""
+    if form == "inline" and not hasattr(tl_, "score_gemm_form"):
+        return contextlib.nullcontext()
+    return tl_.score_gemm_form(form)
+
+
 def parse_variant(text: str):
     """'fa2:counters=true:exp_form=exp2_folded' -> AttentionKnobs (backend triton); a bad knob or value names it
     (`regs.<kernel>=N` pairs are register_caps', not knobs)."""
     from flash_forensics.kernels.config import AttentionKnobs
     name, *pairs = (p for p in text.split(":")
-                    if not p.startswith(("regs.", "form=", "atomics=", "acc=", "max=", "delta_form=", "p1=")))
+                    if not p.startswith(("regs.", "form=", "atomics=", "acc=", "max=", "delta_form=", "p1=", "gemm=",
+                                           "fwd_launch=")))
     kw = dict(PRESETS.get(name, dict(recipe=name)), backend="triton", counters=False)
     fields = {f.name: f for f in dataclasses.fields(AttentionKnobs)}
     for pair in pairs:
@@ -160,7 +195,8 @@ def record_variant(text: str, shape):
     try:
         with tl_.register_limit(**register_caps(text)), tl_.counter_form(**counter_form_of(text)), \
                 tl_.accumulator_form(accumulators_of(text)), tl_.score_max_form(score_max_of(text)), \
-                tl_.delta_form(delta_of(text)), tl_.p1_form(p1_of(text)):
+                tl_.delta_form(delta_of(text)), tl_.p1_form(p1_of(text)), _gemm_scope(tl_, gemm_of(text)), \
+                tl_.shape_table_scope(fwd_launch_table(text, knobs, shape)):
             return record_launches(knobs, shape)
     except ValueError as e:
         raise SystemExit(f"variant {text!r}: {e}") from None
@@ -250,8 +286,27 @@ def compile_counts(fn, args, kw, arch: int) -> dict:
     return dict(counts, instructions=len(instr), registers=regs, sass=instr,
                 stack_bytes=int(st.group(1)) if st else None,  # > 0: registers spilled to local memory
                 exp_denormal_fixups=sum(1 for i in instr if "FSETP.GEU" in i and "-126" in i), shared_bytes=shared,
+                **wgmma_groups(instr),
                 ctas_per_sm=ctas_per_sm(regs, shared, launch.get("num_warps", 4)) if arch == 90 and regs else None,
                 **launch)
+
+
+def wgmma_groups(instr: list) -> dict:
+    """The kernel's wgmma commit groups (an HGMMA that closes one carries gsb0); whether ptxas serialized every
+    wgmma: one group per HGMMA, each waited for at once (only where the kernel has more HGMMAs than it has GEMMs of
+    one k-step each); and ex2_under_wgmma, the MUFU.EX2s placed while a group runs (from its first HGMMA to the
+    next WARPGROUP.DEPBAR, in program order): the softmax's exps a GEMM overlaps, where ptxas issued it early."""
+    hg = [i for i in instr if re.search(r"(^|\s)HGMMA\.", i)]
+    groups = sum(1 for i in hg if "gsb0" in i)
+    under, running = 0, False
+    for i in instr:
+        if re.search(r"(^|\s)HGMMA\.", i):
+            running = True
+        elif "WARPGROUP.DEPBAR" in i:
+            running = False
+        elif running and "MUFU.EX2" in i:
+            under += 1
+    return dict(wgmma_groups=groups, wgmma_serialized=bool(hg) and groups == len(hg), ex2_under_wgmma=under)
 
 
 def reduce_layouts(fn, args, kw, arch: int = 90) -> list:
@@ -395,8 +450,9 @@ def main(argv=None):
                 raise SystemExit(f"compiling {args.against}'s kernels failed:\n{r.stderr[-2000:]}")
             with open(dump) as f:
                 verdicts = compare(rows, json.load(f)["rows"])
-    cols = ("instructions", "registers", "stack_bytes", "shared_bytes", "HGMMA", "HMMA") + OPS[1:10] + (
-        "exp_denormal_fixups",)
+    cols = ("instructions", "registers", "stack_bytes", "shared_bytes", "HGMMA", "wgmma_groups", "ex2_under_wgmma",
+            "HMMA") + \
+        OPS[1:10] + ("exp_denormal_fixups",)
     print("| variant | kernel | " + " | ".join(cols) + " | programs per SM (limit) |\n|" + "---|" * (len(cols) + 3))
     for r in rows:
         occ = r.get("ctas_per_sm")

@@ -294,3 +294,49 @@ def test_the_fused_delta_adds_the_delta_kernels_arithmetic_to_dq_and_keeps_its_o
     layouts = ks.reduce_layouts(*fused["_bwd_dq_kernel"][1:])
     assert layouts == ks.reduce_layouts(*apart["_bwd_delta_kernel"][1:]) and len(layouts) == 1
     assert ks.reduce_layouts(*apart["_bwd_dq_kernel"][1:]) == []  # (the unfused dQ kernel sums no FP32 row)
+
+
+@pytest.mark.parametrize("variant", ["fa2", "paper_bf16:counters=true", "fa2:softmax=stabilized:counters=true"])
+def test_the_scores_ahead_form_reorders_the_forward_and_keeps_its_arithmetic(variant):
+    """`gemm=ahead` records the forward in score_gemm_form("ahead")'s scope (AHEAD on; the default: off). Compiled
+    for sm_90 (B2 H2 T256 D64), the ahead form issues the same GEMMs (HGMMA count) and the same floating-point
+    instructions, counted with their modifiers, as inline: it moves each QK^T a tile earlier and computes nothing
+    else (whether ptxas then overlaps the GEMM or serializes it, wgmma_groups, depends on its version)."""
+    ks = _script()
+    assert ks.gemm_of(f"{variant}:gemm=ahead") == "ahead" and ks.gemm_of(variant) == "inline"
+    assert ks.parse_variant(f"{variant}:gemm=ahead") == ks.parse_variant(variant)
+    got = {}
+    for form in ("inline", "ahead"):
+        name, fn, args, kw = [c for c in ks.record_variant(f"{variant}:gemm={form}", (2, 2, 256, 64))
+                              if c[0] == "_fwd_kernel"][0]
+        assert kw["AHEAD"] is (form == "ahead") and kw["BLOCK_M"] == kw["BLOCK_N"]
+        got[form] = ks.compile_counts(fn, args, kw, 90)
+    assert got["ahead"]["HGMMA"] == got["inline"]["HGMMA"] > 0
+    assert ks.fp_ops(got["ahead"]["sass"]) == ks.fp_ops(got["inline"]["sass"])
+    assert got["ahead"]["sass"] != got["inline"]["sass"]  # the form reached the kernel
+
+
+def test_wgmma_groups_tells_a_serialized_kernel_apart_and_counts_the_exps_a_gemm_overlaps():
+    """Four k-steps of one GEMM in one commit group: overlappable; each HGMMA closing its own group (ptxas's
+    C7511 serialization): serialized; no HGMMA at all: neither. ex2_under_wgmma: the MUFU.EX2s between a group's
+    first HGMMA and the next wait, none before or after."""
+    ks = _script()
+    one = ["HGMMA.64x64x16.F32.BF16 R24, gdesc[UR8], RZ, !UPT"] + ["HGMMA.64x64x16.F32.BF16 R24, gdesc[UR8], R24"] * 2 \
+        + ["HGMMA.64x64x16.F32.BF16 R24, gdesc[UR8], R24, gsb0", "WARPGROUP.DEPBAR.LE gsb0, 0x0"]
+    assert ks.wgmma_groups(["MUFU.EX2 R1, R2"] + one + ["FMUL R1, R2, R3", "MUFU.EX2 R1, R2"]) == dict(
+        wgmma_groups=1, wgmma_serialized=False, ex2_under_wgmma=0)
+    overlapped = one[:2] + ["MUFU.EX2 R1, R2", "FMUL R1, R2, R3", "MUFU.EX2 R3, R4"] + one[2:]
+    assert ks.wgmma_groups(overlapped) == dict(wgmma_groups=1, wgmma_serialized=False, ex2_under_wgmma=2)
+    each = [x for h in one[:4] for x in ((h if h.endswith("gsb0") else h + ", gsb0"), "WARPGROUP.DEPBAR.LE gsb0, 0x0")]
+    assert ks.wgmma_groups(each) == dict(wgmma_groups=4, wgmma_serialized=True, ex2_under_wgmma=0)
+    assert ks.wgmma_groups(["FFMA R1, R2, R3, R4"]) == dict(wgmma_groups=0, wgmma_serialized=False, ex2_under_wgmma=0)
+
+
+def test_fwd_launch_records_the_forward_with_those_tiles_warps_and_stages_and_refuses_a_malformed_one():
+    ks = _script()
+    name, fn, args, kw = [c for c in ks.record_variant("fa2:fwd_launch=64,64,4,2", (2, 2, 1024, 64))
+                          if c[0] == "_fwd_kernel"][0]
+    assert (kw["BLOCK_M"], kw["BLOCK_N"], kw["num_warps"], kw["num_stages"]) == (64, 64, 4, 2)
+    assert ks.fwd_launch_table("fa2", ks.parse_variant("fa2"), (2, 2, 1024, 64)) == {}
+    with pytest.raises(SystemExit, match=r"fwd_launch='64,64' is not allowed: expected BLOCK_M,BLOCK_N,num_warps,"):
+        ks.record_variant("fa2:fwd_launch=64,64", (2, 2, 1024, 64))
