@@ -36,8 +36,12 @@ Methods (causal, BF16 inputs (B, H, T, D); FLOPs = 7*B*H*T^2*D per fwd+bwd):
   triton_fa2_sfa_counters_p1scores          that row with sfa_p1_rows' test on every P̄ rounded again, as before
                                             (the default rounds the row's largest P̄ once; kernels/triton_launch.py
                                             p1_form)
-  (the _sec, _ptxas, _count, _top2, _acqrel, _acc32, _rawmax, _deltakernel, _p1scores and _lpt rows run only when
-  named)
+  triton_fa2[_counters]_ahead, triton_paper_bf16_ahead
+                                            those rows with the forward's QK^T GEMM of each key tile issued one tile
+                                            ahead, beside the current tile's softmax (the default: at the top of the
+                                            tile's own iteration; kernels/triton_launch.py score_gemm_form)
+  (the _sec, _ptxas, _count, _top2, _acqrel, _acc32, _rawmax, _deltakernel, _p1scores, _ahead and _lpt rows run only
+  when named)
   triton_fa2_ftz, triton_paper_bf16_ftz     the same recipes with exp on ex2.approx.ftz (no denormal fix-up;
                                             kernels/triton_launch.py exp_instruction; the default: tl.exp's)
   triton_fa2_counters                       fa2 with the repeated-maxima counters and max logit (as a run logs)
@@ -124,10 +128,18 @@ KNOBS.update({row: KNOBS[base] for row, base in DELTA_ROWS.items()})
 # rounds the row's largest P̄ once (every count and bit the same: speed only)
 P1_ROWS = {"triton_fa2_sfa_counters_p1scores": "triton_fa2_sfa_counters"}
 KNOBS.update({row: KNOBS[base] for row, base in P1_ROWS.items()})
-# the section, register, counter-form, score-max, delta-kernel, p1 and all-longest-first rows only when named
+# <base>_ahead: the forward's QK^T of each key tile issued one tile ahead, beside the current tile's softmax
+# (score_gemm_form("ahead"); every bit the same: speed only). Compiled for sm_90 with Triton 3.6, the GPU image's
+# (scripts/kernel_sass.py, results/bench/kernel-sass-sm90-triton3.6-score-gemm.json), fa2's ahead form overlaps 26 of
+# a tile's exps with the GEMM at 142 registers (3 programs an SM, where the default's 120 fit 4); capped at 128 ptxas
+# issues the GEMM after the exps (none overlapped), so no capped row; the counters' forward overlaps none either way
+AHEAD_ROWS = {f"{base}_ahead": base for base in ("triton_fa2", "triton_fa2_counters", "triton_paper_bf16")}
+KNOBS.update({row: KNOBS[base] for row, base in AHEAD_ROWS.items()})
+# the section, register, counter-form, score-max, delta-kernel, p1, ahead and all-longest-first rows only when named
 DEFAULT_METHODS = SDPA + tuple(m for m in KNOBS if "_sec" not in m and m not in REGISTER_ROWS
                                and m not in FORM_ROWS and m not in ACC_ROWS and m not in MAX_ROWS
-                               and m not in DELTA_ROWS and m not in P1_ROWS and not m.endswith("_lpt"))
+                               and m not in DELTA_ROWS and m not in P1_ROWS and m not in AHEAD_ROWS
+                               and not m.endswith("_lpt"))
 TARGETS = {  # issue 33's speed targets: "<method>_vs_best_sdpa@<shape>": fwd+bwd against the fastest SDPA backend
     # that ran there (at least the ratio), "<method>_overhead_vs_fa2@<shape>": its time over plain fa2's (at most)
     "fa2_vs_best_sdpa@gpt2s_T1024": 1.0, "fa2_vs_best_sdpa@T4096": 1.0, "fa2_vs_best_sdpa@D128_T2048": 0.8,
@@ -211,6 +223,9 @@ def method_fn(name, H, dev):
     if name in P1_ROWS:  # sfa_p1_rows' test on every P̄ rounded again, as before (speed only)
         from flash_forensics.kernels.triton_launch import p1_form
         f.scope = lambda: p1_form("scores")
+    if name in AHEAD_ROWS:  # each tile's QK^T issued a tile ahead (speed only)
+        from flash_forensics.kernels.triton_launch import score_gemm_form
+        f.scope = lambda: score_gemm_form("ahead")
     if name.endswith("_lpt"):  # every kernel longest first, LINEAR_LAUNCHES' too (speed only)
         from flash_forensics.kernels.triton_launch import launch_order
         f.scope = lambda: launch_order("longest_first")
@@ -379,6 +394,9 @@ def summarize(rows, shapes) -> dict:
                     speedup=ms[base] / ms[row], kernels_speedup=ku[0] / ku[1] if all(ku) else None)
         # > 1: the default is faster than the old form: delta in the dQ kernel than in its own; sfa_p1_rows' test on
         # the rounded row max than on every P̄ rounded
+        for row, base in AHEAD_ROWS.items():  # > 1: the QK^T GEMMs issued a tile ahead are faster than inline
+            if base in ms and row in ms:
+                d.setdefault("score_gemm_speedup", {})[row] = _old_over_new(d["methods"], ms, base, row)
         for key, old_rows in (("delta_form_speedup", DELTA_ROWS), ("p1_form_speedup", P1_ROWS)):
             for row, base in old_rows.items():
                 if base in ms and row in ms:

@@ -50,6 +50,8 @@ REGISTER_TABLE measured faster); `register_caps_vs_none`: the caps' speed-up and
 `c_proj_input_vs_stream_cast`: the default's speed-up over it and whether the losses agree bit for bit.
 `ATTN+acc32` runs eager with the kernels' accumulators in FP32 (kernels/triton_launch.py accumulator_form);
 `bf16_accumulators_vs_fp32`: the default's speed-up over it and whether the losses agree bit for bit.
+`ATTN+ahead` runs eager with the forward's QK^T of each key tile issued one tile ahead (kernels/triton_launch.py
+score_gemm_form); `score_gemm_ahead_vs_inline`: its speed-up over ATTN and whether the losses agree bit for bit.
 `ATTN+regs.KERNEL=N` runs eager with KERNEL's registers (fwd, dkdv or dq) capped at N per thread (or `none`: ptxas's
 choice; kernels/triton_launch.py register_limit), the rest as the default launches them; `register_cap_vs_default`:
 each cap's speed-up over ATTN and whether the losses agree bit for bit (a cap moves registers, not arithmetic).
@@ -138,8 +140,11 @@ STREAM_CAST = "streamcast"
 # ATTN+acc32: eager, the kernels' accumulators in FP32 (kernels/triton_launch.py accumulator_form("fp32")), where the
 # default keeps those paper_bf16 stores in BF16 after every tile in BF16: their speed-up in training, and bits
 ACC32 = "acc32"
+# ATTN+ahead: eager, each key tile's QK^T issued a tile ahead of its softmax (score_gemm_form("ahead")): its speed-up
+# in training over the default's inline GEMMs, and bits
+AHEAD = "ahead"
 BASELINE, FP32_REFERENCES = "paper_1gpu", ("paper_1gpu_fp32", "paper_1gpu_fp32_ieee")
-EAGER_MODES = (JIT_LAUNCH, TUNED, FTZ, PTXAS, OLD_COUNTERS, STREAM_CAST, ACC32)
+EAGER_MODES = (JIT_LAUNCH, TUNED, FTZ, PTXAS, OLD_COUNTERS, STREAM_CAST, ACC32, AHEAD)
 # ATTN+regs.KERNEL=N: eager, one kernel's register cap (register_limit(KERNEL=N), N or none) against the default's
 # launches: a cap that fits one more program on an SM, timed in training before REGISTER_TABLE takes it
 REGS_MODE = re.compile(r"regs\.(?P<kernel>[a-z0-9_]+)=(?P<n>\d+|none)")
@@ -209,6 +214,7 @@ class Variant:
             counter_form,
             exp_instruction,
             register_limit,
+            score_gemm_form,
             shape_table_scope,
             triton_own_launch,
         )
@@ -219,6 +225,7 @@ class Variant:
                              (lambda: counter_form("count", "acq_rel")) if mode == OLD_COUNTERS else
                              stream_cast if mode == STREAM_CAST else
                              (lambda: accumulator_form("fp32")) if mode == ACC32 else
+                             (lambda: score_gemm_form("ahead")) if mode == AHEAD else
                              register_limit_scope(mode) if is_regs_mode(mode) else
                              contextlib.nullcontext)
         torch.manual_seed(0)  # every variant starts from the same weights
@@ -588,6 +595,7 @@ def summarize(rows) -> dict:
         d["counter_form_vs_old"] = _against(rs, OLD_COUNTERS, mode_first=False)
         d["c_proj_input_vs_stream_cast"] = _against(rs, STREAM_CAST, mode_first=False)
         d["bf16_accumulators_vs_fp32"] = _against(rs, ACC32, mode_first=False)
+        d["score_gemm_ahead_vs_inline"] = _against(rs, AHEAD, mode_first=True)
         d["register_cap_vs_default"] = {m: _against(rs, m, mode_first=True)
                                         for m in sorted({v.partition("+")[2] for v in rs} - {""}) if is_regs_mode(m)}
         # the preset's FP32 reference forks against its BF16 baseline (both eager, 128x128 tiles): their speed,

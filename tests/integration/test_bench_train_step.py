@@ -149,6 +149,24 @@ def test_bf16_accumulators_vs_fp32_by_hand():
     assert bench.parse_variant("paper_1gpu+acc32") == ("paper_1gpu", "acc32")
 
 
+def test_score_gemm_ahead_vs_inline_by_hand_and_its_scope():
+    """ATTN+ahead: eager with each key tile's QK^T issued a tile ahead (score_gemm_form("ahead")); its speed-up over
+    ATTN and whether the losses kept every bit; the row's launches in the form's scope, the default after."""
+    from flash_forensics.kernels import triton_launch
+    def row(v, tps, losses):
+        return dict(variant=v, batch=2, T=8, tokens_per_s=tps, losses=losses)
+    s = bench.summarize([row("triton_fa2", 100.0, [3.0, 2.5]), row("triton_fa2+ahead", 108.0, [3.0, 2.5]),
+                         row("triton_paper_bf16", 100.0, [3.0, 2.5]),
+                         row("triton_paper_bf16+ahead", 95.0, [3.0, 2.25])])["B2_T8"]
+    assert s["score_gemm_ahead_vs_inline"] == {"triton_fa2": dict(speedup=1.08, bit_identical=True),
+                                               "triton_paper_bf16": dict(speedup=0.95, bit_identical=False)}
+    assert bench.parse_variant("triton_fa2+ahead") == ("triton_fa2", "ahead")
+    v = bench.Variant("triton_fa2+ahead", "tiny", 32, torch.device("cpu"))
+    with v.launch_scope():
+        assert triton_launch._qk_ahead == [True]
+    assert triton_launch._qk_ahead == [False]
+
+
 def test_a_register_cap_mode_by_hand_its_scope_and_a_bad_one():
     """ATTN+regs.KERNEL=N: eager with that kernel's registers capped (register_limit); register_cap_vs_default: each
     cap's speed-up over ATTN and whether the losses kept every bit. A cap register_limit refuses is refused here,

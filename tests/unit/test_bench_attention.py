@@ -369,3 +369,33 @@ def test_the_delta_kernel_rows_are_summarized_against_their_base():
     assert abs(d["triton_fa2"]["speedup"] - 1.05) < 1e-12
     assert abs(d["triton_fa2"]["kernels_speedup"] - 1.05) < 1e-12
     assert abs(d["triton_fa2"]["graph_speedup"] - 0.41 / 0.39) < 1e-12
+
+
+def test_the_ahead_rows_run_their_base_with_the_qk_gemm_a_tile_ahead():
+    """<base>_ahead: the base row's knobs and launch in score_gemm_form("ahead")'s scope, the default back after;
+    only when named."""
+    from benchmarks import attention
+    from flash_forensics.kernels import triton_launch
+    assert set(attention.AHEAD_ROWS) == {"triton_fa2_ahead", "triton_fa2_counters_ahead", "triton_paper_bf16_ahead"}
+    for row, base in attention.AHEAD_ROWS.items():
+        assert attention.KNOBS[row] == attention.KNOBS[base] and row not in attention.DEFAULT_METHODS
+        default = {T: triton_launch.launch_config(attention.KNOBS[row], 64, T)["fwd"] for T in (256, 1024, 4096)}
+        assert all(fwd["score_gemm"] == "inline" for fwd in default.values())
+        with attention.method_fn(row, 2, torch.device("cpu")).scope():
+            for T in (256, 1024, 4096):
+                assert triton_launch.launch_config(attention.KNOBS[row], 64, T)["fwd"] == \
+                    dict(default[T], score_gemm="ahead")
+        assert triton_launch._qk_ahead == [False]
+
+
+def test_the_ahead_rows_are_summarized_against_their_base():
+    """score_gemm_speedup[<row>] > 1 where the ahead row is faster than its base (inline), by the timed, profiled and
+    graph figures."""
+    from benchmarks import attention
+    rows = [dict(shape="s", method="sdpa_cudnn", ms=0.38, tflops=1.0, total_us=370.0, graph_ms=0.37),
+            dict(shape="s", method="triton_fa2", ms=0.40, tflops=1.0, total_us=380.0, graph_ms=0.39),
+            dict(shape="s", method="triton_fa2_ahead", ms=0.32, tflops=1.0, total_us=361.0, graph_ms=0.30)]
+    d = attention.summarize(rows, ["s"])["s"]["score_gemm_speedup"]["triton_fa2_ahead"]
+    assert abs(d["speedup"] - 1.25) < 1e-12 and abs(d["kernels_speedup"] - 380 / 361) < 1e-12
+    assert abs(d["graph_speedup"] - 1.3) < 1e-12
+    assert "triton_fa2_counters_ahead" not in attention.summarize(rows, ["s"])["s"]["score_gemm_speedup"]
