@@ -102,6 +102,13 @@ ACCUMULATOR_FORMS = ("bf16", "fp32")
 _acc16 = [True]
 
 
+def _form(kind: str, form: str, forms: tuple) -> str:
+    """form, checked against forms: a wrong one names the kind, the value and what is allowed."""
+    if form not in forms:
+        raise ValueError(f"{kind} form {form!r} is not allowed: expected one of {', '.join(forms)}")
+    return form
+
+
 @contextlib.contextmanager
 def _switch(flag: list, on: bool):
     """flag[0] = on within the scope (a one-element list the launchers read on every launch), restored after."""
@@ -115,9 +122,7 @@ def _switch(flag: list, on: bool):
 
 def accumulator_form(form: str = "bf16"):
     """The kernels' accumulators within the scope: ACCUMULATOR_FORMS (bf16: BF16 where the recipe stores them so)."""
-    if form not in ACCUMULATOR_FORMS:
-        raise ValueError(f"accumulator form {form!r} is not allowed: expected one of {', '.join(ACCUMULATOR_FORMS)}")
-    return _switch(_acc16, form == "bf16")
+    return _switch(_acc16, _form("accumulator", form, ACCUMULATOR_FORMS) == "bf16")
 
 
 SCORE_MAX_FORMS = ("scaled", "raw")
@@ -136,9 +141,7 @@ _raw_max = [False]
 def score_max_form(form: str = "raw"):
     """The forward's row max within the scope: SCORE_MAX_FORMS (raw: on the unscaled scores of an unmasked tile;
     scaled: the default's)."""
-    if form not in SCORE_MAX_FORMS:
-        raise ValueError(f"score max form {form!r} is not allowed: expected one of {', '.join(SCORE_MAX_FORMS)}")
-    return _switch(_raw_max, form == "raw")
+    return _switch(_raw_max, _form("score max", form, SCORE_MAX_FORMS) == "raw")
 
 
 P1_FORMS = ("max", "scores")
@@ -156,9 +159,7 @@ _p1_max = [True]
 def p1_form(form: str = "max"):
     """The stabilized forward's test for a P̄ still 1 within the scope: P1_FORMS (max: the rounded row max, the
     default; scores: every P̄ rounded, as before)."""
-    if form not in P1_FORMS:
-        raise ValueError(f"p1 form {form!r} is not allowed: expected one of {', '.join(P1_FORMS)}")
-    return _switch(_p1_max, form == "max")
+    return _switch(_p1_max, _form("p1", form, P1_FORMS) == "max")
 
 
 SCORE_GEMM_FORMS = ("inline", "ahead")
@@ -177,9 +178,7 @@ _qk_ahead = [False]
 
 def score_gemm_form(form: str = "ahead"):
     """Where the forward issues each key tile's QK^T within the scope: SCORE_GEMM_FORMS (inline: the default)."""
-    if form not in SCORE_GEMM_FORMS:
-        raise ValueError(f"score gemm form {form!r} is not allowed: expected one of {', '.join(SCORE_GEMM_FORMS)}")
-    return _switch(_qk_ahead, form == "ahead")
+    return _switch(_qk_ahead, _form("score gemm", form, SCORE_GEMM_FORMS) == "ahead")
 
 
 def score_gemm_ahead(knobs: AttentionKnobs, block_m: int, block_n: int) -> bool:
@@ -203,9 +202,7 @@ _delta_fused = [True]
 
 def delta_form(form: str = "fused"):
     """Where the backward computes delta within the scope: DELTA_FORMS (fused: in the dQ kernel where it can)."""
-    if form not in DELTA_FORMS:
-        raise ValueError(f"delta form {form!r} is not allowed: expected one of {', '.join(DELTA_FORMS)}")
-    return _switch(_delta_fused, form == "fused")
+    return _switch(_delta_fused, _form("delta", form, DELTA_FORMS) == "fused")
 
 
 def repeat_test(recipe: str) -> str:
