@@ -291,16 +291,19 @@ def compile_counts(fn, args, kw, arch: int) -> dict:
                 **launch)
 
 
+_HGMMA = re.compile(r"(^|\s)HGMMA\.")
+
+
 def wgmma_groups(instr: list) -> dict:
     """The kernel's wgmma commit groups (an HGMMA that closes one carries gsb0); whether ptxas serialized every
     wgmma: one group per HGMMA, each waited for at once (only where the kernel has more HGMMAs than it has GEMMs of
     one k-step each); and ex2_under_wgmma, the MUFU.EX2s placed while a group runs (from its first HGMMA to the
     next WARPGROUP.DEPBAR, in program order): the softmax's exps a GEMM overlaps, where ptxas issued it early."""
-    hg = [i for i in instr if re.search(r"(^|\s)HGMMA\.", i)]
+    hg = [i for i in instr if _HGMMA.search(i)]
     groups = sum(1 for i in hg if "gsb0" in i)
     under, running = 0, False
     for i in instr:
-        if re.search(r"(^|\s)HGMMA\.", i):
+        if _HGMMA.search(i):
             running = True
         elif "WARPGROUP.DEPBAR" in i:
             running = False
@@ -451,8 +454,7 @@ def main(argv=None):
             with open(dump) as f:
                 verdicts = compare(rows, json.load(f)["rows"])
     cols = ("instructions", "registers", "stack_bytes", "shared_bytes", "HGMMA", "wgmma_groups", "ex2_under_wgmma",
-            "HMMA") + \
-        OPS[1:10] + ("exp_denormal_fixups",)
+            "HMMA", *OPS[1:10], "exp_denormal_fixups")
     print("| variant | kernel | " + " | ".join(cols) + " | programs per SM (limit) |\n|" + "---|" * (len(cols) + 3))
     for r in rows:
         occ = r.get("ctas_per_sm")
